@@ -1,0 +1,328 @@
+"""Tests of graft.py: the copyable core against hand-computed examples and naive loops, then the
+trainer end to end on tiny models (CPU, seconds each).
+
+Run: python -m pytest -q test_graft.py
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import graft
+from graft import (balanced_swap, compatibility_weights, decode_response, graft_candidates,
+                   group_advantages, minibatch_order, policy_loss, retokenize, sequence_mean_logprob)
+
+torch.set_num_threads(1)
+SHARED = Path(__file__).resolve().parent.parent / "shared"
+needs_shared = pytest.mark.skipif(not (SHARED / "tokenizers").is_dir(),
+                                  reason="../shared (real tokenizers and benchmarks) is not present")
+
+
+# ------------------------------------------------------------------------------------------------
+# group_advantages
+# ------------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_hand_computed():
+    # r = [1, 0, 0, 0]: mean 0.25; unbiased var = (0.75^2 + 3 * 0.25^2) / 3 = 0.75 / 3 = 0.25, std 0.5
+    # a = (r - 0.25) / (0.5 + 1e-6) = [1.5, -0.5, -0.5, -0.5] (up to the eps)
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    a = group_advantages(r)
+    expected = torch.tensor([[0.75, -0.25, -0.25, -0.25]]) / (0.5 + 1e-6)
+    torch.testing.assert_close(a, expected)
+    # Dr.GRPO: no std division
+    torch.testing.assert_close(group_advantages(r, std_normalize=False), torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
+
+
+def test_group_advantages_zero_variance_and_n1_are_exactly_zero():
+    r = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
+    a = group_advantages(r)
+    assert torch.equal(a[:2], torch.zeros(2, 3))
+    assert a[2].sum().abs() < 1e-5 and (a[2] != 0).all()
+    a1 = group_advantages(torch.tensor([[1.0], [0.0]]))  # n = 1: undefined std -> exactly 0, no nan
+    assert torch.equal(a1, torch.zeros(2, 1))
+
+
+def test_group_advantages_matches_naive_loop():
+    g = torch.Generator().manual_seed(0)
+    r = (torch.rand(50, 8, generator=g) < 0.3).float()
+    a = group_advantages(r)
+    for i in range(50):
+        xs = r[i].tolist()
+        mu = sum(xs) / 8
+        sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / 7)
+        for j in range(8):
+            want = 0.0 if sd == 0 else (xs[j] - mu) / (sd + 1e-6)
+            assert abs(a[i, j].item() - want) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# candidates and balanced swap
+# ------------------------------------------------------------------------------------------------
+
+
+def test_graft_candidates_eq4():
+    n = 4
+    k_recv = torch.tensor([0, 0, 0, 0, 1, 2])
+    k_src = torch.tensor([0, 1, 3, 4, 2, 0])
+    # q0: source all fail; q1, q2: yes; q3: source all pass (a = 0) -> no; q4, q5: receiver not all-fail
+    assert graft_candidates(k_recv, k_src, n).tolist() == [False, True, True, False, False, False]
+
+
+def test_balanced_swap_hand_example_with_ties_across_boundary():
+    n = 8
+    # A->B candidates (k_b = 0, 1 <= k_a < 8): q0 (k_a=5), q1 (k_a=3), q2 (k_a=3), q3 (k_a=1)   -> 4
+    # B->A candidates (k_a = 0, 1 <= k_b < 8): q4 (k_b=2), q5 (k_b=7)                         -> 2
+    # m = 2. A->B sorted by k_a desc: q0(5), q1(3), q2(3), q3(1): keep first 2 = q0, q1, plus q2
+    # (tied with the 2nd at 3) -> {q0, q1, q2}, more than m. B->A keeps both.
+    k_a = torch.tensor([5, 3, 3, 1, 0, 0, 8, 4])
+    k_b = torch.tensor([0, 0, 0, 0, 2, 7, 0, 4])
+    a_to_b, b_to_a = balanced_swap(k_a, k_b, n)
+    assert a_to_b.tolist() == [True, True, True, False, False, False, False, False]
+    assert b_to_a.tolist() == [False, False, False, False, True, True, False, False]
+    # without balancing: every candidate
+    a_all, b_all = balanced_swap(k_a, k_b, n, balance=False)
+    assert a_all.tolist() == [True, True, True, True, False, False, False, False]
+    assert b_all.tolist() == b_to_a.tolist()
+
+
+def test_balanced_swap_m_zero_and_empty():
+    n = 4
+    k_a = torch.tensor([2, 3, 1])
+    k_b = torch.tensor([0, 0, 0])  # only A->B candidates exist: m = 0 selects nothing at all
+    a_to_b, b_to_a = balanced_swap(k_a, k_b, n)
+    assert not a_to_b.any() and not b_to_a.any()
+    for k in (torch.zeros(3, dtype=torch.long), torch.full((3,), n)):  # all-fail / all-pass both
+        x, y = balanced_swap(k, k, n)
+        assert not x.any() and not y.any()
+    e = torch.zeros(0, dtype=torch.long)
+    x, y = balanced_swap(e, e, n)
+    assert x.shape == (0,) and y.shape == (0,)
+
+
+def test_balanced_swap_invariants_random():
+    g = torch.Generator().manual_seed(1)
+    for trial in range(300):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        G = int(torch.randint(1, 30, (1,), generator=g))
+        k_a = torch.randint(0, n + 1, (G,), generator=g)
+        k_b = torch.randint(0, n + 1, (G,), generator=g)
+        a_to_b, b_to_a = balanced_swap(k_a, k_b, n)
+        c_ab, c_ba = graft_candidates(k_b, k_a, n), graft_candidates(k_a, k_b, n)
+        m = min(int(c_ab.sum()), int(c_ba.sum()))
+        assert not (a_to_b & ~c_ab).any() and not (b_to_a & ~c_ba).any()  # selected => candidate
+        assert int(a_to_b.sum()) >= m and int(b_to_a.sum()) >= m  # kept count >= m
+        if m == 0:
+            assert not a_to_b.any() and not b_to_a.any()
+        # naive reference: sort (-k_src, index), keep first m and ties of the m-th
+        for sel, cand, k_src in ((a_to_b, c_ab, k_a), (b_to_a, c_ba, k_b)):
+            idx = sorted(torch.nonzero(cand).flatten().tolist(), key=lambda q: (-int(k_src[q]), q))
+            want = set(idx[:m]) | ({q for q in idx if int(k_src[q]) == int(k_src[idx[m - 1]])} if m else set())
+            assert set(torch.nonzero(sel).flatten().tolist()) == want
+        # swapping A and B swaps the outputs
+        y, x = balanced_swap(k_b, k_a, n)
+        assert torch.equal(x, a_to_b) and torch.equal(y, b_to_a)
+
+
+# ------------------------------------------------------------------------------------------------
+# compatibility
+# ------------------------------------------------------------------------------------------------
+
+
+def test_compatibility_weights_hand_computed():
+    # s = exp(recv - src): exp(0) = 1 -> w 1; exp(0.5) = 1.65 -> capped 1; exp(-0.1) = 0.905 -> 0.905;
+    # exp(-0.3) = 0.741 <= 0.8 -> 0; exp(ln 0.8) = 0.8 exactly -> not > delta -> 0
+    recv = torch.tensor([-1.0, -0.5, -1.1, -1.3, -1.0 + math.log(0.8)])
+    src = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])
+    w = compatibility_weights(recv, src, delta=0.8)
+    torch.testing.assert_close(w, torch.tensor([1.0, 1.0, math.exp(-0.1), 0.0, 0.0]), atol=1e-6, rtol=0)
+    w0 = compatibility_weights(recv, src, delta=0.0)  # no floor: every response kept
+    torch.testing.assert_close(w0[3], torch.tensor(math.exp(-0.3)), atol=1e-6, rtol=0)
+    assert compatibility_weights(recv.view(5, 1).expand(5, 3), src.view(5, 1).expand(5, 3)).shape == (5, 3)
+
+
+def test_sequence_mean_logprob_token_and_byte():
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    torch.testing.assert_close(sequence_mean_logprob(logp, mask), torch.tensor([-2.0, -4.0]))
+    torch.testing.assert_close(sequence_mean_logprob(logp, mask, num_bytes=torch.tensor([12, 2])),
+                               torch.tensor([-0.5, -2.0]))
+
+
+# ------------------------------------------------------------------------------------------------
+# policy_loss against a naive per-token loop
+# ------------------------------------------------------------------------------------------------
+
+
+def naive_loss(logp, old, adv, mask, w, eps_low, eps_high, dual_clip=None):
+    num, den = 0.0, 0.0
+    for j in range(logp.shape[0]):
+        if w[j] <= 0:
+            continue
+        for t in range(logp.shape[1]):
+            if not mask[j, t]:
+                continue
+            rho = torch.exp(logp[j, t] - old[j, t])
+            obj = torch.minimum(rho * adv[j], torch.clamp(rho, 1 - eps_low, 1 + eps_high) * adv[j])
+            if dual_clip and adv[j] < 0:
+                obj = torch.maximum(obj, dual_clip * adv[j])
+            num = num + w[j] * obj
+            den += 1
+    return -num / den
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_policy_loss_matches_naive_loop_values_and_grads(dual_clip):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    old = -torch.rand(B, T, generator=g) * 3
+    base = (old + torch.randn(B, T, generator=g) * 0.4).double()
+    adv = torch.randn(B, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    w = torch.tensor([1.0, 1.0, 0.0, 0.9, 0.85, 1.0])
+    is_peer = torch.tensor([False, False, True, True, True, False])
+    lp1 = base.clone().requires_grad_(True)
+    loss, metrics = policy_loss(lp1, old.double(), adv, mask, weights=w, dual_clip=dual_clip, is_peer=is_peer)
+    loss.backward()
+    lp2 = base.clone().requires_grad_(True)
+    ref = naive_loss(lp2, old.double(), adv.double(), mask, w.double(), 0.2, 0.28, dual_clip)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(lp1.grad, lp2.grad, rtol=1e-6, atol=1e-8)
+    assert lp1.grad[2].abs().sum() == 0  # w = 0: no gradient
+    assert metrics["tokens"] == float((mask[[0, 1, 3, 4, 5]]).sum())  # w = 0 row left the denominator
+    for k in ("clipfrac_own", "clipfrac_peer", "approx_kl", "mean_weight", "zero_adv_frac", "loss"):
+        assert isinstance(metrics[k], float)
+
+
+def test_policy_loss_weight_zero_removes_from_denominator():
+    # Two responses of 2 tokens each, on-policy (ratio 1), advantages 1 and 5. With w = (1, 0) the
+    # loss is -(1 + 1) / 2 = -1: the second row is absent from the numerator AND the denominator.
+    z = torch.zeros(2, 2)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, m = policy_loss(z, z, torch.tensor([1.0, 5.0]), mask, weights=torch.tensor([1.0, 0.0]))
+    assert loss.item() == pytest.approx(-1.0)
+    # with w = (1, 0.5): -(1*1*2 + 0.5*5*2) / 4 = -7/4; the peer row counts fully in the denominator
+    loss, m = policy_loss(z, z, torch.tensor([1.0, 5.0]), mask, weights=torch.tensor([1.0, 0.5]))
+    assert loss.item() == pytest.approx(-7 / 4)
+    assert m["mean_weight"] == pytest.approx(0.75)
+
+
+def test_policy_loss_clipping_zero_gradient_outside_trust_region():
+    old = torch.zeros(1, 4)
+    # ratios e^0.5 = 1.65 (> 1.28), 1.1 (inside), e^-0.5 = 0.61 (< 0.8), 0.9 (inside)
+    lp = torch.tensor([[0.5, math.log(1.1), -0.5, math.log(0.9)]], requires_grad=True)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, m = policy_loss(lp, old, torch.tensor([1.0]), mask)  # positive advantage
+    loss.backward()
+    # a > 0: the too-high ratio is clipped (zero grad); the too-low one is not (the min keeps rho*a)
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0 and lp.grad[0, 2] != 0 and lp.grad[0, 3] != 0
+    assert m["clipfrac_own"] == pytest.approx(0.25)
+    lp.grad = None
+    loss, m = policy_loss(lp, old, torch.tensor([-1.0]), mask)  # negative advantage
+    loss.backward()
+    assert lp.grad[0, 2] == 0 and lp.grad[0, 0] != 0 and lp.grad[0, 1] != 0
+    assert m["clipfrac_own"] == pytest.approx(0.25)
+
+
+def test_policy_loss_dual_clip_bounds_negative_advantage():
+    old = torch.zeros(1, 1)
+    lp = torch.tensor([[math.log(5.0)]], requires_grad=True)  # ratio 5 > c = 3, a = -1
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, _ = policy_loss(lp, old, torch.tensor([-1.0]), mask, dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0)  # -max(min(-5, -1.28), -3) = 3
+    loss.backward()
+    assert lp.grad.item() == 0
+    lp.grad = None
+    loss, _ = policy_loss(lp, old, torch.tensor([-1.0]), mask)
+    assert loss.item() == pytest.approx(5.0)
+
+
+def test_policy_loss_sequence_ratio_and_denominator_override():
+    old = torch.zeros(1, 3)
+    lp = torch.tensor([[0.3, -0.3, 0.6]], requires_grad=True)  # mean log ratio 0.2 -> rho = e^0.2
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, m = policy_loss(lp, old, torch.tensor([1.0]), mask, ratio_level="sequence")
+    assert loss.item() == pytest.approx(-math.exp(0.2))  # min(1.2214, 1.28) * 1, same on each token
+    loss2, _ = policy_loss(lp, old, torch.tensor([1.0]), mask, ratio_level="sequence", loss_denominator=6)
+    assert loss2.item() == pytest.approx(-math.exp(0.2) / 2)  # 3 tokens / 6 = half
+
+
+# ------------------------------------------------------------------------------------------------
+# minibatch order
+# ------------------------------------------------------------------------------------------------
+
+
+def test_minibatch_order_peer_last_first_uniform():
+    is_peer = torch.tensor([False, True, False, False, True, False, False, False])
+    mbs = minibatch_order(is_peer, 4, order="peer_last")
+    assert [m.tolist() for m in mbs] == [[0, 2], [3, 5], [6, 7], [1, 4]]
+    mbs = minibatch_order(is_peer, 4, order="peer_first")
+    assert [m.tolist() for m in mbs] == [[1, 4], [0, 2], [3, 5], [6, 7]]
+    g = torch.Generator().manual_seed(0)
+    mbs = minibatch_order(is_peer, 4, order="uniform", generator=g)
+    assert sorted(torch.cat(mbs).tolist()) == list(range(8))
+    # peer-last with shuffling: still every own group before every peer group
+    seq = torch.cat(minibatch_order(is_peer, 3, order="peer_last", generator=torch.Generator().manual_seed(3)))
+    assert set(seq[-2:].tolist()) == {1, 4} and sorted(seq.tolist()) == list(range(8))
+    # more minibatches than groups: no empty minibatch
+    assert len(minibatch_order(torch.tensor([True, False]), 4)) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# retokenisation between the real tokenizers
+# ------------------------------------------------------------------------------------------------
+
+
+def _load_tok(name):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(SHARED / "tokenizers" / name))
+
+
+def _benchmark_texts(limit=120):
+    texts = []
+    for f in ("math500.jsonl", "minerva_math.jsonl", "aime2024.jsonl"):
+        p = SHARED / "benchmarks" / f
+        if p.exists():
+            for line in p.read_text().splitlines()[: limit // 3]:
+                row = json.loads(line)
+                texts.append(row.get("solution") or row["problem"])
+    return texts
+
+
+@needs_shared
+def test_retokenize_round_trips_between_real_tokenizers():
+    toks = {n: _load_tok(n) for n in ("qwen3", "smollm3", "llama3_2")}
+    texts = _benchmark_texts()
+    assert len(texts) >= 60
+    for src_name, src in toks.items():
+        for dst_name, dst in toks.items():
+            if src_name == dst_name:
+                continue
+            for i, text in enumerate(texts):
+                ended = i % 2 == 0
+                src_ids = src.encode(text, add_special_tokens=False) + ([src.eos_token_id] if ended else [])
+                back, eos = decode_response(src_ids, src, eos_token_ids=src.eos_token_id)
+                assert back == text and eos == ended
+                dst_ids = retokenize(back, eos, dst, max_response_tokens=10**6)
+                # no BOS, the receiver's own EOS exactly when the source ended with EOS
+                assert dst_ids[0] != dst.bos_token_id or dst.bos_token_id is None
+                assert (dst_ids[-1] == dst.eos_token_id) == ended
+                body = dst_ids[:-1] if ended else dst_ids
+                assert dst.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
+
+
+@needs_shared
+def test_retokenize_length_drop_and_digit_split():
+    qwen, smol = _load_tok("qwen3"), _load_tok("smollm3")
+    text = "So the answer is 12345, i.e. \\boxed{12345}."
+    q = retokenize(text, True, qwen, max_response_tokens=100)
+    s = retokenize(text, True, smol, max_response_tokens=100)
+    assert len(q) > len(s)  # Qwen splits every digit, the Llama vocabulary takes groups of 3
+    assert retokenize(text, True, qwen, max_response_tokens=len(q)) == q  # exactly at the limit: kept
+    assert retokenize(text, True, qwen, max_response_tokens=len(q) - 1) is None  # one over: dropped
+    assert retokenize(text, False, qwen, max_response_tokens=len(q) - 1) == q[:-1]  # no EOS appended
