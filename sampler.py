@@ -397,8 +397,9 @@ def sample(
         max_new_tokens: cap on response length (EOS included).
         temperature: 0 for greedy, else logits are divided by it before sampling.
         top_p: nucleus mass in (0, 1]; 1 samples from the full distribution. Ignored for greedy.
-        eos_token_id: an int or a list of ints; a row stops after producing any of them.
-        pad_token_id: id written into left-padding slots (masked out; defaults to the first EOS id).
+        eos_token_id: an int or a list of ints; a row stops after producing any of them (ids outside [0, V) are
+            never produced: every row then runs to max_new_tokens).
+        pad_token_id: id written into left-padding slots (masked out, so any id in [0, V) will do; default 0).
         generator: torch.Generator on the model's device, for reproducible samples.
         progress: show a tqdm bar over decode steps.
 
@@ -415,7 +416,7 @@ def sample(
     assert 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}"
     eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
     assert eos_ids, "eos_token_id must name at least one token"
-    pad_token_id = eos_ids[0] if pad_token_id is None else int(pad_token_id)
+    pad_token_id = 0 if pad_token_id is None else int(pad_token_id)  # pads are masked out: any valid id does
     prompts = [_as_id_list(p) for p in prompts]
     assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
     weight = _lm_head_weight(model)
