@@ -497,17 +497,1008 @@ def decode_response(tokens: list[int], tokenizer, *, eos_token_ids) -> tuple[str
     return text, ended
 
 
-def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_tokens: int) -> list[int] | None:
+def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_tokens: int,
+               eos_token_id: int | None = None) -> list[int] | None:
     """The receiver side of retokenisation (§3.6): peer text -> receiver response ids, or None.
 
     The text is encoded with the receiver's tokenizer without special tokens (no BOS: it follows the
-    receiver's own prompt ids, departure 1); the receiver's EOS is appended only if the peer's
-    response ended with EOS. Returns None when the result is longer than max_response_tokens (the
+    receiver's own prompt ids, departure 1); the receiver's EOS (eos_token_id, default the
+    tokenizer's) is appended only if the peer's response ended with EOS. Returns None when the result is longer than max_response_tokens (the
     caller drops the response and counts it).
     """
     ids = tokenizer.encode(text, add_special_tokens=False)
     if ended_with_eos:
-        eos = tokenizer.eos_token_id
+        eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
         assert eos is not None, "the receiver's tokenizer has no eos_token_id"
         ids = ids + [eos]
     return ids if len(ids) <= max_response_tokens else None
+
+
+def nll_loss(logp: torch.Tensor, mask: torch.Tensor, *, coef: float, loss_denominator: float | None = None):
+    """SGT's supervised term: coef * token-mean negative log-likelihood of the rows given (DESIGN §3.11).
+
+    logp, mask: (B, T). Returns (loss, metrics). loss_denominator as in policy_loss (None = the tokens here).
+    """
+    m = mask.float()
+    denom = float(loss_denominator) if loss_denominator is not None else m.sum().clamp(min=1)
+    loss = -coef * (logp * m).sum() / denom
+    return loss, {"nll": float(-(logp.detach() * m).sum() / m.sum().clamp(min=1)), "nll_tokens": float(m.sum())}
+
+
+def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, gamma: float = 0.1,
+                    weights: torch.Tensor | None = None, loss_denominator: float | None = None):
+    """LUFFY-style off-policy term for peer tokens: -sum_t w_j f(pi_t) a_j / D, f(pi) = pi / (pi + gamma).
+
+    logp, mask: (B, T) current-policy log-probs of peer tokens; advantages, weights: (B,).
+    The behaviour probability is taken as 1 (so the "ratio" is pi itself) and nothing is clipped;
+    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics).
+    """
+    weights = torch.ones_like(advantages, dtype=torch.float32) if weights is None else weights.float()
+    tok = mask.float() * (weights > 0).float()[:, None]  # (B, T)
+    pi = logp.exp()  # (B, T)
+    f = pi / (pi + gamma)  # (B, T)
+    denom = float(loss_denominator) if loss_denominator is not None else tok.sum().clamp(min=1)
+    loss = -(f * advantages.float()[:, None] * weights[:, None] * tok).sum() / denom
+    return loss, {"peer_prob_mean": float((pi.detach() * tok).sum() / tok.sum().clamp(min=1)), "peer_tokens": float(tok.sum())}
+
+
+def hacpo_advantages(r_own: torch.Tensor, r_peer: torch.Tensor, *, capability_ratio: float, eps: float = 1e-6):
+    """HACPO's pooled advantages for one receiver (arXiv 2603.02604 as the GRAFT paper ran it).
+
+    r_own: (G, n) own rewards; r_peer: (G, m) the peer's rewards on the same prompts.
+    capability_ratio c = peer success rate / own success rate (rolling, clamped by the caller).
+    The baseline is the capability-weighted mean of the pooled group, (sum r_own + c sum r_peer) /
+    (n + c m), and the scale is the unbiased std of the pooled 2n rewards. Returns (adv_own (G, n),
+    adv_peer (G, m)); groups whose pooled rewards are constant get 0.
+    """
+    n, m = r_own.shape[1], r_peer.shape[1]
+    r_own, r_peer = r_own.float(), r_peer.float()
+    base = (r_own.sum(1, keepdim=True) + capability_ratio * r_peer.sum(1, keepdim=True)) / (n + capability_ratio * m)  # (G, 1)
+    pooled = torch.cat([r_own, r_peer], dim=1)  # (G, n + m)
+    std = pooled.std(dim=1, keepdim=True)  # (G, 1)
+    constant = (pooled == pooled[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
+    adv = torch.where(constant, torch.zeros_like(pooled), (pooled - base) / (std + eps))  # (G, n + m)
+    return adv[:, :n], adv[:, n:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampler and logprob path (sampler.py: hand-written KV-cache sampler and the chunked logprob kernel)
+# ------------------------------------------------------------------------------------------------
+
+from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: E402  (re-exported)
+
+# ------------------------------------------------------------------------------------------------
+# Rollouts, reward and exchange files
+# ------------------------------------------------------------------------------------------------
+
+ROLLOUT_FORMAT = "graft-rollouts"
+ROLLOUT_VERSION = "1"
+
+
+@dataclass
+class StepRollouts:
+    """One model's rollouts of one step, for the whole batch: G prompts x n responses, row-major.
+
+    Response r = g * n + i is rollout i of prompt g. This is exactly what goes into a rollout file.
+    """
+
+    prompt_ids: list[str]  # (G,) dataset ids
+    tokens: list[list[int]]  # G*n response token ids (EOS included when it ended with EOS)
+    logprobs: list[torch.Tensor]  # G*n (len,) float32 behaviour log-probs
+    texts: list[str]  # G*n decoded response text (no special tokens, EOS dropped)
+    eos: torch.Tensor  # (G, n) bool
+    rewards: torch.Tensor  # (G, n) float32
+    advantages: torch.Tensor  # (G, n) float32, on the full group (§3.5)
+
+    @property
+    def n(self) -> int:
+        return self.rewards.shape[1]
+
+    def num_bytes(self) -> torch.Tensor:
+        """(G, n) UTF-8 length of each response text (for --compat-norm byte; at least 1)."""
+        return torch.tensor([max(1, len(t.encode("utf-8"))) for t in self.texts]).view_as(self.rewards)
+
+    def lbar(self, norm: str) -> torch.Tensor:
+        """(G, n) mean behaviour log-prob per token ('token', Eq. 6) or per byte ('byte', departure 2)."""
+        sums = torch.stack([lp.sum() if lp.numel() else lp.new_zeros(()) for lp in self.logprobs]).view_as(self.rewards)
+        if norm == "byte":
+            return sums / self.num_bytes()
+        return sums / torch.tensor([max(1, len(t)) for t in self.tokens]).view_as(self.rewards)
+
+
+def _pack_strings(strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    data = [s.encode("utf-8", errors="replace") for s in strings]
+    offsets = torch.tensor([0] + [len(d) for d in data], dtype=torch.int64).cumsum(0)
+    return torch.frombuffer(bytearray(b"".join(data)) or bytearray(1), dtype=torch.uint8)[: int(offsets[-1])].clone(), offsets
+
+
+def _unpack_strings(data: torch.Tensor, offsets: torch.Tensor) -> list[str]:
+    raw = bytes(data.tolist())
+    o = offsets.tolist()
+    return [raw[o[i]: o[i + 1]].decode("utf-8") for i in range(len(o) - 1)]
+
+
+def atomic_write(path: Path, write) -> None:
+    """write(tmp_path), then rename onto path: readers never see a half-written file (§10)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_rollouts(path: Path, r: StepRollouts, meta: dict) -> None:
+    """Write a rollout file (DESIGN §5) atomically: safetensors tensors + string metadata."""
+    from safetensors.torch import save_file
+    G, n = r.rewards.shape
+    lens = [len(t) for t in r.tokens]
+    tok_off = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    flat_tokens = torch.tensor([x for t in r.tokens for x in t], dtype=torch.int64)
+    flat_lp = torch.cat([lp.float().cpu() for lp in r.logprobs]) if flat_tokens.numel() else torch.zeros(0)
+    text_data, text_off = _pack_strings(r.texts)
+    id_data, id_off = _pack_strings(r.prompt_ids)
+    tensors = {
+        "rewards": r.rewards.float().contiguous(), "advantages": r.advantages.float().contiguous(),
+        "mean_logprob": r.lbar("token").float().contiguous(), "eos": r.eos.bool().contiguous(),
+        "tokens": flat_tokens, "token_offsets": tok_off, "logprobs": flat_lp.contiguous(),
+        "text": text_data, "text_offsets": text_off, "prompt_ids": id_data, "prompt_id_offsets": id_off,
+    }
+    metadata = {k: str(v) for k, v in meta.items()}
+    metadata.update(format=ROLLOUT_FORMAT, version=ROLLOUT_VERSION, n=str(n), groups=str(G))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def load_rollouts(path: Path, *, n: int | None = None, prompt_ids: list[str] | None = None) -> tuple[StepRollouts, dict]:
+    """Read and validate a rollout file; every error names the file and what is wrong."""
+    from safetensors import safe_open
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            t = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # corrupt, truncated or not safetensors at all
+        raise ValueError(f"{path}: not a readable rollout file ({type(e).__name__}: {e})") from e
+    if meta.get("format") != ROLLOUT_FORMAT:
+        raise ValueError(f"{path}: not a GRAFT rollout file (format={meta.get('format')!r})")
+    if meta.get("version") != ROLLOUT_VERSION:
+        raise ValueError(f"{path}: format version {meta.get('version')!r}, this code reads version {ROLLOUT_VERSION}")
+    need = ["rewards", "advantages", "eos", "tokens", "token_offsets", "logprobs", "text", "text_offsets",
+            "prompt_ids", "prompt_id_offsets"]
+    missing = [k for k in need if k not in t]
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing}")
+    G, file_n = t["rewards"].shape
+    if n is not None and file_n != n:
+        raise ValueError(f"{path}: has n={file_n} rollouts per prompt, this run uses n={n}")
+    ok = (t["advantages"].shape == (G, file_n) and t["eos"].shape == (G, file_n)
+          and t["token_offsets"].shape == (G * file_n + 1,) and t["text_offsets"].shape == (G * file_n + 1,)
+          and t["prompt_id_offsets"].shape == (G + 1,) and int(t["token_offsets"][-1]) == t["tokens"].numel()
+          and t["logprobs"].numel() == t["tokens"].numel() and bool((t["token_offsets"].diff() >= 0).all()))
+    if not ok:
+        raise ValueError(f"{path}: inconsistent shapes or offsets (G={G}, n={file_n})")
+    try:
+        texts = _unpack_strings(t["text"], t["text_offsets"])
+        ids = _unpack_strings(t["prompt_ids"], t["prompt_id_offsets"])
+    except (UnicodeDecodeError, IndexError) as e:
+        raise ValueError(f"{path}: bad text or prompt-id bytes ({e})") from e
+    if prompt_ids is not None and ids != list(prompt_ids):
+        diff = next(i for i, (a, b) in enumerate(zip(ids + [None] * len(prompt_ids), prompt_ids)) if a != b)
+        raise ValueError(f"{path}: prompt ids differ from this run's batch (first at position {diff}: file has "
+                         f"{ids[diff] if diff < len(ids) else 'nothing'!r}, this run {prompt_ids[diff]!r}); "
+                         f"both sides need the same --prompts, --data-seed and --prompts-per-step")
+    o = t["token_offsets"].tolist()
+    tokens = [t["tokens"][o[i]: o[i + 1]].tolist() for i in range(G * file_n)]
+    logprobs = [t["logprobs"][o[i]: o[i + 1]].float() for i in range(G * file_n)]
+    r = StepRollouts(prompt_ids=ids, tokens=tokens, logprobs=logprobs, texts=texts, eos=t["eos"].bool(),
+                     rewards=t["rewards"].float(), advantages=t["advantages"].float())
+    return r, meta
+
+
+def rollout_path(exchange: Path, name: str, step: int) -> Path:
+    return Path(exchange) / name / f"step_{step:06d}.safetensors"
+
+
+def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2) -> float:
+    """Block until path exists; returns seconds waited. A FAILED marker next to it (written by a dying
+    peer) or the timeout raises an error naming the file."""
+    t0 = time.time()
+    failed = Path(path).parent / "FAILED"
+    while not Path(path).exists():
+        if failed.exists():
+            raise RuntimeError(f"the peer failed before writing {path}: {failed.read_text()[-2000:]}")
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"waited {timeout:.0f}s for the peer's rollout file {path}; is the peer process "
+                               f"running with the same --peer-exchange and --steps? (raise --exchange-timeout)")
+        time.sleep(poll)
+    return time.time() - t0
+
+
+def batch_indices(num_prompts: int, step: int, prompts_per_step: int, data_seed: int) -> list[int]:
+    """Dataset rows of a step: a stream of seeded per-epoch permutations, cut into consecutive batches.
+
+    A pure function of (step, seed), so both sides of a pair and a resumed run see the same prompts.
+    """
+    start, out = step * prompts_per_step, []
+    while len(out) < prompts_per_step:
+        epoch, pos = divmod(start + len(out), num_prompts)
+        perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(data_seed * 100003 + epoch))
+        out.extend(perm[pos: pos + prompts_per_step - len(out)].tolist())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Loss and update loop: models, distributed plumbing, one RL step, checkpoints
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(cfg: Config) -> DistInfo:
+    """torchrun sets RANK/WORLD_SIZE: one process per GPU (NCCL) or per CPU worker (gloo)."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return DistInfo(rank=rank, world=world, device=device)
+
+
+def gather_lists(items: list, dist_info: DistInfo, order: list[int] | None = None) -> list:
+    """All ranks get the concatenation of every rank's list (CPU objects; rollouts are small next to
+    the model). With order (each rank's item -> global position lists) the result is re-ordered."""
+    if dist_info.world == 1:
+        return items
+    parts = [None] * dist_info.world
+    torch.distributed.all_gather_object(parts, items)
+    return [x for p in parts for x in p]
+
+
+def shard(seq: list, dist_info: DistInfo) -> list:
+    """This rank's strided share of a list (rank r takes items r, r + world, ...)."""
+    return seq[dist_info.rank::dist_info.world]
+
+
+def unshard(parts_flat: list, total: int, dist_info: DistInfo) -> list:
+    """Invert shard() after gather_lists(): rank-major concatenation -> original order."""
+    out, pos = [None] * total, 0
+    for r in range(dist_info.world):
+        for i in range(r, total, dist_info.world):
+            out[i] = parts_flat[pos]
+            pos += 1
+    return out
+
+
+def load_policy(path: str, cfg: Config, dist_info: DistInfo):
+    """A transformers causal LM + tokenizer, in fp32 on CPU and bf16 on GPU unless --dtype says."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if dist_info.device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, cfg.dtype)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise SystemExit(f"--model {path!r}: cannot load a transformers causal LM and tokenizer ({e})") from e
+    model.to(dist_info.device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    # The ids that stop a rollout: the tokenizer's EOS and the generation config's (Qwen3-Base's
+    # tokenizer says <|im_end|> while the base model ends documents with <|endoftext|>).
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    stop = list(dict.fromkeys(gen_eos + ([tok.eos_token_id] if tok.eos_token_id is not None else [])))
+    if not stop:
+        raise SystemExit(f"--model {path!r}: the tokenizer and generation config name no EOS token")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.convert_ids_to_tokens(stop[0])
+    return model, tok, stop
+
+
+def encode_prompt(problem: str, tokenizer, *, template: str, chat: bool) -> list[int]:
+    """Prompt ids (DESIGN §6): the template with the problem, raw (with the tokenizer's BOS, if it adds
+    one) or as one user message of the chat template."""
+    text = template.replace("{problem}", problem)
+    if chat:
+        if tokenizer.chat_template is None:
+            raise SystemExit("--chat-template: this tokenizer has no chat template; drop the flag to use raw text")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def load_prompt_file(path: str) -> list[dict]:
+    """Validated prompt JSONL via data/prepare.py's load_prompts (loaded by path: data/ is no package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("graft_data_prepare", Path(__file__).parent / "data" / "prepare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not Path(path).is_file():
+        raise SystemExit(f"--prompts {path!r}: no such file (python data/prepare.py writes data/math_train.jsonl)")
+    return mod.load_prompts(path)
+
+
+@dataclass
+class Row:
+    """One response that enters the update: the receiver's tokenisation, fixed behaviour log-probs."""
+
+    group: int  # prompt position in the step's batch (minibatches are cut by group)
+    prompt: list[int]
+    response: list[int]
+    old_logp: torch.Tensor  # (len(response),) behaviour log-probs of the receiver (or per-token lbar_src, HACPO peers)
+    adv: float
+    weight: float = 1.0
+    is_peer: bool = False
+    kind: str = "pg"  # pg (Eqs. 9-10) | luffy | hacpo_own | hacpo_peer | nll (SGT)
+
+
+class Trainer:
+    """One side of GRAFT (or plain GRPO): owns the model, the optimizer and the step loop."""
+
+    def __init__(self, cfg: Config):
+        validate_config(cfg)
+        self.cfg = cfg
+        self.dist = setup_distributed(cfg)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.out = Path(cfg.out)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.start_step, self.best_score, self.history = 0, -1.0, []
+        latest = self.latest_checkpoint() if cfg.resume else None
+        if cfg.resume and latest is None and self.dist.main:
+            print(f"--resume: no checkpoint in {self.ckpt_dir}, starting from --model")
+        if not cfg.model:
+            raise SystemExit("--model is required (a hub id or a local folder)")
+        self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
+        self.eos_id = self.stop_ids[0]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
+        if latest is not None:
+            state = torch.load(latest / "trainer_state.pt", map_location="cpu", weights_only=True)
+            self.opt.load_state_dict(state["optimizer"])
+            self.start_step, self.best_score = int(state["step"]), float(state["best_score"])
+            self.history = [tuple(x) for x in state["history"].tolist()]
+        self.data = load_prompt_file(cfg.prompts)
+        if len(self.data) < cfg.prompts_per_step:
+            raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step {cfg.prompts_per_step}")
+        self.prompt_ids = [encode_prompt(r["problem"], self.tok, template=cfg.prompt_template, chat=cfg.chat_template)
+                           for r in self.data]
+        too_long = [(r["id"], len(p)) for r, p in zip(self.data, self.prompt_ids) if len(p) > cfg.max_prompt_tokens]
+        if too_long:
+            raise SystemExit(f"--prompts {cfg.prompts}: {len(too_long)} prompts exceed --max-prompt-tokens "
+                             f"{cfg.max_prompt_tokens} (first: {too_long[0]}); raise the limit or filter the file")
+        self.mode = "online" if cfg.peer_exchange else "offline" if cfg.peer_log else "none"
+        self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
+        if self.mode == "offline" and not Path(cfg.peer_log).is_dir():
+            raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files")
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.trim_metrics()
+            (self.exchange / cfg.name / "FAILED").unlink(missing_ok=True)
+            self.print_derived()
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def print_derived(self):
+        cfg, G = self.cfg, self.cfg.prompts_per_step
+        n_params = sum(p.numel() for p in self.model.parameters())
+        print(f"[graft] side {cfg.name!r} model {cfg.model} ({n_params / 1e6:.1f}M params, {next(self.model.parameters()).dtype}) "
+              f"on {self.dist.device} x{self.dist.world}")
+        print(f"[graft] peer mode: {self.mode}"
+              + (f" (exchange {self.exchange}, peer {cfg.peer_name!r})" if self.mode == "online" else "")
+              + (f" (log {cfg.peer_log})" if self.mode == "offline" else "") + f", variant {cfg.variant}")
+        print(f"[graft] {len(self.data)} prompts; per step {G} prompts x n={cfg.n} = {G * cfg.n} rollouts, "
+              f"{cfg.minibatches} minibatches of ~{G // cfg.minibatches} groups; {cfg.steps} steps "
+              f"= {cfg.steps * G / len(self.data):.2f} epochs; starting at step {self.start_step}")
+        print(f"[graft] stop ids {self.stop_ids}; rollout files -> {self.exchange / cfg.name}; metrics -> {self.out / 'metrics.jsonl'}")
+
+    def latest_checkpoint(self) -> Path | None:
+        steps = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
+        steps = [p for p in steps if (p / "trainer_state.pt").is_file()]
+        return steps[-1] if steps else None
+
+    def trim_metrics(self):
+        """On resume, drop metric lines of steps that will be redone (the file stays one line per step)."""
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) < self.start_step]
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
+
+    def save_checkpoint(self, step: int, dest: Path | None = None):
+        """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place."""
+        if not self.dist.main:
+            return
+        import shutil
+        dest = dest or self.ckpt_dir / f"step_{step:06d}"
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        self.tok.save_pretrained(tmp)
+        hist = torch.tensor(self.history, dtype=torch.float64).view(-1, 2)
+        torch.save({"step": step, "optimizer": self.opt.state_dict(), "best_score": self.best_score, "history": hist},
+                   tmp / "trainer_state.pt")
+        old = dest.with_name(f".{dest.name}.old")
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        if dest.name.startswith("step_"):
+            for stale in sorted(self.ckpt_dir.glob("step_[0-9]*"))[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(stale, ignore_errors=True)
+
+    # -- rollouts ---------------------------------------------------------------------------------
+
+    def behaviour_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
+        """Receiver log-probs (no grad) of the given responses, through the chunked path, micro-batched."""
+        out = []
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            for i in range(0, len(prompts), self.cfg.micro_batch_size):
+                lp, mask = response_logprobs(self.model, prompts[i: i + self.cfg.micro_batch_size],
+                                             responses[i: i + self.cfg.micro_batch_size], pad_token_id=self.tok.pad_token_id,
+                                             temperature=self.cfg.temperature or 1.0, chunk_size=self.cfg.logprob_chunk)
+                out.extend(lp[j, : int(mask[j].sum())].float().cpu() for j in range(lp.shape[0]))
+        self.model.train(was_training)
+        return out
+
+    def sharded_logprobs(self, prompts, responses) -> list[torch.Tensor]:
+        """behaviour_logprobs with the rows split over ranks and gathered back in order."""
+        mine = self.behaviour_logprobs(shard(prompts, self.dist), shard(responses, self.dist))
+        return unshard(gather_lists(mine, self.dist), len(prompts), self.dist)
+
+    def rollout(self, step: int, rows: list[int], timer: dict) -> StepRollouts:
+        """Sample n responses per prompt (this rank's share), verify, gather, score: the whole batch."""
+        from verify import verify_batch
+        cfg, n = self.cfg, self.cfg.n
+        G = len(rows)
+        flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
+        mine = shard(flat, self.dist)
+        prompts = [self.prompt_ids[rows[r // n]] for r in mine]
+        gen = torch.Generator(device=self.dist.device).manual_seed(cfg.seed * 1_000_003 + step * 7919 + self.dist.rank)
+        t0 = time.time()
+        outs: list[Rollout] = []
+        for i in range(0, len(prompts), cfg.gen_batch_size):
+            outs += sample(self.model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=cfg.max_response_tokens,
+                           temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=self.stop_ids,
+                           pad_token_id=self.tok.pad_token_id, generator=gen, progress=self.dist.main and len(prompts) > 64)
+        timer["sample"] = time.time() - t0
+        t0 = time.time()
+        texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
+        rewards = verify_batch(texts, [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
+        timer["verify"] = time.time() - t0
+        t0 = time.time()
+        # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
+        # (as verl does): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
+        old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
+        timer["logprob"] = time.time() - t0
+        mine_rows = [(o.tokens, lp, txt, o.ended_with_eos, rw) for o, lp, txt, rw in zip(outs, old, texts, rewards)]
+        allr = unshard(gather_lists(mine_rows, self.dist), G * n, self.dist)
+        rewards_t = torch.tensor([x[4] for x in allr], dtype=torch.float32).view(G, n)  # (G, n)
+        return StepRollouts(
+            prompt_ids=[self.data[i]["id"] for i in rows], tokens=[x[0] for x in allr], logprobs=[x[1] for x in allr],
+            texts=[x[2] for x in allr], eos=torch.tensor([x[3] for x in allr]).view(G, n), rewards=rewards_t,
+            advantages=group_advantages(rewards_t, std_normalize=cfg.std_normalize))
+
+    def peer_rollouts(self, step: int, own: StepRollouts, timer: dict) -> StepRollouts | None:
+        cfg = self.cfg
+        if self.mode == "none":
+            return None
+        t0 = time.time()
+        if self.mode == "online":
+            path = rollout_path(self.exchange, cfg.peer_name, step)
+            wait_for_file(path, timeout=cfg.exchange_timeout)
+        else:
+            path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
+            if not path.is_file():
+                raise SystemExit(f"--peer-log: {path} is missing (the stored run has fewer steps than --steps?)")
+        peer, meta = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids)
+        timer["wait"] = time.time() - t0
+        if self.mode == "offline":
+            # Stored logs are re-verified with our verifier (§3.10), and the advantages recomputed from them.
+            from verify import verify_batch
+            golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
+            peer.rewards = torch.tensor(verify_batch(peer.texts, golds, workers=cfg.verify_workers), dtype=torch.float32).view_as(peer.rewards)
+            peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)
+        return peer
+
+    @property
+    def data_by_id(self) -> dict:
+        if not hasattr(self, "_by_id"):
+            self._by_id = {r["id"]: r for r in self.data}
+        return self._by_id
+
+    # -- selection, retokenisation, compatibility ------------------------------------------------
+
+    def select(self, step: int, own: StepRollouts, peer: StepRollouts) -> torch.Tensor:
+        """(G,) bool: prompts whose group this side receives from the peer."""
+        cfg, n = self.cfg, self.cfg.n
+        k_own, k_peer = own.rewards.sum(1).long(), peer.rewards.sum(1).long()  # (G,)
+        if self.mode == "offline":
+            into_me = graft_candidates(k_own, k_peer, n)  # one-way transfer: no balancing (§3.10)
+        else:
+            # Both processes must compute identical masks: order the two sides by name, so that each
+            # calls balanced_swap with the same (k_a, k_b) and reads its own direction out of it.
+            if cfg.name < cfg.peer_name:
+                _, into_me = balanced_swap(k_own, k_peer, n, balance=cfg.balance)  # b_to_a: I am A
+            else:
+                into_me, _ = balanced_swap(k_peer, k_own, n, balance=cfg.balance)  # a_to_b: I am B
+        if cfg.selection == "random":
+            # Ablation: as many prompts as GRAFT would take, drawn among those where the peer is mixed.
+            pool = torch.nonzero((k_peer >= 1) & (k_peer < n)).squeeze(1)
+            g = torch.Generator().manual_seed(cfg.seed * 7 + step)
+            pick = pool[torch.randperm(pool.numel(), generator=g)[: int(into_me.sum())]]
+            into_me = torch.zeros_like(into_me)
+            into_me[pick] = True
+        return into_me
+
+    def transfer(self, step: int, own: StepRollouts, peer: StepRollouts, groups: list[int], rows: list[int],
+                 *, only_correct: bool = False) -> tuple[list[tuple], dict]:
+        """Retokenise the peer's responses of the given groups and score them under the receiver.
+
+        Returns a list of (group, peer response index r, receiver ids, receiver behaviour log-probs,
+        w, s) for every response that survived the length limit, and counts.
+        """
+        cfg, n = self.cfg, self.cfg.n
+        cand, dropped_len = [], 0
+        for g in groups:
+            for i in range(n):
+                r = g * n + i
+                if only_correct and peer.rewards[g, i] <= 0:
+                    continue
+                ids = retokenize(peer.texts[r], bool(peer.eos[g, i]), self.tok,
+                                 max_response_tokens=cfg.max_response_tokens, eos_token_id=self.eos_id)
+                if ids is None or len(ids) == 0:
+                    dropped_len += 1
+                    continue
+                cand.append((g, r, ids))
+        prompts = [self.prompt_ids[rows[g]] for g, _, _ in cand]
+        lps = self.sharded_logprobs(prompts, [ids for _, _, ids in cand])
+        out = []
+        if cand:
+            lp_sum = torch.stack([lp.sum() for lp in lps])
+            if cfg.compat_norm == "byte":
+                nb = torch.tensor([max(1, len(peer.texts[r].encode("utf-8"))) for _, r, _ in cand], dtype=torch.float32)
+                lbar_recv = lp_sum / nb
+            else:
+                lbar_recv = lp_sum / torch.tensor([len(ids) for _, _, ids in cand], dtype=torch.float32)
+            lbar_src = peer.lbar(cfg.compat_norm).view(-1)[torch.tensor([r for _, r, _ in cand])]
+            s = compatibility_scores(lbar_recv, lbar_src)
+            w = compatibility_weights(lbar_recv, lbar_src, delta=cfg.delta) if cfg.compat_weight else torch.ones_like(s)
+            if cfg.acceptance == "random":
+                # Ablation: keep the gate's acceptance rate but draw the accepted responses at random;
+                # they keep min(s, 1) as weight, so only *which* responses pass changes.
+                k = int((w > 0).sum())
+                g_ = torch.Generator().manual_seed(cfg.seed * 11 + step)
+                pick = torch.randperm(len(cand), generator=g_)[:k]
+                w = torch.zeros_like(s)
+                w[pick] = s[pick].clamp(max=1.0) if cfg.compat_weight else 1.0
+            out = [(g, r, ids, lp, float(wi), float(si)) for (g, r, ids), lp, wi, si in zip(cand, lps, w, s)]
+        return out, {"dropped_length": dropped_len, "scored": len(cand)}
+
+    # -- building the update batch ----------------------------------------------------------------
+
+    def build_rows(self, step: int, rows: list[int], own: StepRollouts, peer: StepRollouts | None, m: dict):
+        """The step's update rows and the (G,) mask of groups that came from the peer."""
+        cfg, n, G = self.cfg, self.cfg.n, len(rows)
+        P = lambda g: self.prompt_ids[rows[g]]
+        own_rows = lambda g, adv: [Row(g, P(g), own.tokens[g * n + i], own.logprobs[g * n + i], float(adv[g, i])) for i in range(n)]
+        replaced = torch.zeros(G, dtype=torch.bool)
+        k_own = own.rewards.sum(1)
+        m.update(all_fail=float((k_own == 0).float().mean()), all_pass=float((k_own == n).float().mean()))
+        if peer is None:
+            return [r for g in range(G) for r in own_rows(g, own.advantages)], replaced
+        k_peer = peer.rewards.sum(1)
+        cand_in = graft_candidates(k_own.long(), k_peer.long(), n)
+        cand_out = graft_candidates(k_peer.long(), k_own.long(), n)
+        m.update(candidates_in=int(cand_in.sum()), candidates_out=int(cand_out.sum()),
+                 peer_reward=float(peer.rewards.mean()))
+
+        if cfg.variant == "hacpo":
+            return self.hacpo_rows(step, rows, own, peer, m), replaced
+        if cfg.variant == "sgt":
+            return self.sgt_rows(step, rows, own, peer, m), replaced
+
+        into_me = self.select(step, own, peer)  # (G,)
+        groups = torch.nonzero(into_me).squeeze(1).tolist()
+        transferred, counts = self.transfer(step, own, peer, groups, rows, only_correct=cfg.transfer == "success")
+        kept = [t for t in transferred if t[4] > 0]
+        m.update(selected=len(groups), peer_responses=len(groups) * n, dropped_length=counts["dropped_length"],
+                 accepted=len(kept), rejected=len(transferred) - len(kept),
+                 mean_s=float(torch.tensor([t[5] for t in transferred]).mean()) if transferred else float("nan"),
+                 mean_w=float(torch.tensor([t[4] for t in kept]).mean()) if kept else float("nan"))
+        adv_for = {g: peer.advantages[g] for g in groups}
+        own_adv = own.advantages.clone()
+        if cfg.peer_advantages == "pooled":
+            # Ablation: merge the receiver's (all-failed) group with the peer's, advantages over 2n.
+            for g in groups:
+                pooled = group_advantages(torch.cat([own.rewards[g], peer.rewards[g]])[None], std_normalize=cfg.std_normalize)[0]
+                own_adv[g], adv_for[g] = pooled[:n], pooled[n:]
+        out = []
+        for g in range(G):
+            if g in adv_for and cfg.peer_advantages == "source":
+                continue  # the receiver's own all-fail group is replaced (§3.5)
+            out += own_rows(g, own_adv)
+        kind = "luffy" if cfg.variant == "luffy" else "pg"
+        for g, r, ids, lp, w, s in kept:
+            out.append(Row(g, P(g), ids, lp, float(adv_for[g][r % n]), weight=w, is_peer=True, kind=kind))
+            replaced[g] = True
+        return out, replaced
+
+    def sgt_rows(self, step, rows, own, peer, m) -> list[Row]:
+        """SGT: plain GRPO rows plus, on each rescue prompt (receiver 0/n, peer >= 1), one correct peer
+        response drawn uniformly, trained with an NLL term (no weighting, no balancing)."""
+        cfg, n, G = self.cfg, self.cfg.n, len(rows)
+        out = [Row(g, self.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own.advantages[g, i]))
+               for g in range(G) for i in range(n)]
+        rescue = torch.nonzero((own.rewards.sum(1) == 0) & (peer.rewards.sum(1) >= 1)).squeeze(1).tolist()
+        gen = torch.Generator().manual_seed(cfg.seed * 13 + step)
+        picked = 0
+        for g in rescue:
+            correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
+            i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
+            ids = retokenize(peer.texts[g * n + i], bool(peer.eos[g, i]), self.tok,
+                             max_response_tokens=cfg.max_response_tokens, eos_token_id=self.eos_id)
+            if ids:
+                out.append(Row(g, self.prompt_ids[rows[g]], ids, torch.zeros(len(ids)), 0.0, is_peer=True, kind="nll"))
+                picked += 1
+        m.update(selected=len(rescue), accepted=picked)
+        return out
+
+    def hacpo_rows(self, step, rows, own, peer, m) -> list[Row]:
+        """HACPO: every prompt pools both models' rollouts (no failure gating); capability-weighted
+        baseline, pooled std; own rows with a tight sequence-level clip, peer rows with the
+        cross-tokenizer sequence ratio and the capability coefficient (see hacpo_advantages)."""
+        cfg, n, G = self.cfg, self.cfg.n, len(rows)
+        self.history.append((float(own.rewards.mean()), float(peer.rewards.mean())))
+        recent = self.history[-5:]  # rolling success rates, window 5 steps
+        own_rate = sum(h[0] for h in recent) / len(recent)
+        peer_rate = sum(h[1] for h in recent) / len(recent)
+        c = min(10.0, max(0.1, peer_rate / own_rate)) if own_rate > 0 else 10.0
+        adv_own, adv_peer = hacpo_advantages(own.rewards, peer.rewards, capability_ratio=c)
+        out = [Row(g, self.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]), kind="hacpo_own")
+               for g in range(G) for i in range(n)]
+        transferred, counts = self.transfer(step, own, peer, list(range(G)), rows)
+        lbar_src = peer.lbar(cfg.compat_norm).view(-1)
+        for g, r, ids, lp, w, s in transferred:
+            # The peer's "old" log-prob per token is its own per-token mean: the sequence ratio is then
+            # exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), the cross-tokenizer ratio.
+            out.append(Row(g, self.prompt_ids[rows[g]], ids, torch.full((len(ids),), float(lbar_src[r])),
+                           float(adv_peer[g, r % n]), weight=c, is_peer=True, kind="hacpo_peer"))
+        m.update(selected=G, accepted=len(transferred), dropped_length=counts["dropped_length"], capability_ratio=c)
+        return out
+
+    # -- the update -------------------------------------------------------------------------------
+
+    def minibatch_loss(self, rows: list[Row], denom: float, nll_denom: float, mb_index: int) -> tuple[torch.Tensor, list]:
+        """Forward + loss of one micro-batch of rows; the denominators are the whole minibatch's."""
+        cfg = self.cfg
+        lp, mask = response_logprobs(self.model, [r.prompt for r in rows], [r.response for r in rows],
+                                     pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature or 1.0,
+                                     chunk_size=cfg.logprob_chunk)  # (B, T)
+        T = lp.shape[1]
+        old = torch.zeros_like(lp)
+        for j, r in enumerate(rows):
+            old[j, : len(r.response)] = r.old_logp.to(lp.device)
+        adv = torch.tensor([r.adv for r in rows], device=lp.device)
+        w = torch.tensor([r.weight for r in rows], device=lp.device)
+        peer = torch.tensor([r.is_peer for r in rows], device=lp.device)
+        kinds = [r.kind for r in rows]
+        loss, metrics = lp.new_zeros(()), []
+        for kind in dict.fromkeys(kinds):
+            sel = torch.tensor([k == kind for k in kinds], device=lp.device)
+            a, b, c_, mk, ww, pp = lp[sel], old[sel], adv[sel], mask[sel], w[sel], peer[sel]
+            if kind == "pg":
+                l, mt = policy_loss(a, b, c_, mk, weights=ww, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                    dual_clip=cfg.dual_clip or None, ratio_level=cfg.ratio_level, is_peer=pp,
+                                    loss_denominator=denom)
+            elif kind == "luffy":
+                l, mt = luffy_peer_loss(a, c_, mk, gamma=cfg.luffy_gamma, weights=ww, loss_denominator=denom)
+            elif kind == "hacpo_own":
+                l, mt = policy_loss(a, b, c_, mk, eps_low=3e-4, eps_high=4e-4, ratio_level="sequence",
+                                    loss_denominator=denom)
+            elif kind == "hacpo_peer":
+                low = min(0.8 + 0.025 * mb_index, 0.999)  # lower bound tightens towards 1 minibatch by minibatch
+                l, mt = policy_loss(a, b, c_, mk, weights=ww, eps_low=1 - low, eps_high=cfg.eps_high,
+                                    ratio_level="sequence", is_peer=pp, loss_denominator=denom)
+            else:  # nll
+                l, mt = nll_loss(a, mk, coef=cfg.sgt_coef, loss_denominator=nll_denom)
+            loss = loss + l
+            metrics.append((kind, mt))
+        return loss, metrics
+
+    def update(self, step: int, rows: list[Row], replaced: torch.Tensor, m: dict):
+        """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel."""
+        cfg = self.cfg
+        G = replaced.shape[0]
+        gen = torch.Generator().manual_seed(cfg.seed * 17 + step)
+        mbs = minibatch_order(replaced, cfg.minibatches, order=cfg.order, generator=gen)
+        by_group: dict[int, list[Row]] = {}
+        for r in rows:
+            by_group.setdefault(r.group, []).append(r)
+        agg: dict[str, list] = {}
+        norms, peer_mb = [], []
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for k, mb in enumerate(mbs):
+            mb_rows = [r for g in mb.tolist() for r in by_group.get(g, [])]
+            peer_mb.append(any(r.is_peer for r in mb_rows))
+            denom = sum(len(r.response) for r in mb_rows if r.kind != "nll" and r.weight > 0)
+            nll_denom = sum(len(r.response) for r in mb_rows if r.kind == "nll")
+            if denom + nll_denom == 0:
+                continue
+            # Long rows first so micro-batches pad little; this rank's strided share.
+            mine = shard(sorted((r for r in mb_rows if r.weight > 0), key=lambda r: -len(r.response)), self.dist)
+            self.opt.zero_grad(set_to_none=True)
+            for i in range(0, len(mine), cfg.micro_batch_size):
+                loss, mts = self.minibatch_loss(mine[i: i + cfg.micro_batch_size], max(denom, 1), max(nll_denom, 1), k)
+                loss.backward()
+                for kind, mt in mts:
+                    for key, v in mt.items():
+                        agg.setdefault(f"{kind}/{key}", []).append((v, mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))))
+            if self.dist.world > 1:  # data parallel: sum the per-rank partial gradients (loss is a global sum)
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    torch.distributed.all_reduce(p.grad)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
+            self.opt.step()
+        # token-weighted means of what the loss functions returned, per kind
+        for key, vals in agg.items():
+            tot = sum(t for _, t in vals)
+            if key.endswith(("tokens",)):
+                m[key] = sum(v for v, _ in vals)
+            elif tot > 0:
+                m[key] = sum(v * t for v, t in vals) / tot
+        m["grad_norm"] = sum(norms) / max(1, len(norms))
+        m["minibatches"] = len(mbs)
+        m["peer_minibatches"] = sum(peer_mb)
+
+    # -- the step loop ----------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict:
+        cfg = self.cfg
+        timer: dict[str, float] = {}
+        t_start = time.time()
+        rows = batch_indices(len(self.data), step, cfg.prompts_per_step, cfg.data_seed)
+        own = self.rollout(step, rows, timer)
+        if self.dist.main:
+            t0 = time.time()
+            save_rollouts(rollout_path(self.exchange, cfg.name, step), own,
+                          {"model": cfg.model, "tokenizer": getattr(self.tok, "name_or_path", ""), "step": step,
+                           "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed})
+            timer["write"] = time.time() - t0
+        peer = self.peer_rollouts(step, own, timer)
+        t0 = time.time()
+        m: dict = {"step": step, "reward": float(own.rewards.mean()),
+                   "response_len": sum(len(t) for t in own.tokens) / len(own.tokens),
+                   "eos_frac": float(own.eos.float().mean())}
+        train_rows, replaced = self.build_rows(step, rows, own, peer, m)
+        timer["exchange"] = time.time() - t0  # selection, retokenisation, compatibility scoring
+        t0 = time.time()
+        self.update(step, train_rows, replaced, m)
+        timer["update"] = time.time() - t0
+        m.update({f"time/{k}": v for k, v in timer.items()})
+        m["time/step"] = time.time() - t_start
+        return m
+
+    def log(self, m: dict):
+        if not self.dist.main:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(m) + "\n")
+        g = lambda k, fmt="{:.3f}": (fmt.format(m[k]) if isinstance(m.get(k), (int, float)) and not (isinstance(m.get(k), float) and math.isnan(m[k])) else "-")
+        t = lambda k: f"{m.get('time/' + k, 0.0):.1f}"
+        print(f"step {m['step'] + 1:>4}/{self.cfg.steps} | reward {g('reward')} | all-fail {g('all_fail', '{:.2f}')} | "
+              f"cand {g('candidates_in', '{}')} sel {g('selected', '{}')} acc {g('accepted', '{}')}/{g('peer_responses', '{}')} "
+              f"w {g('mean_w', '{:.2f}')} | clip own {g('pg/clipfrac_own')} peer {g('pg/clipfrac_peer')} | "
+              f"loss {g('pg/loss', '{:+.4f}')} gnorm {g('grad_norm', '{:.2f}')} | len {g('response_len', '{:.0f}')} | "
+              f"s: sample {t('sample')} verify {t('verify')} logp {t('logprob')} wait {t('wait')} "
+              f"exch {t('exchange')} update {t('update')}", flush=True)
+
+    def fit(self):
+        cfg = self.cfg
+        try:
+            for step in range(self.start_step, cfg.steps):
+                m = self.step(step)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                    m.update(self.validate(step + 1))
+                self.log(m)
+                if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                    self.save_checkpoint(step + 1)
+        except BaseException as e:
+            # Tell a waiting peer at once instead of letting it time out (§4).
+            if self.dist.main and self.mode == "online":
+                import traceback
+                marker = self.exchange / cfg.name / "FAILED"
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+            raise
+
+    def validate(self, step: int) -> dict:
+        cfg = self.cfg
+        res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False)
+        score = res["mean"]
+        if self.dist.main:
+            print(f"[eval] step {step}: " + ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in res["benchmarks"].items())
+                  + f" | mean {score:.4f} (best {max(score, self.best_score):.4f})")
+        if score > self.best_score:
+            self.best_score = score
+            self.save_checkpoint(step, dest=self.ckpt_dir / "best")
+        return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation (DESIGN §7): avg@k = pass@1 with the training prompt and verifier
+# ------------------------------------------------------------------------------------------------
+
+BENCHMARKS = {"math500": "math500.jsonl", "aime2024": "aime2024.jsonl", "aime2025": "aime2025.jsonl",
+              "amc23": "amc23.jsonl", "minerva": "minerva.jsonl"}
+
+
+def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
+    """--benchmarks: 'all', a comma list of names, or paths to prompt JSONL files -> {name: path}."""
+    names = list(BENCHMARKS) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    out = {}
+    for name in names:
+        path = Path(data_dir) / BENCHMARKS[name] if name in BENCHMARKS else Path(name)
+        if not path.is_file():
+            hint = "python data/prepare.py writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
+            raise SystemExit(f"--benchmarks: {path} not found ({hint})")
+        out[name if name in BENCHMARKS else path.stem] = path
+    return out
+
+
+def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist_info: DistInfo, *,
+             progress: bool = True, desc: str = "eval") -> list[dict]:
+    """Sample cfg.eval_samples responses per problem and verify them; rows split over ranks.
+
+    Returns one dict per problem, in order: id, answer, correct (list of 0/1), and the responses
+    when cfg.save_responses.
+    """
+    from verify import verify_batch
+    k = cfg.eval_samples
+    jobs = [(p, j) for p in range(len(problems)) for j in range(k)]
+    mine = shard(jobs, dist_info)
+    prompts = [encode_prompt(problems[p]["problem"], tokenizer, template=cfg.prompt_template, chat=cfg.chat_template)
+               for p, _ in mine]
+    gen = torch.Generator(device=dist_info.device).manual_seed(cfg.seed * 31 + 1 + dist_info.rank)
+    max_new = cfg.eval_max_tokens or cfg.max_response_tokens
+    texts = []
+    was_training = model.training
+    bar = range(0, len(prompts), cfg.gen_batch_size)
+    if progress and dist_info.main:
+        from tqdm import tqdm
+        bar = tqdm(bar, desc=desc, unit="batch")
+    for i in bar:
+        outs = sample(model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=max_new, temperature=cfg.eval_temperature,
+                      top_p=cfg.eval_top_p, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen)
+        texts += [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
+    model.train(was_training)
+    scores = verify_batch(texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers)
+    results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
+    out = []
+    for p, prob in enumerate(problems):
+        chunk = results[p * k: (p + 1) * k]
+        row = {"id": prob["id"], "answer": prob["answer"], "correct": [float(s) for s, _ in chunk]}
+        if cfg.save_responses:
+            row["responses"] = [t for _, t in chunk]
+        out.append(row)
+    return out
+
+
+def summarize(per_problem: list[dict]) -> dict:
+    """pass@1 = mean correctness over all samples (avg@k); pass@k = a problem solved by any sample."""
+    if not per_problem:
+        return {"pass@1": 0.0, "pass@k": 0.0, "problems": 0}
+    p1 = sum(sum(r["correct"]) / len(r["correct"]) for r in per_problem) / len(per_problem)
+    pk = sum(1.0 for r in per_problem if max(r["correct"]) > 0) / len(per_problem)
+    return {"pass@1": p1, "pass@k": pk, "problems": len(per_problem)}
+
+
+def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: DistInfo, *, progress: bool = True) -> dict:
+    """Every benchmark of --benchmarks; 'mean' is the unweighted mean of their pass@1 (the paper's score)."""
+    files = benchmark_files(cfg.benchmarks, cfg.data_dir)
+    res, per = {}, {}
+    for name, path in files.items():
+        problems = load_prompt_file(str(path))
+        if cfg.eval_max_problems:
+            problems = problems[: cfg.eval_max_problems]
+        per[name] = evaluate(model, tokenizer, stop_ids, problems, cfg, dist_info, progress=progress, desc=name)
+        res[name] = summarize(per[name])
+    mean = sum(r["pass@1"] for r in res.values()) / max(1, len(res))
+    return {"benchmarks": res, "mean": mean, "problems": per}
+
+
+def print_eval_table(res: dict, k: int) -> None:
+    print(f"{'benchmark':<12} {'problems':>8} {'pass@1':>8} {f'pass@{k}':>8}")
+    for name, r in res["benchmarks"].items():
+        print(f"{name:<12} {r['problems']:>8} {100 * r['pass@1']:>8.2f} {100 * r['pass@k']:>8.2f}")
+    print(f"{'mean':<12} {'':>8} {100 * res['mean']:>8.2f}")
+
+
+def run_eval(cfg: Config) -> dict:
+    dist_info = setup_distributed(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if not cfg.model:
+        raise SystemExit("--model is required")
+    model, tok, stop = load_policy(cfg.model, cfg, dist_info)
+    t0 = time.time()
+    res = evaluate_benchmarks(model, tok, stop, cfg, dist_info)
+    if dist_info.main:
+        print_eval_table(res, cfg.eval_samples)
+        print(f"[eval] {time.time() - t0:.0f}s; settings: {cfg.eval_samples} samples, T={cfg.eval_temperature}, "
+              f"top-p={cfg.eval_top_p}")
+        path = Path(cfg.eval_out) if cfg.eval_out else (Path(cfg.model) / "eval_results.json" if Path(cfg.model).is_dir()
+                                                        else Path(cfg.out) / "eval_results.json")
+        payload = {"model": cfg.model, "settings": {"samples": cfg.eval_samples, "temperature": cfg.eval_temperature,
+                                                    "top_p": cfg.eval_top_p, "max_tokens": cfg.eval_max_tokens or cfg.max_response_tokens},
+                   **res}
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1)))
+        print(f"[eval] per-problem results -> {path}")
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
+# ------------------------------------------------------------------------------------------------
+
+EVAL_ALIASES = {"samples": "eval_samples", "temperature": "eval_temperature", "top_p": "eval_top_p"}
+
+
+def build_parser():
+    import argparse
+    docs = field_docs(Config)
+    parser = argparse.ArgumentParser(prog="graft.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in ("train", "eval"):
+        p = sub.add_parser(command, help="train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model (DESIGN §7)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        aliases = {v: k for k, v in EVAL_ALIASES.items()} if command == "eval" else {}
+        for f in dataclasses.fields(Config):
+            if command == "eval" and f.name in EVAL_ALIASES:
+                continue  # in eval, --temperature etc. mean the evaluation settings
+            flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{aliases[f.name].replace('_', '-')}"] if f.name in aliases else [])
+            help_ = docs.get(f.name, "").replace("%", "%%") + (f" choices: {', '.join(CHOICES[f.name])}" if f.name in CHOICES else "")
+            if isinstance(f.default, bool):
+                p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            else:
+                p.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default, help=help_)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+    try:
+        validate_config(cfg)
+    except ValueError as e:
+        raise SystemExit(f"graft.py {args.command}: {e}")
+    if args.command == "train":
+        Trainer(cfg).fit()
+    else:
+        run_eval(cfg)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

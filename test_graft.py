@@ -326,3 +326,45 @@ def test_retokenize_length_drop_and_digit_split():
     assert retokenize(text, True, qwen, max_response_tokens=len(q)) == q  # exactly at the limit: kept
     assert retokenize(text, True, qwen, max_response_tokens=len(q) - 1) is None  # one over: dropped
     assert retokenize(text, False, qwen, max_response_tokens=len(q) - 1) == q[:-1]  # no EOS appended
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer end to end on tiny random models
+# ------------------------------------------------------------------------------------------------
+
+CHARS = list("0123456789+-*/=()., abcdefghijklmnopqrstuvwxyz?:\\{}\n")
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, granularity: int = 1):
+    """A tiny random causal LM + a local tokenizer (characters, or pairs of digits with granularity=2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+    vocab = {"<pad>": 0, "</s>": 1}
+    for c in CHARS:
+        vocab.setdefault(c, len(vocab))
+    merges = []
+    if granularity == 2:  # a second tokenisation of digits: pairs "12" as one token
+        for a in "0123456789":
+            for b in "0123456789":
+                vocab[a + b] = len(vocab)
+                merges.append((a, b))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="isolated") if granularity == 1 else \
+        pre_tokenizers.Split(pattern=" ", behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", pad_token="<pad>")
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    cfg = LlamaConfig(**kw) if arch == "llama" else Qwen3Config(head_dim=8, **kw)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_prompts(path: Path, n: int = 16):
+    rows = [{"id": f"p{i}", "problem": f"{i}+{i + 1}", "answer": str(2 * i + 1)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
