@@ -307,6 +307,8 @@ def _clean(s: str) -> str:
     s = _SPACING_RE.sub(" ", s)
     s = _LEFTRIGHT_RE.sub("", s)
     s = _DEGREE_RE.sub("", s)
+    # \mathrm{cm} is text (a unit or a word); \mathrm{12} or \mathbf{x+1} is just a group.
+    s = re.sub(r"\\(?:" + "|".join(_FONT_CMDS) + r")\s*\{([A-Za-z ]{2,})\}", r"\\text{\1}", s)
     s = _replace_cmd_wrapper(s, _FONT_CMDS, "")
     s = _replace_cmd_wrapper(s, _TEXT_CMDS, "\\text")
     s = s.replace("~", " ").strip()
@@ -315,8 +317,9 @@ def _clean(s: str) -> str:
     # Units written as text after a value: "5.4 \text{ cents}", "864 \mbox{ inches}^2".
     for _ in range(3):
         m = _TRAILING_TEXT_RE.match(s)
-        if not m or m.group(1).endswith(("_", "^")) or m.group(1).rstrip().endswith(
-                ("\\text", "{")):
+        unit = m.group(2).strip() if m else ""
+        if not m or m.group(1).endswith(("_", "^", "{")) or (
+                len(unit) < 2 and unit not in _UNIT_WORDS):
             break
         s = m.group(1).strip()
     s = s.strip().rstrip(".").strip()
@@ -393,7 +396,7 @@ _FUNCS = {
     "cosh": sympy.cosh, "tanh": sympy.tanh, "exp": sympy.exp, "ln": sympy.log, "log": sympy.log,
     "sqrt": None, "abs": sympy.Abs,
 }
-_CONST_WORDS = {"pi": S.Pi, "infty": S.Infinity, "inf": S.Infinity, "infinity": S.Infinity}
+_CONST_WORDS = {"pi": S.Pi, "infty": S.Infinity, "oo": S.Infinity, "inf": S.Infinity, "infinity": S.Infinity}
 _GREEK = frozenset((
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
     "iota", "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi",
@@ -1016,7 +1019,7 @@ def _decimal_fraction(txt: str) -> Fraction:
 
 _CHOICE_RE = re.compile(r"^\(?\s*([A-E])\s*\)?$")
 _CHOICE_PRED_RE = re.compile(r"^(?:\\text\{)?\(([A-E])\)")
-_WORDS_RE = re.compile(r"^[A-Za-z][A-Za-z '\-]*[A-Za-z]$")
+_WORDS_RE = re.compile(r"^[A-Za-z]{2,}(?:[ '\-]+[A-Za-z]{2,})*$")
 
 
 def _unwrap_text(s: str) -> str:
