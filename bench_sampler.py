@@ -1,0 +1,273 @@
+"""Benchmarks for sampler.py (DESIGN §9): every figure is a ratio measured side by side in one run.
+
+    python bench_sampler.py            # full sizes (about 6-8 minutes on one CPU thread)
+    python bench_sampler.py --quick    # smaller vocabulary and token count (about a minute)
+
+1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
+   gradient, temperature 1:
+   * peak memory of forward + backward, ours (``token_logprobs``) vs the naive ``log_softmax(h @ W.T).gather``.
+     Each path runs once in a fresh subprocess; the figure is the rise of its peak RSS (``ru_maxrss``) over the RSS
+     once inputs exist, so it includes the (V, H) weight gradient both paths must return (N x V logits are the
+     naive path's extra). torch's CPU allocator returns large blocks to the OS, so RSS tracks live tensors.
+   * time of forward + backward, interleaved ours / naive, repeated; the ratio of medians.
+   * max abs error of the log-probs and relative error (Frobenius norm of the difference over the norm) of both
+     gradients against a float64 reference computed in token chunks.
+2. Sampler vs transformers' ``generate`` on a tiny Qwen3-style model (hidden 64, 2 layers, vocab 256), batch 64,
+   cap 64 new tokens, one CPU thread. The model is first trained here for a few hundred steps on "filler prompt, then
+   the count-down c_{L-1} ... c_1, EOS" after a prompt that ends with c_L, L uniform in 1..60, so that its greedy
+   responses stop after 1 to 60 tokens as RL rollouts do. Tokens/s counts useful tokens (EOS included, padding
+   after EOS excluded) for both. Cases: greedy with EOS (outputs must be identical), greedy with an EOS that is
+   never produced (every row runs to the cap), and temperature-1 sampling with EOS.
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from sampler import sample, token_logprobs
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. log-prob path
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def logprob_inputs(n, h, v, seed=0):
+    """Leaf inputs that look like a real lm_head: hidden (N, H) of norm ~4, weight (V, H) rows of norm ~1."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=gen) * (4 / h**0.5)).requires_grad_(True)  # (N, H)
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).requires_grad_(True)  # (V, H)
+    targets = torch.randint(0, v, (n,), generator=gen)  # (N,)
+    upstream = torch.randn(n, generator=gen)  # (N,) random upstream gradient, as a policy loss gives
+    return hidden, weight, targets, upstream
+
+
+def naive_path(hidden, weight, targets):
+    """The textbook path: full (N, V) float32 logits, log_softmax, gather."""
+    return torch.log_softmax(hidden @ weight.T, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)  # (N,)
+
+
+def ours_path(hidden, weight, targets):
+    return token_logprobs(hidden, weight, targets)  # defaults: chunk_size=1024, automatic vocabulary chunk
+
+
+PATHS = {"naive": naive_path, "ours": ours_path}
+
+
+def fwd_bwd(path, hidden, weight, targets, upstream):
+    """One forward + backward; returns the log-probs. Gradients land in hidden.grad, weight.grad."""
+    hidden.grad = weight.grad = None
+    logp = PATHS[path](hidden, weight, targets)
+    (logp * upstream).sum().backward()
+    return logp.detach()
+
+
+def memory_child(path, n, h, v):
+    """Run in a fresh process: print the rise of peak RSS (bytes) caused by one forward + backward of `path`."""
+    torch.set_num_threads(1)
+    inputs = logprob_inputs(n, h, v)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux; the inputs are already allocated
+    fwd_bwd(path, *inputs)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_rise_bytes": (after - before) * 1024}))
+
+
+def peak_rise(path, n, h, v):
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", path, str(n), str(h), str(v)],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_rise_bytes"]
+
+
+def float64_reference(hidden, weight, targets, upstream, chunk=128):
+    """log-probs and both gradients in float64, through full logits but `chunk` tokens at a time to bound memory."""
+    w64 = weight.detach().double().requires_grad_(True)  # (V, H); its .grad accumulates over the chunks
+    logps, grads_h = [], []
+    for n0 in range(0, hidden.shape[0], chunk):
+        h64 = hidden[n0 : n0 + chunk].detach().double().requires_grad_(True)  # (n, H)
+        lp = torch.log_softmax(h64 @ w64.T, dim=-1).gather(1, targets[n0 : n0 + chunk].unsqueeze(1)).squeeze(1)
+        (lp * upstream[n0 : n0 + chunk].double()).sum().backward()
+        logps.append(lp.detach())
+        grads_h.append(h64.grad)
+    return torch.cat(logps), torch.cat(grads_h), w64.grad  # (N,), (N, H), (V, H)
+
+
+def bench_logprobs(n, h, v, repeats):
+    torch.set_num_threads(1)
+    print(f"== log-prob path: float32, CPU, 1 thread, N={n:,} tokens, H={h}, V={v:,}, random upstream gradient")
+    mem = {p: peak_rise(p, n, h, v) for p in ("naive", "ours")}
+    print(f"peak memory rise, forward+backward (fresh subprocess each; includes the {v * h * 4 / 2**20:.0f} MiB "
+          f"weight gradient both return):")
+    print(f"  naive {mem['naive'] / 2**20:8.0f} MiB   ours {mem['ours'] / 2**20:8.0f} MiB   "
+          f"ours/naive = {mem['ours'] / mem['naive']:.3f}  (target <= 0.125)")
+    print(f"  (for scale: one (N, V) float32 array is {n * v * 4 / 2**20:.0f} MiB)")
+
+    inputs = logprob_inputs(n, h, v)
+    times = {"naive": [], "ours": []}
+    for rep in range(repeats):
+        for p in (("naive", "ours") if rep % 2 == 0 else ("ours", "naive")):  # alternate who goes first
+            t0 = time.perf_counter()
+            fwd_bwd(p, *inputs)
+            times[p].append(time.perf_counter() - t0)
+    med = {p: statistics.median(t) for p, t in times.items()}
+    print("time forward+backward, interleaved, seconds per repeat:")
+    for p in ("naive", "ours"):
+        print(f"  {p:5s} " + " ".join(f"{t:6.2f}" for t in times[p]) + f"   median {med[p]:.2f}")
+    per_rep = [o / nv for o, nv in zip(times["ours"], times["naive"])]
+    print(f"  ours/naive = {med['ours'] / med['naive']:.2f} (median ratio; per repeat "
+          + " ".join(f"{r:.2f}" for r in per_rep) + ")  (target <= 1.4)")
+
+    ref_lp, ref_gh, ref_gw = float64_reference(*inputs)
+    print("error vs float64 reference (log-probs: max abs; gradients: ||err|| / ||grad||):")
+    for p in ("naive", "ours"):
+        hidden, weight = inputs[0], inputs[1]
+        lp = fwd_bwd(p, *inputs)
+        e_lp = (lp.double() - ref_lp).abs().max().item()
+        e_gh = ((hidden.grad.double() - ref_gh).norm() / ref_gh.norm()).item()
+        e_gw = ((weight.grad.double() - ref_gw).norm() / ref_gw.norm()).item()
+        print(f"  {p:5s} logp {e_lp:.2e}   grad hidden {e_gh:.2e}   grad weight {e_gw:.2e}   (target < 1e-4)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. sampler vs generate
+# ---------------------------------------------------------------------------------------------------------------------
+
+PAD, EOS, VOCAB, CAP = 0, 1, 256, 64
+COUNTER0 = 2  # token COUNTER0 + k is the counter c_k, k = 0..63
+FILLER0 = 70  # filler tokens 70..255 make up the prompts
+
+
+def counting_batch(batch, gen):
+    """Prompts (list of lists) and right-padded training sequences (B, L) with a loss mask on response tokens.
+
+    prompt = 4..16 filler tokens, then c_L (L uniform in 1..60); response = c_{L-1}, ..., c_1, EOS (L tokens)."""
+    prompts, seqs = [], []
+    for _ in range(batch):
+        n_fill = int(torch.randint(4, 17, (1,), generator=gen))
+        length = int(torch.randint(1, 61, (1,), generator=gen))
+        prompt = torch.randint(FILLER0, VOCAB, (n_fill,), generator=gen).tolist() + [COUNTER0 + length]
+        response = [COUNTER0 + k for k in range(length - 1, 0, -1)] + [EOS]
+        prompts.append(prompt)
+        seqs.append((prompt, response))
+    width = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.full((batch, width), PAD, dtype=torch.long)  # (B, L)
+    labels = torch.full((batch, width), -100, dtype=torch.long)  # (B, L): loss on response tokens only
+    for i, (p, r) in enumerate(seqs):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+    return prompts, ids, labels
+
+
+def trained_tiny_qwen3(steps, seed=0):
+    """A tiny Qwen3-style model trained to stop after the count-down its prompt asks for (1..60 tokens)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS,
+        bos_token_id=None, tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        _, ids, labels = counting_batch(64, gen)
+        loss = model(input_ids=ids, attention_mask=(ids != PAD).long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), float(loss)
+
+
+def run_generate(model, prompts, *, eos, temperature):
+    """transformers' generate on the same left-padded batch; returns per-row useful tokens (cut after first EOS)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])  # (B, P)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, P)
+    kw = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=CAP, eos_token_id=eos, pad_token_id=PAD, **kw)
+    rows = []
+    for row in out[:, width:].tolist():
+        stop = next((k for k, t in enumerate(row) if t == eos), None)
+        rows.append(row if stop is None else row[: stop + 1])
+    return rows
+
+
+def run_ours(model, prompts, *, eos, temperature):
+    gen = torch.Generator().manual_seed(0)
+    rolls = sample(model, prompts, max_new_tokens=CAP, temperature=temperature, eos_token_id=eos, pad_token_id=PAD,
+                   generator=gen)
+    return [r.tokens for r in rolls]
+
+
+def bench_sampler(train_steps, repeats):
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    model, loss = trained_tiny_qwen3(train_steps)
+    print(f"\n== sampler vs generate: tiny Qwen3 (hidden 64, 2 layers, V={VOCAB}), batch 64, cap {CAP}, CPU, 1 thread")
+    print(f"trained {train_steps} steps in {time.perf_counter() - t0:.0f} s, final loss {loss:.3f}")
+    prompts, _, _ = counting_batch(64, torch.Generator().manual_seed(123))
+    never = VOCAB  # an EOS id outside the vocabulary: never produced, every row runs to the cap
+    cases = [("greedy, EOS (lengths vary)", EOS, 0.0), ("greedy, no EOS (all rows to cap)", never, 0.0),
+             ("T=1 sampling, EOS", EOS, 1.0)]
+    for name, eos, temperature in cases:
+        run_ours(model, prompts, eos=eos, temperature=temperature)  # warm-up both (first-call overheads)
+        run_generate(model, prompts, eos=eos, temperature=temperature)
+        tps = {"ours": [], "generate": []}
+        outputs = {}
+        for rep in range(repeats):
+            order = ("ours", "generate") if rep % 2 == 0 else ("generate", "ours")
+            for who in order:
+                fn = run_ours if who == "ours" else run_generate
+                t0 = time.perf_counter()
+                rows = fn(model, prompts, eos=eos, temperature=temperature)
+                tps[who].append(sum(map(len, rows)) / (time.perf_counter() - t0))
+                outputs[who] = rows
+        lengths = [len(r) for r in outputs["ours"]]
+        med = {k: statistics.median(v) for k, v in tps.items()}
+        print(f"{name}: response lengths min {min(lengths)} / mean {sum(lengths) / len(lengths):.1f} / "
+              f"max {max(lengths)}")
+        if temperature == 0:
+            same = outputs["ours"] == outputs["generate"]
+            print(f"  greedy outputs identical to generate: {same}")
+            assert same, "greedy outputs differ from generate"
+        print(f"  tokens/s  ours " + " ".join(f"{x:7.0f}" for x in tps["ours"])
+              + f"   generate " + " ".join(f"{x:7.0f}" for x in tps["generate"]))
+        print(f"  ours/generate = {med['ours'] / med['generate']:.2f}x (median tokens/s)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
+    ap.add_argument("--only", choices=["logprobs", "sampler"], help="run one of the two benchmarks")
+    ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_child:
+        path, n, h, v = args.memory_child
+        memory_child(path, int(n), int(h), int(v))
+        return
+    if args.only in (None, "logprobs"):
+        if args.quick:
+            bench_logprobs(512, 256, 32_768, repeats=2)
+        else:
+            bench_logprobs(2048, 512, 151_936, repeats=3)
+    if args.only in (None, "sampler"):
+        bench_sampler(train_steps=150 if args.quick else 400, repeats=2 if args.quick else 3)
+
+
+if __name__ == "__main__":
+    main()
