@@ -243,11 +243,9 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
     for m in _FINAL_RE.finditer(tail):
         pass
     if m is not None:
-        ans = m.group(1).strip()
-        ans = re.split(r"(?<!\\)\$\s*[.,]?\s*$|\n", ans)[0] if "\n" in ans else ans
-        ans = ans.strip().strip("$").strip()
-        ans = re.sub(r"^\\\(|\\\)$", "", ans).strip()
-        ans = ans.rstrip(".").strip()
+        ans = m.group(1).split("\n", 1)[0].strip().rstrip(".").strip()
+        ans = ans.strip("$").strip()
+        ans = re.sub(r"^\\\(|\\\)$", "", ans).strip().rstrip(".").strip()
         if ans:
             return ans
     last = None

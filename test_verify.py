@@ -1,0 +1,248 @@
+"""Tests of verify.py: every answer category in both directions, extraction, hostile inputs, the
+labelled case file, determinism across hash seeds, threads and the process-pool batch path."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import verify as V
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = os.path.join(HERE, "data", "verify_cases.jsonl")
+
+# ----------------------------------------------------------------------------------------------
+# Equivalence, per category: (pred, gold, expected). Each category has both directions.
+
+EQUIV = {
+    "integer": [("42", "42", True), ("042", "42", True), ("42.0", "42", True), ("41", "42", False),
+                ("-42", "42", False)],
+    "thousands": [("2880", "2,\\!880", True), ("2,880", "2880", True), ("1 000 000", "1000000", True),
+                  ("11111111100", "11,\\! 111,\\! 111,\\! 100", True), ("288", "2,\\!880", False)],
+    "decimal": [("0.35625", ".35625", True), ("4.5", "\\frac92", True), ("4.49", "4.5", False),
+                ("0.333", "\\frac13", False)],
+    "fraction": [("5/6", "\\frac{5}{6}", True), ("\\dfrac{10}{12}", "\\frac56", True),
+                 ("\\tfrac56", "\\frac{5}{6}", True), ("\\frac 59", "5/9", True),
+                 ("\\frac{6}{5}", "\\frac56", False)],
+    "mixed_number": [("\\frac95", "1\\frac{4}{5}", True), ("137.5", "137 \\frac{1}{2}", True),
+                     ("\\frac45", "1\\frac{4}{5}", False)],
+    "percent": [("10", "10\\%", True), ("0.1", "10\\%", True), ("11\\%", "10\\%", False)],
+    "scientific": [("4.46\\times10^{19}", "4.46e19", True), ("6.5e-6", "6.5 \\times 10^{-6}", True),
+                   ("4.46e18", "4.46e19", False), ("1.24e8", "1.24e-8", False)],
+    "sqrt": [("\\sqrt{50}", "5\\sqrt{2}", True), ("\\frac{1}{\\sqrt3}", "\\frac{\\sqrt{3}}{3}", True),
+             ("\\sqrt{52}", "5\\sqrt2", False)],
+    "nthroot": [("2", "\\sqrt[3]{8}", True), ("2\\sqrt[3]{2}", "\\sqrt[3]{16}", True),
+                ("3", "\\sqrt[3]{9}", False)],
+    "power": [("1024", "2^{10}", True), ("x^6", "(x^2)^3", True), ("x^5", "(x^2)^3", False)],
+    "pi": [("288\\pi", "288 \\pi", True), ("3.14159265", "\\pi", True), ("3.14", "\\pi", False),
+           ("\\frac{\\pi}{6}", "-\\frac{\\pi}{6}", False)],
+    "infinity": [("(2,\\infty)", "(2, \\infty)", True), ("(-\\infty,2)", "(2,\\infty)", False)],
+    "pm": [("1+\\sqrt{19}, 1-\\sqrt{19}", "1 \\pm \\sqrt{19}", True),
+           ("1+\\sqrt{19}", "1 \\pm \\sqrt{19}", False)],
+    "degrees": [("90", "90^\\circ", True), ("90^{\\circ}", "90", True),
+                ("\\frac{\\pi}{2}", "90^\\circ", False)],
+    "units_text": [("864", "864 \\mbox{ inches}^2", True), ("5.4", "5.4 \\text{ cents}", True),
+                   ("18.90", "\\$18.90", True), ("12 cm", "12", True), ("5", "5.4 \\text{ cents}", False)],
+    "leftright": [("(3/2,-13)", "\\left( \\frac{3}{2}, -13 \\right)", True),
+                  ("(-13,3/2)", "\\left( \\frac{3}{2}, -13 \\right)", False)],
+    "mathrm": [("\\mathrm{12}", "12", True), ("\\mathbf{(B)}", "\\text{(B)}", True),
+               ("\\mathbf{13}", "12", False)],
+    "equation": [("x=5", "5", True), ("5", "x=5", True), ("y=3+2x", "y = 2x + 3", True),
+                 ("10x-14y+22z+8=0", "5x - 7y + 11z + 4 = 0", True), ("x=6", "5", False),
+                 ("y=2x-3", "y = 2x + 3", False)],
+    "expression": [("(x+2)(x+5)", "x^2+7x+10", True), ("2(k+1)", "2k+2", True),
+                   ("\\sin^2 x+\\cos^2 x", "1", True), ("x^2+7x+12", "x^2+7x+10", False),
+                   ("q-p", "p - q", False)],
+    "tuple": [("(3, -1)", "(3,-1)", True), ("3,-1", "(3,-1)", True), ("(-1,3)", "(3,-1)", False),
+              ("(3,-1,0)", "(3,-1)", False)],
+    "set": [("\\{3,2,1\\}", "\\{1,2,3\\}", True), ("\\{1,2\\}", "\\{1,2,3\\}", False)],
+    "interval": [("[-2,7)", "[-2,7)", True), ("x \\in [-2,7]", "[-2,7]", True),
+                 ("(-2,7)", "[-2,7)", False), ("[-2,7]", "[-2,7)", False)],
+    "union": [("(9,36)\\cup(0,9)", "(0,9) \\cup (9,36)", True),
+              ("(0,36)", "(0,9) \\cup (9,36)", False)],
+    "list": [("-2,1", "1,-2", True), ("x=1, x=-2", "1,-2", True), ("1 \\text{ or } -2", "1,-2", True),
+             ("1,2", "1,-2", False), ("1", "1,-2", False)],
+    "matrix": [("\\begin{bmatrix}1\\\\2\\end{bmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True),
+               ("(1,2)", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True),
+               ("\\begin{pmatrix}-1&0\\\\0&1\\end{pmatrix}",
+                "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", False)],
+    "choice": [("C", "\\text{(C)}", True), ("\\textbf{(C)} 12", "\\text{(C)}", True),
+               ("B", "\\text{(C)}", False)],
+    "text": [("Evelyn", "\\text{Evelyn}", True), ("\\text{east}", "east", True),
+             ("west", "\\text{east}", False)],
+    "complex": [("-5i+6", "6 - 5i", True), ("6+5i", "6 - 5i", False)],
+    "minerva": [("1/(a+s)", "\\frac{1}{s+a}", True), ("\\cos(2t)+\\sin(2t)", "\\sqrt{2} \\cos (2 t-\\pi / 4)", True),
+                ("\\frac{1}{s-a}", "\\frac{1}{s+a}", False)],
+    "undefined": [("0/0", "0/0", False), ("\\frac{1}{0}", "\\frac{1}{0}", False), ("nan", "nan", False),
+                  ("zoo", "zoo", False), ("\\frac{0}{0}", "0", False)],
+}
+
+
+@pytest.mark.parametrize("pred,gold,expected,cat", [
+    (p, g, e, cat) for cat, rows in EQUIV.items() for p, g, e in rows])
+def test_equivalence(pred, gold, expected, cat):
+    assert V.is_equivalent(pred, gold) is expected, (cat, pred, gold)
+
+
+def test_every_category_has_both_directions():
+    for cat, rows in EQUIV.items():
+        if cat == "undefined":
+            continue
+        assert {e for _, _, e in rows} == {True, False}, cat
+
+
+def test_rel_tol_is_configurable():
+    # Minerva golds carry about three significant figures.
+    assert not V.is_equivalent("4.4625e19", "4.46e19")
+    assert V.is_equivalent("4.4625e19", "4.46e19", rel_tol=V.MINERVA_REL_TOL)
+    assert not V.is_equivalent("4.7e19", "4.46e19", rel_tol=V.MINERVA_REL_TOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Extraction and verify()
+
+def test_extract_answer():
+    assert V.extract_answer("so \\boxed{\\frac{1}{2}} and \\boxed{3}") == "3"
+    assert V.extract_answer("\\boxed{\\frac{a}{\\{b\\}}}") == "\\frac{a}{\\{b\\}}"
+    assert V.extract_answer("x = \\fbox{7}") == "7"
+    assert V.extract_answer("thus $\\boxed 5$.") == "5"
+    assert V.extract_answer("\\boxed{1} then \\boxed{", strict=True) is None   # last box unclosed
+    assert V.extract_answer("The final answer is $12$.", strict=True) is None
+    assert V.extract_answer("The final answer is $12$.") == "12"
+    assert V.extract_answer("we get 3 apples and then 17 pears") == "17"
+    assert V.extract_answer("no answer here") is None
+
+
+def test_verify_and_batch_in_process():
+    assert V.verify("... so \\boxed{2,\\!880}.", "2880") == 1.0
+    assert V.verify("... so 2880.", "2880") == 0.0                     # strict: boxed only
+    assert V.verify("... so 2880.", "2880", strict=False) == 1.0
+    assert V.verify("\\boxed{0.5}", "\\boxed{\\frac12}") == 1.0
+    assert V.verify_batch(["\\boxed{1}", "\\boxed{2}", "x"], ["1", "1", "1"]) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        V.verify_batch(["a"], [])
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile inputs: prompt, no exception, no code run.
+
+HOSTILE = [
+    "\\boxed{",
+    "\\boxed{" + "1" * 100_000 + "}",
+    "x" * 100_000,
+    "\\boxed{" + "{" * 1000 + "1" + "}" * 1000 + "}",
+    "\\boxed{" + "(" * 1000 + "1" + ")" * 1000 + "}",
+    "\\boxed{10^{10^{10^{10}}}}",
+    "\\boxed{9**9**9**9}",
+    "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
+    "\\boxed{(10^{100})!}",
+    "\\boxed{e^{e^{e^{e^{100}}}}}",
+    "\\boxed{x^{10^{10}}}",
+    "\\boxed{\\sqrt[10^{9}]{2}}",
+    "\\boxed{1e999999999}",
+    "\\boxed{__import__('os').system('true')}",
+    "\\boxed{\\def\\x{5}\\x}",
+    "\\boxed{5\x00}",
+    "\\boxed{\ud800\udfff}",
+    "\\boxed{" + "-" * 5000 + "1}",
+    "\\boxed{" + "1+" * 700 + "1}",
+    "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",
+    "\\boxed{\\begin{pmatrix}" + "1&" * 400 + "1\\end{pmatrix}}",
+]
+
+
+@pytest.mark.parametrize("i", range(len(HOSTILE)))
+def test_hostile_inputs_return_promptly(i):
+    text = HOSTILE[i]
+    for gold in ("1", "10^{10^{10^{10}}}", text[7:-1] if text.startswith("\\boxed{") else "x"):
+        t = time.perf_counter()
+        r = V.verify(text, gold)
+        dt = time.perf_counter() - t
+        assert r in (0.0, 1.0)
+        assert dt < 1.0, (i, dt)
+        t = time.perf_counter()
+        V.is_equivalent(text, gold)
+        assert time.perf_counter() - t < 1.0
+
+
+def test_huge_values_are_not_equivalent_and_counted():
+    V.reset_stats()
+    assert not V.is_equivalent("10^{10^{10^{10}}}", "10^{10^{10^{10}}}")
+    assert not V.is_equivalent("9**9**9**9", "9**9**9**9")
+    assert V.stats()["limit_hits"] >= 2
+
+
+def test_no_code_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    payloads = [f"__import__('os').system('touch {marker}')",
+                f"exec(\"open('{marker}','w')\")", f"eval('open(\"{marker}\",\"w\")')",
+                f"\\input{{{marker}}}", f"\\write18{{touch {marker}}}"]
+    for p in payloads:
+        V.verify("\\boxed{" + p + "}", p)
+        V.is_equivalent(p, p)
+    assert not marker.exists()
+
+
+def test_threads_agree_with_serial():
+    cases = [json.loads(line) for line in open(CASES, encoding="utf-8")][:120]
+    want = [V.is_equivalent(c["pred"], c["gold"]) for c in cases]
+    got = [None] * len(cases)
+
+    def work(k):
+        for j in range(k, len(cases), 4):
+            got[j] = V.is_equivalent(cases[j]["pred"], cases[j]["gold"])
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+# ----------------------------------------------------------------------------------------------
+# The labelled case file, determinism, and the process pool.
+
+def test_case_file_accuracy():
+    cases = [json.loads(line) for line in open(CASES, encoding="utf-8")]
+    assert len(cases) >= 400
+    fp = fn = 0
+    for c in cases:
+        r = V.is_equivalent(c["pred"], c["gold"], rel_tol=c.get("rel_tol", V.DEFAULT_REL_TOL))
+        fp += r and not c["label"]
+        fn += c["label"] and not r
+    acc = 1 - (fp + fn) / len(cases)
+    assert acc >= 0.97, (acc, fp, fn)
+    assert fp / len(cases) < 0.01, fp
+
+
+_DET_SCRIPT = r"""
+import json, sys
+import verify as V
+cases = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
+print("".join("1" if V.is_equivalent(c["pred"], c["gold"], rel_tol=c.get("rel_tol", 1e-4))
+              else "0" for c in cases))
+"""
+
+
+def test_determinism_across_hash_seeds():
+    outs = []
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=HERE)
+        r = subprocess.run([sys.executable, "-c", _DET_SCRIPT, CASES], env=env, cwd=HERE,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.strip())
+    assert outs[0] == outs[1] and len(outs[0]) >= 400
+
+
+def test_verify_batch_workers_match():
+    cases = [json.loads(line) for line in open(CASES, encoding="utf-8")][::4]
+    responses = ["so \\boxed{" + c["pred"] + "}" for c in cases]
+    golds = [c["gold"] for c in cases]
+    one = V.verify_batch(responses, golds, workers=1)
+    two = V.verify_batch(responses, golds, workers=2)
+    assert one == two
+    assert len(one) == len(cases) and set(one) <= {0.0, 1.0}
