@@ -360,8 +360,8 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
     """Pick one token per row and its log-prob. logits (B, V) float32 -> tokens (B,) long, logprobs (B,) float32."""
     if temperature == 0:
         tokens = logits.argmax(dim=-1)  # (B,) greedy; first index on ties, as generate
-        logp = torch.log_softmax(logits, dim=-1)  # (B, V) temperature-1 log-probs (departure 2)
-        return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        # temperature-1 log-probs (departure 2): target logit minus log-sum-exp, as token_logprobs computes them
+        return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
     logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V) full-vocabulary log-probs (departure 2)
     probs = logp.exp()  # (B, V)
     if top_p < 1.0:
@@ -434,69 +434,83 @@ def sample(
     input_ids = torch.full((n_rows, width), pad_token_id, dtype=torch.long)  # (B, P)
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-    # Preallocated mask for the whole run. Response columns are all ones from the start: a row that finishes leaves
-    # the batch, so every row still present has a real token in every response column written so far. Each step
+    # Preallocated mask for the whole run. Response columns are True from the start: a row that finishes leaves the
+    # batch, so every row still present has a real token in every response column written so far. Each step
     # therefore passes a prefix view of this buffer; nothing is concatenated or written per step.
-    attn = torch.ones(n_rows, width + max_new_tokens, dtype=torch.long)  # (B, P + max_new)
-    attn[:, :width] = (torch.arange(width).unsqueeze(0) >= (width - prompt_len).unsqueeze(1)).long()
+    attn = torch.ones(n_rows, width + max_new_tokens, dtype=torch.bool)  # (B, P + max_new)
+    attn[:, :width] = torch.arange(width).unsqueeze(0) >= (width - prompt_len).unsqueeze(1)
     # position of prompt column j in row i is j - (number of pads); pads get 0 (they are masked out anyway)
     positions = (torch.arange(width).unsqueeze(0) - (width - prompt_len).unsqueeze(1)).clamp(min=0)  # (B, P)
     input_ids, attn, positions = input_ids.to(device), attn.to(device), positions.to(device)
-    next_pos = prompt_len.to(device)  # (B,) position of each row's next token
+    next_pos = prompt_len.to(device).unsqueeze(1)  # (B, 1) position of each row's next token
+    eos_t = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    # For SDPA models without sliding-window layers, a decode step's mask is just the padding mask, and transformers
+    # passes a ready 4D mask through untouched: hand it a (B_alive, 1, 1, cur) view of the buffer and skip the per-step
+    # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
+    ready_4d = model.config._attn_implementation == "sdpa" and all(
+        t == "full_attention" for t in getattr(model.config, "layer_types", None) or ["full_attention"]
+    )
 
-    # ---- outputs, indexed by original row; `alive` maps the current batch rows to original rows
-    out_tokens = torch.zeros(n_rows, max_new_tokens, dtype=torch.long, device=device)  # (B, max_new)
-    out_logp = torch.zeros(n_rows, max_new_tokens, dtype=torch.float32, device=device)  # (B, max_new)
+    # ---- per step we only append (tokens, log-probs, original row ids) of the rows still running; one scatter at
+    # the end assembles them, instead of indexed writes into output buffers on every step
+    step_tokens, step_logp, step_rows = [], [], []
+    alive = torch.arange(n_rows, device=device)  # (B_alive,) original row of each current batch row
     out_len = [max_new_tokens] * n_rows
     ended = [False] * n_rows
-    alive = torch.arange(n_rows, device=device)  # (B_alive,)
-    eos_t = torch.tensor(eos_ids, dtype=torch.long, device=device)
 
     was_training = model.training
     model.eval()  # departure 5: no dropout while sampling
+    bar = tqdm(total=max_new_tokens, desc="sampling", unit="tok") if progress else None
     try:
         cache = DynamicCache(config=model.config)
         hidden = base(
             input_ids=input_ids, attention_mask=attn[:, :width], position_ids=positions, use_cache=True,
             **{cache_arg: cache},
         ).last_hidden_state[:, -1]  # (B, H): left padding puts every row's last prompt token in the last column
-        bar = tqdm(total=max_new_tokens, disable=not progress, desc="sampling", unit="tok")
         for step in range(max_new_tokens):
             logits = torch.mm(hidden, weight.t()).float()  # (B_alive, V), the same expression token_logprobs uses
             tokens, logp = _draw(logits, temperature, top_p, generator)  # (B_alive,), (B_alive,)
-            out_tokens[alive, step] = tokens
-            out_logp[alive, step] = logp
-            bar.update(1)
-            if step + 1 == max_new_tokens:
-                break  # the cap: no forward pass for a token that would never be sampled
-            done = torch.isin(tokens, eos_t)  # (B_alive,)
-            n_done = int(done.sum())  # one host sync per step, needed to decide the batch shape
-            if n_done:
+            step_tokens.append(tokens)
+            step_logp.append(logp)
+            step_rows.append(alive)
+            if bar is not None:
+                bar.update(1)
+            done = tokens == eos_t[0] if len(eos_ids) == 1 else torch.isin(tokens, eos_t)  # (B_alive,)
+            if done.any():  # one host sync per step: the batch shape of the next step depends on it
                 for r in alive[done].tolist():
                     out_len[r], ended[r] = step + 1, True
-                if n_done == len(alive):
+                if bool(done.all()):
                     break
                 keep = (~done).nonzero().squeeze(1)  # (B_alive',)
                 # rows that finished leave the batch: cache rows, mask rows, position state, and the row map
                 cache.batch_select_indices(keep)
                 attn, next_pos, alive, tokens = attn[keep], next_pos[keep], alive[keep], tokens[keep]
+            if step + 1 == max_new_tokens:
+                break  # the cap: no forward pass for a token that would never be sampled
             cur = width + step + 1  # columns in use after feeding this step's token: P prompt + (step + 1) response
+            mask = attn[:, None, None, :cur] if ready_4d else attn[:, :cur]  # (B_alive, 1, 1, cur) or (B_alive, cur)
             hidden = base(
-                input_ids=tokens.unsqueeze(1), attention_mask=attn[:, :cur], position_ids=next_pos.unsqueeze(1),
-                use_cache=True, **{cache_arg: cache},
+                input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos, use_cache=True,
+                **{cache_arg: cache},
             ).last_hidden_state[:, -1]  # (B_alive, H)
             next_pos = next_pos + 1
-        bar.close()
     finally:
+        if bar is not None:
+            bar.close()
         model.train(was_training)
 
-    # rows still running at the cap keep out_len = max_new_tokens and ended = False... unless the cap token was EOS
-    last = out_tokens[:, max_new_tokens - 1].cpu()
+    # ---- assemble: step s wrote tokens for the rows in step_rows[s]
+    n_steps = len(step_tokens)
+    cols = torch.cat([torch.full_like(r, s) for s, r in enumerate(step_rows)])  # (sum of B_alive,)
+    rows = torch.cat(step_rows)  # (sum of B_alive,)
+    out_tokens = torch.zeros(n_rows, n_steps, dtype=torch.long, device=device)  # (B, steps)
+    out_logp = torch.zeros(n_rows, n_steps, dtype=torch.float32, device=device)  # (B, steps)
+    out_tokens[rows, cols] = torch.cat(step_tokens)
+    out_logp[rows, cols] = torch.cat(step_logp)
     tokens_cpu, logp_cpu = out_tokens.cpu(), out_logp.cpu()
     rollouts = []
     for i in range(n_rows):
-        if not ended[i] and out_len[i] == max_new_tokens and int(last[i]) in eos_ids:
-            ended[i] = True  # EOS drawn on the very last allowed step (the loop broke before checking it)
         n = out_len[i]
+        assert ended[i] or n == max_new_tokens, f"row {i} stopped after {n} tokens without EOS"
         rollouts.append(Rollout(tokens_cpu[i, :n].tolist(), logp_cpu[i, :n].clone(), ended[i]))
     return rollouts
