@@ -66,7 +66,9 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 11. A number directly followed by an integer ``\\frac`` is a mixed number (``1\\frac{4}{5}`` = 9/5).
 12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped; as a last try a
     known plain unit word (``cm``, ``inches``, ``m`` ...) after a number is dropped too.
-13. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
+13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX.
+14. ``f(x) = ...`` as a whole answer is compared by its right side; ``0.\\overline{3}`` is 1/3.
+15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
     call) make a call return "not equivalent" instead of working longer; hits are counted.
 
 Benchmark
@@ -285,6 +287,20 @@ _UNIT_WORDS = frozenset((
 _UNIT_TAIL_RE = re.compile(r"^(.*?[\d}])\s*(?:\\text\{\s*)?([A-Za-z]+)(?:\s*\})?(?:\s*\^\s*\{?[23]\}?)?$")
 
 
+_UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ",
+            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-"}
+_REPEAT_RE = re.compile(r"(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
+_FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*[a-z]\s*\)\s*=(?!.*=)")
+
+
+def _repeating_to_frac(m) -> str:
+    """0.1\\overline{6} -> \\frac{15}{90}: a repeating decimal is an exact fraction."""
+    whole, fixed, rep = m.group(1) or "0", m.group(2)[:30], m.group(3)
+    num = int(whole + fixed + rep) - int(whole + fixed)
+    den = 10 ** len(fixed) * (10 ** len(rep) - 1)
+    return f"\\frac{{{num}}}{{{den}}}"
+
+
 def _replace_cmd_wrapper(s: str, names: tuple[str, ...], repl: str) -> str:
     # \mathrm{x} -> {x} (repl="") or \mbox{x} -> \text{x} (repl="\\text")
     pat = re.compile(r"\\(?:" + "|".join(names) + r")(?![a-zA-Z])\s*(?=\{)")
@@ -299,6 +315,13 @@ def _clean(s: str) -> str:
     s = s.replace("\\leq", "\\le").replace("\\geq", "\\ge").replace("\\neq", "\\ne")
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "")
     s = s.replace("np.", "").replace("math.", "")
+    for u, latex in _UNICODE.items():
+        if u in s:
+            s = s.replace(u, latex)
+    # "\sqrt12" and "√12" mean the root of 12 (TeX would read \sqrt{1}2): departure 13.
+    s = re.sub(r"\\sqrt\s*(\d{2,})", r"\\sqrt{\1}", s)
+    s = _REPEAT_RE.sub(_repeating_to_frac, s)
+    s = _FUNC_LHS_RE.sub("", s)
     s = re.sub(r"\^\s*\{?\s*\\prime\s*\}?", "'", s)
     s = re.sub(r"^\s*\\approx", "", s)
     s = _THOUSANDS_MARK_RE.sub("", s)
@@ -406,7 +429,7 @@ _ACCENTS = frozenset(("dot", "ddot", "hat", "bar", "vec", "tilde", "overline", "
 _REL_CMDS = {"le": "<=", "ge": ">=", "ne": "!=", "lt": "<", "gt": ">"}
 _NO_FACTOR_CMDS = frozenset(("cdot", "times", "div", "pm", "mp", "le", "ge", "ne", "lt", "gt",
                              "cup", "cap", "in", "to", "end", "right", "\\", "}", "quad", "qquad",
-                             "approx", "equiv", "sim", "rangle", "rbrace", "text_sep"))
+                             "approx", "equiv", "sim", "rangle", "rbrace", "rfloor", "rceil"))
 _MATRIX_ENVS = ("pmatrix", "bmatrix", "matrix", "smallmatrix", "Bmatrix", "vmatrix", "array")
 
 
@@ -694,7 +717,7 @@ class _Parser:
                 self.i += 1
                 sub = self.parse_sub_text()
                 if isinstance(base, sympy.Integer):
-                    continue        # base subscript of a number: 52_8 compares as 52 (dep. 6)
+                    continue        # base subscript of a number: 52_8 compares as 52 (departure 6)
                 if isinstance(base, sympy.Symbol):
                     base = sympy.Symbol(base.name + "_" + sub)
                     continue
