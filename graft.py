@@ -99,7 +99,7 @@ class Config:
     prompts_per_step: int = 128
     """Prompts (groups) per step, across all ranks (paper 128; tiny 16-64)."""
     n: int = 8
-    """Rollouts per prompt (paper 8; baselines 16, 32)."""
+    """Rollouts per prompt (paper 8; baselines 16, 32). Also --rollouts (use that under torchrun)."""
     minibatches: int = 4
     """Optimizer steps per RL step (128 prompts / 32 per minibatch = 4), one epoch over the batch."""
     temperature: float = 1.0
@@ -1462,6 +1462,9 @@ def run_eval(cfg: Config) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 EVAL_ALIASES = {"samples": "eval_samples", "temperature": "eval_temperature", "top_p": "eval_top_p"}
+# torchrun's own parser reads "--n" as an ambiguous abbreviation of its flags (Python argparse
+# classifies every "--x" before the script's arguments), so --n has a long spelling too.
+FLAG_ALIASES = {"n": "--rollouts"}
 
 
 def build_parser():
@@ -1477,6 +1480,7 @@ def build_parser():
             if command == "eval" and f.name in EVAL_ALIASES:
                 continue  # in eval, --temperature etc. mean the evaluation settings
             flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{aliases[f.name].replace('_', '-')}"] if f.name in aliases else [])
+            flags += [FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else []
             help_ = docs.get(f.name, "").replace("%", "%%") + (f" choices: {', '.join(CHOICES[f.name])}" if f.name in CHOICES else "")
             if isinstance(f.default, bool):
                 p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)

@@ -368,3 +368,188 @@ def write_prompts(path: Path, n: int = 16):
     rows = [{"id": f"p{i}", "problem": f"{i}+{i + 1}", "answer": str(2 * i + 1)} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+import subprocess
+import sys
+import zlib
+
+ROOT = Path(__file__).resolve().parent
+PLANTED = '''
+import sys, zlib
+sys.path.insert(0, {root!r})
+import verify
+def planted(responses, golds, *, workers=0):
+    # deterministic pseudo-rewards from the text: about one response in {mod} "succeeds"
+    return [1.0 if zlib.crc32(r.encode()) % {mod} == 0 else 0.0 for r in responses]
+verify.verify_batch = planted
+import graft
+graft.main(sys.argv[1:])
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(d / "ma", "llama", 0, 1)
+    make_tiny_model(d / "mb", "qwen3", 1, 2)
+    write_prompts(d / "p.jsonl")
+    (d / "planted.py").write_text(PLANTED.format(root=str(ROOT), mod=4))
+    return d
+
+
+def common_flags(d, steps=2):
+    return ["--prompts", str(d / "p.jsonl"), "--steps", str(steps), "--prompts-per-step", "8", "--rollouts", "4",
+            "--minibatches", "2", "--max-response-tokens", "16", "--prompt-template", "{problem}=", "--lr", "1e-3",
+            "--threads", "1", "--exchange-timeout", "120", "--micro-batch-size", "8"]
+
+
+def run_py(args, cwd, env_extra=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
+    return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def test_pair_two_processes_mirror_selection(tiny, tmp_path):
+    ex = tmp_path / "ex"
+    procs = []
+    for name, peer, model in (("a", "b", "ma"), ("b", "a", "mb")):
+        args = [str(tiny / "planted.py"), "train", "--model", str(tiny / model), "--name", name, "--peer-name", peer,
+                "--out", str(tmp_path / name), "--peer-exchange", str(ex), "--no-balance", "--delta", "0"] + common_flags(tiny)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        procs.append(subprocess.Popen([sys.executable] + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    ma, mb = read_metrics(tmp_path / "a" / "metrics.jsonl"), read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert len(ma) == len(mb) == 2
+    moved = 0
+    for step in range(2):
+        ra, _ = graft.load_rollouts(graft.rollout_path(ex, "a", step), n=4)
+        rb, _ = graft.load_rollouts(graft.rollout_path(ex, "b", step), n=4)
+        assert ra.prompt_ids == rb.prompt_ids  # same prompt batches on both sides
+        a_to_b, b_to_a = balanced_swap(ra.rewards.sum(1).long(), rb.rewards.sum(1).long(), 4, balance=False)
+        # each side's own count of what it received mirrors the other's candidates
+        assert ma[step]["selected"] == int(b_to_a.sum()) and mb[step]["selected"] == int(a_to_b.sum())
+        assert ma[step]["candidates_out"] == mb[step]["candidates_in"]
+        assert mb[step]["candidates_out"] == ma[step]["candidates_in"]
+        moved += int(a_to_b.sum() + b_to_a.sum())
+        for m in (ma[step], mb[step]):
+            assert m["accepted"] + m["rejected"] + m["dropped_length"] == 4 * m["selected"]
+    assert moved > 0, "the planted rewards should make some groups move"
+
+
+def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch):
+    """A hand-made peer log with a known reward pattern: the receiver (planted to fail everything)
+    must receive exactly the mixed peer groups, with the peer's advantages and w from Eqs. 6-8."""
+    import verify
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0: [1.0 if "y" in r else 0.0 for r in rs])
+    n, G = 4, 8
+    rows = graft.batch_indices(16, 0, G, 0)
+    ids = [f"p{i}" for i in rows]
+    pattern = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
+    texts = [("y=" if pattern[g][i] else "n=") + str(g) + str(i) for g in range(G) for i in range(n)]
+    tok_b = AutoTokenizer.from_pretrained(tiny / "mb")
+    tokens = [tok_b.encode(t, add_special_tokens=False) + [1] for t in texts]
+    gen = torch.Generator().manual_seed(0)
+    logprobs = [-torch.rand(len(t), generator=gen) * 2 for t in tokens]
+    rewards = torch.tensor(pattern, dtype=torch.float32)
+    peer = graft.StepRollouts(prompt_ids=ids, tokens=tokens, logprobs=logprobs, texts=texts,
+                              eos=torch.ones(G, n, dtype=torch.bool), rewards=rewards, advantages=torch.zeros(G, n))
+    log = tmp_path / "log"
+    graft.save_rollouts(graft.rollout_path(log, "b", 0), peer, {"model": "mb"})
+    cfg = graft.Config(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"),
+                       peer_log=str(log / "b"), steps=1, prompts_per_step=G, n=n, minibatches=2,
+                       max_response_tokens=16, prompt_template="{problem}=", lr=1e-3)
+    tr = graft.Trainer(cfg)
+    own = tr.rollout(0, rows, {})
+    own.rewards.zero_()  # the receiver fails everything (whatever the planted verifier said)
+    own.advantages.zero_()
+    loaded = tr.peer_rollouts(0, own, {})
+    torch.testing.assert_close(loaded.rewards, rewards)  # re-verified with the (planted) verifier
+    expected_adv = group_advantages(rewards)
+    m = {}
+    train_rows, replaced = tr.build_rows(0, rows, own, loaded, m)
+    assert replaced.tolist() == [True, False, False, True, True, False, True, False] or m["accepted"] < 16
+    assert m["selected"] == 4 and m["candidates_in"] == 4
+    # w by hand: receiver's mean log-prob of the retokenised text vs the file's mean log-prob
+    tok_a = AutoTokenizer.from_pretrained(tiny / "ma")
+    for r in [r for r in train_rows if r.is_peer]:
+        g = r.group
+        i = next(i for i in range(n) if graft.retokenize(texts[g * n + i], True, tok_a, max_response_tokens=16) == r.response
+                 and abs(expected_adv[g, i].item() - r.adv) < 1e-6)
+        lp, mask = graft.response_logprobs(tr.model, [tr.prompt_ids[rows[g]]], [r.response], pad_token_id=0)
+        s = math.exp(lp.sum().item() / len(r.response) - logprobs[g * n + i].mean().item())
+        assert r.weight == pytest.approx(min(s, 1.0), rel=1e-4) and s > 0.8
+    own_groups = {r.group for r in train_rows if not r.is_peer}
+    assert own_groups == set(range(G)) - {0, 3, 4, 6}  # replaced groups lost their own rows
+    tr.update(0, train_rows, replaced, m)
+    if m["accepted"]:
+        assert m["pg/peer_tokens"] > 0 and m["peer_minibatches"] >= 1
+
+
+def test_resume_equals_uninterrupted(tiny, tmp_path):
+    base = [str(tiny / "planted.py"), "train", "--model", str(tiny / "ma")] + common_flags(tiny, steps=4)
+    r = run_py(base + ["--out", str(tmp_path / "full"), "--save-every", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_py(base[:-0 or None] + ["--out", str(tmp_path / "cut"), "--save-every", "2", "--steps", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_py(base + ["--out", str(tmp_path / "cut"), "--save-every", "2", "--resume"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "starting at step 2" in r.stdout
+    full, cut = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert [m["step"] for m in cut] == [0, 1, 2, 3]
+    for a, b in zip(full, cut):
+        for k in a:
+            if not k.startswith("time/"):
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+
+
+def test_torchrun_two_gloo_ranks_runs_a_step(tiny, tmp_path):
+    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", str(tiny / "planted.py"),
+            "train", "--model", str(tiny / "ma"), "--out", str(tmp_path / "ddp"), "--device", "cpu"] + common_flags(tiny, steps=1)
+    r = run_py(args, tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("step    1/1") == 1  # one log line, from rank 0
+    ro, _ = graft.load_rollouts(graft.rollout_path(tmp_path / "ddp" / "exchange", "a", 0), n=4)
+    assert len(ro.prompt_ids) == 8 and len(ro.tokens) == 32  # the file holds the whole batch of both ranks
+
+
+def test_exchange_errors_name_the_problem(tiny, tmp_path):
+    n, G = 2, 2
+    r = graft.StepRollouts(prompt_ids=["x", "y"], tokens=[[1], [2, 1], [], [3]], logprobs=[torch.zeros(1), torch.zeros(2), torch.zeros(0), torch.zeros(1)],
+                           texts=["a", "bb", "", "c"], eos=torch.tensor([[True, True], [False, False]]),
+                           rewards=torch.tensor([[1.0, 0.0], [0.0, 0.0]]), advantages=torch.zeros(G, n))
+    p = tmp_path / "ok.safetensors"
+    graft.save_rollouts(p, r, {"model": "m"})
+    back, meta = graft.load_rollouts(p, n=2, prompt_ids=["x", "y"])
+    assert back.texts == r.texts and back.tokens == r.tokens and torch.equal(back.eos, r.eos)
+    with pytest.raises(ValueError, match="n=2 rollouts per prompt, this run uses n=4"):
+        graft.load_rollouts(p, n=4)
+    with pytest.raises(ValueError, match="prompt ids differ"):
+        graft.load_rollouts(p, n=2, prompt_ids=["x", "z"])
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(p.read_bytes()[:50])
+    with pytest.raises(ValueError, match="bad.safetensors: not a readable rollout file"):
+        graft.load_rollouts(bad)
+    from safetensors.torch import save_file
+    v2 = tmp_path / "v2.safetensors"
+    save_file({"rewards": torch.zeros(1, 1)}, str(v2), metadata={"format": graft.ROLLOUT_FORMAT, "version": "99"})
+    with pytest.raises(ValueError, match="format version '99'"):
+        graft.load_rollouts(v2)
+    with pytest.raises(TimeoutError, match="step_000003.safetensors"):
+        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 3), timeout=0.3)
+    (tmp_path / "b" / "FAILED").parent.mkdir(exist_ok=True)
+    (tmp_path / "b" / "FAILED").write_text("RuntimeError: out of memory")
+    with pytest.raises(RuntimeError, match="peer failed.*out of memory"):
+        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 3), timeout=5)
+
+
+def test_cli_bad_input_names_the_flag(tiny, tmp_path):
+    r = run_py([str(ROOT / "graft.py"), "train", "--model", str(tiny / "ma"), "--order", "sideways"], tmp_path)
+    assert r.returncode != 0 and "--order: 'sideways' is not one of" in r.stderr
+    r = run_py([str(ROOT / "graft.py"), "train", "--model", str(tiny / "ma"), "--prompts", "nope.jsonl"], tmp_path)
+    assert r.returncode != 0 and "--prompts 'nope.jsonl': no such file" in r.stderr
