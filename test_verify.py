@@ -94,6 +94,14 @@ def test_every_category_has_both_directions():
         assert {e for _, _, e in rows} == {True, False}, cat
 
 
+def test_decimal_must_round_to_exact_gold():
+    assert V.is_equivalent("0.8333", "\\frac56")
+    assert V.is_equivalent("3.14159265", "\\pi")
+    assert not V.is_equivalent("100.01", "100")          # within 1e-4, but not a rounding of 100
+    assert not V.is_equivalent("1.000001", "1")
+    assert V.is_equivalent("901.8", "900", rel_tol=V.MINERVA_REL_TOL)   # Minerva golds are rounded
+
+
 def test_rel_tol_is_configurable():
     # Minerva golds carry about three significant figures.
     assert not V.is_equivalent("4.4625e19", "4.46e19")

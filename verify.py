@@ -18,7 +18,10 @@ Public API
     1.0 or 0.0. Never raises. Anything over a cap scores 0.0 and is counted.
 ``verify_batch(responses, golds, *, workers=0, strict=True, rel_tol=...) -> list[float]``
     Order kept. ``workers`` 0 or 1 = in this process; > 1 = a "spawn" process pool (safe after
-    CUDA/torch initialisation, unlike fork), created and shut down within the call.
+    CUDA/torch initialisation, unlike fork), created and shut down within the call (about a second
+    of start-up, so it pays off from a few thousand responses). As with any spawn pool, the calling
+    script needs the usual ``if __name__ == "__main__":`` guard. If the pool fails, the remaining
+    items are scored in-process.
 ``stats() -> dict`` / ``reset_stats()``
     Module-level counters (calls, limit hits, parse failures, internal errors). The only global
     state in this file. ``verify_batch`` adds its workers' counters to the caller's.
@@ -48,9 +51,13 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 2. Symbolic equality is decided by evaluation at seeded rational points (Schwartz-Zippel style),
    not by ``simplify``. Identities that only hold for some values (``\\sqrt{x^2}`` vs ``x``) are
    judged on positive points, so they count as equal.
-3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4). A truncated decimal such as
-   ``0.333`` for ``\\frac{1}{3}`` is therefore NOT accepted by default (math-verify rounds the gold
-   to the prediction's digits and accepts it). Pass ``MINERVA_REL_TOL`` for Minerva.
+3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
+   decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
+   digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
+   rel_tol; math-verify accepts it) and ``100.01`` does not equal ``100`` (within rel_tol but not a
+   rounding of 100). Pass ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a
+   ``rel_tol`` above 1e-3 treats integers as rounded too (``901.8`` equals ``900``) and drops the
+   rounding check.
 4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted).
 5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``.
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
@@ -106,6 +113,7 @@ __all__ = [
 
 DEFAULT_REL_TOL = 1e-4      # decimals vs anything: relative tolerance (MATH golds are exact)
 MINERVA_REL_TOL = 1e-2      # Minerva golds have ~3 significant figures (up to 0.5% rounding)
+APPROX_GOLD_TOL = 1e-3      # rel_tol above this: golds are approximate, no rounding check
 EXACT_REL_TOL = 1e-30       # exact vs exact evaluated at 50 digits (irrational functions)
 ABS_TOL = 1e-40             # absorbs cancellation noise around zero at 50 digits
 MAX_RESPONSE_CHARS = 200_000  # longer responses: only the tail is searched for the answer
@@ -368,6 +376,7 @@ class Val:
     inexact: bool = False         # a decimal literal appears: compare with rel_tol
     percent: bool = False         # written with %: 10% equals 10 and 0.1 (departure 4)
     env: dict = field(default_factory=dict)   # fixed symbol values (the +- sign)
+    half_ulp: Fraction | None = None  # a lone decimal literal: half a unit in its last place
 
 
 @dataclass
@@ -459,6 +468,8 @@ class _Parser:
         self.depth = 0
         self.budget = budget
         self.decimal = False      # a decimal literal was read in the current item
+        self.literals = 0         # number literals read in the current item
+        self.half_ulp = None      # half a unit in the last place of the last decimal literal
         self.percent = False
         self.pm = False
 
@@ -544,8 +555,9 @@ class _Parser:
 
     def parse_item(self):
         """One value: an expression, a relation, a bracketed tuple/interval/set or a matrix."""
-        saved = (self.decimal, self.percent, self.pm)
+        saved = (self.decimal, self.percent, self.pm, self.literals, self.half_ulp)
         self.decimal = self.percent = self.pm = False
+        self.literals, self.half_ulp = 0, None
         try:
             lhs = self.parse_expr()
             c = self.peek()
@@ -564,6 +576,10 @@ class _Parser:
                 return lhs
             val = Val(lhs, self.decimal, self.percent)
             if op is None:
+                if self.literals == 1 and self.half_ulp is not None and (
+                        isinstance(lhs, sympy.Rational) or (isinstance(lhs, sympy.Mul) and len(
+                            lhs.args) == 2 and lhs.args[0] == -1 and lhs.args[1].is_Rational)):
+                    val.half_ulp = self.half_ulp
                 return val
             rhs = self.parse_expr()
             if isinstance(rhs, (Seq, Matrix, _Undef)):
@@ -573,7 +589,7 @@ class _Parser:
             return Eqn(val, Val(rhs, self.decimal, self.percent), op)
         finally:
             self.decimal = saved[0] or self.decimal
-            self.percent, self.pm = saved[1], saved[2]
+            self.percent, self.pm, self.literals, self.half_ulp = saved[1:]
 
     # -- arithmetic
     def parse_expr(self):
@@ -806,14 +822,18 @@ class _Parser:
         # "2e^{x}" or "3e" is 3*e, not scientific notation: the exponent needs digits right after.
         self.i += len(txt)
         value = _decimal_fraction(mant)
+        self.literals += 1
+        places = len(mant) - mant.index(".") - 1 if "." in mant else 0
         if "." in mant:
             self.decimal = True
+            self.half_ulp = Fraction(1, 2 * 10 ** places)
         if len(txt) > len(mant):
             expo = int(txt[len(mant) + 1:])
             if abs(expo) > MAX_POW_EXP:
                 raise _Limit("scientific exponent")
             self.decimal = True
             value *= Fraction(10) ** expo
+            self.half_ulp = Fraction(1, 2 * 10 ** places) * Fraction(10) ** expo
         return sympy.Rational(value.numerator, value.denominator)
 
     def _letter(self, ch: str):
@@ -1234,16 +1254,19 @@ def _iroot(n: int, k: int) -> int | None:
     return None
 
 
-def _close(a, b, tol: float) -> bool:
+def _close(a, b, tol: float, abs_tol=None) -> bool:
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         if a == b:
             return True
+        if abs_tol is not None:
+            return abs(a - b) <= abs_tol
         if tol <= EXACT_REL_TOL:
             return False
     a, b = _to_mp(a), _to_mp(b)
     if _MP.isinf(a) or _MP.isinf(b):
         return a == b
-    return abs(a - b) <= tol * max(abs(a), abs(b)) + ABS_TOL
+    extra = ABS_TOL if abs_tol is None else _to_mp(Fraction(abs_tol))
+    return abs(a - b) <= tol * max(abs(a), abs(b)) + extra
 
 
 def _points(names: list[str]) -> list[dict]:
@@ -1292,6 +1315,13 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
             y = y * sb if isinstance(y, Fraction) else y * _MP.mpf(sb.numerator) / sb.denominator
         if not _close(x, y, tol):
             return False
+        # A lone decimal against an exact value must also be that value correctly rounded to the
+        # decimal's own digits: 100.01 is not 100 and 1.000001 is not 1, though within rel_tol.
+        # A looser rel_tol (Minerva) says the golds are rounded themselves, so only rel_tol counts.
+        for v, s, other in ((a, sa, b), (b, sb, a)):
+            if tol <= APPROX_GOLD_TOL and v.half_ulp is not None and not other.inexact and not _close(
+                    x, y, 0.0, abs_tol=v.half_ulp * s * (1 + Fraction(1, 10 ** 9))):
+                return False
         valid += 1
     return valid >= min(2, len(points))
 
@@ -1548,11 +1578,18 @@ def verify_batch(responses: list, golds: list, *, workers: int = 0, strict: bool
               for k in range(0, len(responses), size)]
     ctx = multiprocessing.get_context("spawn")
     out: list[float] = []
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for scores, delta in pool.map(_verify_chunk, chunks):
-            out.extend(scores)
-            for k, v in delta.items():
-                _count(k, v)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            for scores, delta in pool.map(_verify_chunk, chunks):
+                out.extend(scores)
+                for k, v in delta.items():
+                    _count(k, v)
+    except (OSError, RuntimeError, concurrent.futures.process.BrokenProcessPool):
+        # A pool that cannot start or lost a worker must not cost the training step: score the
+        # rest here (each call is bounded anyway).
+        _count("errors")
+        out.extend(verify(r, g, strict=strict, rel_tol=rel_tol)
+                   for r, g in zip(responses[len(out):], golds[len(out):]))
     return out
 
 
