@@ -184,7 +184,7 @@ def trained_tiny_qwen3(steps, seed=0):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return model.eval(), float(loss)
+    return model.eval(), loss.item()
 
 
 def run_generate(model, prompts, *, eos, temperature):
@@ -192,7 +192,8 @@ def run_generate(model, prompts, *, eos, temperature):
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])  # (B, P)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, P)
-    kw = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+    # top_k=0: generate's default config may carry top_k=50, which our full-distribution sampling does not apply
+    kw = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature else dict(do_sample=False)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=CAP, eos_token_id=eos, pad_token_id=PAD, **kw)
     rows = []

@@ -293,7 +293,7 @@ def response_logprobs(
     prompts = [_as_id_list(p) for p in prompts]
     responses = [_as_id_list(r) for r in responses]
     assert len(prompts) == len(responses), f"{len(prompts)} prompts but {len(responses)} responses"
-    assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token (it predicts the first response token)"
+    assert all(len(p) > 0 for p in prompts), "every prompt needs a token (its last one predicts the first response token)"
     weight = _lm_head_weight(model)
     device = weight.device
     _check_ids(prompts, weight.shape[0], "prompts")
@@ -376,7 +376,6 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
-@torch.no_grad()
 def sample(
     model,
     prompts,
@@ -461,39 +460,42 @@ def sample(
     was_training = model.training
     model.eval()  # departure 5: no dropout while sampling
     bar = tqdm(total=max_new_tokens, desc="sampling", unit="tok") if progress else None
+    # inference_mode rather than no_grad: it also skips view and version-counter bookkeeping, a visible share of a
+    # small model's decode step. Its tensors never escape: the rollouts' tensors are copied out after it (below).
     try:
-        cache = DynamicCache(config=model.config)
-        hidden = base(
-            input_ids=input_ids, attention_mask=attn[:, :width], position_ids=positions, use_cache=True,
-            **{cache_arg: cache},
-        ).last_hidden_state[:, -1]  # (B, H): left padding puts every row's last prompt token in the last column
-        for step in range(max_new_tokens):
-            logits = torch.mm(hidden, weight.t()).float()  # (B_alive, V), the same expression token_logprobs uses
-            tokens, logp = _draw(logits, temperature, top_p, generator)  # (B_alive,), (B_alive,)
-            step_tokens.append(tokens)
-            step_logp.append(logp)
-            step_rows.append(alive)
-            if bar is not None:
-                bar.update(1)
-            done = tokens == eos_t[0] if len(eos_ids) == 1 else torch.isin(tokens, eos_t)  # (B_alive,)
-            if done.any():  # one host sync per step: the batch shape of the next step depends on it
-                for r in alive[done].tolist():
-                    out_len[r], ended[r] = step + 1, True
-                if bool(done.all()):
-                    break
-                keep = (~done).nonzero().squeeze(1)  # (B_alive',)
-                # rows that finished leave the batch: cache rows, mask rows, position state, and the row map
-                cache.batch_select_indices(keep)
-                attn, next_pos, alive, tokens = attn[keep], next_pos[keep], alive[keep], tokens[keep]
-            if step + 1 == max_new_tokens:
-                break  # the cap: no forward pass for a token that would never be sampled
-            cur = width + step + 1  # columns in use after feeding this step's token: P prompt + (step + 1) response
-            mask = attn[:, None, None, :cur] if ready_4d else attn[:, :cur]  # (B_alive, 1, 1, cur) or (B_alive, cur)
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
             hidden = base(
-                input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos, use_cache=True,
+                input_ids=input_ids, attention_mask=attn[:, :width], position_ids=positions, use_cache=True,
                 **{cache_arg: cache},
-            ).last_hidden_state[:, -1]  # (B_alive, H)
-            next_pos = next_pos + 1
+            ).last_hidden_state[:, -1]  # (B, H): left padding puts every row's last prompt token in the last column
+            for step in range(max_new_tokens):
+                logits = torch.mm(hidden, weight.t()).float()  # (B_alive, V), the same expression token_logprobs uses
+                tokens, logp = _draw(logits, temperature, top_p, generator)  # (B_alive,), (B_alive,)
+                step_tokens.append(tokens)
+                step_logp.append(logp)
+                step_rows.append(alive)
+                if bar is not None:
+                    bar.update(1)
+                done = tokens == eos_t[0] if len(eos_ids) == 1 else torch.isin(tokens, eos_t)  # (B_alive,)
+                if done.any():  # one host sync per step: the batch shape of the next step depends on it
+                    for r in alive[done].tolist():
+                        out_len[r], ended[r] = step + 1, True
+                    if bool(done.all()):
+                        break
+                    keep = (~done).nonzero().squeeze(1)  # (B_alive',)
+                    # rows that finished leave the batch: cache rows, mask rows, position state, and the row map
+                    cache.batch_select_indices(keep)
+                    attn, next_pos, alive, tokens = attn[keep], next_pos[keep], alive[keep], tokens[keep]
+                if step + 1 == max_new_tokens:
+                    break  # the cap: no forward pass for a token that would never be sampled
+                cur = width + step + 1  # columns in use after feeding this step's token: P prompt + (step + 1) response
+                mask = attn[:, None, None, :cur] if ready_4d else attn[:, :cur]  # (B_alive, 1, 1, cur) / (B_alive, cur)
+                hidden = base(
+                    input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos, use_cache=True,
+                    **{cache_arg: cache},
+                ).last_hidden_state[:, -1]  # (B_alive, H)
+                next_pos = next_pos + 1
     finally:
         if bar is not None:
             bar.close()

@@ -249,6 +249,7 @@ def test_greedy_matches_generate_with_early_eos(kind):
     for r in ours:
         assert r.ended_with_eos == (r.tokens[-1] in eos) and (r.ended_with_eos or len(r.tokens) == 16)
         assert r.logprobs.shape == (len(r.tokens),) and r.logprobs.dtype == torch.float32
+        assert not r.logprobs.is_inference(), "rollout tensors must be usable in autograd later"
     # greedy log-probs are the temperature-1 ones, and they agree with a fresh forward pass
     logp, mask = response_logprobs(model, PROMPTS, [r.tokens for r in ours], pad_token_id=0, temperature=1.0)
     assert torch.allclose(logp[mask], torch.cat([r.logprobs for r in ours]), atol=1e-5)
