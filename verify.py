@@ -524,8 +524,6 @@ class _Parser:
 
     # -- top level
     def parse_answer(self):
-        if self.at("\\{") or self.at("{"):
-            pass
         items = [self.parse_item()]
         kind = None
         while True:
@@ -761,7 +759,7 @@ class _Parser:
         if c == "{":
             return self.parse_group()
         if c.isdigit():
-            return self.parse_number(single=False)
+            return self.parse_number()
         if c in ("+", "-"):
             self.i += 1
             e = self.parse_sup()
@@ -813,7 +811,7 @@ class _Parser:
             return self.parse_atom()
         raise _ParseError("missing argument")
 
-    def parse_number(self, single: bool = False):
+    def parse_number(self):
         m = re.compile(r"\d*\.?\d*(?:[eE][+-]?\d+)?").match(self.s, self.i)
         txt = m.group(0) if m else ""
         mant = re.match(r"\d*\.?\d*", txt).group(0)
@@ -1682,11 +1680,12 @@ def _golds(argv: list[str]) -> int:
     bad_total = 0
     for path in files:
         rows = _load_cases(path)
-        n_parse = n_self = n_box = 0
+        n_parse = n_self = n_box = n_empty = 0
         bad = []
         for r in rows:
             g = r.get("answer", "")
             if not g:
+                n_empty += 1
                 continue
             try:
                 _parse(_clean(g), _Budget(), as_gold=True)
@@ -1700,7 +1699,8 @@ def _golds(argv: list[str]) -> int:
             if not (ok1 and ok2):
                 bad.append(g)
         bad_total += len(bad)
-        print(f"{os.path.basename(path)}: {len(rows)} golds, parse {n_parse}, self-equal {n_self}, "
+        print(f"{os.path.basename(path)}: {len(rows)} golds ({n_empty} empty), parse {n_parse}, "
+              f"self-equal {n_self}, "
               f"boxed-equal {n_box}" + (f"; failing: {bad[:10]}" if bad else ""))
     return 1 if bad_total else 0
 
