@@ -78,6 +78,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
     call) make a call return "not equivalent" instead of working longer; hits are counted.
 
+Dependencies: sympy and the standard library (plus mpmath, which sympy itself requires).
+
 Benchmark
 ---------
 ``python verify.py bench [--cases data/verify_cases.jsonl]`` prints accuracy, false positives/
