@@ -550,6 +550,6 @@ def test_exchange_errors_name_the_problem(tiny, tmp_path):
 
 def test_cli_bad_input_names_the_flag(tiny, tmp_path):
     r = run_py([str(ROOT / "graft.py"), "train", "--model", str(tiny / "ma"), "--order", "sideways"], tmp_path)
-    assert r.returncode != 0 and "--order: 'sideways' is not one of" in r.stderr
+    assert r.returncode != 0 and "--order: 'sideways' is not one of" in r.stderr, r.stderr[-2000:]
     r = run_py([str(ROOT / "graft.py"), "train", "--model", str(tiny / "ma"), "--prompts", "nope.jsonl"], tmp_path)
-    assert r.returncode != 0 and "--prompts 'nope.jsonl': no such file" in r.stderr
+    assert r.returncode != 0 and "--prompts 'nope.jsonl': no such file" in r.stderr, r.stderr[-2000:]
