@@ -1367,9 +1367,11 @@ def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
 
 
 def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist_info: DistInfo, *,
-             progress: bool = True, desc: str = "eval") -> list[dict]:
+             progress: bool = True, desc: str = "eval", rel_tol: float | None = None) -> list[dict]:
     """Sample cfg.eval_samples responses per problem and verify them; rows split over ranks.
 
+    rel_tol: the verifier's numeric tolerance for decimals (None = its MATH default; Minerva's
+    three-significant-figure golds need verify.MINERVA_REL_TOL).
     Returns one dict per problem, in order: id, answer, correct (list of 0/1), and the responses
     when cfg.save_responses.
     """
@@ -1392,7 +1394,8 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
                       top_p=cfg.eval_top_p, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen)
         texts += [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
     model.train(was_training)
-    scores = verify_batch(texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers)
+    tol = {} if rel_tol is None else {"rel_tol": rel_tol}
+    scores = verify_batch(texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
     results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
     out = []
     for p, prob in enumerate(problems):
@@ -1421,7 +1424,10 @@ def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: Dist
         problems = load_prompt_file(str(path))
         if cfg.eval_max_problems:
             problems = problems[: cfg.eval_max_problems]
-        per[name] = evaluate(model, tokenizer, stop_ids, problems, cfg, dist_info, progress=progress, desc=name)
+        tol = None
+        if name == "minerva":
+            from verify import MINERVA_REL_TOL as tol  # Minerva golds carry ~3 significant figures
+        per[name] = evaluate(model, tokenizer, stop_ids, problems, cfg, dist_info, progress=progress, desc=name, rel_tol=tol)
         res[name] = summarize(per[name])
     mean = sum(r["pass@1"] for r in res.values()) / max(1, len(res))
     return {"benchmarks": res, "mean": mean, "problems": per}

@@ -441,56 +441,6 @@ def test_pair_two_processes_mirror_selection(tiny, tmp_path):
     assert moved > 0, "the planted rewards should make some groups move"
 
 
-def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch):
-    """A hand-made peer log with a known reward pattern: the receiver (planted to fail everything)
-    must receive exactly the mixed peer groups, with the peer's advantages and w from Eqs. 6-8."""
-    import verify
-    from transformers import AutoTokenizer
-    monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0: [1.0 if "y" in r else 0.0 for r in rs])
-    n, G = 4, 8
-    rows = graft.batch_indices(16, 0, G, 0)
-    ids = [f"p{i}" for i in rows]
-    pattern = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
-    texts = [("y=" if pattern[g][i] else "n=") + str(g) + str(i) for g in range(G) for i in range(n)]
-    tok_b = AutoTokenizer.from_pretrained(tiny / "mb")
-    tokens = [tok_b.encode(t, add_special_tokens=False) + [1] for t in texts]
-    gen = torch.Generator().manual_seed(0)
-    logprobs = [-torch.rand(len(t), generator=gen) * 2 for t in tokens]
-    rewards = torch.tensor(pattern, dtype=torch.float32)
-    peer = graft.StepRollouts(prompt_ids=ids, tokens=tokens, logprobs=logprobs, texts=texts,
-                              eos=torch.ones(G, n, dtype=torch.bool), rewards=rewards, advantages=torch.zeros(G, n))
-    log = tmp_path / "log"
-    graft.save_rollouts(graft.rollout_path(log, "b", 0), peer, {"model": "mb"})
-    cfg = graft.Config(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"),
-                       peer_log=str(log / "b"), steps=1, prompts_per_step=G, n=n, minibatches=2,
-                       max_response_tokens=16, prompt_template="{problem}=", lr=1e-3)
-    tr = graft.Trainer(cfg)
-    own = tr.rollout(0, rows, {})
-    own.rewards.zero_()  # the receiver fails everything (whatever the planted verifier said)
-    own.advantages.zero_()
-    loaded = tr.peer_rollouts(0, own, {})
-    torch.testing.assert_close(loaded.rewards, rewards)  # re-verified with the (planted) verifier
-    expected_adv = group_advantages(rewards)
-    m = {}
-    train_rows, replaced = tr.build_rows(0, rows, own, loaded, m)
-    assert replaced.tolist() == [True, False, False, True, True, False, True, False] or m["accepted"] < 16
-    assert m["selected"] == 4 and m["candidates_in"] == 4
-    # w by hand: receiver's mean log-prob of the retokenised text vs the file's mean log-prob
-    tok_a = AutoTokenizer.from_pretrained(tiny / "ma")
-    for r in [r for r in train_rows if r.is_peer]:
-        g = r.group
-        i = next(i for i in range(n) if graft.retokenize(texts[g * n + i], True, tok_a, max_response_tokens=16) == r.response
-                 and abs(expected_adv[g, i].item() - r.adv) < 1e-6)
-        lp, mask = graft.response_logprobs(tr.model, [tr.prompt_ids[rows[g]]], [r.response], pad_token_id=0)
-        s = math.exp(lp.sum().item() / len(r.response) - logprobs[g * n + i].mean().item())
-        assert r.weight == pytest.approx(min(s, 1.0), rel=1e-4) and s > 0.8
-    own_groups = {r.group for r in train_rows if not r.is_peer}
-    assert own_groups == set(range(G)) - {0, 3, 4, 6}  # replaced groups lost their own rows
-    tr.update(0, train_rows, replaced, m)
-    if m["accepted"]:
-        assert m["pg/peer_tokens"] > 0 and m["peer_minibatches"] >= 1
-
-
 def test_resume_equals_uninterrupted(tiny, tmp_path):
     base = [str(tiny / "planted.py"), "train", "--model", str(tiny / "ma")] + common_flags(tiny, steps=4)
     r = run_py(base + ["--out", str(tmp_path / "full"), "--save-every", "2"], tmp_path)
@@ -553,3 +503,169 @@ def test_cli_bad_input_names_the_flag(tiny, tmp_path):
     assert r.returncode != 0 and "--order: 'sideways' is not one of" in r.stderr, r.stderr[-2000:]
     r = run_py([str(ROOT / "graft.py"), "train", "--model", str(tiny / "ma"), "--prompts", "nope.jsonl"], tmp_path)
     assert r.returncode != 0 and "--prompts 'nope.jsonl': no such file" in r.stderr, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Baselines and ablations (DESIGN §3.11): each variant's specific behaviour
+# ------------------------------------------------------------------------------------------------
+
+PATTERN = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
+MIXED = {0, 3, 4, 6}  # groups where the planted peer is mixed (1 <= k < n)
+
+
+def planted(tiny, tmp_path, monkeypatch, **overrides):
+    """A trainer in offline mode against a hand-made peer log; the receiver fails everything."""
+    import verify
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0, **kw: [1.0 if "y" in r else 0.0 for r in rs])
+    n, G = 4, 8
+    rows = graft.batch_indices(16, 0, G, 0)
+    texts = [("y=" if PATTERN[g][i] else "n=") + str(g) + str(i) for g in range(G) for i in range(n)]
+    tok_b = AutoTokenizer.from_pretrained(tiny / "mb")
+    tokens = [tok_b.encode(t, add_special_tokens=False) + [1] for t in texts]
+    gen = torch.Generator().manual_seed(0)
+    peer = graft.StepRollouts(prompt_ids=[f"p{i}" for i in rows], tokens=tokens,
+                              logprobs=[-3.0 - torch.rand(len(t), generator=gen) * 1.5 for t in tokens], texts=texts,
+                              eos=torch.ones(G, n, dtype=torch.bool), rewards=torch.tensor(PATTERN, dtype=torch.float32),
+                              advantages=torch.zeros(G, n))
+    log = tmp_path / "log"
+    graft.save_rollouts(graft.rollout_path(log, "b", 0), peer, {"model": "mb"})
+    kw = dict(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"), peer_log=str(log / "b"),
+              steps=1, prompts_per_step=G, n=n, minibatches=2, max_response_tokens=16, prompt_template="{problem}=",
+              lr=1e-3, delta=0.0)
+    kw.update(overrides)
+    tr = graft.Trainer(graft.Config(**kw))
+    own = tr.rollout(0, rows, {})
+    own.rewards.zero_()
+    own.advantages.zero_()
+    return tr, rows, own, tr.peer_rollouts(0, own, {})
+
+
+def test_sgt_nll_only_on_rescue_prompts_one_response_each(tiny, tmp_path, monkeypatch):
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="sgt")
+    m = {}
+    out, replaced = tr.build_rows(0, rows, own, peer, m)
+    nll = [r for r in out if r.kind == "nll"]
+    # rescue prompts: receiver 0/n and peer >= 1 success: groups 0, 1 (all-pass counts too), 3, 4, 6
+    assert sorted(r.group for r in nll) == [0, 1, 3, 4, 6]  # exactly one response per rescue prompt
+    from transformers import AutoTokenizer
+    tok_a = AutoTokenizer.from_pretrained(tiny / "ma")
+    for r in nll:  # always a correct peer response
+        assert tok_a.decode(r.response[:-1]).startswith("y=")
+    assert sum(1 for r in out if r.kind == "pg") == 32 and not replaced.any()  # plain GRPO rows untouched
+    # the NLL term: coef * token-mean NLL, and nothing else from those rows
+    lp = torch.tensor([[-1.0, -2.0], [-3.0, 0.0]], requires_grad=True)
+    loss, _ = graft.nll_loss(lp, torch.tensor([[1, 1], [1, 0]], dtype=torch.bool), coef=0.1)
+    assert loss.item() == pytest.approx(0.1 * 6 / 3)
+    tr.update(0, out, replaced, m)
+    assert m["nll/nll_tokens"] == sum(len(r.response) for r in nll)
+
+
+def test_luffy_gradient_is_the_analytic_derivative_of_f():
+    # d/dlogp [ -f(pi) a / D ] with f = pi / (pi + g): df/dpi = g / (pi + g)^2, dpi/dlogp = pi
+    g, a = 0.1, torch.tensor([0.7, -1.3])
+    lp = torch.tensor([[-0.5, -2.0], [-0.1, -4.0]], requires_grad=True)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, _ = graft.luffy_peer_loss(lp, a, mask, gamma=g)
+    loss.backward()
+    pi = lp.detach().exp()
+    expected = -(g / (pi + g) ** 2) * pi * a[:, None] / 4
+    torch.testing.assert_close(lp.grad, expected)
+    # no clipping anywhere: a ratio far above 1 + eps still has a gradient
+    lp2 = torch.tensor([[0.0]], requires_grad=True)
+    graft.luffy_peer_loss(lp2, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), gamma=g)[0].backward()
+    assert lp2.grad.item() == pytest.approx(-g / (1 + g) ** 2)
+
+
+def test_luffy_variant_routes_peer_rows(tiny, tmp_path, monkeypatch):
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="luffy")
+    out, replaced = tr.build_rows(0, rows, own, peer, {})
+    assert {r.kind for r in out if r.is_peer} == {"luffy"} and {r.kind for r in out if not r.is_peer} == {"pg"}
+
+
+def test_pooled_advantages_are_over_2n(tiny, tmp_path, monkeypatch):
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, peer_advantages="pooled")
+    out, _ = tr.build_rows(0, rows, own, peer, {})
+    # group 0: own 0,0,0,0 + peer 1,0,0,0 -> 8 rewards, mean 1/8, unbiased std sqrt((49/64 + 7/64) / 7)
+    mu, sd = 1 / 8, math.sqrt((49 / 64 + 7 * 1 / 64) / 7)
+    own0 = [r.adv for r in out if r.group == 0 and not r.is_peer]
+    assert len(own0) == 4 and all(a == pytest.approx(-mu / (sd + 1e-6), rel=1e-5) for a in own0)
+    peer0 = sorted(r.adv for r in out if r.group == 0 and r.is_peer)
+    assert peer0[-1] == pytest.approx((1 - mu) / (sd + 1e-6), rel=1e-5)
+
+
+def test_success_only_transfer_and_no_weight(tiny, tmp_path, monkeypatch):
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, transfer="success", compat_weight=False, delta=0.8)
+    out, _ = tr.build_rows(0, rows, own, peer, {})
+    peer_rows = [r for r in out if r.is_peer]
+    assert len(peer_rows) == sum(sum(PATTERN[g]) for g in MIXED)  # only the correct ones
+    assert all(r.adv > 0 and r.weight == 1.0 for r in peer_rows)  # w = 1, no gate
+
+
+def test_random_acceptance_keeps_the_rate(tiny, tmp_path, monkeypatch):
+    m_gate, m_rand = {}, {}
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    tr.build_rows(0, rows, own, peer, m_gate)
+    tr.cfg.acceptance = "random"
+    out, _ = tr.build_rows(0, rows, own, peer, m_rand)
+    assert m_rand["accepted"] == m_gate["accepted"] and m_rand["selected"] == m_gate["selected"] == 4
+
+
+def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch)
+    base = tr.select(0, own, peer)
+    own.rewards[3] = 1.0  # make group 3 not a candidate; random selection may still draw it (peer is mixed)
+    own.rewards[3, 0] = 0.0
+    tr.cfg.selection = "random"
+    counts = set()
+    for step in range(20):
+        sel = tr.select(step, own, peer)
+        assert int(sel.sum()) == int(graft.graft_candidates(own.rewards.sum(1).long(), peer.rewards.sum(1).long(), 4).sum())
+        assert set(torch.nonzero(sel).flatten().tolist()) <= MIXED
+        counts.add(tuple(sel.tolist()))
+    assert int(base.sum()) == 4 and len(counts) > 1  # really random across steps
+
+
+def test_hacpo_advantages_hand_computed_and_rows(tiny, tmp_path, monkeypatch):
+    # own (1, 0), peer (1, 1), c = 2: baseline (1 + 2 * 2) / (2 + 2 * 2) = 5/6; pooled std of (1,0,1,1) = 0.5
+    a_own, a_peer = graft.hacpo_advantages(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]]), capability_ratio=2.0)
+    torch.testing.assert_close(a_own, torch.tensor([[1 / 6, -5 / 6]]) / (0.5 + 1e-6))
+    torch.testing.assert_close(a_peer, torch.tensor([[1 / 6, 1 / 6]]) / (0.5 + 1e-6))
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
+    m = {}
+    out, _ = tr.build_rows(0, rows, own, peer, m)
+    assert m["capability_ratio"] == 10.0  # own success rate 0 -> the clamp's ceiling
+    assert {r.group for r in out if r.is_peer} == set(range(8))  # no failure gating: every prompt pools
+    assert all(r.kind == "hacpo_peer" and r.weight == 10.0 for r in out if r.is_peer)
+    tr.update(0, out, torch.zeros(8, dtype=torch.bool), m)
+    assert "hacpo_peer/loss" in m and "hacpo_own/loss" in m
+
+
+def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch):
+    """A hand-made peer log with a known reward pattern: the receiver (planted to fail everything)
+    must receive exactly the mixed peer groups, with the peer's advantages and w from Eqs. 6-8."""
+    from transformers import AutoTokenizer
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    rewards = torch.tensor(PATTERN, dtype=torch.float32)
+    torch.testing.assert_close(peer.rewards, rewards)  # re-verified with the (planted) verifier
+    expected_adv = group_advantages(rewards)
+    m = {}
+    train_rows, replaced = tr.build_rows(0, rows, own, peer, m)
+    assert m["selected"] == 4 and m["candidates_in"] == 4
+    assert 0 < m["accepted"] < 16, "the planted log-probs should put some s on each side of delta"
+    assert m["accepted"] + m["rejected"] + m["dropped_length"] == 16
+    n, tok_a = 4, AutoTokenizer.from_pretrained(tiny / "ma")
+    peer_rows = [r for r in train_rows if r.is_peer]
+    assert len(peer_rows) == m["accepted"] and {r.group for r in peer_rows} <= MIXED
+    for r in peer_rows:  # w by hand: receiver's mean log-prob of the retokenised text vs the file's
+        g = r.group
+        i = next(i for i in range(n) if graft.retokenize(peer.texts[g * n + i], True, tok_a, max_response_tokens=16) == r.response)
+        assert r.adv == pytest.approx(expected_adv[g, i].item())  # the peer's advantage, held fixed
+        lp, mask = graft.response_logprobs(tr.model, [tr.prompt_ids[rows[g]]], [r.response], pad_token_id=0)
+        s = math.exp(lp.sum().item() / len(r.response) - peer.logprobs[g * n + i].mean().item())
+        assert s > 0.8 and r.weight == pytest.approx(min(s, 1.0), rel=1e-4)
+    assert {r.group for r in train_rows if not r.is_peer} == set(range(8)) - MIXED  # replaced groups lost their own rows
+    assert replaced.tolist() == [g in {r.group for r in peer_rows} for g in range(8)]
+    tr.update(0, train_rows, replaced, m)
+    assert m["pg/peer_tokens"] == sum(len(r.response) for r in peer_rows)
+    assert m["peer_minibatches"] >= (1 if peer_rows else 0)

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# run_pair.sh: the GRAFT launcher.
+#
+# Usage:
+#   bash run_pair.sh tiny [tiny.py flags]      CPU preset: two tiny models, GRPO vs GRAFT, a table (minutes)
+#   bash run_pair.sh pair1 [graft.py flags]    SmolLM3-3B-Base  <-> Qwen3-1.7B-Base      (paper Pair 1)
+#   bash run_pair.sh pair2 [graft.py flags]    OctoThinker-3B   <-> Qwen3-1.7B-Base      (paper Pair 2)
+#   bash run_pair.sh pair3 [graft.py flags]    SmolLM3-3B-Base  <-> OctoThinker-3B       (paper Pair 3)
+#   bash run_pair.sh grpo  [graft.py flags]    single-model GRPO of $MODEL_A on all GPUs (add --n 16 / --n 32)
+#   bash run_pair.sh offline [graft.py flags]  $MODEL_B learns from a finished run's rollout files in $PEER_LOG
+#   bash run_pair.sh eval  [graft.py flags]    evaluate $MODEL (a checkpoint folder) on the five benchmarks
+#
+# Flags after the preset go to every graft.py process, e.g. `bash run_pair.sh pair1 --variant sgt`,
+# `--order uniform`, `--no-balance`, `--compat-norm byte`. Every variable below has a default and can
+# be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`).
+# The script prints every command it runs.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PRESET=${1:-tiny}
+shift || true
+
+PYTHON=${PYTHON:-python}
+RUNS=${RUNS:-runs}
+DATA=${DATA:-data}
+STEPS=${STEPS:-174}
+SEED=${SEED:-0}
+NGPU=${NGPU:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 0)}
+HALF=$(( NGPU > 1 ? NGPU / 2 : 1 ))
+GPUS_A=${GPUS_A:-$(seq -s, 0 $((HALF - 1)))}
+GPUS_B=${GPUS_B:-$(seq -s, $HALF $((NGPU > 1 ? NGPU - 1 : 0)))}
+SMOL=${SMOL:-HuggingFaceTB/SmolLM3-3B-Base}
+QWEN=${QWEN:-Qwen/Qwen3-1.7B-Base}
+OCTO=${OCTO:-OctoThinker/OctoThinker-3B-Hybrid-Base}
+
+run() { echo "+ $*" >&2; "$@"; }
+count() { echo "$1" | tr ',' '\n' | grep -c .; }
+
+prepare_data() {
+  [ -f "$DATA/math_train.jsonl" ] || run $PYTHON data/prepare.py --out "$DATA"
+}
+
+# One side of a pair: torchrun over its GPUs, meeting the other side in the exchange directory.
+side() {  # side NAME PEER_NAME MODEL GPUS OUT EXCHANGE [flags...]
+  local name=$1 peer=$2 model=$3 gpus=$4 out=$5 ex=$6; shift 6
+  local port=$((29500 + RANDOM % 1000))
+  CUDA_VISIBLE_DEVICES=$gpus run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$gpus")" \
+    --master_port "$port" graft.py train --model "$model" --name "$name" --peer-name "$peer" \
+    --peer-exchange "$ex" --out "$out" --prompts "$DATA/math_train.jsonl" --data-dir "$DATA" \
+    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all "$@"
+}
+
+pair() {  # pair TAG MODEL_A MODEL_B [flags...]
+  local tag=$1 a=$2 b=$3; shift 3
+  prepare_data
+  local ex="$RUNS/$tag/exchange"
+  mkdir -p "$RUNS/$tag"
+  echo "pair $tag: A=$a on GPUs $GPUS_A, B=$b on GPUs $GPUS_B, exchange $ex" >&2
+  side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$@" > "$RUNS/$tag/a.log" 2>&1 &
+  local pa=$!
+  side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$@" > "$RUNS/$tag/b.log" 2>&1 &
+  local pb=$!
+  trap 'kill $pa $pb 2>/dev/null' INT TERM
+  tail -f "$RUNS/$tag/a.log" --pid=$pa &
+  local status=0
+  wait $pa || status=$?
+  wait $pb || status=$?
+  echo "pair $tag finished (status $status); logs $RUNS/$tag/{a,b}.log, best checkpoints $RUNS/$tag/{a,b}/checkpoints/best" >&2
+  return $status
+}
+
+case "$PRESET" in
+  tiny)
+    run $PYTHON tiny.py --out "${TINY_OUT:-$RUNS/tiny}" "$@" ;;
+  pair1) pair pair1 "$SMOL" "$QWEN" "$@" ;;
+  pair2) pair pair2 "$OCTO" "$QWEN" "$@" ;;
+  pair3) pair pair3 "$SMOL" "$OCTO" "$@" ;;
+  grpo)
+    prepare_data
+    MODEL_A=${MODEL_A:-$QWEN}
+    GPUS=${GPUS:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}
+    CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
+      graft.py train --model "$MODEL_A" --out "${OUT:-$RUNS/grpo_$(basename "$MODEL_A")}" \
+      --prompts "$DATA/math_train.jsonl" --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" \
+      --eval-every 5 --benchmarks all "$@" ;;
+  offline)
+    prepare_data
+    MODEL_B=${MODEL_B:-$QWEN}
+    PEER_LOG=${PEER_LOG:?set PEER_LOG to the rollout folder of a finished run, e.g. runs/grpo_SmolLM3-3B-Base/exchange/a}
+    GPUS=${GPUS:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}
+    CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
+      graft.py train --model "$MODEL_B" --peer-log "$PEER_LOG" \
+      --out "${OUT:-$RUNS/offline_$(basename "$MODEL_B")}" --prompts "$DATA/math_train.jsonl" \
+      --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all "$@" ;;
+  eval)
+    prepare_data
+    MODEL=${MODEL:?set MODEL to a checkpoint folder or hub id}
+    GPUS=${GPUS:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}
+    CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
+      graft.py eval --model "$MODEL" --data-dir "$DATA" --benchmarks all --samples 8 --temperature 0.6 --top-p 0.95 "$@" ;;
+  -h|--help|help)
+    sed -n '2,17p' "$0" ;;
+  *)
+    echo "run_pair.sh: unknown preset '$PRESET' (tiny, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
+esac
