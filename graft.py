@@ -161,7 +161,7 @@ class Config:
     device: str = "auto"
     """auto (cuda if available, else cpu) | cpu | cuda."""
     dtype: str = "auto"
-    """auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16."""
+    """auto (fp32 weights + bf16 autocast on GPU, fp32 on CPU) | float32 | bfloat16 (bf16 weights, less memory)."""
     gen_batch_size: int = 256
     """Sequences per sampler call (bounds the KV cache; typ. 64-512 on a GPU)."""
     micro_batch_size: int = 16
@@ -783,11 +783,24 @@ def unshard(parts_flat: list, total: int, dist_info: DistInfo) -> list:
     return out
 
 
-def load_policy(path: str, cfg: Config, dist_info: DistInfo):
-    """A transformers causal LM + tokenizer, in fp32 on CPU and bf16 on GPU unless --dtype says."""
+def compute_context(cfg: Config, dist_info: DistInfo):
+    """bf16 autocast on GPU with --dtype auto: matmuls in bf16, fp32 master weights and optimizer.
+
+    Pure bf16 weights would lose the paper's lr = 1e-6 updates: bf16 keeps ~3 significant digits, so
+    w + 1e-6 * g == w for most weights. --dtype bfloat16 is there for memory, knowing that.
+    """
+    import contextlib
+    if cfg.dtype == "auto" and dist_info.device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def load_policy(path: str, cfg: Config, dist_info: DistInfo, *, for_training: bool = True):
+    """A transformers causal LM + tokenizer. Weights: fp32 (bf16 with --dtype bfloat16, or for a
+    GPU evaluation with --dtype auto, where no update needs the precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if cfg.dtype == "auto":
-        dtype = torch.bfloat16 if dist_info.device.type == "cuda" else torch.float32
+        dtype = torch.bfloat16 if (dist_info.device.type == "cuda" and not for_training) else torch.float32
     else:
         dtype = getattr(torch, cfg.dtype)
     try:
@@ -868,6 +881,7 @@ class Trainer:
             raise SystemExit("--model is required (a hub id or a local folder)")
         self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
         self.eos_id = self.stop_ids[0]
+        self.amp = lambda: compute_context(cfg, self.dist)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
         if latest is not None:
             state = torch.load(latest / "trainer_state.pt", map_location="cpu", weights_only=True)
@@ -950,7 +964,7 @@ class Trainer:
         out = []
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.amp():
             for i in range(0, len(prompts), self.cfg.micro_batch_size):
                 lp, mask = response_logprobs(self.model, prompts[i: i + self.cfg.micro_batch_size],
                                              responses[i: i + self.cfg.micro_batch_size], pad_token_id=self.tok.pad_token_id,
@@ -976,9 +990,11 @@ class Trainer:
         t0 = time.time()
         outs: list[Rollout] = []
         for i in range(0, len(prompts), cfg.gen_batch_size):
-            outs += sample(self.model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=cfg.max_response_tokens,
-                           temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=self.stop_ids,
-                           pad_token_id=self.tok.pad_token_id, generator=gen, progress=self.dist.main and len(prompts) > 64)
+            with self.amp():
+                outs += sample(self.model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=cfg.max_response_tokens,
+                               temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=self.stop_ids,
+                               pad_token_id=self.tok.pad_token_id, generator=gen,
+                               progress=self.dist.main and len(prompts) > 64)
         timer["sample"] = time.time() - t0
         t0 = time.time()
         texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
@@ -1248,7 +1264,8 @@ class Trainer:
             mine = shard(sorted((r for r in mb_rows if r.weight > 0), key=lambda r: -len(r.response)), self.dist)
             self.opt.zero_grad(set_to_none=True)
             for i in range(0, len(mine), cfg.micro_batch_size):
-                loss, mts = self.minibatch_loss(mine[i: i + cfg.micro_batch_size], max(denom, 1), max(nll_denom, 1), k)
+                with self.amp():
+                    loss, mts = self.minibatch_loss(mine[i: i + cfg.micro_batch_size], max(denom, 1), max(nll_denom, 1), k)
                 loss.backward()
                 for kind, mt in mts:
                     for key, v in mt.items():
@@ -1446,7 +1463,7 @@ def run_eval(cfg: Config) -> dict:
         torch.set_num_threads(cfg.threads)
     if not cfg.model:
         raise SystemExit("--model is required")
-    model, tok, stop = load_policy(cfg.model, cfg, dist_info)
+    model, tok, stop = load_policy(cfg.model, cfg, dist_info, for_training=False)
     t0 = time.time()
     res = evaluate_benchmarks(model, tok, stop, cfg, dist_info)
     if dist_info.main:
@@ -1497,7 +1514,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
     try:
         validate_config(cfg)
     except ValueError as e:

@@ -669,3 +669,64 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
     tr.update(0, train_rows, replaced, m)
     assert m["pg/peer_tokens"] == sum(len(r.response) for r in peer_rows)
     assert m["peer_minibatches"] >= (1 if peer_rows else 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation with a planted sampler: the reported accuracy is known exactly
+# ------------------------------------------------------------------------------------------------
+
+PLANTED_EVAL = '''
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import graft
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained({model!r})
+golds = {{}}
+for f in Path({data!r}).glob("*.jsonl"):
+    for i, line in enumerate(f.read_text().splitlines()):
+        row = json.loads(line)
+        golds[row["problem"]] = (i, row["answer"])
+def planted_sample(model, prompts, *, eos_token_id, **kw):
+    out = []
+    for p in prompts:
+        problem = tok.decode(p).split(" Let's think step by step")[0]
+        i, gold = golds[problem]
+        text = "\\\\boxed{{" + (gold if i % 2 == 0 else "-12345") + "}}"  # even rows right, odd rows wrong
+        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        out.append(graft.Rollout(tokens=ids, logprobs=graft.torch.zeros(len(ids)), ended_with_eos=True))
+    return out
+graft.sample = planted_sample
+graft.main(sys.argv[1:])
+'''
+
+
+@needs_shared
+def test_eval_planted_accuracy_single_and_two_ranks(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    data = tmp_path / "data"
+    r = run_py([str(ROOT / "data" / "prepare.py"), "--from", str(SHARED / "benchmarks"), "--out", str(data),
+                "--only", "math500", "aime2024", "aime2025", "amc23", "minerva"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen3")
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "planted_eval.py").write_text(PLANTED_EVAL.format(root=str(ROOT), model=str(tmp_path / "m"), data=str(data)))
+    flags = ["eval", "--model", str(tmp_path / "m"), "--data-dir", str(data), "--benchmarks", "all", "--samples", "2",
+             "--eval-max-problems", "3", "--device", "cpu"]
+    single = run_py([str(tmp_path / "planted_eval.py")] + flags + ["--eval-out", str(tmp_path / "one.json")], tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+    res = json.loads((tmp_path / "one.json").read_text())
+    for name in ("math500", "aime2024", "aime2025", "amc23", "minerva"):
+        b = res["benchmarks"][name]
+        assert b["problems"] == 3 and b["pass@1"] == pytest.approx(2 / 3) and b["pass@k"] == pytest.approx(2 / 3), name
+        assert [p["correct"] for p in res["problems"][name]] == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    assert res["mean"] == pytest.approx(2 / 3)
+    assert "mean" in single.stdout and "66.67" in single.stdout
+    two = run_py(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29523",
+                  str(tmp_path / "planted_eval.py")] + flags + ["--eval-out", str(tmp_path / "two.json")], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    res2 = json.loads((tmp_path / "two.json").read_text())
+    assert res2["benchmarks"] == res["benchmarks"] and res2["problems"] == res["problems"]
