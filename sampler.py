@@ -17,7 +17,7 @@ API
 ``token_logprobs(hidden, weight, targets, *, temperature=1.0, chunk_size=1024, vocab_chunk_size=None) -> (N,) float32``
     hidden (N, H) any float dtype, weight (V, H), targets (N,) long. log p(target) at the given temperature, computed in
     chunks of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows with an online log-sum-exp; backward
-    recomputes each chunk. Differentiable w.r.t. hidden and weight.
+    recomputes each chunk. Differentiable w.r.t. hidden and weight. (float64 inputs give float64 log-probs.)
 ``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024) -> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
     responses[i][:t]), 0 where mask is False. Differentiable w.r.t. the model's parameters when grad is enabled.
@@ -37,16 +37,23 @@ Departures and shortcuts (read these before copying)
    (greedy) they are temperature-1 log-probs.
 3. The logits matmul runs in the inputs' dtype (bf16 stays bf16, as the model's own lm_head would run); everything
    after it (temperature, log-sum-exp, softmax, gradient of the logits) is float32, and the weight gradient is
-   accumulated over chunks in float32. On CPU, where bf16 matmuls are slow, pass float32 tensors.
+   accumulated over chunks in float32. On CPU, where bf16 matmuls are slow, pass float32 tensors. float64 inputs
+   are computed and returned in float64 (the contract says float32; float64 is what ``gradcheck`` needs).
 4. ``token_logprobs`` does not check that targets lie in [0, V) (that would need a host sync on every call);
    ``response_logprobs`` and ``sample`` check their Python inputs instead.
 5. ``sample`` switches the model to eval mode for the duration of the call (dropout off while sampling) and restores
-   its previous mode afterwards; it runs under ``torch.no_grad``.
+   its previous mode afterwards. Its decode loop runs under ``torch.inference_mode`` (cheaper per op than
+   ``no_grad``); the returned log-prob tensors are ordinary tensors.
 6. Finished rows are dropped from the KV cache (``DynamicCache.batch_select_indices``, one copy of the cache per
    step on which some row finishes). Left-padding columns that become all-padding after pruning are not trimmed.
 7. Sampling uses ``torch.multinomial`` with the caller's generator. The random stream consumed depends on the batch
    composition, so a row's sample depends on its batch mates (as in ``generate``); the same prompts, settings and
    seed give the same samples.
+8. For SDPA models without sliding-window layers, a decode step's attention mask is handed to the model as a
+   ready (B_alive, 1, 1, cur) boolean view of the preallocated padding mask (transformers passes 4D masks through
+   untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
+   would produce, minus the per-step cost. Other attention implementations get the 2D mask.
+9. ``pad_token_id`` defaults to 0 in ``sample``: padding is masked out, so any id in [0, V) gives the same result.
 
 Benchmark
 ---------
@@ -246,6 +253,16 @@ def _cache_kwarg(base) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _full_attention_sdpa(config) -> bool:
+    """True if every layer is plain causal SDPA attention: no sliding window, no other kernel (departure 8)."""
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types)
+    return getattr(config, "sliding_window", None) is None  # e.g. Mistral: one window for all layers, no layer_types
+
+
 def _as_id_list(seq) -> list[int]:
     """A token-id sequence (list or 1-D tensor) as a list of Python ints."""
     if isinstance(seq, torch.Tensor):
@@ -293,7 +310,7 @@ def response_logprobs(
     prompts = [_as_id_list(p) for p in prompts]
     responses = [_as_id_list(r) for r in responses]
     assert len(prompts) == len(responses), f"{len(prompts)} prompts but {len(responses)} responses"
-    assert all(len(p) > 0 for p in prompts), "every prompt needs a token (its last one predicts the first response token)"
+    assert all(len(p) > 0 for p in prompts), "every prompt needs a token: its last one predicts the first response token"
     weight = _lm_head_weight(model)
     device = weight.device
     _check_ids(prompts, weight.shape[0], "prompts")
@@ -446,9 +463,7 @@ def sample(
     # For SDPA models without sliding-window layers, a decode step's mask is just the padding mask, and transformers
     # passes a ready 4D mask through untouched: hand it a (B_alive, 1, 1, cur) view of the buffer and skip the per-step
     # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
-    ready_4d = model.config._attn_implementation == "sdpa" and all(
-        t == "full_attention" for t in getattr(model.config, "layer_types", None) or ["full_attention"]
-    )
+    ready_4d = _full_attention_sdpa(model.config)
 
     # ---- per step we only append (tokens, log-probs, original row ids) of the rows still running; one scatter at
     # the end assembles them, instead of indexed writes into output buffers on every step

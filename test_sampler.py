@@ -50,7 +50,7 @@ def rel_err(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-def tiny_model(kind, *, vocab=128, tie=False, seed=0, head_scale=1.0):
+def tiny_model(kind, *, vocab=128, tie=False, seed=0, head_scale=1.0, attn="sdpa"):
     """A tiny randomly initialised causal LM (hidden 64, 2 layers). Weights are drawn wider than transformers'
     default (std 0.02) so that the logits are well separated: greedy comparisons then never hinge on ties."""
     common = dict(
@@ -60,7 +60,7 @@ def tiny_model(kind, *, vocab=128, tie=False, seed=0, head_scale=1.0):
     )
     cfg = LlamaConfig(**common) if kind == "llama" else Qwen3Config(head_dim=16, **common)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
@@ -234,9 +234,11 @@ def test_response_logprobs_all_empty_and_bad_ids():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_greedy_matches_generate_with_early_eos(kind):
-    model = tiny_model(kind, seed=9)
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("qwen3", "sdpa"), ("qwen3", "eager")])
+def test_greedy_matches_generate_with_early_eos(kind, attn):
+    # sdpa models get sample()'s ready 4D mask, eager ones the 2D mask through transformers' mask builder
+    model = tiny_model(kind, seed=9, attn=attn)
+    assert model.config._attn_implementation == attn
     # pick EOS ids from the greedy path itself so that some rows stop early and others run to the cap
     free = sample(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=1000)
     eos = [free[0].tokens[2], free[3].tokens[5]]
