@@ -372,7 +372,6 @@ def write_prompts(path: Path, n: int = 16):
 
 import subprocess
 import sys
-import zlib
 
 ROOT = Path(__file__).resolve().parent
 PLANTED = '''
