@@ -310,7 +310,7 @@ def response_logprobs(
     prompts = [_as_id_list(p) for p in prompts]
     responses = [_as_id_list(r) for r in responses]
     assert len(prompts) == len(responses), f"{len(prompts)} prompts but {len(responses)} responses"
-    assert all(len(p) > 0 for p in prompts), "every prompt needs a token: its last one predicts the first response token"
+    assert all(len(p) > 0 for p in prompts), "every prompt needs a token: its last predicts the first response token"
     weight = _lm_head_weight(model)
     device = weight.device
     _check_ids(prompts, weight.shape[0], "prompts")
