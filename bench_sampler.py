@@ -112,8 +112,8 @@ def bench_logprobs(n, h, v, repeats):
           f"ours/naive = {mem['ours'] / mem['naive']:.3f}  (target <= 0.125)")
     gw = v * h * 4
     net = {p: (m - gw) / 2**20 for p, m in mem.items()}
-    print(f"  net of the weight gradient: naive {net['naive']:.0f} MiB, ours {net['ours']:.0f} MiB, ratio {net['ours'] / net['naive']:.3f}; one (N, V) float32 array is"
-          f" {n * v * 4 / 2**20:.0f} MiB")
+    print(f"  net of the weight gradient: naive {net['naive']:.0f} MiB, ours {net['ours']:.0f} MiB, "
+          f"ratio {net['ours'] / net['naive']:.3f}; one (N, V) float32 array is {n * v * 4 / 2**20:.0f} MiB")
 
     inputs = logprob_inputs(n, h, v)
     times = {"naive": [], "ours": []}
