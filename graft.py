@@ -36,6 +36,30 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
      computed on the peer's full group.
   5. Prompts longer than `max_prompt_tokens` are an error, not silently filtered: filtering per
      tokenizer would give the two sides different batches.
+  6. On GPU the weights and AdamW state stay fp32 and the forward runs under bf16 autocast (the paper
+     says "bf16"): pure bf16 weights would round most lr = 1e-6 updates away.
+  7. Behaviour log-probs of own rollouts are recomputed by one forward pass after sampling (as verl
+     does) rather than taken from the sampler; in fp32 the two agree (tested), in bf16 they differ
+     by rounding, and the recomputed ones are what the training forward reproduces at ratio 1.
+
+Baselines as implemented here (DESIGN §3.11; choices the cited papers leave open are ours):
+  * HACPO (arXiv 2603.02604): every prompt pools both models' n rollouts (no failure gating). The
+    capability ratio c = (peer success rate) / (own success rate), each a mean over the last 5 steps,
+    clamped to [0.1, 10] (10 when the own rate is 0). Baseline = capability-weighted pooled mean
+    (sum r_own + c sum r_peer) / (n + c n); scale = unbiased std of the 2n pooled rewards. Own rows:
+    sequence-level ratio exp(mean_t log rho_t), clip [1 - 3e-4, 1 + 4e-4]. Peer rows (retokenised):
+    cross-tokenizer sequence ratio exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), lower clip
+    bound 0.8 + 0.025 k in minibatch k (capped at 0.999), upper bound 1 + eps_high, loss weight c,
+    peer loss coefficient 1.0; one shared token-mean denominator.
+  * SGT (arXiv 2605.07244): plain GRPO rows, plus, for every prompt where the receiver fails all n
+    and the peer succeeds at least once (all-pass peers included), one correct peer response drawn
+    uniformly (seeded per step), retokenised, with loss 0.1 x its token-mean NLL; the NLL term has its
+    own token-mean denominator. Both directions, no weighting, no balancing.
+  * LUFFY-style: GRAFT's selection and weights; peer tokens use -w f(pi) a with f(pi) = pi / (pi + 0.1),
+    behaviour probability 1, no clip, in the same token-mean as the own tokens.
+  * Random acceptance keeps the gate's count of accepted responses but draws which at random; they
+    keep min(s, 1) as weight. Random selection draws GRAFT's count among prompts whose peer group is
+    mixed, whatever the receiver scored. Pooled advantages train the receiver's own (failed) rows too.
 
 Launch lines:
     # CPU, tiny preset: two tiny models, GRPO vs GRAFT, a table at the end (minutes)
