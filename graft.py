@@ -868,7 +868,7 @@ class Trainer:
                 outs += sample(self.model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=cfg.max_response_tokens,
                                temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=self.stop_ids,
                                pad_token_id=self.tok.pad_token_id, generator=gen,
-                               progress=self.dist.main and len(prompts) > 64)
+                               progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         timer["sample"] = time.time() - t0
         t0 = time.time()
         texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
