@@ -373,7 +373,7 @@ def sample_responses(model, tok, prompts: list[list[int]], *, max_new_tokens: in
     left padding; top-k and top-p are off, so T=1 samples the model's distribution.
     """
     try:
-        import sampler  # noqa: F401  (written concurrently; optional until committed)
+        import sampler  # the project's KV-cache sampler (sampler.py); optional, so this file stands alone
     except ImportError:
         sampler = None
     out: list[list[int]] = []
