@@ -34,12 +34,13 @@ Findings of phase 1 (default config; 2 shared CPU cores, one torch thread per pr
       A  add 88.5/99.0  sub 50.7/63.5  mul  6.9/12.5  linear 19.8/26.5
       B  add 13.4/32.5  sub 12.0/17.0  mul 56.7/77.5  linear 51.1/59.5
 * Plain GRPO (``python tiny.py grpo``), 64 prompts x n=8 per step, 4 minibatches, AdamW 1e-4
-  constant, clip 0.2/0.28, 100 steps, weak-family T=1 accuracy (seeds 0 / 1):
-  A 14.8 -> 21.9 (+7.1) / 15.0 -> 18.8 (+3.8); B 12.5 -> 17.6 (+5.1) / 12.6 -> 17.4 (+4.8);
-  strong families held or rose. ~2.2-2.7 s (A, char) and ~1.3-1.6 s (B, BPE) per step with the two
-  runs side by side, so 100 steps is ~4 min for A and ~2.5 min for B. Progress is steady but
-  lr-bound: 1.5e-4, 2e-4 (also with 2 minibatches), 3e-4 (also with a 10-step warm-up) were flat
-  or worse; 128 prompts per step gave no more per step than 64; 8 minibatches no better.
+  constant, clip 0.2/0.28; weak-family T=1 accuracy gain after 100 steps, seeds 0 / 1 / 2:
+  A +7.1 / +3.8 / +3.1, B +5.1 / +4.8 / +3.9 (from ~14.8 and ~12.5); seed 2 after 150 steps:
+  A +6.4, B +6.3. Strong families held or rose. ~2.5 s (A, char) and ~1.5 s (B, BPE) per step with
+  the two runs side by side, so +5 on both needs ~150 steps: ~6 min for A, ~4 min for B. Progress
+  is steady but lr-bound: 1.5e-4, 2e-4 (also with 2 minibatches), 3e-4 (also with a 10-step
+  warm-up) were flat or worse; 128 prompts per step gave no more per step than 64; 8 minibatches
+  no better.
 * Compatibility on 1000 train prompts: with per-token means (the paper's s) 77-88% of the peer's
   responses on candidate prompts pass s > 0.8 (median s ~0.87) in both directions; per-byte
   normalisation gives 96% (A->B) and 72% (B->A). The gate is not the bottleneck with these tasks:
