@@ -1132,8 +1132,11 @@ class Trainer:
             nll_denom = sum(len(r.response) for r in mb_rows if r.kind == "nll")
             if denom + nll_denom == 0:
                 continue
+            # Rows with a = 0 (all-fail and all-pass groups) give exactly zero gradient in every
+            # surrogate here, so they skip the forward; their tokens stay in the denominator above.
             # Long rows first so micro-batches pad little; this rank's strided share.
-            mine = shard(sorted((r for r in mb_rows if r.weight > 0), key=lambda r: -len(r.response)), self.dist)
+            live = [r for r in mb_rows if r.weight > 0 and (r.adv != 0 or r.kind == "nll")]
+            mine = shard(sorted(live, key=lambda r: -len(r.response)), self.dist)
             self.opt.zero_grad(set_to_none=True)
             for i in range(0, len(mine), cfg.micro_batch_size):
                 with self.amp():
@@ -1142,10 +1145,11 @@ class Trainer:
                 for kind, mt in mts:
                     for key, v in mt.items():
                         agg.setdefault(f"{kind}/{key}", []).append((v, mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))))
+            for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             if self.dist.world > 1:  # data parallel: sum the per-rank partial gradients (loss is a global sum)
                 for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
                     torch.distributed.all_reduce(p.grad)
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
             self.opt.step()
@@ -1157,6 +1161,7 @@ class Trainer:
             elif tot > 0:
                 m[key] = sum(v * t for v, t in vals) / tot
         m["grad_norm"] = sum(norms) / max(1, len(norms))
+        m["zero_adv_frac"] = sum(1 for r in rows if r.adv == 0 and r.kind != "nll") / max(1, len(rows))
         m["minibatches"] = len(mbs)
         m["peer_minibatches"] = sum(peer_mb)
 

@@ -729,3 +729,20 @@ def test_eval_planted_accuracy_single_and_two_ranks(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     res2 = json.loads((tmp_path / "two.json").read_text())
     assert res2["benchmarks"] == res["benchmarks"] and res2["problems"] == res["problems"]
+
+
+def test_zero_advantage_rows_have_exactly_zero_gradient():
+    """The update skips a = 0 rows in the forward (graft.Trainer.update); that is exact only if every
+    surrogate gives them exactly zero gradient, even off-policy, clipped or dual-clipped."""
+    g = torch.Generator().manual_seed(5)
+    lp = (torch.randn(3, 5, generator=g) - 2).requires_grad_(True)
+    old = torch.randn(3, 5, generator=g) - 2
+    adv = torch.tensor([0.0, 1.0, 0.0])
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    for kw in ({}, {"dual_clip": 3.0}, {"ratio_level": "sequence"}):
+        lp.grad = None
+        graft.policy_loss(lp, old, adv, mask, **kw)[0].backward()
+        assert torch.equal(lp.grad[0], torch.zeros(5)) and torch.equal(lp.grad[2], torch.zeros(5)) and lp.grad[1].abs().sum() > 0
+    lp.grad = None
+    graft.luffy_peer_loss(lp, adv, mask)[0].backward()
+    assert torch.equal(lp.grad[0], torch.zeros(5)) and lp.grad[1].abs().sum() > 0
