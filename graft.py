@@ -80,6 +80,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

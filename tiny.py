@@ -159,20 +159,6 @@ def make_data(run_dir: str, cfg: TinyConfig) -> str:
     return out
 
 
-def boxed_answer(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (no nesting needed here), or None. Phase-1 stand-in for
-    ``verify.verify``: the tiny answers are plain integers, so exact string match is the check."""
-    i = text.rfind("\\boxed{")
-    if i < 0:
-        return None
-    j = text.find("}", i)
-    return None if j < 0 else text[i + 7:j].strip()
-
-
-def reward(text: str, gold: str) -> float:
-    return float(boxed_answer(text) == gold)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Tokenizers
 # ----------------------------------------------------------------------------------------------------
@@ -335,11 +321,30 @@ def _is_done(folder: str, cfg: TinyConfig) -> bool:
         return False
 
 
-def prepare(run_dir: str, cfg: TinyConfig) -> None:
-    """Data, tokenizers and both pre-trained models in RUN_DIR; finished parts are skipped."""
+COMMITTED = os.path.join(HERE, "data", "tiny_models")
+"""Pre-trained A and B as committed to the repository (built by `python tiny.py prepare data/tiny_models
+--retrain` with the default TinyConfig); used when their digest matches, so the preset skips ~2-5
+minutes of pre-training."""
+
+
+def prepare(run_dir: str, cfg: TinyConfig, *, retrain: bool = False) -> None:
+    """Data, tokenizers and both pre-trained models in RUN_DIR; finished parts are skipped.
+
+    Models come from the committed copies in data/tiny_models when they were trained with this exact
+    config (same digest), else they are pre-trained here; --retrain always pre-trains.
+    """
+    import shutil
     os.makedirs(run_dir, exist_ok=True)
     data_dir = make_data(run_dir, cfg)
-    todo = [n for n in ("A", "B") if not _is_done(os.path.join(run_dir, n), cfg)]
+    for n in ("A", "B"):
+        src, dst = os.path.join(COMMITTED, n), os.path.join(run_dir, n)
+        if (not retrain and not _is_done(dst, cfg) and _is_done(src, cfg)
+                and os.path.abspath(src) != os.path.abspath(dst)):
+            shutil.copytree(src, dst + ".tmp", dirs_exist_ok=True)
+            shutil.rmtree(dst, ignore_errors=True)
+            os.replace(dst + ".tmp", dst)
+            print(f"[tiny] model {n}: the committed pre-trained copy ({COMMITTED}/{n}, config {cfg.digest()})")
+    todo = [n for n in ("A", "B") if retrain or not _is_done(os.path.join(run_dir, n), cfg)]
     if not todo:
         print(f"pre-trained models in {run_dir} are cached (config {cfg.digest()})")
         return
@@ -361,306 +366,273 @@ def prepare(run_dir: str, cfg: TinyConfig) -> None:
     print(f"pre-training of {', '.join(todo)} took {time.time() - t0:.0f}s wall")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Sampling and evaluation
-# ----------------------------------------------------------------------------------------------------
-
-
-def encode_prompts(tok, problems: list[str]) -> list[list[int]]:
-    return [tok.encode(PROMPT_TEMPLATE.replace("{problem}", p), add_special_tokens=False) for p in problems]
-
-
-@torch.no_grad()
-def sample_responses(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                     greedy: bool = False, batch_size: int = 512, seed: int = 0) -> list[list[int]]:
-    """Response token ids (EOS kept if produced, padding removed) for each prompt, batched.
-
-    Uses ``sampler.sample`` when it exists (and not greedy), else transformers' ``generate`` with
-    left padding; top-k and top-p are off, so T=1 samples the model's distribution.
-    """
-    try:
-        import sampler  # the project's KV-cache sampler (sampler.py); optional, so this file stands alone
-    except ImportError:
-        sampler = None
-    out: list[list[int]] = []
-    gen = torch.Generator().manual_seed(seed)
-    for s in range(0, len(prompts), batch_size):
-        chunk = prompts[s:s + batch_size]
-        if sampler is not None and not greedy:
-            rolls = sampler.sample(model, chunk, max_new_tokens=max_new_tokens, temperature=temperature, top_p=1.0,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=gen)
-            out.extend(list(r.tokens) for r in rolls)
-            continue
-        L = max(map(len, chunk))
-        ids = torch.full((len(chunk), L), tok.pad_token_id)
-        for i, p in enumerate(chunk):
-            ids[i, L - len(p):] = torch.tensor(p)
-        torch.manual_seed(seed + s)
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        seqs = model.generate(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(),
-                              max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id, **kw)
-        for row in seqs[:, L:].tolist():
-            if tok.eos_token_id in row:
-                row = row[:row.index(tok.eos_token_id) + 1]
-            else:
-                row = [t for t in row if t != tok.pad_token_id]
-            out.append(row)
-    return out
-
 
 def max_response_tokens(tok, rows: list[dict]) -> int:
     """A response limit with headroom: 1.5x the longest reference solution (+EOS) in tokens."""
     return int(1.5 * max(len(tok.encode(r["solution"], add_special_tokens=False)) for r in rows)) + 2
 
 
-def evaluate(model, tok, rows: list[dict], *, k: int = 8, greedy: bool = True, seed: int = 0) -> dict:
-    """Per-family accuracy: mean over problems and K samples at T=1 ("t1"), and greedy ("greedy")."""
-    max_new = max_response_tokens(tok, rows)
-    prompts = encode_prompts(tok, [r["problem"] for r in rows])
-    res: dict = {}
-    modes = [("t1", k, False)] + ([("greedy", 1, True)] if greedy else [])
-    for mode, reps, g in modes:
-        resp = sample_responses(model, tok, [p for p in prompts for _ in range(reps)], max_new_tokens=max_new,
-                                temperature=1.0, greedy=g, seed=seed)
-        acc = defaultdict(list)
-        for i, r in enumerate(resp):
-            row = rows[i // reps]
-            acc[row["family"]].append(reward(tok.decode(r, skip_special_tokens=True), row["answer"]))
-        res[mode] = {f: sum(v) / len(v) for f, v in acc.items()}
-    return res
-
-
-def format_table(results: dict[str, dict]) -> str:
-    """results: {model name: evaluate() output} -> a plain-text per-family table."""
-    fams = list(tiny_tasks.FAMILIES)
-    lines = [f"{'model':<10}{'mode':<8}" + "".join(f"{f:>8}" for f in fams)]
-    for name, res in results.items():
-        for mode, acc in res.items():
-            lines.append(f"{name:<10}{mode:<8}" + "".join(f"{100 * acc.get(f, float('nan')):8.1f}" for f in fams))
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------------------------------
-# Token log-probabilities (shared by the GRPO experiment and the compatibility measurement)
+# The preset: GRPO for each model alone vs the GRAFT pair, from the same checkpoints, then a table
 # ----------------------------------------------------------------------------------------------------
 
-
-def response_logprobs(model, tok, prompts: list[list[int]], responses: list[list[int]], *,
-                      batch_size: int = 256, grad: bool = False) -> list[torch.Tensor]:
-    """Per-token log pi(o_t | q, o_<t) at temperature 1 for each (prompt, response) pair.
-
-    Right-padded batches; returns one 1-D tensor per response (len(response) entries).
-    """
-    out: list[torch.Tensor] = []
-    for s in range(0, len(prompts), batch_size):
-        ps, rs = prompts[s:s + batch_size], responses[s:s + batch_size]
-        T = max(len(p) + len(r) for p, r in zip(ps, rs))
-        x = torch.full((len(ps), T), tok.pad_token_id)
-        for i, (p, r) in enumerate(zip(ps, rs)):
-            x[i, :len(p) + len(r)] = torch.tensor(p + r)
-        mask = torch.zeros_like(x)
-        for i, (p, r) in enumerate(zip(ps, rs)):
-            mask[i, :len(p) + len(r)] = 1
-        with torch.set_grad_enabled(grad):
-            logits = model(input_ids=x, attention_mask=mask).logits[:, :-1].float()
-            lp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None]).squeeze(-1)
-        for i, (p, r) in enumerate(zip(ps, rs)):
-            out.append(lp[i, len(p) - 1:len(p) - 1 + len(r)])
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# Experiment: minimal plain GRPO (finds the lr / batch / steps at which GRPO makes progress)
-# ----------------------------------------------------------------------------------------------------
+# Each variant is a set of graft.py flags given to both sides of the pair (DESIGN §3.11). "grpo" is
+# special: each model alone, with no peer.
+VARIANT_FLAGS = {
+    "graft": [],
+    "byte": ["--compat-norm", "byte"],
+    "no_weight": ["--no-compat-weight"],
+    "no_floor": ["--delta", "0"],
+    "no_balance": ["--no-balance"],
+    "seq_ratio": ["--ratio-level", "sequence"],
+    "random_select": ["--selection", "random"],
+    "random_accept": ["--acceptance", "random"],
+    "peer_first": ["--order", "peer_first"],
+    "uniform": ["--order", "uniform"],
+    "pooled_adv": ["--peer-advantages", "pooled"],
+    "success_only": ["--transfer", "success"],
+    "sgt": ["--variant", "sgt"],
+    "hacpo": ["--variant", "hacpo"],
+    "luffy": ["--variant", "luffy"],
+}
 
 
 @dataclass
-class GRPOExperiment:
-    """A minimal GRPO loop's settings; not the trainer (graft.py), a probe of what these models need."""
+class PresetConfig:
+    """The RL half of the preset: the same budget for every method (DESIGN §8, issue 8)."""
 
-    steps: int = 40
-    """Optimiser steps (each: sample, score, then one epoch of minibatch updates)."""
-    prompts: int = 64
-    """Prompts per step (all families, drawn without replacement per epoch of the train split)."""
+    out: str = "runs/tiny"
+    """Run folder: data, pre-trained models, one sub-folder per seed and method, the tables."""
+    seeds: int = 1
+    """RL seeds (sampling and minibatch order); cells report mean and std over them."""
+    steps: int = 100
+    """RL steps per run (same for GRPO and GRAFT)."""
+    prompts_per_step: int = 64
+    """Prompts per step (both sides see the same batches)."""
     n: int = 8
     """Rollouts per prompt."""
-    minibatches: int = 4
-    """Minibatches per step (one Adam step each)."""
     lr: float = 1e-4
-    """AdamW learning rate, constant after the warm-up."""
-    warmup: int = 0
-    """Steps of linear learning-rate warm-up (0 = constant from the start, as the trainer does)."""
-    eps_low: float = 0.2
-    """PPO clip, lower."""
-    eps_high: float = 0.28
-    """PPO clip, upper."""
-    eval_every: int = 10
-    """Evaluate the held-out weak families every this many steps (and at the start and end)."""
-    eval_k: int = 4
-    """Samples per held-out problem at each evaluation."""
-    seed: int = 0
-    """Seed of prompt order and sampling."""
+    """AdamW learning rate for every run (found by the phase-1 GRPO experiment)."""
+    minibatches: int = 4
+    """Optimizer steps per RL step."""
+    variants: str = "graft"
+    """Comma list of GRAFT variants to run next to GRPO (see VARIANT_FLAGS); 'all' runs every one."""
+    compat_norm: str = "token"
+    """--compat-norm for the 'graft' run: token (paper) or byte (departure 2)."""
+    eval_samples: int = 4
+    """Held-out samples per problem at temperature 1 (accuracy = mean over problems and samples)."""
+    eval_every: int = 0
+    """Held-out evaluation every this many steps inside the runs (for --plot; 0 = final only)."""
+    plot: bool = False
+    """Write accuracy-vs-step PNGs (needs matplotlib and --eval-every)."""
+    smoke: bool = False
+    """CI smoke: 3 steps of 16 prompts and a 40-problem held-out subset, to check every phase runs."""
+    test_file: str = ""
+    """Held-out prompt file (set by run_preset: RUN/data/test.jsonl, or its subset with --smoke)."""
 
 
-def grpo_advantages(r: torch.Tensor) -> torch.Tensor:
-    """r: [G, n] rewards -> (r - mean) / (std_unbiased + 1e-6); zero-variance groups get exactly 0."""
-    std = r.std(dim=1, keepdim=True)
-    a = (r - r.mean(dim=1, keepdim=True)) / (std + 1e-6)
-    return torch.where(std > 0, a, torch.zeros_like(a))
+def _run_graft(args: list[str], log_path: str) -> subprocess.Popen:
+    """Start `python graft.py ...` with one torch thread (two runs share the 2 cores), logging to a file."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, os.path.join(HERE, "graft.py")] + args
+    print("+ " + " ".join(cmd[1:]) + f"   > {log_path}", flush=True)
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
 
 
-def run_grpo(model, tok, train: list[dict], test: list[dict], weak: list[str], ex: GRPOExperiment,
-             log=print) -> list[dict]:
-    """Plain GRPO on ``train``; logs held-out T=1 accuracy on the families in ``weak`` as it goes.
-
-    Loss per minibatch: -(1/sum |o|) sum_j sum_t min(rho a, clip(rho) a), the token mean over *all*
-    of the minibatch's responses. Zero-advantage responses contribute zero to the sum but count in
-    the denominator (as in verl), so they are skipped in the forward pass without changing the loss.
-    """
-    rng = random.Random(f"grpo/{ex.seed}")
-    opt = torch.optim.AdamW(model.parameters(), lr=ex.lr, weight_decay=0.01)  # the trainer's optimiser
-    max_new = max_response_tokens(tok, train)
-    test_weak = [r for r in test if r["family"] in weak]
-    history: list[dict] = []
-    order: list[int] = []
-    t_start = time.time()
-
-    def evaluate_now(step: int) -> None:
-        model.eval()
-        acc = evaluate(model, tok, test_weak, k=ex.eval_k, greedy=False, seed=10_000 + step)["t1"]
-        rec = {"step": step, "weak_acc": sum(acc.values()) / len(acc), **{f"acc_{f}": v for f, v in acc.items()},
-               "time_s": time.time() - t_start}
-        history.append(rec)
-        log(f"  eval step {step:4d}  weak-family T=1 acc {100 * rec['weak_acc']:.1f}  "
-            + " ".join(f"{f} {100 * v:.1f}" for f, v in acc.items()) + f"  ({rec['time_s']:.0f}s)")
-
-    evaluate_now(0)
-    for step in range(1, ex.steps + 1):
-        if len(order) < ex.prompts:
-            perm = list(range(len(train)))
-            rng.shuffle(perm)
-            order.extend(perm)
-        rows = [train[i] for i in order[:ex.prompts]]
-        del order[:ex.prompts]
-        model.eval()
-        prompts = encode_prompts(tok, [r["problem"] for r in rows])
-        flat_p = [p for p in prompts for _ in range(ex.n)]
-        resp = sample_responses(model, tok, flat_p, max_new_tokens=max_new, temperature=1.0,
-                                seed=ex.seed * 1_000_003 + step)
-        r = torch.tensor([reward(tok.decode(o, skip_special_tokens=True), rows[i // ex.n]["answer"])
-                          for i, o in enumerate(resp)]).view(len(rows), ex.n)
-        adv = grpo_advantages(r).view(-1)
-        old = response_logprobs(model, tok, flat_p, resp)
-        model.train()
-        for g_ in opt.param_groups:
-            g_["lr"] = ex.lr * min(1.0, step / ex.warmup) if ex.warmup else ex.lr
-        # Minibatches by prompt groups, so each holds whole groups (as in verl).
-        groups = list(range(len(rows)))
-        rng.shuffle(groups)
-        clip_frac, n_tok_all = [], 0
-        for mb in range(ex.minibatches):
-            g = groups[mb::ex.minibatches]
-            idx = [gi * ex.n + j for gi in g for j in range(ex.n)]
-            denom = sum(len(resp[i]) for i in idx)
-            live = [i for i in idx if adv[i] != 0]
-            if not live:
-                continue
-            new = response_logprobs(model, tok, [flat_p[i] for i in live], [resp[i] for i in live], grad=True)
-            loss = 0.0
-            for i, lp in zip(live, new):
-                rho = torch.exp(lp - old[i])
-                a = adv[i]
-                loss = loss - torch.minimum(rho * a, rho.clamp(1 - ex.eps_low, 1 + ex.eps_high) * a).sum()
-                clip_frac.append(((rho < 1 - ex.eps_low) | (rho > 1 + ex.eps_high)).float().mean().item())
-            loss = loss / denom
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            n_tok_all += denom
-        fam_r = defaultdict(list)
-        for i, row in enumerate(rows):
-            fam_r[row["family"]].append(r[i].mean().item())
-        log(f"step {step:4d}  reward {r.mean().item():.3f}  "
-            + " ".join(f"{f} {sum(v) / len(v):.2f}" for f, v in sorted(fam_r.items()))
-            + f"  all-fail {(r.sum(1) == 0).float().mean().item():.2f}"
-            + f"  clip {sum(clip_frac) / max(1, len(clip_frac)):.3f}  {time.time() - t_start:.0f}s")
-        if step % ex.eval_every == 0 or step == ex.steps:
-            evaluate_now(step)
-    return history
+def _wait(procs: list[tuple[subprocess.Popen, str]]) -> None:
+    failed = [(p, log) for p, log in procs if p.wait() != 0]
+    for p, log in failed:
+        with open(log) as f:
+            print(f.read()[-3000:])
+    if failed:
+        raise SystemExit(f"tiny.py: {len(failed)} run(s) failed; logs: {', '.join(log for _, log in failed)}")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Measurement: compatibility score s on the pre-trained pair (DESIGN.md §3.7, §8 lessons 3-4)
-# ----------------------------------------------------------------------------------------------------
+def _final_ckpt(out: str, steps: int) -> str:
+    return os.path.join(out, "checkpoints", f"step_{steps:06d}")
 
 
-def measure_compat(run_dir: str, *, n: int = 8, limit: int | None = None, seed: int = 0, log=print) -> dict:
-    """Sample n per train prompt from A and B; on prompts where the receiver fails all n and the
-    source is mixed, score each of the source's responses retokenised into the receiver.
-
-    s_token = exp(mean token logprob under receiver - mean token logprob under source) (paper), and
-    s_byte  = exp((sum logprob under receiver - sum logprob under source) / UTF-8 bytes of the text),
-    the per-byte normalisation of lesson 4 (both sums include the EOS token when the source ended
-    with EOS). Reports the fraction with s > 0.8, for correct responses and for all of them.
-    """
-    train = load_jsonl(os.path.join(run_dir, "data", "train.jsonl"))
-    if limit:
-        random.Random(seed).shuffle(train)
-        train = train[:limit]
-    models = {name: _load(os.path.join(run_dir, name)) for name in ("A", "B")}
-    roll = {}
-    for name, (model, tok) in models.items():
-        prompts = encode_prompts(tok, [r["problem"] for r in train])
-        flat_p = [p for p in prompts for _ in range(n)]
-        resp = sample_responses(model, tok, flat_p, max_new_tokens=max_response_tokens(tok, train),
-                                temperature=1.0, seed=seed)
-        lps = response_logprobs(model, tok, flat_p, resp)
-        texts = [tok.decode(o, skip_special_tokens=True) for o in resp]
-        r = [reward(t, train[i // n]["answer"]) for i, t in enumerate(texts)]
-        roll[name] = dict(resp=resp, lps=lps, texts=texts, r=r)
-    report = {}
-    for src, rcv in (("A", "B"), ("B", "A")):
-        S, R = roll[src], roll[rcv]
-        rmodel, rtok = models[rcv]
-        stok = models[src][1]
-        items = []
-        for q, row in enumerate(train):
-            k_s = sum(S["r"][q * n:(q + 1) * n])
-            k_r = sum(R["r"][q * n:(q + 1) * n])
-            if k_r == 0 and 1 <= k_s < n:
-                items.extend((q, q * n + j) for j in range(n))
-        if not items:
-            report[f"{src}->{rcv}"] = {"candidates": 0}
+def run_methods(run_dir: str, pc: PresetConfig, seed: int, methods: list[str], max_new: int) -> None:
+    """Train every method of one seed; runs already finished (final checkpoint present) are skipped,
+    and a killed run resumes from its last checkpoint (--resume)."""
+    data = os.path.join(run_dir, "data")
+    common = ["--prompts", os.path.join(data, "train.jsonl"), "--steps", str(pc.steps), "--prompts-per-step",
+              str(pc.prompts_per_step), "--n", str(pc.n), "--minibatches", str(pc.minibatches), "--lr", str(pc.lr),
+              "--max-response-tokens", str(max_new), "--prompt-template", PROMPT_TEMPLATE, "--threads", "1",
+              "--seed", str(seed), "--data-seed", str(seed), "--save-every", str(max(1, pc.steps // 4)),
+              "--micro-batch-size", "64", "--gen-batch-size", "1024", "--resume", "--exchange-timeout", "1800"]
+    if pc.eval_every:
+        common += ["--eval-every", str(pc.eval_every), "--benchmarks", pc.test_file,
+                   "--eval-samples", "1", "--eval-temperature", "1.0", "--eval-top-p", "1.0",
+                   "--eval-max-tokens", str(max_new)]
+    for method in methods:
+        base = os.path.join(run_dir, f"seed{seed}", method)
+        sides = (("A", "a", "b"), ("B", "b", "a"))
+        if all(os.path.isdir(_final_ckpt(os.path.join(base, s), pc.steps)) for s, _, _ in sides):
+            print(f"[tiny] seed {seed} {method}: cached")
             continue
-        rp, rr = [], []
-        for q, i in items:
-            ended = len(S["resp"][i]) > 0 and S["resp"][i][-1] == stok.eos_token_id
-            rp.append(encode_prompts(rtok, [train[q]["problem"]])[0])
-            rr.append(rtok.encode(S["texts"][i], add_special_tokens=False) + ([rtok.eos_token_id] if ended else []))
-        rlps = response_logprobs(rmodel, rtok, rp, rr)
+        os.makedirs(base, exist_ok=True)
+        t0, procs = time.time(), []
+        for model, name, peer in sides:
+            args = ["train", "--model", os.path.join(run_dir, model), "--name", name, "--out", os.path.join(base, model)]
+            if method != "grpo":
+                flags = VARIANT_FLAGS[method] + (["--compat-norm", pc.compat_norm] if method == "graft" else [])
+                args += ["--peer-name", peer, "--peer-exchange", os.path.join(base, "exchange")] + flags
+            procs.append((_run_graft(args + common, os.path.join(base, f"{model}.log")), os.path.join(base, f"{model}.log")))
+        _wait(procs)
+        print(f"[tiny] seed {seed} {method}: {time.time() - t0:.0f}s", flush=True)
+
+
+def family_accuracy(results_json: str, test_rows: list[dict]) -> dict[str, float]:
+    """graft.py eval's per-problem results -> accuracy per family and overall (mean over samples)."""
+    with open(results_json) as f:
+        res = json.load(f)
+    fam = {r["id"]: r["family"] for r in test_rows}
+    acc = defaultdict(list)
+    for rows in res["problems"].values():
+        for r in rows:
+            score = sum(r["correct"]) / len(r["correct"])
+            acc[fam[r["id"]]].append(score)
+            acc["overall"].append(score)
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def evaluate_models(run_dir: str, pc: PresetConfig, jobs: list[tuple[str, str]], max_new: int) -> None:
+    """Held-out evaluation of (model folder, result path) pairs, two processes at a time; cached."""
+    test = pc.test_file
+    todo = [(m, out) for m, out in jobs if not os.path.exists(out)]
+    for i in range(0, len(todo), 2):
+        procs = []
+        for model, out in todo[i: i + 2]:
+            args = ["eval", "--model", model, "--benchmarks", test, "--samples", str(pc.eval_samples),
+                    "--temperature", "1.0", "--top-p", "1.0", "--eval-max-tokens", str(max_new),
+                    "--max-response-tokens", str(max_new), "--prompt-template", PROMPT_TEMPLATE, "--threads", "1",
+                    "--gen-batch-size", "1024", "--eval-out", out]
+            procs.append((_run_graft(args, out + ".log"), out + ".log"))
+        _wait(procs)
+
+
+def _mean_std(xs: list[float]) -> str:
+    if len(xs) == 1:
+        return f"{100 * xs[0]:5.1f}"
+    mu = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1))
+    return f"{100 * mu:5.1f}+-{100 * sd:3.1f}"
+
+
+def exchange_counts(run_dir: str, seeds: int, method: str) -> dict[str, dict[str, float]]:
+    """Mean per-step exchange counts of each side of a pair (from its metrics.jsonl)."""
+    keys = ("candidates_in", "selected", "accepted", "rejected", "dropped_length", "mean_w", "mean_s")
+    out = {}
+    for model in ("A", "B"):
         rows = []
-        for (q, i), lr_ in zip(items, rlps):
-            ls = S["lps"][i]
-            nbytes = max(1, len(S["texts"][i].encode("utf-8")))
-            rows.append(dict(fam=train[q]["family"], correct=S["r"][i] == 1.0,
-                             s_tok=math.exp(lr_.mean().item() - ls.mean().item()),
-                             s_byte=math.exp((lr_.sum().item() - ls.sum().item()) / nbytes)))
-        rep = {"candidates": len({q for q, _ in items})}
-        for subset, sel in (("correct", [x for x in rows if x["correct"]]), ("all", rows)):
-            for key in ("s_tok", "s_byte"):
-                v = sorted(x[key] for x in sel)
-                rep[f"{subset}_{key}_median"] = v[len(v) // 2] if v else float("nan")
-                rep[f"{subset}_{key}_pass"] = sum(x > 0.8 for x in v) / max(1, len(v))
-            rep[f"{subset}_count"] = len(sel)
-        fams = defaultdict(int)
-        for q in {q for q, _ in items}:
-            fams[train[q]["family"]] += 1
-        rep["candidate_families"] = dict(fams)
-        report[f"{src}->{rcv}"] = rep
-        log(f"{src}->{rcv}: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rep.items()}))
-    return report
+        for seed in range(seeds):
+            path = os.path.join(run_dir, f"seed{seed}", method, model, "metrics.jsonl")
+            if os.path.exists(path):
+                rows += [json.loads(x) for x in open(path) if x.strip()]
+        vals = {k: [r[k] for r in rows if isinstance(r.get(k), (int, float)) and r[k] == r[k]] for k in keys}  # NaN-free
+        out[model] = {k: sum(v) / len(v) if v else float("nan") for k, v in vals.items()}
+    return out
+
+
+def report(run_dir: str, pc: PresetConfig, methods: list[str]) -> str:
+    """The table: per model, per family and overall held-out accuracy before RL and after each method."""
+    test_rows = load_jsonl(pc.test_file)
+    fams = list(tiny_tasks.FAMILIES) + ["overall"]
+    csv_rows = ["seed,method,model," + ",".join(fams)]
+    lines = [f"held-out accuracy (%), {len(test_rows)} problems x {pc.eval_samples} samples at T=1, "
+             f"{pc.seeds} seed(s); {pc.steps} steps x {pc.prompts_per_step} prompts x n={pc.n}, lr {pc.lr}",
+             f"{'model':<6}{'method':<15}" + "".join(f"{f:>12}" for f in fams)]
+    for model in ("A", "B"):
+        for method in ["before"] + methods:
+            cells = defaultdict(list)
+            for seed in range(pc.seeds if method != "before" else 1):
+                path = (os.path.join(run_dir, "eval", f"before_{model}.json") if method == "before" else
+                        os.path.join(run_dir, f"seed{seed}", method, model, "eval.json"))
+                acc = family_accuracy(path, test_rows)
+                csv_rows.append(f"{seed},{method},{model}," + ",".join(f"{acc.get(f, float('nan')):.4f}" for f in fams))
+                for f in fams:
+                    cells[f].append(acc.get(f, float("nan")))
+            lines.append(f"{model:<6}{method:<15}" + "".join(f"{_mean_std(cells[f]):>12}" for f in fams))
+    for method in methods:
+        if method == "grpo":
+            continue
+        c = exchange_counts(run_dir, pc.seeds, method)
+        for model in ("A", "B"):
+            x = c[model]
+            lines.append(f"{method} -> {model}: per step {x['candidates_in']:.1f} candidates, {x['selected']:.1f} selected, "
+                         f"{x['accepted']:.1f} accepted, {x['rejected']:.1f} rejected, {x['dropped_length']:.1f} too long; "
+                         f"mean s {x['mean_s']:.2f}, mean w {x['mean_w']:.2f}")
+    table = "\n".join(lines)
+    with open(os.path.join(run_dir, "results.csv"), "w") as f:
+        f.write("\n".join(csv_rows) + "\n")
+    with open(os.path.join(run_dir, "results.txt"), "w") as f:
+        f.write(table + "\n")
+    return table
+
+
+def plot(run_dir: str, pc: PresetConfig, methods: list[str]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[tiny] --plot: matplotlib is not installed; skipping the PNG")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, model in zip(axes, ("A", "B")):
+        for method in methods:
+            for seed in range(pc.seeds):
+                path = os.path.join(run_dir, f"seed{seed}", method, model, "metrics.jsonl")
+                pts = [(m["step"] + 1, m["eval/mean"]) for m in map(json.loads, open(path)) if "eval/mean" in m] \
+                    if os.path.exists(path) else []
+                if pts:
+                    ax.plot(*zip(*pts), label=f"{method} s{seed}", color=f"C{methods.index(method)}", alpha=0.8)
+        ax.set_title(f"model {model}")
+        ax.set_xlabel("RL step")
+    axes[0].set_ylabel("held-out accuracy (T=1, 1 sample)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "accuracy.png"), dpi=120)
+    print(f"[tiny] plot -> {os.path.join(run_dir, 'accuracy.png')}")
+
+
+def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False) -> str:
+    """Prepare, evaluate before RL, train every method for every seed, evaluate, print the table."""
+    t0 = time.time()
+    run_dir = pc.out
+    if pc.smoke:  # CI: every phase, a few steps, a 40-problem held-out subset
+        pc.steps, pc.prompts_per_step, pc.eval_samples, pc.seeds = min(pc.steps, 3), 16, 1, 1
+    prepare(run_dir, tc, retrain=retrain)
+    test_path = os.path.join(run_dir, "data", "test.jsonl")
+    if pc.smoke:
+        rows = load_jsonl(test_path)[::20]
+        test_path = os.path.join(run_dir, "data", "test_smoke.jsonl")
+        tiny_tasks.write_jsonl(test_path, rows)
+    pc.test_file = test_path
+    test_rows = load_jsonl(test_path)
+    from transformers import AutoTokenizer
+    tok_a = AutoTokenizer.from_pretrained(os.path.join(run_dir, "A"))
+    max_new = max_response_tokens(tok_a, test_rows)  # the character model needs the most tokens
+    variants = list(VARIANT_FLAGS) if pc.variants == "all" else [v.strip() for v in pc.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANT_FLAGS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANT_FLAGS)}")
+    methods = ["grpo"] + variants
+    os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
+    evaluate_models(run_dir, pc, [(os.path.join(run_dir, m), os.path.join(run_dir, "eval", f"before_{m}.json"))
+                                  for m in ("A", "B")], max_new)
+    for seed in range(pc.seeds):
+        run_methods(run_dir, pc, seed, methods, max_new)
+        evaluate_models(run_dir, pc, [(_final_ckpt(os.path.join(run_dir, f"seed{seed}", m, s), pc.steps),
+                                       os.path.join(run_dir, f"seed{seed}", m, s, "eval.json"))
+                                      for m in methods for s in ("A", "B")], max_new)
+    table = report(run_dir, pc, methods)
+    if pc.plot:
+        plot(run_dir, pc, methods)
+    print(table)
+    print(f"[tiny] total {time.time() - t0:.0f}s; table -> {run_dir}/results.txt, {run_dir}/results.csv")
+    return table
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -668,31 +640,29 @@ def measure_compat(run_dir: str, *, n: int = 8, limit: int | None = None, seed: 
 # ----------------------------------------------------------------------------------------------------
 
 
-def _load(folder: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="GRAFT tiny preset, phase 1")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["run"] + argv  # `python tiny.py [flags]` runs the preset
+    p = argparse.ArgumentParser(prog="tiny.py", description="GRAFT tiny CPU preset")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("run", help="the preset: GRPO vs GRAFT (and variants) from the same checkpoints, a table",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from graft import field_docs
+    docs = field_docs(PresetConfig)
+    for f in dataclasses.fields(PresetConfig):
+        if f.name == "test_file":
+            continue
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs.get(f.name))
+        else:
+            sp.add_argument(flag, type=type(f.default), default=f.default, help=docs.get(f.name))
+    sp.add_argument("--variant", dest="variant_one", default=None, help="one variant (same as --variants NAME)")
+    sp.add_argument("--retrain", action="store_true", help="pre-train A and B here instead of using the committed copies")
     sp = sub.add_parser("prepare", help="data, tokenizers and pre-trained models (cached)")
     sp.add_argument("run_dir")
-    sp.add_argument("--eval", action="store_true", help="print the before-RL table afterwards")
-    sp = sub.add_parser("eval", help="per-family accuracy of a model folder")
-    sp.add_argument("model_dir")
-    sp.add_argument("test_jsonl")
-    sp.add_argument("--k", type=int, default=8)
-    sp = sub.add_parser("grpo", help="minimal plain GRPO experiment on one pre-trained model")
-    sp.add_argument("model_dir")
-    sp.add_argument("data_dir")
-    sp.add_argument("--weak", required=True, help="comma-separated weak families to evaluate")
-    for f in dataclasses.fields(GRPOExperiment):
-        sp.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    sp = sub.add_parser("compat", help="compatibility score s on the pre-trained pair")
-    sp.add_argument("run_dir")
-    sp.add_argument("--limit", type=int, default=None, help="use this many train prompts")
+    sp.add_argument("--retrain", action="store_true", help="pre-train even if a committed copy matches")
     sp = sub.add_parser("_pretrain_one")
     sp.add_argument("run_dir")
     sp.add_argument("name")
@@ -704,23 +674,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.cfg_path) as f:
             _pretrain_one(args.run_dir, args.name, TinyConfig(**json.load(f)))
     elif args.cmd == "prepare":
-        prepare(args.run_dir, TinyConfig())
-        if args.eval:
-            rows = load_jsonl(os.path.join(args.run_dir, "data", "test.jsonl"))
-            print(format_table({n: evaluate(*_load(os.path.join(args.run_dir, n)), rows) for n in ("A", "B")}))
-    elif args.cmd == "eval":
-        t0 = time.time()
-        res = evaluate(*_load(args.model_dir), load_jsonl(args.test_jsonl), k=args.k)
-        print(format_table({os.path.basename(os.path.normpath(args.model_dir)): res}))
-        print(f"({time.time() - t0:.0f}s)")
-    elif args.cmd == "grpo":
-        ex = GRPOExperiment(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOExperiment)})
-        model, tok = _load(args.model_dir)
-        hist = run_grpo(model, tok, load_jsonl(os.path.join(args.data_dir, "train.jsonl")),
-                        load_jsonl(os.path.join(args.data_dir, "test.jsonl")), args.weak.split(","), ex)
-        print(json.dumps({"experiment": dataclasses.asdict(ex), "history": hist}))
-    elif args.cmd == "compat":
-        measure_compat(args.run_dir, limit=args.limit)
+        prepare(args.run_dir, TinyConfig(), retrain=args.retrain)
+    else:
+        pc = PresetConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PresetConfig) if hasattr(args, f.name)})
+        if args.variant_one:
+            pc.variants = args.variant_one
+        run_preset(pc, TinyConfig(), retrain=args.retrain)
     return 0
 
 
