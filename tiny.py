@@ -1,61 +1,49 @@
-"""Tiny CPU preset, phase 1: data, tokenizers, two tiny models, their pre-training and evaluation.
+"""The tiny CPU preset: the whole GRAFT method on two tiny models, on a laptop CPU, with a table.
 
-Contract
---------
-``python tiny.py prepare RUN_DIR`` builds, in RUN_DIR (cached: a second call skips finished parts)
+    bash run_pair.sh tiny                      # = python tiny.py --out runs/tiny
+    python tiny.py --seeds 3                   # mean +- std over 3 RL seeds per cell
+    python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the same table
+    python tiny.py --variant sgt               # one variant next to GRPO
+    python tiny.py --smoke                     # CI: 3 steps, a 40-problem held-out subset
+    python tiny.py --eval-every 20 --plot      # held-out curve per method (needs matplotlib)
+    python tiny.py prepare RUN_DIR [--retrain] # only data, tokenizers and pre-trained models
 
-    data/train.jsonl, data/test.jsonl   generated problems (data/tiny_tasks.py), disjoint splits
-    A/                                  Llama-style model + character-level tokenizer
-    B/                                  Qwen3-style model + BPE tokenizer (digits grouped, vocab 300)
+What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed run resumes):
+  1. data/train.jsonl, data/test.jsonl: generated problems of four families (data/tiny_tasks.py:
+     add, sub, mul, linear; worked solutions ending in \boxed{}), disjoint splits, 4000 / 800.
+  2. A/ = Llama-style model + character-level tokenizer; B/ = Qwen3-style model (grouped-query
+     attention, q/k norm) + a 300-token BPE with digits grouped up to three. Both ~0.65M params.
+     A is pre-trained (SFT) mostly on add/sub, B mostly on mul/linear, so each is strong where the
+     other is weak but not at zero (DESIGN §8, lesson 3). The committed copies in data/tiny_models
+     are used when their config digest matches (`--retrain` pre-trains here, ~2-5 minutes).
+  3. Held-out accuracy before RL (graft.py eval, T=1, --eval-samples per problem).
+  4. For each seed: GRPO for A alone and for B alone, then the GRAFT pair (and each --variants
+     entry), all through `graft.py train` with the same starting checkpoints, prompt batches,
+     steps, n, lr and minibatches: a budget-equal comparison as in the paper.
+  5. Held-out accuracy of every final model; the table per model, family and method (mean +- std
+     over seeds), the per-step exchange counts of every pair, results.txt and results.csv, and
+     every run's metrics.jsonl under seed*/<method>/<A|B>/.
 
-Each model folder loads with ``AutoModelForCausalLM.from_pretrained(dir)`` and
-``AutoTokenizer.from_pretrained(dir)``. The two models are pre-trained (SFT) on prompt + worked
-solution + EOS over *different* mixes of the four families (``TinyConfig.mix_a`` / ``mix_b``), so
-each is strong on its own two families and weak, but not at zero, on the other two (DESIGN.md §8,
-lesson 3). The two pre-trainings run as two parallel processes with one torch thread each.
+Prompt: PROMPT_TEMPLATE = "{problem}\n", given to graft.py as --prompt-template.
 
-The RL trainer builds its prompts as ``PROMPT_TEMPLATE.replace("{problem}", problem)``; the response
-follows immediately and ends with the tokenizer's EOS. Pass the same template to the trainer with
-``--prompt-template``.
+Phase-1 findings (a throwaway minimal GRPO loop, since replaced by graft.py train):
+  * Before RL, held-out accuracy (%), T=1 mean of 8 samples / greedy:
+        A  add 88.5/99.0  sub 50.7/63.5  mul  6.9/12.5  linear 19.8/26.5
+        B  add 13.4/32.5  sub 12.0/17.0  mul 56.7/77.5  linear 51.1/59.5
+  * Plain GRPO, 64 prompts x n=8, 4 minibatches, AdamW 1e-4: weak-family gain after 100 steps
+    +3..+7 (A) and +4..+5 (B) over three seeds, +6.4 / +6.3 after 150 steps. lr 1.5e-4..3e-4 was
+    flat or worse, 128 prompts per step gained no more per step than 64, 32 prompts much less
+    (+1.1 / +3.3 after 120 steps), 8 minibatches no better than 4. Hence the defaults below:
+    64 prompts, lr 1e-4, 120 steps (what fits the 15-minute budget on 2 cores).
+  * Compatibility on candidate prompts (receiver 0/8, peer mixed): 77-88% of the peer's
+    responses pass s > 0.8 per token (median s ~0.87), 96% (A->B) / 72% (B->A) per byte: with
+    formulaic worked solutions the gate is not the bottleneck that DESIGN §8 lesson 3 met.
 
-Other commands:
-
-    python tiny.py eval RUN_DIR/A RUN_DIR/data/test.jsonl [--k 8]   per-family accuracy (T=1, greedy)
-    python tiny.py grpo RUN_DIR/A RUN_DIR/data [--steps ...]        minimal plain GRPO (experiment)
-    python tiny.py compat RUN_DIR                                   compatibility score s on A<->B
-
-Findings of phase 1 (default config; 2 shared CPU cores, one torch thread per process)
-------------------------------------------------------------------------------------
-* Models: A = Llama 652,544 params, char vocab 99; B = Qwen3 629,312 params, BPE vocab 300 (hidden
-  128, 3 layers, 4 heads, MLP 384, tied embeddings). Pre-training 600 steps x 64 sequences: ~150 s
-  wall for both in parallel on a quiet machine (129 s measured), ~300 s when the cores are shared
-  with other jobs; bit-identical weights on a rerun.
-* Before RL, held-out accuracy (%), 200 problems per family, T=1 mean of 8 samples / greedy:
-      A  add 88.5/99.0  sub 50.7/63.5  mul  6.9/12.5  linear 19.8/26.5
-      B  add 13.4/32.5  sub 12.0/17.0  mul 56.7/77.5  linear 51.1/59.5
-* Plain GRPO (``python tiny.py grpo``), 64 prompts x n=8 per step, 4 minibatches, AdamW 1e-4
-  constant, clip 0.2/0.28; weak-family T=1 accuracy gain after 100 steps, seeds 0 / 1 / 2:
-  A +7.1 / +3.8 / +3.1, B +5.1 / +4.8 / +3.9 (from ~14.8 and ~12.5); seed 2 after 150 steps:
-  A +6.4, B +6.3. Strong families held or rose. ~2.5 s (A, char) and ~1.5 s (B, BPE) per step with
-  the two runs side by side, so +5 on both needs ~150 steps: ~6 min for A, ~4 min for B. Progress
-  is steady but lr-bound: 1.5e-4, 2e-4 (also with 2 minibatches), 3e-4 (also with a 10-step
-  warm-up) were flat or worse; 128 prompts per step gave no more per step than 64; 8 minibatches
-  no better.
-* Compatibility on 1000 train prompts: with per-token means (the paper's s) 77-88% of the peer's
-  responses on candidate prompts pass s > 0.8 (median s ~0.87) in both directions; per-byte
-  normalisation gives 96% (A->B) and 72% (B->A). The gate is not the bottleneck with these tasks:
-  the worked solutions are formulaic, so a receiver that got the digits wrong still finds most
-  tokens of the peer's text likely.
-
-Departures and choices
-----------------------
-* SFT loss is on the response tokens (and EOS) only: the trainer only ever scores responses given a
-  prompt, and the prompt digits are uniform random, so modelling them would spend a tiny model's
-  capacity on irreducible noise.
-* ``grpo`` here is a deliberately minimal stand-alone loop used to find a learning rate, batch and
-  step count at which plain GRPO makes real progress on these models (§8 lesson 1). It is an
-  experiment, not the trainer: ``graft.py`` is the trainer.
-* Sampling uses ``sampler.sample`` when that module exists and transformers' ``generate`` otherwise.
+Choices
+  * SFT loss on the response tokens and EOS only: the prompt digits are uniform random, so
+    modelling them would spend a tiny model's capacity on noise.
+  * --seeds varies the RL seed (sampling, minibatch order, prompt order) over the same pre-trained
+    pair; pre-training is one fixed seed (it is the shared starting point of both methods).
 """
 
 from __future__ import annotations
@@ -405,7 +393,7 @@ class PresetConfig:
     """Run folder: data, pre-trained models, one sub-folder per seed and method, the tables."""
     seeds: int = 1
     """RL seeds (sampling and minibatch order); cells report mean and std over them."""
-    steps: int = 100
+    steps: int = 120
     """RL steps per run (same for GRPO and GRAFT)."""
     prompts_per_step: int = 64
     """Prompts per step (both sides see the same batches)."""
