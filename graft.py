@@ -633,9 +633,9 @@ def setup_distributed(cfg: Config) -> DistInfo:
     return DistInfo(rank=rank, world=world, device=device)
 
 
-def gather_lists(items: list, dist_info: DistInfo, order: list[int] | None = None) -> list:
-    """All ranks get the concatenation of every rank's list (CPU objects; rollouts are small next to
-    the model). With order (each rank's item -> global position lists) the result is re-ordered."""
+def gather_lists(items: list, dist_info: DistInfo) -> list:
+    """All ranks get the concatenation of every rank's list, rank by rank (CPU objects: rollouts
+    are small next to the model); unshard() puts a strided shard() back in order."""
     if dist_info.world == 1:
         return items
     parts = [None] * dist_info.world
