@@ -364,9 +364,12 @@ def max_response_tokens(tok, rows: list[dict]) -> int:
 # The preset: GRPO for each model alone vs the GRAFT pair, from the same checkpoints, then a table
 # ----------------------------------------------------------------------------------------------------
 
-# Each variant is a set of graft.py flags given to both sides of the pair (DESIGN §3.11). "grpo" is
-# special: each model alone, with no peer.
+# Each variant is a set of graft.py flags given to both sides of the pair (DESIGN §3.11). The grpo*
+# methods are single-model runs: each model alone, with no peer ("grpo" is n = 8).
+SINGLE = ("grpo", "grpo_n16", "grpo_n32")
 VARIANT_FLAGS = {
+    "grpo_n16": ["--n", "16"],
+    "grpo_n32": ["--n", "32"],
     "graft": [],
     "byte": ["--compat-norm", "byte"],
     "no_weight": ["--no-compat-weight"],
@@ -463,10 +466,12 @@ def run_methods(run_dir: str, pc: PresetConfig, seed: int, methods: list[str], m
         t0, procs = time.time(), []
         for model, name, peer in sides:
             args = ["train", "--model", os.path.join(run_dir, model), "--name", name, "--out", os.path.join(base, model)]
-            if method != "grpo":
+            if method in SINGLE:
+                flags = VARIANT_FLAGS.get(method, [])
+            else:
                 flags = VARIANT_FLAGS[method] + (["--compat-norm", pc.compat_norm] if method == "graft" else [])
-                args += ["--peer-name", peer, "--peer-exchange", os.path.join(base, "exchange")] + flags
-            procs.append((_run_graft(args + common, os.path.join(base, f"{model}.log")), os.path.join(base, f"{model}.log")))
+                args += ["--peer-name", peer, "--peer-exchange", os.path.join(base, "exchange")]
+            procs.append((_run_graft(args + common + flags, os.path.join(base, f"{model}.log")), os.path.join(base, f"{model}.log")))
         _wait(procs)
         print(f"[tiny] seed {seed} {method}: {time.time() - t0:.0f}s", flush=True)
 
@@ -543,7 +548,7 @@ def report(run_dir: str, pc: PresetConfig, methods: list[str]) -> str:
                     cells[f].append(acc.get(f, float("nan")))
             lines.append(f"{model:<6}{method:<15}" + "".join(f"{_mean_std(cells[f]):>12}" for f in fams))
     for method in methods:
-        if method == "grpo":
+        if method in SINGLE:
             continue
         c = exchange_counts(run_dir, pc.seeds, method)
         for model in ("A", "B"):
@@ -606,7 +611,7 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False) -> st
     unknown = [v for v in variants if v not in VARIANT_FLAGS]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANT_FLAGS)}")
-    methods = ["grpo"] + variants
+    methods = ["grpo"] + [v for v in variants if v != "grpo"]
     os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
     evaluate_models(run_dir, pc, [(os.path.join(run_dir, m), os.path.join(run_dir, "eval", f"before_{m}.json"))
                                   for m in ("A", "B")], max_new)
