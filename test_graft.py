@@ -746,3 +746,17 @@ def test_zero_advantage_rows_have_exactly_zero_gradient():
     lp.grad = None
     graft.luffy_peer_loss(lp, adv, mask)[0].backward()
     assert torch.equal(lp.grad[0], torch.zeros(5)) and lp.grad[1].abs().sum() > 0
+
+
+def test_periodic_validation_keeps_the_best_checkpoint(tiny, tmp_path):
+    args = [str(tiny / "planted.py"), "train", "--model", str(tiny / "ma"), "--out", str(tmp_path / "v"),
+            "--eval-every", "1", "--benchmarks", str(tiny / "p.jsonl"), "--eval-samples", "2",
+            "--eval-max-tokens", "8", "--eval-max-problems", "4"] + common_flags(tiny, steps=2)
+    r = run_py(args, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = read_metrics(tmp_path / "v" / "metrics.jsonl")
+    assert all("eval/p" in m and "eval/mean" in m for m in ms) and r.stdout.count("[eval] step") == 2
+    best = tmp_path / "v" / "checkpoints" / "best"
+    assert (best / "model.safetensors").is_file() and (best / "trainer_state.pt").is_file()
+    state = torch.load(best / "trainer_state.pt", weights_only=True)
+    assert state["best_score"] == pytest.approx(max(m["eval/mean"] for m in ms))
