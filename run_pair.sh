@@ -6,7 +6,7 @@
 #   bash run_pair.sh pair1 [graft.py flags]    SmolLM3-3B-Base  <-> Qwen3-1.7B-Base      (paper Pair 1)
 #   bash run_pair.sh pair2 [graft.py flags]    OctoThinker-3B   <-> Qwen3-1.7B-Base      (paper Pair 2)
 #   bash run_pair.sh pair3 [graft.py flags]    SmolLM3-3B-Base  <-> OctoThinker-3B       (paper Pair 3)
-#   bash run_pair.sh grpo  [graft.py flags]    single-model GRPO of $MODEL_A on all GPUs (add --n 16 / --n 32)
+#   bash run_pair.sh grpo  [graft.py flags]    single-model GRPO of $MODEL_A on all GPUs (add --rollouts 16 / 32)
 #   bash run_pair.sh offline [graft.py flags]  $MODEL_B learns from a finished run's rollout files in $PEER_LOG
 #   bash run_pair.sh eval  [graft.py flags]    evaluate $MODEL (a checkpoint folder) on the five benchmarks
 #
