@@ -213,6 +213,22 @@ def normalise_answer(value: Any, integer: bool = False) -> str:
 # Reading source files
 # ----------------------------------------------------------------------------------------------
 
+def jsonl_objects(path: Path):
+    """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
+    object raises SchemaError (a ValueError) naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SchemaError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            if not isinstance(row, dict):
+                raise SchemaError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, row
+
+
 def read_records(path: Path) -> list[dict]:
     """Rows of a .jsonl, .json (a list of objects) or .parquet file, as dicts."""
     suffix = path.suffix.lower()
@@ -229,18 +245,7 @@ def read_records(path: Path) -> list[dict]:
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise SchemaError(f"{path}: expected a JSON list of objects")
         return data
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SchemaError(f"{path}:{lineno}: invalid JSON: {e}") from None
-            if not isinstance(row, dict):
-                raise SchemaError(f"{path}:{lineno}: expected a JSON object")
-            rows.append(row)
+    rows = [row for _, row in jsonl_objects(path)]
     return rows
 
 
@@ -380,27 +385,17 @@ def load_prompts(path: str | os.PathLike) -> list[dict]:
     path = Path(path)
     rows: list[dict] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, "
-                                 f"got {type(row).__name__}")
-            for key in ("id", "problem", "answer"):
-                v = row.get(key)
-                if not isinstance(v, str) or not v.strip():
-                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a non-empty "
-                                     f"string, got {v!r}")
-            if row["id"] in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r} "
-                                 f"(first on line {seen[row['id']]})")
-            seen[row["id"]] = lineno
-            rows.append(row)
+    for lineno, row in jsonl_objects(path):
+        for key in ("id", "problem", "answer"):
+            v = row.get(key)
+            if not isinstance(v, str) or not v.strip():
+                raise ValueError(f"{path}:{lineno}: field {key!r} must be a non-empty "
+                                 f"string, got {v!r}")
+        if row["id"] in seen:
+            raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r} "
+                             f"(first on line {seen[row['id']]})")
+        seen[row["id"]] = lineno
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no prompts")
     return rows
