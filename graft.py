@@ -13,13 +13,27 @@ behaviour policy carries the rest (Eqs. 9-10). Minibatches holding peer groups a
 that their ratios differ from 1 and clipping acts. A stored-trajectory variant reads a finished
 run's rollout files instead of a live peer.
 
-The file reads top to bottom:
-    config -> the copyable core (pure functions on tensors) -> sampler and logprob path
-    (in sampler.py) -> rollouts, reward and exchange files (in exchange.py) -> loss and update loop
-    -> evaluation -> CLI
-Two sections live in their own single-file modules, re-exported here: sampler.py (the hand-written
-sampler and the chunked logprob kernel) and exchange.py (the rollout file format). verify.py is the
-reward. None of the three imports anything of ours, so each can be copied alone.
+One GRAFT step, in call order (Trainer.step; each side of the pair runs the same code):
+    1. batch_indices            the step's G prompts, a pure function of (--data-seed, step)   exchange.py
+    2. Trainer.rollout          sample n per prompt, verify_batch -> rewards (G, n),
+                                group_advantages, behaviour log-probs by one forward
+    3. save_rollouts / load_rollouts   write this side's file, wait for and read the peer's     exchange.py
+    4. Trainer.select           received_groups -> balanced_swap -> graft_candidates (Eq. 4)
+    5. Trainer.score_peer       decode_response -> retokenize -> receiver log-probs ->
+                                compatibility_weights (Eqs. 6-8)
+    6. Trainer.build_rows       own groups + the peer's retained responses with the peer's
+                                advantages and w: one Row per response
+    7. Trainer.update           minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
+                                -> policy_loss (Eqs. 9-10) -> one AdamW step
+    8. Trainer.log / save_checkpoint   one log line, a JSON metrics line, atomic checkpoints
+The copyable core (section 2) is everything a port to another trainer needs; sections 3-4 are this
+repository's trainer around it; the baselines (section 5) sit apart and never on GRAFT's path.
+
+File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records and plumbing
+-> 4 the trainer -> 5 baselines -> 6 evaluation -> 7 CLI. sampler.py (the hand-written sampler and
+the chunked log-prob kernel), exchange.py (the rollout file) and verify.py (the reward) import
+nothing of ours, so each can be copied alone. README "The method, equation by equation" maps each
+equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
   1. Retokenisation encodes the peer's response text on its own and appends it to the receiver's
@@ -27,7 +41,7 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
      tokenizers (Qwen3, SmolLM3, Llama-3.2) round-trip the benchmark text exactly, so nothing is lost.
   2. `--compat-norm byte` (not the default) replaces the per-token mean log-probability of Eq. 6 by
      the summed log-probability divided by the UTF-8 byte length of the same response text, for both
-     models. The per-token mean is biased against the coarser tokenizer (DESIGN §8, lesson 4).
+     models. The per-token mean is biased against the coarser tokenizer (README, "The tiny preset").
   3. The loss denominator (token-mean, Eq. 10) counts the tokens of retained responses of the whole
      minibatch across micro-batches and ranks, so gradient accumulation and data parallelism give the
      same gradient as one big batch.
@@ -41,25 +55,12 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
   7. Behaviour log-probs of own rollouts are recomputed by one forward pass after sampling (as verl
      does) rather than taken from the sampler; in fp32 the two agree (tested), in bf16 they differ
      by rounding, and the recomputed ones are what the training forward reproduces at ratio 1.
-
-Baselines as implemented here (DESIGN §3.11; choices the cited papers leave open are ours):
-  * HACPO (arXiv 2603.02604): every prompt pools both models' n rollouts (no failure gating). The
-    capability ratio c = (peer success rate) / (own success rate), each a mean over the last 5 steps,
-    clamped to [0.1, 10] (10 when the own rate is 0). Baseline = capability-weighted pooled mean
-    (sum r_own + c sum r_peer) / (n + c n); scale = unbiased std of the 2n pooled rewards. Own rows:
-    sequence-level ratio exp(mean_t log rho_t), clip [1 - 3e-4, 1 + 4e-4]. Peer rows (retokenised):
-    cross-tokenizer sequence ratio exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), lower clip
-    bound 0.8 + 0.025 k in minibatch k (capped at 0.999), upper bound 1 + eps_high, loss weight c,
-    peer loss coefficient 1.0; one shared token-mean denominator.
-  * SGT (arXiv 2605.07244): plain GRPO rows, plus, for every prompt where the receiver fails all n
-    and the peer succeeds at least once (all-pass peers included), one correct peer response drawn
-    uniformly (seeded per step), retokenised, with loss 0.1 x its token-mean NLL; the NLL term has its
-    own token-mean denominator. Both directions, no weighting, no balancing.
-  * LUFFY-style: GRAFT's selection and weights; peer tokens use -w f(pi) a with f(pi) = pi / (pi + 0.1),
-    behaviour probability 1, no clip, in the same token-mean as the own tokens.
-  * Random acceptance keeps the gate's count of accepted responses but draws which at random; they
-    keep min(s, 1) as weight. Random selection draws GRAFT's count among prompts whose peer group is
-    mixed, whatever the receiver scored. Pooled advantages train the receiver's own (failed) rows too.
+  8. The prompt is raw text by default (the template with the problem, plus the tokenizer's BOS),
+     where the paper wraps it as one user message. The paper's models are base models whose chat
+     templates were not part of their pre-training, and raw text gives both sides the same prompt
+     string; `--chat-template` gives the paper's single user message (use it for instruct models).
+  9. The sequence-level ratio (ablation `--ratio-level sequence`, and HACPO) clamps the sequence's
+     mean log-ratio at +-20, not each token's log-ratio before the mean, which would bias it.
 
 Launch lines:
     # CPU, tiny preset: two tiny models, GRPO vs GRAFT, a table at the end (minutes)
@@ -75,6 +76,7 @@ Launch lines:
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -82,13 +84,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
 # ------------------------------------------------------------------------------------------------
-# Config
+# 1. Config: one dataclass; every field's docstring is also its --help line (section 7)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -100,11 +103,11 @@ class Config:
     name: str = "a"
     """This side's name: its rollout files go to <exchange>/<name>/. Use 'a'/'b' or the model name."""
     prompts: str = "data/math_train.jsonl"
-    """Training prompt JSONL (DESIGN §5: id, problem, answer per line)."""
+    """Training prompt JSONL: one {"id", "problem", "answer"} object per line (data/prepare.py writes it)."""
     out: str = "runs/default"
     """Run directory: metrics.jsonl, checkpoints/, and the exchange dir unless --peer-exchange is set."""
     prompt_template: str = "{problem} Let's think step by step and output the final answer within \\boxed{}."
-    """Prompt text; '{problem}' is replaced by the problem (DESIGN §6). The tiny preset uses a short one."""
+    """Prompt text; '{problem}' is replaced by the problem (paper's instruction by default; tiny: a short one)."""
     chat_template: bool = False
     """Wrap the prompt text as one user message with the tokenizer's chat template (False = raw text)."""
     trust_remote_code: bool = False
@@ -130,13 +133,13 @@ class Config:
     minibatches: int = 4
     """Optimizer steps per RL step (128 prompts / 32 per minibatch = 4), one epoch over the batch."""
     temperature: float = 1.0
-    """Sampling temperature; every log-probability uses the same temperature-scaled logits (§3.7)."""
+    """Sampling temperature; every log-probability uses the same temperature-scaled logits (Eq. 6)."""
     top_p: float = 1.0
     """Nucleus sampling threshold for rollouts (paper 1.0)."""
     max_prompt_tokens: int = 2048
     """Longest prompt in tokens; a longer prompt is an error (departure 5)."""
     max_response_tokens: int = 4096
-    """Response cap; retokenised peer responses longer than this are dropped and counted (§3.6)."""
+    """Response cap; retokenised peer responses longer than this are dropped and counted."""
     eps_low: float = 0.2
     """Lower PPO clip: ratio floor 1 - eps_low (paper 0.2)."""
     eps_high: float = 0.28
@@ -156,19 +159,19 @@ class Config:
     grad_clip: float = 1.0
     """Global grad-norm clip per optimizer step."""
 
-    # --- variants and ablations (DESIGN §3.11)
+    # --- variants and ablations (README "Baselines and ablations")
     variant: str = "graft"
     """graft | hacpo | sgt | luffy. Without a peer every variant is plain GRPO."""
     order: str = "peer_last"
     """Minibatch order of replaced groups: peer_last (paper) | peer_first | uniform."""
     balance: bool = True
-    """Balanced swap (§3.4); False = every candidate in both directions (ablation)."""
+    """Balanced swap; False = every candidate in both directions (ablation)."""
     compat_weight: bool = True
     """Use w = min(s, 1) on peer responses; False = w = 1 for every retained peer response (ablation)."""
     ratio_level: str = "token"
     """token (paper) | sequence (ablation: one length-normalised ratio per response)."""
     selection: str = "graft"
-    """graft (Eq. 4 + swap) | random (same count, drawn among prompts whose peer group is mixed)."""
+    """graft (Eq. 4 + swap) | random (same count, among prompts whose peer is mixed) | sgt (SGT's rescue rule)."""
     acceptance: str = "gate"
     """gate (compatibility) | random (same acceptance rate, responses drawn at random)."""
     peer_advantages: str = "source"
@@ -208,7 +211,7 @@ class Config:
     resume: bool = False
     """Continue from the latest checkpoint in <out>/checkpoints."""
 
-    # --- evaluation (DESIGN §7)
+    # --- evaluation (paper: five benchmarks, T = 0.6, top-p 0.95, avg@8)
     eval_every: int = 0
     """Validate every this many steps (paper 5; 0 = off) and keep the best checkpoint."""
     benchmarks: str = "all"
@@ -231,66 +234,9 @@ class Config:
     """Eval: path of the results JSON (default <model>/eval_results.json or <out>/eval/...)."""
 
 
-VARIANTS = ("graft", "hacpo", "sgt", "luffy")
-CHOICES = {
-    "variant": VARIANTS,
-    "order": ("peer_last", "peer_first", "uniform"),
-    "ratio_level": ("token", "sequence"),
-    "compat_norm": ("token", "byte"),
-    "selection": ("graft", "random"),
-    "acceptance": ("gate", "random"),
-    "peer_advantages": ("source", "pooled"),
-    "transfer": ("all", "success"),
-    "device": ("auto", "cpu", "cuda"),
-    "dtype": ("auto", "float32", "bfloat16"),
-}
-
-
-def validate_config(cfg: Config) -> None:
-    """Raise ValueError naming the flag for any bad value (bad user input fails early, §10)."""
-    def bad(flag, msg):
-        raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
-    for f, allowed in CHOICES.items():
-        if getattr(cfg, f) not in allowed:
-            bad(f, f"{getattr(cfg, f)!r} is not one of {', '.join(allowed)}")
-    if cfg.n < 1:
-        bad("n", "needs at least 1 rollout per prompt")
-    if cfg.minibatches < 1 or cfg.minibatches > cfg.prompts_per_step:
-        bad("minibatches", f"must be in [1, prompts_per_step={cfg.prompts_per_step}]")
-    if not (0 <= cfg.eps_low < 1 and cfg.eps_high >= 0):
-        bad("eps_low", "needs 0 <= eps_low < 1 and eps_high >= 0")
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        bad("dual_clip", "verl's dual-clip constant must be > 1 (or 0 = off)")
-    if cfg.temperature < 0 or not (0 < cfg.top_p <= 1):
-        bad("temperature", "needs temperature >= 0 and 0 < top_p <= 1")
-    if cfg.peer_exchange and cfg.peer_log:
-        bad("peer_log", "choose one peer: --peer-exchange (online) or --peer-log (stored), not both")
-    if cfg.peer_exchange and cfg.peer_name == cfg.name:
-        bad("peer_name", f"the peer's name must differ from --name ({cfg.name!r})")
-    for flag in ("name", "peer_name"):
-        v = getattr(cfg, flag)
-        if not v or "/" in v or v.startswith("."):
-            bad(flag, f"{v!r} must be a plain folder name")
-    if "{problem}" not in cfg.prompt_template:
-        bad("prompt_template", "must contain '{problem}'")
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The one-line string under each dataclass field (attribute docstrings), read from the source.
-
-    The docstrings are the documentation of the config and of the CLI at the same time.
-    """
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).strip()
-    return docs
-
 
 # ------------------------------------------------------------------------------------------------
-# The copyable core: pure functions on tensors (no globals, no device assumptions, nothing of ours)
+# 2. The copyable core: pure functions on tensors (no globals, no device assumptions, nothing of ours)
 #
 # Shape letters used throughout: G groups (prompts), n rollouts per prompt, B responses (rows) in a
 # (mini)batch, T tokens (response positions), N flattened tokens, V vocabulary, H hidden size.
@@ -298,7 +244,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
-    """GRPO advantages a_i = (r_i - mean(r)) / (std(r) + eps) within each group (DESIGN §3.2).
+    """GRPO advantages a_i = (r_i - mean(r)) / (std(r) + eps) within each group.
 
     rewards: (G, n) float. Returns (G, n) float.
     std is the unbiased (N-1) estimate, as in verl. Groups whose rewards are all equal (including
@@ -321,14 +267,14 @@ def graft_candidates(k_recv: torch.Tensor, k_src: torch.Tensor, n: int) -> torch
 
     k_recv, k_src: (G,) int success counts out of n. Returns (G,) bool.
     C = { q : k_recv(q) = 0 and 1 <= k_src(q) < n }. An all-pass source group is excluded: its
-    advantages are all 0 (§3.2), so it would teach nothing either.
+    advantages are all 0, so it would teach nothing either.
     """
     assert k_recv.shape == k_src.shape and k_recv.dim() == 1, "k_recv and k_src must be (G,) and equal"
     return (k_recv == 0) & (k_src >= 1) & (k_src < n)
 
 
 def balanced_swap(k_a: torch.Tensor, k_b: torch.Tensor, n: int, *, balance: bool = True):
-    """GRAFT selection with the balanced swap (Eq. 4 and §3.4).
+    """GRAFT selection with the balanced swap (Eq. 4 and the paper's balanced swap).
 
     k_a, k_b: (G,) int success counts of models A and B on the same G prompts.
     Returns (a_to_b, b_to_a), two (G,) bool masks: a_to_b[q] means B receives A's group for prompt q.
@@ -358,6 +304,32 @@ def balanced_swap(k_a: torch.Tensor, k_b: torch.Tensor, n: int, *, balance: bool
     return keep_top(a_to_b, k_a), keep_top(b_to_a, k_b)
 
 
+def received_groups(k_own: torch.Tensor, k_peer: torch.Tensor, n: int, *, own_is_a: bool,
+                    balance: bool = True) -> torch.Tensor:
+    """The prompts on which this side receives the peer's group: (G,) bool.
+
+    k_own, k_peer: (G,) int success counts of this side and of its peer on the same G prompts.
+    Each process of a pair calls this with its own counts first. The balanced swap is symmetric but
+    its tie rule reads (k_a, k_b) in a fixed order, so both processes must agree on which side is A:
+    own_is_a is True on exactly one of them (this trainer: the side whose --name sorts first). Then
+    the two calls compute the same balanced_swap and each reads its own direction out of it, so what
+    A receives is exactly what B sends and vice versa.
+    """
+    k_a, k_b = (k_own, k_peer) if own_is_a else (k_peer, k_own)
+    a_to_b, b_to_a = balanced_swap(k_a, k_b, n, balance=balance)
+    return b_to_a if own_is_a else a_to_b
+
+
+def rescue_candidates(k_recv: torch.Tensor, k_src: torch.Tensor) -> torch.Tensor:
+    """SGT's rescue rule (arXiv 2605.07244): the receiver failed all n, the source solved at least one.
+
+    k_recv, k_src: (G,) int. Returns (G,) bool. Unlike Eq. 4 an all-pass source group counts too, and
+    nothing is balanced; `--selection sgt` uses it with GRAFT's replacement, weights and update.
+    """
+    assert k_recv.shape == k_src.shape and k_recv.dim() == 1, "k_recv and k_src must be (G,) and equal"
+    return (k_recv == 0) & (k_src >= 1)
+
+
 def compatibility_scores(lbar_recv: torch.Tensor, lbar_src: torch.Tensor) -> torch.Tensor:
     """s(o|q) = exp(lbar_recv - lbar_src) (Eq. 6): any shape -> same shape, float.
 
@@ -377,7 +349,8 @@ def compatibility_weights(lbar_recv: torch.Tensor, lbar_src: torch.Tensor, *, de
     return torch.where(s > delta, s.clamp(max=1.0), torch.zeros_like(s))
 
 
-def sequence_mean_logprob(logp: torch.Tensor, mask: torch.Tensor, *, num_bytes: torch.Tensor | None = None) -> torch.Tensor:
+def sequence_mean_logprob(logp: torch.Tensor, mask: torch.Tensor, *,
+                          num_bytes: torch.Tensor | None = None) -> torch.Tensor:
     """Per-response mean log-probability lbar (Eq. 6), the input of the compatibility score.
 
     logp, mask: (B, T). num_bytes: (B,) or None. Returns (B,) float.
@@ -416,7 +389,7 @@ def policy_loss(
     loss_denominator: total retained tokens of the whole minibatch when this call sees one
         micro-batch (or one rank) of it (departure 3); None = the retained tokens of this call.
     log_ratio_clamp: |log rho| is clamped before exp for numerical safety (as verl does); 20 never
-        binds in practice.
+        binds in practice. With ratio_level="sequence" the sequence's mean log-ratio is clamped.
 
     Loss = -(1 / sum_j |o_j|) sum_j w_j sum_t min(rho_t a_j, clip(rho_t, 1-eps_low, 1+eps_high) a_j),
     the sum over retained responses (w_j > 0); retained peer responses count fully in the
@@ -433,10 +406,13 @@ def policy_loss(
     retained = weights > 0  # (B,)
     tok = mask.float() * retained[:, None].float()  # (B, T) tokens that enter loss and denominator
 
-    log_ratio = (logp - old_logp.detach()).clamp(-log_ratio_clamp, log_ratio_clamp)  # (B, T)
+    log_ratio = logp - old_logp.detach()  # (B, T)
     if ratio_level == "sequence":
+        # Clamp the sequence's mean, not each token before the mean: a rare token's clamped log-ratio
+        # would bias the sequence value (departure 9).
         seq = (log_ratio * mask).sum(1) / mask.float().sum(1).clamp(min=1)  # (B,)
         log_ratio = seq[:, None].expand_as(logp)  # (B, T): one ratio per response, on every token
+    log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages.float()[:, None]  # (B, 1)
     surr = ratio * adv  # (B, T)
@@ -477,7 +453,7 @@ def policy_loss(
 
 def minibatch_order(is_peer_group: torch.Tensor, num_minibatches: int, *, order: str = "peer_last",
                     generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Split a step's groups into minibatches and order them (§3.9).
+    """Split a step's groups into minibatches and order them (the paper's peer-last rule).
 
     is_peer_group: (G,) bool, True where the group was replaced by a peer group.
     Returns a list of at most num_minibatches 1-D LongTensors of group indices, in update order.
@@ -507,12 +483,12 @@ def minibatch_order(is_peer_group: torch.Tensor, num_minibatches: int, *, order:
         seq = torch.cat([peer, own])
     else:
         all_idx = torch.arange(G, device=dev)
-        seq = all_idx[torch.randperm(G, generator=generator, device=generator.device).to(dev)] if generator is not None else all_idx
+        seq = perm(torch.arange(G, device=dev))
     return [chunk for chunk in torch.tensor_split(seq, num_minibatches) if chunk.numel() > 0]
 
 
 def decode_response(tokens: list[int], tokenizer, *, eos_token_ids) -> tuple[str, bool]:
-    """The source side of retokenisation (§3.6): response ids -> (text, ended_with_eos).
+    """The source side of retokenisation: response ids -> (text, ended_with_eos).
 
     A trailing EOS is dropped, and the rest is decoded without special tokens and without the
     tokenizer's clean-up of spaces (which would not round-trip, e.g. Llama-3's " ," rewrite).
@@ -526,12 +502,12 @@ def decode_response(tokens: list[int], tokenizer, *, eos_token_ids) -> tuple[str
 
 def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_tokens: int,
                eos_token_id: int | None = None) -> list[int] | None:
-    """The receiver side of retokenisation (§3.6): peer text -> receiver response ids, or None.
+    """The receiver side of retokenisation: peer text -> receiver response ids, or None.
 
     The text is encoded with the receiver's tokenizer without special tokens (no BOS: it follows the
     receiver's own prompt ids, departure 1); the receiver's EOS (eos_token_id, default the
-    tokenizer's) is appended only if the peer's response ended with EOS. Returns None when the result is longer than max_response_tokens (the
-    caller drops the response and counts it).
+    tokenizer's) is appended only if the peer's response ended with EOS. Returns None when the result
+    is longer than max_response_tokens (the caller drops the response and counts it).
     """
     ids = tokenizer.encode(text, add_special_tokens=False)
     if ended_with_eos:
@@ -541,52 +517,6 @@ def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_token
     return ids if len(ids) <= max_response_tokens else None
 
 
-def nll_loss(logp: torch.Tensor, mask: torch.Tensor, *, coef: float, loss_denominator: float | None = None):
-    """SGT's supervised term: coef * token-mean negative log-likelihood of the rows given (DESIGN §3.11).
-
-    logp, mask: (B, T). Returns (loss, metrics). loss_denominator as in policy_loss (None = the tokens here).
-    """
-    m = mask.float()
-    denom = float(loss_denominator) if loss_denominator is not None else m.sum().clamp(min=1)
-    loss = -coef * (logp * m).sum() / denom
-    return loss, {"nll": float(-(logp.detach() * m).sum() / m.sum().clamp(min=1)), "nll_tokens": float(m.sum())}
-
-
-def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, gamma: float = 0.1,
-                    weights: torch.Tensor | None = None, loss_denominator: float | None = None):
-    """LUFFY-style off-policy term for peer tokens: -sum_t w_j f(pi_t) a_j / D, f(pi) = pi / (pi + gamma).
-
-    logp, mask: (B, T) current-policy log-probs of peer tokens; advantages, weights: (B,).
-    The behaviour probability is taken as 1 (so the "ratio" is pi itself) and nothing is clipped;
-    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics).
-    """
-    weights = torch.ones_like(advantages, dtype=torch.float32) if weights is None else weights.float()
-    tok = mask.float() * (weights > 0).float()[:, None]  # (B, T)
-    pi = logp.exp()  # (B, T)
-    f = pi / (pi + gamma)  # (B, T)
-    denom = float(loss_denominator) if loss_denominator is not None else tok.sum().clamp(min=1)
-    loss = -(f * advantages.float()[:, None] * weights[:, None] * tok).sum() / denom
-    return loss, {"peer_prob_mean": float((pi.detach() * tok).sum() / tok.sum().clamp(min=1)), "peer_tokens": float(tok.sum())}
-
-
-def hacpo_advantages(r_own: torch.Tensor, r_peer: torch.Tensor, *, capability_ratio: float, eps: float = 1e-6):
-    """HACPO's pooled advantages for one receiver (arXiv 2603.02604 as the GRAFT paper ran it).
-
-    r_own: (G, n) own rewards; r_peer: (G, m) the peer's rewards on the same prompts.
-    capability_ratio c = peer success rate / own success rate (rolling, clamped by the caller).
-    The baseline is the capability-weighted mean of the pooled group, (sum r_own + c sum r_peer) /
-    (n + c m), and the scale is the unbiased std of the pooled 2n rewards. Returns (adv_own (G, n),
-    adv_peer (G, m)); groups whose pooled rewards are constant get 0.
-    """
-    n, m = r_own.shape[1], r_peer.shape[1]
-    r_own, r_peer = r_own.float(), r_peer.float()
-    base = (r_own.sum(1, keepdim=True) + capability_ratio * r_peer.sum(1, keepdim=True)) / (n + capability_ratio * m)  # (G, 1)
-    pooled = torch.cat([r_own, r_peer], dim=1)  # (G, n + m)
-    std = pooled.std(dim=1, keepdim=True)  # (G, 1)
-    constant = (pooled == pooled[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
-    adv = torch.where(constant, torch.zeros_like(pooled), (pooled - base) / (std + eps))  # (G, n + m)
-    return adv[:, :n], adv[:, n:]
-
 
 # ------------------------------------------------------------------------------------------------
 # Sampler and logprob path (sampler.py: hand-written KV-cache sampler and the chunked logprob kernel)
@@ -595,15 +525,62 @@ def hacpo_advantages(r_own: torch.Tensor, r_peer: torch.Tensor, *, capability_ra
 from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: E402,F401  (re-exported)
 
 # ------------------------------------------------------------------------------------------------
-# Rollouts, reward and exchange files (exchange.py: the safetensors rollout file of DESIGN §5)
+# Rollouts and exchange files (exchange.py: the safetensors rollout file, README "Files")
 # ------------------------------------------------------------------------------------------------
 
 from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, StepRollouts, atomic_write, batch_indices,  # noqa: E402,F401
                       load_rollouts, rollout_path, save_rollouts, wait_for_file)
 
 # ------------------------------------------------------------------------------------------------
-# Loss and update loop: models, distributed plumbing, one RL step, checkpoints
+# 3. Records and plumbing: what flows between the trainer's phases, models, ranks
 # ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One response that enters the update: the receiver's tokenisation, fixed behaviour log-probs."""
+
+    group: int  # prompt position in the step's batch (minibatches are cut by group)
+    prompt: list[int]
+    response: list[int]
+    old_logp: torch.Tensor  # (len(response),) the receiver's behaviour log-probs (HACPO peers: see there)
+    adv: float
+    weight: float = 1.0
+    is_peer: bool = False
+    kind: str = "pg"  # pg = Eqs. 9-10 (GRPO, GRAFT and its ablations); other kinds: section 5
+
+
+class SampledResponse(NamedTuple):
+    """One own rollout after sampling and scoring, as it travels between ranks."""
+
+    tokens: list[int]  # response ids, EOS included when it ended with EOS
+    logprobs: torch.Tensor  # (len(tokens),) behaviour log-probs, recomputed by one forward
+    text: str  # decoded without special tokens, EOS dropped
+    ended_with_eos: bool
+    reward: float
+
+
+class PeerResponse(NamedTuple):
+    """One peer response retokenised for the receiver and scored by it (Eqs. 6-8)."""
+
+    group: int  # prompt position g in the step's batch
+    index: int  # r = g * n + i in the peer's file
+    ids: list[int]  # receiver token ids of the peer's text
+    old_logp: torch.Tensor  # (len(ids),) receiver behaviour log-probs
+    weight: float  # w = 1[s > delta] min(s, 1); 0 = removed
+    score: float  # s = exp(lbar_recv - lbar_src)
+
+
+@dataclass(frozen=True)
+class LossKind:
+    """How the update treats the rows of one Row.kind (the table is LOSS_KINDS)."""
+
+    fn: Callable | None = None  # None = policy_loss (Eqs. 9-10); else fn(batch, cfg=, denominator=, minibatch=)
+    denominator: str = "policy"  # rows whose kinds name the same denominator share one token-mean
+    uses_advantage: bool = True  # True: rows with a = 0 give exactly zero gradient and skip the forward
+
+
+LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs in section 5
 
 
 @dataclass
@@ -664,7 +641,6 @@ def compute_context(cfg: Config, dist_info: DistInfo):
     Pure bf16 weights would lose the paper's lr = 1e-6 updates: bf16 keeps ~3 significant digits, so
     w + 1e-6 * g == w for most weights. --dtype bfloat16 is there for memory, knowing that.
     """
-    import contextlib
     if cfg.dtype == "auto" and dist_info.device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -700,13 +676,14 @@ def load_policy(path: str, cfg: Config, dist_info: DistInfo, *, for_training: bo
 
 
 def encode_prompt(problem: str, tokenizer, *, template: str, chat: bool) -> list[int]:
-    """Prompt ids (DESIGN §6): the template with the problem, raw (with the tokenizer's BOS, if it adds
-    one) or as one user message of the chat template."""
+    """Prompt ids: the template with the problem, as raw text (with the tokenizer's BOS, if it adds
+    one; departure 8) or as one user message of the chat template (--chat-template, the paper's)."""
     text = template.replace("{problem}", problem)
     if chat:
         if tokenizer.chat_template is None:
             raise SystemExit("--chat-template: this tokenizer has no chat template; drop the flag to use raw text")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer.encode(text, add_special_tokens=True)
 
@@ -722,18 +699,21 @@ def load_prompt_file(path: str) -> list[dict]:
     return mod.load_prompts(path)
 
 
-@dataclass
-class Row:
-    """One response that enters the update: the receiver's tokenisation, fixed behaviour log-probs."""
+def timed(timings: dict, key: str):
+    """Context manager adding the wall time of its block to timings[key] (seconds)."""
+    @contextlib.contextmanager
+    def block():
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            timings[key] = timings.get(key, 0.0) + time.time() - t0
+    return block()
 
-    group: int  # prompt position in the step's batch (minibatches are cut by group)
-    prompt: list[int]
-    response: list[int]
-    old_logp: torch.Tensor  # (len(response),) behaviour log-probs of the receiver (or per-token lbar_src, HACPO peers)
-    adv: float
-    weight: float = 1.0
-    is_peer: bool = False
-    kind: str = "pg"  # pg (Eqs. 9-10) | luffy | hacpo_own | hacpo_peer | nll (SGT)
+
+# ------------------------------------------------------------------------------------------------
+# 4. The trainer: one side of GRAFT (or plain GRPO), its step in the order of the map above
+# ------------------------------------------------------------------------------------------------
 
 
 class Trainer:
@@ -748,7 +728,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out)
         self.ckpt_dir = self.out / "checkpoints"
-        self.start_step, self.best_score, self.history = 0, -1.0, []
+        self.start_step, self.best_score = 0, -1.0
+        self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)
         latest = self.latest_checkpoint() if cfg.resume else None
         if cfg.resume and latest is None and self.dist.main:
             print(f"--resume: no checkpoint in {self.ckpt_dir}, starting from --model")
@@ -757,15 +738,18 @@ class Trainer:
         self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
         self.eos_id = self.stop_ids[0]
         self.amp = lambda: compute_context(cfg, self.dist)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+                                     weight_decay=cfg.weight_decay)
         if latest is not None:
             state = torch.load(latest / "trainer_state.pt", map_location="cpu", weights_only=True)
             self.opt.load_state_dict(state["optimizer"])
             self.start_step, self.best_score = int(state["step"]), float(state["best_score"])
-            self.history = [tuple(x) for x in state["history"].tolist()]
+            self.baseline_state = state.get("baseline_state", {})
         self.data = load_prompt_file(cfg.prompts)
+        self.data_by_id = {r["id"]: r for r in self.data}
         if len(self.data) < cfg.prompts_per_step:
-            raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step {cfg.prompts_per_step}")
+            raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step "
+                             f"{cfg.prompts_per_step}")
         self.prompt_ids = [encode_prompt(r["problem"], self.tok, template=cfg.prompt_template, chat=cfg.chat_template)
                            for r in self.data]
         too_long = [(r["id"], len(p)) for r, p in zip(self.data, self.prompt_ids) if len(p) > cfg.max_prompt_tokens]
@@ -782,67 +766,79 @@ class Trainer:
             (self.exchange / cfg.name / "FAILED").unlink(missing_ok=True)
             self.print_derived()
 
-    # -- bookkeeping ------------------------------------------------------------------------------
+    # -- the step, in the map's order -------------------------------------------------------------
 
-    def print_derived(self):
-        cfg, G = self.cfg, self.cfg.prompts_per_step
-        n_params = sum(p.numel() for p in self.model.parameters())
-        print(f"[graft] side {cfg.name!r} model {cfg.model} ({n_params / 1e6:.1f}M params, {next(self.model.parameters()).dtype}) "
-              f"on {self.dist.device} x{self.dist.world}")
-        print(f"[graft] peer mode: {self.mode}"
-              + (f" (exchange {self.exchange}, peer {cfg.peer_name!r})" if self.mode == "online" else "")
-              + (f" (log {cfg.peer_log})" if self.mode == "offline" else "") + f", variant {cfg.variant}")
-        print(f"[graft] {len(self.data)} prompts; per step {G} prompts x n={cfg.n} = {G * cfg.n} rollouts, "
-              f"{cfg.minibatches} minibatches of ~{G // cfg.minibatches} groups; {cfg.steps} steps "
-              f"= {cfg.steps * G / len(self.data):.2f} epochs; starting at step {self.start_step}")
-        print(f"[graft] stop ids {self.stop_ids}; rollout files -> {self.exchange / cfg.name}; metrics -> {self.out / 'metrics.jsonl'}")
+    def step(self, step: int) -> dict:
+        """One RL step: rollouts -> exchange -> selection and scoring -> rows -> peer-last update."""
+        cfg = self.cfg
+        t_start = time.time()
+        rows = batch_indices(len(self.data), step, cfg.prompts_per_step, cfg.data_seed)  # (G,) dataset rows
+        own, timings = self.rollout(step, rows)
+        if self.dist.main:
+            with timed(timings, "write"):
+                save_rollouts(rollout_path(self.exchange, cfg.name, step), own,
+                              {"model": cfg.model, "tokenizer": getattr(self.tok, "name_or_path", ""), "step": step,
+                               "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed})
+        with timed(timings, "wait"):
+            peer = self.peer_rollouts(step, own)
+        with timed(timings, "exchange"):  # selection, retokenisation, compatibility scoring
+            train_rows, replaced, m = self.build_rows(step, rows, own, peer)
+        with timed(timings, "update"):
+            m |= self.update(step, train_rows, replaced)
+        m |= {"step": step, "reward": float(own.rewards.mean()),
+              "response_len": sum(len(t) for t in own.tokens) / len(own.tokens),
+              "eos_frac": float(own.eos.float().mean())}
+        m |= {f"time/{k}": v for k, v in timings.items()}
+        m["time/step"] = time.time() - t_start
+        return m
 
-    def latest_checkpoint(self) -> Path | None:
-        steps = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
-        steps = [p for p in steps if (p / "trainer_state.pt").is_file()]
-        return steps[-1] if steps else None
-
-    def trim_metrics(self):
-        """On resume, drop metric lines of steps that will be redone (the file stays one line per step)."""
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return
-        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) < self.start_step]
-        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
-
-    def save_checkpoint(self, step: int, dest: Path | None = None):
-        """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place."""
-        if not self.dist.main:
-            return
-        import shutil
-        dest = dest or self.ckpt_dir / f"step_{step:06d}"
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, safe_serialization=True)
-        self.tok.save_pretrained(tmp)
-        hist = torch.tensor(self.history, dtype=torch.float64).view(-1, 2)
-        torch.save({"step": step, "optimizer": self.opt.state_dict(), "best_score": self.best_score, "history": hist},
-                   tmp / "trainer_state.pt")
-        old = dest.with_name(f".{dest.name}.old")
-        if dest.exists():
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-        if dest.name.startswith("step_"):
-            for stale in sorted(self.ckpt_dir.glob("step_[0-9]*"))[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(stale, ignore_errors=True)
-
-    # -- rollouts ---------------------------------------------------------------------------------
+    def rollout(self, step: int, rows: list[int]) -> tuple[StepRollouts, dict]:
+        """Sample n responses per prompt (this rank's share), verify, score: the whole batch on every
+        rank. Returns the step's rollouts (G prompts x n) and the phase timings in seconds."""
+        from verify import verify_batch
+        cfg, n, G = self.cfg, self.cfg.n, len(rows)
+        timings: dict[str, float] = {}
+        flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
+        mine = shard(flat, self.dist)
+        prompts = [self.prompt_ids[rows[r // n]] for r in mine]
+        gen = torch.Generator(device=self.dist.device).manual_seed(cfg.seed * 1_000_003 + step * 7919 + self.dist.rank)
+        outs: list[Rollout] = []
+        with timed(timings, "sample"):
+            for i in range(0, len(prompts), cfg.gen_batch_size):
+                with self.amp():
+                    outs += sample(self.model, prompts[i: i + cfg.gen_batch_size],
+                                   max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
+                                   top_p=cfg.top_p, eos_token_id=self.stop_ids,
+                                   pad_token_id=self.tok.pad_token_id, generator=gen,
+                                   progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
+        with timed(timings, "verify"):
+            texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
+            rewards = verify_batch(texts, [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
+        with timed(timings, "logprob"):
+            # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
+            # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
+            old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
+        scored = [SampledResponse(o.tokens, lp, txt, o.ended_with_eos, rw)
+                  for o, lp, txt, rw in zip(outs, old, texts, rewards)]
+        every = unshard(gather_lists(scored, self.dist), G * n, self.dist)  # G * n, response r = g * n + i
+        rewards_t = torch.tensor([x.reward for x in every], dtype=torch.float32).view(G, n)  # (G, n)
+        return StepRollouts(
+            prompt_ids=[self.data[i]["id"] for i in rows], tokens=[x.tokens for x in every],
+            logprobs=[x.logprobs for x in every], texts=[x.text for x in every],
+            eos=torch.tensor([x.ended_with_eos for x in every]).view(G, n), rewards=rewards_t,
+            advantages=group_advantages(rewards_t, std_normalize=cfg.std_normalize)), timings
 
     def behaviour_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
-        """Receiver log-probs (no grad) of the given responses, through the chunked path, micro-batched."""
+        """Receiver log-probs (no grad) of the given responses, through the chunked path, micro-batched.
+        Returns one (len(response),) float32 CPU tensor per response."""
         out = []
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.amp():
             for i in range(0, len(prompts), self.cfg.micro_batch_size):
                 lp, mask = response_logprobs(self.model, prompts[i: i + self.cfg.micro_batch_size],
-                                             responses[i: i + self.cfg.micro_batch_size], pad_token_id=self.tok.pad_token_id,
+                                             responses[i: i + self.cfg.micro_batch_size],
+                                             pad_token_id=self.tok.pad_token_id,
                                              temperature=self.cfg.temperature or 1.0, chunk_size=self.cfg.logprob_chunk)
                 out.extend(lp[j, : int(mask[j].sum())].float().cpu() for j in range(lp.shape[0]))
         self.model.train(was_training)
@@ -853,46 +849,11 @@ class Trainer:
         mine = self.behaviour_logprobs(shard(prompts, self.dist), shard(responses, self.dist))
         return unshard(gather_lists(mine, self.dist), len(prompts), self.dist)
 
-    def rollout(self, step: int, rows: list[int], timer: dict) -> StepRollouts:
-        """Sample n responses per prompt (this rank's share), verify, gather, score: the whole batch."""
-        from verify import verify_batch
-        cfg, n = self.cfg, self.cfg.n
-        G = len(rows)
-        flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
-        mine = shard(flat, self.dist)
-        prompts = [self.prompt_ids[rows[r // n]] for r in mine]
-        gen = torch.Generator(device=self.dist.device).manual_seed(cfg.seed * 1_000_003 + step * 7919 + self.dist.rank)
-        t0 = time.time()
-        outs: list[Rollout] = []
-        for i in range(0, len(prompts), cfg.gen_batch_size):
-            with self.amp():
-                outs += sample(self.model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=cfg.max_response_tokens,
-                               temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=self.stop_ids,
-                               pad_token_id=self.tok.pad_token_id, generator=gen,
-                               progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
-        timer["sample"] = time.time() - t0
-        t0 = time.time()
-        texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
-        rewards = verify_batch(texts, [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
-        timer["verify"] = time.time() - t0
-        t0 = time.time()
-        # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
-        # (as verl does): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
-        old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
-        timer["logprob"] = time.time() - t0
-        mine_rows = [(o.tokens, lp, txt, o.ended_with_eos, rw) for o, lp, txt, rw in zip(outs, old, texts, rewards)]
-        allr = unshard(gather_lists(mine_rows, self.dist), G * n, self.dist)
-        rewards_t = torch.tensor([x[4] for x in allr], dtype=torch.float32).view(G, n)  # (G, n)
-        return StepRollouts(
-            prompt_ids=[self.data[i]["id"] for i in rows], tokens=[x[0] for x in allr], logprobs=[x[1] for x in allr],
-            texts=[x[2] for x in allr], eos=torch.tensor([x[3] for x in allr]).view(G, n), rewards=rewards_t,
-            advantages=group_advantages(rewards_t, std_normalize=cfg.std_normalize))
-
-    def peer_rollouts(self, step: int, own: StepRollouts, timer: dict) -> StepRollouts | None:
+    def peer_rollouts(self, step: int, own: StepRollouts) -> StepRollouts | None:
+        """The peer's rollouts of this step: the live peer's file (online) or a stored one (offline)."""
         cfg = self.cfg
         if self.mode == "none":
             return None
-        t0 = time.time()
         if self.mode == "online":
             path = rollout_path(self.exchange, cfg.peer_name, step)
             wait_for_file(path, timeout=cfg.exchange_timeout)
@@ -900,37 +861,27 @@ class Trainer:
             path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
             if not path.is_file():
                 raise SystemExit(f"--peer-log: {path} is missing (the stored run has fewer steps than --steps?)")
-        peer, meta = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids)
-        timer["wait"] = time.time() - t0
+        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids)
         if self.mode == "offline":
-            # Stored logs are re-verified with our verifier (§3.10), and the advantages recomputed from them.
+            # Stored logs are re-verified with our verifier and their advantages recomputed from that
+            # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
             from verify import verify_batch
             golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-            peer.rewards = torch.tensor(verify_batch(peer.texts, golds, workers=cfg.verify_workers), dtype=torch.float32).view_as(peer.rewards)
-            peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)
+            peer.rewards = torch.tensor(verify_batch(peer.texts, golds, workers=cfg.verify_workers),
+                                        dtype=torch.float32).view_as(peer.rewards)  # (G, n)
+            peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return peer
 
-    @property
-    def data_by_id(self) -> dict:
-        if not hasattr(self, "_by_id"):
-            self._by_id = {r["id"]: r for r in self.data}
-        return self._by_id
-
-    # -- selection, retokenisation, compatibility ------------------------------------------------
-
     def select(self, step: int, own: StepRollouts, peer: StepRollouts) -> torch.Tensor:
-        """(G,) bool: prompts whose group this side receives from the peer."""
+        """(G,) bool: prompts whose group this side receives from the peer (Eq. 4 + balanced swap)."""
         cfg, n = self.cfg, self.cfg.n
         k_own, k_peer = own.rewards.sum(1).long(), peer.rewards.sum(1).long()  # (G,)
+        if cfg.selection == "sgt":
+            return rescue_candidates(k_own, k_peer)  # ablation: SGT's rule, no balancing
         if self.mode == "offline":
-            into_me = graft_candidates(k_own, k_peer, n)  # one-way transfer: no balancing (§3.10)
+            into_me = graft_candidates(k_own, k_peer, n)  # one-way transfer: nothing to balance against
         else:
-            # Both processes must compute identical masks: order the two sides by name, so that each
-            # calls balanced_swap with the same (k_a, k_b) and reads its own direction out of it.
-            if cfg.name < cfg.peer_name:
-                _, into_me = balanced_swap(k_own, k_peer, n, balance=cfg.balance)  # b_to_a: I am A
-            else:
-                into_me, _ = balanced_swap(k_peer, k_own, n, balance=cfg.balance)  # a_to_b: I am B
+            into_me = received_groups(k_own, k_peer, n, own_is_a=cfg.name < cfg.peer_name, balance=cfg.balance)
         if cfg.selection == "random":
             # Ablation: as many prompts as GRAFT would take, drawn among those where the peer is mixed.
             pool = torch.nonzero((k_peer >= 1) & (k_peer < n)).squeeze(1)
@@ -940,12 +891,12 @@ class Trainer:
             into_me[pick] = True
         return into_me
 
-    def transfer(self, step: int, own: StepRollouts, peer: StepRollouts, groups: list[int], rows: list[int],
-                 *, only_correct: bool = False) -> tuple[list[tuple], dict]:
+    def score_peer(self, step: int, peer: StepRollouts, groups: list[int], rows: list[int], *,
+                   only_correct: bool = False) -> tuple[list[PeerResponse], int]:
         """Retokenise the peer's responses of the given groups and score them under the receiver.
 
-        Returns a list of (group, peer response index r, receiver ids, receiver behaviour log-probs,
-        w, s) for every response that survived the length limit, and counts.
+        Returns a PeerResponse (receiver ids, receiver behaviour log-probs, w, s) for every response
+        that survived the length limit, and the number dropped by it.
         """
         cfg, n = self.cfg, self.cfg.n
         cand, dropped_len = [], 0
@@ -960,162 +911,87 @@ class Trainer:
                     dropped_len += 1
                     continue
                 cand.append((g, r, ids))
-        prompts = [self.prompt_ids[rows[g]] for g, _, _ in cand]
-        lps = self.sharded_logprobs(prompts, [ids for _, _, ids in cand])
-        out = []
-        if cand:
-            lp_sum = torch.stack([lp.sum() for lp in lps])
-            if cfg.compat_norm == "byte":
-                nb = torch.tensor([max(1, len(peer.texts[r].encode("utf-8"))) for _, r, _ in cand], dtype=torch.float32)
-                lbar_recv = lp_sum / nb
-            else:
-                lbar_recv = lp_sum / torch.tensor([len(ids) for _, _, ids in cand], dtype=torch.float32)
-            lbar_src = peer.lbar(cfg.compat_norm).view(-1)[torch.tensor([r for _, r, _ in cand])]
-            s = compatibility_scores(lbar_recv, lbar_src)
-            w = compatibility_weights(lbar_recv, lbar_src, delta=cfg.delta) if cfg.compat_weight else torch.ones_like(s)
-            if cfg.acceptance == "random":
-                # Ablation: keep the gate's acceptance rate but draw the accepted responses at random;
-                # they keep min(s, 1) as weight, so only *which* responses pass changes.
-                k = int((w > 0).sum())
-                g_ = torch.Generator().manual_seed(cfg.seed * 11 + step)
-                pick = torch.randperm(len(cand), generator=g_)[:k]
-                w = torch.zeros_like(s)
-                w[pick] = s[pick].clamp(max=1.0) if cfg.compat_weight else 1.0
-            out = [(g, r, ids, lp, float(wi), float(si)) for (g, r, ids), lp, wi, si in zip(cand, lps, w, s)]
-        return out, {"dropped_length": dropped_len, "scored": len(cand)}
+        if not cand:
+            return [], dropped_len
+        lps = self.sharded_logprobs([self.prompt_ids[rows[g]] for g, _, _ in cand], [ids for _, _, ids in cand])
+        lp_sum = torch.stack([lp.sum() for lp in lps])  # (C,)
+        if cfg.compat_norm == "byte":  # departure 2
+            lbar_recv = lp_sum / torch.tensor([max(1, len(peer.texts[r].encode("utf-8"))) for _, r, _ in cand],
+                                              dtype=torch.float32)  # (C,)
+        else:  # Eq. 6: mean log-prob per receiver token
+            lbar_recv = lp_sum / torch.tensor([len(ids) for _, _, ids in cand], dtype=torch.float32)  # (C,)
+        lbar_src = peer.lbar(cfg.compat_norm).view(-1)[torch.tensor([r for _, r, _ in cand])]  # (C,)
+        s = compatibility_scores(lbar_recv, lbar_src)  # (C,) Eq. 6
+        w = compatibility_weights(lbar_recv, lbar_src, delta=cfg.delta) if cfg.compat_weight else torch.ones_like(s)
+        if cfg.acceptance == "random":
+            # Ablation: keep the gate's acceptance rate but draw the accepted responses at random;
+            # they keep min(s, 1) as weight, so only *which* responses pass changes.
+            k = int((w > 0).sum())
+            g_ = torch.Generator().manual_seed(cfg.seed * 11 + step)
+            pick = torch.randperm(len(cand), generator=g_)[:k]
+            w = torch.zeros_like(s)
+            w[pick] = s[pick].clamp(max=1.0) if cfg.compat_weight else 1.0
+        return [PeerResponse(g, r, ids, lp, float(wi), float(si))
+                for (g, r, ids), lp, wi, si in zip(cand, lps, w, s)], dropped_len
 
-    # -- building the update batch ----------------------------------------------------------------
+    def build_rows(self, step: int, rows: list[int], own: StepRollouts,
+                   peer: StepRollouts | None) -> tuple[list[Row], torch.Tensor, dict]:
+        """The step's update rows, the (G,) bool mask of groups that came from the peer, and metrics.
 
-    def build_rows(self, step: int, rows: list[int], own: StepRollouts, peer: StepRollouts | None, m: dict):
-        """The step's update rows and the (G,) mask of groups that came from the peer."""
+        GRAFT: the receiver's own groups, except those it receives, whose rows are the peer's retained
+        responses with the peer's advantages (computed on the peer's full group) and weights w.
+        """
         cfg, n, G = self.cfg, self.cfg.n, len(rows)
-        P = lambda g: self.prompt_ids[rows[g]]
-        own_rows = lambda g, adv: [Row(g, P(g), own.tokens[g * n + i], own.logprobs[g * n + i], float(adv[g, i])) for i in range(n)]
-        replaced = torch.zeros(G, dtype=torch.bool)
-        k_own = own.rewards.sum(1)
-        m.update(all_fail=float((k_own == 0).float().mean()), all_pass=float((k_own == n).float().mean()))
-        if peer is None:
-            return [r for g in range(G) for r in own_rows(g, own.advantages)], replaced
-        k_peer = peer.rewards.sum(1)
-        cand_in = graft_candidates(k_own.long(), k_peer.long(), n)
-        cand_out = graft_candidates(k_peer.long(), k_own.long(), n)
-        m.update(candidates_in=int(cand_in.sum()), candidates_out=int(cand_out.sum()),
-                 peer_reward=float(peer.rewards.mean()))
+        k_own = own.rewards.sum(1).long()  # (G,)
+        m = {"all_fail": float((k_own == 0).float().mean()), "all_pass": float((k_own == n).float().mean())}
+        replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
+        own_adv = own.advantages.clone()  # (G, n)
 
-        if cfg.variant == "hacpo":
-            return self.hacpo_rows(step, rows, own, peer, m), replaced
-        if cfg.variant == "sgt":
-            return self.sgt_rows(step, rows, own, peer, m), replaced
+        def own_rows(g: int) -> list[Row]:
+            return [Row(g, self.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i],
+                        float(own_adv[g, i])) for i in range(n)]
 
-        into_me = self.select(step, own, peer)  # (G,)
-        groups = torch.nonzero(into_me).squeeze(1).tolist()
-        transferred, counts = self.transfer(step, own, peer, groups, rows, only_correct=cfg.transfer == "success")
-        kept = [t for t in transferred if t[4] > 0]
-        m.update(selected=len(groups), peer_responses=len(groups) * n, dropped_length=counts["dropped_length"],
-                 accepted=len(kept), rejected=len(transferred) - len(kept),
-                 mean_s=float(torch.tensor([t[5] for t in transferred]).mean()) if transferred else float("nan"),
-                 mean_w=float(torch.tensor([t[4] for t in kept]).mean()) if kept else float("nan"))
-        adv_for = {g: peer.advantages[g] for g in groups}
-        own_adv = own.advantages.clone()
+        if peer is None:  # plain GRPO
+            return [r for g in range(G) for r in own_rows(g)], replaced, m
+        k_peer = peer.rewards.sum(1).long()  # (G,)
+        m |= {"candidates_in": int(graft_candidates(k_own, k_peer, n).sum()),
+              "candidates_out": int(graft_candidates(k_peer, k_own, n).sum()),
+              "peer_reward": float(peer.rewards.mean())}
+        if cfg.variant in BASELINE_ROWS:  # HACPO and SGT build their rows their own way (section 5)
+            out, replaced, mb = BASELINE_ROWS[cfg.variant](self, step, rows, own, peer)
+            return out, replaced, m | mb
+
+        groups = torch.nonzero(self.select(step, own, peer)).squeeze(1).tolist()
+        scored, dropped_len = self.score_peer(step, peer, groups, rows, only_correct=cfg.transfer == "success")
+        kept = [p for p in scored if p.weight > 0]  # w = 0: removed before optimisation (departure 4)
+        m |= {"selected": len(groups), "peer_responses": len(groups) * n, "dropped_length": dropped_len,
+              "accepted": len(kept), "rejected": len(scored) - len(kept),
+              "mean_s": float(torch.tensor([p.score for p in scored]).mean()) if scored else float("nan"),
+              "mean_w": float(torch.tensor([p.weight for p in kept]).mean()) if kept else float("nan")}
+        peer_adv = {g: peer.advantages[g] for g in groups}  # the peer's, held fixed
         if cfg.peer_advantages == "pooled":
             # Ablation: merge the receiver's (all-failed) group with the peer's, advantages over 2n.
             for g in groups:
-                pooled = group_advantages(torch.cat([own.rewards[g], peer.rewards[g]])[None], std_normalize=cfg.std_normalize)[0]
-                own_adv[g], adv_for[g] = pooled[:n], pooled[n:]
+                pooled = group_advantages(torch.cat([own.rewards[g], peer.rewards[g]])[None],
+                                          std_normalize=cfg.std_normalize)[0]  # (2n,)
+                own_adv[g], peer_adv[g] = pooled[:n], pooled[n:]
         out = []
         for g in range(G):
-            if g in adv_for and cfg.peer_advantages == "source":
-                continue  # the receiver's own all-fail group is replaced (§3.5)
-            out += own_rows(g, own_adv)
-        kind = "luffy" if cfg.variant == "luffy" else "pg"
-        for g, r, ids, lp, w, s in kept:
-            out.append(Row(g, P(g), ids, lp, float(adv_for[g][r % n]), weight=w, is_peer=True, kind=kind))
-            replaced[g] = True
-        return out, replaced
+            if g not in peer_adv or cfg.peer_advantages == "pooled":
+                out += own_rows(g)  # a received group replaces the receiver's own (all-failed) group
+        kind = "luffy" if cfg.variant == "luffy" else "pg"  # LUFFY: GRAFT's rows, its own peer-token loss
+        for p in kept:
+            out.append(Row(p.group, self.prompt_ids[rows[p.group]], p.ids, p.old_logp,
+                           float(peer_adv[p.group][p.index % n]), weight=p.weight, is_peer=True, kind=kind))
+            replaced[p.group] = True
+        return out, replaced, m
 
-    def sgt_rows(self, step, rows, own, peer, m) -> list[Row]:
-        """SGT: plain GRPO rows plus, on each rescue prompt (receiver 0/n, peer >= 1), one correct peer
-        response drawn uniformly, trained with an NLL term (no weighting, no balancing)."""
-        cfg, n, G = self.cfg, self.cfg.n, len(rows)
-        out = [Row(g, self.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own.advantages[g, i]))
-               for g in range(G) for i in range(n)]
-        rescue = torch.nonzero((own.rewards.sum(1) == 0) & (peer.rewards.sum(1) >= 1)).squeeze(1).tolist()
-        gen = torch.Generator().manual_seed(cfg.seed * 13 + step)
-        picked = 0
-        for g in rescue:
-            correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
-            i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
-            ids = retokenize(peer.texts[g * n + i], bool(peer.eos[g, i]), self.tok,
-                             max_response_tokens=cfg.max_response_tokens, eos_token_id=self.eos_id)
-            if ids:
-                out.append(Row(g, self.prompt_ids[rows[g]], ids, torch.zeros(len(ids)), 0.0, is_peer=True, kind="nll"))
-                picked += 1
-        m.update(selected=len(rescue), accepted=picked)
-        return out
+    def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
+        """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel.
 
-    def hacpo_rows(self, step, rows, own, peer, m) -> list[Row]:
-        """HACPO: every prompt pools both models' rollouts (no failure gating); capability-weighted
-        baseline, pooled std; own rows with a tight sequence-level clip, peer rows with the
-        cross-tokenizer sequence ratio and the capability coefficient (see hacpo_advantages)."""
-        cfg, n, G = self.cfg, self.cfg.n, len(rows)
-        self.history.append((float(own.rewards.mean()), float(peer.rewards.mean())))
-        recent = self.history[-5:]  # rolling success rates, window 5 steps
-        own_rate = sum(h[0] for h in recent) / len(recent)
-        peer_rate = sum(h[1] for h in recent) / len(recent)
-        c = min(10.0, max(0.1, peer_rate / own_rate)) if own_rate > 0 else 10.0
-        adv_own, adv_peer = hacpo_advantages(own.rewards, peer.rewards, capability_ratio=c)
-        out = [Row(g, self.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]), kind="hacpo_own")
-               for g in range(G) for i in range(n)]
-        transferred, counts = self.transfer(step, own, peer, list(range(G)), rows)
-        lbar_src = peer.lbar(cfg.compat_norm).view(-1)
-        for g, r, ids, lp, w, s in transferred:
-            # The peer's "old" log-prob per token is its own per-token mean: the sequence ratio is then
-            # exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), the cross-tokenizer ratio.
-            out.append(Row(g, self.prompt_ids[rows[g]], ids, torch.full((len(ids),), float(lbar_src[r])),
-                           float(adv_peer[g, r % n]), weight=c, is_peer=True, kind="hacpo_peer"))
-        m.update(selected=G, accepted=len(transferred), dropped_length=counts["dropped_length"], capability_ratio=c)
-        return out
-
-    # -- the update -------------------------------------------------------------------------------
-
-    def minibatch_loss(self, rows: list[Row], denom: float, nll_denom: float, mb_index: int) -> tuple[torch.Tensor, list]:
-        """Forward + loss of one micro-batch of rows; the denominators are the whole minibatch's."""
-        cfg = self.cfg
-        lp, mask = response_logprobs(self.model, [r.prompt for r in rows], [r.response for r in rows],
-                                     pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature or 1.0,
-                                     chunk_size=cfg.logprob_chunk)  # (B, T)
-        old = torch.zeros_like(lp)
-        for j, r in enumerate(rows):
-            old[j, : len(r.response)] = r.old_logp.to(lp.device)
-        adv = torch.tensor([r.adv for r in rows], device=lp.device)
-        w = torch.tensor([r.weight for r in rows], device=lp.device)
-        peer = torch.tensor([r.is_peer for r in rows], device=lp.device)
-        kinds = [r.kind for r in rows]
-        loss, metrics = lp.new_zeros(()), []
-        for kind in dict.fromkeys(kinds):
-            sel = torch.tensor([k == kind for k in kinds], device=lp.device)
-            a, b, c_, mk, ww, pp = lp[sel], old[sel], adv[sel], mask[sel], w[sel], peer[sel]
-            if kind == "pg":
-                l, mt = policy_loss(a, b, c_, mk, weights=ww, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                    dual_clip=cfg.dual_clip or None, ratio_level=cfg.ratio_level, is_peer=pp,
-                                    loss_denominator=denom)
-            elif kind == "luffy":
-                l, mt = luffy_peer_loss(a, c_, mk, gamma=cfg.luffy_gamma, weights=ww, loss_denominator=denom)
-            elif kind == "hacpo_own":
-                l, mt = policy_loss(a, b, c_, mk, eps_low=3e-4, eps_high=4e-4, ratio_level="sequence",
-                                    loss_denominator=denom)
-            elif kind == "hacpo_peer":
-                low = min(0.8 + 0.025 * mb_index, 0.999)  # lower bound tightens towards 1 minibatch by minibatch
-                l, mt = policy_loss(a, b, c_, mk, weights=ww, eps_low=1 - low, eps_high=cfg.eps_high,
-                                    ratio_level="sequence", is_peer=pp, loss_denominator=denom)
-            else:  # nll
-                l, mt = nll_loss(a, mk, coef=cfg.sgt_coef, loss_denominator=nll_denom)
-            loss = loss + l
-            metrics.append((kind, mt))
-        return loss, metrics
-
-    def update(self, step: int, rows: list[Row], replaced: torch.Tensor, m: dict):
-        """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel."""
+        rows: the step's Rows; replaced: (G,) bool, groups that came from the peer. Returns metrics:
+        the loss functions' own metrics as token-weighted means per row kind, and the grad norm.
+        """
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.seed * 17 + step)
         mbs = minibatch_order(replaced, cfg.minibatches, order=cfg.order, generator=gen)
@@ -1129,23 +1005,29 @@ class Trainer:
         for k, mb in enumerate(mbs):
             mb_rows = [r for g in mb.tolist() for r in by_group.get(g, [])]
             peer_mb.append(any(r.is_peer for r in mb_rows))
-            denom = sum(len(r.response) for r in mb_rows if r.kind != "nll" and r.weight > 0)
-            nll_denom = sum(len(r.response) for r in mb_rows if r.kind == "nll")
-            if denom + nll_denom == 0:
+            # One token-mean denominator per pool, over the whole minibatch (departure 3); removed
+            # responses (w = 0) are not in it (Eq. 10).
+            denoms: dict[str, int] = {}
+            for r in mb_rows:
+                if r.weight > 0:
+                    pool = LOSS_KINDS[r.kind].denominator
+                    denoms[pool] = denoms.get(pool, 0) + len(r.response)
+            if not any(denoms.values()):
                 continue
-            # Rows with a = 0 (all-fail and all-pass groups) give exactly zero gradient in every
-            # surrogate here, so they skip the forward; their tokens stay in the denominator above.
+            # Rows whose loss scales with a zero advantage (all-fail and all-pass groups) give exactly
+            # zero gradient, so they skip the forward; their tokens stay in the denominator above.
             # Long rows first so micro-batches pad little; this rank's strided share.
-            live = [r for r in mb_rows if r.weight > 0 and (r.adv != 0 or r.kind == "nll")]
+            live = [r for r in mb_rows if r.weight > 0 and (r.adv != 0 or not LOSS_KINDS[r.kind].uses_advantage)]
             mine = shard(sorted(live, key=lambda r: -len(r.response)), self.dist)
             self.opt.zero_grad(set_to_none=True)
             for i in range(0, len(mine), cfg.micro_batch_size):
                 with self.amp():
-                    loss, mts = self.minibatch_loss(mine[i: i + cfg.micro_batch_size], max(denom, 1), max(nll_denom, 1), k)
+                    loss, per_kind = self.minibatch_loss(mine[i: i + cfg.micro_batch_size], denoms, k)
                 loss.backward()
-                for kind, mt in mts:
+                for kind, mt in per_kind.items():
+                    weight = mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))
                     for key, v in mt.items():
-                        agg.setdefault(f"{kind}/{key}", []).append((v, mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))))
+                        agg.setdefault(f"{kind}/{key}", []).append((v, weight))
             for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -1154,59 +1036,86 @@ class Trainer:
                     torch.distributed.all_reduce(p.grad)
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
             self.opt.step()
-        # token-weighted means of what the loss functions returned, per kind
-        for key, vals in agg.items():
+        m: dict = {}
+        for key, vals in agg.items():  # token-weighted means of what the loss functions returned
             tot = sum(t for _, t in vals)
-            if key.endswith(("tokens",)):
+            if key.endswith("tokens"):
                 m[key] = sum(v for v, _ in vals)
             elif tot > 0:
                 m[key] = sum(v * t for v, t in vals) / tot
         m["grad_norm"] = sum(norms) / max(1, len(norms))
-        m["zero_adv_frac"] = sum(1 for r in rows if r.adv == 0 and r.kind != "nll") / max(1, len(rows))
+        zero = sum(1 for r in rows if r.adv == 0 and LOSS_KINDS[r.kind].uses_advantage)
+        m["zero_adv_frac"] = zero / max(1, len(rows))
         m["minibatches"] = len(mbs)
         m["peer_minibatches"] = sum(peer_mb)
-
-    # -- the step loop ----------------------------------------------------------------------------
-
-    def step(self, step: int) -> dict:
-        cfg = self.cfg
-        timer: dict[str, float] = {}
-        t_start = time.time()
-        rows = batch_indices(len(self.data), step, cfg.prompts_per_step, cfg.data_seed)
-        own = self.rollout(step, rows, timer)
-        if self.dist.main:
-            t0 = time.time()
-            save_rollouts(rollout_path(self.exchange, cfg.name, step), own,
-                          {"model": cfg.model, "tokenizer": getattr(self.tok, "name_or_path", ""), "step": step,
-                           "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed})
-            timer["write"] = time.time() - t0
-        peer = self.peer_rollouts(step, own, timer)
-        t0 = time.time()
-        m: dict = {"step": step, "reward": float(own.rewards.mean()),
-                   "response_len": sum(len(t) for t in own.tokens) / len(own.tokens),
-                   "eos_frac": float(own.eos.float().mean())}
-        train_rows, replaced = self.build_rows(step, rows, own, peer, m)
-        timer["exchange"] = time.time() - t0  # selection, retokenisation, compatibility scoring
-        t0 = time.time()
-        self.update(step, train_rows, replaced, m)
-        timer["update"] = time.time() - t0
-        m.update({f"time/{k}": v for k, v in timer.items()})
-        m["time/step"] = time.time() - t_start
         return m
+
+    def minibatch_loss(self, rows: list[Row], denominators: dict[str, int], mb_index: int) -> tuple[torch.Tensor, dict]:
+        """Forward + loss of one micro-batch of rows; the denominators are the whole minibatch's.
+
+        Returns the summed loss and {row kind: that kind's loss metrics}.
+        """
+        cfg = self.cfg
+        lp, mask = response_logprobs(self.model, [r.prompt for r in rows], [r.response for r in rows],
+                                     pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature or 1.0,
+                                     chunk_size=cfg.logprob_chunk)  # (B, T)
+        old = torch.zeros_like(lp)  # (B, T)
+        for j, r in enumerate(rows):
+            old[j, : len(r.response)] = r.old_logp.to(lp.device)
+        adv = torch.tensor([r.adv for r in rows], device=lp.device)  # (B,)
+        w = torch.tensor([r.weight for r in rows], device=lp.device)  # (B,)
+        is_peer = torch.tensor([r.is_peer for r in rows], device=lp.device)  # (B,)
+        kinds = [r.kind for r in rows]
+        loss, metrics = lp.new_zeros(()), {}
+        for kind in dict.fromkeys(kinds):
+            sel = torch.tensor([k == kind for k in kinds], device=lp.device)  # (B,)
+            spec = LOSS_KINDS[kind]
+            denom = max(denominators.get(spec.denominator, 1), 1)
+            if spec.fn is None:  # Eqs. 9-10: GRPO, GRAFT and its ablations
+                part, mt = policy_loss(lp[sel], old[sel], adv[sel], mask[sel], weights=w[sel], eps_low=cfg.eps_low,
+                                       eps_high=cfg.eps_high, dual_clip=cfg.dual_clip or None,
+                                       ratio_level=cfg.ratio_level, is_peer=is_peer[sel], loss_denominator=denom)
+            else:  # a baseline's surrogate (section 5)
+                part, mt = spec.fn(RowBatch(lp[sel], old[sel], adv[sel], mask[sel], w[sel], is_peer[sel]), cfg=cfg,
+                                   denominator=denom, minibatch=mb_index)
+            loss = loss + part
+            metrics[kind] = mt
+        return loss, metrics
+
+    # -- bookkeeping: logs, checkpoints, the loop -------------------------------------------------
+
+    def print_derived(self):
+        cfg, G = self.cfg, self.cfg.prompts_per_step
+        n_params = sum(p.numel() for p in self.model.parameters())
+        print(f"[graft] side {cfg.name!r} model {cfg.model} ({n_params / 1e6:.1f}M params, "
+              f"{next(self.model.parameters()).dtype}) on {self.dist.device} x{self.dist.world}")
+        print(f"[graft] peer mode: {self.mode}"
+              + (f" (exchange {self.exchange}, peer {cfg.peer_name!r})" if self.mode == "online" else "")
+              + (f" (log {cfg.peer_log})" if self.mode == "offline" else "") + f", variant {cfg.variant}")
+        print(f"[graft] {len(self.data)} prompts; per step {G} prompts x n={cfg.n} = {G * cfg.n} rollouts, "
+              f"{cfg.minibatches} minibatches of ~{G // cfg.minibatches} groups; {cfg.steps} steps "
+              f"= {cfg.steps * G / len(self.data):.2f} epochs; starting at step {self.start_step}")
+        print(f"[graft] stop ids {self.stop_ids}; rollout files -> {self.exchange / cfg.name}; "
+              f"metrics -> {self.out / 'metrics.jsonl'}")
 
     def log(self, m: dict):
         if not self.dist.main:
             return
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(m) + "\n")
-        g = lambda k, fmt="{:.3f}": (fmt.format(m[k]) if isinstance(m.get(k), (int, float)) and not (isinstance(m.get(k), float) and math.isnan(m[k])) else "-")
-        t = lambda k: f"{m.get('time/' + k, 0.0):.1f}"
+
+        def g(k, fmt="{:.3f}"):
+            v = m.get(k)
+            ok = isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+            return fmt.format(v) if ok else "-"
+
+        t = lambda k: f"{m.get('time/' + k, 0.0):.1f}"  # noqa: E731
         print(f"step {m['step'] + 1:>4}/{self.cfg.steps} | reward {g('reward')} | all-fail {g('all_fail', '{:.2f}')} | "
-              f"cand {g('candidates_in', '{}')} sel {g('selected', '{}')} acc {g('accepted', '{}')}/{g('peer_responses', '{}')} "
-              f"w {g('mean_w', '{:.2f}')} | clip own {g('pg/clipfrac_own')} peer {g('pg/clipfrac_peer')} | "
-              f"loss {g('pg/loss', '{:+.4f}')} gnorm {g('grad_norm', '{:.2f}')} | len {g('response_len', '{:.0f}')} | "
-              f"s: sample {t('sample')} verify {t('verify')} logp {t('logprob')} wait {t('wait')} "
-              f"exch {t('exchange')} update {t('update')}", flush=True)
+              f"cand {g('candidates_in', '{}')} sel {g('selected', '{}')} acc {g('accepted', '{}')}/"
+              f"{g('peer_responses', '{}')} w {g('mean_w', '{:.2f}')} | clip own {g('pg/clipfrac_own')} peer "
+              f"{g('pg/clipfrac_peer')} | loss {g('pg/loss', '{:+.4f}')} gnorm {g('grad_norm', '{:.2f}')} | "
+              f"len {g('response_len', '{:.0f}')} | s: sample {t('sample')} verify {t('verify')} "
+              f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}", flush=True)
 
     def fit(self):
         cfg = self.cfg
@@ -1219,7 +1128,7 @@ class Trainer:
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                     self.save_checkpoint(step + 1)
         except BaseException as e:
-            # Tell a waiting peer at once instead of letting it time out (§4).
+            # Tell a waiting peer at once instead of letting it time out.
             if self.dist.main and self.mode == "online":
                 import traceback
                 marker = self.exchange / cfg.name / "FAILED"
@@ -1239,9 +1148,205 @@ class Trainer:
             self.save_checkpoint(step, dest=self.ckpt_dir / "best")
         return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
 
+    def latest_checkpoint(self) -> Path | None:
+        steps = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
+        steps = [p for p in steps if (p / "trainer_state.pt").is_file()]
+        return steps[-1] if steps else None
+
+    def trim_metrics(self):
+        """On resume, drop metric lines of steps that will be redone (the file stays one line per step)."""
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) < self.start_step]
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
+
+    def save_checkpoint(self, step: int, dest: Path | None = None):
+        """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place."""
+        if not self.dist.main:
+            return
+        import shutil
+        dest = dest or self.ckpt_dir / f"step_{step:06d}"
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        self.tok.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": self.opt.state_dict(), "best_score": self.best_score,
+                    "baseline_state": self.baseline_state}, tmp / "trainer_state.pt")
+        old = dest.with_name(f".{dest.name}.old")
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        if dest.name.startswith("step_"):
+            for stale in sorted(self.ckpt_dir.glob("step_[0-9]*"))[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+class RowBatch(NamedTuple):
+    """One row kind's slice of a micro-batch, as the baselines' loss functions take it."""
+
+    logp: torch.Tensor  # (B, T) current-policy log-probs, with grad
+    old_logp: torch.Tensor  # (B, T) behaviour log-probs
+    advantages: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T) bool, response tokens
+    weights: torch.Tensor  # (B,)
+    is_peer: torch.Tensor  # (B,) bool
+
 
 # ------------------------------------------------------------------------------------------------
-# Evaluation (DESIGN §7): avg@k = pass@1 with the training prompt and verifier
+# 5. Baselines (README "Baselines and ablations"), apart from GRAFT's path: their losses, their row
+#    builders (BASELINE_ROWS, called by Trainer.build_rows) and their row kinds (LOSS_KINDS)
+#
+# Choices the cited papers leave open are ours:
+#  * HACPO (arXiv 2603.02604): every prompt pools both models' n rollouts (no failure gating). The
+#    capability ratio c = (peer success rate) / (own success rate), each a mean over the last 5 steps,
+#    clamped to [0.1, 10] (10 when the own rate is 0). Baseline = capability-weighted pooled mean
+#    (sum r_own + c sum r_peer) / (n + c n); scale = unbiased std of the 2n pooled rewards. Own rows:
+#    sequence-level ratio exp(mean_t log rho_t), clip [1 - 3e-4, 1 + 4e-4]. Peer rows (retokenised):
+#    cross-tokenizer sequence ratio exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), lower clip
+#    bound 0.8 + 0.025 k in minibatch k (capped at 0.999), upper bound 1 + eps_high, loss weight c,
+#    peer loss coefficient 1.0; one shared token-mean denominator.
+#  * SGT (arXiv 2605.07244): plain GRPO rows, plus, for every prompt where the receiver fails all n
+#    and the peer succeeds at least once (all-pass peers included), one correct peer response drawn
+#    uniformly (seeded per step), retokenised, with loss 0.1 x its token-mean NLL; the NLL term has its
+#    own token-mean denominator. Both directions, no weighting, no balancing.
+#  * LUFFY-style: GRAFT's selection and weights; peer tokens use -w f(pi) a with f(pi) = pi / (pi + 0.1),
+#    behaviour probability 1, no clip, in the same token-mean as the own tokens.
+# The ablations of GRAFT itself (random selection/acceptance, pooled advantages, success-only, SGT's
+# selection rule, orders, no balancing, no weight, sequence ratio) are flags on GRAFT's own path.
+# ------------------------------------------------------------------------------------------------
+
+
+def nll_loss(logp: torch.Tensor, mask: torch.Tensor, *, coef: float, loss_denominator: float | None = None):
+    """SGT's supervised term: coef * token-mean negative log-likelihood of the rows given.
+
+    logp, mask: (B, T). Returns (loss, metrics). loss_denominator as in policy_loss (None = the tokens here).
+    """
+    m = mask.float()
+    denom = float(loss_denominator) if loss_denominator is not None else m.sum().clamp(min=1)
+    loss = -coef * (logp * m).sum() / denom
+    return loss, {"nll": float(-(logp.detach() * m).sum() / m.sum().clamp(min=1)), "nll_tokens": float(m.sum())}
+
+
+def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, gamma: float = 0.1,
+                    weights: torch.Tensor | None = None, loss_denominator: float | None = None):
+    """LUFFY-style off-policy term for peer tokens: -sum_t w_j f(pi_t) a_j / D, f(pi) = pi / (pi + gamma).
+
+    logp, mask: (B, T) current-policy log-probs of peer tokens; advantages, weights: (B,).
+    The behaviour probability is taken as 1 (so the "ratio" is pi itself) and nothing is clipped;
+    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics).
+    """
+    weights = torch.ones_like(advantages, dtype=torch.float32) if weights is None else weights.float()
+    tok = mask.float() * (weights > 0).float()[:, None]  # (B, T)
+    pi = logp.exp()  # (B, T)
+    f = pi / (pi + gamma)  # (B, T)
+    denom = float(loss_denominator) if loss_denominator is not None else tok.sum().clamp(min=1)
+    loss = -(f * advantages.float()[:, None] * weights[:, None] * tok).sum() / denom
+    return loss, {"peer_prob_mean": float((pi.detach() * tok).sum() / tok.sum().clamp(min=1)),
+                  "peer_tokens": float(tok.sum())}
+
+
+def hacpo_advantages(r_own: torch.Tensor, r_peer: torch.Tensor, *, capability_ratio: float, eps: float = 1e-6):
+    """HACPO's pooled advantages for one receiver (arXiv 2603.02604 as the GRAFT paper ran it).
+
+    r_own: (G, n) own rewards; r_peer: (G, m) the peer's rewards on the same prompts.
+    capability_ratio c = peer success rate / own success rate (rolling, clamped by the caller).
+    The baseline is the capability-weighted mean of the pooled group, (sum r_own + c sum r_peer) /
+    (n + c m), and the scale is the unbiased std of the pooled 2n rewards. Returns (adv_own (G, n),
+    adv_peer (G, m)); groups whose pooled rewards are constant get 0.
+    """
+    n, m = r_own.shape[1], r_peer.shape[1]
+    r_own, r_peer = r_own.float(), r_peer.float()
+    base = ((r_own.sum(1, keepdim=True) + capability_ratio * r_peer.sum(1, keepdim=True))
+            / (n + capability_ratio * m))  # (G, 1)
+    pooled = torch.cat([r_own, r_peer], dim=1)  # (G, n + m)
+    std = pooled.std(dim=1, keepdim=True)  # (G, 1)
+    constant = (pooled == pooled[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
+    adv = torch.where(constant, torch.zeros_like(pooled), (pooled - base) / (std + eps))  # (G, n + m)
+    return adv[:, :n], adv[:, n:]
+
+
+def sgt_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
+             peer: StepRollouts) -> tuple[list[Row], torch.Tensor, dict]:
+    """SGT: plain GRPO rows plus, on each rescue prompt (receiver 0/n, peer >= 1), one correct peer
+    response drawn uniformly, trained with an NLL term (no weighting, no balancing)."""
+    cfg, n, G = tr.cfg, tr.cfg.n, len(rows)
+    out = [Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own.advantages[g, i]))
+           for g in range(G) for i in range(n)]
+    rescue = torch.nonzero(rescue_candidates(own.rewards.sum(1).long(), peer.rewards.sum(1).long())).squeeze(1).tolist()
+    gen = torch.Generator().manual_seed(cfg.seed * 13 + step)
+    picked = 0
+    for g in rescue:
+        correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
+        i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
+        ids = retokenize(peer.texts[g * n + i], bool(peer.eos[g, i]), tr.tok,
+                         max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
+        if ids:
+            out.append(Row(g, tr.prompt_ids[rows[g]], ids, torch.zeros(len(ids)), 0.0, is_peer=True, kind="nll"))
+            picked += 1
+    return out, torch.zeros(G, dtype=torch.bool), {"selected": len(rescue), "accepted": picked}
+
+
+def hacpo_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
+               peer: StepRollouts) -> tuple[list[Row], torch.Tensor, dict]:
+    """HACPO: every prompt pools both models' rollouts (no failure gating); capability-weighted
+    baseline, pooled std; own rows with a tight sequence-level clip, peer rows with the
+    cross-tokenizer sequence ratio and the capability coefficient (see hacpo_advantages)."""
+    cfg, n, G = tr.cfg, tr.cfg.n, len(rows)
+    history = tr.baseline_state.setdefault("hacpo_history", [])  # (own, peer) success rate per step
+    history.append((float(own.rewards.mean()), float(peer.rewards.mean())))
+    recent = history[-5:]  # rolling success rates, window 5 steps
+    own_rate = sum(h[0] for h in recent) / len(recent)
+    peer_rate = sum(h[1] for h in recent) / len(recent)
+    c = min(10.0, max(0.1, peer_rate / own_rate)) if own_rate > 0 else 10.0
+    adv_own, adv_peer = hacpo_advantages(own.rewards, peer.rewards, capability_ratio=c)  # (G, n), (G, n)
+    out = [Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]),
+               kind="hacpo_own") for g in range(G) for i in range(n)]
+    scored, dropped_len = tr.score_peer(step, peer, list(range(G)), rows)
+    lbar_src = peer.lbar(cfg.compat_norm).view(-1)  # (G * n,)
+    for p in scored:
+        # The peer's "old" log-prob per token is its own per-token mean: the sequence ratio is then
+        # exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), the cross-tokenizer ratio.
+        old = torch.full((len(p.ids),), float(lbar_src[p.index]))  # (T,)
+        out.append(Row(p.group, tr.prompt_ids[rows[p.group]], p.ids, old,
+                       float(adv_peer[p.group, p.index % n]), weight=c, is_peer=True, kind="hacpo_peer"))
+    m = {"selected": G, "accepted": len(scored), "dropped_length": dropped_len, "capability_ratio": c}
+    return out, torch.zeros(G, dtype=torch.bool), m
+
+
+def _luffy(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
+    return luffy_peer_loss(b.logp, b.advantages, b.mask, gamma=cfg.luffy_gamma, weights=b.weights,
+                           loss_denominator=denominator)
+
+
+def _hacpo_own(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
+    return policy_loss(b.logp, b.old_logp, b.advantages, b.mask, eps_low=3e-4, eps_high=4e-4,
+                       ratio_level="sequence", loss_denominator=denominator)
+
+
+def _hacpo_peer(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
+    low = min(0.8 + 0.025 * minibatch, 0.999)  # the lower bound tightens towards 1 minibatch by minibatch
+    return policy_loss(b.logp, b.old_logp, b.advantages, b.mask, weights=b.weights, eps_low=1 - low,
+                       eps_high=cfg.eps_high, ratio_level="sequence", is_peer=b.is_peer, loss_denominator=denominator)
+
+
+def _sgt_nll(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
+    return nll_loss(b.logp, b.mask, coef=cfg.sgt_coef, loss_denominator=denominator)
+
+
+BASELINE_ROWS: dict[str, Callable] = {"hacpo": hacpo_rows, "sgt": sgt_rows}
+LOSS_KINDS.update({
+    "luffy": LossKind(fn=_luffy),
+    "hacpo_own": LossKind(fn=_hacpo_own),
+    "hacpo_peer": LossKind(fn=_hacpo_peer),
+    "nll": LossKind(fn=_sgt_nll, denominator="nll", uses_advantage=False),  # SGT's NLL: its own token-mean
+})
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Evaluation: avg@k = pass@1 with the training prompt and verifier (paper: T = 0.6, top-p 0.95, k = 8)
 # ------------------------------------------------------------------------------------------------
 
 BENCHMARKS = {"math500": "math500.jsonl", "aime2024": "aime2024.jsonl", "aime2025": "aime2025.jsonl",
@@ -1285,8 +1390,9 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
         from tqdm import tqdm
         bar = tqdm(bar, desc=desc, unit="batch")
     for i in bar:
-        outs = sample(model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=max_new, temperature=cfg.eval_temperature,
-                      top_p=cfg.eval_top_p, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen)
+        outs = sample(model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=max_new,
+                      temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, eos_token_id=stop_ids,
+                      pad_token_id=tokenizer.pad_token_id, generator=gen)
         texts += [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
@@ -1322,7 +1428,8 @@ def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: Dist
         tol = None
         if name == "minerva":
             from verify import MINERVA_REL_TOL as tol  # Minerva golds carry ~3 significant figures
-        per[name] = evaluate(model, tokenizer, stop_ids, problems, cfg, dist_info, progress=progress, desc=name, rel_tol=tol)
+        per[name] = evaluate(model, tokenizer, stop_ids, problems, cfg, dist_info, progress=progress, desc=name,
+                             rel_tol=tol)
         res[name] = summarize(per[name])
     mean = sum(r["pass@1"] for r in res.values()) / max(1, len(res))
     return {"benchmarks": res, "mean": mean, "problems": per}
@@ -1348,19 +1455,79 @@ def run_eval(cfg: Config) -> dict:
         print_eval_table(res, cfg.eval_samples)
         print(f"[eval] {time.time() - t0:.0f}s; settings: {cfg.eval_samples} samples, T={cfg.eval_temperature}, "
               f"top-p={cfg.eval_top_p}")
-        path = Path(cfg.eval_out) if cfg.eval_out else (Path(cfg.model) / "eval_results.json" if Path(cfg.model).is_dir()
-                                                        else Path(cfg.out) / "eval_results.json")
-        payload = {"model": cfg.model, "settings": {"samples": cfg.eval_samples, "temperature": cfg.eval_temperature,
-                                                    "top_p": cfg.eval_top_p, "max_tokens": cfg.eval_max_tokens or cfg.max_response_tokens},
-                   **res}
+        default = Path(cfg.model) if Path(cfg.model).is_dir() else Path(cfg.out)
+        path = Path(cfg.eval_out) if cfg.eval_out else default / "eval_results.json"
+        settings = {"samples": cfg.eval_samples, "temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p,
+                    "max_tokens": cfg.eval_max_tokens or cfg.max_response_tokens}
+        payload = {"model": cfg.model, "settings": settings, **res}
         atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1)))
         print(f"[eval] per-problem results -> {path}")
     return res
 
 
+
 # ------------------------------------------------------------------------------------------------
-# CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
+# 7. CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
 # ------------------------------------------------------------------------------------------------
+
+VARIANTS = ("graft", "hacpo", "sgt", "luffy")
+CHOICES = {
+    "variant": VARIANTS,
+    "order": ("peer_last", "peer_first", "uniform"),
+    "ratio_level": ("token", "sequence"),
+    "compat_norm": ("token", "byte"),
+    "selection": ("graft", "random", "sgt"),
+    "acceptance": ("gate", "random"),
+    "peer_advantages": ("source", "pooled"),
+    "transfer": ("all", "success"),
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("auto", "float32", "bfloat16"),
+}
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise ValueError naming the flag for any bad value (bad user input fails early)."""
+    def bad(flag, msg):
+        raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
+    for f, allowed in CHOICES.items():
+        if getattr(cfg, f) not in allowed:
+            bad(f, f"{getattr(cfg, f)!r} is not one of {', '.join(allowed)}")
+    if cfg.n < 1:
+        bad("n", "needs at least 1 rollout per prompt")
+    if cfg.minibatches < 1 or cfg.minibatches > cfg.prompts_per_step:
+        bad("minibatches", f"must be in [1, prompts_per_step={cfg.prompts_per_step}]")
+    if not (0 <= cfg.eps_low < 1 and cfg.eps_high >= 0):
+        bad("eps_low", "needs 0 <= eps_low < 1 and eps_high >= 0")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        bad("dual_clip", "verl's dual-clip constant must be > 1 (or 0 = off)")
+    if cfg.temperature < 0 or not (0 < cfg.top_p <= 1):
+        bad("temperature", "needs temperature >= 0 and 0 < top_p <= 1")
+    if cfg.peer_exchange and cfg.peer_log:
+        bad("peer_log", "choose one peer: --peer-exchange (online) or --peer-log (stored), not both")
+    if cfg.peer_exchange and cfg.peer_name == cfg.name:
+        bad("peer_name", f"the peer's name must differ from --name ({cfg.name!r})")
+    for flag in ("name", "peer_name"):
+        v = getattr(cfg, flag)
+        if not v or "/" in v or v.startswith("."):
+            bad(flag, f"{v!r} must be a plain folder name")
+    if "{problem}" not in cfg.prompt_template:
+        bad("prompt_template", "must contain '{problem}'")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The one-line string under each dataclass field (attribute docstrings), read from the source.
+
+    The docstrings are the documentation of the config and of the CLI at the same time.
+    """
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
 
 EVAL_ALIASES = {"samples": "eval_samples", "temperature": "eval_temperature", "top_p": "eval_top_p"}
 # torchrun's own parser reads "--n" as an ambiguous abbreviation of its flags (Python argparse
@@ -1374,17 +1541,20 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="graft.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for command in ("train", "eval"):
-        p = sub.add_parser(command, help="train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model (DESIGN §7)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
+        p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         aliases = {v: k for k, v in EVAL_ALIASES.items()} if command == "eval" else {}
         for f in dataclasses.fields(Config):
             if command == "eval" and f.name in EVAL_ALIASES:
                 continue  # in eval, --temperature etc. mean the evaluation settings
-            flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{aliases[f.name].replace('_', '-')}"] if f.name in aliases else [])
+            flags = [f"--{f.name.replace('_', '-')}"]
+            flags += [f"--{aliases[f.name].replace('_', '-')}"] if f.name in aliases else []
             flags += [FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else []
-            help_ = docs.get(f.name, "").replace("%", "%%") + (f" choices: {', '.join(CHOICES[f.name])}" if f.name in CHOICES else "")
+            help_ = docs.get(f.name, "").replace("%", "%%")
+            help_ += f" choices: {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
             if isinstance(f.default, bool):
-                p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+                p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_)
             else:
                 p.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default, help=help_)
     return parser

@@ -534,16 +534,15 @@ def planted(tiny, tmp_path, monkeypatch, **overrides):
               lr=1e-3, delta=0.0)
     kw.update(overrides)
     tr = graft.Trainer(graft.Config(**kw))
-    own = tr.rollout(0, rows, {})
+    own, _ = tr.rollout(0, rows)
     own.rewards.zero_()
     own.advantages.zero_()
-    return tr, rows, own, tr.peer_rollouts(0, own, {})
+    return tr, rows, own, tr.peer_rollouts(0, own)
 
 
 def test_sgt_nll_only_on_rescue_prompts_one_response_each(tiny, tmp_path, monkeypatch):
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="sgt")
-    m = {}
-    out, replaced = tr.build_rows(0, rows, own, peer, m)
+    out, replaced, m = tr.build_rows(0, rows, own, peer)
     nll = [r for r in out if r.kind == "nll"]
     # rescue prompts: receiver 0/n and peer >= 1 success: groups 0, 1 (all-pass counts too), 3, 4, 6
     assert sorted(r.group for r in nll) == [0, 1, 3, 4, 6]  # exactly one response per rescue prompt
@@ -556,7 +555,7 @@ def test_sgt_nll_only_on_rescue_prompts_one_response_each(tiny, tmp_path, monkey
     lp = torch.tensor([[-1.0, -2.0], [-3.0, 0.0]], requires_grad=True)
     loss, _ = graft.nll_loss(lp, torch.tensor([[1, 1], [1, 0]], dtype=torch.bool), coef=0.1)
     assert loss.item() == pytest.approx(0.1 * 6 / 3)
-    tr.update(0, out, replaced, m)
+    m = tr.update(0, out, replaced)
     assert m["nll/nll_tokens"] == sum(len(r.response) for r in nll)
 
 
@@ -578,13 +577,13 @@ def test_luffy_gradient_is_the_analytic_derivative_of_f():
 
 def test_luffy_variant_routes_peer_rows(tiny, tmp_path, monkeypatch):
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="luffy")
-    out, replaced = tr.build_rows(0, rows, own, peer, {})
+    out, replaced, _ = tr.build_rows(0, rows, own, peer)
     assert {r.kind for r in out if r.is_peer} == {"luffy"} and {r.kind for r in out if not r.is_peer} == {"pg"}
 
 
 def test_pooled_advantages_are_over_2n(tiny, tmp_path, monkeypatch):
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, peer_advantages="pooled")
-    out, _ = tr.build_rows(0, rows, own, peer, {})
+    out, _, _ = tr.build_rows(0, rows, own, peer)
     # group 0: own 0,0,0,0 + peer 1,0,0,0 -> 8 rewards, mean 1/8, unbiased std sqrt((49/64 + 7/64) / 7)
     mu, sd = 1 / 8, math.sqrt((49 / 64 + 7 * 1 / 64) / 7)
     own0 = [r.adv for r in out if r.group == 0 and not r.is_peer]
@@ -595,18 +594,17 @@ def test_pooled_advantages_are_over_2n(tiny, tmp_path, monkeypatch):
 
 def test_success_only_transfer_and_no_weight(tiny, tmp_path, monkeypatch):
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, transfer="success", compat_weight=False, delta=0.8)
-    out, _ = tr.build_rows(0, rows, own, peer, {})
+    out, _, _ = tr.build_rows(0, rows, own, peer)
     peer_rows = [r for r in out if r.is_peer]
     assert len(peer_rows) == sum(sum(PATTERN[g]) for g in MIXED)  # only the correct ones
     assert all(r.adv > 0 and r.weight == 1.0 for r in peer_rows)  # w = 1, no gate
 
 
 def test_random_acceptance_keeps_the_rate(tiny, tmp_path, monkeypatch):
-    m_gate, m_rand = {}, {}
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
-    tr.build_rows(0, rows, own, peer, m_gate)
+    _, _, m_gate = tr.build_rows(0, rows, own, peer)
     tr.cfg.acceptance = "random"
-    out, _ = tr.build_rows(0, rows, own, peer, m_rand)
+    _, _, m_rand = tr.build_rows(0, rows, own, peer)
     assert m_rand["accepted"] == m_gate["accepted"] and m_rand["selected"] == m_gate["selected"] == 4
 
 
@@ -631,12 +629,11 @@ def test_hacpo_advantages_hand_computed_and_rows(tiny, tmp_path, monkeypatch):
     torch.testing.assert_close(a_own, torch.tensor([[1 / 6, -5 / 6]]) / (0.5 + 1e-6))
     torch.testing.assert_close(a_peer, torch.tensor([[1 / 6, 1 / 6]]) / (0.5 + 1e-6))
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
-    m = {}
-    out, _ = tr.build_rows(0, rows, own, peer, m)
+    out, _, m = tr.build_rows(0, rows, own, peer)
     assert m["capability_ratio"] == 10.0  # own success rate 0 -> the clamp's ceiling
     assert {r.group for r in out if r.is_peer} == set(range(8))  # no failure gating: every prompt pools
     assert all(r.kind == "hacpo_peer" and r.weight == 10.0 for r in out if r.is_peer)
-    tr.update(0, out, torch.zeros(8, dtype=torch.bool), m)
+    m = tr.update(0, out, torch.zeros(8, dtype=torch.bool))
     assert "hacpo_peer/loss" in m and "hacpo_own/loss" in m
 
 
@@ -648,8 +645,7 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
     rewards = torch.tensor(PATTERN, dtype=torch.float32)
     torch.testing.assert_close(peer.rewards, rewards)  # re-verified with the (planted) verifier
     expected_adv = group_advantages(rewards)
-    m = {}
-    train_rows, replaced = tr.build_rows(0, rows, own, peer, m)
+    train_rows, replaced, m = tr.build_rows(0, rows, own, peer)
     assert m["selected"] == 4 and m["candidates_in"] == 4
     assert 0 < m["accepted"] < 16, "the planted log-probs should put some s on each side of delta"
     assert m["accepted"] + m["rejected"] + m["dropped_length"] == 16
@@ -665,7 +661,7 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
         assert s > 0.8 and r.weight == pytest.approx(min(s, 1.0), rel=1e-4)
     assert {r.group for r in train_rows if not r.is_peer} == set(range(8)) - MIXED  # replaced groups lost their own rows
     assert replaced.tolist() == [g in {r.group for r in peer_rows} for g in range(8)]
-    tr.update(0, train_rows, replaced, m)
+    m |= tr.update(0, train_rows, replaced)
     assert m["pg/peer_tokens"] == sum(len(r.response) for r in peer_rows)
     assert m["peer_minibatches"] >= (1 if peer_rows else 0)
 
