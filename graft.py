@@ -29,10 +29,10 @@ One GRAFT step, in call order (Trainer.step; each side of the pair runs the same
 The copyable core (section 2) is everything a port to another trainer needs; sections 3-4 are this
 repository's trainer around it; the baselines (section 5) sit apart and never on GRAFT's path.
 
-File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records and plumbing
--> 4 the trainer -> 5 baselines -> 6 evaluation -> 7 CLI. sampler.py (the hand-written sampler and
-the chunked log-prob kernel), exchange.py (the rollout file) and verify.py (the reward) import
-nothing of ours, so each can be copied alone. README "The method, equation by equation" maps each
+File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records -> 4 the
+trainer -> 5 baselines -> 6 evaluation -> 7 CLI. sampler.py (the hand-written sampler and the
+chunked log-prob kernel), exchange.py (the rollout file) and verify.py (the reward) import nothing
+of ours, so each can be copied alone; runtime.py holds the plumbing (ranks, precision, loading). README "The method, equation by equation" maps each
 equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
@@ -78,6 +78,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
 import math
@@ -487,6 +488,20 @@ def minibatch_order(is_peer_group: torch.Tensor, num_minibatches: int, *, order:
     return [chunk for chunk in torch.tensor_split(seq, num_minibatches) if chunk.numel() > 0]
 
 
+def seeded_generator(seed: int, step: int, stream: str, *, rank: int = 0,
+                     device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator for one purpose (stream) of one step: reproducible and independent.
+
+    The seed is a stable hash (BLAKE2b, not Python's per-process salted hash()) of (seed, step,
+    stream, rank), so every process of a pair that asks for the same stream gets the same draws,
+    different streams never share a sequence, and a resumed run redraws exactly what it would have.
+    Streams used by the trainer: "sample" (per rank), "select", "accept", "minibatch", "sgt", "eval".
+    """
+    key = f"{seed}/{step}/{stream}/{rank}".encode()
+    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return torch.Generator(device=device).manual_seed(value)
+
+
 def decode_response(tokens: list[int], tokenizer, *, eos_token_ids) -> tuple[str, bool]:
     """The source side of retokenisation: response ids -> (text, ended_with_eos).
 
@@ -532,7 +547,7 @@ from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, StepRollouts, atomic_writ
                       load_rollouts, rollout_path, save_rollouts, wait_for_file)
 
 # ------------------------------------------------------------------------------------------------
-# 3. Records and plumbing: what flows between the trainer's phases, models, ranks
+# 3. Records: what flows between the trainer's phases (plumbing: runtime.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -582,133 +597,9 @@ class LossKind:
 
 LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs in section 5
 
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(cfg: Config) -> DistInfo:
-    """torchrun sets RANK/WORLD_SIZE: one process per GPU (NCCL) or per CPU worker (gloo)."""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend="nccl" if use_cuda else "gloo")
-    if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    return DistInfo(rank=rank, world=world, device=device)
-
-
-def gather_lists(items: list, dist_info: DistInfo) -> list:
-    """All ranks get the concatenation of every rank's list, rank by rank (CPU objects: rollouts
-    are small next to the model); unshard() puts a strided shard() back in order."""
-    if dist_info.world == 1:
-        return items
-    parts = [None] * dist_info.world
-    torch.distributed.all_gather_object(parts, items)
-    return [x for p in parts for x in p]
-
-
-def shard(seq: list, dist_info: DistInfo) -> list:
-    """This rank's strided share of a list (rank r takes items r, r + world, ...)."""
-    return seq[dist_info.rank::dist_info.world]
-
-
-def unshard(parts_flat: list, total: int, dist_info: DistInfo) -> list:
-    """Invert shard() after gather_lists(): rank-major concatenation -> original order."""
-    out, pos = [None] * total, 0
-    for r in range(dist_info.world):
-        for i in range(r, total, dist_info.world):
-            out[i] = parts_flat[pos]
-            pos += 1
-    return out
-
-
-def compute_context(cfg: Config, dist_info: DistInfo):
-    """bf16 autocast on GPU with --dtype auto: matmuls in bf16, fp32 master weights and optimizer.
-
-    Pure bf16 weights would lose the paper's lr = 1e-6 updates: bf16 keeps ~3 significant digits, so
-    w + 1e-6 * g == w for most weights. --dtype bfloat16 is there for memory, knowing that.
-    """
-    if cfg.dtype == "auto" and dist_info.device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def load_policy(path: str, cfg: Config, dist_info: DistInfo, *, for_training: bool = True):
-    """A transformers causal LM + tokenizer. Weights: fp32 (bf16 with --dtype bfloat16, or for a
-    GPU evaluation with --dtype auto, where no update needs the precision)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if cfg.dtype == "auto":
-        dtype = torch.bfloat16 if (dist_info.device.type == "cuda" and not for_training) else torch.float32
-    else:
-        dtype = getattr(torch, cfg.dtype)
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    except OSError as e:
-        raise SystemExit(f"--model {path!r}: cannot load a transformers causal LM and tokenizer ({e})") from e
-    model.to(dist_info.device)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    # The ids that stop a rollout: the tokenizer's EOS and the generation config's (Qwen3-Base's
-    # tokenizer says <|im_end|> while the base model ends documents with <|endoftext|>).
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-    stop = list(dict.fromkeys(gen_eos + ([tok.eos_token_id] if tok.eos_token_id is not None else [])))
-    if not stop:
-        raise SystemExit(f"--model {path!r}: the tokenizer and generation config name no EOS token")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.convert_ids_to_tokens(stop[0])
-    return model, tok, stop
-
-
-def encode_prompt(problem: str, tokenizer, *, template: str, chat: bool) -> list[int]:
-    """Prompt ids: the template with the problem, as raw text (with the tokenizer's BOS, if it adds
-    one; departure 8) or as one user message of the chat template (--chat-template, the paper's)."""
-    text = template.replace("{problem}", problem)
-    if chat:
-        if tokenizer.chat_template is None:
-            raise SystemExit("--chat-template: this tokenizer has no chat template; drop the flag to use raw text")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer.encode(text, add_special_tokens=True)
-
-
-def load_prompt_file(path: str) -> list[dict]:
-    """Validated prompt JSONL via data/prepare.py's load_prompts (loaded by path: data/ is no package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("graft_data_prepare", Path(__file__).parent / "data" / "prepare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if not Path(path).is_file():
-        raise SystemExit(f"--prompts {path!r}: no such file (python data/prepare.py writes data/math_train.jsonl)")
-    return mod.load_prompts(path)
-
-
-def timed(timings: dict, key: str):
-    """Context manager adding the wall time of its block to timings[key] (seconds)."""
-    @contextlib.contextmanager
-    def block():
-        t0 = time.time()
-        try:
-            yield
-        finally:
-            timings[key] = timings.get(key, 0.0) + time.time() - t0
-    return block()
+# Ranks, devices, precision, model and prompt loading: runtime.py (plumbing, not the method).
+from runtime import (DistInfo, compute_context, encode_prompt, gather_lists, load_policy,  # noqa: E402,F401
+                     load_prompt_file, setup_distributed, shard, timed, unshard)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -801,7 +692,7 @@ class Trainer:
         flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
         mine = shard(flat, self.dist)
         prompts = [self.prompt_ids[rows[r // n]] for r in mine]
-        gen = torch.Generator(device=self.dist.device).manual_seed(cfg.seed * 1_000_003 + step * 7919 + self.dist.rank)
+        gen = seeded_generator(cfg.seed, step, "sample", rank=self.dist.rank, device=self.dist.device)
         outs: list[Rollout] = []
         with timed(timings, "sample"):
             for i in range(0, len(prompts), cfg.gen_batch_size):
@@ -885,7 +776,7 @@ class Trainer:
         if cfg.selection == "random":
             # Ablation: as many prompts as GRAFT would take, drawn among those where the peer is mixed.
             pool = torch.nonzero((k_peer >= 1) & (k_peer < n)).squeeze(1)
-            g = torch.Generator().manual_seed(cfg.seed * 7 + step)
+            g = seeded_generator(cfg.seed, step, "select")
             pick = pool[torch.randperm(pool.numel(), generator=g)[: int(into_me.sum())]]
             into_me = torch.zeros_like(into_me)
             into_me[pick] = True
@@ -927,7 +818,7 @@ class Trainer:
             # Ablation: keep the gate's acceptance rate but draw the accepted responses at random;
             # they keep min(s, 1) as weight, so only *which* responses pass changes.
             k = int((w > 0).sum())
-            g_ = torch.Generator().manual_seed(cfg.seed * 11 + step)
+            g_ = seeded_generator(cfg.seed, step, "accept")
             pick = torch.randperm(len(cand), generator=g_)[:k]
             w = torch.zeros_like(s)
             w[pick] = s[pick].clamp(max=1.0) if cfg.compat_weight else 1.0
@@ -993,7 +884,7 @@ class Trainer:
         the loss functions' own metrics as token-weighted means per row kind, and the grad norm.
         """
         cfg = self.cfg
-        gen = torch.Generator().manual_seed(cfg.seed * 17 + step)
+        gen = seeded_generator(cfg.seed, step, "minibatch")
         mbs = minibatch_order(replaced, cfg.minibatches, order=cfg.order, generator=gen)
         by_group: dict[int, list[Row]] = {}
         for r in rows:
@@ -1276,7 +1167,7 @@ def sgt_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
     out = [Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own.advantages[g, i]))
            for g in range(G) for i in range(n)]
     rescue = torch.nonzero(rescue_candidates(own.rewards.sum(1).long(), peer.rewards.sum(1).long())).squeeze(1).tolist()
-    gen = torch.Generator().manual_seed(cfg.seed * 13 + step)
+    gen = seeded_generator(cfg.seed, step, "sgt")
     picked = 0
     for g in rescue:
         correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
@@ -1381,7 +1272,7 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
     mine = shard(jobs, dist_info)
     prompts = [encode_prompt(problems[p]["problem"], tokenizer, template=cfg.prompt_template, chat=cfg.chat_template)
                for p, _ in mine]
-    gen = torch.Generator(device=dist_info.device).manual_seed(cfg.seed * 31 + 1 + dist_info.rank)
+    gen = seeded_generator(cfg.seed, 0, "eval", rank=dist_info.rank, device=dist_info.device)
     max_new = cfg.eval_max_tokens or cfg.max_response_tokens
     texts = []
     was_training = model.training

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import graft
-from graft import (balanced_swap, compatibility_weights, decode_response, graft_candidates,
-                   group_advantages, minibatch_order, policy_loss, retokenize, sequence_mean_logprob)
+from graft import (balanced_swap, compatibility_weights, decode_response, graft_candidates, group_advantages,
+                   minibatch_order, policy_loss, received_groups, rescue_candidates, retokenize, seeded_generator,
+                   sequence_mean_logprob)
 
 torch.set_num_threads(1)
 SHARED = Path(__file__).resolve().parent.parent / "shared"
@@ -126,6 +127,47 @@ def test_balanced_swap_invariants_random():
         # swapping A and B swaps the outputs
         y, x = balanced_swap(k_b, k_a, n)
         assert torch.equal(x, a_to_b) and torch.equal(y, b_to_a)
+
+
+def test_received_groups_mirror_between_the_two_processes():
+    """Each process calls received_groups with its own counts first; exactly one says own_is_a. What A
+    receives must be what B's process computes as sent to A, and vice versa, for every pattern."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(300):
+        n = int(torch.randint(2, 9, (1,), generator=g))
+        G = int(torch.randint(1, 30, (1,), generator=g))
+        k_a = torch.randint(0, n + 1, (G,), generator=g)
+        k_b = torch.randint(0, n + 1, (G,), generator=g)
+        for balance in (True, False):
+            into_a = received_groups(k_a, k_b, n, own_is_a=True, balance=balance)  # process A
+            into_b = received_groups(k_b, k_a, n, own_is_a=False, balance=balance)  # process B
+            a_to_b, b_to_a = balanced_swap(k_a, k_b, n, balance=balance)
+            assert torch.equal(into_a, b_to_a) and torch.equal(into_b, a_to_b)
+            assert not (into_a & into_b).any()  # a prompt never moves both ways (receiver fails all n)
+    # By hand, n = 4: C_{A->B} = {0 (k_a 2), 3 (1), 5 (3)}, C_{B->A} = {1 (k_b 3), 2 (1)}, so m = 2.
+    # B keeps A's top two by k_a (5, 0; group 3 is dropped); A keeps both of B's (1, 2).
+    k_a, k_b = torch.tensor([2, 0, 0, 1, 0, 3]), torch.tensor([0, 3, 1, 0, 0, 0])
+    assert received_groups(k_a, k_b, 4, own_is_a=True).tolist() == [False, True, True, False, False, False]
+    assert received_groups(k_b, k_a, 4, own_is_a=False).tolist() == [True, False, False, False, False, True]
+
+
+def test_rescue_candidates_is_sgts_rule():
+    k_recv, k_src = torch.tensor([0, 0, 0, 1, 0]), torch.tensor([0, 2, 4, 2, 1])
+    assert rescue_candidates(k_recv, k_src).tolist() == [False, True, True, False, True]  # all-pass source counts
+    assert graft_candidates(k_recv, k_src, 4).tolist() == [False, True, False, False, True]  # Eq. 4 excludes it
+
+
+def test_seeded_generator_streams_are_stable_and_distinct():
+    draw = lambda *a, **k: torch.randint(1 << 30, (4,), generator=seeded_generator(*a, **k)).tolist()  # noqa: E731
+    assert draw(0, 3, "select") == draw(0, 3, "select")
+    others = [draw(1, 3, "select"), draw(0, 4, "select"), draw(0, 3, "accept"), draw(0, 3, "select", rank=1)]
+    assert all(o != draw(0, 3, "select") for o in others)
+    # independent of Python's salted hash(): another interpreter with another PYTHONHASHSEED agrees
+    code = ("import sys, torch; sys.path.insert(0, %r); import graft; "
+            "print(torch.randint(1 << 30, (4,), generator=graft.seeded_generator(0, 3, 'select')).tolist())")
+    out = run_py(["-c", code % str(Path(__file__).parent)], Path(__file__).parent, {"PYTHONHASHSEED": "123"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip()) == draw(0, 3, "select")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,6 +292,18 @@ def test_policy_loss_sequence_ratio_and_denominator_override():
     assert loss.item() == pytest.approx(-math.exp(0.2))  # min(1.2214, 1.28) * 1, same on each token
     loss2, _ = policy_loss(lp, old, torch.tensor([1.0]), mask, ratio_level="sequence", loss_denominator=6)
     assert loss2.item() == pytest.approx(-math.exp(0.2) / 2)  # 3 tokens / 6 = half
+
+
+def test_sequence_ratio_clamps_the_mean_not_each_token():
+    # token log-ratios (50, 0): the sequence mean is 25 -> clamped to 20. Clamping each token first
+    # would give mean(20, 0) = 10, a biased sequence ratio.
+    lp = torch.tensor([[50.0, 0.0]])
+    _, m = policy_loss(lp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
+                       ratio_level="sequence")
+    assert m["ratio_mean"] == pytest.approx(math.exp(20.0), rel=1e-5)
+    _, m = policy_loss(torch.tensor([[50.0, -10.0]]), torch.zeros(1, 2), torch.tensor([-1.0]),
+                       torch.ones(1, 2, dtype=torch.bool), ratio_level="sequence")
+    assert m["ratio_mean"] == pytest.approx(math.exp(20.0), rel=1e-5)  # mean 20: at the bound, not exp(5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -606,6 +660,18 @@ def test_random_acceptance_keeps_the_rate(tiny, tmp_path, monkeypatch):
     tr.cfg.acceptance = "random"
     _, _, m_rand = tr.build_rows(0, rows, own, peer)
     assert m_rand["accepted"] == m_gate["accepted"] and m_rand["selected"] == m_gate["selected"] == 4
+
+
+def test_sgt_selection_rule_with_grafts_update(tiny, tmp_path, monkeypatch):
+    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, selection="sgt")
+    out, replaced, m = tr.build_rows(0, rows, own, peer)
+    # SGT's rescue rule: every group where the peer solved at least once, the all-pass group 1 included
+    assert m["selected"] == 5 and m["peer_responses"] == 20
+    peer_groups = {r.group for r in out if r.is_peer}
+    assert peer_groups <= {0, 1, 3, 4, 6} and all(r.kind == "pg" for r in out)  # GRAFT's rows, not NLL
+    assert all(r.adv == 0.0 for r in out if r.is_peer and r.group == 1)  # all-pass: the peer's zero advantages
+    assert {r.group for r in out if not r.is_peer} == {2, 5, 7}  # every selected group was replaced
+    assert all(0 < r.weight <= 1 for r in out if r.is_peer)  # the compatibility weight still applies
 
 
 def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
