@@ -14,7 +14,7 @@ first and not timed.
 It prints the median step time of each, their ratio, and GRAFT's overhead phases (write, read +
 re-verify, exchange = selection + retokenisation + compatibility forward) as a fraction of the GRPO
 step. Needs the tiny preset's pre-trained models (`python tiny.py prepare RUN_DIR`, run here if absent).
-The offline path also re-verifies the peer's rewards (§3.10), a cost the online pair does not pay: it
+The offline path also re-verifies the peer's rewards (the stored-trajectory variant), a cost the online pair does not pay: it
 is reported on its own line.
 """
 

@@ -1,4 +1,4 @@
-"""GRAFT exchange files: one model's rollouts of one step, as a safetensors file (DESIGN §4-§5).
+"""GRAFT exchange files: one model's rollouts of one step, as a safetensors file (README "Files").
 
 The two processes of an online pair meet through these files (each writes its own, atomically, and
 waits for the peer's); the stored-trajectory variant reads a finished run's files; and every run's
@@ -43,7 +43,7 @@ class StepRollouts:
     texts: list[str]  # G*n decoded response text (no special tokens, EOS dropped)
     eos: torch.Tensor  # (G, n) bool
     rewards: torch.Tensor  # (G, n) float32
-    advantages: torch.Tensor  # (G, n) float32, on the full group (§3.5)
+    advantages: torch.Tensor  # (G, n) float32, on the full group, before any filtering
 
     @property
     def n(self) -> int:
@@ -74,7 +74,7 @@ def _unpack_strings(data: torch.Tensor, offsets: torch.Tensor) -> list[str]:
 
 
 def atomic_write(path: Path, write) -> None:
-    """write(tmp_path), then rename onto path: readers never see a half-written file (§10)."""
+    """write(tmp_path), then rename onto path: readers never see a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -83,7 +83,7 @@ def atomic_write(path: Path, write) -> None:
 
 
 def save_rollouts(path: Path, r: StepRollouts, meta: dict) -> None:
-    """Write a rollout file (DESIGN §5) atomically: safetensors tensors + string metadata."""
+    """Write a rollout file atomically: safetensors tensors + string metadata."""
     from safetensors.torch import save_file
     G, n = r.rewards.shape
     lens = [len(t) for t in r.tokens]

@@ -559,7 +559,7 @@ def test_cli_bad_input_names_the_flag(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Baselines and ablations (DESIGN §3.11): each variant's specific behaviour
+# Baselines and ablations (README "Baselines and ablations"): each variant's specific behaviour
 # ------------------------------------------------------------------------------------------------
 
 PATTERN = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]

@@ -2,7 +2,7 @@
 
 What it does
     Fetches each dataset (from the HuggingFace hub, or from a local folder with --from), maps its
-    fields onto the prompt schema of DESIGN §5 and writes one JSONL file per dataset:
+    fields onto the prompt schema ({"id", "problem", "answer"} per line) and writes one JSONL file per dataset:
 
         {"id": str, "problem": str, "answer": str, "source": str, ...extra fields}
 
@@ -86,9 +86,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Sources
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 # Field names tried, in order, for the two required fields. Shared by all sources so that a
 # mirror using "question" or capitalised columns still maps without code changes.
@@ -150,9 +150,9 @@ def warn(msg: str) -> None:
     print(f"WARNING: {msg}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Answer extraction and normalisation
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\b")
 
@@ -209,9 +209,9 @@ def normalise_answer(value: Any, integer: bool = False) -> str:
     return s
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Reading source files
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 def jsonl_objects(path: Path):
     """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
@@ -348,9 +348,9 @@ def read_local(src: Source, folder: Path) -> tuple[list[dict], str]:
     raise FileNotFoundError(f"{folder}: no file for {src.name} (looked for {list(src.local)})")
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Writing
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     """Write rows to path via a temp file in the same folder + os.replace (never a partial file)."""
@@ -371,12 +371,12 @@ def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
         raise
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Loading prompt files (imported by the trainer)
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 def load_prompts(path: str | os.PathLike) -> list[dict]:
-    """Read a prompt JSONL (DESIGN §5) and validate it.
+    """Read a prompt JSONL ({"id", "problem", "answer"} per line) and validate it.
 
     Each non-blank line must be a JSON object with non-empty string "id", "problem" and "answer";
     ids must be unique; the file must hold at least one prompt. Errors are ValueError naming the
@@ -401,9 +401,9 @@ def load_prompts(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Command line
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 @dataclass
 class Result:
