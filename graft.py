@@ -32,8 +32,8 @@ repository's trainer around it; the baselines (section 5) sit apart and never on
 File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records -> 4 the
 trainer -> 5 baselines -> 6 evaluation -> 7 CLI. sampler.py (the hand-written sampler and the
 chunked log-prob kernel), exchange.py (the rollout file) and verify.py (the reward) import nothing
-of ours, so each can be copied alone; runtime.py holds the plumbing (ranks, precision, loading). README "The method, equation by equation" maps each
-equation to its function.
+of ours, so each can be copied alone; runtime.py holds the plumbing (ranks, precision, loading).
+README "The method, equation by equation" maps each equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
   1. Retokenisation encodes the peer's response text on its own and appends it to the receiver's
@@ -83,7 +83,9 @@ import inspect
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +125,12 @@ class Config:
     """Stored-trajectory variant: a folder of a finished run's rollout files (one-way, no balancing)."""
     exchange_timeout: float = 3600.0
     """Seconds to wait for the peer's rollout file of a step before failing (typ. 600-7200)."""
+    peer_dead_after: float = 60.0
+    """A waiting side stops when the peer's heartbeat is this many seconds old (killed peer; typ. 60-300)."""
+    heartbeat_interval: float = 10.0
+    """Seconds between this side's heartbeats in the exchange dir (well under --peer-dead-after)."""
+    run_id: str = ""
+    """The pair's run identity ('' = the first side draws one and the second adopts it)."""
 
     # --- GRPO / GRAFT hyperparameters (paper Table 3)
     steps: int = 174
@@ -210,7 +218,9 @@ class Config:
     keep_checkpoints: int = 2
     """How many step checkpoints to keep (the best-by-eval one is kept apart)."""
     resume: bool = False
-    """Continue from the latest checkpoint in <out>/checkpoints."""
+    """Continue from the latest checkpoint in <out>/checkpoints (and the run identity in <out>/run.json)."""
+    force: bool = False
+    """Delete an earlier run in --out (and this side's files in the exchange dir) and start over."""
 
     # --- evaluation (paper: five benchmarks, T = 0.6, top-p 0.95, avg@8)
     eval_every: int = 0
@@ -543,8 +553,9 @@ from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: 
 # Rollouts and exchange files (exchange.py: the safetensors rollout file, README "Files")
 # ------------------------------------------------------------------------------------------------
 
-from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, StepRollouts, atomic_write, batch_indices,  # noqa: E402,F401
-                      load_rollouts, rollout_path, save_rollouts, wait_for_file)
+from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, Heartbeat, StepRollouts, atomic_write,  # noqa: E402,F401
+                      batch_indices, join_run, leave_run, load_rollouts, new_run_id, read_json, rollout_path,
+                      save_rollouts, wait_for_file, write_failed, write_json)
 
 # ------------------------------------------------------------------------------------------------
 # 3. Records: what flows between the trainer's phases (plumbing: runtime.py)
@@ -607,6 +618,10 @@ from runtime import (DistInfo, compute_context, encode_prompt, gather_lists, loa
 # ------------------------------------------------------------------------------------------------
 
 
+def _raise_on_signal(signum, frame):
+    raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
+
+
 class Trainer:
     """One side of GRAFT (or plain GRPO): owns the model, the optimizer and the step loop."""
 
@@ -619,42 +634,47 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out)
         self.ckpt_dir = self.out / "checkpoints"
+        self.mode = "online" if cfg.peer_exchange else "offline" if cfg.peer_log else "none"
+        self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
         self.start_step, self.best_score = 0, -1.0
         self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)
+        self.heartbeat: Heartbeat | None = None
+        # Everything that can fail on bad input fails here, before the first rollout: the run
+        # directory, the prompts, the stored peer log, the pair's run identity, then the model.
         latest = self.latest_checkpoint() if cfg.resume else None
-        if cfg.resume and latest is None and self.dist.main:
-            print(f"--resume: no checkpoint in {self.ckpt_dir}, starting from --model")
-        if not cfg.model:
-            raise SystemExit("--model is required (a hub id or a local folder)")
-        self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
-        self.eos_id = self.stop_ids[0]
-        self.amp = lambda: compute_context(cfg, self.dist)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
-                                     weight_decay=cfg.weight_decay)
         if latest is not None:
             state = torch.load(latest / "trainer_state.pt", map_location="cpu", weights_only=True)
-            self.opt.load_state_dict(state["optimizer"])
             self.start_step, self.best_score = int(state["step"]), float(state["best_score"])
             self.baseline_state = state.get("baseline_state", {})
+        elif cfg.resume and self.dist.main:
+            print(f"--resume: no checkpoint in {self.ckpt_dir}, starting from --model")
+        if self.dist.main:
+            self.prepare_run_dir()
         self.data = load_prompt_file(cfg.prompts)
         self.data_by_id = {r["id"]: r for r in self.data}
         if len(self.data) < cfg.prompts_per_step:
             raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step "
                              f"{cfg.prompts_per_step}")
-        self.prompt_ids = [encode_prompt(r["problem"], self.tok, template=cfg.prompt_template, chat=cfg.chat_template)
-                           for r in self.data]
-        too_long = [(r["id"], len(p)) for r, p in zip(self.data, self.prompt_ids) if len(p) > cfg.max_prompt_tokens]
-        if too_long:
-            raise SystemExit(f"--prompts {cfg.prompts}: {len(too_long)} prompts exceed --max-prompt-tokens "
-                             f"{cfg.max_prompt_tokens} (first: {too_long[0]}); raise the limit or filter the file")
-        self.mode = "online" if cfg.peer_exchange else "offline" if cfg.peer_log else "none"
-        self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
-        if self.mode == "offline" and not Path(cfg.peer_log).is_dir():
-            raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files")
+        self.peer_log_run = self.check_peer_log() if self.mode == "offline" else None
+        self.run_id = self.join_pair()
+        try:
+            self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
+            self.eos_id = self.stop_ids[0]
+            self.amp = lambda: compute_context(cfg, self.dist)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+                                         weight_decay=cfg.weight_decay)
+            if latest is not None:
+                self.opt.load_state_dict(state["optimizer"])
+            self.prompt_ids = [encode_prompt(r["problem"], self.tok, template=cfg.prompt_template,
+                                             chat=cfg.chat_template) for r in self.data]
+            too_long = [(r["id"], len(p)) for r, p in zip(self.data, self.prompt_ids) if len(p) > cfg.max_prompt_tokens]
+            if too_long:
+                raise SystemExit(f"--prompts {cfg.prompts}: {len(too_long)} prompts exceed --max-prompt-tokens "
+                                 f"{cfg.max_prompt_tokens} (first: {too_long[0]}); raise the limit or filter the file")
+        except BaseException as e:
+            self.leave_pair(e)  # the peer may already wait on us: tell it now
+            raise
         if self.dist.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.trim_metrics()
-            (self.exchange / cfg.name / "FAILED").unlink(missing_ok=True)
             self.print_derived()
 
     # -- the step, in the map's order -------------------------------------------------------------
@@ -669,7 +689,8 @@ class Trainer:
             with timed(timings, "write"):
                 save_rollouts(rollout_path(self.exchange, cfg.name, step), own,
                               {"model": cfg.model, "tokenizer": getattr(self.tok, "name_or_path", ""), "step": step,
-                               "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed})
+                               "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed,
+                               "run_id": self.run_id})
         with timed(timings, "wait"):
             peer = self.peer_rollouts(step, own)
         with timed(timings, "exchange"):  # selection, retokenisation, compatibility scoring
@@ -747,12 +768,11 @@ class Trainer:
             return None
         if self.mode == "online":
             path = rollout_path(self.exchange, cfg.peer_name, step)
-            wait_for_file(path, timeout=cfg.exchange_timeout)
+            wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, dead_after=cfg.peer_dead_after)
+            run = self.run_id
         else:
-            path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
-            if not path.is_file():
-                raise SystemExit(f"--peer-log: {path} is missing (the stored run has fewer steps than --steps?)")
-        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids)
+            path, run = Path(cfg.peer_log) / f"step_{step:06d}.safetensors", self.peer_log_run
+        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=run)
         if self.mode == "offline":
             # Stored logs are re-verified with our verifier and their advantages recomputed from that
             # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
@@ -914,6 +934,10 @@ class Trainer:
             for i in range(0, len(mine), cfg.micro_batch_size):
                 with self.amp():
                     loss, per_kind = self.minibatch_loss(mine[i: i + cfg.micro_batch_size], denoms, k)
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"step {step}, minibatch {k}: the loss is {value}; stopped before "
+                                             f"the optimizer step ({self.resume_hint()})")
                 loss.backward()
                 for kind, mt in per_kind.items():
                     weight = mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))
@@ -925,7 +949,11 @@ class Trainer:
             if self.dist.world > 1:  # data parallel: sum the per-rank partial gradients (loss is a global sum)
                 for p in params:
                     torch.distributed.all_reduce(p.grad)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
+            norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            if not math.isfinite(norm):
+                raise FloatingPointError(f"step {step}, minibatch {k}: the gradient norm is {norm}; stopped before "
+                                         f"the optimizer step ({self.resume_hint()})")
+            norms.append(norm)
             self.opt.step()
         m: dict = {}
         for key, vals in agg.items():  # token-weighted means of what the loss functions returned
@@ -1010,8 +1038,15 @@ class Trainer:
 
     def fit(self):
         cfg = self.cfg
+        previous = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (a scheduler's kill, Ctrl-C of a launcher) becomes an exception, so the FAILED
+            # marker below is written; kill -9 writes nothing and is caught by the heartbeat instead.
+            signal.signal(signal.SIGTERM, _raise_on_signal)
         try:
             for step in range(self.start_step, cfg.steps):
+                if self.heartbeat is not None:
+                    self.heartbeat.step = step
                 m = self.step(step)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                     m.update(self.validate(step + 1))
@@ -1019,13 +1054,96 @@ class Trainer:
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                     self.save_checkpoint(step + 1)
         except BaseException as e:
-            # Tell a waiting peer at once instead of letting it time out.
-            if self.dist.main and self.mode == "online":
-                import traceback
-                marker = self.exchange / cfg.name / "FAILED"
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+            self.leave_pair(e)  # tell a waiting peer at once instead of letting it time out
             raise
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
+        if self.heartbeat is not None:
+            self.heartbeat.stop("finished")
+
+    # -- start-up checks and the pair's run identity ---------------------------------------------
+
+    def prepare_run_dir(self):
+        """Refuse to overwrite an earlier run in --out (unless --resume or --force); check that the
+        run and exchange folders are writable now rather than after the first rollout."""
+        cfg = self.cfg
+        parts = [p for p in ("metrics.jsonl", "checkpoints", "run.json", "exchange") if (self.out / p).exists()]
+        if parts and not cfg.resume:
+            if not cfg.force:
+                raise SystemExit(f"--out {self.out}: already holds a run ({', '.join(parts)}); pass --resume to "
+                                 f"continue it, --force to delete it and start over, or choose a new --out")
+            import shutil
+            print(f"--force: deleting the earlier run in {self.out} ({', '.join(parts)})")
+            for p in parts:
+                target = self.out / p
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+        if cfg.force and self.mode == "online":
+            leave_run(self.exchange, cfg.name)
+        for folder, flag in ((self.out, "--out"), (self.exchange / cfg.name, "--peer-exchange" if cfg.peer_exchange
+                                                   else "--out")):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe = folder / f".write_test.{os.getpid()}"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as e:
+                raise SystemExit(f"{flag}: cannot write to {folder} ({e.strerror or e})") from None
+        self.trim_metrics()
+
+    def check_peer_log(self) -> str | None:
+        """--peer-log: every step this run will take has its file, of this n; returns the log's run id."""
+        cfg, log = self.cfg, Path(self.cfg.peer_log)
+        if not log.is_dir():
+            raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files")
+        missing = [t for t in range(self.start_step, cfg.steps) if not (log / f"step_{t:06d}.safetensors").is_file()]
+        if missing:
+            have = len(list(log.glob("step_*.safetensors")))
+            raise SystemExit(f"--peer-log {log}: this run needs steps {self.start_step}..{cfg.steps - 1} (--steps "
+                             f"{cfg.steps}) but {len(missing)} are missing, the first step_{missing[0]:06d}"
+                             f".safetensors (the folder holds {have} step files)")
+        try:
+            _, meta = load_rollouts(log / f"step_{self.start_step:06d}.safetensors", n=cfg.n)
+        except ValueError as e:
+            raise SystemExit(f"--peer-log: {e}") from None
+        return meta.get("run_id")
+
+    def join_pair(self) -> str:
+        """This run's identity: written into every rollout file and checked on every peer file.
+
+        Online, rank 0 founds or joins the run of the exchange folder (exchange.join_run) and starts
+        the heartbeat; the id goes to <out>/run.json so that --resume keeps it, and to every rank.
+        """
+        cfg = self.cfg
+        rid = ""
+        if self.dist.main:
+            record = read_json(self.out / "run.json") if cfg.resume else None
+            previous = str(record["run_id"]) if record and "run_id" in record else ""
+            if self.mode == "online":
+                try:
+                    rid = join_run(self.exchange, cfg.name, previous=previous, run_id=cfg.run_id,
+                                   dead_after=cfg.peer_dead_after)
+                except RuntimeError as e:
+                    raise SystemExit(f"--peer-exchange: {e}") from None
+                self.heartbeat = Heartbeat(self.exchange, cfg.name, rid, interval=cfg.heartbeat_interval)
+            else:
+                rid = previous or cfg.run_id or new_run_id()
+            write_json(self.out / "run.json", {"run_id": rid, "name": cfg.name, "model": cfg.model})
+        if self.dist.world > 1:
+            box = [rid]
+            torch.distributed.broadcast_object_list(box, src=0)
+            rid = box[0]
+        return rid
+
+    def leave_pair(self, error: BaseException) -> None:
+        """On any failure: the FAILED marker for a waiting peer, and a last heartbeat saying so."""
+        if not (self.dist.main and self.mode == "online" and self.heartbeat is not None):
+            return
+        import traceback
+        write_failed(self.exchange, self.cfg.name, self.run_id,
+                     f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}")
+        self.heartbeat.stop("failed")
+        self.heartbeat = None
 
     def validate(self, step: int) -> dict:
         cfg = self.cfg
@@ -1039,6 +1157,11 @@ class Trainer:
             self.save_checkpoint(step, dest=self.ckpt_dir / "best")
         return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
 
+    def resume_hint(self) -> str:
+        latest = self.latest_checkpoint()
+        where = f"the last good checkpoint is {latest}" if latest else "no checkpoint was written yet"
+        return f"{where}; an advantage or log-prob out of range in a peer file, or too high a --lr?"
+
     def latest_checkpoint(self) -> Path | None:
         steps = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
         steps = [p for p in steps if (p / "trainer_state.pt").is_file()]
@@ -1049,8 +1172,20 @@ class Trainer:
         path = self.out / "metrics.jsonl"
         if not path.exists():
             return
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) < self.start_step]
+        lines = path.read_text(errors="replace").splitlines()
+        keep = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if i == len(lines):  # a line cut short by a kill: that step is redone anyway
+                    print(f"--resume: {path}:{i}: dropping a half-written last line")
+                    continue
+                raise SystemExit(f"--resume: {path}:{i}: not a JSON line; repair or delete the file") from None
+            if record.get("step", 0) < self.start_step:
+                keep.append(line)
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
 
     def save_checkpoint(self, step: int, dest: Path | None = None):
@@ -1383,8 +1518,31 @@ def validate_config(cfg: Config) -> None:
     for f, allowed in CHOICES.items():
         if getattr(cfg, f) not in allowed:
             bad(f, f"{getattr(cfg, f)!r} is not one of {', '.join(allowed)}")
-    if cfg.n < 1:
-        bad("n", "needs at least 1 rollout per prompt")
+    if not cfg.model:
+        bad("model", "is required (a hub id or a local folder)")
+    if cfg.n < 2:
+        bad("n", f"GRPO needs at least 2 rollouts per prompt (got {cfg.n}: every advantage would be 0)")
+    positive_ints = ("steps", "prompts_per_step", "max_prompt_tokens", "max_response_tokens", "gen_batch_size",
+                     "micro_batch_size", "logprob_chunk", "save_every", "keep_checkpoints", "eval_samples")
+    for f in positive_ints:
+        if getattr(cfg, f) < 1:
+            bad(f, f"must be >= 1, got {getattr(cfg, f)}")
+    for f in ("threads", "verify_workers", "eval_every", "eval_max_problems", "eval_max_tokens", "sgt_coef"):
+        if getattr(cfg, f) < 0:
+            bad(f, f"must be >= 0, got {getattr(cfg, f)}")
+    for f in ("lr", "grad_clip", "exchange_timeout", "peer_dead_after", "heartbeat_interval", "luffy_gamma"):
+        if not getattr(cfg, f) > 0:
+            bad(f, f"must be > 0, got {getattr(cfg, f)}")
+    if not 0 <= cfg.delta <= 1:
+        bad("delta", f"must be in [0, 1] (w = min(s, 1), so a floor above 1 rejects every peer response), "
+                     f"got {cfg.delta}")
+    if cfg.weight_decay < 0:
+        bad("weight_decay", f"must be >= 0, got {cfg.weight_decay}")
+    if cfg.heartbeat_interval * 3 > cfg.peer_dead_after:
+        bad("heartbeat_interval", f"must be at most a third of --peer-dead-after ({cfg.peer_dead_after}), "
+                                  f"or a slow disk makes a live peer look dead")
+    if cfg.resume and cfg.force:
+        bad("force", "--force starts over and --resume continues: choose one")
     if cfg.minibatches < 1 or cfg.minibatches > cfg.prompts_per_step:
         bad("minibatches", f"must be in [1, prompts_per_step={cfg.prompts_per_step}]")
     if not (0 <= cfg.eps_low < 1 and cfg.eps_high >= 0):
@@ -1399,8 +1557,8 @@ def validate_config(cfg: Config) -> None:
         bad("peer_name", f"the peer's name must differ from --name ({cfg.name!r})")
     for flag in ("name", "peer_name"):
         v = getattr(cfg, flag)
-        if not v or "/" in v or v.startswith("."):
-            bad(flag, f"{v!r} must be a plain folder name")
+        if not v or "/" in v or v.startswith(".") or v == "RUN":
+            bad(flag, f"{v!r} must be a plain folder name (not RUN, which the exchange dir uses)")
     if "{problem}" not in cfg.prompt_template:
         bad("prompt_template", "must contain '{problem}'")
 

@@ -95,11 +95,16 @@ def load_policy(path: str, cfg: Config, dist_info: DistInfo, *, for_training: bo
         dtype = torch.bfloat16 if (dist_info.device.type == "cuda" and not for_training) else torch.float32
     else:
         dtype = getattr(torch, cfg.dtype)
+    local = Path(path)
+    if local.exists() and not (local / "config.json").is_file():
+        raise SystemExit(f"--model {path!r}: {'a file' if local.is_file() else 'a folder without config.json'}, "
+                         f"not a transformers model folder (save_pretrained writes one) nor a hub id")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    except OSError as e:
-        raise SystemExit(f"--model {path!r}: cannot load a transformers causal LM and tokenizer ({e})") from e
+    except (OSError, ValueError, KeyError) as e:  # missing files, unknown architecture, broken tokenizer
+        raise SystemExit(f"--model {path!r}: cannot load a transformers causal LM and tokenizer "
+                         f"({type(e).__name__}: {e})") from e
     model.to(dist_info.device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -137,7 +142,10 @@ def load_prompt_file(path: str) -> list[dict]:
     spec.loader.exec_module(mod)
     if not Path(path).is_file():
         raise SystemExit(f"--prompts {path!r}: no such file (python data/prepare.py writes data/math_train.jsonl)")
-    return mod.load_prompts(path)
+    try:
+        return mod.load_prompts(path)
+    except ValueError as e:  # names the file and line
+        raise SystemExit(f"--prompts: {e}") from None
 
 
 def timed(timings: dict, key: str):

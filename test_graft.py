@@ -545,10 +545,9 @@ def test_exchange_errors_name_the_problem(tiny, tmp_path):
         graft.load_rollouts(v2)
     with pytest.raises(TimeoutError, match="step_000003.safetensors"):
         graft.wait_for_file(graft.rollout_path(tmp_path, "b", 3), timeout=0.3)
-    (tmp_path / "b" / "FAILED").parent.mkdir(exist_ok=True)
-    (tmp_path / "b" / "FAILED").write_text("RuntimeError: out of memory")
+    graft.write_failed(tmp_path, "b", "run1", "RuntimeError: out of memory")
     with pytest.raises(RuntimeError, match="peer failed.*out of memory"):
-        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 3), timeout=5)
+        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 3), timeout=5, run_id="run1")
 
 
 def test_cli_bad_input_names_the_flag(tiny, tmp_path):

@@ -216,8 +216,13 @@ def normalise_answer(value: Any, integer: bool = False) -> str:
 def jsonl_objects(path: Path):
     """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
     object raises SchemaError (a ValueError) naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SchemaError(f"{path}:{lineno}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                                  f"re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
