@@ -246,8 +246,8 @@ def read_rollout_folder(path: str | os.PathLike, *, aggregate: str = "union") ->
             else:  # files are in step order, so the last write is the latest occurrence
                 counts[pid] = (kk, n)
     seeds = sorted({m.get("data_seed", "?") for m in metas})
-    note = (f"{len(files)} steps, n={metas[-1].get('n')}, data seed {','.join(seeds)}, model {metas[-1].get('model', '?')}, "
-            f"aggregate {aggregate}")
+    note = (f"{len(files)} steps, n={metas[-1].get('n')}, data seed {','.join(seeds)}, "
+            f"model {metas[-1].get('model', '?')}, aggregate {aggregate}")
     return SourceCounts(str(folder), "rollouts", counts, note)
 
 
@@ -272,7 +272,8 @@ def read_eval_results(path: str | os.PathLike) -> SourceCounts:
             raise ValueError(f"{path}: problems[{bench!r}] must be a list of per-problem results")
         for i, row in enumerate(rows):
             ok = (isinstance(row, dict) and isinstance(row.get("id"), str) and isinstance(row.get("correct"), list)
-                  and row["correct"] and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in row["correct"]))
+                  and row["correct"]
+                  and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in row["correct"]))
             if not ok:
                 raise ValueError(f"{path}: problems[{bench!r}][{i}] needs a string 'id' and a non-empty list 'correct' "
                                  f"of numbers, got {str(row)[:200]}")
@@ -334,7 +335,8 @@ def complement_rows(sources: list[SourceCounts], *, n: int, batch_size: int) -> 
 def format_complement_table(sources: list[SourceCounts], rows: list[dict], *, n: int, batch_size: int) -> str:
     """The printed table: a legend of the sources, then one line per ordered pair."""
     pct = lambda x: "-" if math.isnan(x) else f"{100 * x:.1f}%"  # noqa: E731
-    out = [f"complementarity at n={n} rollouts per prompt, {batch_size} prompts per step (Eq. 4; README 'Choosing a pair')"]
+    out = [f"complementarity at n={n} rollouts per prompt, {batch_size} prompts per step "
+           f"(Eq. 4; README 'Choosing a pair')"]
     for i, s in enumerate(sources):
         out.append(f"  S{i + 1} = {s.path}  [{s.kind}: {len(s.counts)} prompts; {s.note}]")
     head = (f"{'source -> receiver':<20} {'prompts':>8} {'recv all-fail':>15} {'src mixed':>10} {'src solves':>11} "
@@ -346,11 +348,12 @@ def format_complement_table(sources: list[SourceCounts], rows: list[dict], *, n:
             out.append(f"{name:<20} {0:>8}   no prompt in common")
             continue
         fail = f"{r['recv_all_fail']:.0f} ({pct(r['recv_all_fail'] / r['prompts'])})"
-        out.append(f"{name:<20} {r['prompts']:>8.0f} {fail:>15} {pct(r['mixed_share']):>10} {pct(r['solved_share']):>11} "
-                   f"{r['candidates_per_step']:>10.2f} {r['reverse']:>8.2f} {r['m']:>6.2f}")
-    out.append("recv all-fail: prompts the receiver fails on all n; src mixed / src solves: share of those on which the "
-               "source has 1 <= k < n / k >= 1 successes; cand/step: expected candidates source -> receiver per step; "
-               "reverse: receiver -> source; m: balanced swap, min of the two")
+        out.append(f"{name:<20} {r['prompts']:>8.0f} {fail:>15} {pct(r['mixed_share']):>10} "
+                   f"{pct(r['solved_share']):>11} {r['candidates_per_step']:>10.2f} {r['reverse']:>8.2f} "
+                   f"{r['m']:>6.2f}")
+    out.append("recv all-fail: prompts the receiver fails on all n; src mixed / src solves: share of those on which\n"
+               "the source has 1 <= k < n / k >= 1 successes; cand/step: expected candidates source -> receiver per\n"
+               "step; reverse: receiver -> source; m: balanced swap, the smaller of the two")
     return "\n".join(out)
 
 
@@ -360,7 +363,8 @@ def build_complement_parser(prog: str = "graft.py complement") -> argparse.Argum
                                 "share of the receiver's all-fail prompts the source can help on, and the expected "
                                 "exchange per step.")
     p.add_argument("sources", nargs="+", help="rollout folders (<run>/exchange/<side>) or eval result JSON files")
-    p.add_argument("--n", "--rollouts", dest="n", type=int, default=8, help="rollouts per prompt of the planned pair run")
+    p.add_argument("--n", "--rollouts", dest="n", type=int, default=8,
+                   help="rollouts per prompt of the planned pair run")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per step of the planned pair run")
     p.add_argument("--aggregate", choices=("union", "latest"), default="union",
                    help="a prompt met at several steps: pool all its rollouts, or keep its last step's group")
@@ -456,7 +460,8 @@ def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
                 raise ValueError(f"{where}: field {' or '.join(LBAR_FIELDS)} must be a finite number <= 0 "
                                  f"(a mean log-probability), got {lbar!r}")
             num_tokens = obj.get("num_tokens")
-            if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1):
+            if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                           or num_tokens < 1):
                 raise ValueError(f"{where}: field 'num_tokens' must be an integer >= 1, got {num_tokens!r}")
             reward = obj.get("reward")
             if reward is not None and not isinstance(reward, (int, float)):
@@ -678,10 +683,10 @@ class ForeignLog:
         lines = [f"[foreign] {self.path}: {c['records']} records; matched {c['by_id']} by id, {c['by_text']} by "
                  f"problem text; unmatched {c['unmatched']} (ambiguous text {c['ambiguous']}, id/text conflicts "
                  f"{c['id_conflicts']})" + (f", first on lines {c['unmatched_lines']}" if c["unmatched_lines"] else ""),
-                 f"[foreign] {len(self.prompt_ids)} prompt groups (sizes {int(sizes.min()) if len(sizes) else 0}-"
-                 f"{self.width}, mean {float(sizes.float().mean()) if len(sizes) else 0:.1f}); dropped "
+                 f"[foreign] {len(self.prompt_ids)} prompt groups (sizes {int(sizes.min())}-{self.width}, "
+                 f"mean {float(sizes.float().mean()):.1f}); dropped "
                  f"{c['singletons']} single-record prompts; {mixed} groups mixed",
-                 f"[foreign] re-verified rewards: mean {float(self.rewards[self.mask].mean()) if self.mask.any() else 0:.3f}; "
+                 f"[foreign] re-verified rewards: mean {float(self.rewards[self.mask].mean()):.3f}; "
                  f"{c['reward_disagreements']} differ from the file's reward; lbar given for "
                  f"{int((self.mask & ~self.mean_logprob.isnan()).sum())}/{int(self.mask.sum())} used records"]
         return "\n".join(lines)
@@ -779,8 +784,8 @@ def fill_lbar(log: ForeignLog, model, tokenizer, *, model_path: str, encode_prom
     stored: dict[str, list] = {}
     if cache.is_file():
         data = json.loads(cache.read_text(encoding="utf-8"))
-        if data.get("format") == LBAR_CACHE_FORMAT and data.get("file_sha256") == file_hash and data.get("model") == model_path:
-            stored = data["lines"]
+        ours = (data.get("format"), data.get("file_sha256"), data.get("model"))
+        stored = data["lines"] if ours == (LBAR_CACHE_FORMAT, file_hash, model_path) else {}
     need = (log.mask & log.mean_logprob.isnan()).nonzero().tolist()  # [(p, i)] responses without an lbar
     todo = [(p, i) for p, i in need if str(int(log.lines[p, i])) not in stored]
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
@@ -800,7 +805,7 @@ def fill_lbar(log: ForeignLog, model, tokenizer, *, model_path: str, encode_prom
         for b in range(0, len(jobs), batch_size):
             chunk = jobs[b: b + batch_size]
             lp, mask = response_logprobs(model, [j[2] for j in chunk], [j[3] for j in chunk],
-                                         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                                         pad_token_id=0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
                                          temperature=temperature, chunk_size=chunk_size)  # (B, T)
             sums, lens = (lp.float() * mask).sum(dim=1).cpu(), mask.sum(dim=1).cpu()  # (B,)
             for (p, i, _, _), s, ln in zip(chunk, sums.tolist(), lens.tolist()):

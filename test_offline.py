@@ -72,8 +72,9 @@ def test_complementarity_hand_computed():
     assert int(graft_candidates(K_R, K_S, 4).sum()) == 3
     pair = pair_complementarity(K_S, K_R, n=4, batch_size=128)  # a = S, b = R: a_to_b = S -> R
     assert pair["a_to_b"]["candidates_per_step"] == pytest.approx(38.4)
-    assert pair["b_to_a"]["mixed_share"] == pytest.approx(2 / 3) and pair["b_to_a"]["solved_share"] == pytest.approx(2 / 3)
-    assert pair["b_to_a"]["candidates_per_step"] == pytest.approx(25.6) and pair["m"] == pytest.approx(25.6)
+    ba = pair["b_to_a"]
+    assert ba["mixed_share"] == pytest.approx(2 / 3) and ba["solved_share"] == pytest.approx(2 / 3)
+    assert ba["candidates_per_step"] == pytest.approx(25.6) and pair["m"] == pytest.approx(25.6)
 
 
 def test_complementarity_with_more_samples_than_n():
@@ -99,9 +100,9 @@ def write_steps(folder: Path, steps: list[tuple[list[str], list[list[int]]]], n:
     for t, (ids, rewards) in enumerate(steps):
         G = len(ids)
         r = torch.tensor(rewards, dtype=torch.float32)  # (G, n)
-        rollouts = StepRollouts(prompt_ids=ids, tokens=[[5, 6]] * (G * n), logprobs=[torch.tensor([-0.5, -1.0])] * (G * n),
-                                texts=["x"] * (G * n), eos=torch.ones(G, n, dtype=torch.bool), rewards=r,
-                                advantages=group_advantages(r))
+        rollouts = StepRollouts(prompt_ids=ids, tokens=[[5, 6]] * (G * n),
+                                logprobs=[torch.tensor([-0.5, -1.0])] * (G * n), texts=["x"] * (G * n),
+                                eos=torch.ones(G, n, dtype=torch.bool), rewards=r, advantages=group_advantages(r))
         save_rollouts(folder / f"step_{t:06d}.safetensors", rollouts, {"step": t, "data_seed": seed, "model": "m"})
 
 
@@ -222,7 +223,8 @@ def test_eval_file_errors_name_the_file(tmp_path):
         read_eval_results(bad)
     (tmp_path / "run" / "exchange" / "a").mkdir(parents=True)
     write_steps(tmp_path / "run" / "exchange" / "a", [(["p"], [[1, 0]])], 2)
-    with pytest.raises(ValueError, match=r"run: no step_\*.safetensors rollout files; folders below it that have some: .*run/exchange/a$"):
+    with pytest.raises(ValueError, match=r"run: no step_\*.safetensors rollout files; folders below it that have "
+                                         r"some: .*run/exchange/a$"):
         read_rollout_folder(tmp_path / "run")
     with pytest.raises(SystemExit, match="at least two sources"):
         main_complement([str(dup)])
@@ -331,7 +333,8 @@ def test_masked_group_advantages_against_naive_loop():
     r = (torch.rand(40, 7, generator=g) < 0.4).float()
     full = torch.ones(40, 7, dtype=torch.bool)
     torch.testing.assert_close(masked_group_advantages(r, full), group_advantages(r))
-    torch.testing.assert_close(masked_group_advantages(r, full, std_normalize=False), group_advantages(r, std_normalize=False))
+    torch.testing.assert_close(masked_group_advantages(r, full, std_normalize=False),
+                               group_advantages(r, std_normalize=False))
     sizes = torch.randint(1, 8, (40,), generator=g)
     mask = torch.arange(7)[None] < sizes[:, None]
     a = masked_group_advantages(r, mask)
@@ -356,7 +359,8 @@ def test_step_view_layout_and_candidates(tmp_path):
     log = load_foreign_log(path, PROMPTS)
     st = log.step(["p5", "p2", "p1"])  # p5 has no group
     assert st.n == 3 and st.sizes.tolist() == [0, 3, 2]
-    assert st.texts[3:6] == [boxed("9")] * 3 and st.texts[6:9] == [boxed("2"), boxed("5"), ""] and st.texts[:3] == [""] * 3
+    assert st.texts[:3] == [""] * 3 and st.texts[3:6] == [boxed("9")] * 3
+    assert st.texts[6:9] == [boxed("2"), boxed("5"), ""]
     assert st.rewards.tolist() == [[0, 0, 0], [1, 1, 1], [1, 0, 0]]
     assert st.mask.tolist() == [[False] * 3, [True] * 3, [True, True, False]]
     assert st.eos.tolist() == [[False] * 3, [True] * 3, [True, True, False]]
@@ -386,7 +390,8 @@ def test_require_lbar_names_the_line(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not (TINY_A / "model.safetensors").is_file(), reason="data/tiny_models/A (committed tiny model) is absent")
+@pytest.mark.skipif(not (TINY_A / "model.safetensors").is_file(),
+                    reason="data/tiny_models/A (the committed tiny model) is absent")
 def test_fill_lbar_matches_naive_forward_and_caches(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(TINY_A).float()
@@ -403,9 +408,11 @@ def test_fill_lbar_matches_naive_forward_and_caches(tmp_path):
                              cache_key="tmpl", batch_size=2)
     assert info["computed"] == 3 and info["cached"] == 0 and Path(info["cache"]).parent == tmp_path
     # naive: one full forward per record, log-softmax at T = 1, mean over the response tokens (+ EOS if eos)
-    for (p, i), (prob, rec) in zip([(0, 0), (0, 1), (1, 1)], [("12+30", recs[0]), ("12+30", recs[1]), ("7*6", recs[3])]):
+    slots = [(0, 0), (0, 1), (1, 1)]
+    for (p, i), (prob, rec) in zip(slots, [("12+30", recs[0]), ("12+30", recs[1]), ("7*6", recs[3])]):
         prompt = encode(prob)
-        resp = tok.encode(rec["response"], add_special_tokens=False) + ([tok.eos_token_id] if rec.get("eos", True) else [])
+        eos = [tok.eos_token_id] if rec.get("eos", True) else []
+        resp = tok.encode(rec["response"], add_special_tokens=False) + eos
         with torch.no_grad():
             logits = model(torch.tensor([prompt + resp])).logits[0].float()
         lp = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(resp)[:, None]).squeeze(1)
@@ -434,7 +441,8 @@ def test_fill_lbar_matches_naive_forward_and_caches(tmp_path):
 
 
 def test_bench_foreign_planted_file_counts(tmp_path):
-    prompts = [{"id": f"q{i}", "problem": f"Problem number {i}: add {i} and {i}.", "answer": str(2 * i)} for i in range(50)]
+    prompts = [{"id": f"q{i}", "problem": f"Problem number {i}: add {i} and {i}.", "answer": str(2 * i)}
+               for i in range(50)]
     out = io.StringIO()
     with redirect_stdout(out):
         offline.bench_foreign(prompts, records=100, group=5, folder=tmp_path)
