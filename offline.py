@@ -786,9 +786,12 @@ def fill_lbar(log: ForeignLog, model, tokenizer, *, model_path: str, encode_prom
                             temperature=temperature)
     stored: dict[str, list] = {}
     if cache.is_file():
-        data = json.loads(cache.read_text(encoding="utf-8"))
-        ours = (data.get("format"), data.get("file_sha256"), data.get("model"))
-        stored = data["lines"] if ours == (LBAR_CACHE_FORMAT, file_hash, model_path) else {}
+        try:
+            data = json.loads(cache.read_text(encoding="utf-8"))
+            ours = (data.get("format"), data.get("file_sha256"), data.get("model"))
+            stored = dict(data["lines"]) if ours == (LBAR_CACHE_FORMAT, file_hash, model_path) else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+            stored = {}  # an unreadable cache is only lost time: recompute and overwrite it
     need = (log.mask & log.mean_logprob.isnan()).nonzero().tolist()  # [(p, i)] responses without an lbar
     todo = [(p, i) for p, i in need if str(int(log.lines[p, i])) not in stored]
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id

@@ -430,6 +430,13 @@ def test_fill_lbar_matches_naive_forward_and_caches(tmp_path):
                               cache_key="tmpl")
     assert info2 == {"computed": 0, "cached": 3, "cache": info["cache"]}
     torch.testing.assert_close(log2.mean_logprob, log.mean_logprob)
+    # a damaged cache is recomputed, not trusted
+    Path(info["cache"]).write_text("{not json")
+    log4 = load_foreign_log(path, prompts)
+    info4 = offline.fill_lbar(log4, model, tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
+                              cache_key="tmpl")
+    assert info4["computed"] == 3
+    torch.testing.assert_close(log4.mean_logprob, log.mean_logprob)
     # another model path or an edited file is another cache
     other = offline.lbar_cache_path(path, file_hash=offline.file_sha256(path), model_path="other", cache_key="tmpl")
     assert other != Path(info["cache"])
