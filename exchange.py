@@ -62,6 +62,16 @@ class StepRollouts:
     def n(self) -> int:
         return self.rewards.shape[1]
 
+    @property
+    def mask(self) -> torch.Tensor:
+        """(G, n) bool, all True: every slot holds a response (a foreign log's groups may not)."""
+        return torch.ones_like(self.rewards, dtype=torch.bool)
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """(G,) responses per prompt: n for every prompt of a rollout file."""
+        return torch.full((self.rewards.shape[0],), self.n, dtype=torch.long)
+
     def num_bytes(self) -> torch.Tensor:
         """(G, n) UTF-8 length of each response text (for --compat-norm byte; at least 1)."""
         return torch.tensor([max(1, len(t.encode("utf-8"))) for t in self.texts]).view_as(self.rewards)

@@ -120,9 +120,11 @@ class Config:
     peer_exchange: str = ""
     """Online pair: shared exchange dir; this process is side --name, the peer is --peer-name."""
     peer_name: str = "b"
-    """The online peer's side name (its rollout files are <peer-exchange>/<peer-name>/step_*.safetensors)."""
+    """The online peer's side name (files <peer-exchange>/<peer-name>/step_*), or several: b,c (our extension)."""
     peer_log: str = ""
-    """Stored-trajectory variant: a folder of a finished run's rollout files (one-way, no balancing)."""
+    """Stored-trajectory variant: a finished run's rollout-file folder, or a JSONL of foreign trajectories."""
+    peer_model: str = ""
+    """A JSONL --peer-log without the source's lbar: the model that scores it once (cached beside the file)."""
     exchange_timeout: float = 3600.0
     """Seconds to wait for the peer's rollout file of a step before failing (typ. 600-7200)."""
     peer_dead_after: float = 60.0
@@ -302,6 +304,16 @@ def balanced_swap(k_a: torch.Tensor, k_b: torch.Tensor, n: int, *, balance: bool
     b_to_a = graft_candidates(k_a, k_b, n)  # (G,)
     if not balance:
         return a_to_b, b_to_a
+    return balance_directions(a_to_b, b_to_a, k_a, k_b)
+
+
+def balance_directions(a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Tensor,
+                       k_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The balancing rule of balanced_swap on given candidate masks: (G,) bool each, in and out.
+
+    m = min(|a_to_b|, |b_to_a|); each direction keeps its first m candidates by the source's count
+    (k_a for a_to_b, k_b for b_to_a), descending, plus every candidate tied with the m-th.
+    """
     m = int(min(a_to_b.sum().item(), b_to_a.sum().item()))
 
     def keep_top(cand: torch.Tensor, k_src: torch.Tensor) -> torch.Tensor:
@@ -313,6 +325,40 @@ def balanced_swap(k_a: torch.Tensor, k_b: torch.Tensor, n: int, *, balance: bool
         return cand & (k_src >= kth)
 
     return keep_top(a_to_b, k_a), keep_top(b_to_a, k_b)
+
+
+def multi_peer_sources(k: torch.Tensor, n: int, *, balance: bool = True) -> torch.Tensor:
+    """Our extension to S >= 2 sides (the paper has two): whose group each side receives, per prompt.
+
+    k: (S, G) int success counts of S sides on the same G prompts, the sides in one order that every
+    process uses (this trainer: sorted by --name). Returns (S, G) long: src[r, q] is the side whose
+    whole group side r receives on prompt q, or -1.
+
+    1. Candidates, Eq. 4 per receiver: side r failed all n on q and at least one other side is mixed
+       (1 <= k < n). Its source is the mixed side with the most successes (the group with the most
+       correct traces to imitate), ties to the lower side index: a fixed rule, so every process
+       computes the same assignment from the same files.
+    2. Balancing per pair of sides, as balanced_swap: between sides x and y, m_xy = min(|C_{x->y}|,
+       |C_{y->x}|) and each direction keeps its top m_xy by the source's count plus ties. A candidate
+       dropped by balancing is not offered to the next-best source (one rule, one pass).
+    With S = 2 this is exactly balanced_swap (tested). A receiver never is a source on the same prompt
+    (it failed all n), so no prompt moves both ways.
+    """
+    assert k.dim() == 2, f"k must be (S, G), got {tuple(k.shape)}"
+    S, G = k.shape
+    mixed = (k >= 1) & (k < n)  # (S, G)
+    score = torch.where(mixed, k, torch.full_like(k, -1))  # (S, G): only mixed sides can give
+    best = score.argmax(dim=0)  # (G,) first maximum = lowest side index on ties
+    any_mixed = score.max(dim=0).values >= 1  # (G,)
+    src = torch.where((k == 0) & any_mixed[None], best[None].expand(S, G), torch.full_like(k, -1))  # (S, G)
+    if balance:
+        for x in range(S):
+            for y in range(x + 1, S):
+                x_to_y, y_to_x = src[y] == x, src[x] == y  # (G,), (G,)
+                keep_xy, keep_yx = balance_directions(x_to_y, y_to_x, k[x], k[y])
+                src[y] = torch.where(x_to_y & ~keep_xy, -1, src[y])
+                src[x] = torch.where(y_to_x & ~keep_yx, -1, src[x])
+    return src
 
 
 def received_groups(k_own: torch.Tensor, k_peer: torch.Tensor, n: int, *, own_is_a: bool,
@@ -636,6 +682,8 @@ class Trainer:
         self.ckpt_dir = self.out / "checkpoints"
         self.mode = "online" if cfg.peer_exchange else "offline" if cfg.peer_log else "none"
         self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
+        self.peers = cfg.peer_name.split(",") if self.mode == "online" else ["log"] if self.mode == "offline" else []
+        self.foreign = None  # a JSONL --peer-log: offline.ForeignLog
         self.start_step, self.best_score = 0, -1.0
         self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)
         self.heartbeat: Heartbeat | None = None
@@ -692,9 +740,9 @@ class Trainer:
                                "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed,
                                "run_id": self.run_id})
         with timed(timings, "wait"):
-            peer = self.peer_rollouts(step, own)
+            peers = self.peer_rollouts(step, own)
         with timed(timings, "exchange"):  # selection, retokenisation, compatibility scoring
-            train_rows, replaced, m = self.build_rows(step, rows, own, peer)
+            train_rows, replaced, m = self.build_rows(step, rows, own, peers)
         with timed(timings, "update"):
             m |= self.update(step, train_rows, replaced)
         m |= {"step": step, "reward": float(own.rewards.mean()),
@@ -761,46 +809,58 @@ class Trainer:
         mine = self.behaviour_logprobs(shard(prompts, self.dist), shard(responses, self.dist))
         return unshard(gather_lists(mine, self.dist), len(prompts), self.dist)
 
-    def peer_rollouts(self, step: int, own: StepRollouts) -> StepRollouts | None:
-        """The peer's rollouts of this step: the live peer's file (online) or a stored one (offline)."""
+    def peer_rollouts(self, step: int, own: StepRollouts) -> dict[str, StepRollouts]:
+        """The peers' rollouts of this step, by side name: each live peer's file (online), a stored
+        run's file or a foreign log's groups (offline, under the name "log"), or none (GRPO)."""
         cfg = self.cfg
         if self.mode == "none":
-            return None
+            return {}
+        if self.foreign is not None:  # matched, re-verified and given advantages once, at start
+            return {"log": self.foreign.step(own.prompt_ids)}
         if self.mode == "online":
-            path = rollout_path(self.exchange, cfg.peer_name, step)
-            wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, dead_after=cfg.peer_dead_after)
-            run = self.run_id
-        else:
-            path, run = Path(cfg.peer_log) / f"step_{step:06d}.safetensors", self.peer_log_run
-        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=run)
-        if self.mode == "offline":
-            # Stored logs are re-verified with our verifier and their advantages recomputed from that
-            # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
-            from verify import verify_batch
-            golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-            peer.rewards = torch.tensor(verify_batch(peer.texts, golds, workers=cfg.verify_workers),
-                                        dtype=torch.float32).view_as(peer.rewards)  # (G, n)
-            peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
-        return peer
+            out = {}
+            for name in self.peers:
+                path = rollout_path(self.exchange, name, step)
+                wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, dead_after=cfg.peer_dead_after)
+                out[name], _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.run_id)
+            return out
+        path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
+        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.peer_log_run)
+        # Stored logs are re-verified with our verifier and their advantages recomputed from that
+        # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
+        from verify import verify_batch
+        golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
+        peer.rewards = torch.tensor(verify_batch(peer.texts, golds, workers=cfg.verify_workers),
+                                    dtype=torch.float32).view_as(peer.rewards)  # (G, n)
+        peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
+        return {"log": peer}
 
-    def select(self, step: int, own: StepRollouts, peer: StepRollouts) -> torch.Tensor:
-        """(G,) bool: prompts whose group this side receives from the peer (Eq. 4 + balanced swap)."""
+    def select(self, step: int, own: StepRollouts, peers: dict[str, StepRollouts]) -> dict[str, torch.Tensor]:
+        """For each peer, a (G,) bool mask of the prompts whose group this side receives from it."""
         cfg, n = self.cfg, self.cfg.n
-        k_own, k_peer = own.rewards.sum(1).long(), peer.rewards.sum(1).long()  # (G,)
+        k_own = own.rewards.sum(1).long()  # (G,)
+        k = {name: p.rewards.sum(1).long() for name, p in peers.items()}  # (G,) each
+        if len(peers) > 1:  # three or more sides: multi_peer_sources, our extension
+            sides = sorted([cfg.name, *peers])
+            src = multi_peer_sources(torch.stack([k_own if s_ == cfg.name else k[s_] for s_ in sides]), n,
+                                     balance=cfg.balance)  # (S, G)
+            me = sides.index(cfg.name)
+            return {name: src[me] == sides.index(name) for name in peers}
+        (name, peer), = peers.items()
         if cfg.selection == "sgt":
-            return rescue_candidates(k_own, k_peer)  # ablation: SGT's rule, no balancing
-        if self.mode == "offline":
-            into_me = graft_candidates(k_own, k_peer, n)  # one-way transfer: nothing to balance against
+            return {name: rescue_candidates(k_own, k[name])}  # ablation: SGT's rule, no balancing
+        if self.mode == "offline":  # one-way transfer: nothing to balance against
+            into_me = graft_candidates(k_own, k[name], peer.sizes)
         else:
-            into_me = received_groups(k_own, k_peer, n, own_is_a=cfg.name < cfg.peer_name, balance=cfg.balance)
+            into_me = received_groups(k_own, k[name], n, own_is_a=cfg.name < name, balance=cfg.balance)
         if cfg.selection == "random":
             # Ablation: as many prompts as GRAFT would take, drawn among those where the peer is mixed.
-            pool = torch.nonzero((k_peer >= 1) & (k_peer < n)).squeeze(1)
+            pool = torch.nonzero((k[name] >= 1) & (k[name] < peer.sizes)).squeeze(1)
             g = seeded_generator(cfg.seed, step, "select")
             pick = pool[torch.randperm(pool.numel(), generator=g)[: int(into_me.sum())]]
             into_me = torch.zeros_like(into_me)
             into_me[pick] = True
-        return into_me
+        return {name: into_me}
 
     def score_peer(self, step: int, peer: StepRollouts, groups: list[int], rows: list[int], *,
                    only_correct: bool = False) -> tuple[list[PeerResponse], int]:
@@ -809,12 +869,12 @@ class Trainer:
         Returns a PeerResponse (receiver ids, receiver behaviour log-probs, w, s) for every response
         that survived the length limit, and the number dropped by it.
         """
-        cfg, n = self.cfg, self.cfg.n
+        cfg, n = self.cfg, peer.n  # the stride of r = g * n + i (a foreign log's widest group)
         cand, dropped_len = [], 0
         for g in groups:
             for i in range(n):
                 r = g * n + i
-                if only_correct and peer.rewards[g, i] <= 0:
+                if not peer.mask[g, i] or (only_correct and peer.rewards[g, i] <= 0):
                     continue
                 ids = retokenize(peer.texts[r], bool(peer.eos[g, i]), self.tok,
                                  max_response_tokens=cfg.max_response_tokens, eos_token_id=self.eos_id)
@@ -846,11 +906,12 @@ class Trainer:
                 for (g, r, ids), lp, wi, si in zip(cand, lps, w, s)], dropped_len
 
     def build_rows(self, step: int, rows: list[int], own: StepRollouts,
-                   peer: StepRollouts | None) -> tuple[list[Row], torch.Tensor, dict]:
-        """The step's update rows, the (G,) bool mask of groups that came from the peer, and metrics.
+                   peers: dict[str, StepRollouts]) -> tuple[list[Row], torch.Tensor, dict]:
+        """The step's update rows, the (G,) bool mask of groups that came from a peer, and metrics.
 
         GRAFT: the receiver's own groups, except those it receives, whose rows are the peer's retained
         responses with the peer's advantages (computed on the peer's full group) and weights w.
+        peers: {side name: rollouts}, empty for plain GRPO.
         """
         cfg, n, G = self.cfg, self.cfg.n, len(rows)
         k_own = own.rewards.sum(1).long()  # (G,)
@@ -862,39 +923,55 @@ class Trainer:
             return [Row(g, self.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i],
                         float(own_adv[g, i])) for i in range(n)]
 
-        if peer is None:  # plain GRPO
+        if not peers:  # plain GRPO
             return [r for g in range(G) for r in own_rows(g)], replaced, m
-        k_peer = peer.rewards.sum(1).long()  # (G,)
-        m |= {"candidates_in": int(graft_candidates(k_own, k_peer, n).sum()),
-              "candidates_out": int(graft_candidates(k_peer, k_own, n).sum()),
-              "peer_reward": float(peer.rewards.mean())}
+        cand_in, cand_out = torch.zeros(G, dtype=torch.bool), torch.zeros(G, dtype=torch.bool)
+        for p in peers.values():
+            k_p = p.rewards.sum(1).long()  # (G,)
+            cand_in |= graft_candidates(k_own, k_p, p.sizes)  # (G,) Eq. 4, this side receiving
+            cand_out |= graft_candidates(k_p, k_own, n) & (p.sizes > 0)  # (G,) this side giving
+        m |= {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
+              "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
         if cfg.variant in BASELINE_ROWS:  # HACPO and SGT build their rows their own way (section 5)
+            (peer,) = peers.values()
             out, replaced, mb = BASELINE_ROWS[cfg.variant](self, step, rows, own, peer)
             return out, replaced, m | mb
 
-        groups = torch.nonzero(self.select(step, own, peer)).squeeze(1).tolist()
-        scored, dropped_len = self.score_peer(step, peer, groups, rows, only_correct=cfg.transfer == "success")
-        kept = [p for p in scored if p.weight > 0]  # w = 0: removed before optimisation (departure 4)
-        m |= {"selected": len(groups), "peer_responses": len(groups) * n, "dropped_length": dropped_len,
-              "accepted": len(kept), "rejected": len(scored) - len(kept),
-              "mean_s": float(torch.tensor([p.score for p in scored]).mean()) if scored else float("nan"),
-              "mean_w": float(torch.tensor([p.weight for p in kept]).mean()) if kept else float("nan")}
-        peer_adv = {g: peer.advantages[g] for g in groups}  # the peer's, held fixed
-        if cfg.peer_advantages == "pooled":
-            # Ablation: merge the receiver's (all-failed) group with the peer's, advantages over 2n.
+        received = self.select(step, own, peers)  # {peer: (G,) bool}
+        scored, kept, peer_adv = [], [], {}
+        dropped_len = offered = 0
+        for name, peer in peers.items():
+            groups = torch.nonzero(received[name]).squeeze(1).tolist()
+            got, dropped = self.score_peer(step, peer, groups, rows, only_correct=cfg.transfer == "success")
+            mine = [x for x in got if x.weight > 0]  # w = 0: removed before optimisation (departure 4)
+            scored += got
+            kept += [(name, x) for x in mine]
+            dropped_len += dropped
+            offered += int(peer.sizes[groups].sum()) if groups else 0
             for g in groups:
-                pooled = group_advantages(torch.cat([own.rewards[g], peer.rewards[g]])[None],
-                                          std_normalize=cfg.std_normalize)[0]  # (2n,)
-                own_adv[g], peer_adv[g] = pooled[:n], pooled[n:]
+                peer_adv[g] = peer.advantages[g]  # the peer's, held fixed
+                if cfg.peer_advantages == "pooled":
+                    # Ablation: merge the receiver's (all-failed) group with the peer's; advantages over both.
+                    pooled = group_advantages(torch.cat([own.rewards[g], peer.rewards[g][peer.mask[g]]])[None],
+                                              std_normalize=cfg.std_normalize)[0]  # (n + size,)
+                    own_adv[g] = pooled[:n]
+                    peer_adv[g] = torch.zeros(peer.n).masked_scatter(peer.mask[g], pooled[n:])  # (peer.n,)
+            if len(peers) > 1:
+                m |= {f"selected/{name}": len(groups), f"accepted/{name}": len(mine)}
+        m |= {"selected": len(peer_adv), "peer_responses": offered, "dropped_length": dropped_len,
+              "accepted": len(kept), "rejected": len(scored) - len(kept),
+              "mean_s": float(torch.tensor([x.score for x in scored]).mean()) if scored else float("nan"),
+              "mean_w": float(torch.tensor([x.weight for _, x in kept]).mean()) if kept else float("nan")}
         out = []
         for g in range(G):
             if g not in peer_adv or cfg.peer_advantages == "pooled":
                 out += own_rows(g)  # a received group replaces the receiver's own (all-failed) group
         kind = "luffy" if cfg.variant == "luffy" else "pg"  # LUFFY: GRAFT's rows, its own peer-token loss
-        for p in kept:
-            out.append(Row(p.group, self.prompt_ids[rows[p.group]], p.ids, p.old_logp,
-                           float(peer_adv[p.group][p.index % n]), weight=p.weight, is_peer=True, kind=kind))
-            replaced[p.group] = True
+        for name, x in kept:
+            adv = float(peer_adv[x.group][x.index % peers[name].n])
+            out.append(Row(x.group, self.prompt_ids[rows[x.group]], x.ids, x.old_logp, adv, weight=x.weight,
+                           is_peer=True, kind=kind))
+            replaced[x.group] = True
         return out, replaced, m
 
     def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
@@ -1009,7 +1086,7 @@ class Trainer:
         print(f"[graft] side {cfg.name!r} model {cfg.model} ({n_params / 1e6:.1f}M params, "
               f"{next(self.model.parameters()).dtype}) on {self.dist.device} x{self.dist.world}")
         print(f"[graft] peer mode: {self.mode}"
-              + (f" (exchange {self.exchange}, peer {cfg.peer_name!r})" if self.mode == "online" else "")
+              + (f" (exchange {self.exchange}, peers {', '.join(self.peers)})" if self.mode == "online" else "")
               + (f" (log {cfg.peer_log})" if self.mode == "offline" else "") + f", variant {cfg.variant}")
         print(f"[graft] {len(self.data)} prompts; per step {G} prompts x n={cfg.n} = {G * cfg.n} rollouts, "
               f"{cfg.minibatches} minibatches of ~{G // cfg.minibatches} groups; {cfg.steps} steps "
@@ -1092,10 +1169,14 @@ class Trainer:
         self.trim_metrics()
 
     def check_peer_log(self) -> str | None:
-        """--peer-log: every step this run will take has its file, of this n; returns the log's run id."""
+        """--peer-log: every step this run will take has its file, of this n; returns the log's run id.
+        A JSONL file of foreign trajectories is loaded, matched and re-verified here, once."""
         cfg, log = self.cfg, Path(self.cfg.peer_log)
+        if log.is_file():
+            self.foreign = self.load_foreign()
+            return None
         if not log.is_dir():
-            raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files")
+            raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files or JSONL file")
         missing = [t for t in range(self.start_step, cfg.steps) if not (log / f"step_{t:06d}.safetensors").is_file()]
         if missing:
             have = len(list(log.glob("step_*.safetensors")))
@@ -1107,6 +1188,38 @@ class Trainer:
         except ValueError as e:
             raise SystemExit(f"--peer-log: {e}") from None
         return meta.get("run_id")
+
+    def load_foreign(self):
+        """A JSONL --peer-log (offline.py): matched to --prompts by id or problem text, grouped per
+        prompt, re-verified; lbar computed once by --peer-model where the records lack it."""
+        import offline
+        cfg = self.cfg
+        try:
+            log = offline.load_foreign_log(cfg.peer_log, self.data, std_normalize=cfg.std_normalize,
+                                           verify_workers=cfg.verify_workers)
+        except ValueError as e:  # names the file and line
+            raise SystemExit(f"--peer-log: {e}") from None
+        if self.dist.main:
+            print(log.report())
+        if cfg.peer_model and log.missing_lbar(cfg.compat_norm):
+            model, tok, stop = load_policy(cfg.peer_model, cfg, self.dist, for_training=False)
+            with compute_context(cfg, self.dist):
+                info = offline.fill_lbar(
+                    log, model, tok, model_path=cfg.peer_model, eos_token_id=stop[0],
+                    encode_prompt=lambda q: encode_prompt(q, tok, template=cfg.prompt_template, chat=cfg.chat_template),
+                    problems={r["id"]: r["problem"] for r in self.data},
+                    cache_key=f"{cfg.prompt_template}\0{cfg.chat_template}", batch_size=cfg.micro_batch_size,
+                    chunk_size=cfg.logprob_chunk)
+            if self.dist.main:
+                print(f"[graft] lbar by --peer-model {cfg.peer_model}: {info['computed']} computed, "
+                      f"{info['cached']} from {info['cache']}")
+            del model
+        if cfg.compat_weight or cfg.acceptance == "random":
+            try:
+                log.require_lbar(cfg.compat_norm)
+            except ValueError as e:
+                raise SystemExit(f"--peer-log: {e} (give --peer-model PATH to compute it)") from None
+        return log
 
     def join_pair(self) -> str:
         """This run's identity: written into every rollout file and checked on every peer file.
@@ -1307,7 +1420,7 @@ def sgt_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
     for g in rescue:
         correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
         i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
-        ids = retokenize(peer.texts[g * n + i], bool(peer.eos[g, i]), tr.tok,
+        ids = retokenize(peer.texts[g * peer.n + i], bool(peer.eos[g, i]), tr.tok,
                          max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
         if ids:
             out.append(Row(g, tr.prompt_ids[rows[g]], ids, torch.zeros(len(ids)), 0.0, is_peer=True, kind="nll"))
@@ -1553,12 +1666,24 @@ def validate_config(cfg: Config) -> None:
         bad("temperature", "needs temperature >= 0 and 0 < top_p <= 1")
     if cfg.peer_exchange and cfg.peer_log:
         bad("peer_log", "choose one peer: --peer-exchange (online) or --peer-log (stored), not both")
-    if cfg.peer_exchange and cfg.peer_name == cfg.name:
-        bad("peer_name", f"the peer's name must differ from --name ({cfg.name!r})")
-    for flag in ("name", "peer_name"):
-        v = getattr(cfg, flag)
+    peers = cfg.peer_name.split(",")
+    if cfg.peer_exchange and cfg.name in peers:
+        bad("peer_name", f"the peers' names must differ from --name ({cfg.name!r})")
+    if len(set(peers)) != len(peers):
+        bad("peer_name", f"{cfg.peer_name!r} names a peer twice")
+    for flag, v in [("name", cfg.name)] + [("peer_name", p) for p in peers]:
         if not v or "/" in v or v.startswith(".") or v == "RUN":
             bad(flag, f"{v!r} must be a plain folder name (not RUN, which the exchange dir uses)")
+    if len(peers) > 1:
+        if not cfg.peer_exchange:
+            bad("peer_name", "several peers need an online exchange (--peer-exchange)")
+        if cfg.variant in ("hacpo", "sgt") or cfg.selection != "graft":
+            bad("peer_name", "with several peers only GRAFT's own selection runs (variant graft or luffy, "
+                             "--selection graft)")
+    if cfg.peer_model and not Path(cfg.peer_log).is_file():
+        bad("peer_model", "scores a JSONL --peer-log of foreign trajectories; give that file as --peer-log")
+    if cfg.variant == "hacpo" and Path(cfg.peer_log).is_file():
+        bad("variant", "hacpo pools n own with n peer rollouts per prompt; a JSONL --peer-log has groups of any size")
     if "{problem}" not in cfg.prompt_template:
         bad("prompt_template", "must contain '{problem}'")
 
@@ -1589,6 +1714,8 @@ def build_parser():
     docs = field_docs(Config)
     parser = argparse.ArgumentParser(prog="graft.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("complement", add_help=False,
+                   help="how complementary candidate models are, before a pair run (graft.py complement -h)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
         p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1610,6 +1737,10 @@ def build_parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
+        import offline
+        return offline.main_complement(argv[1:])
     args = build_parser().parse_args(argv)
     cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
     try:

@@ -566,7 +566,8 @@ MIXED = {0, 3, 4, 6}  # groups where the planted peer is mixed (1 <= k < n)
 
 
 def planted(tiny, tmp_path, monkeypatch, **overrides):
-    """A trainer in offline mode against a hand-made peer log; the receiver fails everything."""
+    """A trainer in offline mode against a hand-made peer log; the receiver fails everything.
+    Returns (trainer, batch rows, own rollouts, {"log": peer rollouts})."""
     import verify
     from transformers import AutoTokenizer
     monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0, **kw: [1.0 if "y" in r else 0.0 for r in rs])
@@ -675,14 +676,15 @@ def test_sgt_selection_rule_with_grafts_update(tiny, tmp_path, monkeypatch):
 
 def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch)
-    base = tr.select(0, own, peer)
+    base = tr.select(0, own, peer)["log"]
     own.rewards[3] = 1.0  # make group 3 not a candidate; random selection may still draw it (peer is mixed)
     own.rewards[3, 0] = 0.0
     tr.cfg.selection = "random"
     counts = set()
     for step in range(20):
-        sel = tr.select(step, own, peer)
-        assert int(sel.sum()) == int(graft.graft_candidates(own.rewards.sum(1).long(), peer.rewards.sum(1).long(), 4).sum())
+        sel = tr.select(step, own, peer)["log"]
+        k_peer = peer["log"].rewards.sum(1).long()
+        assert int(sel.sum()) == int(graft.graft_candidates(own.rewards.sum(1).long(), k_peer, 4).sum())
         assert set(torch.nonzero(sel).flatten().tolist()) <= MIXED
         counts.add(tuple(sel.tolist()))
     assert int(base.sum()) == 4 and len(counts) > 1  # really random across steps
@@ -706,11 +708,12 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
     """A hand-made peer log with a known reward pattern: the receiver (planted to fail everything)
     must receive exactly the mixed peer groups, with the peer's advantages and w from Eqs. 6-8."""
     from transformers import AutoTokenizer
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    peer = peers["log"]
     rewards = torch.tensor(PATTERN, dtype=torch.float32)
     torch.testing.assert_close(peer.rewards, rewards)  # re-verified with the (planted) verifier
     expected_adv = group_advantages(rewards)
-    train_rows, replaced, m = tr.build_rows(0, rows, own, peer)
+    train_rows, replaced, m = tr.build_rows(0, rows, own, peers)
     assert m["selected"] == 4 and m["candidates_in"] == 4
     assert 0 < m["accepted"] < 16, "the planted log-probs should put some s on each side of delta"
     assert m["accepted"] + m["rejected"] + m["dropped_length"] == 16
