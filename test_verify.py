@@ -89,6 +89,36 @@ EQUIV = {
     "complex": [("-5i+6", "6 - 5i", True), ("6+5i", "6 - 5i", False)],
     "minerva": [("1/(a+s)", "\\frac{1}{s+a}", True), ("\\cos(2t)+\\sin(2t)", "\\sqrt{2} \\cos (2 t-\\pi / 4)", True),
                 ("\\frac{1}{s-a}", "\\frac{1}{s+a}", False)],
+    # Forms added for answers written by other models and graders; each leniency next to its negatives.
+    "delimiters": [("$\\frac{4}{7}.$", "\\frac47", True), ("\\[ 9 \\]", "9", True), ("\\( 9 \\)", "9", True),
+                   ("$$\n 9 \n$$", "9", True), ("\\boxed{9}", "so $\\boxed{9}$.", True), ("\\( -9 \\)", "9", False),
+                   ("\\boxed{8}", "so $\\boxed{9}$.", False)],
+    "named": [("(m,n)=(5,2)", "(5,2)", True), ("(m,n)=(2,5)", "(5,2)", False), ("|RS| = 8", "8", True),
+              ("E:F = 4:9", "4:9", True), ("E:F = 9:4", "4:9", False), ("s+t = 11", "11", True),
+              ("3s = 11", "11", False), ("s^2 = 16", "16", False), ("s = 4", "t = 4", False),
+              ("t = 3, s = 1", "(1,3)", True), ("t = 1, s = 3", "(1,3)", False)],
+    "inequality_set": [("[-2, 6]", "-2 \\le y \\le 6", True), ("(-2, 6]", "-2 \\le y \\le 6", False),
+                       ("-3y > -9", "y < 3", True), ("-3y > 9", "y < 3", False), ("y >= 1", "[1, \\infty)", True),
+                       ("y > 1", "[1, \\infty)", False), ("3 \\le |y| \\le 5", "[-5,-3]\\cup[3,5]", True),
+                       ("3 \\le |y| \\le 5", "[3,5]", False),
+                       ("y < 0 \\text{ or } y > 1", "(-\\infty,0)\\cup(1,\\infty)", True),
+                       ("y > 0 \\text{ and } y < 1", "(-\\infty,0)\\cup(1,\\infty)", False),
+                       ("y \\ne 5", "y != 5", True),
+                       ("x \\le 2", "y \\le 2", False)],
+    "chain": [("w = 3+4+5 = 12", "12", True), ("w = 3+4+5 = 13", "12", False), ("w \\approx 2.5", "2.5", True),
+              ("\\frac{5}{7} \\approx 0.71", "\\frac57", True), ("\\frac{4}{7} \\approx 0.57", "\\frac57", False),
+              ("3w + 2 = 14", "14", False)],
+    "braces_set": [("{5,9}", "\\{5, 9\\}", True), ("{5,8}", "\\{5, 9\\}", False), ("5;9", "5, 9", True),
+                   ("(5; 9)", "(5,9)", True), ("(9; 5)", "(5,9)", False), ("\\varnothing", "\\emptyset", True),
+                   ("\\varnothing", "\\{0\\}", False)],
+    "number_words": [("4,75", "4.75", True), ("4,750", "4750", True), ("4,750", "4.75", False),
+                     ("4,57", "4.75", False),
+                     ("25 percent", "25\\%", True), ("25 pct", "0.25", True), ("26 percent", "25\\%", False),
+                     ("6€", "6", True), ("6€", "7", False), ("1.5m²", "1.5", True), ("15m²", "1.5", False),
+                     ("3.1 {m/s^2}", "3.1", True), ("31 {m/s^2}", "3.1", False)],
+    "trig_degrees": [("\\sin 60^\\circ", "\\frac{\\sqrt3}{2}", True), ("\\sin 60", "\\frac{\\sqrt3}{2}", False),
+                     ("\\tan y", "\\cot(90^\\circ - y)", True), ("\\tan y", "\\cot y", False),
+                     ("60^\\circ", "60", True)],
     "undefined": [("0/0", "0/0", False), ("\\frac{1}{0}", "\\frac{1}{0}", False), ("nan", "nan", False),
                   ("zoo", "zoo", False), ("\\frac{0}{0}", "0", False)],
 }
@@ -138,6 +168,42 @@ def test_extract_answer():
     assert V.extract_answer("no answer here") is None
 
 
+def test_extract_answer_forms():
+    minerva = "Thus $y=4$.\nFinal Answer: The final answer is $4$. I hope it is correct."
+    assert V.extract_answer(minerva) == "4"
+    assert V.extract_answer(minerva, strict=True) is None                  # training: boxed only
+    assert V.extract_answer("The answer is $\\frac{2}{9}.$") == "\\frac{2}{9}"
+    assert V.extract_answer("Answer: 17") == "17"
+    assert V.extract_answer("So 3 + 4 = 7.\n#### 7") == "7"
+    assert V.extract_answer("so we get $q \\le 2$ as required.") == "q \\le 2"   # last math span
+    assert V.extract_answer("The zeros are $x=1$ and $x=6$.") == "x=1, x=6"          # spans joined
+    # Several boxes make one answer only when nothing but ',', 'and', 'or', 'x =' stands between.
+    assert V.extract_answer("$\\boxed{1}$, $\\boxed{6}$") == "1, 6"
+    assert V.extract_answer("$a=\\boxed{1}$ and $b=\\boxed{6}$") == "1, 6"
+    assert V.extract_answer("The radius is \\boxed{3}. Its area is then 9 pi, so \\boxed{9\\pi}") == "9\\pi"
+    assert V.extract_answer("\\boxed{5} and again \\boxed{5}") == "5"
+    assert V.extract_answer("\\boxed{5}, \\boxed{5}") == "5"                        # the same box twice
+    # Nothing after the end of the turn counts, nor a next few-shot problem after an answer.
+    assert V.extract_answer("\\boxed{3}<|im_end|>\n<|im_start|>user\n\\boxed{4}") == "3"
+    assert V.extract_answer("<|im_start|>assistant\n\\boxed{3}<|im_end|>") == "3"
+    assert V.extract_answer("no box<|eot_id|>\\boxed{4}", strict=True) is None
+    assert V.extract_answer("Final Answer: The final answer is $2$.\n\nProblem:\nFind $z$.\n"
+                            "Final Answer: The final answer is $5$.") == "2"
+    assert V.extract_answer("Problem: find $z$.\nSolution: $z=5$.\n\\boxed{5}") == "5"
+
+
+def test_verify_whole_responses_and_worked_gold():
+    gold = "Since $x + 2 = 9$, we get $x = \\boxed{7}$."
+    assert V.verify("so \\boxed{7}", gold) == 1.0
+    assert V.verify("so \\boxed{9}", gold) == 0.0
+    assert V.is_equivalent("7", gold)
+    assert V.verify("Final Answer: The final answer is $7$. I hope it is correct.", gold, strict=False) == 1.0
+    assert V.verify("Final Answer: The final answer is $7$. I hope it is correct.", gold) == 0.0
+    assert V.verify("$x=\\boxed{2}$ or $x=\\boxed{-2}$", "\\pm 2") == 1.0
+    assert V.verify("$x=\\boxed{2}$ or $x=\\boxed{-2}$", "2") == 0.0      # two answers for one
+    assert V.verify("$x=\\boxed{2}$ or $x=\\boxed{3}$", "\\pm 2") == 0.0
+
+
 def test_verify_and_batch_in_process():
     assert V.verify("... so \\boxed{2,\\!880}.", "2880") == 1.0
     assert V.verify("... so 2880.", "2880") == 0.0                     # strict: boxed only
@@ -173,6 +239,14 @@ HOSTILE = [
     "\\boxed{" + "1+" * 700 + "1}",
     "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",
     "\\boxed{\\begin{pmatrix}" + "1&" * 400 + "1\\end{pmatrix}}",
+    "\\boxed{1}, " * 20_000,
+    "$1$ and " * 20_000,
+    "The answer is $" * 10_000,
+    "\\boxed{" + "x<" * 500 + "1}",
+    "\\boxed{" + "|x|<" * 300 + "1}",
+    "\\boxed{" + "{1," * 500 + "1" + "}" * 500 + "}",
+    "\\boxed{" + "<|im_end|>" * 5000 + "}",
+    "\\boxed{" + "x=" * 700 + "1}",
 ]
 
 
@@ -237,6 +311,20 @@ def test_case_file_accuracy():
         fn += c["label"] and not r
     acc = 1 - (fp + fn) / len(cases)
     assert acc >= 0.97, (acc, fp, fn)
+    assert fp / len(cases) < 0.01, fp
+
+
+def test_frozen_file_is_well_formed_and_safe():
+    """The frozen file (written before the verifier was extended for it, never tuned against) has both
+    kinds of cases and both labels; on it the verifier gives no exception and under 1% false positives.
+    Its accuracy is a benchmark figure (`python verify.py bench`), not a test threshold."""
+    cases = _load(FROZEN)
+    assert len(cases) >= 400
+    assert all(("pred" in c) != ("response" in c) and isinstance(c["label"], bool) for c in cases)
+    assert {c["label"] for c in cases} == {True, False} and any("response" in c for c in cases)
+    V.reset_stats()
+    fp = sum(_judge(c) and not c["label"] for c in cases)
+    assert V.stats()["errors"] == 0
     assert fp / len(cases) < 0.01, fp
 
 

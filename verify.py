@@ -1,4 +1,4 @@
-"""Math answer verification: the RL reward of GRAFT (DESIGN.md section 3.1, 7, 10).
+"""Math answer verification: the RL reward of GRAFT (README "The method, equation by equation").
 
 What it does
 ------------
@@ -9,11 +9,18 @@ answer and decides whether it is mathematically the same as the gold. Used for t
 Public API
 ----------
 ``extract_answer(text, *, strict=False) -> str | None``
-    Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces allowed).
-    With ``strict=False`` a response without a box falls back to "the final answer is ...", then to
-    the last standalone number. ``strict=True`` (what training uses) is boxed only.
+    The response is cut at its first end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``</s>``
+    ...) and before a next few-shot "Problem:" written after an answer. Then: content of the last
+    ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces allowed), joined with the boxes
+    just before it when only ``,`` / ``and`` / ``or`` / ``x =`` separate them (departure 16).
+    ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a response without a
+    box falls back to the math (or sentence) after the last "answer is" / "Answer:" / "####"
+    (Minerva's "Final Answer: The final answer is $X$. I hope it is correct."), then to the last
+    math span (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last
+    number.
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
-    Compares two answer strings (see "How answers are compared" below).
+    Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
+    delimiters or a box, and the gold may be a whole worked solution: its last box is the answer.
 ``verify(response, gold, *, strict=True, rel_tol=DEFAULT_REL_TOL) -> float``
     1.0 or 0.0. Never raises. Anything over a cap scores 0.0 and is counted.
 ``verify_batch(responses, golds, *, workers=0, strict=True, rel_tol=...) -> list[float]``
@@ -77,14 +84,45 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 14. ``f(x) = ...`` as a whole answer is compared by its right side; ``0.\\overline{3}`` is 1/3.
 15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
     call) make a call return "not equivalent" instead of working longer; hits are counted.
+16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or`` or a name ``y =``
+    stand between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``. Boxes
+    with other text between them are separate: the last one is the answer. A box repeated is one.
+17. Named answers and chains (the prediction side only): a left side made of symbols and no number
+    (``x``, ``AB``, ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6``
+    and ``(a,b) = (4,1)`` equals ``(4,1)``; ``2x = 10`` is an equation, not 10. In ``t = 2+3+4 = 9``
+    the last value is the answer (``= 10`` at the end is wrong whatever came before). Before the first
+    ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``); the approximation
+    after it counts when the exact part is only a name (``t \\approx 9``) or the gold is a decimal.
+    When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``). Assignments
+    compared with a tuple are put in the order of their names (``b = 2, a = 1`` equals ``(1, 2)``).
+    A ratio ``3:5`` is the number 3/5.
+18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one
+    variable that is linear in it or in its absolute value is solved (``-y > -2`` is ``y < 2``,
+    ``2 \\le |w| \\le 3`` is ``[-3,-2] \\cup [2,3]``); chains are intersections; ``or`` between
+    relations is a union and ``and`` an intersection; ``x \\ne 0`` is two intervals; touching
+    intervals merge. A bare ``(a, b)`` is read as an interval only against an inequality or a union.
+    Two relations in different variables are never equal. Nonlinear relations are not solved.
+19. A decimal comma is read as a decimal point only where it cannot be a thousands separator and
+    the other side is a single number: ``3,25`` equals ``3.25``, ``1,250`` stays 1250. ``15 percent``
+    and ``15 pct`` are ``15\\%``; ``€``, ``£``, ``¥`` are dropped like ``\\$``; a tail of unit words
+    (``m/s^2``, ``m²``, ``km/h``, ``USD``) after a number is dropped on the last try (departure 12).
+20. Degrees inside a trigonometric function are converted to radians (``\\sin 30^\\circ`` equals
+    ``\\frac12``, ``\\cot(90^\\circ - x)`` equals ``\\tan x``); elsewhere departure 5 holds.
+    ``{2, 7}`` with plain braces is a set, ``;`` separates list and tuple items, ``\\emptyset`` is
+    the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``.
 
 Dependencies: sympy and the standard library (plus mpmath, which sympy itself requires).
 
 Benchmark
 ---------
-``python verify.py bench [--cases data/verify_cases.jsonl]`` prints accuracy, false positives/
-negatives, cases/s and latency percentiles of this verifier on the labelled case file and, when
-math-verify is installed, of math-verify side by side with the agreement rate.
+``python verify.py bench [--cases FILE ...] [--show-errors]`` prints accuracy, false positives/
+negatives, exceptions, cases/s and p50/p99/max call time of this verifier and, when math-verify is
+installed, of math-verify side by side with the agreement rate, for each case file. By default the
+two files: ``data/verify_cases.jsonl`` (development cases, written alongside this file) and
+``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed; this file
+was never tuned against it, so its figure measures generalisation). A case is ``{"pred"|"response",
+"gold", "label", "category", ["rel_tol"]}``: an answer pair goes to ``is_equivalent``, a whole
+response to ``verify(..., strict=False)``.
 ``python verify.py golds [files...]`` checks every gold of the benchmark files against itself.
 """
 from __future__ import annotations
