@@ -886,6 +886,8 @@ class _Parser:
             if c == "*" and not self.s.startswith("**", self.i):
                 self.i += 1
             elif c in ("/", ":"):         # a ratio 3:5 is the number 3/5
+                if c == ":" and re.compile(r":\s*\d\d(?!\d)").match(self.s, self.i):
+                    raise _ParseError("clock time")     # 05:00 is compared as text
                 self.i += 1
                 op = "/"
             elif c == "\\" and self.cmd_name() in ("cdot", "times", "ast"):
@@ -1956,6 +1958,8 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
         if ub is not None and not isinstance(a, Eqn):
             return _equal(a, ub, tol, budget)
         return False
+    if isinstance(a, Chain) and isinstance(b, Chain):
+        return a.ops == b.ops and all(_val_equal(x, y, tol, budget) for x, y in zip(a.parts, b.parts))
     if isinstance(a, Seq) and isinstance(b, Seq):
         if a.open == "{" or b.open == "{":
             return a.open == b.open and _unordered_equal(_expand_pm(a.items),
