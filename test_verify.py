@@ -197,6 +197,8 @@ def test_verify_whole_responses_and_worked_gold():
     assert V.verify("so \\boxed{7}", gold) == 1.0
     assert V.verify("so \\boxed{9}", gold) == 0.0
     assert V.is_equivalent("7", gold)
+    assert V.is_equivalent("7", "A long worked solution. " * 200 + gold)          # longer than the cap
+    assert not V.is_equivalent("7", "x" * 5000)
     assert V.verify("Final Answer: The final answer is $7$. I hope it is correct.", gold, strict=False) == 1.0
     assert V.verify("Final Answer: The final answer is $7$. I hope it is correct.", gold) == 0.0
     assert V.verify("$x=\\boxed{2}$ or $x=\\boxed{-2}$", "\\pm 2") == 1.0

@@ -1993,9 +1993,12 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
 
 def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     budget = _Budget()
+    if len(pred) > MAX_RESPONSE_CHARS or len(gold) > MAX_RESPONSE_CHARS:
+        raise _Limit("input length")
+    pred, gold = _unwrap_answer(pred), _unwrap_answer(gold)    # a worked solution -> its box
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
-    cp, cg = _clean(_unwrap_answer(pred)), _clean(_unwrap_answer(gold))
+    cp, cg = _clean(pred), _clean(gold)
     if not cp or not cg:
         return False
     try:
