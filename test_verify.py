@@ -119,6 +119,17 @@ EQUIV = {
     "trig_degrees": [("\\sin 60^\\circ", "\\frac{\\sqrt3}{2}", True), ("\\sin 60", "\\frac{\\sqrt3}{2}", False),
                      ("\\tan y", "\\cot(90^\\circ - y)", True), ("\\tan y", "\\cot y", False),
                      ("60^\\circ", "60", True)],
+    "set_ops": [("\\{1,3\\} \\cup \\{3,7\\}", "\\{1,3,7\\}", True), ("\\{1,3\\} \\cup \\{7\\}", "\\{1,3\\}", False),
+                ("\\mathbb{R} \\setminus \\{2\\}", "(-\\infty,2)\\cup(2,\\infty)", True),
+                ("\\mathbb{R} \\setminus \\{2\\}", "(-\\infty,2]\\cup(2,\\infty)", False),
+                ("\\{x \\mid x > 1\\}", "(1, \\infty)", True), ("\\{x \\mid x > 1\\}", "[1, \\infty)", False),
+                ("[[1,0],[2,3]]", "\\begin{pmatrix}1&0\\\\2&3\\end{pmatrix}", True),
+                ("[[1,2],[0,3]]", "\\begin{pmatrix}1&0\\\\2&3\\end{pmatrix}", False),
+                ("x < 1, x > 2", "(-\\infty,1)\\cup(2,\\infty)", False)],     # a comma list of relations: no set
+    "inverse_trig": [("\\sin^{-1} \\frac12", "\\frac{\\pi}{6}", True), ("\\sin(x)^2", "\\sin^2 x", True),
+                     ("\\sin(x)^2", "\\sin(x^2)", False), ("(\\sin 1)^{-1}", "\\sin^{-1} 1", False)],
+    "ratio_comma": [("4:6", "2:3", True), ("3:2", "2:3", False), ("1:3:2", "1:2:3", False),
+                    ("07:30", "07:30", True), ("2,5", "2.5", True), ("2.5", "2,5", False)],   # gold '2,5' is a list
     "undefined": [("0/0", "0/0", False), ("\\frac{1}{0}", "\\frac{1}{0}", False), ("nan", "nan", False),
                   ("zoo", "zoo", False), ("\\frac{0}{0}", "0", False)],
 }

@@ -95,13 +95,17 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     after it counts when the exact part is only a name (``t \\approx 9``) or the gold is a decimal.
     When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``). Assignments
     compared with a tuple are put in the order of their names (``b = 2, a = 1`` equals ``(1, 2)``).
-    A ratio ``3:5`` is the number 3/5.
+    A ratio ``3:5`` is the number 3/5; a ratio of three (``1:2:3``) and a clock time (``05:00``) are
+    compared as text.
 18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one
     variable that is linear in it or in its absolute value is solved (``-y > -2`` is ``y < 2``,
     ``2 \\le |w| \\le 3`` is ``[-3,-2] \\cup [2,3]``); chains are intersections; ``or`` between
     relations is a union and ``and`` an intersection; ``x \\ne 0`` is two intervals; touching
     intervals merge. A bare ``(a, b)`` is read as an interval only against an inequality or a union.
-    Two relations in different variables are never equal. Nonlinear relations are not solved.
+    Two relations in different variables are never equal. Nonlinear relations are not solved, and a
+    comma list of relations is not a set (``x < 1, x > 2`` means "or", ``x \\ne 1, x \\ne 2`` "and").
+    ``\\mathbb{R} \\setminus \\{a\\}`` and ``\\{x \\mid x > a\\}`` are sets too; a union of finite sets is
+    one set (``\\{1,2\\} \\cup \\{3\\}`` equals ``\\{1,2,3\\}``).
 19. A decimal comma is read as a decimal point only where it cannot be a thousands separator and
     the other side is a single number: ``3,25`` equals ``3.25``, ``1,250`` stays 1250. ``15 percent``
     and ``15 pct`` are ``15\\%``; ``€``, ``£``, ``¥`` are dropped like ``\\$``; a tail of unit words
@@ -109,7 +113,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 20. Degrees inside a trigonometric function are converted to radians (``\\sin 30^\\circ`` equals
     ``\\frac12``, ``\\cot(90^\\circ - x)`` equals ``\\tan x``); elsewhere departure 5 holds.
     ``{2, 7}`` with plain braces is a set, ``;`` separates list and tuple items, ``\\emptyset`` is
-    the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``.
+    the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is
+    ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals the matrix with those rows.
 
 Dependencies: sympy and the standard library (plus mpmath, which sympy itself requires).
 
@@ -344,7 +349,7 @@ def _end_of_turn(text: str) -> str:
             break
     for m in _NEXT_PROBLEM_RE.finditer(text):
         head = text[:m.start()]
-        if "\\boxed" in head or re.search(r"answer", head, re.IGNORECASE):
+        if "\\boxed" in head or _ANSWER_PHRASE_RE.search(head):
             return head
     return text
 
@@ -463,6 +468,7 @@ _EMPTY_RE = re.compile(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|∅")
 _PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:percent|per\s*cent|pct)\.?(?:\s*\})?"
                               r"(?![A-Za-z])", re.IGNORECASE)
 _CURRENCY_RE = re.compile(r"[€£¥₹]")
+_SET_BUILDER_RE = re.compile(r"^\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)\s*(.+?)\s*\\\}$")
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
@@ -471,7 +477,9 @@ _UNIT_TAIL_RE = re.compile(r"^(.*?[\d}])\s*(?:\\text\{\s*)?([A-Za-z]+)(?:\s*\})?
 
 
 _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ",
-            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-"}
+            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-", "≈": "\\approx ",
+            "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
+            "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
 _REPEAT_RE = re.compile(r"(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
 _FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*[a-z]\s*\)\s*=(?!.*=)")
 
@@ -523,6 +531,9 @@ def _clean(s: str) -> str:
     s = _replace_cmd_wrapper(s, _FONT_CMDS, "")
     s = _replace_cmd_wrapper(s, _TEXT_CMDS, "\\text")
     s = s.replace("~", " ").strip()
+    m = _SET_BUILDER_RE.match(s)
+    if m and _INEQ_RE.search(m.group(2)) and m.group(1) in m.group(2):
+        s = m.group(2)                   # {x | x > 0} is the set where the condition holds
     s = _IN_PREFIX_RE.sub("", s)
     if _INEQ_RE.search(s):            # "x < -1 or x > 4" is a union, "x > 1 and x < 3" an intersection
         s = _AND_RE.sub(lambda m: " \\cap ", s)
@@ -594,6 +605,13 @@ class Inter:
 
 
 @dataclass
+class Minus:
+    """A set without some points: '\\mathbb{R} \\setminus \\{0\\}'."""
+    whole: object
+    removed: object
+
+
+@dataclass
 class Seq:
     items: list
     open: str = ""                # "(", "[", "{" (a set) or "" (a bare comma list)
@@ -634,6 +652,7 @@ _FUNCS = {
     "sqrt": None, "abs": sympy.Abs,
 }
 _TRIG = frozenset(("sin", "cos", "tan", "sec", "csc", "cot"))
+_INVERSE = {"sin": sympy.asin, "cos": sympy.acos, "tan": sympy.atan}
 _CONST_WORDS = {"pi": S.Pi, "infty": S.Infinity, "oo": S.Infinity, "inf": S.Infinity, "infinity": S.Infinity}
 _GREEK = frozenset((
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
@@ -645,7 +664,7 @@ _ACCENTS = frozenset(("dot", "ddot", "hat", "bar", "vec", "tilde", "overline", "
                       "widetilde", "overrightarrow"))
 _REL_CMDS = {"le": "<=", "ge": ">=", "ne": "!=", "lt": "<", "gt": ">", "approx": "~"}
 _NO_FACTOR_CMDS = frozenset(("cdot", "times", "div", "pm", "mp", "le", "ge", "ne", "lt", "gt",
-                             "cup", "cap", "in", "to", "end", "right", "\\", "}", "quad", "qquad",
+                             "cup", "cap", "setminus", "in", "to", "end", "right", "\\", "}", "quad", "qquad",
                              "approx", "equiv", "sim", "rangle", "rbrace", "rfloor", "rceil"))
 _MATRIX_ENVS = ("pmatrix", "bmatrix", "matrix", "smallmatrix", "Bmatrix", "vmatrix", "array")
 
@@ -741,10 +760,10 @@ class _Parser:
                 if kind != ",":
                     raise _ParseError("mixed separators")
                 items.append(self.parse_item())
-            elif self.cmd_name() in ("cup", "cap"):
+            elif self.cmd_name() in ("cup", "cap", "setminus"):
                 name = self.take_cmd()
                 kind = kind or name
-                if kind != name:
+                if kind != name or (name == "setminus" and len(items) > 1):
                     raise _ParseError("mixed separators")
                 items.append(self.parse_item())
             elif self.eat(";"):
@@ -758,6 +777,8 @@ class _Parser:
             return Union(items)
         if kind == "cap":
             return Inter(items)
+        if kind == "setminus":
+            return Minus(items[0], items[1])
         if len(items) == 1:
             return items[0]
         return Seq(items)
@@ -880,14 +901,16 @@ class _Parser:
             return f
         factors = [f]
         first_int = self._is_int_literal(f)
+        ratio = False
         while True:
             c = self.peek()
             op = "*"
             if c == "*" and not self.s.startswith("**", self.i):
                 self.i += 1
             elif c in ("/", ":"):         # a ratio 3:5 is the number 3/5
-                if c == ":" and re.compile(r":\s*\d\d(?!\d)").match(self.s, self.i):
-                    raise _ParseError("clock time")     # 05:00 is compared as text
+                if c == ":" and (ratio or re.compile(r":\s*\d\d(?!\d)").match(self.s, self.i)):
+                    raise _ParseError("clock time or ratio of three")  # 05:00, 1:2:3: compared as text
+                ratio = ratio or c == ":"
                 self.i += 1
                 op = "/"
             elif c == "\\" and self.cmd_name() in ("cdot", "times", "ast"):
@@ -1110,7 +1133,7 @@ class _Parser:
         self.trig_depth += trig
         try:
             if c in ("(", "{", "["):
-                arg = self.parse_postfix(self.parse_atom()) if trig else self.parse_atom()
+                arg = self.parse_atom()
             else:
                 arg = self.parse_fn_arg()
         finally:
@@ -1123,6 +1146,9 @@ class _Parser:
             out = _div(sympy.log(arg, evaluate=False), sympy.log(base, evaluate=False))
         else:
             out = _FUNCS[name](arg, evaluate=False)
+        if power is not None and name in _INVERSE and not power.free_symbols and \
+                _ev(power, {}, self.budget) == -1:
+            return _INVERSE[name](arg, evaluate=False)      # \sin^{-1} x is arcsin x
         if power is not None:
             out = sympy.Pow(out, power, evaluate=False)
         return out
@@ -1717,11 +1743,9 @@ def _set_like(node) -> bool:
         return node.op in _INEQ_OPS
     if isinstance(node, Chain):
         return any(op in _INEQ_OPS for op in node.ops)
-    if isinstance(node, (Inter, Union)):
-        return True
-    if isinstance(node, Seq) and node.open == "" and node.items:
-        return all(_set_like(x) for x in node.items)
-    return False
+    # A bare comma list of inequalities is not read as a set: 'x < -1, x > 4' means 'or' but
+    # 'x \\ne 1, x \\ne 2' means 'and'. Written 'or' / 'and' they are \\cup / \\cap (see _clean).
+    return isinstance(node, (Inter, Union, Minus))
 
 
 def _real_value(v: Val, budget: _Budget):
@@ -1825,8 +1849,16 @@ def _real_set(node, budget: _Budget):
         return _combine([_real_set(m, budget) for m in members], _intersect)
     if isinstance(node, Inter):
         return _combine([_real_set(m, budget) for m in node.items], _intersect)
-    if isinstance(node, Union) or (isinstance(node, Seq) and node.open == "" and node.items and
-                                   all(_set_like(x) for x in node.items)):
+    if isinstance(node, Minus) and isinstance(node.removed, Seq) and node.removed.open == "{":
+        whole = _real_set(node.whole, budget)
+        points = [_real_value(x, budget) if isinstance(x, Val) else None for x in node.removed.items]
+        if whole is None or any(p is None for p in points):
+            return None
+        holes = [(-_MP.inf, False, p, False) for p in points[:1]] + [
+            (p, False, q, False) for p, q in zip(sorted(points), sorted(points)[1:])] + [
+            (p, False, _MP.inf, False) for p in sorted(points)[-1:]]
+        return whole[0], whole[1], _intersect(whole[2], _normalise(holes)) if points else whole[2]
+    if isinstance(node, Union):
         return _combine([_real_set(m, budget) for m in node.items], lambda x, y: _normalise(x + y))
     return None
 
@@ -1910,6 +1942,26 @@ def _has_decimal(node) -> bool:
     return False
 
 
+def _finite_union(node, tol: float, budget: _Budget):
+    """'\\{1,2\\} \\cup \\{2,3\\}' -> '\\{1,2,3\\}': a union of finite sets is one set."""
+    if not (isinstance(node, Union) and all(isinstance(x, Seq) and x.open == "{" for x in node.items)):
+        return node
+    out = []
+    for x in _expand_pm([y for s in node.items for y in s.items]):
+        if not any(_equal(x, y, tol, budget) for y in out):
+            out.append(x)
+    return Seq(out, "{", "}")
+
+
+def _list_matrix(node):
+    """'[[1, 2], [3, 4]]' (a list of rows, as Python writes it) -> the matrix with those rows."""
+    if isinstance(node, Seq) and node.open == "[" and node.close == "]" and node.items and all(
+            isinstance(r, Seq) and r.open == "[" and r.close == "]" and all(isinstance(v, Val) for v in r.items)
+            and len(r.items) == len(node.items[0].items) for r in node.items):
+        return Matrix([list(r.items) for r in node.items])
+    return node
+
+
 def _by_name(items: list) -> list:
     """Assignments 'y = 1, x = 2' in the order of their names, for comparison with a tuple."""
     if items and all(isinstance(x, Eqn) and x.op == "=" and isinstance(x.lhs.expr, sympy.Symbol)
@@ -1924,6 +1976,7 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
     budget.tick()
     if isinstance(a, _Undef) or isinstance(b, _Undef):
         return False
+    a, b = _finite_union(a, tol, budget), _finite_union(b, tol, budget)
     if _set_like(a) or _set_like(b):
         sa = _real_set(a, budget)
         sb = _real_set(b, budget) if sa is not None else None
@@ -1968,6 +2021,7 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
             _ordered_equal(a.items, b.items, tol, budget)
     if isinstance(a, Union) and isinstance(b, Union):
         return _unordered_equal(a.items, b.items, tol, budget)
+    a, b = (_list_matrix(a) if isinstance(b, Matrix) else a), (_list_matrix(b) if isinstance(a, Matrix) else b)
     if isinstance(a, Matrix) and isinstance(b, Matrix):
         return len(a.rows) == len(b.rows) and all(
             _ordered_equal(ra, rb, tol, budget) for ra, rb in zip(a.rows, b.rows))
@@ -2012,11 +2066,12 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
             return True
         if isinstance(pa, _Undef) or isinstance(ga, _Undef):
             return False
-        # A decimal comma where it cannot be a thousands separator: '3,25' is 3.25 (departure 19).
-        dp, dg = _DEC_COMMA_RE.sub(r"\1.\2", cp), _DEC_COMMA_RE.sub(r"\1.\2", cg)
-        if (dp != cp) != (dg != cg):
+        # A decimal comma in the prediction where it cannot be a thousands separator: '3,25' is 3.25
+        # (departure 19). Never in the gold: a gold '1,2' is a list, and '1.2' must not match it.
+        dp = _DEC_COMMA_RE.sub(r"\1.\2", cp)
+        if dp != cp:
             try:
-                qa, qb = _parse(dp, budget, as_gold=False), _parse(dg, budget, as_gold=True)
+                qa, qb = _parse(dp, budget, as_gold=False), ga
             except _ParseError:
                 qa = qb = None
             if isinstance(qa, Val) and isinstance(qb, Val) and not _free_names(qa.expr) \
@@ -2050,6 +2105,8 @@ def _unwrap_answer(s: str) -> str:
     m = _MATH_SPAN_RE.fullmatch(s.rstrip(" .,;"))
     if m:
         return _tidy(next(g for g in m.groups() if g is not None))
+    if _ANSWER_PHRASE_RE.search(s):     # 'The answer is 5'
+        return _after_phrase(s) or s
     return s
 
 
