@@ -237,7 +237,7 @@ class _Budget:
 
 _BOX_CMDS = ("\\boxed", "\\fbox")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-# Where a turn ends: chat-template markers, and a base model starting the next few-shot problem.
+# Where a turn ends: chat-template markers; and (after an answer) a base model's next few-shot problem.
 _TURN_END_RE = re.compile(r"<\|(?:im_end|im_start|eot_id|end_of_text|endoftext|start_header_id|end|user|"
                           r"assistant|eot)\|>|</s>|<end_of_turn>|<start_of_turn>|<eos>")
 _NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question)\s*\d*\s*:", re.IGNORECASE)
@@ -473,7 +473,6 @@ _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
 _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-9]\}?|[\s{}/*·]|\\cdot|\\,)$")
-_UNIT_TAIL_RE = re.compile(r"^(.*?[\d}])\s*(?:\\text\{\s*)?([A-Za-z]+)(?:\s*\})?(?:\s*\^\s*\{?[23]\}?)?$")
 
 
 _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ",
@@ -1753,14 +1752,17 @@ def _real_value(v: Val, budget: _Budget):
     if _free_names(v.expr) - {"__pm__"}:
         return None
     try:
-        x = _to_mp(_ev(v.expr, dict(v.env), budget))
+        return _as_real(_ev(v.expr, dict(v.env), budget))
     except _Undefined:
         return None
-    if isinstance(x, mpmath.mpc) or hasattr(x, "imag") and x.imag != 0:
-        if abs(x.imag) > ABS_TOL:
-            return None
-        x = x.real
-    return _MP.mpf(x)
+
+
+def _as_real(v):
+    """A Fraction or 50-digit number as a real mpf; None when it has an imaginary part."""
+    v = _to_mp(v)
+    if abs(v.imag) > ABS_TOL:
+        return None
+    return _MP.mpf(v.real)
 
 
 def _near(x, y) -> bool:
@@ -1805,12 +1807,11 @@ def _solve(lhs: Val, rhs: Val, op: str, budget: _Budget):
     f = sympy.Add(lhs.expr, _neg(rhs.expr), evaluate=False)
     env0 = {**lhs.env, **rhs.env}
     try:
-        vals = [_to_mp(_ev(f, {**env0, names[0]: t}, budget)) for t in _SOLVE_POINTS]
+        vals = [_as_real(_ev(f, {**env0, names[0]: t}, budget)) for t in _SOLVE_POINTS]
     except _Undefined:
         return None
-    if any(isinstance(v, mpmath.mpc) and abs(v.imag) > ABS_TOL for v in vals):
+    if any(v is None for v in vals):
         return None
-    vals = [_MP.mpf(v.real) if isinstance(v, mpmath.mpc) else v for v in vals]
     for g in (lambda t: t, abs):
         a, b = vals[1] - vals[0], vals[0]
         if abs(a) <= 1e-30 * (1 + abs(b)):
