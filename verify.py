@@ -81,7 +81,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped; as a last try a
     known plain unit word (``cm``, ``inches``, ``m`` ...) after a number is dropped too.
 13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX.
-14. ``f(x) = ...`` as a whole answer is compared by its right side; ``0.\\overline{3}`` is 1/3.
+14. ``f(x) = ...`` and ``f(2) = ...`` as a whole answer are compared by the right side;
+    ``0.\\overline{3}`` is 1/3.
 15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
     call) make a call return "not equivalent" instead of working longer; hits are counted.
 16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or`` or a name ``y =``
@@ -480,7 +481,7 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
             "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
 _REPEAT_RE = re.compile(r"(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
-_FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*[a-z]\s*\)\s*=(?!.*=)")
+_FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*(?:[a-z]|-?\d+(?:[./]\d+)?)\s*\)\s*=(?!.*=)")  # f(x) =, f(2) =
 
 
 def _repeating_to_frac(m) -> str:
@@ -2140,8 +2141,6 @@ def verify(response: str, gold: str, *, strict: bool = True,
         pred = extract_answer(response, strict=strict)
         if pred is None:
             return 0.0
-        if isinstance(gold, str) and ("\\boxed" in gold or "\\fbox" in gold):
-            gold = extract_answer(gold, strict=True) or gold
         return 1.0 if is_equivalent(pred, gold, rel_tol=rel_tol) else 0.0
     except Exception:
         _count("errors")
