@@ -348,10 +348,14 @@ def _end_of_turn(text: str) -> str:
         if text[:m.start()].strip() and not _TURN_END_RE.fullmatch(text[:m.start()].strip()):
             text = text[:m.start()]
             break
-    for m in _NEXT_PROBLEM_RE.finditer(text):
-        head = text[:m.start()]
-        if "\\boxed" in head or _ANSWER_PHRASE_RE.search(head):
-            return head
+    marks = [p for p in (text.find("\\boxed"), text.find("\\fbox")) if p >= 0]
+    phrase = _ANSWER_PHRASE_RE.search(text)
+    if phrase:
+        marks.append(phrase.start())
+    if marks:                # a next problem counts only after the response has given an answer
+        m = _NEXT_PROBLEM_RE.search(text, min(marks) + 1)
+        if m:
+            return text[:m.start()]
     return text
 
 
@@ -469,7 +473,7 @@ _EMPTY_RE = re.compile(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|∅")
 _PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:percent|per\s*cent|pct)\.?(?:\s*\})?"
                               r"(?![A-Za-z])", re.IGNORECASE)
 _CURRENCY_RE = re.compile(r"[€£¥₹]")
-_SET_BUILDER_RE = re.compile(r"^\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)\s*(.+?)\s*\\\}$")
+_SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)")
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
@@ -531,9 +535,11 @@ def _clean(s: str) -> str:
     s = _replace_cmd_wrapper(s, _FONT_CMDS, "")
     s = _replace_cmd_wrapper(s, _TEXT_CMDS, "\\text")
     s = s.replace("~", " ").strip()
-    m = _SET_BUILDER_RE.match(s)
-    if m and _INEQ_RE.search(m.group(2)) and m.group(1) in m.group(2):
-        s = m.group(2)                   # {x | x > 0} is the set where the condition holds
+    m = _SET_BUILDER_RE.match(s) if s.startswith("\\{") and s.endswith("\\}") else None
+    if m:                                # {x | x > 0} is the set where the condition holds
+        cond = s[m.end():-2].strip()
+        if _INEQ_RE.search(cond) and m.group(1) in cond:
+            s = cond
     s = _IN_PREFIX_RE.sub("", s)
     if _INEQ_RE.search(s):            # "x < -1 or x > 4" is a union, "x > 1 and x < 3" an intersection
         s = _AND_RE.sub(lambda m: " \\cap ", s)
