@@ -131,6 +131,9 @@ EQUIV = {
                      ("\\sin(x)^2", "\\sin(x^2)", False), ("(\\sin 1)^{-1}", "\\sin^{-1} 1", False)],
     "ratio_comma": [("4:6", "2:3", True), ("3:2", "2:3", False), ("1:3:2", "1:2:3", False),
                     ("07:30", "07:30", True), ("2,5", "2.5", True), ("2.5", "2,5", False)],   # gold '2,5' is a list
+    "brackets_ordinals": [("\\langle 2, 5 \\rangle", "(2,5)", True), ("\\langle 5, 2 \\rangle", "(2,5)", False),
+                          ("3^{\\text{rd}}", "3", True), ("31st", "13", False), ("y + 3rd", "y + 3", False),
+                          ("9 marbles", "9", True), ("9 marbles", "8", False)],
     "undefined": [("0/0", "0/0", False), ("\\frac{1}{0}", "\\frac{1}{0}", False), ("nan", "nan", False),
                   ("zoo", "zoo", False), ("\\frac{0}{0}", "0", False)],
 }

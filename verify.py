@@ -110,7 +110,9 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 19. A decimal comma is read as a decimal point only where it cannot be a thousands separator and
     the other side is a single number: ``3,25`` equals ``3.25``, ``1,250`` stays 1250. ``15 percent``
     and ``15 pct`` are ``15\\%``; ``€``, ``£``, ``¥`` are dropped like ``\\$``; a tail of unit words
-    (``m/s^2``, ``m²``, ``km/h``, ``USD``) after a number is dropped on the last try (departure 12).
+    (``m/s^2``, ``m²``, ``km/h``, ``USD``, also count nouns such as ``integers``, ``marbles``) after a
+    number is dropped on the last try (departure 12). A whole answer ``5^{\\text{th}}`` / ``21st`` is the
+    number; ``\\langle 1, 2 \\rangle`` is the tuple ``(1, 2)``.
 20. Degrees inside a trigonometric function are converted to radians (``\\sin 30^\\circ`` equals
     ``\\frac12``, ``\\cot(90^\\circ - x)`` equals ``\\tan x``); elsewhere departure 5 holds.
     ``{2, 7}`` with plain braces is a set, ``;`` separates list and tuple items, ``\\emptyset`` is
@@ -467,11 +469,15 @@ _UNIT_WORDS = frozenset((
     "MeV", "GeV", "nm", "um", "AU", "pc", "kpc", "Mpc", "ly", "V", "A", "Pa", "atm", "mol", "L",
     "ml", "mL", "people", "ways", "students", "times", "percent", "points", "USD", "EUR", "GBP", "euros",
     "euro", "hr", "ms", "cm2", "liters", "litres", "gallons", "ounces", "oz", "tons", "mi", "km2",
+    "integers", "digits", "numbers", "edges", "faces", "vertices", "multiples", "terms", "gm", "apples", "coins",
+    "marbles", "cards", "balls", "books", "pages", "boxes", "pieces", "games", "rows", "seats", "chairs",
+    "children", "boys", "girls", "men", "women", "friends", "hits", "handshakes", "triangles", "squares",
 ))
 _REALS_RE = re.compile(r"\\mathbb\s*\{\s*R\s*\}|\\R(?![a-zA-Z])|ℝ")
 _EMPTY_RE = re.compile(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|∅")
 _PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:percent|per\s*cent|pct)\.?(?:\s*\})?"
                               r"(?![A-Za-z])", re.IGNORECASE)
+_ORDINAL_RE = re.compile(r"^(\s*\d+)\s*(?:\^\s*)?(?:\{\s*)?(?:\\(?:text|mathrm)\s*\{\s*)?(?:st|nd|rd|th)\s*\}?\s*\}?\s*$")
 _CURRENCY_RE = re.compile(r"[€£¥₹]")
 _SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)")
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
@@ -505,7 +511,9 @@ def _replace_cmd_wrapper(s: str, names: tuple[str, ...], repl: str) -> str:
 def _clean(s: str) -> str:
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\cfrac", "\\frac").replace("\\dbinom", "\\binom").replace("\\tbinom", "\\binom")
-    s = s.replace("\\lbrace", "\\{").replace("\\rbrace", "\\}").replace("\\lvert", "|")
+    s = s.replace("\\lbrace", "\\{").replace("\\rbrace", "\\}").replace("\\lbrack", "[").replace("\\rbrack", "]")
+    s = s.replace("\\langle", "(").replace("\\rangle", ")")       # a vector <1, 2> is the tuple (1, 2)
+    s = _ORDINAL_RE.sub(r"\1", s)                                   # 5^{\text{th}}, 21st -> the number.replace("\\lvert", "|")
     s = s.replace("\\rvert", "|").replace("\\vert", "|").replace("\\mid", "|")
     s = re.sub(r"\\(le|ge)(?:qslant|qq|slant)(?![a-zA-Z])", r"\\\1", s)
     s = s.replace("\\leq", "\\le").replace("\\geq", "\\ge").replace("\\neq", "\\ne")
