@@ -133,7 +133,8 @@ EQUIV = {
                     ("07:30", "07:30", True), ("2,5", "2.5", True), ("2.5", "2,5", False)],   # gold '2,5' is a list
     "brackets_ordinals": [("\\langle 2, 5 \\rangle", "(2,5)", True), ("\\langle 5, 2 \\rangle", "(2,5)", False),
                           ("3^{\\text{rd}}", "3", True), ("31st", "13", False), ("y + 3rd", "y + 3", False),
-                          ("9 marbles", "9", True), ("9 marbles", "8", False)],
+                          ("9 marbles", "9", True), ("9 marbles", "8", False),
+                          ("\\lvert -3 \\rvert", "3", True), ("\\lvert -3 \\rvert", "-3", False)],
     "undefined": [("0/0", "0/0", False), ("\\frac{1}{0}", "\\frac{1}{0}", False), ("nan", "nan", False),
                   ("zoo", "zoo", False), ("\\frac{0}{0}", "0", False)],
 }

@@ -513,7 +513,8 @@ def _clean(s: str) -> str:
     s = s.replace("\\cfrac", "\\frac").replace("\\dbinom", "\\binom").replace("\\tbinom", "\\binom")
     s = s.replace("\\lbrace", "\\{").replace("\\rbrace", "\\}").replace("\\lbrack", "[").replace("\\rbrack", "]")
     s = s.replace("\\langle", "(").replace("\\rangle", ")")       # a vector <1, 2> is the tuple (1, 2)
-    s = _ORDINAL_RE.sub(r"\1", s)                                   # 5^{\text{th}}, 21st -> the number.replace("\\lvert", "|")
+    s = _ORDINAL_RE.sub(r"\1", s)                                   # 5^{\text{th}}, 21st -> the number
+    s = s.replace("\\lvert", "|")
     s = s.replace("\\rvert", "|").replace("\\vert", "|").replace("\\mid", "|")
     s = re.sub(r"\\(le|ge)(?:qslant|qq|slant)(?![a-zA-Z])", r"\\\1", s)
     s = s.replace("\\leq", "\\le").replace("\\geq", "\\ge").replace("\\neq", "\\ne")
@@ -1205,7 +1206,8 @@ class _Parser:
             if len(items) > 1:
                 return Seq(items, "{", "}")
             it = items[0]
-            if isinstance(it, Val) and not it.percent:
+            if isinstance(it, Val):
+                self.percent = self.percent or it.percent
                 return it.expr
             if isinstance(it, (Seq, Matrix)):
                 return it
