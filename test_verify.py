@@ -123,6 +123,8 @@ EQUIV = {
     "set_ops": [("\\{1,3\\} \\cup \\{3,7\\}", "\\{1,3,7\\}", True), ("\\{1,3\\} \\cup \\{7\\}", "\\{1,3\\}", False),
                 ("\\mathbb{R} \\setminus \\{2\\}", "(-\\infty,2)\\cup(2,\\infty)", True),
                 ("\\mathbb{R} \\setminus \\{2\\}", "(-\\infty,2]\\cup(2,\\infty)", False),
+                ("\\mathbb{R} \\setminus \\{3, -1\\}", "(-\\infty,-1)\\cup(-1,3)\\cup(3,\\infty)", True),
+                ("\\mathbb{R} \\setminus \\{3, -1\\}", "(-\\infty,3)\\cup(3,\\infty)", False),
                 ("\\{x \\mid x > 1\\}", "(1, \\infty)", True), ("\\{x \\mid x > 1\\}", "[1, \\infty)", False),
                 ("[[1,0],[2,3]]", "\\begin{pmatrix}1&0\\\\2&3\\end{pmatrix}", True),
                 ("[[1,2],[0,3]]", "\\begin{pmatrix}1&0\\\\2&3\\end{pmatrix}", False),

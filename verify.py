@@ -1872,10 +1872,11 @@ def _real_set(node, budget: _Budget):
         points = [_real_value(x, budget) if isinstance(x, Val) else None for x in node.removed.items]
         if whole is None or any(p is None for p in points):
             return None
-        holes = [(-_MP.inf, False, p, False) for p in points[:1]] + [
-            (p, False, q, False) for p, q in zip(sorted(points), sorted(points)[1:])] + [
-            (p, False, _MP.inf, False) for p in sorted(points)[-1:]]
-        return whole[0], whole[1], _intersect(whole[2], _normalise(holes)) if points else whole[2]
+        points.sort()
+        keep = [(-_MP.inf, False, p, False) for p in points[:1]] + [
+            (p, False, q, False) for p, q in zip(points, points[1:])] + [
+            (p, False, _MP.inf, False) for p in points[-1:]]        # the line without the points
+        return whole[0], whole[1], _intersect(whole[2], _normalise(keep)) if points else whole[2]
     if isinstance(node, Union):
         return _combine([_real_set(m, budget) for m in node.items], lambda x, y: _normalise(x + y))
     return None
