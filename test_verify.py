@@ -13,6 +13,19 @@ import verify as V
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = os.path.join(HERE, "data", "verify_cases.jsonl")
+FROZEN = os.path.join(HERE, "data", "verify_test.jsonl")
+
+
+def _load(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def _judge(c):
+    """An answer pair goes to is_equivalent, a whole response to verify(strict=False)."""
+    tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
+    if "response" in c:
+        return V.verify(c["response"], c["gold"], strict=False, rel_tol=tol) == 1.0
+    return V.is_equivalent(c["pred"], c["gold"], rel_tol=tol)
 
 # ----------------------------------------------------------------------------------------------
 # Equivalence, per category: (pred, gold, expected). Each category has both directions.
@@ -76,6 +89,54 @@ EQUIV = {
     "complex": [("-5i+6", "6 - 5i", True), ("6+5i", "6 - 5i", False)],
     "minerva": [("1/(a+s)", "\\frac{1}{s+a}", True), ("\\cos(2t)+\\sin(2t)", "\\sqrt{2} \\cos (2 t-\\pi / 4)", True),
                 ("\\frac{1}{s-a}", "\\frac{1}{s+a}", False)],
+    # Forms added for answers written by other models and graders; each leniency next to its negatives.
+    "delimiters": [("$\\frac{4}{7}.$", "\\frac47", True), ("\\[ 9 \\]", "9", True), ("\\( 9 \\)", "9", True),
+                   ("$$\n 9 \n$$", "9", True), ("\\boxed{9}", "so $\\boxed{9}$.", True), ("\\( -9 \\)", "9", False),
+                   ("\\boxed{8}", "so $\\boxed{9}$.", False)],
+    "named": [("(m,n)=(5,2)", "(5,2)", True), ("(m,n)=(2,5)", "(5,2)", False), ("|RS| = 8", "8", True),
+              ("E:F = 4:9", "4:9", True), ("E:F = 9:4", "4:9", False), ("s+t = 11", "11", True),
+              ("3s = 11", "11", False), ("s^2 = 16", "16", False), ("s = 4", "t = 4", False),
+              ("t = 3, s = 1", "(1,3)", True), ("t = 1, s = 3", "(1,3)", False),
+              ("f(2) = 9", "9", True), ("f(2) = 9", "2", False), ("x(x+1) = 6", "6", False)],
+    "inequality_set": [("[-2, 6]", "-2 \\le y \\le 6", True), ("(-2, 6]", "-2 \\le y \\le 6", False),
+                       ("-3y > -9", "y < 3", True), ("-3y > 9", "y < 3", False), ("y >= 1", "[1, \\infty)", True),
+                       ("y > 1", "[1, \\infty)", False), ("3 \\le |y| \\le 5", "[-5,-3]\\cup[3,5]", True),
+                       ("3 \\le |y| \\le 5", "[3,5]", False),
+                       ("y < 0 \\text{ or } y > 1", "(-\\infty,0)\\cup(1,\\infty)", True),
+                       ("y > 0 \\text{ and } y < 1", "(-\\infty,0)\\cup(1,\\infty)", False),
+                       ("y \\ne 5", "y != 5", True),
+                       ("x \\le 2", "y \\le 2", False)],
+    "chain": [("w = 3+4+5 = 12", "12", True), ("w = 3+4+5 = 13", "12", False), ("w \\approx 2.5", "2.5", True),
+              ("\\frac{5}{7} \\approx 0.71", "\\frac57", True), ("\\frac{4}{7} \\approx 0.57", "\\frac57", False),
+              ("3w + 2 = 14", "14", False)],
+    "braces_set": [("{5,9}", "\\{5, 9\\}", True), ("{5,8}", "\\{5, 9\\}", False), ("5;9", "5, 9", True),
+                   ("(5; 9)", "(5,9)", True), ("(9; 5)", "(5,9)", False), ("\\varnothing", "\\emptyset", True),
+                   ("\\varnothing", "\\{0\\}", False)],
+    "number_words": [("4,75", "4.75", True), ("4,750", "4750", True), ("4,750", "4.75", False),
+                     ("4,57", "4.75", False),
+                     ("25 percent", "25\\%", True), ("25 pct", "0.25", True), ("26 percent", "25\\%", False),
+                     ("6€", "6", True), ("6€", "7", False), ("1.5m²", "1.5", True), ("15m²", "1.5", False),
+                     ("3.1 {m/s^2}", "3.1", True), ("31 {m/s^2}", "3.1", False)],
+    "trig_degrees": [("\\sin 60^\\circ", "\\frac{\\sqrt3}{2}", True), ("\\sin 60", "\\frac{\\sqrt3}{2}", False),
+                     ("\\tan y", "\\cot(90^\\circ - y)", True), ("\\tan y", "\\cot y", False),
+                     ("60^\\circ", "60", True)],
+    "set_ops": [("\\{1,3\\} \\cup \\{3,7\\}", "\\{1,3,7\\}", True), ("\\{1,3\\} \\cup \\{7\\}", "\\{1,3\\}", False),
+                ("\\mathbb{R} \\setminus \\{2\\}", "(-\\infty,2)\\cup(2,\\infty)", True),
+                ("\\mathbb{R} \\setminus \\{2\\}", "(-\\infty,2]\\cup(2,\\infty)", False),
+                ("\\mathbb{R} \\setminus \\{3, -1\\}", "(-\\infty,-1)\\cup(-1,3)\\cup(3,\\infty)", True),
+                ("\\mathbb{R} \\setminus \\{3, -1\\}", "(-\\infty,3)\\cup(3,\\infty)", False),
+                ("\\{x \\mid x > 1\\}", "(1, \\infty)", True), ("\\{x \\mid x > 1\\}", "[1, \\infty)", False),
+                ("[[1,0],[2,3]]", "\\begin{pmatrix}1&0\\\\2&3\\end{pmatrix}", True),
+                ("[[1,2],[0,3]]", "\\begin{pmatrix}1&0\\\\2&3\\end{pmatrix}", False),
+                ("x < 1, x > 2", "(-\\infty,1)\\cup(2,\\infty)", False)],     # a comma list of relations: no set
+    "inverse_trig": [("\\sin^{-1} \\frac12", "\\frac{\\pi}{6}", True), ("\\sin(x)^2", "\\sin^2 x", True),
+                     ("\\sin(x)^2", "\\sin(x^2)", False), ("(\\sin 1)^{-1}", "\\sin^{-1} 1", False)],
+    "ratio_comma": [("4:6", "2:3", True), ("3:2", "2:3", False), ("1:3:2", "1:2:3", False),
+                    ("07:30", "07:30", True), ("2,5", "2.5", True), ("2.5", "2,5", False)],   # gold '2,5' is a list
+    "brackets_ordinals": [("\\langle 2, 5 \\rangle", "(2,5)", True), ("\\langle 5, 2 \\rangle", "(2,5)", False),
+                          ("3^{\\text{rd}}", "3", True), ("31st", "13", False), ("y + 3rd", "y + 3", False),
+                          ("9 marbles", "9", True), ("9 marbles", "8", False),
+                          ("\\lvert -3 \\rvert", "3", True), ("\\lvert -3 \\rvert", "-3", False)],
     "undefined": [("0/0", "0/0", False), ("\\frac{1}{0}", "\\frac{1}{0}", False), ("nan", "nan", False),
                   ("zoo", "zoo", False), ("\\frac{0}{0}", "0", False)],
 }
@@ -113,7 +174,8 @@ def test_rel_tol_is_configurable():
 # Extraction and verify()
 
 def test_extract_answer():
-    assert V.extract_answer("so \\boxed{\\frac{1}{2}} and \\boxed{3}") == "3"
+    assert V.extract_answer("so \\boxed{\\frac{1}{2}}. Adding 2.5 gives \\boxed{3}") == "3"   # last box
+    assert V.extract_answer("so \\boxed{\\frac{1}{2}} and \\boxed{3}") == "\\frac{1}{2}, 3"     # one answer
     assert V.extract_answer("\\boxed{\\frac{a}{\\{b\\}}}") == "\\frac{a}{\\{b\\}}"
     assert V.extract_answer("x = \\fbox{7}") == "7"
     assert V.extract_answer("thus $\\boxed 5$.") == "5"
@@ -122,6 +184,44 @@ def test_extract_answer():
     assert V.extract_answer("The final answer is $12$.") == "12"
     assert V.extract_answer("we get 3 apples and then 17 pears") == "17"
     assert V.extract_answer("no answer here") is None
+
+
+def test_extract_answer_forms():
+    minerva = "Thus $y=4$.\nFinal Answer: The final answer is $4$. I hope it is correct."
+    assert V.extract_answer(minerva) == "4"
+    assert V.extract_answer(minerva, strict=True) is None                  # training: boxed only
+    assert V.extract_answer("The answer is $\\frac{2}{9}.$") == "\\frac{2}{9}"
+    assert V.extract_answer("Answer: 17") == "17"
+    assert V.extract_answer("So 3 + 4 = 7.\n#### 7") == "7"
+    assert V.extract_answer("so we get $q \\le 2$ as required.") == "q \\le 2"   # last math span
+    assert V.extract_answer("The zeros are $x=1$ and $x=6$.") == "x=1, x=6"          # spans joined
+    # Several boxes make one answer only when nothing but ',', 'and', 'or', 'x =' stands between.
+    assert V.extract_answer("$\\boxed{1}$, $\\boxed{6}$") == "1, 6"
+    assert V.extract_answer("$a=\\boxed{1}$ and $b=\\boxed{6}$") == "1, 6"
+    assert V.extract_answer("The radius is \\boxed{3}. Its area is then 9 pi, so \\boxed{9\\pi}") == "9\\pi"
+    assert V.extract_answer("\\boxed{5} and again \\boxed{5}") == "5"
+    assert V.extract_answer("\\boxed{5}, \\boxed{5}") == "5"                        # the same box twice
+    # Nothing after the end of the turn counts, nor a next few-shot problem after an answer.
+    assert V.extract_answer("\\boxed{3}<|im_end|>\n<|im_start|>user\n\\boxed{4}") == "3"
+    assert V.extract_answer("<|im_start|>assistant\n\\boxed{3}<|im_end|>") == "3"
+    assert V.extract_answer("no box<|eot_id|>\\boxed{4}", strict=True) is None
+    assert V.extract_answer("Final Answer: The final answer is $2$.\n\nProblem:\nFind $z$.\n"
+                            "Final Answer: The final answer is $5$.") == "2"
+    assert V.extract_answer("Problem: find $z$.\nSolution: $z=5$.\n\\boxed{5}") == "5"
+
+
+def test_verify_whole_responses_and_worked_gold():
+    gold = "Since $x + 2 = 9$, we get $x = \\boxed{7}$."
+    assert V.verify("so \\boxed{7}", gold) == 1.0
+    assert V.verify("so \\boxed{9}", gold) == 0.0
+    assert V.is_equivalent("7", gold)
+    assert V.is_equivalent("7", "A long worked solution. " * 200 + gold)          # longer than the cap
+    assert not V.is_equivalent("7", "x" * 5000)
+    assert V.verify("Final Answer: The final answer is $7$. I hope it is correct.", gold, strict=False) == 1.0
+    assert V.verify("Final Answer: The final answer is $7$. I hope it is correct.", gold) == 0.0
+    assert V.verify("$x=\\boxed{2}$ or $x=\\boxed{-2}$", "\\pm 2") == 1.0
+    assert V.verify("$x=\\boxed{2}$ or $x=\\boxed{-2}$", "2") == 0.0      # two answers for one
+    assert V.verify("$x=\\boxed{2}$ or $x=\\boxed{3}$", "\\pm 2") == 0.0
 
 
 def test_verify_and_batch_in_process():
@@ -159,6 +259,17 @@ HOSTILE = [
     "\\boxed{" + "1+" * 700 + "1}",
     "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",
     "\\boxed{\\begin{pmatrix}" + "1&" * 400 + "1\\end{pmatrix}}",
+    "\\boxed{1}, " * 20_000,
+    "$1$ and " * 20_000,
+    "The answer is $" * 10_000,
+    "\\boxed{" + "x<" * 500 + "1}",
+    "\\boxed{" + "|x|<" * 300 + "1}",
+    "\\boxed{" + "{1," * 500 + "1" + "}" * 500 + "}",
+    "\\boxed{" + "<|im_end|>" * 5000 + "}",
+    "\\boxed{" + "x=" * 700 + "1}",
+    "The answer is 1." + "\nProblem:" * 20_000,
+    "\\{x | " + " " * 1400 + "x\\}",
+    "1" + "m/s" * 450,
 ]
 
 
@@ -173,6 +284,9 @@ def test_hostile_inputs_return_promptly(i):
         assert dt < 1.0, (i, dt)
         t = time.perf_counter()
         V.is_equivalent(text, gold)
+        assert time.perf_counter() - t < 1.0
+        t = time.perf_counter()
+        assert V.verify(text, gold, strict=False) in (0.0, 1.0)     # the fallback extraction paths
         assert time.perf_counter() - t < 1.0
 
 
@@ -195,7 +309,7 @@ def test_no_code_runs(tmp_path):
 
 
 def test_threads_agree_with_serial():
-    cases = [json.loads(line) for line in open(CASES, encoding="utf-8")][:120]
+    cases = [c for c in _load(CASES) if "pred" in c][:120]
     want = [V.is_equivalent(c["pred"], c["gold"]) for c in cases]
     got = [None] * len(cases)
 
@@ -214,11 +328,11 @@ def test_threads_agree_with_serial():
 # The labelled case file, determinism, and the process pool.
 
 def test_case_file_accuracy():
-    cases = [json.loads(line) for line in open(CASES, encoding="utf-8")]
+    cases = _load(CASES)
     assert len(cases) >= 400
     fp = fn = 0
     for c in cases:
-        r = V.is_equivalent(c["pred"], c["gold"], rel_tol=c.get("rel_tol", V.DEFAULT_REL_TOL))
+        r = _judge(c)
         fp += r and not c["label"]
         fn += c["label"] and not r
     acc = 1 - (fp + fn) / len(cases)
@@ -226,12 +340,25 @@ def test_case_file_accuracy():
     assert fp / len(cases) < 0.01, fp
 
 
+def test_frozen_file_is_well_formed_and_safe():
+    """The frozen file (written before the verifier was extended for it, never tuned against) has both
+    kinds of cases and both labels; on it the verifier gives no exception and under 1% false positives.
+    Its accuracy is a benchmark figure (`python verify.py bench`), not a test threshold."""
+    cases = _load(FROZEN)
+    assert len(cases) >= 400
+    assert all(("pred" in c) != ("response" in c) and isinstance(c["label"], bool) for c in cases)
+    assert {c["label"] for c in cases} == {True, False} and any("response" in c for c in cases)
+    V.reset_stats()
+    fp = sum(_judge(c) and not c["label"] for c in cases)
+    assert V.stats()["errors"] == 0
+    assert fp / len(cases) < 0.01, fp
+
+
 _DET_SCRIPT = r"""
 import json, sys
 import verify as V
 cases = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
-print("".join("1" if V.is_equivalent(c["pred"], c["gold"], rel_tol=c.get("rel_tol", 1e-4))
-              else "0" for c in cases))
+print("".join("1" if V._judge_ours(c) else "0" for c in cases))
 """
 
 
@@ -247,7 +374,7 @@ def test_determinism_across_hash_seeds():
 
 
 def test_verify_batch_workers_match():
-    cases = [json.loads(line) for line in open(CASES, encoding="utf-8")][::4]
+    cases = [c for c in _load(CASES) if "pred" in c][::4]
     responses = ["so \\boxed{" + c["pred"] + "}" for c in cases]
     golds = [c["gold"] for c in cases]
     one = V.verify_batch(responses, golds, workers=1)
