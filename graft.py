@@ -209,6 +209,8 @@ class Config:
     """Sequences per forward/backward pass inside a minibatch (gradient accumulation)."""
     logprob_chunk: int = 1024
     """Tokens per chunk in the chunked logprob kernel (bounds the logits memory)."""
+    fsdp: bool = False
+    """Shard weights, gradients and AdamW state over the ranks with FSDP2 (torchrun; models DP cannot fit)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (saves memory on long responses)."""
     threads: int = 0
@@ -655,8 +657,10 @@ class LossKind:
 LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs in section 5
 
 # Ranks, devices, precision, model and prompt loading: runtime.py (plumbing, not the method).
-from runtime import (DistInfo, compute_context, encode_prompt, gather_lists, load_policy,  # noqa: E402,F401
-                     load_prompt_file, setup_distributed, shard, timed, unshard)
+from runtime import (DistInfo, clip_sharded_grad_norm_, compute_context, encode_prompt,  # noqa: E402,F401
+                     full_state_dicts, gather_lists,
+                     gathered, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed, shard,
+                     shard_policy, timed, unshard)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -709,9 +713,13 @@ class Trainer:
             self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
             self.eos_id = self.stop_ids[0]
             self.amp = lambda: compute_context(cfg, self.dist)
+            # --fsdp: the FSDP2 root whose forward is the log-prob pass (runtime.shard_policy); None = DP
+            self.policy = shard_policy(self.model, response_logprobs) if cfg.fsdp else None
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                                          weight_decay=cfg.weight_decay)
-            if latest is not None:
+            if latest is not None and self.policy is not None:
+                load_full_optimizer_state(self.policy, self.opt, state["optimizer"])
+            elif latest is not None:
                 self.opt.load_state_dict(state["optimizer"])
             self.prompt_ids = [encode_prompt(r["problem"], self.tok, template=cfg.prompt_template,
                                              chat=cfg.chat_template) for r in self.data]
@@ -763,7 +771,7 @@ class Trainer:
         prompts = [self.prompt_ids[rows[r // n]] for r in mine]
         gen = seeded_generator(cfg.seed, step, "sample", rank=self.dist.rank, device=self.dist.device)
         outs: list[Rollout] = []
-        with timed(timings, "sample"):
+        with gathered(self.policy), timed(timings, "sample"):
             for i in range(0, len(prompts), cfg.gen_batch_size):
                 with self.amp():
                     outs += sample(self.model, prompts[i: i + cfg.gen_batch_size],
@@ -774,7 +782,7 @@ class Trainer:
         with timed(timings, "verify"):
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
             rewards = verify_batch(texts, [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
-        with timed(timings, "logprob"):
+        with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
             old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
@@ -796,18 +804,26 @@ class Trainer:
         self.model.eval()
         with torch.no_grad(), self.amp():
             for i in range(0, len(prompts), self.cfg.micro_batch_size):
-                lp, mask = response_logprobs(self.model, prompts[i: i + self.cfg.micro_batch_size],
-                                             responses[i: i + self.cfg.micro_batch_size],
-                                             pad_token_id=self.tok.pad_token_id,
-                                             temperature=self.cfg.temperature or 1.0, chunk_size=self.cfg.logprob_chunk)
+                lp, mask = self.logprobs(prompts[i: i + self.cfg.micro_batch_size],
+                                         responses[i: i + self.cfg.micro_batch_size])
                 out.extend(lp[j, : int(mask[j].sum())].float().cpu() for j in range(lp.shape[0]))
         self.model.train(was_training)
         return out
 
     def sharded_logprobs(self, prompts, responses) -> list[torch.Tensor]:
         """behaviour_logprobs with the rows split over ranks and gathered back in order."""
-        mine = self.behaviour_logprobs(shard(prompts, self.dist), shard(responses, self.dist))
+        with gathered(self.policy):
+            mine = self.behaviour_logprobs(shard(prompts, self.dist), shard(responses, self.dist))
         return unshard(gather_lists(mine, self.dist), len(prompts), self.dist)
+
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's per-token log-probs of the responses: (B, T) float and the (B, T) bool mask,
+        through the chunked kernel; under --fsdp inside the FSDP root's forward (runtime.PolicyForward)."""
+        kw = dict(pad_token_id=self.tok.pad_token_id, temperature=self.cfg.temperature or 1.0,
+                  chunk_size=self.cfg.logprob_chunk)
+        if self.policy is not None:
+            return self.policy(prompts, responses, **kw)
+        return response_logprobs(self.model, prompts, responses, **kw)
 
     def peer_rollouts(self, step: int, own: StepRollouts) -> dict[str, StepRollouts]:
         """The peers' rollouts of this step, by side name: each live peer's file (online), a stored
@@ -989,7 +1005,8 @@ class Trainer:
         agg: dict[str, list] = {}
         norms, peer_mb = [], []
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # The optimizer's own parameters: under FSDP, module.parameters() can be the gathered copies.
+        params = [p for group in self.opt.param_groups for p in group["params"]]
         for k, mb in enumerate(mbs):
             mb_rows = [r for g in mb.tolist() for r in by_group.get(g, [])]
             peer_mb.append(any(r.is_peer for r in mb_rows))
@@ -1007,10 +1024,21 @@ class Trainer:
             # Long rows first so micro-batches pad little; this rank's strided share.
             live = [r for r in mb_rows if r.weight > 0 and (r.adv != 0 or not LOSS_KINDS[r.kind].uses_advantage)]
             mine = shard(sorted(live, key=lambda r: -len(r.response)), self.dist)
+            chunks: list[list[Row] | None] = [mine[i: i + cfg.micro_batch_size]
+                                              for i in range(0, len(mine), cfg.micro_batch_size)]
+            if self.policy is not None and live:
+                # FSDP gathers weights inside every forward and reduces gradients after every backward:
+                # all ranks must make the same number of calls. A rank with a smaller share runs idle
+                # turns (None): one real row whose loss is multiplied by 0.
+                most = -(-len(live) // self.dist.world)  # the largest rank's share (shard is strided)
+                chunks += [None] * (-(-most // cfg.micro_batch_size) - len(chunks))
             self.opt.zero_grad(set_to_none=True)
-            for i in range(0, len(mine), cfg.micro_batch_size):
+            mb_stats: dict[str, list[float]] = {}  # metric -> [sum (token-weighted unless additive), tokens]
+            for chunk in chunks:
                 with self.amp():
-                    loss, per_kind = self.minibatch_loss(mine[i: i + cfg.micro_batch_size], denoms, k)
+                    loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, k)
+                if chunk is None:
+                    loss, per_kind = loss * 0.0, {}
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     raise FloatingPointError(f"step {step}, minibatch {k}: the loss is {value}; stopped before "
@@ -1019,21 +1047,39 @@ class Trainer:
                 for kind, mt in per_kind.items():
                     weight = mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))
                     for key, v in mt.items():
-                        agg.setdefault(f"{kind}/{key}", []).append((v, weight))
+                        acc = mb_stats.setdefault(f"{kind}/{key}", [0.0, 0.0])
+                        additive = key == "loss" or key.endswith("tokens")  # partial sums add up
+                        acc[0] += v if additive else v * weight
+                        acc[1] += weight
+            # The minibatch's metrics over all micro-batches and ranks: losses and token counts add up
+            # (each part is already divided by the global denominator), the rest are token-weighted.
+            if self.dist.world > 1:
+                merged: dict[str, list[float]] = {}
+                for part in gather_lists([mb_stats], self.dist):  # every rank's, its own included
+                    for key, (a, w) in part.items():
+                        acc = merged.setdefault(key, [0.0, 0.0])
+                        acc[0] += a
+                        acc[1] += w
+                mb_stats = merged
+            for key, (a, w) in mb_stats.items():
+                additive = key.endswith("/loss") or key.endswith("tokens")
+                if additive or w > 0:
+                    agg.setdefault(key, []).append((a if additive else a / w, w))
             for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            if self.dist.world > 1:  # data parallel: sum the per-rank partial gradients (loss is a global sum)
-                for p in params:
+            if self.dist.world > 1 and self.policy is None:  # data parallel: sum the per-rank partial gradients
+                for p in params:  # (the loss is a global sum; FSDP already reduce-scattered them, summed)
                     torch.distributed.all_reduce(p.grad)
-            norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if self.policy is None
+                         else clip_sharded_grad_norm_(params, cfg.grad_clip))
             if not math.isfinite(norm):
                 raise FloatingPointError(f"step {step}, minibatch {k}: the gradient norm is {norm}; stopped before "
                                          f"the optimizer step ({self.resume_hint()})")
             norms.append(norm)
             self.opt.step()
         m: dict = {}
-        for key, vals in agg.items():  # token-weighted means of what the loss functions returned
+        for key, vals in agg.items():  # over minibatches: token-weighted means, token counts summed
             tot = sum(t for _, t in vals)
             if key.endswith("tokens"):
                 m[key] = sum(v for v, _ in vals)
@@ -1052,9 +1098,7 @@ class Trainer:
         Returns the summed loss and {row kind: that kind's loss metrics}.
         """
         cfg = self.cfg
-        lp, mask = response_logprobs(self.model, [r.prompt for r in rows], [r.response for r in rows],
-                                     pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature or 1.0,
-                                     chunk_size=cfg.logprob_chunk)  # (B, T)
+        lp, mask = self.logprobs([r.prompt for r in rows], [r.response for r in rows])  # (B, T)
         old = torch.zeros_like(lp)  # (B, T)
         for j, r in enumerate(rows):
             old[j, : len(r.response)] = r.old_logp.to(lp.device)
@@ -1260,7 +1304,8 @@ class Trainer:
 
     def validate(self, step: int) -> dict:
         cfg = self.cfg
-        res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False)
+        with gathered(self.policy):
+            res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False)
         score = res["mean"]
         if self.dist.main:
             print(f"[eval] step {step}: " + ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in res["benchmarks"].items())
@@ -1302,17 +1347,19 @@ class Trainer:
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
 
     def save_checkpoint(self, step: int, dest: Path | None = None):
-        """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place."""
+        """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place.
+        Under --fsdp every rank takes part in gathering the full state dicts; rank 0 writes them."""
+        model_state, opt_state = full_state_dicts(self.policy, self.opt) if self.policy is not None else (None, None)
         if not self.dist.main:
             return
         import shutil
         dest = dest or self.ckpt_dir / f"step_{step:06d}"
         tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, safe_serialization=True)
+        self.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
         self.tok.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": self.opt.state_dict(), "best_score": self.best_score,
-                    "baseline_state": self.baseline_state}, tmp / "trainer_state.pt")
+        torch.save({"step": step, "optimizer": opt_state if opt_state is not None else self.opt.state_dict(),
+                    "best_score": self.best_score, "baseline_state": self.baseline_state}, tmp / "trainer_state.pt")
         old = dest.with_name(f".{dest.name}.old")
         if dest.exists():
             os.replace(dest, old)

@@ -11,6 +11,8 @@ ours but data/prepare.py's prompt reader.
     encode_prompt       the prompt's ids: raw text (graft.py departure 8) or the chat template
     load_prompt_file    a validated prompt JSONL
     timed               adds a block's wall time to a dict of timings
+    shard_policy, gathered, full_state_dicts, load_full_optimizer_state,
+    clip_sharded_grad_norm_   FSDP2 (--fsdp)
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def setup_distributed(cfg: Config) -> DistInfo:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world > 1 and not torch.distributed.is_initialized():
+    if getattr(cfg, "fsdp", False) and "RANK" not in os.environ:
+        raise SystemExit("--fsdp: launch with torchrun (torchrun --nproc_per_node N graft.py train ... --fsdp)")
+    if (world > 1 or getattr(cfg, "fsdp", False)) and not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend="nccl" if use_cuda else "gloo")
     if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -158,3 +162,116 @@ def timed(timings: dict, key: str):
         finally:
             timings[key] = timings.get(key, 0.0) + time.time() - t0
     return block()
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2 (--fsdp): weights, gradients and optimizer state sharded over the ranks
+# ------------------------------------------------------------------------------------------------
+
+
+class PolicyForward(torch.nn.Module):
+    """The FSDP2 root module: its forward is the trainer's chunked log-prob pass.
+
+    The chunked kernel reads the lm_head weight directly instead of calling the lm_head module, so
+    under FSDP2 it would see a sharded DTensor. Running the pass inside the root's forward makes FSDP
+    unshard the root's own parameters (embeddings, final norm, lm_head: tied weights stay in one
+    group) around it and reduce-scatter their gradients after backward; each decoder layer is its
+    own FSDP unit, gathered layer by layer as the body runs.
+    """
+
+    def __init__(self, lm: torch.nn.Module, logprob_fn):
+        super().__init__()
+        self.lm = lm
+        self.logprob_fn = logprob_fn  # sampler.response_logprobs (passed in: this file imports nothing of ours)
+
+    def forward(self, prompts, responses, **kw):
+        return self.logprob_fn(self.lm, prompts, responses, **kw)
+
+
+def shard_policy(lm: torch.nn.Module, logprob_fn) -> PolicyForward:
+    """fully_shard every decoder layer (the model's _no_split_modules classes) and the root.
+
+    Gradients are summed over ranks, not averaged: the loss is already a global sum over the
+    minibatch's tokens divided by their global count (graft.py departure 3). No mixed-precision
+    policy: parameters are gathered in fp32 and the forward runs under the trainer's bf16 autocast,
+    exactly as without --fsdp (a bf16 param policy would halve the all-gather traffic but change the
+    numerics between the two paths).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    kinds = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in kinds]
+    assert layers, f"{type(lm).__name__}: no decoder layers found to shard (_no_split_modules = {sorted(kinds)})"
+    for layer in layers:
+        fully_shard(layer)
+    root = PolicyForward(lm, logprob_fn)
+    fully_shard(root)
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo (CPU) has no pre-multiplied sum
+    # FSDP initialises lazily at the first forward, taking whichever unit runs first as the root. The
+    # sampler calls the body (not the root) first, so one token through the root sets it up right.
+    with torch.no_grad():
+        root([[0]], [[0]], pad_token_id=0)
+    root.reshard()  # the root keeps its weights gathered after a forward; the optimizer must see the shards
+    return root
+
+
+@contextlib.contextmanager
+def gathered(root: torch.nn.Module | None):
+    """Every FSDP unit of root unsharded for the block (sampling and no-grad log-prob passes).
+
+    The rollout phase makes thousands of forward calls per step; gathering once instead of per call
+    keeps it as fast as data parallel, at the memory of one full copy of the weights. Ranks may then
+    run different numbers of forwards (no collective inside). root=None: nothing to do.
+    """
+    if root is None:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(m is not root)  # fully_shard's defaults: layers reshard, the root not
+
+
+def full_state_dicts(root: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) full state dicts on CPU, on rank 0 (empty elsewhere); every rank must call it.
+
+    Model keys are those of the wrapped transformers model (save_pretrained's); optimizer keys are
+    parameter names, as torch.distributed.checkpoint writes them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(root, options=options)
+    model = {k.removeprefix("lm."): v for k, v in model.items()}
+    return model, get_optimizer_state_dict(root, opt, options=options)
+
+
+def load_full_optimizer_state(root: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Shard a full optimizer state dict (as full_state_dicts wrote it) into this rank's optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(root, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def clip_sharded_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for FSDP2's sharded (DTensor) gradients; returns the total norm.
+
+    Each rank holds disjoint shards, so the squared norm is the all-reduced sum of the local squared
+    norms (torch's own function mixes DTensor and local tensors in this torch version and fails).
+    Same clip rule as torch: scale by min(1, max_norm / (norm + 1e-6)).
+    """
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sq)
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in local:
+        g.mul_(coef.to(g.dtype))
+    return norm
