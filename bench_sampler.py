@@ -1,4 +1,4 @@
-"""Benchmarks for sampler.py (DESIGN §9): every figure is a ratio measured side by side in one run.
+"""Benchmarks for sampler.py (README, Benchmarks): every figure is a ratio measured side by side in one run.
 
     python bench_sampler.py            # full sizes (about 6-8 minutes on one CPU thread)
     python bench_sampler.py --quick    # smaller vocabulary and token count (about a minute)

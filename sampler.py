@@ -3,8 +3,8 @@
 What this file does
 -------------------
 Every log-probability in GRAFT (behaviour policy at sampling time, current policy in the loss, the compatibility
-score of DESIGN §3.7) is ``log softmax(h @ W.T / temperature)[target]`` where ``h`` is the model's final hidden state
-and ``W`` its lm_head matrix. This file computes that quantity in two places that must agree:
+score of the paper's Eqs. 6-8) is ``log softmax(h @ W.T / temperature)[target]`` where ``h`` is the model's final
+hidden state and ``W`` its lm_head matrix. This file computes that quantity in two places that must agree:
 
 * ``sample`` draws responses token by token and records the log-prob of each drawn token (behaviour log-probs);
 * ``response_logprobs`` recomputes the same log-probs with one forward pass over prompt + response (training and
@@ -33,12 +33,16 @@ Departures and shortcuts (read these before copying)
    bias their logits (Gemma-2 soft-capping, Granite/Cohere logit scaling) are refused by ``_lm_head_weight`` rather
    than silently given different log-probs from ``generate``.
 2. Log-probs of the sampled tokens are the temperature-scaled FULL-vocabulary log-probs, even when top-p truncates
-   the distribution we sample from (that is what ``response_logprobs`` recomputes, DESIGN §3.7). For temperature 0
-   (greedy) they are temperature-1 log-probs.
-3. The logits matmul runs in the inputs' dtype (bf16 stays bf16, as the model's own lm_head would run); everything
-   after it (temperature, log-sum-exp, softmax, gradient of the logits) is float32, and the weight gradient is
-   accumulated over chunks in float32. On CPU, where bf16 matmuls are slow, pass float32 tensors. float64 inputs
-   are computed and returned in float64 (the contract says float32; float64 is what ``gradcheck`` needs).
+   the distribution we sample from (that is what ``response_logprobs`` recomputes and the compatibility score
+   uses). For temperature 0 (greedy) they are temperature-1 log-probs.
+3. The logits matmul runs in the dtype ``hidden @ weight.T`` would run in at the call site, as the model's own
+   lm_head would: the inputs' dtype, or autocast's (bf16) when ``token_logprobs`` is called under autocast with
+   float32 tensors. That dtype is fixed when the forward runs and the backward recomputes its tiles in it with
+   autocast switched off, so a ``loss.backward()`` outside the autocast block (as trainers write it) still sees
+   probabilities that sum to 1. Everything after the matmul (temperature, log-sum-exp, softmax, gradient of the
+   logits) is float32, and the weight gradient is accumulated over chunks in float32. On CPU, where bf16 matmuls
+   are slow, pass float32 tensors. float64 inputs are computed and returned in float64 (the contract says float32;
+   float64 is what ``gradcheck`` needs).
 4. ``token_logprobs`` does not check that targets lie in [0, V) (that would need a host sync on every call);
    ``response_logprobs`` and ``sample`` check their Python inputs instead.
 5. ``sample`` switches the model to eval mode for the duration of the call (dropout off while sampling) and restores
@@ -58,7 +62,7 @@ Departures and shortcuts (read these before copying)
 Benchmark
 ---------
 ``python bench_sampler.py [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
-full-logits path, and the tokens/s of ``sample`` against transformers' ``generate`` (DESIGN §9).
+full-logits path, and the tokens/s of ``sample`` against transformers' ``generate`` (README, Benchmarks).
 """
 
 from __future__ import annotations
@@ -112,9 +116,15 @@ class _TokenLogprobs(torch.autograd.Function):
     """Autograd function behind ``token_logprobs``; see there for shapes. Saves only the (N,) log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt):
+        # cdt: the dtype both matmul operands are brought to, fixed by token_logprobs before autograd runs, so the
+        # forward and the backward (which may run under another autocast state, or none) compute the same tiles
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _TokenLogprobs._forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt):
         n_tok, vocab = hidden.shape[0], weight.shape[0]
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)  # the dtype both matmul operands are brought to
         adt = torch.promote_types(cdt, torch.float32)  # softmax arithmetic: float32, float64 only for float64 inputs
         lse = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
         logp = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
@@ -136,18 +146,25 @@ class _TokenLogprobs(torch.autograd.Function):
             lse[n0 : n0 + chunk_size] = run_max + torch.log(run_sum)
             logp[n0 : n0 + chunk_size] = tgt - lse[n0 : n0 + chunk_size]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.cfg = (temperature, chunk_size, vocab_chunk)
+        ctx.cfg = (temperature, chunk_size, vocab_chunk, cdt)
         return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
+        # The caller's backward usually runs outside the autocast block its forward ran in (loss.backward() after
+        # `with autocast: loss = ...`): autocast is switched off here and the tiles are recomputed in the dtype the
+        # forward used, so that exp(z - lse) sums to 1 over the vocabulary (departure 3).
+        with torch.autocast(grad_logp.device.type, enabled=False):
+            return _TokenLogprobs._backward(ctx, grad_logp)
+
+    @staticmethod
+    def _backward(ctx, grad_logp):
         # d logp_i / d z_ij = (1[j = t_i] - p_ij) / T with z = h @ W.T; chain rule with the upstream gradient g_i:
         # grad_z = (g / T)[:, None] * (onehot(t) - p). Each tile's p is recomputed from the saved log-sum-exp.
         hidden, weight, targets, lse = ctx.saved_tensors
-        temperature, chunk_size, vocab_chunk = ctx.cfg
+        temperature, chunk_size, vocab_chunk, cdt = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_tok, vocab = hidden.shape[0], weight.shape[0]
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)
         adt = lse.dtype  # float32 (float64 for float64 inputs)
         grad_h = torch.empty_like(hidden) if need_h else None  # (N, H) in hidden's dtype
         # float32 accumulator for the weight gradient: many token chunks add into every row of it
@@ -174,7 +191,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_h[n0 : n0 + chunk_size] = acc_h
         if need_w:
             grad_w = grad_w.to(weight.dtype)  # no copy for float32 weights
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -220,7 +237,20 @@ def token_logprobs(
     assert temperature > 0, f"temperature must be > 0 for log-probs, got {temperature}"
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     vocab_chunk = _vocab_chunk(weight.shape[0], chunk_size, vocab_chunk_size)
-    return _TokenLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size), vocab_chunk)
+    cdt = _matmul_dtype(hidden, weight)
+    return _TokenLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size), vocab_chunk, cdt)
+
+
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the logits matmuls: what ``hidden @ weight.T`` would run in at the call site (departure 3).
+
+    Under autocast that is autocast's dtype (bf16 / fp16 for float32 inputs, as the model's own lm_head would run);
+    float64 is never cast (autocast leaves it alone too). Outside autocast it is the promoted input dtype."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    device = hidden.device.type
+    if dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return dtype
 
 
 # ---------------------------------------------------------------------------------------------------------------------
