@@ -485,3 +485,112 @@ def test_sampler_and_training_forward_under_bf16_autocast():
     assert rel_norm_err(lp, ref_lp) <= 1.25 * rel_norm_err(naive_lp, ref_lp)
     e_ours, e_naive = rel_norm_err(g, ref_g), rel_norm_err(naive_g, ref_g)
     assert e_ours <= 1.25 * e_naive, f"surrogate gradient error {e_ours:.3f} vs transformers' forward {e_naive:.3f}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# continuous batching (max_batch_size) and the static-shape decode path (static=True)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,attn", [("qwen3", "sdpa"), ("llama", "sdpa"), ("qwen3", "eager")])
+@pytest.mark.parametrize("static", [False, True])
+def test_continuous_batching_greedy_matches_generate(kind, attn, static):
+    # 15 prompts through 1, 2 or 4 slots: rows finish at different steps, so refills join a batch in mid-flight,
+    # against caches of a different width; every row must still be token-identical to generate on the whole batch
+    model = tiny_model(kind, seed=9, attn=attn)
+    prompts = PROMPTS * 3
+    free = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=1000)
+    eos = [free[0].tokens[2], free[3].tokens[5]]
+    theirs = generate_responses(model, prompts, max_new_tokens=16, eos=eos)
+    whole = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=eos)
+    assert [r.tokens for r in whole] == theirs
+    lengths = {len(t) for t in theirs}
+    assert len(lengths) >= 3, f"the test needs rows of varied lengths, got {lengths}"
+    for mbs in (1, 2, 4):
+        ours = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=eos, max_batch_size=mbs,
+                      min_refill=1, static=static)
+        assert [r.tokens for r in ours] == theirs, f"max_batch_size={mbs}"
+        assert [r.ended_with_eos for r in ours] == [r.ended_with_eos for r in whole]
+        for a, b in zip(ours, whole):
+            assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5), f"max_batch_size={mbs}"
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_each_row_samples_as_if_alone(static):
+    # Departure 7: row i's draws depend only on its seed (the i-th drawn from the generator) and its own token
+    # count, so any max_batch_size, including one row at a time, gives the same tokens; log-probs agree to
+    # round-off and match a fresh forward pass.
+    model = tiny_model("llama", seed=10)
+    prompts = PROMPTS * 3
+    run = lambda **kw: sample(model, prompts, max_new_tokens=12, temperature=0.8, top_p=0.9, eos_token_id=[1, 2],
+                              generator=torch.Generator().manual_seed(0), **kw)
+    whole = run()
+    lengths = [len(r.tokens) for r in whole]
+    assert min(lengths) < 12 and max(lengths) == 12, f"want rows that stop early and rows at the cap, got {lengths}"
+    for mbs in (1, 3, 8):
+        ours = run(max_batch_size=mbs, static=static)
+        assert [r.tokens for r in ours] == [r.tokens for r in whole], f"max_batch_size={mbs}"
+        assert all(torch.allclose(a.logprobs, b.logprobs, atol=1e-5) for a, b in zip(ours, whole))
+    logp, mask = response_logprobs(model, prompts, [r.tokens for r in ours], pad_token_id=0, temperature=0.8)
+    assert torch.allclose(logp[mask], torch.cat([r.logprobs for r in ours]), atol=1e-5)
+    # a different generator seed gives different samples (the seeds really come from the generator)
+    other = sample(model, prompts, max_new_tokens=12, temperature=0.8, top_p=0.9, eos_token_id=[1, 2],
+                   generator=torch.Generator().manual_seed(1), max_batch_size=3, static=static)
+    assert [r.tokens for r in other] != [r.tokens for r in whole]
+
+
+def test_refills_fill_freed_slots_and_save_forward_calls():
+    model = tiny_model("qwen3", seed=9)
+    prompts = PROMPTS * 4  # 20 prompts, 4 slots
+    free = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=1000)
+    eos = [free[0].tokens[2], free[3].tokens[5]]
+    calls = []  # (rows, prefill?) per call of the model body
+    hook = model.model.register_forward_pre_hook(
+        lambda mod, args, kw: calls.append((kw["input_ids"].shape[0], kw["cache"].get_seq_length() == 0)),
+        with_kwargs=True,
+    )
+    try:
+        stats = {}
+        ours = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=eos, max_batch_size=4,
+                      min_refill=1, stats=stats)
+    finally:
+        hook.remove()
+    lengths = [len(r.tokens) for r in ours]
+    assert stats["forward_calls"] == len(calls)
+    assert max(n for n, _ in calls) <= 4, "never more rows in flight than max_batch_size"
+    assert sum(n for n, pre in calls if pre) == len(prompts), "every prompt is prefilled exactly once"
+    # every token but a row's last is fed to exactly one decode step: no finished row is carried along
+    assert sum(n for n, pre in calls if not pre) == sum(n - 1 for n in lengths)
+    # fixed chunks of 4 would pay one prefill + (longest row - 1) decode steps per chunk
+    chunked = sum(1 + max(lengths[i : i + 4]) - 1 for i in range(0, len(prompts), 4))
+    decode_calls = sum(1 for _, pre in calls if not pre)
+    assert decode_calls < sum(max(lengths[i : i + 4]) - 1 for i in range(0, len(prompts), 4))
+    assert len(calls) < chunked, f"{len(calls)} calls vs {chunked} for chunks of 4"
+
+
+def test_uniforms_are_uniform_and_independent_of_order():
+    from sampler import _uniforms
+
+    seeds = torch.randint(0, 2**62, (1000,), generator=torch.Generator().manual_seed(0))
+    counters = torch.arange(100).repeat_interleave(1000)  # (100000,)
+    u = _uniforms(seeds.repeat(100), counters)  # (100000,)
+    assert u.min() >= 0 and u.max() < 1
+    hist = torch.histc(u.float(), bins=20, min=0, max=1) / u.numel()  # 5% expected per bin, sd ~0.07%
+    assert (hist - 0.05).abs().max() < 0.004, hist
+    # neighbouring counters of one seed are uncorrelated
+    assert abs(torch.corrcoef(torch.stack([u[:-1000], u[1000:]]))[0, 1]) < 0.02
+    # a row's uniform depends on (seed, counter) only, not on which other rows are computed with it
+    assert torch.equal(_uniforms(seeds[5:6], torch.tensor([7])), _uniforms(seeds, torch.full((1000,), 7))[5:6])
+
+
+def test_continuous_batching_bad_input():
+    model = tiny_model("qwen3", seed=9)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        sample(model, PROMPTS, max_new_tokens=4, eos_token_id=1, max_batch_size=0)
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    sliding = AutoModelForCausalLM.from_config(Qwen3Config(**common)).eval()
+    with pytest.raises(ValueError, match="full attention"):
+        sample(sliding, PROMPTS, max_new_tokens=4, eos_token_id=1, max_batch_size=2)
+    # one batch for all prompts (the default) still works for it
+    assert len(sample(sliding, PROMPTS, max_new_tokens=4, eos_token_id=1)) == len(PROMPTS)
