@@ -1,7 +1,8 @@
 """Benchmarks for sampler.py (README, Benchmarks): every figure is a ratio measured side by side in one run.
 
-    python bench_sampler.py            # full sizes (about 6-8 minutes on one CPU thread)
-    python bench_sampler.py --quick    # smaller vocabulary and token count (about a minute)
+    python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
+    python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
+    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail}
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
    gradient, temperature 1:
@@ -18,6 +19,15 @@
    responses stop after 1 to 60 tokens as RL rollouts do. Tokens/s counts useful tokens (EOS included, padding
    after EOS excluded) for both. Cases: greedy with EOS (outputs must be identical), greedy with an EOS that is
    never produced (every row runs to the cap), and temperature-1 sampling with EOS.
+1b. (``--only autocast``) The log-prob path in the GPU trainer's precision regime, emulated with CPU autocast:
+   forward under bf16 autocast, backward outside it; errors of ours and of the naive path against float64.
+3. Long-tailed lengths (``--only long-tail``): 512 prompts, at most 64 in flight, greedy, cap 224, on a tiny
+   Qwen3-style model trained here on the same count-down task with L drawn 85% from 1..19 and 15% from 100..200.
+   ``sample`` with ``max_batch_size=64`` (continuous batching) against today's use (one ``sample`` call per chunk
+   of 64) and ``generate`` in chunks of 64: model forward calls counted by a hook on the model body (prefills
+   included; on a GPU a decode step costs about the same whatever its rows, so this is the cost that matters there),
+   tokens/s on this CPU, and greedy outputs identical row by row. ``static=True`` is run too, for parity and calls;
+   its CPU speed is not what it is built for.
 """
 
 import argparse
@@ -144,6 +154,37 @@ def bench_logprobs(n, h, v, repeats):
         e_gh = ((hidden.grad.double() - ref_gh).norm() / ref_gh.norm()).item()
         e_gw = ((weight.grad.double() - ref_gw).norm() / ref_gw.norm()).item()
         print(f"  {p:5s} logp {e_lp:.2e}   grad hidden {e_gh:.2e}   grad weight {e_gw:.2e}   (target < 1e-4)")
+
+
+def bench_autocast():
+    """The GPU trainer's precision regime on CPU: forward under bf16 autocast, backward outside it. Errors
+    (||err|| / ||ref||) of token_logprobs and of the naive path (bf16 logits, float32 log_softmax as CUDA autocast
+    runs it) against float64, on confident rows (logits / T of size ~8)."""
+    torch.set_num_threads(1)
+    print("\n== log-prob path under bf16 autocast (CPU autocast), backward outside autocast, vs float64")
+    print(f"  {'N x H, V, T':22s} {'log-probs':>20s} {'grad hidden':>20s} {'grad weight':>20s}   (naive / ours)")
+    for n, h, v, temp in [(256, 64, 4096, 1.0), (300, 32, 1000, 0.6), (97, 48, 3001, 1.7), (1024, 128, 32_000, 1.0)]:
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(n, h, generator=gen) * 8 * temp  # (N, H)
+        weight = torch.randn(v, h, generator=gen) / h**0.5  # (V, H)
+        targets = torch.randint(0, v, (n,), generator=gen)  # (N,)
+        upstream = torch.randn(n, generator=gen, dtype=torch.float64)  # (N,)
+        results = {}
+        for name in ("ref", "naive", "ours"):
+            hh = (hidden.double() if name == "ref" else hidden).clone().requires_grad_(True)
+            ww = (weight.double() if name == "ref" else weight).clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "ref"):
+                if name == "ours":
+                    lp = token_logprobs(hh, ww, targets, temperature=temp, chunk_size=128, vocab_chunk_size=3000)
+                else:
+                    lp = torch.log_softmax((hh @ ww.T).float() / temp, dim=-1).gather(1, targets[:, None]).squeeze(1)
+            (lp.double() * upstream).sum().backward()
+            results[name] = (lp.detach().double(), hh.grad.double(), ww.grad.double())
+        errs = [[((x - r).norm() / r.norm()).item() for x, r in zip(results[k], results["ref"])] for k in ("naive",
+                                                                                                          "ours")]
+        cells = " ".join(f"{a:9.2e}/{b:9.2e}" + ("" if b <= 1.25 * a else "!") for a, b in zip(*errs))
+        print(f"  {f'{n}x{h}, {v:,}, {temp}':22s} {cells}   ours/naive max {max(b / a for a, b in zip(*errs)):.2f} "
+              f"(target <= 1.25)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -378,8 +419,9 @@ def bench_long_tail(train_steps, repeats):
         print(f"  {name:24s} " + " ".join(f"{x:7.0f}" for x in tps[name]) + f"   median {med[name]:7.0f}   "
               f"vs generate {med[name] / med['generate, chunks of 64']:.2f}x")
     print(f"  continuous / generate in chunks of 64 = {med['continuous'] / med['generate, chunks of 64']:.2f}x "
-          f"(target >= 2); static=True runs all {LT_SLOTS} slots over all {LT_CAP}+ columns each step: built for a "
-          f"GPU's CUDA graph, slower on a CPU")
+          f"(target >= 2)")
+    print(f"  (static=True runs all {LT_SLOTS} slots over all {LT_CAP}+ cache columns every step, eagerly on a CPU; it "
+          f"is built for a GPU's CUDA graph, where its speed is not measured yet)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -390,7 +432,7 @@ def bench_long_tail(train_steps, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
-    ap.add_argument("--only", choices=["logprobs", "sampler", "long-tail"], help="run one of the benchmarks")
+    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail"], help="run one benchmark")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
@@ -402,6 +444,8 @@ def main():
             bench_logprobs(512, 256, 32_768, repeats=2)
         else:
             bench_logprobs(2048, 512, 151_936, repeats=3)
+    if args.only in (None, "autocast"):
+        bench_autocast()
     if args.only in (None, "sampler"):
         bench_sampler(train_steps=150 if args.quick else 400, repeats=2 if args.quick else 3)
     if args.only in (None, "long-tail"):

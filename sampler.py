@@ -301,14 +301,17 @@ def _cache_kwarg(base) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _full_attention_sdpa(config) -> bool:
-    """True if every layer is plain causal SDPA attention: no sliding window, no other kernel (departure 8)."""
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
+def _full_attention(config) -> bool:
+    """True if every layer attends to the whole past: no sliding window (departures 6, 8, 10)."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return all(t == "full_attention" for t in layer_types)
     return getattr(config, "sliding_window", None) is None  # e.g. Mistral: one window for all layers, no layer_types
+
+
+def _full_attention_sdpa(config) -> bool:
+    """True if every layer is plain causal SDPA attention: no sliding window, no other kernel (departure 8)."""
+    return getattr(config, "_attn_implementation", None) == "sdpa" and _full_attention(config)
 
 
 def _as_id_list(seq) -> list[int]:
@@ -523,23 +526,27 @@ class _Run:
             return []
         return [self.queue.pop() for _ in range(want)]
 
-    def draw(self, hidden: torch.Tensor, rows: torch.Tensor, n_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def draw(self, hidden: torch.Tensor, rows: torch.Tensor, n_out: torch.Tensor, may_cap: bool):
         """Draw the next token of each running row. hidden (A, H), rows (A,) original row ids, n_out (A,) tokens
-        drawn so far -> tokens (A,), done (A,) bool (EOS drawn or the cap reached), ended (A,) bool (EOS drawn)."""
+        drawn so far; may_cap: whether some row can reach max_new_tokens now (known on the host, so the check is
+        skipped otherwise) -> tokens (A,), done (A,) bool (EOS drawn or the cap reached), is_eos (A,) bool."""
         logits = torch.mm(hidden, self.weight.t()).float()  # (A, V), the same expression token_logprobs uses
         u = None if self.temperature == 0 else _uniforms(self.seeds[rows], n_out)  # (A,)
         tokens, logp = _draw(logits, self.temperature, self.top_p, u)  # (A,), (A,)
         self.draws.append((rows, n_out, tokens, logp))
-        is_eos = torch.isin(tokens, self.eos)  # (A,)
-        return tokens, is_eos | (n_out + 1 >= self.max_new_tokens), is_eos
+        is_eos = tokens == self.eos[0] if len(self.eos) == 1 else torch.isin(tokens, self.eos)  # (A,)
+        return tokens, (is_eos | (n_out + 1 >= self.max_new_tokens)) if may_cap else is_eos, is_eos
 
-    def finish(self, rows: torch.Tensor, n_out: torch.Tensor, is_eos: torch.Tensor, done: torch.Tensor) -> None:
-        """Record the rows that just finished: rows, n_out (tokens before this draw), is_eos, done all (A,)."""
-        idx = done.nonzero().squeeze(1)
-        for r, n, e in zip(rows[idx].tolist(), (n_out[idx] + 1).tolist(), is_eos[idx].tolist()):
-            self.out_len[r], self.ended[r] = n, e
+    def finish(self, rows: list[int], n_out: list[int], done: torch.Tensor, is_eos: torch.Tensor) -> list[bool]:
+        """Record the rows that just finished. rows, n_out: host lists (A,); done, is_eos (A,) bool on the device,
+        brought over in one transfer. Returns done as a host list."""
+        flags = torch.stack([done, is_eos]).tolist()  # [[done] * A, [is_eos] * A]
+        for r, n, d, e in zip(rows, n_out, *flags):
+            if d:
+                self.out_len[r], self.ended[r] = n + 1, e
         if self.bar is not None:
-            self.bar.update(len(idx))
+            self.bar.update(sum(flags[0]))
+        return flags[0]
 
     def rollouts(self, device) -> list[Rollout]:
         n_rows = len(self.prompts)
@@ -645,14 +652,6 @@ def sample(
     return run.rollouts(device)
 
 
-def _full_attention(config) -> bool:
-    """True if every layer attends to the whole past (no sliding window)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return all(t == "full_attention" for t in layer_types)
-    return getattr(config, "sliding_window", None) is None
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Sampler, part 3: the default path. Left-padded rows in a DynamicCache; finished rows leave it, refills are
 # prefilled together and merged in by left-padding the shorter of the two caches
@@ -663,7 +662,8 @@ def _full_attention(config) -> bool:
 class _Batch:
     """Rows in flight. Every row's next token sits in the last column (left padding), so one decode step feeds
     (B, 1) tokens. attn (B, width + room) bool: columns < width describe the cache, later ones are True already
-    (a row still present has a real token in every column written after its prompt), so a step passes a view."""
+    (a row still present has a real token in every column written after its prompt), so a step passes a view.
+    The host keeps what the schedule needs (row ids, start steps, padding), so no step waits for the device for it."""
 
     cache: DynamicCache
     attn: torch.Tensor  # (B, width + room) bool
@@ -672,10 +672,13 @@ class _Batch:
     rows: torch.Tensor  # (B,) original prompt index
     n_out: torch.Tensor  # (B,) tokens drawn so far
     hidden: torch.Tensor  # (B, H) final hidden state that predicts each row's next token
+    rows_host: list[int]  # the same prompt indices on the host
+    starts: list[int]  # step of the loop at which each row drew its first token: n_out = step - start
+    pads: list[int]  # leading padding columns of each row in the cache
 
 
-def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int) -> _Batch:
-    """One forward over the left-padded prompts of `rows` into a fresh DynamicCache."""
+def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: int) -> _Batch:
+    """One forward over the left-padded prompts of `rows` into a fresh DynamicCache; they draw first at `step`."""
     device = run.weight.device
     lens = torch.tensor([len(run.prompts[r]) for r in rows], dtype=torch.long)  # (b,)
     width = int(lens.max())
@@ -693,7 +696,8 @@ def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int) -> _Bat
     ).last_hidden_state[:, -1]  # (b, H): left padding puts every row's last prompt token in the last column
     run.forward_calls += 1
     rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (b,)
-    return _Batch(cache, attn.to(device), width, lens.to(device).unsqueeze(1), rows_t, torch.zeros_like(rows_t), hidden)
+    return _Batch(cache, attn.to(device), width, lens.to(device).unsqueeze(1), rows_t, torch.zeros_like(rows_t),
+                  hidden, list(rows), [step] * len(rows), (width - lens).tolist())
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int, value) -> torch.Tensor:
@@ -717,22 +721,25 @@ def _merge(a: _Batch, b: _Batch, room: int) -> _Batch:
     attn[:, :width] = torch.cat([_left_pad(a.attn[:, : a.width], width, 1, False),
                                  _left_pad(b.attn[:, : b.width], width, 1, False)])  # (B, W)
     cat = lambda x, y: torch.cat([x, y])
+    pads = [p + width - a.width for p in a.pads] + [p + width - b.width for p in b.pads]
     return _Batch(a.cache, attn, width, cat(a.next_pos, b.next_pos), cat(a.rows, b.rows), cat(a.n_out, b.n_out),
-                  cat(a.hidden, b.hidden))
+                  cat(a.hidden, b.hidden), a.rows_host + b.rows_host, a.starts + b.starts, pads)
 
 
-def _keep(batch: _Batch, keep: torch.Tensor) -> _Batch:
-    """Only the rows `keep` (B',) stay: cache rows, mask rows, row state. Leading columns that became padding in
-    every remaining row are cut (a view, no copy), so the cache stays as wide as its longest row, not as the run."""
-    batch.cache.batch_select_indices(keep)
-    attn = batch.attn[keep]
-    lead = int((~attn[:, : batch.width]).cumprod(dim=1).sum(dim=1).min())  # columns that are padding in every row
+def _keep(batch: _Batch, keep: list[int]) -> _Batch:
+    """Only the rows `keep` stay: cache rows, mask rows, row state. Leading columns that became padding in every
+    remaining row are cut (a view, no copy), so the cache stays as wide as its longest row, not as the run."""
+    keep_t = torch.tensor(keep, dtype=torch.long, device=batch.rows.device)  # (B',)
+    batch.cache.batch_select_indices(keep_t)
+    pads = [batch.pads[i] for i in keep]
+    lead = min(pads)  # columns that are padding in every remaining row
+    attn = batch.attn[keep_t, lead:]
     if lead > 0:
         for layer in batch.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
-        attn = attn[:, lead:]
-    return _Batch(batch.cache, attn, batch.width - lead, batch.next_pos[keep], batch.rows[keep], batch.n_out[keep],
-                  batch.hidden[keep])
+    return _Batch(batch.cache, attn, batch.width - lead, batch.next_pos[keep_t], batch.rows[keep_t],
+                  batch.n_out[keep_t], batch.hidden[keep_t], [batch.rows_host[i] for i in keep],
+                  [batch.starts[i] for i in keep], [p - lead for p in pads])
 
 
 def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
@@ -742,15 +749,17 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
     # passes a ready 4D mask through untouched: hand it a (B, 1, 1, cur) view of the buffer and skip the per-step
     # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
     ready_4d = _full_attention_sdpa(model.config)
-    batch = _prefill(model, base, run, run.take(run.capacity, 0), pad_token_id)
+    step = 0
+    batch = _prefill(model, base, run, run.take(run.capacity, 0), pad_token_id, step)
     while batch is not None:
-        tokens, done, is_eos = run.draw(batch.hidden, batch.rows, batch.n_out)  # (B,) each
+        may_cap = step - min(batch.starts) + 1 >= run.max_new_tokens  # the oldest row is at its last token
+        tokens, done, is_eos = run.draw(batch.hidden, batch.rows, batch.n_out, may_cap)  # (B,) each
         if done.any():  # one host sync per step: the batch shape of the next step depends on it
-            run.finish(batch.rows, batch.n_out, is_eos, done)
-            keep = (~done).nonzero().squeeze(1)  # (B',)
-            batch, tokens = (_keep(batch, keep), tokens[keep]) if len(keep) else (None, None)
+            flags = run.finish(batch.rows_host, [step - s for s in batch.starts], done, is_eos)
+            keep = [i for i, d in enumerate(flags) if not d]
+            batch, tokens = (_keep(batch, keep), tokens[keep]) if keep else (None, None)
+        step += 1
         if batch is not None:
-            batch.n_out = batch.n_out + 1
             cur = batch.width + 1  # cache columns once this step's token is in
             mask = batch.attn[:, None, None, :cur] if ready_4d else batch.attn[:, :cur]  # (B, 1, 1, cur) / (B, cur)
             batch.hidden = base(
@@ -758,11 +767,11 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
                 **{cache_arg: batch.cache},
             ).last_hidden_state[:, -1]  # (B, H)
             run.forward_calls += 1
-            batch.width, batch.next_pos = cur, batch.next_pos + 1
-        alive = 0 if batch is None else batch.rows.shape[0]
+            batch.width, batch.next_pos, batch.n_out = cur, batch.next_pos + 1, batch.n_out + 1
+        alive = 0 if batch is None else len(batch.rows_host)
         new = run.take(run.capacity - alive, alive)
         if new:
-            fresh = _prefill(model, base, run, new, pad_token_id)
+            fresh = _prefill(model, base, run, new, pad_token_id, step)
             batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens)
 
 
@@ -876,12 +885,14 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
     n_slots = run.capacity
     length = max(len(p) for p in run.prompts) + run.max_new_tokens  # every row fits from column 0
     cache = _SlotCache(n_slots, length, device)
-    step = _StaticStep(model, base, cache, device)
-    slot_row = torch.full((n_slots,), -1, dtype=torch.long, device=device)  # (S,) prompt index, -1 when free
-    n_out = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,)
+    decode = _StaticStep(model, base, cache, device)
+    slot_row = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) prompt index of each slot's row
+    n_out = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) tokens drawn so far
     hidden = None  # (S, H)
     free = list(range(n_slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
+    row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step of its row's first draw
+    step = 0
 
     def admit(rows: list[int]) -> None:
         nonlocal hidden
@@ -889,29 +900,32 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
         pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
         cache.load(slots_t, pre_cache, lens)
-        step.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
+        decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
         slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
         n_out.index_fill_(0, slots_t, 0)
         if hidden is None:
             hidden = pre_hidden.new_zeros(n_slots, pre_hidden.shape[1])  # (S, H)
         hidden.index_copy_(0, slots_t, pre_hidden)
         active.extend(slots)
+        row_of.update(zip(slots, rows))
+        start_of.update((s, step) for s in slots)
 
     admit(run.take(run.capacity, 0))
     while active:
         act = torch.tensor(active, dtype=torch.long, device=device)  # (A,)
-        tokens, done, is_eos = run.draw(hidden[act], slot_row[act], n_out[act])  # (A,) each
+        may_cap = step - min(start_of[s] for s in active) + 1 >= run.max_new_tokens
+        tokens, done, is_eos = run.draw(hidden[act], slot_row[act], n_out[act], may_cap)  # (A,) each
         if done.any():  # host sync, as in the default path
-            run.finish(slot_row[act], n_out[act], is_eos, done)
-            finished = set(act[done].tolist())
-            free.extend(sorted(finished, reverse=True))
-            active = [s for s in active if s not in finished]
-        step.tokens.index_copy_(0, act, tokens.unsqueeze(1))
+            flags = run.finish([row_of[s] for s in active], [step - start_of[s] for s in active], done, is_eos)
+            free.extend(sorted((s for s, d in zip(active, flags) if d), reverse=True))
+            active = [s for s, d in zip(active, flags) if not d]
+        decode.tokens.index_copy_(0, act, tokens.unsqueeze(1))
         n_out.index_add_(0, act, torch.ones_like(act))
+        step += 1
         if active:
-            hidden = step()  # (S, H); free slots compute garbage that nobody reads
+            hidden = decode()  # (S, H); free slots compute garbage that nobody reads
             run.forward_calls += 1
-            step.positions.add_(1)
+            decode.positions.add_(1)
             # a free slot's write_pos keeps counting: clamp it inside the buffer (a running row never gets there)
             cache.write_pos.add_(1).clamp_(max=length - 1)
         new = run.take(len(free), len(active))
