@@ -80,7 +80,9 @@ Departures and shortcuts (read these before copying)
 Benchmark
 ---------
 ``python bench_sampler.py [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
-full-logits path, and the tokens/s of ``sample`` against transformers' ``generate`` (README, Benchmarks).
+full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against transformers' ``generate``, and, on
+long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
+Benchmarks).
 """
 
 from __future__ import annotations

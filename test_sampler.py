@@ -594,3 +594,18 @@ def test_continuous_batching_bad_input():
         sample(sliding, PROMPTS, max_new_tokens=4, eos_token_id=1, max_batch_size=2)
     # one batch for all prompts (the default) still works for it
     assert len(sample(sliding, PROMPTS, max_new_tokens=4, eos_token_id=1)) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_continuous_batching_under_bf16_autocast(static):
+    # the trainer's call: all prompts at once under bf16 autocast with a few rows in flight; the behaviour log-probs
+    # must still agree with the training forward within the bf16 tolerance of the module docstring
+    model = tiny_model("qwen3", seed=13, head_scale=10.0)
+    prompts = PROMPTS * 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rolls = sample(model, prompts, max_new_tokens=10, temperature=0.8, eos_token_id=[1, 2], max_batch_size=3,
+                       min_refill=1, static=static, generator=torch.Generator().manual_seed(0))
+        logp, mask = response_logprobs(model, prompts, [r.tokens for r in rolls], pad_token_id=0, temperature=0.8)
+    assert len({len(r.tokens) for r in rolls}) > 1, "want rows of different lengths, so that refills happen"
+    diff = (logp[mask] - torch.cat([r.logprobs for r in rolls])).abs()
+    assert diff.mean() < 0.02 and diff.max() < 0.25, f"mean {diff.mean():.4f}, max {diff.max():.4f} nats"
