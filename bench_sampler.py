@@ -1,7 +1,8 @@
-"""Benchmarks for sampler.py (DESIGN §9): every figure is a ratio measured side by side in one run.
+"""Benchmarks for sampler.py (README, Benchmarks): every figure is a ratio measured side by side in one run.
 
-    python bench_sampler.py            # full sizes (about 6-8 minutes on one CPU thread)
-    python bench_sampler.py --quick    # smaller vocabulary and token count (about a minute)
+    python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
+    python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
+    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail}
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
    gradient, temperature 1:
@@ -18,6 +19,15 @@
    responses stop after 1 to 60 tokens as RL rollouts do. Tokens/s counts useful tokens (EOS included, padding
    after EOS excluded) for both. Cases: greedy with EOS (outputs must be identical), greedy with an EOS that is
    never produced (every row runs to the cap), and temperature-1 sampling with EOS.
+1b. (``--only autocast``) The log-prob path in the GPU trainer's precision regime, emulated with CPU autocast:
+   forward under bf16 autocast, backward outside it; errors of ours and of the naive path against float64.
+3. Long-tailed lengths (``--only long-tail``): 512 prompts, at most 64 in flight, greedy, cap 224, on a tiny
+   Qwen3-style model trained here on the same count-down task with L drawn 85% from 1..19 and 15% from 100..200.
+   ``sample`` with ``max_batch_size=64`` (continuous batching) against today's use (one ``sample`` call per chunk
+   of 64) and ``generate`` in chunks of 64: model forward calls counted by a hook on the model body (prefills
+   included; on a GPU a decode step costs about the same whatever its rows, so this is the cost that matters there),
+   tokens/s on this CPU, and greedy outputs identical row by row. ``static=True`` is run too, for parity and calls;
+   its CPU speed is not what it is built for.
 """
 
 import argparse
@@ -27,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -145,24 +156,79 @@ def bench_logprobs(n, h, v, repeats):
         print(f"  {p:5s} logp {e_lp:.2e}   grad hidden {e_gh:.2e}   grad weight {e_gw:.2e}   (target < 1e-4)")
 
 
+def bench_autocast():
+    """The GPU trainer's precision regime on CPU: forward under bf16 autocast, backward outside it. Errors
+    (||err|| / ||ref||) of token_logprobs and of the naive path (bf16 logits, float32 log_softmax as CUDA autocast
+    runs it) against float64, on confident rows (logits / T of size ~8)."""
+    torch.set_num_threads(1)
+    print("\n== log-prob path under bf16 autocast (CPU autocast), backward outside autocast, vs float64")
+    print(f"  {'N x H, V, T':22s} {'log-probs':>20s} {'grad hidden':>20s} {'grad weight':>20s}   (naive / ours)")
+    for n, h, v, temp in [(256, 64, 4096, 1.0), (300, 32, 1000, 0.6), (97, 48, 3001, 1.7), (1024, 128, 32_000, 1.0)]:
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(n, h, generator=gen) * 8 * temp  # (N, H)
+        weight = torch.randn(v, h, generator=gen) / h**0.5  # (V, H)
+        targets = torch.randint(0, v, (n,), generator=gen)  # (N,)
+        upstream = torch.randn(n, generator=gen, dtype=torch.float64)  # (N,)
+        results = {}
+        for name in ("ref", "naive", "ours"):
+            hh = (hidden.double() if name == "ref" else hidden).clone().requires_grad_(True)
+            ww = (weight.double() if name == "ref" else weight).clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "ref"):
+                if name == "ours":
+                    lp = token_logprobs(hh, ww, targets, temperature=temp, chunk_size=128, vocab_chunk_size=3000)
+                else:
+                    lp = torch.log_softmax((hh @ ww.T).float() / temp, dim=-1).gather(1, targets[:, None]).squeeze(1)
+            (lp.double() * upstream).sum().backward()
+            results[name] = (lp.detach().double(), hh.grad.double(), ww.grad.double())
+        errs = [[((x - r).norm() / r.norm()).item() for x, r in zip(results[k], results["ref"])] for k in ("naive",
+                                                                                                          "ours")]
+        cells = " ".join(f"{a:9.2e}/{b:9.2e}" + ("" if b <= 1.25 * a else "!") for a, b in zip(*errs))
+        print(f"  {f'{n}x{h}, {v:,}, {temp}':22s} {cells}   ours/naive max {max(b / a for a, b in zip(*errs)):.2f} "
+              f"(target <= 1.25)")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 2. sampler vs generate
 # ---------------------------------------------------------------------------------------------------------------------
 
-PAD, EOS, VOCAB, CAP = 0, 1, 256, 64
-COUNTER0 = 2  # token COUNTER0 + k is the counter c_k, k = 0..63
-FILLER0 = 70  # filler tokens 70..255 make up the prompts
+PAD, EOS, CAP = 0, 1, 64
+COUNTER0 = 2  # token COUNTER0 + k is the counter c_k
 
 
-def counting_batch(batch, gen):
+@dataclass(frozen=True)
+class CountTask:
+    """A count-down task: the prompt is filler tokens then c_L; the response c_{L-1}, ..., c_1, EOS has L tokens.
+
+    A tiny model learns it quickly (each token follows from the previous one and the prompt's c_L), and its greedy
+    responses then stop after the number of tokens the prompt asks for, as RL rollouts stop at varied lengths."""
+
+    vocab: int
+    max_len: int  # longest L; counters c_0..c_max_len are tokens COUNTER0..COUNTER0 + max_len, fillers the rest
+    long_tail: bool  # False: L uniform in 1..max_len; True: 85% uniform in 1..19, 15% uniform in 100..max_len
+
+    @property
+    def filler0(self) -> int:
+        return COUNTER0 + self.max_len + 1
+
+    def draw_length(self, gen) -> int:
+        if self.long_tail and float(torch.rand((), generator=gen)) < 0.15:
+            return int(torch.randint(100, self.max_len + 1, (1,), generator=gen))
+        return int(torch.randint(1, (20 if self.long_tail else self.max_len + 1), (1,), generator=gen))
+
+
+VARIED = CountTask(vocab=256, max_len=60, long_tail=False)  # lengths 1..60, cap 64: the batch-64 cases
+LONG_TAIL = CountTask(vocab=320, max_len=200, long_tail=True)  # most under 20 tokens, 15% in 100..200
+
+
+def counting_batch(batch, gen, task=VARIED):
     """Prompts (list of lists) and right-padded training sequences (B, L) with a loss mask on response tokens.
 
-    prompt = 4..16 filler tokens, then c_L (L uniform in 1..60); response = c_{L-1}, ..., c_1, EOS (L tokens)."""
+    prompt = 4..16 filler tokens, then c_L; response = c_{L-1}, ..., c_1, EOS (L tokens)."""
     prompts, seqs = [], []
     for _ in range(batch):
         n_fill = int(torch.randint(4, 17, (1,), generator=gen))
-        length = int(torch.randint(1, 61, (1,), generator=gen))
-        prompt = torch.randint(FILLER0, VOCAB, (n_fill,), generator=gen).tolist() + [COUNTER0 + length]
+        length = task.draw_length(gen)
+        prompt = torch.randint(task.filler0, task.vocab, (n_fill,), generator=gen).tolist() + [COUNTER0 + length]
         response = [COUNTER0 + k for k in range(length - 1, 0, -1)] + [EOS]
         prompts.append(prompt)
         seqs.append((prompt, response))
@@ -175,14 +241,14 @@ def counting_batch(batch, gen):
     return prompts, ids, labels
 
 
-def trained_tiny_qwen3(steps, seed=0):
-    """A tiny Qwen3-style model trained to stop after the count-down its prompt asks for (1..60 tokens)."""
+def trained_tiny_qwen3(steps, seed=0, task=VARIED):
+    """A tiny Qwen3-style model trained to stop after the count-down its prompt asks for."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS,
+        vocab_size=task.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=PAD, eos_token_id=EOS,
         bos_token_id=None, tie_word_embeddings=False,
     )
     model = AutoModelForCausalLM.from_config(cfg)
@@ -190,7 +256,7 @@ def trained_tiny_qwen3(steps, seed=0):
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(steps):
-        _, ids, labels = counting_batch(64, gen)
+        _, ids, labels = counting_batch(64, gen, task)
         loss = model(input_ids=ids, attention_mask=(ids != PAD).long(), labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -198,7 +264,7 @@ def trained_tiny_qwen3(steps, seed=0):
     return model.eval(), loss.item()
 
 
-def run_generate(model, prompts, *, eos, temperature):
+def run_generate(model, prompts, *, eos, temperature, cap=CAP):
     """transformers' generate on the same left-padded batch; returns per-row useful tokens (cut after first EOS)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])  # (B, P)
@@ -206,7 +272,7 @@ def run_generate(model, prompts, *, eos, temperature):
     # top_k=0: generate's default config may carry top_k=50, which our full-distribution sampling does not apply
     kw = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature else dict(do_sample=False)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=CAP, eos_token_id=eos, pad_token_id=PAD, **kw)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=cap, eos_token_id=eos, pad_token_id=PAD, **kw)
     rows = []
     for row in out[:, width:].tolist():
         stop = next((k for k, t in enumerate(row) if t == eos), None)
@@ -225,10 +291,11 @@ def bench_sampler(train_steps, repeats):
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     model, loss = trained_tiny_qwen3(train_steps)
-    print(f"\n== sampler vs generate: tiny Qwen3 (hidden 64, 2 layers, V={VOCAB}), batch 64, cap {CAP}, CPU, 1 thread")
+    print(f"\n== sampler vs generate: tiny Qwen3 (hidden 64, 2 layers, V={VARIED.vocab}), batch 64, cap {CAP}, "
+          "CPU, 1 thread")
     print(f"trained {train_steps} steps in {time.perf_counter() - t0:.0f} s, final loss {loss:.3f}")
     prompts, _, _ = counting_batch(64, torch.Generator().manual_seed(123))
-    never = VOCAB  # an EOS id outside the vocabulary: never produced, every row runs to the cap
+    never = VARIED.vocab  # an EOS id outside the vocabulary: never produced, every row runs to the cap
     cases = [("greedy, EOS (lengths vary)", EOS, 0.0), ("greedy, no EOS (all rows to cap)", never, 0.0),
              ("T=1 sampling, EOS", EOS, 1.0)]
     for name, eos, temperature in cases:
@@ -258,6 +325,106 @@ def bench_sampler(train_steps, repeats):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# 3. long-tailed lengths: continuous batching vs chunks of 64
+# ---------------------------------------------------------------------------------------------------------------------
+
+LT_CAP, LT_PROMPTS, LT_SLOTS = 224, 512, 64
+
+
+class CallCounter:
+    """Counts calls of the model body (prefills and decode steps alike): on a GPU a decode step costs about the same
+    whatever the number of rows in it, so the count, not the CPU time, is the cost that continuous batching cuts."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.hook = model.model.register_forward_pre_hook(lambda *_: self.bump())
+
+    def bump(self):
+        self.calls += 1
+
+    def close(self):
+        self.hook.remove()
+
+
+def lt_continuous(model, prompts, **kw):
+    rolls = sample(model, prompts, max_new_tokens=LT_CAP, temperature=0, eos_token_id=EOS, pad_token_id=PAD,
+                   max_batch_size=LT_SLOTS, **kw)
+    return [r.tokens for r in rolls]
+
+
+def lt_chunks(model, prompts):
+    """Today's use: one sample() call per chunk of 64; each call prunes finished rows but ends with its longest."""
+    out = []
+    for i in range(0, len(prompts), LT_SLOTS):
+        rolls = sample(model, prompts[i : i + LT_SLOTS], max_new_tokens=LT_CAP, temperature=0, eos_token_id=EOS,
+                       pad_token_id=PAD)
+        out += [r.tokens for r in rolls]
+    return out
+
+
+def lt_generate(model, prompts):
+    out = []
+    for i in range(0, len(prompts), LT_SLOTS):
+        out += run_generate(model, prompts[i : i + LT_SLOTS], eos=EOS, temperature=0.0, cap=LT_CAP)
+    return out
+
+
+def bench_long_tail(train_steps, repeats):
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    model, loss = trained_tiny_qwen3(train_steps, task=LONG_TAIL)
+    print(f"\n== long-tailed lengths: tiny Qwen3 (V={LONG_TAIL.vocab}), {LT_PROMPTS} prompts, <= {LT_SLOTS} in flight, "
+          f"cap {LT_CAP}, greedy, CPU, 1 thread")
+    print(f"trained {train_steps} steps in {time.perf_counter() - t0:.0f} s, final loss {loss:.4f}")
+    prompts, _, _ = counting_batch(LT_PROMPTS, torch.Generator().manual_seed(321), LONG_TAIL)
+    runs = {
+        "continuous": lambda: lt_continuous(model, prompts),
+        "chunks of 64 (today)": lambda: lt_chunks(model, prompts),
+        "generate, chunks of 64": lambda: lt_generate(model, prompts),
+        "continuous, static=True": lambda: lt_continuous(model, prompts, static=True),
+    }
+    calls, outputs = {}, {}
+    for name, fn in runs.items():  # one counted run each (also the warm-up)
+        counter = CallCounter(model)
+        try:
+            outputs[name] = fn()
+        finally:
+            counter.close()
+        calls[name] = counter.calls
+    lengths = sorted(len(r) for r in outputs["continuous"])
+    n = len(lengths)
+    print(f"response lengths: min {lengths[0]}, median {lengths[n // 2]}, mean {sum(lengths) / n:.1f}, max "
+          f"{lengths[-1]}; under 20 tokens {sum(x < 20 for x in lengths) / n:.0%}, 100-200 tokens "
+          f"{sum(100 <= x <= 200 for x in lengths) / n:.0%}")
+    ref = outputs["generate, chunks of 64"]
+    for name in runs:
+        print(f"  {name:24s} greedy outputs identical to generate row by row: {outputs[name] == ref}")
+        assert outputs[name] == ref, f"{name}: greedy outputs differ from generate"
+    print("model forward calls (prefills + decode steps):")
+    for name in runs:
+        print(f"  {name:24s} {calls[name]:6d}   continuous / this = {calls['continuous'] / calls[name]:.2f}")
+    print(f"  continuous vs today's chunks of 64: {calls['continuous'] / calls['chunks of 64 (today)']:.2f}x the calls "
+          f"(target <= 0.5)")
+    timed = [k for k in runs if k != "continuous, static=True"] + ["continuous, static=True"]
+    tps = {k: [] for k in timed}
+    total = sum(lengths)
+    for rep in range(repeats):
+        for name in (timed if rep % 2 == 0 else timed[::-1]):  # alternate the order
+            t0 = time.perf_counter()
+            runs[name]()
+            tps[name].append(total / (time.perf_counter() - t0))
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    print("tokens/s (useful tokens, interleaved repeats):")
+    for name in timed:
+        print(f"  {name:24s} " + " ".join(f"{x:7.0f}" for x in tps[name]) + f"   median {med[name]:7.0f}   "
+              f"vs generate {med[name] / med['generate, chunks of 64']:.2f}x")
+    print(f"  continuous / generate in chunks of 64 = {med['continuous'] / med['generate, chunks of 64']:.2f}x "
+          f"(target >= 2)")
+    print(f"  (static=True runs all {LT_SLOTS} slots over all {LT_CAP}+ cache columns every step, eagerly on a CPU; it "
+          f"is built for a GPU's CUDA graph, where its speed is not measured yet)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -265,7 +432,7 @@ def bench_sampler(train_steps, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
-    ap.add_argument("--only", choices=["logprobs", "sampler"], help="run one of the two benchmarks")
+    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail"], help="run one benchmark")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
@@ -277,8 +444,12 @@ def main():
             bench_logprobs(512, 256, 32_768, repeats=2)
         else:
             bench_logprobs(2048, 512, 151_936, repeats=3)
+    if args.only in (None, "autocast"):
+        bench_autocast()
     if args.only in (None, "sampler"):
         bench_sampler(train_steps=150 if args.quick else 400, repeats=2 if args.quick else 3)
+    if args.only in (None, "long-tail"):
+        bench_long_tail(train_steps=200 if args.quick else 300, repeats=1 if args.quick else 2)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 What this file does
 -------------------
 Every log-probability in GRAFT (behaviour policy at sampling time, current policy in the loss, the compatibility
-score of DESIGN §3.7) is ``log softmax(h @ W.T / temperature)[target]`` where ``h`` is the model's final hidden state
-and ``W`` its lm_head matrix. This file computes that quantity in two places that must agree:
+score of the paper's Eqs. 6-8) is ``log softmax(h @ W.T / temperature)[target]`` where ``h`` is the model's final
+hidden state and ``W`` its lm_head matrix. This file computes that quantity in two places that must agree:
 
 * ``sample`` draws responses token by token and records the log-prob of each drawn token (behaviour log-probs);
 * ``response_logprobs`` recomputes the same log-probs with one forward pass over prompt + response (training and
@@ -24,8 +24,9 @@ API
 ``Rollout(tokens, logprobs, ended_with_eos)``
     one sampled response: token ids (EOS included when it stopped at EOS), (len(tokens),) float32 CPU log-probs.
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
-         generator=None, progress=False) -> list[Rollout]``
-    batched autoregressive sampling with a KV cache; rows that reach EOS leave the batch.
+         generator=None, max_batch_size=None, min_refill=None, static=False, progress=False, stats=None)``
+    -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
+    most ``max_batch_size`` rows in flight; rows that finish leave the batch and waiting prompts take their places.
 
 Departures and shortcuts (read these before copying)
 ----------------------------------------------------
@@ -33,32 +34,55 @@ Departures and shortcuts (read these before copying)
    bias their logits (Gemma-2 soft-capping, Granite/Cohere logit scaling) are refused by ``_lm_head_weight`` rather
    than silently given different log-probs from ``generate``.
 2. Log-probs of the sampled tokens are the temperature-scaled FULL-vocabulary log-probs, even when top-p truncates
-   the distribution we sample from (that is what ``response_logprobs`` recomputes, DESIGN §3.7). For temperature 0
-   (greedy) they are temperature-1 log-probs.
-3. The logits matmul runs in the inputs' dtype (bf16 stays bf16, as the model's own lm_head would run); everything
-   after it (temperature, log-sum-exp, softmax, gradient of the logits) is float32, and the weight gradient is
-   accumulated over chunks in float32. On CPU, where bf16 matmuls are slow, pass float32 tensors. float64 inputs
-   are computed and returned in float64 (the contract says float32; float64 is what ``gradcheck`` needs).
+   the distribution we sample from (that is what ``response_logprobs`` recomputes and the compatibility score
+   uses). For temperature 0 (greedy) they are temperature-1 log-probs.
+3. The logits matmul runs in the dtype ``hidden @ weight.T`` would run in at the call site, as the model's own
+   lm_head would: the inputs' dtype, or autocast's (bf16) when ``token_logprobs`` is called under autocast with
+   float32 tensors. That dtype is fixed when the forward runs and the backward recomputes its tiles in it with
+   autocast switched off, so a ``loss.backward()`` outside the autocast block (as trainers write it) still sees
+   probabilities that sum to 1. Everything after the matmul (temperature, log-sum-exp, softmax, gradient of the
+   logits) is float32, and the weight gradient is accumulated over chunks in float32. On CPU, where bf16 matmuls
+   are slow, pass float32 tensors. float64 inputs are computed and returned in float64 (the contract says float32;
+   float64 is what ``gradcheck`` needs).
 4. ``token_logprobs`` does not check that targets lie in [0, V) (that would need a host sync on every call);
    ``response_logprobs`` and ``sample`` check their Python inputs instead.
 5. ``sample`` switches the model to eval mode for the duration of the call (dropout off while sampling) and restores
    its previous mode afterwards. Its decode loop runs under ``torch.inference_mode`` (cheaper per op than
    ``no_grad``); the returned log-prob tensors are ordinary tensors.
-6. Finished rows are dropped from the KV cache (``DynamicCache.batch_select_indices``, one copy of the cache per
-   step on which some row finishes). Left-padding columns that become all-padding after pruning are not trimmed.
-7. Sampling uses ``torch.multinomial`` with the caller's generator. The random stream consumed depends on the batch
-   composition, so a row's sample depends on its batch mates (as in ``generate``); the same prompts, settings and
-   seed give the same samples.
+6. Continuous batching. Finished rows are dropped from the KV cache (``DynamicCache.batch_select_indices``, one
+   copy of the cache per step on which some row finishes), and leading columns that became padding in every row are
+   cut. Waiting prompts are prefilled together, in one left-padded forward, and merged in by left-padding whichever
+   cache is narrower: every row keeps its own positions and padding mask, so it computes what it would alone, up to
+   float round-off of different batch shapes. A refill waits until ``min_refill`` slots are free (default 1/8 of
+   ``max_batch_size``), trading a little occupancy for fewer prefill calls. Unlike vLLM-style engines there is no
+   paged cache and no chunked prefill: a refill's prefill is its own forward call, and a row's cache is a stretch
+   of a dense tensor. Models with sliding-window layers can only run all prompts at once.
+7. The random stream. One 62-bit seed per prompt is drawn from the caller's generator, in prompt order, at the
+   start of the call; row i's t-th token is then drawn by inverting the (top-p truncated) CDF at the uniform
+   splitmix64(seed_i + (t + 1) * golden), computed on the device. A row's response is therefore a function of its
+   prompt, its seed and the model only: the same whatever its batch mates, ``max_batch_size``, ``static`` or the
+   step at which it entered (tests check token identity across all of these). It differs from ``generate``'s
+   ``torch.multinomial`` stream; greedy decoding uses no randomness and matches ``generate`` token for token. The
+   CDF is summed in float64, so each token's chance is its probability to ~1e-16 (53-bit uniforms).
 8. For SDPA models without sliding-window layers, a decode step's attention mask is handed to the model as a
    ready (B_alive, 1, 1, cur) boolean view of the preallocated padding mask (transformers passes 4D masks through
    untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
    would produce, minus the per-step cost. Other attention implementations get the 2D mask.
 9. ``pad_token_id`` defaults to 0 in ``sample``: padding is masked out, so any id in [0, V) gives the same result.
+10. ``static=True``: each of the S = max_batch_size slots owns a preallocated (L = longest prompt + max_new_tokens)
+   stretch of KV cache, written from column 0; a decode step runs all S slots over all L columns with a mask, so its
+   shapes never change, and on CUDA it is captured once as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed.
+   Refill prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L
+   columns whatever the rows' lengths, as gpt-fast's static cache) and attention over all L columns every step.
+   Supports full-attention models with sdpa or eager attention. On CPU it runs the same step eagerly: tested there
+   for parity with the default path; the graph capture and its speed are not yet measured on a GPU.
 
 Benchmark
 ---------
 ``python bench_sampler.py [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
-full-logits path, and the tokens/s of ``sample`` against transformers' ``generate`` (DESIGN §9).
+full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against transformers' ``generate``, and, on
+long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
+Benchmarks).
 """
 
 from __future__ import annotations
@@ -112,9 +136,15 @@ class _TokenLogprobs(torch.autograd.Function):
     """Autograd function behind ``token_logprobs``; see there for shapes. Saves only the (N,) log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt):
+        # cdt: the dtype both matmul operands are brought to, fixed by token_logprobs before autograd runs, so the
+        # forward and the backward (which may run under another autocast state, or none) compute the same tiles
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _TokenLogprobs._forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt):
         n_tok, vocab = hidden.shape[0], weight.shape[0]
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)  # the dtype both matmul operands are brought to
         adt = torch.promote_types(cdt, torch.float32)  # softmax arithmetic: float32, float64 only for float64 inputs
         lse = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
         logp = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
@@ -136,18 +166,25 @@ class _TokenLogprobs(torch.autograd.Function):
             lse[n0 : n0 + chunk_size] = run_max + torch.log(run_sum)
             logp[n0 : n0 + chunk_size] = tgt - lse[n0 : n0 + chunk_size]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.cfg = (temperature, chunk_size, vocab_chunk)
+        ctx.cfg = (temperature, chunk_size, vocab_chunk, cdt)
         return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
+        # The caller's backward usually runs outside the autocast block its forward ran in (loss.backward() after
+        # `with autocast: loss = ...`): autocast is switched off here and the tiles are recomputed in the dtype the
+        # forward used, so that exp(z - lse) sums to 1 over the vocabulary (departure 3).
+        with torch.autocast(grad_logp.device.type, enabled=False):
+            return _TokenLogprobs._backward(ctx, grad_logp)
+
+    @staticmethod
+    def _backward(ctx, grad_logp):
         # d logp_i / d z_ij = (1[j = t_i] - p_ij) / T with z = h @ W.T; chain rule with the upstream gradient g_i:
         # grad_z = (g / T)[:, None] * (onehot(t) - p). Each tile's p is recomputed from the saved log-sum-exp.
         hidden, weight, targets, lse = ctx.saved_tensors
-        temperature, chunk_size, vocab_chunk = ctx.cfg
+        temperature, chunk_size, vocab_chunk, cdt = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_tok, vocab = hidden.shape[0], weight.shape[0]
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)
         adt = lse.dtype  # float32 (float64 for float64 inputs)
         grad_h = torch.empty_like(hidden) if need_h else None  # (N, H) in hidden's dtype
         # float32 accumulator for the weight gradient: many token chunks add into every row of it
@@ -174,7 +211,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_h[n0 : n0 + chunk_size] = acc_h
         if need_w:
             grad_w = grad_w.to(weight.dtype)  # no copy for float32 weights
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -220,7 +257,20 @@ def token_logprobs(
     assert temperature > 0, f"temperature must be > 0 for log-probs, got {temperature}"
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     vocab_chunk = _vocab_chunk(weight.shape[0], chunk_size, vocab_chunk_size)
-    return _TokenLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size), vocab_chunk)
+    cdt = _matmul_dtype(hidden, weight)
+    return _TokenLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size), vocab_chunk, cdt)
+
+
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the logits matmuls: what ``hidden @ weight.T`` would run in at the call site (departure 3).
+
+    Under autocast that is autocast's dtype (bf16 / fp16 for float32 inputs, as the model's own lm_head would run);
+    float64 is never cast (autocast leaves it alone too). Outside autocast it is the promoted input dtype."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    device = hidden.device.type
+    if dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return dtype
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -253,14 +303,17 @@ def _cache_kwarg(base) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _full_attention_sdpa(config) -> bool:
-    """True if every layer is plain causal SDPA attention: no sliding window, no other kernel (departure 8)."""
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
+def _full_attention(config) -> bool:
+    """True if every layer attends to the whole past: no sliding window (departures 6, 8, 10)."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return all(t == "full_attention" for t in layer_types)
     return getattr(config, "sliding_window", None) is None  # e.g. Mistral: one window for all layers, no layer_types
+
+
+def _full_attention_sdpa(config) -> bool:
+    """True if every layer is plain causal SDPA attention: no sliding window, no other kernel (departure 8)."""
+    return getattr(config, "_attn_implementation", None) == "sdpa" and _full_attention(config)
 
 
 def _as_id_list(seq) -> list[int]:
@@ -354,7 +407,74 @@ def response_logprobs(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Sampler: left-padded prefill, then one token per step with a KV cache; finished rows leave the batch
+# Sampler, part 1: the random stream. Row i of a call draws its t-th token with a uniform that depends only on
+# (seed_i, t), so a row's sample does not depend on its batch mates, the batch size or when it enters the batch
+# ---------------------------------------------------------------------------------------------------------------------
+
+# splitmix64 constants (Steele, Lea & Flood 2014) as signed int64: torch has no uint64 arithmetic, and int64
+# multiplication and addition wrap modulo 2**64 on CPU and CUDA alike, which is all the mixer needs.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: it would copy the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row from its seed and counter. seeds (B,) int64, counters (B,) int64 -> (B,) float64.
+
+    The splitmix64 output function applied to seed + (counter + 1) * golden: a counter-based generator (no state to
+    carry or reorder when rows leave or join the batch), 53 random bits per draw, the same bits on every device."""
+    z = seeds + (counters + 1) * _GOLDEN  # (B,)
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() * 2.0**-53  # (B,) top 53 bits: exact in float64, strictly below 1
+
+
+def _row_seeds(n_rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """(n_rows,) int64 seeds, drawn in prompt order from the caller's generator (torch's default one if None)."""
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    return torch.randint(0, 2**62, (n_rows,), generator=generator, device=gen_device).to(device)  # (B,)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row's unnormalised weights by inversion. weights (B, V) >= 0, u (B,) in [0, 1) -> (B,)
+    long. The cumulative sum runs in float64 so the interval of each token is its probability to ~1e-16."""
+    cdf = weights.double().cumsum(dim=-1)  # (B, V)
+    total = cdf[:, -1:]  # (B, 1)
+    idx = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)  # (B, 1) first index with cdf > u * total
+    # u * total can round up to total: never step past the last token with positive weight
+    last = (cdf < total).sum(dim=-1, keepdim=True)  # (B, 1)
+    return torch.minimum(idx, last).squeeze(1)  # (B,)
+
+
+def _draw(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                                       torch.Tensor]:
+    """Pick one token per row and its log-prob. logits (B, V) float32, u (B,) uniforms (None for greedy) -> tokens
+    (B,) long, logprobs (B,) float32."""
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)  # (B,) greedy; first index on ties, as generate
+        # temperature-1 log-probs (departure 2): target logit minus log-sum-exp, as token_logprobs computes them
+        return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V) full-vocabulary log-probs (departure 2)
+    probs = logp.exp()  # (B, V)
+    if top_p < 1.0:
+        # nucleus: the smallest set of most likely tokens whose mass reaches top_p. A token stays if the mass of the
+        # tokens strictly before it (in descending order) is still below top_p, so the most likely one always stays.
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(dim=-1) - sorted_p >= top_p, 0.0)
+        tokens = order.gather(1, _inverse_cdf(sorted_p, u).unsqueeze(1)).squeeze(1)  # (B,); inversion renormalises
+    else:
+        tokens = _inverse_cdf(probs, u)  # (B,)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampler, part 2: the public entry point and its bookkeeping
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -373,24 +493,77 @@ class Rollout:
     ended_with_eos: bool
 
 
-def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row and its log-prob. logits (B, V) float32 -> tokens (B,) long, logprobs (B,) float32."""
-    if temperature == 0:
-        tokens = logits.argmax(dim=-1)  # (B,) greedy; first index on ties, as generate
-        # temperature-1 log-probs (departure 2): target logit minus log-sum-exp, as token_logprobs computes them
-        return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
-    logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V) full-vocabulary log-probs (departure 2)
-    probs = logp.exp()  # (B, V)
-    if top_p < 1.0:
-        # nucleus: the smallest set of most likely tokens whose mass reaches top_p. A token stays if the mass of the
-        # tokens strictly before it (in descending order) is still below top_p, so the most likely one always stays.
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(dim=-1) - sorted_p >= top_p, 0.0)
-        pick = torch.multinomial(sorted_p, 1, generator=generator)  # (B, 1); multinomial renormalises
-        tokens = order.gather(1, pick).squeeze(1)  # (B,)
-    else:
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
-    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+@dataclass
+class _Run:
+    """What every decode loop shares: the settings, the queue of prompts not started yet, and the draws so far.
+
+    Each draw appends four (B_alive,) tensors (original row, index of the token in its response, token, log-prob);
+    one scatter at the end assembles them, instead of indexed writes into output buffers on every step."""
+
+    prompts: list[list[int]]
+    weight: torch.Tensor  # (V, H) lm_head
+    seeds: torch.Tensor  # (B,) int64, one per prompt
+    eos: torch.Tensor  # (E,) long
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    capacity: int  # rows in flight at most
+    min_refill: int  # free slots that trigger a refill while rows are still running
+    bar: object = None
+    queue: list[int] | None = None  # prompt indices not started yet, in order (consumed from the front)
+    draws: list | None = None
+    out_len: list[int] | None = None
+    ended: list[bool] | None = None
+    forward_calls: int = 0  # prefill + decode calls of the model body (the benchmark's GPU cost proxy)
+
+    def __post_init__(self):
+        self.queue = list(range(len(self.prompts)))[::-1]  # reversed: pop() takes the next prompt in order
+        self.draws, self.out_len, self.ended = [], [0] * len(self.prompts), [False] * len(self.prompts)
+
+    def take(self, free: int, alive: int) -> list[int]:
+        """Prompts to start now. A refill costs one prefill call whatever its size, so while rows are still
+        running it waits until at least min_refill slots are free (or the whole remaining queue fits)."""
+        want = min(free, len(self.queue))
+        if want == 0 or (alive > 0 and want < min(self.min_refill, len(self.queue))):
+            return []
+        return [self.queue.pop() for _ in range(want)]
+
+    def draw(self, hidden: torch.Tensor, rows: torch.Tensor, n_out: torch.Tensor, may_cap: bool):
+        """Draw the next token of each running row. hidden (A, H), rows (A,) original row ids, n_out (A,) tokens
+        drawn so far; may_cap: whether some row can reach max_new_tokens now (known on the host, so the check is
+        skipped otherwise) -> tokens (A,), done (A,) bool (EOS drawn or the cap reached), is_eos (A,) bool."""
+        logits = torch.mm(hidden, self.weight.t()).float()  # (A, V), the same expression token_logprobs uses
+        u = None if self.temperature == 0 else _uniforms(self.seeds[rows], n_out)  # (A,)
+        tokens, logp = _draw(logits, self.temperature, self.top_p, u)  # (A,), (A,)
+        self.draws.append((rows, n_out, tokens, logp))
+        is_eos = tokens == self.eos[0] if len(self.eos) == 1 else torch.isin(tokens, self.eos)  # (A,)
+        return tokens, (is_eos | (n_out + 1 >= self.max_new_tokens)) if may_cap else is_eos, is_eos
+
+    def finish(self, rows: list[int], n_out: list[int], done: torch.Tensor, is_eos: torch.Tensor) -> list[bool]:
+        """Record the rows that just finished. rows, n_out: host lists (A,); done, is_eos (A,) bool on the device,
+        brought over in one transfer. Returns done as a host list."""
+        flags = torch.stack([done, is_eos]).tolist()  # [[done] * A, [is_eos] * A]
+        for r, n, d, e in zip(rows, n_out, *flags):
+            if d:
+                self.out_len[r], self.ended[r] = n + 1, e
+        if self.bar is not None:
+            self.bar.update(sum(flags[0]))
+        return flags[0]
+
+    def rollouts(self, device) -> list[Rollout]:
+        n_rows = len(self.prompts)
+        rows, cols, toks, logps = (torch.cat(x) for x in zip(*self.draws))  # (sum of A,) each
+        out_tokens = torch.zeros(n_rows, self.max_new_tokens, dtype=torch.long, device=device)  # (B, max_new)
+        out_logp = torch.zeros(n_rows, self.max_new_tokens, dtype=torch.float32, device=device)  # (B, max_new)
+        out_tokens[rows, cols] = toks
+        out_logp[rows, cols] = logps
+        tokens_cpu, logp_cpu = out_tokens.cpu(), out_logp.cpu()
+        out = []
+        for i in range(n_rows):
+            n = self.out_len[i]
+            assert 0 < n <= self.max_new_tokens and (self.ended[i] or n == self.max_new_tokens), f"row {i}: {n} tokens"
+            out.append(Rollout(tokens_cpu[i, :n].tolist(), logp_cpu[i, :n].clone(), self.ended[i]))
+        return out
 
 
 def sample(
@@ -403,9 +576,13 @@ def sample(
     eos_token_id,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    max_batch_size: int | None = None,
+    min_refill: int | None = None,
+    static: bool = False,
     progress: bool = False,
+    stats: dict | None = None,
 ) -> list[Rollout]:
-    """Sample one response per prompt from a transformers causal LM.
+    """Sample one response per prompt from a transformers causal LM, with continuous batching.
 
     Args:
         model: a transformers causal LM with a plain lm_head (departure 1); its device and dtype are used as they are.
@@ -415,17 +592,21 @@ def sample(
         top_p: nucleus mass in (0, 1]; 1 samples from the full distribution. Ignored for greedy.
         eos_token_id: an int or a list of ints; a row stops after producing any of them (ids outside [0, V) are
             never produced: every row then runs to max_new_tokens).
-        pad_token_id: id written into left-padding slots (masked out, so any id in [0, V) will do; default 0).
-        generator: torch.Generator on the model's device, for reproducible samples.
-        progress: show a tqdm bar over decode steps.
+        pad_token_id: id written into padding slots (masked out, so any id in [0, V) will do; default 0).
+        generator: torch.Generator (any device) from which one seed per prompt is drawn, in prompt order
+            (departure 7); None uses torch's default generator.
+        max_batch_size: rows in flight at most (bounds the KV cache); None = all prompts at once. When rows finish,
+            waiting prompts take their places (departure 6).
+        min_refill: while rows are running, waiting prompts are prefilled only once this many slots are free (or the
+            whole queue fits), so that one prefill call serves several; default max(1, max_batch_size // 8).
+        static: the static-shape decode path (departure 10): a preallocated per-slot KV cache and a fixed-shape decode
+            step, captured as a CUDA graph on CUDA. Same results as the default path up to float round-off.
+        progress: show a tqdm bar over finished rows.
+        stats: if a dict is given, ``stats["forward_calls"]`` receives the number of model-body calls (prefills and
+            decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost.
 
     Returns:
         B Rollouts, in prompt order.
-
-    How: prompts are left-padded to P = longest prompt, so every row's next token sits in the last column. One
-    prefill fills a DynamicCache; then each step feeds the B_alive newest tokens (B_alive, 1) with per-row positions
-    and a view of a preallocated (B, P + max_new_tokens) attention mask. When rows produce EOS they are dropped from
-    the cache, the mask and the position state, so later steps only compute rows still running.
     """
     assert max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"
     assert temperature >= 0, f"temperature must be >= 0, got {temperature}"
@@ -435,99 +616,320 @@ def sample(
     pad_token_id = 0 if pad_token_id is None else int(pad_token_id)  # pads are masked out: any valid id does
     prompts = [_as_id_list(p) for p in prompts]
     assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"sampler.py sample(): max_batch_size must be >= 1 or None, got {max_batch_size}")
     weight = _lm_head_weight(model)
     device = weight.device
     _check_ids(prompts, weight.shape[0], "prompts")
-    base = _base_model(model)
-    cache_arg = _cache_kwarg(base)
     n_rows = len(prompts)
     if n_rows == 0:
         return []
-
-    # ---- left-padded prompt batch, its mask, and the per-row position of the next token
-    prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)  # (B,)
-    width = int(prompt_len.max())
-    input_ids = torch.full((n_rows, width), pad_token_id, dtype=torch.long)  # (B, P)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-    # Preallocated mask for the whole run. Response columns are True from the start: a row that finishes leaves the
-    # batch, so every row still present has a real token in every response column written so far. Each step
-    # therefore passes a prefix view of this buffer; nothing is concatenated or written per step.
-    attn = torch.ones(n_rows, width + max_new_tokens, dtype=torch.bool)  # (B, P + max_new)
-    attn[:, :width] = torch.arange(width).unsqueeze(0) >= (width - prompt_len).unsqueeze(1)
-    # position of prompt column j in row i is j - (number of pads); pads get 0 (they are masked out anyway)
-    positions = (torch.arange(width).unsqueeze(0) - (width - prompt_len).unsqueeze(1)).clamp(min=0)  # (B, P)
-    input_ids, attn, positions = input_ids.to(device), attn.to(device), positions.to(device)
-    next_pos = prompt_len.to(device).unsqueeze(1)  # (B, 1) position of each row's next token
-    eos_t = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    # For SDPA models without sliding-window layers, a decode step's mask is just the padding mask, and transformers
-    # passes a ready 4D mask through untouched: hand it a (B_alive, 1, 1, cur) view of the buffer and skip the per-step
-    # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
-    ready_4d = _full_attention_sdpa(model.config)
-
-    # ---- per step we only append (tokens, log-probs, original row ids) of the rows still running; one scatter at
-    # the end assembles them, instead of indexed writes into output buffers on every step
-    step_tokens, step_logp, step_rows = [], [], []
-    alive = torch.arange(n_rows, device=device)  # (B_alive,) original row of each current batch row
-    out_len = [max_new_tokens] * n_rows
-    ended = [False] * n_rows
-
+    capacity = n_rows if max_batch_size is None else min(max_batch_size, n_rows)
+    if (capacity < n_rows or static) and not _full_attention(model.config):
+        raise ValueError("sampler.py sample(): max_batch_size < len(prompts) and static=True need a model whose layers "
+                         "all use full attention (sliding-window caches cannot be merged or preallocated per slot)")
+    if static and model.config._attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"sampler.py sample(): static=True supports sdpa and eager attention, not "
+                         f"{model.config._attn_implementation!r}")
+    run = _Run(
+        prompts, weight, _row_seeds(n_rows, generator, device),
+        torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
+        capacity, max(1, capacity // 8) if min_refill is None else max(1, int(min_refill)),
+    )
+    base = _base_model(model)
     was_training = model.training
     model.eval()  # departure 5: no dropout while sampling
-    bar = tqdm(total=max_new_tokens, desc="sampling", unit="tok") if progress else None
+    run.bar = tqdm(total=n_rows, desc="sampling", unit="row") if progress else None
     # inference_mode rather than no_grad: it also skips view and version-counter bookkeeping, a visible share of a
-    # small model's decode step. Its tensors never escape: the rollouts' tensors are copied out after it (below).
+    # small model's decode step. Its tensors never escape: the rollouts' tensors are copied out after it.
     try:
         with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
-            hidden = base(
-                input_ids=input_ids, attention_mask=attn[:, :width], position_ids=positions, use_cache=True,
-                **{cache_arg: cache},
-            ).last_hidden_state[:, -1]  # (B, H): left padding puts every row's last prompt token in the last column
-            for step in range(max_new_tokens):
-                logits = torch.mm(hidden, weight.t()).float()  # (B_alive, V), the same expression token_logprobs uses
-                tokens, logp = _draw(logits, temperature, top_p, generator)  # (B_alive,), (B_alive,)
-                step_tokens.append(tokens)
-                step_logp.append(logp)
-                step_rows.append(alive)
-                if bar is not None:
-                    bar.update(1)
-                done = tokens == eos_t[0] if len(eos_ids) == 1 else torch.isin(tokens, eos_t)  # (B_alive,)
-                if done.any():  # one host sync per step: the batch shape of the next step depends on it
-                    for r in alive[done].tolist():
-                        out_len[r], ended[r] = step + 1, True
-                    if bool(done.all()):
-                        break
-                    keep = (~done).nonzero().squeeze(1)  # (B_alive',)
-                    # rows that finished leave the batch: cache rows, mask rows, position state, and the row map
-                    cache.batch_select_indices(keep)
-                    attn, next_pos, alive, tokens = attn[keep], next_pos[keep], alive[keep], tokens[keep]
-                if step + 1 == max_new_tokens:
-                    break  # the cap: no forward pass for a token that would never be sampled
-                cur = width + step + 1  # columns in use after feeding this step's token: P prompt + (step + 1) response
-                mask = attn[:, None, None, :cur] if ready_4d else attn[:, :cur]  # (B_alive, 1, 1, cur) / (B_alive, cur)
-                hidden = base(
-                    input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos, use_cache=True,
-                    **{cache_arg: cache},
-                ).last_hidden_state[:, -1]  # (B_alive, H)
-                next_pos = next_pos + 1
+            (_decode_static if static else _decode_dynamic)(model, base, run, pad_token_id)
     finally:
-        if bar is not None:
-            bar.close()
+        if run.bar is not None:
+            run.bar.close()
         model.train(was_training)
+    if stats is not None:
+        stats["forward_calls"] = run.forward_calls
+    return run.rollouts(device)
 
-    # ---- assemble: step s wrote tokens for the rows in step_rows[s]
-    n_steps = len(step_tokens)
-    cols = torch.cat([torch.full_like(r, s) for s, r in enumerate(step_rows)])  # (sum of B_alive,)
-    rows = torch.cat(step_rows)  # (sum of B_alive,)
-    out_tokens = torch.zeros(n_rows, n_steps, dtype=torch.long, device=device)  # (B, steps)
-    out_logp = torch.zeros(n_rows, n_steps, dtype=torch.float32, device=device)  # (B, steps)
-    out_tokens[rows, cols] = torch.cat(step_tokens)
-    out_logp[rows, cols] = torch.cat(step_logp)
-    tokens_cpu, logp_cpu = out_tokens.cpu(), out_logp.cpu()
-    rollouts = []
-    for i in range(n_rows):
-        n = out_len[i]
-        assert ended[i] or n == max_new_tokens, f"row {i} stopped after {n} tokens without EOS"
-        rollouts.append(Rollout(tokens_cpu[i, :n].tolist(), logp_cpu[i, :n].clone(), ended[i]))
-    return rollouts
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampler, part 3: the default path. Left-padded rows in a DynamicCache; finished rows leave it, refills are
+# prefilled together and merged in by left-padding the shorter of the two caches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Batch:
+    """Rows in flight. Every row's next token sits in the last column (left padding), so one decode step feeds
+    (B, 1) tokens. attn (B, width + room) bool: columns < width describe the cache, later ones are True already
+    (a row still present has a real token in every column written after its prompt), so a step passes a view.
+    The host keeps what the schedule needs (row ids, start steps, padding), so no step waits for the device for it."""
+
+    cache: DynamicCache
+    attn: torch.Tensor  # (B, width + room) bool
+    width: int  # cache columns
+    next_pos: torch.Tensor  # (B, 1) position of each row's next token
+    rows: torch.Tensor  # (B,) original prompt index
+    n_out: torch.Tensor  # (B,) tokens drawn so far
+    hidden: torch.Tensor  # (B, H) final hidden state that predicts each row's next token
+    rows_host: list[int]  # the same prompt indices on the host
+    starts: list[int]  # step of the loop at which each row drew its first token: n_out = step - start
+    pads: list[int]  # leading padding columns of each row in the cache
+
+
+def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: int) -> _Batch:
+    """One forward over the left-padded prompts of `rows` into a fresh DynamicCache; they draw first at `step`."""
+    device = run.weight.device
+    lens = torch.tensor([len(run.prompts[r]) for r in rows], dtype=torch.long)  # (b,)
+    width = int(lens.max())
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (b, P)
+    for i, r in enumerate(rows):
+        ids[i, width - lens[i] :] = torch.tensor(run.prompts[r], dtype=torch.long)
+    attn = torch.ones(len(rows), width + run.max_new_tokens, dtype=torch.bool)  # (b, P + max_new)
+    attn[:, :width] = torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)
+    # position of prompt column j in row i is j - (number of pads); pads get 0 (they are masked out anyway)
+    positions = (torch.arange(width).unsqueeze(0) - (width - lens).unsqueeze(1)).clamp(min=0)  # (b, P)
+    cache = DynamicCache(config=model.config)
+    hidden = base(
+        input_ids=ids.to(device), attention_mask=attn[:, :width].to(device), position_ids=positions.to(device),
+        use_cache=True, **{_cache_kwarg(base): cache},
+    ).last_hidden_state[:, -1]  # (b, H): left padding puts every row's last prompt token in the last column
+    run.forward_calls += 1
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (b,)
+    return _Batch(cache, attn.to(device), width, lens.to(device).unsqueeze(1), rows_t, torch.zeros_like(rows_t),
+                  hidden, list(rows), [step] * len(rows), (width - lens).tolist())
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int, value) -> torch.Tensor:
+    """x padded on the left along `dim` to `width` with `value`."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_full(shape, value), x], dim=dim)
+
+
+def _merge(a: _Batch, b: _Batch, room: int) -> _Batch:
+    """Batch a's rows then b's, both caches left-padded to the wider one (the padding columns are masked out and
+    positions are per row, so every row computes what it computed before)."""
+    width = max(a.width, b.width)
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        la.keys = torch.cat([_left_pad(la.keys, width, 2, 0.0), _left_pad(lb.keys, width, 2, 0.0)])  # (B, h, W, d)
+        la.values = torch.cat([_left_pad(la.values, width, 2, 0.0), _left_pad(lb.values, width, 2, 0.0)])
+    attn = torch.ones(a.attn.shape[0] + b.attn.shape[0], width + room, dtype=torch.bool, device=a.attn.device)
+    attn[:, :width] = torch.cat([_left_pad(a.attn[:, : a.width], width, 1, False),
+                                 _left_pad(b.attn[:, : b.width], width, 1, False)])  # (B, W)
+    cat = lambda x, y: torch.cat([x, y])
+    pads = [p + width - a.width for p in a.pads] + [p + width - b.width for p in b.pads]
+    return _Batch(a.cache, attn, width, cat(a.next_pos, b.next_pos), cat(a.rows, b.rows), cat(a.n_out, b.n_out),
+                  cat(a.hidden, b.hidden), a.rows_host + b.rows_host, a.starts + b.starts, pads)
+
+
+def _keep(batch: _Batch, keep: list[int]) -> _Batch:
+    """Only the rows `keep` stay: cache rows, mask rows, row state. Leading columns that became padding in every
+    remaining row are cut (a view, no copy), so the cache stays as wide as its longest row, not as the run."""
+    keep_t = torch.tensor(keep, dtype=torch.long, device=batch.rows.device)  # (B',)
+    batch.cache.batch_select_indices(keep_t)
+    pads = [batch.pads[i] for i in keep]
+    lead = min(pads)  # columns that are padding in every remaining row
+    attn = batch.attn[keep_t, lead:]
+    if lead > 0:
+        for layer in batch.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+    return _Batch(batch.cache, attn, batch.width - lead, batch.next_pos[keep_t], batch.rows[keep_t],
+                  batch.n_out[keep_t], batch.hidden[keep_t], [batch.rows_host[i] for i in keep],
+                  [batch.starts[i] for i in keep], [p - lead for p in pads])
+
+
+def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
+    """The default decode loop: draw, drop finished rows, one decode step for the rest, refill."""
+    cache_arg = _cache_kwarg(base)
+    # For SDPA models without sliding-window layers, a decode step's mask is just the padding mask, and transformers
+    # passes a ready 4D mask through untouched: hand it a (B, 1, 1, cur) view of the buffer and skip the per-step
+    # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
+    ready_4d = _full_attention_sdpa(model.config)
+    step = 0
+    batch = _prefill(model, base, run, run.take(run.capacity, 0), pad_token_id, step)
+    while batch is not None:
+        may_cap = step - min(batch.starts) + 1 >= run.max_new_tokens  # the oldest row is at its last token
+        tokens, done, is_eos = run.draw(batch.hidden, batch.rows, batch.n_out, may_cap)  # (B,) each
+        if done.any():  # one host sync per step: the batch shape of the next step depends on it
+            flags = run.finish(batch.rows_host, [step - s for s in batch.starts], done, is_eos)
+            keep = [i for i, d in enumerate(flags) if not d]
+            batch, tokens = (_keep(batch, keep), tokens[keep]) if keep else (None, None)
+        step += 1
+        if batch is not None:
+            cur = batch.width + 1  # cache columns once this step's token is in
+            mask = batch.attn[:, None, None, :cur] if ready_4d else batch.attn[:, :cur]  # (B, 1, 1, cur) / (B, cur)
+            batch.hidden = base(
+                input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=batch.next_pos, use_cache=True,
+                **{cache_arg: batch.cache},
+            ).last_hidden_state[:, -1]  # (B, H)
+            run.forward_calls += 1
+            batch.width, batch.next_pos, batch.n_out = cur, batch.next_pos + 1, batch.n_out + 1
+        alive = 0 if batch is None else len(batch.rows_host)
+        new = run.take(run.capacity - alive, alive)
+        if new:
+            fresh = _prefill(model, base, run, new, pad_token_id, step)
+            batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampler, part 4: the static-shape path. S slots, each with its own preallocated (L,) stretch of KV cache written
+# from column 0; a decode step always runs all S slots over all L columns, so its shapes never change and CUDA can
+# replay it as a graph. Refills are prefilled (right-padded, eager) and copied into the free slots.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _SlotCache:
+    """The cache object handed to the model's attention layers in a static decode step (duck-typed: transformers'
+    attention modules only call ``update``). keys/values per layer: (S, kv_heads, L, head_dim); write_pos (S,):
+    the column where each slot's current token goes (= tokens already cached in that slot)."""
+
+    def __init__(self, slots: int, length: int, device):
+        self.slots, self.length = slots, length
+        self.keys, self.values = [], []
+        self.write_pos = torch.zeros(slots, dtype=torch.long, device=device)  # (S,)
+
+    def load(self, slots: torch.Tensor, prefill: DynamicCache, lens: torch.Tensor) -> None:
+        """Copy right-padded prefill K/V (b, h, P, d) into `slots` (b,), columns [0, P); lens (b,) prompt lengths."""
+        for i, layer in enumerate(prefill.layers):
+            k, v = layer.keys, layer.values  # (b, h, P, d)
+            if i == len(self.keys):  # first load: allocate with the K/V's own head count, size and dtype
+                shape = (self.slots, k.shape[1], self.length, k.shape[3])
+                self.keys.append(k.new_zeros(shape))
+                self.values.append(v.new_zeros(shape))
+            self.keys[i][:, :, : k.shape[2]].index_copy_(0, slots, k.to(self.keys[i].dtype))
+            self.values[i][:, :, : v.shape[2]].index_copy_(0, slots, v.to(self.values[i].dtype))
+        self.write_pos.index_copy_(0, slots, lens)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Write one step's K/V (S, h, 1, d) at each slot's write_pos; return the whole (S, h, L, d) buffers."""
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        idx = self.write_pos.view(-1, 1, 1, 1).expand(-1, k_buf.shape[1], 1, k_buf.shape[3])  # (S, h, 1, d)
+        k_buf.scatter_(2, idx, key_states.to(k_buf.dtype))
+        v_buf.scatter_(2, idx, value_states.to(v_buf.dtype))
+        return k_buf, v_buf
+
+
+class _StaticStep:
+    """One decode step over all S slots from fixed buffers: tokens (S, 1), positions (S, 1), cache.write_pos (S,)
+    -> hidden (S, H). On CUDA the step is captured once as a CUDA graph and replayed; elsewhere it runs eagerly
+    (the same computation, which is what the CPU parity tests check)."""
+
+    def __init__(self, model, base, cache: _SlotCache, device):
+        self.base, self.cache, self.cache_arg = base, cache, _cache_kwarg(base)
+        self.tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)  # (S, 1)
+        self.positions = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)  # (S, 1)
+        self.columns = torch.arange(cache.length, device=device)  # (L,)
+        # eager attention adds its mask to the scores; sdpa takes a boolean one
+        self.additive = model.config._attn_implementation == "eager"
+        self.dtype = next(model.parameters()).dtype
+        self.neg = torch.finfo(self.dtype).min
+        self.use_graph = torch.device(device).type == "cuda"
+        self.graph, self.out = None, None
+
+    def _step(self) -> torch.Tensor:
+        allowed = self.columns.unsqueeze(0) <= self.cache.write_pos.unsqueeze(1)  # (S, L): cached columns + this one
+        mask = allowed[:, None, None, :]  # (S, 1, 1, L)
+        if self.additive:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
+        return self.base(
+            input_ids=self.tokens, attention_mask=mask, position_ids=self.positions, use_cache=True,
+            **{self.cache_arg: self.cache},
+        ).last_hidden_state[:, -1]  # (S, H)
+
+    def __call__(self) -> torch.Tensor:
+        if not self.use_graph:
+            return self._step()
+        if self.graph is None:
+            # warm up on a side stream (lazy inits, allocator), then record. The warm-up steps write the current
+            # tokens' K/V at write_pos, exactly what the replay below writes again: nothing is disturbed.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._step()
+        self.graph.replay()
+        return self.out.clone()  # (S, H): the graph overwrites its output buffer on the next replay
+
+
+def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -> tuple[DynamicCache, torch.Tensor,
+                                                                                       torch.Tensor]:
+    """One forward over the right-padded prompts of `rows`: (cache with K/V at columns [0, len), hidden (b, H) at
+    each row's last prompt token, lens (b,) on the model's device)."""
+    device = run.weight.device
+    lens = torch.tensor([len(run.prompts[r]) for r in rows], dtype=torch.long)  # (b,)
+    width = int(lens.max())
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (b, P)
+    for i, r in enumerate(rows):
+        ids[i, : lens[i]] = torch.tensor(run.prompts[r], dtype=torch.long)
+    attn = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)  # (b, P)
+    cache = DynamicCache(config=model.config)
+    hidden = base(
+        input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True, **{_cache_kwarg(base): cache},
+    ).last_hidden_state  # (b, P, H); right padding: default positions 0..len-1 are the real ones
+    run.forward_calls += 1
+    lens = lens.to(device)
+    return cache, hidden[torch.arange(len(rows), device=device), lens - 1], lens  # (b, H) at the last prompt token
+
+
+def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
+    """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch."""
+    device = run.weight.device
+    n_slots = run.capacity
+    length = max(len(p) for p in run.prompts) + run.max_new_tokens  # every row fits from column 0
+    cache = _SlotCache(n_slots, length, device)
+    decode = _StaticStep(model, base, cache, device)
+    slot_row = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) prompt index of each slot's row
+    n_out = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) tokens drawn so far
+    hidden = None  # (S, H)
+    free = list(range(n_slots))[::-1]  # free slot ids (host); pop() gives the lowest first
+    active: list[int] = []  # occupied slot ids (host), in admission order
+    row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step of its row's first draw
+    step = 0
+
+    def admit(rows: list[int]) -> None:
+        nonlocal hidden
+        slots = [free.pop() for _ in rows]
+        slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
+        pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
+        cache.load(slots_t, pre_cache, lens)
+        decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
+        slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
+        n_out.index_fill_(0, slots_t, 0)
+        if hidden is None:
+            hidden = pre_hidden.new_zeros(n_slots, pre_hidden.shape[1])  # (S, H)
+        hidden.index_copy_(0, slots_t, pre_hidden)
+        active.extend(slots)
+        row_of.update(zip(slots, rows))
+        start_of.update((s, step) for s in slots)
+
+    admit(run.take(run.capacity, 0))
+    while active:
+        act = torch.tensor(active, dtype=torch.long, device=device)  # (A,)
+        may_cap = step - min(start_of[s] for s in active) + 1 >= run.max_new_tokens
+        tokens, done, is_eos = run.draw(hidden[act], slot_row[act], n_out[act], may_cap)  # (A,) each
+        if done.any():  # host sync, as in the default path
+            flags = run.finish([row_of[s] for s in active], [step - start_of[s] for s in active], done, is_eos)
+            free.extend(sorted((s for s, d in zip(active, flags) if d), reverse=True))
+            active = [s for s, d in zip(active, flags) if not d]
+        decode.tokens.index_copy_(0, act, tokens.unsqueeze(1))
+        n_out.index_add_(0, act, torch.ones_like(act))
+        step += 1
+        if active:
+            hidden = decode()  # (S, H); free slots compute garbage that nobody reads
+            run.forward_calls += 1
+            decode.positions.add_(1)
+            # a free slot's write_pos keeps counting: clamp it inside the buffer (a running row never gets there)
+            cache.write_pos.add_(1).clamp_(max=length - 1)
+        new = run.take(len(free), len(active))
+        if new:
+            admit(new)
