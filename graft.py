@@ -204,7 +204,9 @@ class Config:
     dtype: str = "auto"
     """auto (fp32 weights + bf16 autocast on GPU, fp32 on CPU) | float32 | bfloat16 (bf16 weights, less memory)."""
     gen_batch_size: int = 256
-    """Sequences per sampler call (bounds the KV cache; typ. 64-512 on a GPU)."""
+    """Rows in flight in the sampler at most (bounds the KV cache; finished rows are refilled; typ. 64-512)."""
+    static_decode: bool = False
+    """Sampler's static-shape decode (preallocated KV cache, CUDA graph on GPU); unmeasured on GPU, so off."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass inside a minibatch (gradient accumulation)."""
     logprob_chunk: int = 1024
@@ -770,15 +772,14 @@ class Trainer:
         mine = shard(flat, self.dist)
         prompts = [self.prompt_ids[rows[r // n]] for r in mine]
         gen = seeded_generator(cfg.seed, step, "sample", rank=self.dist.rank, device=self.dist.device)
-        outs: list[Rollout] = []
-        with gathered(self.policy), timed(timings, "sample"):
-            for i in range(0, len(prompts), cfg.gen_batch_size):
-                with self.amp():
-                    outs += sample(self.model, prompts[i: i + cfg.gen_batch_size],
-                                   max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
-                                   top_p=cfg.top_p, eos_token_id=self.stop_ids,
-                                   pad_token_id=self.tok.pad_token_id, generator=gen,
-                                   progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
+        with gathered(self.policy), timed(timings, "sample"), self.amp():
+            # One call for the whole share: at most --gen-batch-size rows in flight, a finished row's slot
+            # refilled from the queue (continuous batching), so long-tailed lengths keep the batch full.
+            outs: list[Rollout] = sample(
+                self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
+                top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
+                max_batch_size=cfg.gen_batch_size, static=cfg.static_decode,
+                progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
             rewards = verify_batch(texts, [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
@@ -1569,17 +1570,13 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
                for p, _ in mine]
     gen = seeded_generator(cfg.seed, 0, "eval", rank=dist_info.rank, device=dist_info.device)
     max_new = cfg.eval_max_tokens or cfg.max_response_tokens
-    texts = []
     was_training = model.training
-    bar = range(0, len(prompts), cfg.gen_batch_size)
     if progress and dist_info.main:
-        from tqdm import tqdm
-        bar = tqdm(bar, desc=desc, unit="batch")
-    for i in bar:
-        outs = sample(model, prompts[i: i + cfg.gen_batch_size], max_new_tokens=max_new,
-                      temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, eos_token_id=stop_ids,
-                      pad_token_id=tokenizer.pad_token_id, generator=gen)
-        texts += [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
+        print(f"[eval] {desc}: {len(problems)} problems x {k} samples", file=sys.stderr, flush=True)
+    outs = sample(model, prompts, max_new_tokens=max_new, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
+                  eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen,
+                  max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, progress=progress and dist_info.main)
+    texts = [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
     scores = verify_batch(texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
