@@ -1780,6 +1780,18 @@ def build_parser():
     return parser
 
 
+def flags_markdown() -> str:
+    """README's flag table, generated from Config (a test keeps the README equal to it)."""
+    docs = field_docs(Config)
+    lines = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(Config):
+        default = repr(f.default)
+        default = default if len(default) <= 30 else default[:27] + "..."
+        text = docs.get(f.name, "") + (f" Choices: {', '.join(CHOICES[f.name])}." if f.name in CHOICES else "")
+        lines.append(f"| `--{f.name.replace('_', '-')}` | `{default}` | {text.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size

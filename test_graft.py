@@ -824,3 +824,9 @@ def test_periodic_validation_keeps_the_best_checkpoint(tiny, tmp_path):
     assert (best / "model.safetensors").is_file() and (best / "trainer_state.pt").is_file()
     state = torch.load(best / "trainer_state.pt", weights_only=True)
     assert state["best_score"] == pytest.approx(max(m["eval/mean"] for m in ms))
+
+
+def test_readme_flag_table_is_the_config():
+    """README's flag table is generated from Config (graft.flags_markdown); a changed flag must show there."""
+    readme = (ROOT / "README.md").read_text()
+    assert graft.flags_markdown() in readme, "README.md's flag table is stale: paste graft.flags_markdown()"
