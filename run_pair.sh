@@ -12,7 +12,8 @@
 #
 # Flags after the preset go to every graft.py process, e.g. `bash run_pair.sh pair1 --variant sgt`,
 # `--order uniform`, `--no-balance`, `--compat-norm byte`. Every variable below has a default and can
-# be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`).
+# be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`; FSDP=1 / 0
+# forces FSDP2 sharding on / off, default auto: on for GPUs under 80 GB with two or more per side).
 # The script prints every command it runs.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,9 +33,19 @@ GPUS_B=${GPUS_B:-$(seq -s, $HALF $((NGPU > 1 ? NGPU - 1 : 0)))}
 SMOL=${SMOL:-HuggingFaceTB/SmolLM3-3B-Base}
 QWEN=${QWEN:-Qwen/Qwen3-1.7B-Base}
 OCTO=${OCTO:-OctoThinker/OctoThinker-3B-Hybrid-Base}
+# FSDP2: auto = shard (--fsdp) when the GPUs have under 80 GB and a side has more than one of them;
+# a 3B model needs ~70 GB per GPU under plain data parallel (README, "Running the pair on a GPU node").
+FSDP=${FSDP:-auto}
+GPU_MEM_MIB=${GPU_MEM_MIB:-$( (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) || echo 0)}
 
 run() { echo "+ $*" >&2; "$@"; }
 count() { echo "$1" | tr ',' '\n' | grep -c .; }
+fsdp_flag() {  # fsdp_flag GPUS: prints --fsdp when this side should shard its model
+  case "$FSDP" in
+    1) echo --fsdp ;;
+    auto) if [ "$GPU_MEM_MIB" -gt 0 ] && [ "$GPU_MEM_MIB" -lt 79000 ] && [ "$(count "$1")" -gt 1 ]; then echo --fsdp; fi ;;
+  esac
+}
 
 prepare_data() {
   [ -f "$DATA/math_train.jsonl" ] || run $PYTHON data/prepare.py --out "$DATA"
@@ -47,7 +58,7 @@ side() {  # side NAME PEER_NAME MODEL GPUS OUT EXCHANGE [flags...]
   CUDA_VISIBLE_DEVICES=$gpus run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$gpus")" \
     --master_port "$port" graft.py train --model "$model" --name "$name" --peer-name "$peer" \
     --peer-exchange "$ex" --out "$out" --prompts "$DATA/math_train.jsonl" --data-dir "$DATA" \
-    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all "$@"
+    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all $(fsdp_flag "$gpus") "$@"
 }
 
 pair() {  # pair TAG MODEL_A MODEL_B [flags...]
@@ -99,7 +110,7 @@ case "$PRESET" in
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py eval --model "$MODEL" --data-dir "$DATA" --benchmarks all --samples 8 --temperature 0.6 --top-p 0.95 "$@" ;;
   -h|--help|help)
-    sed -n '2,17p' "$0" ;;
+    sed -n '2,18p' "$0" ;;
   *)
     echo "run_pair.sh: unknown preset '$PRESET' (tiny, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
 esac
