@@ -97,9 +97,9 @@ from transformers import DynamicCache
 __all__ = ["token_logprobs", "response_logprobs", "sample", "Rollout"]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Chunked log-prob of target tokens: log_softmax(h @ W.T / T)[target] without ever holding (N, V) logits
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 # When the caller does not choose a vocabulary chunk, a (tokens x vocab) tile holds at most this many float32 logits
 # (2**23 = 32 MiB). Large enough that each tile's matmul runs at full speed, small enough that the few tiles alive at
@@ -273,9 +273,9 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Model plumbing shared by response_logprobs and sample
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def _lm_head_weight(model) -> torch.Tensor:
@@ -331,9 +331,9 @@ def _check_ids(rows: list[list[int]], vocab: int, what: str) -> None:
             raise ValueError(f"{what}[{i}] has a token id outside [0, {vocab}): min {min(row)}, max {max(row)}")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Log-probs of given responses: one forward pass to hidden states, then token_logprobs
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def response_logprobs(
@@ -406,10 +406,10 @@ def response_logprobs(
     return logp, mask
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Sampler, part 1: the random stream. Row i of a call draws its t-th token with a uniform that depends only on
 # (seed_i, t), so a row's sample does not depend on its batch mates, the batch size or when it enters the batch
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 # splitmix64 constants (Steele, Lea & Flood 2014) as signed int64: torch has no uint64 arithmetic, and int64
 # multiplication and addition wrap modulo 2**64 on CPU and CUDA alike, which is all the mixer needs.
@@ -473,9 +473,9 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tenso
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Sampler, part 2: the public entry point and its bookkeeping
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -654,10 +654,10 @@ def sample(
     return run.rollouts(device)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Sampler, part 3: the default path. Left-padded rows in a DynamicCache; finished rows leave it, refills are
 # prefilled together and merged in by left-padding the shorter of the two caches
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -777,11 +777,11 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
             batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Sampler, part 4: the static-shape path. S slots, each with its own preallocated (L,) stretch of KV cache written
 # from column 0; a decode step always runs all S slots over all L columns, so its shapes never change and CUDA can
 # replay it as a graph. Refills are prefilled (right-padded, eager) and copied into the free slots.
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 class _SlotCache:

@@ -27,7 +27,7 @@ def _judge(c):
         return V.verify(c["response"], c["gold"], strict=False, rel_tol=tol) == 1.0
     return V.is_equivalent(c["pred"], c["gold"], rel_tol=tol)
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Equivalence, per category: (pred, gold, expected). Each category has both directions.
 
 EQUIV = {
@@ -170,7 +170,7 @@ def test_rel_tol_is_configurable():
     assert not V.is_equivalent("4.7e19", "4.46e19", rel_tol=V.MINERVA_REL_TOL)
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Extraction and verify()
 
 def test_extract_answer():
@@ -234,7 +234,7 @@ def test_verify_and_batch_in_process():
         V.verify_batch(["a"], [])
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Hostile inputs: prompt, no exception, no code run.
 
 HOSTILE = [
@@ -324,7 +324,7 @@ def test_threads_agree_with_serial():
     assert got == want
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The labelled case file, determinism, and the process pool.
 
 def test_case_file_accuracy():

@@ -155,7 +155,7 @@ __all__ = [
     "DEFAULT_REL_TOL", "MINERVA_REL_TOL",
 ]
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Caps and tolerances. Every call is bounded by these; going over one is a "limit hit": the answer
 # counts as not equivalent and the counter goes up.
 
@@ -182,7 +182,7 @@ _DPS = 50
 _MP = mpmath.MPContext()
 _MP.dps = _DPS
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Counters (the only module-level mutable state).
 
 _STATS_LOCK = threading.Lock()
@@ -235,7 +235,7 @@ class _Budget:
             raise _Limit("time")
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Extraction
 
 _BOX_CMDS = ("\\boxed", "\\fbox")
@@ -441,7 +441,7 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
     return last.group(0).rstrip(",") if last is not None else None
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Cleaning: LaTeX that carries no mathematical meaning is removed before parsing.
 
 _FONT_CMDS = ("mathrm", "mathbf", "mathit", "mathsf", "mathtt", "mathcal", "mathbb", "boldsymbol",
@@ -588,7 +588,7 @@ def _strip_plain_unit(s: str) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Answer structures. Expressions are sympy objects; the rest are these small nodes.
 
 @dataclass
@@ -692,7 +692,7 @@ def _div(a, b):
     return sympy.Mul(a, sympy.Pow(b, S.NegativeOne, evaluate=False), evaluate=False)
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The parser: recursive descent over the cleaned string, building sympy objects directly.
 #
 #   answer   := item (',' item)*  | item ('\cup' item)*
@@ -1422,7 +1422,7 @@ def _norm_text(s: str) -> str:
     return re.sub(r"[\s{}\\.]+", "", s).lower()
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Numeric evaluation of sympy trees: exact Fractions when possible, else 50-digit mpmath.
 # Every operation is bounded: exact values are capped in bits, float values in magnitude.
 
@@ -1607,7 +1607,7 @@ def _free_names(e) -> set:
     return {s.name for s in e.free_symbols}
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Comparison of structures.
 
 def _val_equal(a: Val, b: Val, tol: float, budget: _Budget) -> bool:
@@ -2061,7 +2061,7 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
     return False
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Public API
 
 def _compare(pred: str, gold: str, rel_tol: float) -> bool:
@@ -2203,7 +2203,7 @@ def verify_batch(responses: list, golds: list, *, workers: int = 0, strict: bool
     return out
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Benchmark and gold self-check (CLI)
 
 def _load_cases(path: str) -> list[dict]:
