@@ -219,7 +219,6 @@ def bench_sampler(sz: dict, tok, device: torch.device, tiny: bool, rows: list) -
         rows.append((f"static decode vs eager, {b} rows in flight",
                      f"{toks / t_s:.0f} vs {toks / t_e:.0f} tokens/s ({t_e / t_s:.2f}x, first call includes graph "
                      f"capture); identical rows: {same}"))
-    del model
     return ok
 
 

@@ -76,7 +76,6 @@ Launch lines:
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -87,7 +86,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -543,7 +542,6 @@ def minibatch_order(is_peer_group: torch.Tensor, num_minibatches: int, *, order:
     elif order == "peer_first":
         seq = torch.cat([peer, own])
     else:
-        all_idx = torch.arange(G, device=dev)
         seq = perm(torch.arange(G, device=dev))
     return [chunk for chunk in torch.tensor_split(seq, num_minibatches) if chunk.numel() > 0]
 
@@ -662,7 +660,7 @@ LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs
 from runtime import (DistInfo, clip_sharded_grad_norm_, compute_context, encode_prompt,  # noqa: E402,F401
                      full_state_dicts, gather_lists,
                      gathered, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed, shard,
-                     shard_policy, timed, unshard)
+                     shard_policy, timed, unshard, RunFiles)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -674,8 +672,12 @@ def _raise_on_signal(signum, frame):
     raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
 
 
-class Trainer:
-    """One side of GRAFT (or plain GRPO): owns the model, the optimizer and the step loop."""
+class Trainer(RunFiles):
+    """One side of GRAFT (or plain GRPO): owns the model, the optimizer and the step loop.
+
+    What it inherits from runtime.RunFiles is file keeping, not the method: the run directory
+    (refuse to overwrite, --force, writability), the stored peer log's checks, the pair's run
+    identity and heartbeat, metrics trimming and atomic checkpoints."""
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
@@ -1184,125 +1186,6 @@ class Trainer:
         if self.heartbeat is not None:
             self.heartbeat.stop("finished")
 
-    # -- start-up checks and the pair's run identity ---------------------------------------------
-
-    def prepare_run_dir(self):
-        """Refuse to overwrite an earlier run in --out (unless --resume or --force); check that the
-        run and exchange folders are writable now rather than after the first rollout."""
-        cfg = self.cfg
-        parts = [p for p in ("metrics.jsonl", "checkpoints", "run.json", "exchange") if (self.out / p).exists()]
-        if parts and not cfg.resume:
-            if not cfg.force:
-                raise SystemExit(f"--out {self.out}: already holds a run ({', '.join(parts)}); pass --resume to "
-                                 f"continue it, --force to delete it and start over, or choose a new --out")
-            import shutil
-            print(f"--force: deleting the earlier run in {self.out} ({', '.join(parts)})")
-            for p in parts:
-                target = self.out / p
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-        if cfg.force and self.mode == "online":
-            leave_run(self.exchange, cfg.name)
-        for folder, flag in ((self.out, "--out"), (self.exchange / cfg.name, "--peer-exchange" if cfg.peer_exchange
-                                                   else "--out")):
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                probe = folder / f".write_test.{os.getpid()}"
-                probe.write_text("")
-                probe.unlink()
-            except OSError as e:
-                raise SystemExit(f"{flag}: cannot write to {folder} ({e.strerror or e})") from None
-        self.trim_metrics()
-
-    def check_peer_log(self) -> str | None:
-        """--peer-log: every step this run will take has its file, of this n; returns the log's run id.
-        A JSONL file of foreign trajectories is loaded, matched and re-verified here, once."""
-        cfg, log = self.cfg, Path(self.cfg.peer_log)
-        if log.is_file():
-            self.foreign = self.load_foreign()
-            return None
-        if not log.is_dir():
-            raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files or JSONL file")
-        missing = [t for t in range(self.start_step, cfg.steps) if not (log / f"step_{t:06d}.safetensors").is_file()]
-        if missing:
-            have = len(list(log.glob("step_*.safetensors")))
-            raise SystemExit(f"--peer-log {log}: this run needs steps {self.start_step}..{cfg.steps - 1} (--steps "
-                             f"{cfg.steps}) but {len(missing)} are missing, the first step_{missing[0]:06d}"
-                             f".safetensors (the folder holds {have} step files)")
-        try:
-            _, meta = load_rollouts(log / f"step_{self.start_step:06d}.safetensors", n=cfg.n)
-        except ValueError as e:
-            raise SystemExit(f"--peer-log: {e}") from None
-        return meta.get("run_id")
-
-    def load_foreign(self):
-        """A JSONL --peer-log (offline.py): matched to --prompts by id or problem text, grouped per
-        prompt, re-verified; lbar computed once by --peer-model where the records lack it."""
-        import offline
-        cfg = self.cfg
-        try:
-            log = offline.load_foreign_log(cfg.peer_log, self.data, std_normalize=cfg.std_normalize,
-                                           verify_workers=cfg.verify_workers)
-        except ValueError as e:  # names the file and line
-            raise SystemExit(f"--peer-log: {e}") from None
-        if self.dist.main:
-            print(log.report())
-        if cfg.peer_model and log.missing_lbar(cfg.compat_norm):
-            model, tok, stop = load_policy(cfg.peer_model, cfg, self.dist, for_training=False)
-            with compute_context(cfg, self.dist):
-                info = offline.fill_lbar(
-                    log, model, tok, model_path=cfg.peer_model, eos_token_id=stop[0],
-                    encode_prompt=lambda q: encode_prompt(q, tok, template=cfg.prompt_template, chat=cfg.chat_template),
-                    problems={r["id"]: r["problem"] for r in self.data},
-                    cache_key=f"{cfg.prompt_template}\0{cfg.chat_template}", batch_size=cfg.micro_batch_size,
-                    chunk_size=cfg.logprob_chunk)
-            if self.dist.main:
-                print(f"[graft] lbar by --peer-model {cfg.peer_model}: {info['computed']} computed, "
-                      f"{info['cached']} from {info['cache']}")
-            del model
-        if cfg.compat_weight or cfg.acceptance == "random":
-            try:
-                log.require_lbar(cfg.compat_norm)
-            except ValueError as e:
-                raise SystemExit(f"--peer-log: {e} (give --peer-model PATH to compute it)") from None
-        return log
-
-    def join_pair(self) -> str:
-        """This run's identity: written into every rollout file and checked on every peer file.
-
-        Online, rank 0 founds or joins the run of the exchange folder (exchange.join_run) and starts
-        the heartbeat; the id goes to <out>/run.json so that --resume keeps it, and to every rank.
-        """
-        cfg = self.cfg
-        rid = ""
-        if self.dist.main:
-            record = read_json(self.out / "run.json") if cfg.resume else None
-            previous = str(record["run_id"]) if record and "run_id" in record else ""
-            if self.mode == "online":
-                try:
-                    rid = join_run(self.exchange, cfg.name, previous=previous, run_id=cfg.run_id,
-                                   dead_after=cfg.peer_dead_after)
-                except RuntimeError as e:
-                    raise SystemExit(f"--peer-exchange: {e}") from None
-                self.heartbeat = Heartbeat(self.exchange, cfg.name, rid, interval=cfg.heartbeat_interval)
-            else:
-                rid = previous or cfg.run_id or new_run_id()
-            write_json(self.out / "run.json", {"run_id": rid, "name": cfg.name, "model": cfg.model})
-        if self.dist.world > 1:
-            box = [rid]
-            torch.distributed.broadcast_object_list(box, src=0)
-            rid = box[0]
-        return rid
-
-    def leave_pair(self, error: BaseException) -> None:
-        """On any failure: the FAILED marker for a waiting peer, and a last heartbeat saying so."""
-        if not (self.dist.main and self.mode == "online" and self.heartbeat is not None):
-            return
-        import traceback
-        write_failed(self.exchange, self.cfg.name, self.run_id,
-                     f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}")
-        self.heartbeat.stop("failed")
-        self.heartbeat = None
-
     def validate(self, step: int) -> dict:
         cfg = self.cfg
         with gathered(self.policy):
@@ -1315,61 +1198,6 @@ class Trainer:
             self.best_score = score
             self.save_checkpoint(step, dest=self.ckpt_dir / "best")
         return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
-
-    def resume_hint(self) -> str:
-        latest = self.latest_checkpoint()
-        where = f"the last good checkpoint is {latest}" if latest else "no checkpoint was written yet"
-        return f"{where}; an advantage or log-prob out of range in a peer file, or too high a --lr?"
-
-    def latest_checkpoint(self) -> Path | None:
-        steps = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
-        steps = [p for p in steps if (p / "trainer_state.pt").is_file()]
-        return steps[-1] if steps else None
-
-    def trim_metrics(self):
-        """On resume, drop metric lines of steps that will be redone (the file stays one line per step)."""
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return
-        lines = path.read_text(errors="replace").splitlines()
-        keep = []
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                if i == len(lines):  # a line cut short by a kill: that step is redone anyway
-                    print(f"--resume: {path}:{i}: dropping a half-written last line")
-                    continue
-                raise SystemExit(f"--resume: {path}:{i}: not a JSON line; repair or delete the file") from None
-            if record.get("step", 0) < self.start_step:
-                keep.append(line)
-        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
-
-    def save_checkpoint(self, step: int, dest: Path | None = None):
-        """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place.
-        Under --fsdp every rank takes part in gathering the full state dicts; rank 0 writes them."""
-        model_state, opt_state = full_state_dicts(self.policy, self.opt) if self.policy is not None else (None, None)
-        if not self.dist.main:
-            return
-        import shutil
-        dest = dest or self.ckpt_dir / f"step_{step:06d}"
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
-        self.tok.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": opt_state if opt_state is not None else self.opt.state_dict(),
-                    "best_score": self.best_score, "baseline_state": self.baseline_state}, tmp / "trainer_state.pt")
-        old = dest.with_name(f".{dest.name}.old")
-        if dest.exists():
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-        if dest.name.startswith("step_"):
-            for stale in sorted(self.ckpt_dir.glob("step_[0-9]*"))[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(stale, ignore_errors=True)
-
 
 class RowBatch(NamedTuple):
     """One row kind's slice of a micro-batch, as the baselines' loss functions take it."""
@@ -1809,6 +1637,13 @@ def main(argv=None):
         run_eval(cfg)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if cfg.fsdp:
+        # Every file is written and flushed. FSDP2 over gloo (CPU) can abort in a C++ destructor at
+        # interpreter exit in this torch version ("terminate called without an active exception"),
+        # turning a finished run into a failed one; ending the process here skips those destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
