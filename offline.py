@@ -1,8 +1,8 @@
 """GRAFT before and beside the online pair: how complementary models are, and foreign trajectories as a peer.
 
 Two tools in one file that imports only torch and the standard library at the top (exchange.py,
-verify.py, sampler.py and safetensors inside the functions that need them; nothing imports graft.py),
-so it can be copied alone and graft.py can import it without a cycle.
+verify.py, sampler.py, data/prepare.py and safetensors inside the functions that need them; it never
+imports graft.py), so it can be copied alone and graft.py can import it without a cycle.
 
 1. Complementarity: `python graft.py complement SRC1 SRC2 [SRC3 ...] [--n 8] [--batch-size 128]`
    (or `python offline.py complement ...`). A source is a folder of this project's rollout files
@@ -425,6 +425,15 @@ def _first_field(obj: dict, names: tuple[str, ...]):
     return next((obj[k] for k in names if k in obj and obj[k] is not None), None)
 
 
+def _jsonl_objects(path: Path):
+    """data/prepare.py's jsonl_objects, loaded by path (data/ is no package): (line number, object)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("graft_data_prepare", Path(__file__).parent / "data" / "prepare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.jsonl_objects(path)
+
+
 def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
     """Parse and validate every line of a foreign JSONL file (format in the module docstring).
 
@@ -432,49 +441,41 @@ def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
     """
     path = Path(path)
     out: list[ForeignRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            pid = _first_field(obj, ID_FIELDS)
-            if isinstance(pid, int) and not isinstance(pid, bool):
-                pid = str(pid)
-            if pid is not None and (not isinstance(pid, str) or not pid):
-                raise ValueError(f"{where}: field {ID_FIELDS} must be a non-empty string or an integer, got {pid!r}")
-            problem = _first_field(obj, PROBLEM_FIELDS)
-            if problem is not None and (not isinstance(problem, str) or not problem.strip()):
-                raise ValueError(f"{where}: field {PROBLEM_FIELDS} must be a non-empty string, got {problem!r}")
-            if pid is None and problem is None:
-                raise ValueError(f"{where}: needs a problem id ({' or '.join(ID_FIELDS)}) or the problem text "
-                                 f"({' or '.join(PROBLEM_FIELDS)})")
-            response = _first_field(obj, RESPONSE_FIELDS)
-            if not isinstance(response, str):
-                raise ValueError(f"{where}: field {' or '.join(RESPONSE_FIELDS)} must be a string, got {response!r}")
-            lbar = _first_field(obj, LBAR_FIELDS)
-            if lbar is not None and (isinstance(lbar, bool) or not isinstance(lbar, (int, float))
-                                     or not math.isfinite(lbar) or lbar > 0):
-                raise ValueError(f"{where}: field {' or '.join(LBAR_FIELDS)} must be a finite number <= 0 "
-                                 f"(a mean log-probability), got {lbar!r}")
-            num_tokens = obj.get("num_tokens")
-            if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
-                                           or num_tokens < 1):
-                raise ValueError(f"{where}: field 'num_tokens' must be an integer >= 1, got {num_tokens!r}")
-            reward = obj.get("reward")
-            if reward is not None and not isinstance(reward, (int, float)):
-                raise ValueError(f"{where}: field 'reward' must be a number or a boolean, got {reward!r}")
-            eos = obj.get("eos", True)
-            if not isinstance(eos, bool):
-                raise ValueError(f"{where}: field 'eos' must be true or false, got {eos!r}")
-            out.append(ForeignRecord(lineno, pid, problem, response, float("nan") if lbar is None else float(lbar),
-                                     -1 if num_tokens is None else num_tokens, eos,
-                                     float("nan") if reward is None else float(reward)))
+    # One JSONL reader for the whole project (data/prepare.py's): errors name file:line, non-UTF-8 too.
+    for lineno, obj in _jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        pid = _first_field(obj, ID_FIELDS)
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            pid = str(pid)
+        if pid is not None and (not isinstance(pid, str) or not pid):
+            raise ValueError(f"{where}: field {ID_FIELDS} must be a non-empty string or an integer, got {pid!r}")
+        problem = _first_field(obj, PROBLEM_FIELDS)
+        if problem is not None and (not isinstance(problem, str) or not problem.strip()):
+            raise ValueError(f"{where}: field {PROBLEM_FIELDS} must be a non-empty string, got {problem!r}")
+        if pid is None and problem is None:
+            raise ValueError(f"{where}: needs a problem id ({' or '.join(ID_FIELDS)}) or the problem text "
+                             f"({' or '.join(PROBLEM_FIELDS)})")
+        response = _first_field(obj, RESPONSE_FIELDS)
+        if not isinstance(response, str):
+            raise ValueError(f"{where}: field {' or '.join(RESPONSE_FIELDS)} must be a string, got {response!r}")
+        lbar = _first_field(obj, LBAR_FIELDS)
+        if lbar is not None and (isinstance(lbar, bool) or not isinstance(lbar, (int, float))
+                                 or not math.isfinite(lbar) or lbar > 0):
+            raise ValueError(f"{where}: field {' or '.join(LBAR_FIELDS)} must be a finite number <= 0 "
+                             f"(a mean log-probability), got {lbar!r}")
+        num_tokens = obj.get("num_tokens")
+        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                       or num_tokens < 1):
+            raise ValueError(f"{where}: field 'num_tokens' must be an integer >= 1, got {num_tokens!r}")
+        reward = obj.get("reward")
+        if reward is not None and not isinstance(reward, (int, float)):
+            raise ValueError(f"{where}: field 'reward' must be a number or a boolean, got {reward!r}")
+        eos = obj.get("eos", True)
+        if not isinstance(eos, bool):
+            raise ValueError(f"{where}: field 'eos' must be true or false, got {eos!r}")
+        out.append(ForeignRecord(lineno, pid, problem, response, float("nan") if lbar is None else float(lbar),
+                                 -1 if num_tokens is None else num_tokens, eos,
+                                 float("nan") if reward is None else float(reward)))
     return out
 
 

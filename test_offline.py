@@ -253,7 +253,7 @@ def write_jsonl(path: Path, objs: list) -> Path:
 
 
 @pytest.mark.parametrize("line,msg", [
-    ("{not json", "not valid JSON"),
+    ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object, got list"),
     (json.dumps({"response": "r"}), "needs a problem id"),
     (json.dumps({"id": "p1"}), "response or completion must be a string"),
