@@ -62,6 +62,19 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
   9. The sequence-level ratio (ablation `--ratio-level sequence`, and HACPO) clamps the sequence's
      mean log-ratio at +-20, not each token's log-ratio before the mean, which would bias it.
 
+Our extensions beyond the paper (the paper's behaviour is unchanged when they are not used):
+  * Three or more sides (`--peer-name b,c`): for each prompt a side fails on all n, the eligible
+    sources are the other sides with a mixed group, and it receives the whole group of the one with
+    the most successes (the most correct traces to imitate; ties to the name that sorts first, a
+    fixed rule so that every process computes the same assignment from the same files); balancing
+    then applies per pair of sides exactly as the paper's swap does for two (multi_peer_sources).
+    With two sides it is the paper's rule.
+  * Foreign trajectories: `--peer-log FILE.jsonl` takes any collection of (problem, response)
+    records as the stored peer, matched by id or problem text, re-verified, with advantages within
+    each prompt's group of any size (offline.py); `--peer-model` supplies a missing lbar.
+  * `graft.py complement`: the paper's complementarity statistics for candidate models before a
+    pair run (offline.py).
+
 Launch lines:
     # CPU, tiny preset: two tiny models, GRPO vs GRAFT, a table at the end (minutes)
     bash run_pair.sh tiny
