@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -202,10 +203,15 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
     """
     t0 = time.time()
     side = Path(path).parent
+    stale_noted = False
     while not Path(path).exists():
         failed = read_json(side / "FAILED")
         if failed is not None and (run_id is None or failed.get("run_id") == run_id):
             raise RuntimeError(f"the peer failed before writing {path}: {str(failed.get('error'))[-2000:]}")
+        if failed is not None and not stale_noted:
+            print(f"[exchange] ignoring {side / 'FAILED'}: it belongs to run {failed.get('run_id')!r}, "
+                  f"not this run {run_id!r}", file=sys.stderr, flush=True)
+            stale_noted = True
         beat = read_json(side / "HEARTBEAT")
         if beat is not None and run_id is not None and beat.get("run_id") == run_id:
             age = time.time() - float(beat.get("time", 0))

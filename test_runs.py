@@ -82,7 +82,7 @@ def test_join_run_founds_joins_and_refuses(tmp_path):
     assert graft.join_run(ex, "b") != rid  # a new run
 
 
-def test_files_and_markers_of_another_run(tmp_path):
+def test_files_and_markers_of_another_run(tmp_path, capsys):
     n, G = 2, 1
     r = graft.StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
                            texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
@@ -94,6 +94,8 @@ def test_files_and_markers_of_another_run(tmp_path):
     graft.write_failed(tmp_path, "b", "old", "RuntimeError: a crash of the earlier run")
     with pytest.raises(TimeoutError):  # the stale marker does not stop this run; only the timeout does
         graft.wait_for_file(graft.rollout_path(tmp_path, "b", 1), timeout=0.5, run_id="new")
+    err = capsys.readouterr().err
+    assert "ignoring" in err and "belongs to run 'old', not this run 'new'" in err, err  # said, once
 
 
 def test_relaunch_in_an_old_exchange_folder_is_refused(tiny, tmp_path):
