@@ -187,6 +187,16 @@ def load_rollouts(path: Path, *, n: int | None = None, prompt_ids: list[str] | N
     return r, meta
 
 
+def file_run_id(path: Path) -> str | None:
+    """The run id in a rollout file's metadata (a header read), or None if it has none or is unreadable."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("run_id")
+    except Exception:  # half-replaced or foreign: not this run's file
+        return None
+
+
 def rollout_path(exchange: Path, name: str, step: int) -> Path:
     return Path(exchange) / name / f"step_{step:06d}.safetensors"
 
@@ -204,13 +214,17 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
     t0 = time.time()
     side = Path(path).parent
     stale_noted = False
-    while not Path(path).exists():
+    # A file of another run (left in the folder) counts as not written yet: the peer of this run
+    # will replace it atomically.
+    while not (Path(path).exists() and (run_id is None or file_run_id(path) == run_id)):
         failed = read_json(side / "FAILED")
         if failed is not None and (run_id is None or failed.get("run_id") == run_id):
             raise RuntimeError(f"the peer failed before writing {path}: {str(failed.get('error'))[-2000:]}")
-        if failed is not None and not stale_noted:
-            print(f"[exchange] ignoring {side / 'FAILED'}: it belongs to run {failed.get('run_id')!r}, "
-                  f"not this run {run_id!r}", file=sys.stderr, flush=True)
+        if not stale_noted and (failed is not None or Path(path).exists()):
+            what = side / "FAILED" if failed is not None else Path(path)
+            other = failed.get("run_id") if failed is not None else file_run_id(path)
+            print(f"[exchange] ignoring {what}: it belongs to run {other!r}, not this run {run_id!r}",
+                  file=sys.stderr, flush=True)
             stale_noted = True
         beat = read_json(side / "HEARTBEAT")
         if beat is not None and run_id is not None and beat.get("run_id") == run_id:

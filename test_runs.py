@@ -91,6 +91,11 @@ def test_files_and_markers_of_another_run(tmp_path, capsys):
     graft.save_rollouts(path, r, {"run_id": "old"})
     with pytest.raises(ValueError, match="step_000000.safetensors: written by run 'old', this pair is run 'new'"):
         graft.load_rollouts(path, n=2, run_id="new")
+    t0 = time.time()
+    with pytest.raises(TimeoutError):  # another run's step file is not this run's: keep waiting
+        graft.wait_for_file(path, timeout=0.5, run_id="new")
+    assert time.time() - t0 >= 0.5
+    assert graft.wait_for_file(path, timeout=0.5, run_id="old") < 0.5  # the right run's file is taken at once
     graft.write_failed(tmp_path, "b", "old", "RuntimeError: a crash of the earlier run")
     with pytest.raises(TimeoutError):  # the stale marker does not stop this run; only the timeout does
         graft.wait_for_file(graft.rollout_path(tmp_path, "b", 1), timeout=0.5, run_id="new")
