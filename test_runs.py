@@ -112,6 +112,17 @@ def test_relaunch_in_an_old_exchange_folder_is_refused(tiny, tmp_path):
     r = train(tiny, tmp_path / "again", "--name", "a", "--peer-name", "b", "--peer-exchange", str(ex), steps=2)
     assert r.returncode != 0 and "already took part in run" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "again" / "metrics.jsonl").exists() and time.time() - t0 < 60  # refused at start
+    # Both sides relaunched with --force in the same folder: a new run, whose files alone are read.
+    old_run = json.loads((ex / "RUN").read_text())["run_id"]
+    procs = pair_procs(tiny, tmp_path, ex, "--force", steps=2)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[-2000:] for o in outs]
+    new_run = json.loads((ex / "RUN").read_text())["run_id"]
+    assert new_run != old_run
+    for side in "ab":
+        assert [m["step"] for m in read_metrics(tmp_path / side / "metrics.jsonl")] == [0, 1]
+        for step in range(2):
+            assert graft.load_rollouts(graft.rollout_path(ex, side, step), run_id=new_run)[1]["run_id"] == new_run
 
 
 # ------------------------------------------------------------------------------------------------
