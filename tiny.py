@@ -69,13 +69,24 @@ Changes for the beyond-sample measure (issue 13), each with its reason
   6. Jobs in slots (run_jobs): the GRPO runs of A and B take unequal time (the character model's
      sequences are longer); the evaluations now fill the idle slot.
   7. 100 steps x 48 prompts (was 120 x 64), for time: under the load of a shared 2-core machine a
-     120 x 64 seed took ~40 minutes. The earlier preset found that progress per step was the same at
-     128 and 64 prompts, so the cut takes prompts first; fewer steps and prompts mean fewer exchanged
-     groups (see the diagnostics).
+     120 x 64 seed was on course for ~25-30 minutes (7 s per GRAFT step over its first 34 steps).
+     The earlier preset found that progress per step was the same at 128 and 64 prompts, so the cut
+     takes prompts first; fewer steps and prompts mean fewer exchanged groups (see the diagnostics).
 The other RL settings (n=8, AdamW 1e-4, 4 minibatches, eps 0.2/0.28, delta 0.8 per token) are those
 of the earlier preset, where a minimal GRPO loop found them: lr 1.5e-4..3e-4 was flat or worse, 8
 minibatches no better than 4. They were run on the validation split (`--split val`) before the
 held-out table, not re-tuned.
+
+Findings (held-out, 3 seeds, `python tiny.py --seeds 3 --variants graft,no_balance`; README: the
+tiny preset has the full table). Beyond-sample subset: A 202 problems, 3.3% before RL, GRPO 4.8,
+GRAFT 5.7 (paired +0.9 +- 2.2); B 153 problems, 6.5% before, GRPO 12.5, GRAFT 11.9 (-0.6 +- 0.8):
+no effect beyond the seed spread. Complementarity 42.3% / 35.7% before RL (paper 47.9% / 18.7%).
+Diagnostics: A's train reward is flat under GRPO (35.1% -> 35.5%, first vs last 25 steps), clip
+fractions ~0.1-0.2%; into A 3.4 groups selected and 9.2 responses accepted per step (the swap is
+bounded by B's 1.8 candidates); the gate into A passes 53% of the peer's responses in the first
+quarter of the steps and 18% in the last; `no_balance` (8.3 groups into A) changes nothing
+measurable. On validation, before the held-out run, the same picture (A beyond +0.2, B +0.7 on
+one seed). What the preset lacks is first of all a GRPO that moves A, then a gate that stays open.
 
 Choices
   * SFT loss on the response tokens and EOS only: the prompt digits are uniform random, so
@@ -844,15 +855,30 @@ def report(run_dir: str, pc: PresetConfig, methods: list[str], timing: dict) -> 
                            f"after GRPO {_cell(g_)}, after {meth} {_cell(x_)}")
 
     # -- diagnostics of every pair
-    out.append("\nexchange diagnostics (per step, mean over steps and seeds)")
+    out.append("\nexchange diagnostics (per step, mean over steps and seeds); gate = share of the selected peer "
+               "responses accepted, in the first and the last quarter of the steps")
+    quarter = max(1, pc.steps // 4)
     for meth in pairs:
         for m in ("A", "B"):
             r = run_metrics(run_dir, pc.seeds, meth, m)
             g = lambda key: _mean_key(r, key)  # noqa: E731
+            gate = []
+            for part in ([x for x in r if x["step"] < quarter], [x for x in r if x["step"] >= pc.steps - quarter]):
+                acc, rej = sum(x.get("accepted", 0) for x in part), sum(x.get("rejected", 0) for x in part)
+                gate.append(f"{100 * acc / (acc + rej):.0f}%" if acc + rej else "-")
             out.append(f"  {meth} -> {m}: {g('candidates_in'):.1f} candidates, {g('selected'):.1f} selected, "
                        f"{g('accepted'):.1f} accepted, {g('rejected'):.1f} rejected, {g('dropped_length'):.1f} too "
-                       f"long; mean s {g('mean_s'):.2f}, mean w {g('mean_w'):.2f}; clip fraction peer tokens "
-                       f"{g('pg/clipfrac_peer'):.3f}, own {g('pg/clipfrac_own'):.3f}")
+                       f"long; gate {gate[0]} -> {gate[1]}; mean s {g('mean_s'):.2f}, mean w {g('mean_w'):.2f}; "
+                       f"clip fraction peer tokens {g('pg/clipfrac_peer'):.4f}, own {g('pg/clipfrac_own'):.4f}")
+    out.append(f"\ntrain reward (mean over the prompts of a step) in the first and the last {quarter} steps")
+    for meth in methods:
+        cells = []
+        for m in ("A", "B"):
+            r = run_metrics(run_dir, pc.seeds, meth, m)
+            first = _mean_key([x for x in r if x["step"] < quarter], "reward")
+            last = _mean_key([x for x in r if x["step"] >= pc.steps - quarter], "reward")
+            cells.append(f"{m} {100 * first:.1f} -> {100 * last:.1f}")
+        out.append(f"  {meth:<11}" + ", ".join(cells))
 
     # -- where the time goes
     out.append("\nprofile: seconds per step by phase (mean over steps and seeds), and wall seconds per job")
