@@ -86,7 +86,10 @@ fractions ~0.1-0.2%; into A 3.4 groups selected and 9.2 responses accepted per s
 bounded by B's 1.8 candidates); the gate into A passes 53% of the peer's responses in the first
 quarter of the steps and 18% in the last; `no_balance` (8.3 groups into A) changes nothing
 measurable. On validation, before the held-out run, the same picture (A beyond +0.2, B +0.7 on
-one seed). What the preset lacks is first of all a GRPO that moves A, then a gate that stays open.
+one seed). lr 3e-4 on validation (after the held-out run, for the diagnosis only) collapses A under
+both methods (overall 35.0% -> 3.9% GRPO, 7.2% GRAFT), so the learning rate is not the lever. What
+the preset lacks is first of all a GRPO that moves A at a stable step size, then a gate that stays
+open as the receiver trains.
 
 Choices
   * SFT loss on the response tokens and EOS only: the prompt digits are uniform random, so
