@@ -171,13 +171,67 @@ def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke"],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = (out / "results.csv").read_text().splitlines()
-    cells = {tuple(x.split(",")[1:3]) for x in rows[1:]}
+    rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
+    cells = {(meth, model) for _, meth, model, subset, _, _ in rows if subset == "overall"}
     assert cells == {(m, s) for m in ("before", "grpo", "graft") for s in ("A", "B")}  # every phase ran
-    for side in ("A", "B"):
+    for side, peer in (("A", "B"), ("B", "A")):
         metrics = [json.loads(x) for x in (out / "seed0" / "graft" / side / "metrics.jsonl").read_text().splitlines()]
         assert len(metrics) == 3
         assert sum(m["selected"] for m in metrics) > 0, f"no peer group selected for {side}"
         assert sum(m["accepted"] for m in metrics) > 0, f"no peer response accepted by {side}"
         assert (out / "seed0" / "graft" / side / "checkpoints" / "step_000003" / "model.safetensors").is_file()
-    assert "held-out accuracy" in r.stdout and "graft -> A" in r.stdout
+        # the beyond-sample subset was computed, and agrees with the pick evaluation it came from
+        pick = {s: tiny.load_eval(str(out / "eval" / f"before_{s}.json"))["test_smoke"] for s in (side, peer)}
+        assert {len(c) for s in pick for c in pick[s].values()} == {16}  # 8 samples pick, 8 measure
+        beyond = [q for q, c in pick[side].items() if max(c[:8]) == 0 and max(pick[peer][q][:8]) > 0]
+        sizes = {int(n) for _, meth, model, subset, n, _ in rows if model == side and subset == "beyond"}
+        assert sizes == {len(beyond)} and len(beyond) > 0, (sizes, len(beyond))
+        # the train-side view: the received prompts are exactly the groups the trainer selected
+        received = (out / "received" / f"s0_graft_{side}.jsonl").read_text().splitlines()
+        assert 0 < len(received) <= sum(m["selected"] for m in metrics)
+    assert "beyond-sample subset" in r.stdout and "graft -> A" in r.stdout and "train-side view" in r.stdout
+
+
+def test_beyond_sample_and_metrics_by_hand():
+    a = {"q1": [0, 0, 0], "q2": [0, 0, 0], "q3": [1, 0, 0], "q4": [0, 0, 0]}
+    b = {"q1": [0, 1, 0], "q2": [0, 0, 0], "q3": [1, 1, 1], "q4": [1, 1, 1]}
+    fail, beyond = tiny.beyond_sample(a, b)
+    assert fail == ["q1", "q2", "q4"] and beyond == ["q1", "q4"]
+    assert tiny.beyond_sample(b, a) == (["q2"], [])
+    assert tiny.accuracy(b, ["q1", "q4"]) == pytest.approx((1 / 3 + 1) / 2)
+    assert tiny.pass_at_k(a, ["q1", "q3"]) == 0.5
+    assert tiny.accuracy(a, []) != tiny.accuracy(a, [])  # NaN for an empty subset
+
+
+def test_validation_split_is_carved_per_family(splits):
+    train, _ = splits
+    rest, val = tiny.split_validation(train, 40)
+    assert len(val) == 40 and len(rest) == len(train) - 40
+    assert {r["family"] for r in val} == set(tiny_tasks.FAMILIES)
+    assert all(sum(r["family"] == f for r in val) == 40 // len(tiny_tasks.FAMILIES) for f in tiny_tasks.FAMILIES)
+    assert not {r["id"] for r in rest} & {r["id"] for r in val}
+
+
+def test_received_prompts_match_the_trainers_selection(tmp_path):
+    """Rollout files written by hand: the received set is the balanced swap's selection, per side."""
+    from exchange import StepRollouts, rollout_path, save_rollouts
+    from pathlib import Path
+
+    n = 4
+    succ = {"a": [[0, 3], [0, 0], [4, 1]], "b": [[2, 0], [1, 3], [0, 0]]}  # per step, per prompt: successes
+    ids = [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]
+    for side, ks in succ.items():
+        for step, (pids, kk) in enumerate(zip(ids, ks)):
+            rew = torch.tensor([[1.0] * k + [0.0] * (n - k) for k in kk])  # (G, n)
+            r = StepRollouts(prompt_ids=pids, tokens=[[1]] * (2 * n), logprobs=[torch.zeros(1)] * (2 * n),
+                             texts=["x"] * (2 * n), eos=torch.ones(2, n, dtype=torch.bool), rewards=rew,
+                             advantages=torch.zeros(2, n))
+            save_rollouts(rollout_path(Path(tmp_path), side, step), r, {"model": side, "step": step})
+    # step 0: a fails p0 where b is mixed, b fails p1 where a is mixed: m = 1, one group each way.
+    # step 1: a fails p2 and p3, b mixed on both, but b fails nothing: m = 0, nothing moves.
+    # step 2: b fails p5 where a is mixed (p4: a solves 4/4, not mixed), a fails nothing: m = 0.
+    assert tiny.received_prompts(str(tmp_path), "a", "b", 3) == ["p0"]
+    assert tiny.received_prompts(str(tmp_path), "b", "a", 3) == ["p1"]
+    # without balancing every candidate moves
+    assert tiny.received_prompts(str(tmp_path), "a", "b", 3, balance=False) == ["p0", "p2", "p3"]
+    assert tiny.received_prompts(str(tmp_path), "b", "a", 3, balance=False) == ["p1", "p5"]

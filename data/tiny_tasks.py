@@ -1,4 +1,4 @@
-"""Generated arithmetic and algebra problems for the tiny CPU preset (DESIGN.md §8).
+"""Generated arithmetic and algebra problems for the tiny CPU preset .
 
 Contract
 --------
@@ -22,11 +22,15 @@ letters, spaces and ``\\boxed{}``):
     sub     What is 83-27?          83-27=83-20-7=63-7=56. \\boxed{56}
     mul     What is 7*38?           7*38=7*30+7*8=210+56=266. \\boxed{266}   (also 38*7)
     linear  Solve 4x+7=39.          4x=39-7=32, x=32/4=8. \\boxed{8}
+    mul2    What is 47*38?          47*38=47*30+47*8=1410+376=1786. \\boxed{1786}
 
 The worked solutions of ``mul`` and ``linear`` reuse the skills of ``add`` and ``sub`` (and a
 one-digit times table), so a model pre-trained mostly on one pair of families is weak, but not at
 zero, on the other pair: the regime in which GRAFT's candidate rule and compatibility gate can both
-fire (DESIGN.md §8, lesson 3).
+fire. ``mul2`` (added for the beyond-sample measure) is the hard family: its partial products are
+two-digit times one-digit, a step neither tiny model is taught, so both fail it nearly always, as
+both paper models fail many MATH problems; it makes the share of a model's all-fail problems that
+its peer solves resemble the paper's instead of 70-90%.
 
 Departure from the brief's example families: ``sub`` replaces ``mod``. A ``mod`` answer is one digit
 below the divisor, so a model that guesses scores ~20% by chance, which hides whether RL taught it
@@ -87,11 +91,22 @@ def _linear(rng: random.Random) -> tuple[str, int, str]:
     return f"Solve {a}x+{b}={c}.", x, sol
 
 
+def _mul2(rng: random.Random) -> tuple[str, int, str]:
+    # Two digits times two digits, worked as a*(10t+u) = a*10t + a*u like ``mul``; the two partial
+    # products are each a two-digit-times-one-digit product, which neither tiny model is taught to
+    # form in one step. It is the hard part of the set: the problems both models fail (see tiny.py).
+    a, b = rng.randint(11, 99), rng.randint(11, 99)
+    tens, units = b // 10 * 10, b % 10
+    p = a * b
+    return f"What is {a}*{b}?", p, f"{a}*{b}={a}*{tens}+{a}*{units}={a * tens}+{a * units}={p}. \\boxed{{{p}}}"
+
+
 FAMILIES: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {
     "add": _add,
     "sub": _sub,
     "mul": _mul,
     "linear": _linear,
+    "mul2": _mul2,
 }
 """Family name -> generator. The order is part of the contract (it fixes the seeded output)."""
 
