@@ -1,8 +1,8 @@
 """GRAFT before and beside the online pair: how complementary models are, and foreign trajectories as a peer.
 
 Two tools in one file that imports only torch and the standard library at the top (exchange.py,
-verify.py, sampler.py, data/prepare.py and safetensors inside the functions that need them; it never
-imports graft.py), so it can be copied alone and graft.py can import it without a cycle.
+verify.py, sampler.py, runtime.py for data/prepare.py's reader, and safetensors inside the functions
+that need them; it never imports graft.py), so graft.py can import it without a cycle.
 
 1. Complementarity: `python graft.py complement SRC1 SRC2 [SRC3 ...] [--n 8] [--batch-size 128]`
    (or `python offline.py complement ...`). A source is a folder of this project's rollout files
@@ -426,12 +426,9 @@ def _first_field(obj: dict, names: tuple[str, ...]):
 
 
 def _jsonl_objects(path: Path):
-    """data/prepare.py's jsonl_objects, loaded by path (data/ is no package): (line number, object)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("graft_data_prepare", Path(__file__).parent / "data" / "prepare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.jsonl_objects(path)
+    """data/prepare.py's jsonl_objects: (line number, object) for each non-blank line."""
+    from runtime import prepare_module
+    return prepare_module().jsonl_objects(path)
 
 
 def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:

@@ -21,6 +21,7 @@ offline.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -150,12 +151,19 @@ def encode_prompt(problem: str, tokenizer, *, template: str, chat: bool) -> list
     return tokenizer.encode(text, add_special_tokens=True)
 
 
-def load_prompt_file(path: str) -> list[dict]:
-    """Validated prompt JSONL via data/prepare.py's load_prompts (loaded by path: data/ is no package)."""
+@functools.lru_cache(maxsize=1)
+def prepare_module():
+    """data/prepare.py as a module (loaded by path: data/ is no package); the project's JSONL readers."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("graft_data_prepare", Path(__file__).parent / "data" / "prepare.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def load_prompt_file(path: str) -> list[dict]:
+    """Validated prompt JSONL via data/prepare.py's load_prompts."""
+    mod = prepare_module()
     if not Path(path).is_file():
         raise SystemExit(f"--prompts {path!r}: no such file (python data/prepare.py writes data/math_train.jsonl)")
     try:
