@@ -377,6 +377,21 @@ def multi_peer_sources(k: torch.Tensor, n: int, *, balance: bool = True) -> torc
     return src
 
 
+def assignment_digest(src: torch.Tensor, prompt_ids: list[str]) -> str:
+    """A 12-hex-digit fingerprint of one step's whole exchange, to check that processes agree.
+
+    src: (S, G) long, multi_peer_sources' answer (sides in sorted order); prompt_ids: the G prompt ids
+    in the step's order. Every process of an online run logs it as the metrics key "assignment": equal
+    fingerprints on a step mean that every process computed the same assignment from the same files.
+    """
+    assert src.dim() == 2 and src.shape[1] == len(prompt_ids), f"src {tuple(src.shape)} vs {len(prompt_ids)} ids"
+    h = hashlib.blake2b(digest_size=6)
+    h.update("\n".join(prompt_ids).encode())
+    h.update(str(tuple(src.shape)).encode())
+    h.update(src.to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def received_groups(k_own: torch.Tensor, k_peer: torch.Tensor, n: int, *, own_is_a: bool,
                     balance: bool = True) -> torch.Tensor:
     """The prompts on which this side receives the peer's group: (G,) bool.
@@ -872,12 +887,17 @@ class Trainer(RunFiles):
         cfg, n = self.cfg, self.cfg.n
         k_own = own.rewards.sum(1).long()  # (G,)
         k = {name: p.rewards.sum(1).long() for name, p in peers.items()}  # (G,) each
-        if len(peers) > 1:  # three or more sides: multi_peer_sources, our extension
+        self.assignment = None
+        if self.mode == "online" and cfg.selection == "graft":
+            # The whole step's assignment, every side's row, as each process computes it: its fingerprint
+            # goes to the metrics, so that agreement between the processes can be checked afterwards.
             sides = sorted([cfg.name, *peers])
             src = multi_peer_sources(torch.stack([k_own if s_ == cfg.name else k[s_] for s_ in sides]), n,
                                      balance=cfg.balance)  # (S, G)
+            self.assignment = assignment_digest(src, own.prompt_ids)
             me = sides.index(cfg.name)
-            return {name: src[me] == sides.index(name) for name in peers}
+            if len(peers) > 1:  # three or more sides: multi_peer_sources, our extension
+                return {name: src[me] == sides.index(name) for name in peers}
         (name, peer), = peers.items()
         if cfg.selection == "sgt":
             return {name: rescue_candidates(k_own, k[name])}  # ablation: SGT's rule, no balancing
@@ -885,6 +905,8 @@ class Trainer(RunFiles):
             into_me = graft_candidates(k_own, k[name], peer.sizes)
         else:
             into_me = received_groups(k_own, k[name], n, own_is_a=cfg.name < name, balance=cfg.balance)
+            if self.assignment is not None:  # the pair's rule, read through multi_peer_sources (tested equal)
+                assert torch.equal(into_me, src[me] == sides.index(name)), f"step {step}: swap and assignment differ"
         if cfg.selection == "random":
             # Ablation: as many prompts as GRAFT would take, drawn among those where the peer is mixed.
             pool = torch.nonzero((k[name] >= 1) & (k[name] < peer.sizes)).squeeze(1)
@@ -970,6 +992,8 @@ class Trainer(RunFiles):
             return out, replaced, m | mb
 
         received = self.select(step, own, peers)  # {peer: (G,) bool}
+        if self.assignment is not None:
+            m["assignment"] = self.assignment
         scored, kept, peer_adv = [], [], {}
         dropped_len = offered = 0
         for name, peer in peers.items():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import graft
-from graft import balanced_swap, group_advantages, multi_peer_sources
+from graft import assignment_digest, balanced_swap, group_advantages, multi_peer_sources
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 
 # ------------------------------------------------------------------------------------------------
@@ -89,6 +89,8 @@ def test_three_processes_agree_on_every_assignment(tiny, tmp_path):
                     assert m[f"selected/{giver}"] == int((src[r] == j).sum()), (step, recv, giver)
             assert m["selected"] == int((src[r] >= 0).sum())
             moved += m["selected"]
+        # the fingerprint of the whole assignment: the same in every process and recomputed from the files
+        assert {metrics[s][step]["assignment"] for s in "abc"} == {assignment_digest(src, files["a"].prompt_ids)}
     assert moved > 0, "the planted rewards should make some groups move"
 
 
