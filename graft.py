@@ -68,7 +68,8 @@ Our extensions beyond the paper (the paper's behaviour is unchanged when they ar
     the most successes (the most correct traces to imitate; ties to the name that sorts first, a
     fixed rule so that every process computes the same assignment from the same files); balancing
     then applies per pair of sides exactly as the paper's swap does for two (multi_peer_sources).
-    With two sides it is the paper's rule.
+    With two sides it is the paper's rule. Every online process logs a fingerprint of the step's
+    whole assignment (metrics key "assignment", assignment_digest), so that agreement can be checked.
   * Foreign trajectories: `--peer-log FILE.jsonl` takes any collection of (problem, response)
     records as the stored peer, matched by id or problem text, re-verified, with advantages within
     each prompt's group of any size (offline.py); `--peer-model` supplies a missing lbar.

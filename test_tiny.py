@@ -11,6 +11,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "data"))
+import graft  # noqa: E402
 import tiny  # noqa: E402
 import verify  # noqa: E402
 import tiny_tasks  # noqa: E402
@@ -114,10 +115,11 @@ def texts(splits):
 
 @pytest.fixture(scope="module")
 def toks(texts):
-    return {"char": tiny.build_char_tokenizer(), "bpe": tiny.build_bpe_tokenizer(texts, 300)}
+    return {"char": tiny.build_char_tokenizer(), "bpe": tiny.build_bpe_tokenizer(texts, 300),
+            "bytelevel": tiny.build_bytelevel_tokenizer(texts, 400)}
 
 
-@pytest.mark.parametrize("name", ["char", "bpe"])
+@pytest.mark.parametrize("name", ["char", "bpe", "bytelevel"])
 def test_tokenizer_round_trips_exactly(toks, texts, name):
     tok = toks[name]
     extra = ["  two  spaces\n\nand newlines \n", "x=70/7=10, \\boxed{10}", ""]
@@ -140,6 +142,12 @@ def test_tokenizers_split_digits_differently(toks, texts):
     n_char = sum(len(char.encode(t, add_special_tokens=False)) for t in texts[:100])
     n_bpe = sum(len(bpe.encode(t, add_special_tokens=False)) for t in texts[:100])
     assert n_bpe < 0.8 * n_char
+    # C's byte-level BPE merges digit runs by frequency: boundaries that differ from both A's and B's
+    byte = toks["bytelevel"]
+    assert len(byte) == 400 and byte.unk_token_id not in byte.encode("é 中 ~", add_special_tokens=False)
+    pieces = lambda tok, t: tok.convert_ids_to_tokens(tok.encode(t, add_special_tokens=False))  # noqa: E731
+    differ_b = sum(pieces(byte, t) != pieces(bpe, t) for t in texts[:100])
+    assert differ_b >= 90 and all(len(pieces(byte, t)) < len(pieces(char, t)) for t in texts[:100])
 
 
 def test_models_build_save_and_load(toks, tmp_path):
@@ -147,7 +155,7 @@ def test_models_build_save_and_load(toks, tmp_path):
 
     cfg = tiny.TinyConfig(hidden=32, layers=1, heads=2, intermediate=64)
     text = "What is 12+3?\n"
-    for kind, name in (("llama", "char"), ("qwen3", "bpe")):
+    for kind, name in (("llama", "char"), ("qwen3", "bpe"), ("gpt_neox", "bytelevel")):
         tok = toks[name]
         model = tiny.build_model(kind, tok, cfg).eval()
         out = tmp_path / kind
@@ -192,6 +200,34 @@ def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(tmp_path):
     assert "beyond-sample subset" in r.stdout and "graft -> A" in r.stdout and "train-side view" in r.stdout
 
 
+def test_preset_smoke_with_three_models(tmp_path):
+    """`python tiny.py --peers 3 --smoke`: GRPO for A, B and C, the three pairs and the three-way run."""
+    out = tmp_path / "tiny3"
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke", "--peers", "3"],
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
+    cells = {(meth, model) for _, meth, model, subset, _, _ in rows if subset == "overall"}
+    runs = {"grpo": "ABC", "graft_AB": "AB", "graft_AC": "AC", "graft_BC": "BC", "graft": "ABC"}
+    assert cells == {("before", m) for m in "ABC"} | {(k, m) for k, ms in runs.items() for m in ms}
+    assert {subset for _, _, model, subset, _, _ in rows if model == "C"} >= {"beyond", "beyond_A", "beyond_B"}
+    # the three-way run: what each process took from each peer adds up, and all three agreed on every step
+    metrics = {m: [json.loads(x) for x in (out / "seed0" / "graft" / m / "metrics.jsonl").read_text().splitlines()]
+               for m in "ABC"}
+    for m, ms in metrics.items():
+        assert len(ms) == 3 and all(x["selected"] == sum(x[f"selected/{p.lower()}"] for p in "ABC" if p != m)
+                                    for x in ms)
+    for step in range(3):
+        assert len({metrics[m][step]["assignment"] for m in "ABC"}) == 1
+    assert sum(x["selected"] for ms in metrics.values() for x in ms) > 0, "nothing moved in the three-way run"
+    record = json.loads((out / "received" / "s0_graft.json").read_text())
+    assert record["agreed_steps"] == 3
+    assert sum(v for got in record["received_from"].values() for v in got.values()) == sum(
+        len([q for q in (out / "received" / f"s0_graft_{m}.jsonl").read_text().splitlines() if '"id": "none"' not in q])
+        for m in "ABC")
+    assert "graft (A, B, C): 3/3 steps" in r.stdout and re.search(r"graft \(3 processes\) \d+ s vs graft_AB", r.stdout)
+
+
 def test_beyond_sample_and_metrics_by_hand():
     a = {"q1": [0, 0, 0], "q2": [0, 0, 0], "q3": [1, 0, 0], "q4": [0, 0, 0]}
     b = {"q1": [0, 1, 0], "q2": [0, 0, 0], "q3": [1, 1, 1], "q4": [1, 1, 1]}
@@ -212,26 +248,72 @@ def test_validation_split_is_carved_per_family(splits):
     assert not {r["id"] for r in rest} & {r["id"] for r in val}
 
 
-def test_received_prompts_match_the_trainers_selection(tmp_path):
-    """Rollout files written by hand: the received set is the balanced swap's selection, per side."""
+def write_steps(folder, succ: dict, ids: list, n: int) -> None:
+    """Rollout files by hand: succ[side][step][g] successes of side on prompt ids[step][g], n rollouts each."""
     from exchange import StepRollouts, rollout_path, save_rollouts
     from pathlib import Path
 
+    for side, ks in succ.items():
+        for step, (pids, kk) in enumerate(zip(ids, ks)):
+            G = len(pids)
+            rew = torch.tensor([[1.0] * k + [0.0] * (n - k) for k in kk])  # (G, n)
+            r = StepRollouts(prompt_ids=pids, tokens=[[1]] * (G * n), logprobs=[torch.zeros(1)] * (G * n),
+                             texts=["x"] * (G * n), eos=torch.ones(G, n, dtype=torch.bool), rewards=rew,
+                             advantages=torch.zeros(G, n))
+            save_rollouts(rollout_path(Path(folder), side, step), r, {"model": side, "step": step})
+
+
+def test_received_prompts_match_the_trainers_selection(tmp_path):
+    """Rollout files written by hand: the received set is the balanced swap's selection, per side."""
     n = 4
     succ = {"a": [[0, 3], [0, 0], [4, 1]], "b": [[2, 0], [1, 3], [0, 0]]}  # per step, per prompt: successes
     ids = [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]
-    for side, ks in succ.items():
-        for step, (pids, kk) in enumerate(zip(ids, ks)):
-            rew = torch.tensor([[1.0] * k + [0.0] * (n - k) for k in kk])  # (G, n)
-            r = StepRollouts(prompt_ids=pids, tokens=[[1]] * (2 * n), logprobs=[torch.zeros(1)] * (2 * n),
-                             texts=["x"] * (2 * n), eos=torch.ones(2, n, dtype=torch.bool), rewards=rew,
-                             advantages=torch.zeros(2, n))
-            save_rollouts(rollout_path(Path(tmp_path), side, step), r, {"model": side, "step": step})
+    write_steps(tmp_path, succ, ids, n)
     # step 0: a fails p0 where b is mixed, b fails p1 where a is mixed: m = 1, one group each way.
     # step 1: a fails p2 and p3, b mixed on both, but b fails nothing: m = 0, nothing moves.
     # step 2: b fails p5 where a is mixed (p4: a solves 4/4, not mixed), a fails nothing: m = 0.
-    assert tiny.received_prompts(str(tmp_path), "a", "b", 3) == ["p0"]
-    assert tiny.received_prompts(str(tmp_path), "b", "a", 3) == ["p1"]
+    assert tiny.received_prompts(str(tmp_path), "a", ["b"], 3) == ["p0"]
+    assert tiny.received_prompts(str(tmp_path), "b", ["a"], 3) == ["p1"]
     # without balancing every candidate moves
-    assert tiny.received_prompts(str(tmp_path), "a", "b", 3, balance=False) == ["p0", "p2", "p3"]
-    assert tiny.received_prompts(str(tmp_path), "b", "a", 3, balance=False) == ["p1", "p5"]
+    assert tiny.received_prompts(str(tmp_path), "a", ["b"], 3, balance=False) == ["p0", "p2", "p3"]
+    assert tiny.received_prompts(str(tmp_path), "b", ["a"], 3, balance=False) == ["p1", "p5"]
+
+
+def test_three_sides_received_sources_and_fingerprints(tmp_path):
+    """Three sides, one step of 4 prompts, n = 4, worked by hand with the rule of multi_peer_sources."""
+    # p0: a fails, b 1/4, c 3/4 -> a takes c's group (most successes)
+    # p1: b fails, a 2/4, c 2/4 -> b takes a's (tie: the name that sorts first)
+    # p2: c fails, b 1/4, a 4/4 (not mixed) -> c takes b's
+    # p3: a and b fail, c 2/4 -> a and b both take c's
+    # balancing per pair: c->a {p0, p3} vs a->c {}: m = 0, a gets nothing from c; a->b {p1} vs b->a {}: m = 0;
+    # b->c {p2} vs c->b {p3}: m = 1, both kept.
+    ids = [["p0", "p1", "p2", "p3"]]
+    write_steps(tmp_path, {"a": [[0, 2, 4, 0]], "b": [[1, 0, 1, 0]], "c": [[3, 2, 0, 2]]}, ids, 4)
+    got, prints = tiny.exchange_view(str(tmp_path), ["c", "a", "b"], 1)
+    assert got == {"a": {}, "b": {"p3": "c"}, "c": {"p2": "b"}}
+    got, _ = tiny.exchange_view(str(tmp_path), ["a", "b", "c"], 1, balance=False)
+    assert got == {"a": {"p0": "c", "p3": "c"}, "b": {"p1": "a", "p3": "c"}, "c": {"p2": "b"}}
+    src = torch.tensor([[-1, -1, -1, -1], [-1, -1, -1, 2], [-1, -1, 1, -1]])  # (S, G), sides a, b, c
+    assert prints == [graft.assignment_digest(src, ["p0", "p1", "p2", "p3"])]
+    # every process logged that fingerprint: 1 step agreed; one process with another: the preset stops
+    for side, fp in (("a", prints[0]), ("b", prints[0]), ("c", prints[0])):
+        (tmp_path / f"{side}.jsonl").write_text(json.dumps({"step": 0, "assignment": fp}) + "\n")
+    paths = {s: str(tmp_path / f"{s}.jsonl") for s in "abc"}
+    assert tiny.check_assignments("ex", paths, 1, prints) == 1
+    (tmp_path / "c.jsonl").write_text(json.dumps({"step": 0, "assignment": "0" * 12}) + "\n")
+    with pytest.raises(SystemExit, match="disagree on step 0"):
+        tiny.check_assignments("ex", paths, 1, prints)
+
+
+def test_preset_runs_and_per_model_digests():
+    labels = lambda runs: [(r.label, r.group) for r in runs]  # noqa: E731
+    assert labels(tiny.preset_runs(["grpo", "graft"], ["A", "B"])) == [("grpo", ("A", "B")), ("graft", ("A", "B"))]
+    assert labels(tiny.preset_runs(["grpo", "graft"], ["A", "B", "C"]))[1:] == [
+        ("graft_AB", ("A", "B")), ("graft_AC", ("A", "C")), ("graft_BC", ("B", "C")), ("graft", ("A", "B", "C"))]
+    # a model's cache key covers the shared fields and its own, nothing of another model
+    base, cfg = tiny.TinyConfig(), tiny.TinyConfig(mix_c={"add": 1.0})
+    assert [base.digest(m) == cfg.digest(m) for m in "ABC"] == [True, True, False]
+    assert [base.digest(m) == tiny.TinyConfig(layers=2).digest(m) for m in "ABC"] == [False] * 3
+    # the committed copies are those of the default config: the preset never pre-trains in CI
+    for m in "ABC":
+        assert tiny._is_done(os.path.join(tiny.COMMITTED, m), m, base), f"data/tiny_models/{m} is stale"

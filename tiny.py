@@ -5,6 +5,7 @@
     python tiny.py --split val                 # the same on the validation split (choosing settings)
     python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the same table
     python tiny.py --variant sgt               # one variant next to GRPO
+    python tiny.py --peers 3                   # a third model C: three pairs and the three-way run
     python tiny.py --smoke                     # CI: 3 steps, a 50-problem subset
     python tiny.py --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
     python tiny.py prepare RUN_DIR [--retrain] # only data, tokenizers and pre-trained models
@@ -30,15 +31,25 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      sub, mul, linear, mul2; worked solutions ending in \\boxed{}), 4000 train / 500 validation
      (cut from the generated train problems) / 1000 held-out, disjoint, balanced over families.
   2. A/ = Llama-style model + character-level tokenizer; B/ = Qwen3-style model (grouped-query
-     attention, q/k norm) + a 300-token BPE with digits grouped up to three. Both ~0.65M params,
-     pre-trained (SFT) on the train split only, with different family mixes (TinyConfig). The
-     committed copies in data/tiny_models are used when their config digest matches (`--retrain`
-     pre-trains here: ~4 minutes on an idle 2-core machine, ~8 under load).
+     attention, q/k norm) + a 300-token BPE with digits grouped up to three; with --peers 3 also
+     C/ = GPT-NeoX-style model (LayerNorm, parallel attention and MLP, rotary on a quarter of each
+     head, untied output embedding) + a 400-token byte-level BPE that merges digit runs by
+     frequency (GPT-2 style). ~0.65-0.70M params each, pre-trained (SFT) on the train split only,
+     with different family mixes (TinyConfig, MODELS). The committed copies in data/tiny_models are
+     used when their digest (the shared fields and the model's own) matches (`--retrain` pre-trains
+     here: ~4 minutes for A and B on an idle 2-core machine, ~8 under load; C ~1.5 minutes).
   3. For each seed: the GRAFT pair (and each --variants entry), then GRPO for A alone and for B
      alone, all through `graft.py train` with the same starting checkpoints, prompt batches, steps,
      n, lr and minibatches: a budget-equal comparison as in the paper. At most --slots graft.py
      processes run at once (one torch thread each), in that order, and the evaluations fill the
-     slot the shorter GRPO run leaves idle.
+     slot the shorter GRPO run leaves idle. With --peers 3: GRPO for each of A, B and C, every
+     exchange method on the pairs A-B, A-C, B-C (columns graft_AB, ...) and on all three at once
+     (column graft: three processes with `--peer-name` listing the other two, graft.py's
+     multi-peer rule), all from the same checkpoints and batches; the three-way run starts when
+     nothing else runs, and the profile prints its wall time against the A-B pair's. After every
+     exchange run the preset recomputes each step's assignment from the rollout files and checks
+     that every process logged the same fingerprint (metrics key "assignment"); a disagreement
+     stops it.
   4. Evaluations (graft.py eval, T=1): the models before RL at 2k samples per problem, every final
      model at k, on the split and on the received train prompts; then the tables, results.txt and
      results.csv (one row per seed, method, model and subset: size and accuracy).
@@ -90,6 +101,12 @@ one seed). lr 3e-4 on validation (after the held-out run, for the diagnosis only
 both methods (overall 35.0% -> 3.9% GRPO, 7.2% GRAFT), so the learning rate is not the lever. What
 the preset lacks is first of all a GRPO that moves A at a stable step size, then a gate that stays
 open as the receiver trains.
+
+Model C (with --peers 3). Its mix (add 0.40, mul 0.40, sub 0.10, linear 0.10) makes each model
+weak where another is strong: A on mul/linear, B on add/sub, C on sub/linear; on validation before
+RL (8 samples, T=1) C scores add 72.5%, sub 9.1%, mul 45.9%, linear 20.1% (A: 94.0/71.0/0.9/10.1,
+B: 23.8/19.2/50.6/45.4), and C solves 41.2% of A's all-fail problems and 30.1% of B's. The mix was
+set once, before any RL run with C, and not tuned.
 
 Choices
   * SFT loss on the response tokens and EOS only: the prompt digits are uniform random, so
@@ -149,16 +166,21 @@ class TinyConfig:
     """Pre-training family mix of model A (Llama, char): strong on add/sub, near zero on mul/linear."""
     mix_b: dict = field(default_factory=lambda: {"add": 0.12, "sub": 0.12, "mul": 0.38, "linear": 0.38, "mul2": 0.0})
     """Pre-training family mix of model B (Qwen3, BPE): strong on mul/linear, weak but not at zero on add/sub."""
+    mix_c: dict = field(default_factory=lambda: {"add": 0.40, "sub": 0.10, "mul": 0.40, "linear": 0.10, "mul2": 0.0})
+    """Pre-training family mix of model C (GPT-NeoX, byte-level BPE; --peers 3 only): strong on add/mul, weak
+    on sub/linear, so that each of the three models is weak where another is strong."""
     hidden: int = 128
-    """Hidden size of both models."""
+    """Hidden size of every model."""
     layers: int = 3
-    """Decoder layers of both models."""
+    """Decoder layers of every model."""
     heads: int = 4
-    """Attention heads of both models (head dim = hidden / heads)."""
+    """Attention heads of every model (head dim = hidden / heads)."""
     intermediate: int = 384
-    """MLP width of both models."""
+    """MLP width of the gated (SwiGLU) MLPs of A and B; C's plain GELU MLP is 4 x hidden, as in GPT-NeoX."""
     bpe_vocab: int = 300
     """Vocabulary size of model B's BPE tokenizer (specials included)."""
+    bytelevel_vocab: int = 400
+    """Vocabulary size of model C's byte-level BPE (256 byte symbols, 3 specials, the rest merges)."""
     sft_steps: int = 600
     """Pre-training optimiser steps per model."""
     sft_batch: int = 64
@@ -168,10 +190,33 @@ class TinyConfig:
     sft_warmup: int = 50
     """Warm-up steps of pre-training."""
 
-    def digest(self) -> str:
-        """Short hash of the config: a changed config invalidates the cached artefacts."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
+    def digest(self, model: str) -> str:
+        """Short hash of the fields that model ``model`` depends on: the shared ones and its own (MODELS).
+        A changed field invalidates that model's cached copy, and no other's: adding C left A and B valid."""
+        own = {f for m in MODELS.values() for f in m.own}
+        blob = {k: v for k, v in dataclasses.asdict(self).items() if k not in own or k in MODELS[model].own}
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """One model of the preset: architecture, tokenizer, and the TinyConfig fields only it depends on."""
+
+    arch: str
+    """build_model's kind: llama, qwen3 or gpt_neox."""
+    tokenizer: str
+    """char, bpe or bytelevel (see Tokenizers)."""
+    own: tuple[str, ...]
+    """Its own TinyConfig fields (its family mix first): part of its digest, of no other model's."""
+
+
+MODELS = {
+    "A": TinyModel("llama", "char", ("mix_a",)),
+    "B": TinyModel("qwen3", "bpe", ("mix_b", "bpe_vocab")),
+    "C": TinyModel("gpt_neox", "bytelevel", ("mix_c", "bytelevel_vocab")),
+}
+"""The preset's models by name. A and B are the pair; C joins with --peers 3. The three differ in
+architecture and tokenizer, as the paper's pairs do, and each is weak on families another is strong on."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,14 +317,44 @@ def build_bpe_tokenizer(texts: list[str], vocab_size: int):
     return _wrap(tok)
 
 
+def build_bytelevel_tokenizer(texts: list[str], vocab_size: int):
+    """GPT-2/GPT-NeoX-style byte-level BPE trained on the generated text, digits not grouped.
+
+    Text is mapped to bytes first (256 base symbols, so nothing is ever unknown), split by GPT-2's
+    regex, and merged by frequency with no rule for digits: " 78" becomes " 7" + "8" and "292" may
+    become "29" + "2", boundaries that agree with neither A's single digits nor B's groups of three.
+    The byte-level decoder maps the bytes back, so decode(encode(t)) == t.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return _wrap(tok)
+
+
+def build_tokenizer(kind: str, texts: list[str], cfg: "TinyConfig"):
+    """The tokenizer of a TinyModel: char, bpe or bytelevel (the latter two trained on ``texts``)."""
+    if kind == "char":
+        return build_char_tokenizer()
+    if kind == "bpe":
+        return build_bpe_tokenizer(texts, cfg.bpe_vocab)
+    if kind == "bytelevel":
+        return build_bytelevel_tokenizer(texts, cfg.bytelevel_vocab)
+    raise ValueError(f"unknown tokenizer kind {kind!r}")
+
+
 # ------------------------------------------------------------------------------------------------
 # Models
 # ------------------------------------------------------------------------------------------------
 
 
 def build_model(kind: str, tok, cfg: TinyConfig):
-    """A tiny Llama ("llama") or Qwen3 ("qwen3") decoder for ``tok``, weights tied, fp32."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    """A tiny Llama ("llama"), Qwen3 ("qwen3") or GPT-NeoX ("gpt_neox") decoder for ``tok``, fp32."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, Qwen3Config
 
     common = dict(vocab_size=len(tok), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
                   num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, max_position_embeddings=256,
@@ -290,6 +365,11 @@ def build_model(kind: str, tok, cfg: TinyConfig):
     elif kind == "qwen3":
         # Differs from the Llama beyond the tokenizer: grouped-query attention and q/k RMSNorm.
         mcfg = Qwen3Config(num_key_value_heads=max(1, cfg.heads // 2), head_dim=cfg.hidden // cfg.heads, **common)
+    elif kind == "gpt_neox":
+        # Differs from both: LayerNorm with biases, attention and a plain GELU MLP (4 x hidden) in parallel off
+        # one residual, rotary embedding on a quarter of each head, and an output embedding of its own.
+        common |= dict(intermediate_size=4 * cfg.hidden, tie_word_embeddings=False)
+        mcfg = GPTNeoXConfig(use_parallel_residual=True, **common)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     torch.manual_seed(cfg.seed)
@@ -352,22 +432,22 @@ def pretrain(model, tok, rows: list[dict], mix: dict, cfg: TinyConfig, log=print
 
 
 def _pretrain_one(run_dir: str, name: str, cfg: TinyConfig) -> None:
-    """Build, pre-train and save model ``name`` ("A" or "B") into RUN_DIR/name (one process)."""
+    """Build, pre-train and save model ``name`` (a key of MODELS) into RUN_DIR/name (one process)."""
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    out = os.path.join(run_dir, name)
+    out, spec = os.path.join(run_dir, name), MODELS[name]
     tok = AutoTokenizer.from_pretrained(os.path.join(run_dir, f"tok_{name}"))
-    model = build_model("llama" if name == "A" else "qwen3", tok, cfg)
+    model = build_model(spec.arch, tok, cfg)
     rows = load_jsonl(os.path.join(run_dir, "data", "train.jsonl"))
     log = lambda msg: print(f"[{name}] {msg}", flush=True)  # noqa: E731
     log(f"{type(model).__name__}: {n_params(model):,} params, vocab {len(tok)}")
-    wall = pretrain(model, tok, rows, cfg.mix_a if name == "A" else cfg.mix_b, cfg, log)
+    wall = pretrain(model, tok, rows, getattr(cfg, spec.own[0]), cfg, log)
     tmp = f"{out}.tmp.{os.getpid()}"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "tiny_done.json"), "w") as f:
-        json.dump({"config": dataclasses.asdict(cfg), "digest": cfg.digest(), "sft_wall_s": wall}, f)
+        json.dump({"config": dataclasses.asdict(cfg), "digest": cfg.digest(name), "sft_wall_s": wall}, f)
     if os.path.isdir(out):
         import shutil
         shutil.rmtree(out)
@@ -375,45 +455,45 @@ def _pretrain_one(run_dir: str, name: str, cfg: TinyConfig) -> None:
     log(f"saved {out} ({wall:.0f}s)")
 
 
-def _is_done(folder: str, cfg: TinyConfig) -> bool:
+def _is_done(folder: str, name: str, cfg: TinyConfig) -> bool:
     try:
         with open(os.path.join(folder, "tiny_done.json")) as f:
-            return json.load(f)["digest"] == cfg.digest()
+            return json.load(f)["digest"] == cfg.digest(name)
     except (OSError, ValueError, KeyError):
         return False
 
 
 COMMITTED = os.path.join(HERE, "data", "tiny_models")
-"""Pre-trained A and B as committed to the repository (built by `python tiny.py prepare data/tiny_models
---retrain` with the default TinyConfig); used when their digest matches, so the preset skips ~2-5
-minutes of pre-training."""
+"""Pre-trained A, B and C as committed to the repository (built by `python tiny.py prepare data/tiny_models
+--peers 3 --retrain` with the default TinyConfig); each is used when its digest matches, so the preset
+skips ~4-8 minutes of pre-training."""
 
 
-def prepare(run_dir: str, cfg: TinyConfig, *, retrain: bool = False) -> None:
-    """Data, tokenizers and both pre-trained models in RUN_DIR; finished parts are skipped.
+def prepare(run_dir: str, cfg: TinyConfig, *, models: tuple[str, ...] = ("A", "B"), retrain: bool = False) -> None:
+    """Data, tokenizers and the pre-trained ``models`` in RUN_DIR; finished parts are skipped.
 
-    Models come from the committed copies in data/tiny_models when they were trained with this exact
-    config (same digest), else they are pre-trained here; --retrain always pre-trains.
+    Models come from the committed copies in data/tiny_models when they were trained with the same
+    fields (same digest), else they are pre-trained here; --retrain always pre-trains.
     """
     import shutil
     os.makedirs(run_dir, exist_ok=True)
     data_dir = make_data(run_dir, cfg)
-    for n in ("A", "B"):
+    for n in models:
         src, dst = os.path.join(COMMITTED, n), os.path.join(run_dir, n)
-        if (not retrain and not _is_done(dst, cfg) and _is_done(src, cfg)
+        if (not retrain and not _is_done(dst, n, cfg) and _is_done(src, n, cfg)
                 and os.path.abspath(src) != os.path.abspath(dst)):
             shutil.copytree(src, dst + ".tmp", dirs_exist_ok=True)
             shutil.rmtree(dst, ignore_errors=True)
             os.replace(dst + ".tmp", dst)
-            print(f"[tiny] model {n}: the committed pre-trained copy ({COMMITTED}/{n}, config {cfg.digest()})")
-    todo = [n for n in ("A", "B") if retrain or not _is_done(os.path.join(run_dir, n), cfg)]
+            print(f"[tiny] model {n}: the committed pre-trained copy ({COMMITTED}/{n}, config {cfg.digest(n)})")
+    todo = [n for n in models if retrain or not _is_done(os.path.join(run_dir, n), n, cfg)]
     if not todo:
-        print(f"pre-trained models in {run_dir} are cached (config {cfg.digest()})")
+        print(f"pre-trained models {', '.join(models)} in {run_dir} are cached")
         return
     train = load_jsonl(os.path.join(data_dir, "train.jsonl"))
     texts = [PROMPT_TEMPLATE.replace("{problem}", r["problem"]) + r["solution"] for r in train]
-    build_char_tokenizer().save_pretrained(os.path.join(run_dir, "tok_A"))
-    build_bpe_tokenizer(texts, cfg.bpe_vocab).save_pretrained(os.path.join(run_dir, "tok_B"))
+    for n in todo:
+        build_tokenizer(MODELS[n].tokenizer, texts, cfg).save_pretrained(os.path.join(run_dir, f"tok_{n}"))
     cfg_path = os.path.join(run_dir, "tiny_config.json")
     with open(cfg_path, "w") as f:
         json.dump(dataclasses.asdict(cfg), f)
@@ -491,7 +571,11 @@ class PresetConfig:
     """Evaluation split: 'test' (the held-out table) or 'val' (the validation split cut from train,
     on which the preset's settings were chosen)."""
     slots: int = 2
-    """graft.py processes run at once (one torch thread each; a GRAFT pair takes two)."""
+    """graft.py processes run at once (one torch thread each; a GRAFT pair takes two; the three-way run,
+    wider than 2, runs alone)."""
+    peers: int = 2
+    """Models in the preset: 2 (A and B: GRPO for each and the GRAFT pair) or 3 (also C: GRPO for each of
+    the three, the three pairwise GRAFT runs and the three-way run, from the same checkpoints and batches)."""
     eval_every: int = 0
     """Evaluation every this many steps inside the runs (for --plot; 0 = final only)."""
     plot: bool = False
@@ -533,14 +617,14 @@ class Job:
     """Called (no arguments) once the job is complete, cached or just run."""
 
 
-def run_jobs(jobs: list[Job], slots: int, timing: dict) -> None:
+def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None = None) -> None:
     """Run ``jobs`` with at most ``slots`` processes at once, in list order: a job whose deps are done
     but that does not fit the free slots holds back the jobs after it, so the list is the priority
-    (the GRAFT pairs first, then single runs and evaluations fill the slots). ``timing`` gets each
-    run job's wall seconds. The first failure stops everything and prints the failed log."""
+    (the GRAFT runs first, then single runs and evaluations fill the slots). A job wider than ``slots``
+    (the three-way run: three processes that must meet) starts when nothing else runs, and runs alone.
+    ``timing`` gets each run job's wall seconds (and ``timing_file``, rewritten after each job). The
+    first failure stops everything and prints the failed log."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    for j in jobs:
-        assert len(j.procs) <= slots, f"job {j.name} needs {len(j.procs)} processes but --slots is {slots}"
     done = set()
     pending = []
     for j in jobs:
@@ -557,7 +641,7 @@ def run_jobs(jobs: list[Job], slots: int, timing: dict) -> None:
         for j in list(pending):
             if not set(j.deps) <= done:
                 continue
-            if len(j.procs) > free:
+            if len(j.procs) > free and not (len(j.procs) > slots and free == slots):
                 break
             procs = []
             for args, log in j.procs:
@@ -588,6 +672,8 @@ def run_jobs(jobs: list[Job], slots: int, timing: dict) -> None:
                 running.remove(item)
                 timing[j.name] = time.time() - t0
                 print(f"[tiny] {j.name}: {timing[j.name]:.0f}s", flush=True)
+                if timing_file:
+                    tiny_tasks.write_jsonl(timing_file, [timing])  # one JSON line, written atomically
                 done.add(j.name)
                 if j.after:
                     j.after()
@@ -615,52 +701,136 @@ def eval_args(model: str, files: list[str], out: str, pc: PresetConfig, max_new:
 
 
 # ------------------------------------------------------------------------------------------------
-# The train-side view: which prompts a side received from its peer
+# Runs: which graft.py trainings the table needs, and what their exchange folders say
 # ------------------------------------------------------------------------------------------------
 
 
-def received_prompts(exchange: str, side: str, peer: str, steps: int, *, balance: bool = True) -> list[str]:
-    """Ids of the prompts whose group ``side`` received from ``peer`` in a finished GRAFT run, in order
-    of first receipt, recomputed from the two sides' rollout files with the trainer's own selection
-    (graft.balanced_swap, sides ordered by name as the trainer orders them). A received group may
-    still have lost responses to the compatibility gate: the files do not say which, so this is the
-    set of selected groups."""
+@dataclass(frozen=True)
+class Run:
+    """One trained column of the table: a single-model method on every model, or an exchange method on
+    a group of models that train together (a pair, or with --peers 3 also the three-way run)."""
+
+    label: str
+    """Column and folder name: "grpo", "graft" (every model of the preset in one run), "graft_AB" (a pair
+    inside a three-model preset)."""
+    method: str
+    """A key of VARIANT_FLAGS, or one of SINGLE."""
+    group: tuple[str, ...]
+    """The models: trained each alone (single) or together, exchanging groups."""
+
+    @property
+    def single(self) -> bool:
+        return self.method in SINGLE
+
+
+def preset_runs(methods: list[str], models: list[str]) -> list[Run]:
+    """Every run of the preset, in priority order: each exchange method on every pair of ``models`` and,
+    with three, on all three at once (that run is labelled by the method alone, as the pair is when
+    there are two models); each single method once for all models."""
+    import itertools
+    groups = [tuple(g) for size in range(2, len(models) + 1) for g in itertools.combinations(models, size)]
+    runs = []
+    for method in methods:
+        if method in SINGLE:
+            runs.append(Run(method, method, tuple(models)))
+        else:
+            runs += [Run(method if len(g) == len(models) else f"{method}_{''.join(g)}", method, g) for g in groups]
+    return runs
+
+
+def exchange_view(exchange: str, sides: list[str], steps: int, *,
+                  balance: bool = True) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Recompute a finished exchange run's assignment from its rollout files, as the trainer computes it
+    (graft.multi_peer_sources over the sides sorted by name; with two sides it is exactly the paper's
+    balanced swap).
+
+    Returns ({side: {prompt id: source side}} for the groups each side received, in order of first
+    receipt, and the fingerprint of every step's assignment (graft.assignment_digest), which each
+    process of the run logged as the metrics key "assignment". A received group may still have lost
+    responses to the compatibility gate: the files do not say which, so this is the set of selected groups.
+    """
     from exchange import load_rollouts, rollout_path
-    from graft import balanced_swap
+    from graft import assignment_digest, multi_peer_sources
     from pathlib import Path
 
-    seen: dict[str, None] = {}
+    sides = sorted(sides)
+    received: dict[str, dict[str, str]] = {s: {} for s in sides}
+    prints = []
     for step in range(steps):
-        own, _ = load_rollouts(rollout_path(Path(exchange), side, step))
-        other, _ = load_rollouts(rollout_path(Path(exchange), peer, step), prompt_ids=own.prompt_ids)
-        n = own.n
-        k_own, k_peer = own.rewards.sum(1).long(), other.rewards.sum(1).long()  # (G,)
-        if side < peer:
-            _, into_me = balanced_swap(k_own, k_peer, n, balance=balance)  # (G,) b_to_a: this side is A
-        else:
-            into_me, _ = balanced_swap(k_peer, k_own, n, balance=balance)  # (G,) a_to_b: this side is B
-        for g in torch.nonzero(into_me).squeeze(1).tolist():
-            seen.setdefault(own.prompt_ids[g], None)
-    return list(seen)
+        first, _ = load_rollouts(rollout_path(Path(exchange), sides[0], step))
+        files = [first] + [load_rollouts(rollout_path(Path(exchange), s, step), prompt_ids=first.prompt_ids)[0]
+                           for s in sides[1:]]
+        k = torch.stack([f.rewards.sum(1).long() for f in files])  # (S, G)
+        src = multi_peer_sources(k, first.n, balance=balance)  # (S, G) source side index or -1
+        prints.append(assignment_digest(src, first.prompt_ids))
+        for r, side in enumerate(sides):
+            for g in torch.nonzero(src[r] >= 0).squeeze(1).tolist():
+                received[side].setdefault(first.prompt_ids[g], sides[int(src[r, g])])
+    return received, prints
 
 
-def write_received(run_dir: str, pc: PresetConfig, seed: int, method: str) -> None:
-    """RUN/received/s<seed>_<method>_<A|B>.jsonl: the train rows each side received (see above)."""
-    base = os.path.join(run_dir, f"seed{seed}", method)
+def received_prompts(exchange: str, side: str, peers: list[str], steps: int, *, balance: bool = True) -> list[str]:
+    """Ids of the prompts whose group ``side`` received from one of ``peers`` in a finished run, in order
+    of first receipt (see exchange_view)."""
+    return list(exchange_view(exchange, [side, *peers], steps, balance=balance)[0][side])
+
+
+def check_assignments(exchange: str, metrics: dict[str, str], steps: int, prints: list[str]) -> int:
+    """Check that every process of an exchange run logged, on every step, the assignment fingerprint
+    recomputed from the files (``prints``, from exchange_view). ``metrics``: side -> its metrics.jsonl.
+    Returns the number of steps checked (0 if the run's variant logs no fingerprint); a disagreement
+    stops the preset with the step, the sides and their fingerprints."""
+    logged = {}
+    for side, path in metrics.items():
+        by_step = {}
+        for line in open(path):
+            if line.strip():
+                m = json.loads(line)
+                by_step[m["step"]] = m.get("assignment")
+        logged[side] = by_step
+    checked = 0
+    for step in range(steps):
+        got = {side: logged[side].get(step) for side in logged}
+        if all(v is None for v in got.values()):
+            continue
+        if set(got.values()) != {prints[step]}:
+            raise SystemExit(f"tiny.py: the processes of {exchange} disagree on step {step}'s assignment: logged "
+                             f"{got}, the rollout files give {prints[step]}")
+        checked += 1
+    return checked
+
+
+def record_exchange(run_dir: str, pc: PresetConfig, seed: int, run: Run) -> None:
+    """After an exchange run: check that its processes agreed on every step's assignment, and write
+    RUN/received/s<seed>_<label>_<model>.jsonl (the train rows each model received) and
+    RUN/received/s<seed>_<label>.json (the check, and how many groups each model took from each peer)."""
+    base = os.path.join(run_dir, f"seed{seed}", run.label)
+    record = os.path.join(run_dir, "received", f"s{seed}_{run.label}.json")
+    if os.path.exists(record):
+        return
+    sides = {m.lower(): m for m in run.group}
+    received, prints = exchange_view(os.path.join(base, "exchange"), list(sides), pc.steps,
+                                     balance="--no-balance" not in VARIANT_FLAGS[run.method])
+    checked = check_assignments(os.path.join(base, "exchange"),
+                                {s: os.path.join(base, m, "metrics.jsonl") for s, m in sides.items()}, pc.steps, prints)
     by_id = {r["id"]: r for r in load_jsonl(os.path.join(run_dir, "data", "train.jsonl"))}
-    for model, side, peer in (("A", "a", "b"), ("B", "b", "a")):
-        path = _received_file(run_dir, seed, method, model)
-        if not os.path.exists(path):
-            ids = received_prompts(os.path.join(base, "exchange"), side, peer, pc.steps,
-                                   balance="--no-balance" not in VARIANT_FLAGS[method])
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(record), exist_ok=True)
+    if run.method in TRAIN_SIDE:
+        for side, model in sides.items():
             # An empty file would be rejected by graft.py eval; a run that received nothing is
             # represented by one row (the first train prompt) and flagged in the report.
-            tiny_tasks.write_jsonl(path, [by_id[i] for i in ids] or [dict(next(iter(by_id.values())), id="none")])
+            rows = [by_id[i] for i in received[side]] or [dict(next(iter(by_id.values())), id="none")]
+            tiny_tasks.write_jsonl(_received_file(run_dir, seed, run.label, model), rows)
+    sources = {sides[s]: {sides[p]: sum(v == p for v in got.values()) for p in sides if p != s}
+               for s, got in received.items()}
+    tmp = f"{record}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:  # written last, atomically: its presence marks the run recorded
+        json.dump({"steps": pc.steps, "agreed_steps": checked, "received_from": sources}, f)
+    os.replace(tmp, record)
 
 
-def _received_file(run_dir: str, seed: int, method: str, model: str) -> str:
-    return os.path.join(run_dir, "received", f"s{seed}_{method}_{model}.jsonl")
+def _received_file(run_dir: str, seed: int, label: str, model: str) -> str:
+    return os.path.join(run_dir, "received", f"s{seed}_{label}_{model}.jsonl")
 
 
 # Variants whose selection is the trainer's balanced swap (or its unbalanced ablation), so that the
@@ -669,54 +839,57 @@ TRAIN_SIDE = ("graft", "byte", "no_weight", "no_floor", "no_balance", "seq_ratio
               "peer_first", "uniform", "pooled_adv", "success_only", "luffy")
 
 
-def build_jobs(run_dir: str, pc: PresetConfig, methods: list[str], max_new: int) -> list[Job]:
-    """Every graft.py process of the preset as jobs in priority order, seed by seed: the GRAFT pairs
-    (two slots each), the single-model runs, then that seed's evaluations, which fill the slot that the
-    shorter single run leaves idle; the evaluations of the models before RL come after seed 0."""
-    pairs = [m for m in methods if m not in SINGLE]
-    views = [m for m in pairs if m in TRAIN_SIDE]
+def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) -> list[Job]:
+    """Every graft.py process of the preset as jobs in priority order, seed by seed: the exchange runs
+    (two or three processes each), the single-model runs, then that seed's evaluations, which fill the
+    slot that the shorter single run leaves idle; the evaluations of the models before RL come after
+    seed 0."""
+    views = [r for r in runs if not r.single and r.method in TRAIN_SIDE]
+    models = sorted({m for r in runs for m in r.group})
     jobs = []
     for seed in range(pc.seeds):
         common = train_args(run_dir, pc, seed, max_new)
         train, singles, evals = [], [], []
-        for method in methods:
-            base = os.path.join(run_dir, f"seed{seed}", method)
-            sides = [("A", "a", "b"), ("B", "b", "a")]
-            procs = []
-            for model, name, peer in sides:
-                args = ["train", "--model", os.path.join(run_dir, model), "--name", name,
+        for run in runs:
+            base = os.path.join(run_dir, f"seed{seed}", run.label)
+            procs, done = {}, {}
+            for model in run.group:
+                args = ["train", "--model", os.path.join(run_dir, model), "--name", model.lower(),
                         "--out", os.path.join(base, model)]
-                if method in SINGLE:
-                    args += common + VARIANT_FLAGS.get(method, [])
+                if run.single:
+                    args += common + VARIANT_FLAGS.get(run.method, [])
                 else:
-                    args += ["--peer-name", peer, "--peer-exchange", os.path.join(base, "exchange")] + common
-                    args += VARIANT_FLAGS[method] + (["--compat-norm", pc.compat_norm] if method == "graft" else [])
-                procs.append((args, os.path.join(base, f"{model}.log")))
-            done = [os.path.join(_final_ckpt(os.path.join(base, m), pc.steps), "model.safetensors")
-                    for m, _, _ in sides]
-            if method in SINGLE:  # each model alone: two independent one-slot jobs (A, the slower, first)
-                singles += [Job(f"s{seed}/{method}/{m}", [p], [d]) for (m, _, _), p, d in zip(sides, procs, done)]
+                    peers = ",".join(m.lower() for m in run.group if m != model)
+                    args += ["--peer-name", peers, "--peer-exchange", os.path.join(base, "exchange")] + common
+                    args += VARIANT_FLAGS[run.method]
+                    args += ["--compat-norm", pc.compat_norm] if run.method == "graft" else []
+                procs[model] = (args, os.path.join(base, f"{model}.log"))
+                done[model] = os.path.join(_final_ckpt(os.path.join(base, model), pc.steps), "model.safetensors")
+            if run.single:  # each model alone: independent one-slot jobs (A, the slowest, first)
+                singles += [Job(f"s{seed}/{run.label}/{m}", [procs[m]], [done[m]]) for m in run.group]
             else:
-                after = (lambda s=seed, m=method: write_received(run_dir, pc, s, m)) if method in views else None
-                train.append(Job(f"s{seed}/{method}", procs, done, after=after))
-            for model in ("A", "B"):
-                run = os.path.join(base, model)
-                out = os.path.join(run, "eval.json")
-                recv = [_received_file(run_dir, seed, m, model) for m in views]
-                train_job = f"s{seed}/{method}" + (f"/{model}" if method in SINGLE else "")
-                evals.append(Job(f"eval s{seed}/{method}/{model}",
-                                 [(eval_args(_final_ckpt(run, pc.steps), [pc.eval_file] + recv, out, pc, max_new,
-                                             EVAL_SEED), out + ".log")],
-                                 [out], deps=(train_job,) + tuple(f"s{seed}/{m}" for m in views)))
+                record = os.path.join(run_dir, "received", f"s{seed}_{run.label}.json")
+                train.append(Job(f"s{seed}/{run.label}", list(procs.values()), list(done.values()) + [record],
+                                 after=lambda s=seed, r=run: record_exchange(run_dir, pc, s, r)))
+            for model in run.group:
+                out = os.path.join(base, model, "eval.json")
+                mine = [v for v in views if model in v.group]
+                recv = [_received_file(run_dir, seed, v.label, model) for v in mine]
+                train_job = f"s{seed}/{run.label}" + (f"/{model}" if run.single else "")
+                evals.append(Job(f"eval s{seed}/{run.label}/{model}",
+                                 [(eval_args(_final_ckpt(os.path.join(base, model), pc.steps), [pc.eval_file] + recv,
+                                             out, pc, max_new, EVAL_SEED), out + ".log")],
+                                 [out], deps=(train_job,) + tuple(f"s{seed}/{v.label}" for v in mine)))
         jobs += train + singles + evals
-    for model in ("A", "B"):
+    for model in models:
         before = os.path.join(run_dir, "eval", f"before_{model}.json")
-        recv = [_received_file(run_dir, s, m, model) for s in range(pc.seeds) for m in views]
+        mine = [v for v in views if model in v.group]
+        recv = [_received_file(run_dir, s, v.label, model) for s in range(pc.seeds) for v in mine]
         args = eval_args(os.path.join(run_dir, model), [pc.eval_file] + recv, before, pc, max_new, EVAL_SEED)
         args[args.index("--samples") + 1] = str(2 * pc.eval_samples)  # k to pick the subsets, k to measure
         # after seed 0's jobs: it waits for every seed's received prompts, so it cannot start earlier
         jobs.insert(len(jobs) // pc.seeds, Job(f"eval before/{model}", [(args, before + ".log")], [before],
-                                               deps=tuple(f"s{s}/{m}" for s in range(pc.seeds) for m in views)))
+                                               deps=tuple(f"s{s}/{v.label}" for s in range(pc.seeds) for v in mine)))
     return jobs
 
 
@@ -782,116 +955,157 @@ def _mean_key(rows: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def report(run_dir: str, pc: PresetConfig, methods: list[str], timing: dict) -> str:
+def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> str:
     """Print-ready tables; also writes results.txt and results.csv (one row per seed, method, model,
-    subset: its size and accuracy) into RUN_DIR."""
+    subset: its size and accuracy) into RUN_DIR. A method's column is its run label (``graft``,
+    ``graft_AB``, ...)."""
     split = os.path.splitext(os.path.basename(pc.eval_file))[0]
     rows = load_jsonl(pc.eval_file)
     family = {r["id"]: r["family"] for r in rows}
     ev = os.path.join(run_dir, "eval")
     k = pc.eval_samples
-    both = {m: load_eval(os.path.join(ev, f"before_{m}.json")) for m in ("A", "B")}  # 2k samples per problem
-    pick = {m: {q: c[:k] for q, c in both[m][split].items()} for m in ("A", "B")}
-    before = {m: {stem: {q: c[k:] for q, c in res.items()} for stem, res in both[m].items()} for m in ("A", "B")}
-    after = {(s, meth, m): load_eval(os.path.join(run_dir, f"seed{s}", meth, m, "eval.json"))
-             for s in range(pc.seeds) for meth in methods for m in ("A", "B")}
-    pairs = [m for m in methods if m not in SINGLE]
-    views = [m for m in pairs if m in TRAIN_SIDE]
+    models = sorted({m for r in runs for m in r.group})
+    both = {m: load_eval(os.path.join(ev, f"before_{m}.json")) for m in models}  # 2k samples per problem
+    pick = {m: {q: c[:k] for q, c in both[m][split].items()} for m in models}
+    before = {m: {stem: {q: c[k:] for q, c in res.items()} for stem, res in both[m].items()} for m in models}
+    after = {(s, r.label, m): load_eval(os.path.join(run_dir, f"seed{s}", r.label, m, "eval.json"))
+             for s in range(pc.seeds) for r in runs for m in r.group}
+    exch = [r for r in runs if not r.single]
+    views = [r for r in exch if r.method in TRAIN_SIDE]
+    records = {(s, r.label): json.load(open(os.path.join(run_dir, "received", f"s{s}_{r.label}.json")))
+               for s in range(pc.seeds) for r in exch}
     csv = ["seed,method,model,subset,problems,accuracy"]
     out = [f"{split} split: {len(rows)} problems x {k} samples at T=1; {pc.seeds} seed(s); {pc.steps} steps x "
-           f"{pc.prompts_per_step} prompts x n={pc.n}, lr {pc.lr}; accuracy = mean over samples (%), "
-           "mean+-std over seeds"]
+           f"{pc.prompts_per_step} prompts x n={pc.n}, lr {pc.lr}; models {', '.join(models)}; accuracy = mean "
+           "over samples (%), mean+-std over seeds"]
+
+    def any_of(peers: list[str], res: dict) -> dict[str, list[float]]:
+        """Per problem, [1] if any of ``peers`` solved it at least once in ``res[peer]``, else [0]."""
+        return {q: [float(any(max(res[p][q]) > 0 for p in peers))] for q in res[peers[0]]}
 
     # -- complementarity (the paper: SmolLM3 solves 47.9% of the prompts on which Qwen3 fails all 8)
-    out.append(f"\ncomplementarity: share of a model's all-fail problems (0/{k}) that its peer solves at least "
-               "once (paper, Pair 1: 47.9% and 18.7%)")
-    for m, peer in (("A", "B"), ("B", "A")):
-        fail, bey = beyond_sample(pick[m], pick[peer])
-        ends = []
-        for s in range(pc.seeds):
-            f2, b2 = beyond_sample(after[(s, "grpo", m)][split], after[(s, "grpo", peer)][split])
-            ends.append(len(b2) / max(1, len(f2)))
-        out.append(f"  {peer} solves {100 * len(bey) / max(1, len(fail)):5.1f}% of {m}'s {len(fail)} all-fail "
-                   f"problems before RL; after GRPO (both models) {_cell(ends)}%")
+    out.append(f"\ncomplementarity: share of a model's all-fail problems (0/{k}) that another model solves at "
+               "least once (paper, Pair 1: 47.9% and 18.7%)")
+    for m in models:
+        others = [p for p in models if p != m]
+        for peers in [[p] for p in others] + ([others] if len(others) > 1 else []):
+            fail, bey = beyond_sample(pick[m], any_of(peers, pick))
+            ends = []
+            for s in range(pc.seeds):
+                grpo = {p: after[(s, "grpo", p)][split] for p in models}
+                f2, b2 = beyond_sample(grpo[m], any_of(peers, grpo))
+                ends.append(len(b2) / max(1, len(f2)))
+            who = " or ".join(peers)
+            out.append(f"  {who} solves {100 * len(bey) / max(1, len(fail)):5.1f}% of {m}'s {len(fail)} all-fail "
+                       f"problems before RL; after GRPO (every model) {_cell(ends)}%")
 
-    # -- beyond-sample subset and the rest
-    out.append(f"\nbeyond-sample subset: {split} problems a model fails on all {k} samples before RL while its "
-               f"peer solves >= 1 (picked by {k} samples, measured by {k} other samples)")
-    head = f"{'model':<6}{'subset':<10}{'problems':>9}{'before':>9}" + "".join(f"{m:>13}" for m in methods)
-    head += "".join(f"{m + '-grpo':>16}" for m in pairs)
-    out.append(head)
+    # -- beyond-sample subset and the rest, per model: its own columns (the runs it took part in)
+    out.append(f"\nbeyond-sample subset: {split} problems a model fails on all {k} samples before RL while another "
+               f"model solves >= 1 (picked by {k} samples, measured by {k} other samples); beyond_X: X solves >= 1")
     fams = list(tiny_tasks.FAMILIES)
-    for m, peer in (("A", "B"), ("B", "A")):
-        _, bey = beyond_sample(pick[m], pick[peer])
-        subsets = {"beyond": bey, "rest": [q for q in pick[m] if q not in set(bey)], "overall": list(pick[m])}
+    for m in models:
+        others = [p for p in models if p != m]
+        cols = [r for r in runs if m in r.group]
+        mine = [r for r in cols if not r.single]
+        out.append(f"{'model':<6}{'subset':<10}{'problems':>9}{'before':>9}" + "".join(f"{r.label:>13}" for r in cols)
+                   + "".join(f"{r.label + '-grpo':>16}" for r in mine))
+        bey = beyond_sample(pick[m], any_of(others, pick))[1]
+        subsets = {"beyond": bey}
+        if len(others) > 1:
+            subsets |= {f"beyond_{p}": beyond_sample(pick[m], pick[p])[1] for p in others}
+        subsets |= {"rest": [q for q in pick[m] if q not in set(bey)], "overall": list(pick[m])}
         subsets |= {f: [q for q in pick[m] if family[q] == f] for f in fams}
         for name, ids in subsets.items():
             b = accuracy(before[m][split], ids)
             csv.append(f"-1,before,{m},{name},{len(ids)},{b:.4f}")
             cells, per = [], {}
-            for meth in methods:
-                per[meth] = [accuracy(after[(s, meth, m)][split], ids) for s in range(pc.seeds)]
-                csv += [f"{s},{meth},{m},{name},{len(ids)},{a:.4f}" for s, a in enumerate(per[meth])]
-                cells.append(f"{_cell(per[meth]):>13}")
-            diffs = [f"{_cell([x - y for x, y in zip(per[p], per['grpo'])], signed=True):>16}" for p in pairs]
+            for r in cols:
+                per[r.label] = [accuracy(after[(s, r.label, m)][split], ids) for s in range(pc.seeds)]
+                csv += [f"{s},{r.label},{m},{name},{len(ids)},{a:.4f}" for s, a in enumerate(per[r.label])]
+                cells.append(f"{_cell(per[r.label]):>13}")
+            diffs = [f"{_cell([x - y for x, y in zip(per[r.label], per['grpo'])], signed=True):>16}" for r in mine]
             out.append(f"{m:<6}{name:<10}{len(ids):>9}{100 * b:>9.1f}" + "".join(cells) + "".join(diffs))
-    out.append(f"  ({', '.join(f'{p}-grpo' for p in pairs)}: mean+-std over seeds of the paired difference)")
+    out.append("  (X-grpo: mean+-std over seeds of the paired difference)")
 
     # -- the train-side view
     if views:
-        out.append(f"\ntrain-side view: train prompts a side received from its peer in the GRAFT run (selected "
+        out.append(f"\ntrain-side view: train prompts a model received from its peers in an exchange run (selected "
                    f"groups), share solved at the end (pass@{k})")
-        for meth in views:
-            for m in ("A", "B"):
+        for r in views:
+            for m in r.group:
                 sizes, b_, g_, x_ = [], [], [], []
                 for s in range(pc.seeds):
-                    stem = f"s{s}_{meth}_{m}"
-                    ids = [q for q in after[(s, meth, m)][stem] if q != "none"]
+                    stem = f"s{s}_{r.label}_{m}"
+                    ids = [q for q in after[(s, r.label, m)][stem] if q != "none"]
                     sizes.append(len(ids))
                     b_.append(pass_at_k(before[m][stem], ids))
                     g_.append(pass_at_k(after[(s, "grpo", m)][stem], ids))
-                    x_.append(pass_at_k(after[(s, meth, m)][stem], ids))
-                    csv += [f"{s},before,{m},received_{meth},{len(ids)},{b_[-1]:.4f}",
-                            f"{s},grpo,{m},received_{meth},{len(ids)},{g_[-1]:.4f}",
-                            f"{s},{meth},{m},received_{meth},{len(ids)},{x_[-1]:.4f}"]
-                out.append(f"  {meth} -> {m}: {sum(sizes) / len(sizes):.0f} prompts; before RL {_cell(b_)}, "
-                           f"after GRPO {_cell(g_)}, after {meth} {_cell(x_)}")
+                    x_.append(pass_at_k(after[(s, r.label, m)][stem], ids))
+                    csv += [f"{s},before,{m},received_{r.label},{len(ids)},{b_[-1]:.4f}",
+                            f"{s},grpo,{m},received_{r.label},{len(ids)},{g_[-1]:.4f}",
+                            f"{s},{r.label},{m},received_{r.label},{len(ids)},{x_[-1]:.4f}"]
+                src = ""
+                if len(r.group) > 2:  # which peer the groups came from (first receipt), mean over seeds
+                    src = " (" + ", ".join(
+                        f"{sum(records[(s, r.label)]['received_from'][m][p] for s in range(pc.seeds)) / pc.seeds:.0f}"
+                        f" from {p}" for p in r.group if p != m) + ")"
+                out.append(f"  {r.label} -> {m}: {sum(sizes) / len(sizes):.0f} prompts{src}; before RL {_cell(b_)}, "
+                           f"after GRPO {_cell(g_)}, after {r.label} {_cell(x_)}")
 
-    # -- diagnostics of every pair
+    # -- diagnostics of every exchange run
     out.append("\nexchange diagnostics (per step, mean over steps and seeds); gate = share of the selected peer "
                "responses accepted, in the first and the last quarter of the steps")
     quarter = max(1, pc.steps // 4)
-    for meth in pairs:
-        for m in ("A", "B"):
-            r = run_metrics(run_dir, pc.seeds, meth, m)
-            g = lambda key: _mean_key(r, key)  # noqa: E731
+    for r in exch:
+        for m in r.group:
+            rm = run_metrics(run_dir, pc.seeds, r.label, m)
+            g = lambda key: _mean_key(rm, key)  # noqa: E731
             gate = []
-            for part in ([x for x in r if x["step"] < quarter], [x for x in r if x["step"] >= pc.steps - quarter]):
+            for part in ([x for x in rm if x["step"] < quarter], [x for x in rm if x["step"] >= pc.steps - quarter]):
                 acc, rej = sum(x.get("accepted", 0) for x in part), sum(x.get("rejected", 0) for x in part)
                 gate.append(f"{100 * acc / (acc + rej):.0f}%" if acc + rej else "-")
-            out.append(f"  {meth} -> {m}: {g('candidates_in'):.1f} candidates, {g('selected'):.1f} selected, "
-                       f"{g('accepted'):.1f} accepted, {g('rejected'):.1f} rejected, {g('dropped_length'):.1f} too "
-                       f"long; gate {gate[0]} -> {gate[1]}; mean s {g('mean_s'):.2f}, mean w {g('mean_w'):.2f}; "
-                       f"clip fraction peer tokens {g('pg/clipfrac_peer'):.4f}, own {g('pg/clipfrac_own'):.4f}")
+            per_peer = ""
+            if len(r.group) > 2:
+                per_peer = " (" + ", ".join(f"{g('selected/' + p.lower()):.1f} from {p}"
+                                            for p in r.group if p != m) + ")"
+            out.append(f"  {r.label} -> {m}: {g('candidates_in'):.1f} candidates, {g('selected'):.1f} selected"
+                       f"{per_peer}, {g('accepted'):.1f} accepted, {g('rejected'):.1f} rejected, "
+                       f"{g('dropped_length'):.1f} too long; gate {gate[0]} -> {gate[1]}; mean s {g('mean_s'):.2f}, "
+                       f"mean w {g('mean_w'):.2f}; clip fraction peer tokens {g('pg/clipfrac_peer'):.4f}, own "
+                       f"{g('pg/clipfrac_own'):.4f}")
+    out.append("\nassignment agreement: steps on which every process of a run logged the assignment fingerprint "
+               "recomputed from the rollout files (a disagreement stops the preset)")
+    for r in exch:
+        agreed = [records[(s, r.label)]["agreed_steps"] for s in range(pc.seeds)]
+        out.append(f"  {r.label} ({', '.join(r.group)}): {sum(agreed)}/{pc.steps * pc.seeds} steps"
+                   + ("" if sum(agreed) else " (this variant logs no fingerprint)"))
     out.append(f"\ntrain reward (mean over the prompts of a step) in the first and the last {quarter} steps")
-    for meth in methods:
+    for r in runs:
         cells = []
-        for m in ("A", "B"):
-            r = run_metrics(run_dir, pc.seeds, meth, m)
-            first = _mean_key([x for x in r if x["step"] < quarter], "reward")
-            last = _mean_key([x for x in r if x["step"] >= pc.steps - quarter], "reward")
+        for m in r.group:
+            rm = run_metrics(run_dir, pc.seeds, r.label, m)
+            first = _mean_key([x for x in rm if x["step"] < quarter], "reward")
+            last = _mean_key([x for x in rm if x["step"] >= pc.steps - quarter], "reward")
             cells.append(f"{m} {100 * first:.1f} -> {100 * last:.1f}")
-        out.append(f"  {meth:<11}" + ", ".join(cells))
+        out.append(f"  {r.label:<11}" + ", ".join(cells))
 
     # -- where the time goes
     out.append("\nprofile: seconds per step by phase (mean over steps and seeds), and wall seconds per job")
     phases = ("sample", "verify", "logprob", "wait", "exchange", "update", "step")
-    for meth in methods:
-        for m in ("A", "B"):
-            r = run_metrics(run_dir, pc.seeds, meth, m)
-            out.append(f"  {meth:<8}{m}: " + "  ".join(f"{p} {_mean_key(r, 'time/' + p):.2f}" for p in phases))
+    for r in runs:
+        for m in r.group:
+            rm = run_metrics(run_dir, pc.seeds, r.label, m)
+            out.append(f"  {r.label:<9}{m}: " + "  ".join(f"{p} {_mean_key(rm, 'time/' + p):.2f}" for p in phases))
     if timing:
         out.append("  " + ", ".join(f"{j} {t:.0f}" for j, t in timing.items()))
+    if len(models) > 2:  # the three-way run's wall time against the pair A-B (today's two-model preset)
+        for r in [r for r in exch if len(r.group) == len(models)]:
+            pair = f"{r.method}_{''.join(models[:2])}"
+            for s in range(pc.seeds):
+                t3, t2 = timing.get(f"s{s}/{r.label}"), timing.get(f"s{s}/{pair}")
+                if t3 and t2:
+                    out.append(f"  seed {s}: {r.label} ({len(models)} processes) {t3:.0f} s vs {pair} {t2:.0f} s: "
+                               f"{t3 / t2:.2f}x")
     table = "\n".join(out)
     with open(os.path.join(run_dir, "results.csv"), "w") as f:
         f.write("\n".join(csv) + "\n")
@@ -900,7 +1114,7 @@ def report(run_dir: str, pc: PresetConfig, methods: list[str], timing: dict) -> 
     return table
 
 
-def plot(run_dir: str, pc: PresetConfig, methods: list[str]) -> None:
+def plot(run_dir: str, pc: PresetConfig, runs: list[Run]) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -908,19 +1122,22 @@ def plot(run_dir: str, pc: PresetConfig, methods: list[str]) -> None:
     except ImportError:
         print("[tiny] --plot: matplotlib is not installed; skipping the PNG")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, model in zip(axes, ("A", "B")):
-        for method in methods:
+    models = sorted({m for r in runs for m in r.group})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), sharey=True)
+    for ax, model in zip(axes, models):
+        for i, r in enumerate(runs):
+            if model not in r.group:
+                continue
             for seed in range(pc.seeds):
-                path = os.path.join(run_dir, f"seed{seed}", method, model, "metrics.jsonl")
+                path = os.path.join(run_dir, f"seed{seed}", r.label, model, "metrics.jsonl")
                 pts = [(m["step"] + 1, m["eval/mean"]) for m in map(json.loads, open(path)) if "eval/mean" in m] \
                     if os.path.exists(path) else []
                 if pts:
-                    ax.plot(*zip(*pts), label=f"{method} s{seed}", color=f"C{methods.index(method)}", alpha=0.8)
+                    ax.plot(*zip(*pts), label=f"{r.label} s{seed}", color=f"C{i}", alpha=0.8)
         ax.set_title(f"model {model}")
         ax.set_xlabel("RL step")
+        ax.legend(fontsize=7)
     axes[0].set_ylabel("accuracy (T=1, 1 sample)")
-    axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "accuracy.png"), dpi=120)
     print(f"[tiny] plot -> {os.path.join(run_dir, 'accuracy.png')}")
@@ -934,7 +1151,10 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False) -> st
         raise SystemExit(f"tiny.py --split: {pc.split!r} is neither 'test' nor 'val'")
     if pc.smoke:  # CI: every phase, a few steps, a 50-problem subset
         pc.steps, pc.prompts_per_step, pc.seeds = min(pc.steps, 3), 16, 1
-    prepare(run_dir, tc, retrain=retrain)
+    if pc.peers not in (2, 3):
+        raise SystemExit(f"tiny.py --peers: {pc.peers} models is not offered; 2 (A, B) or 3 (A, B, C)")
+    models = list(MODELS)[:pc.peers]
+    prepare(run_dir, tc, models=tuple(models), retrain=retrain)
     path = os.path.join(run_dir, "data", f"{pc.split}.jsonl")
     if pc.smoke:
         rows = load_jsonl(path)[::20]
@@ -948,12 +1168,13 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False) -> st
     unknown = [v for v in variants if v not in VARIANT_FLAGS]
     if unknown:
         raise SystemExit(f"tiny.py --variants: unknown {unknown}; known: {', '.join(VARIANT_FLAGS)}")
-    methods = ["grpo"] + [v for v in variants if v != "grpo"]
-    timing: dict[str, float] = {}
-    run_jobs(build_jobs(run_dir, pc, methods, max_new), pc.slots, timing)
-    table = report(run_dir, pc, methods, timing)
+    runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], models)
+    timing_file = os.path.join(run_dir, "timing.json")  # wall seconds per job, kept across resumed invocations
+    timing: dict[str, float] = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
+    run_jobs(build_jobs(run_dir, pc, runs, max_new), pc.slots, timing, timing_file)
+    table = report(run_dir, pc, runs, timing)
     if pc.plot:
-        plot(run_dir, pc, methods)
+        plot(run_dir, pc, runs)
     print(table)
     print(f"[tiny] total {time.time() - t0:.0f}s; tables -> {run_dir}/results.txt, {run_dir}/results.csv")
     return table
@@ -987,6 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="pre-train A and B here instead of using the committed copies")
     sp = sub.add_parser("prepare", help="data, tokenizers and pre-trained models (cached)")
     sp.add_argument("run_dir")
+    sp.add_argument("--peers", type=int, default=2, choices=(2, 3), help="2: models A and B; 3: also C")
     sp.add_argument("--retrain", action="store_true", help="pre-train even if a committed copy matches")
     sp = sub.add_parser("_pretrain_one")
     sp.add_argument("run_dir")
@@ -999,7 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.cfg_path) as f:
             _pretrain_one(args.run_dir, args.name, TinyConfig(**json.load(f)))
     elif args.cmd == "prepare":
-        prepare(args.run_dir, TinyConfig(), retrain=args.retrain)
+        prepare(args.run_dir, TinyConfig(), models=tuple(MODELS)[:args.peers], retrain=args.retrain)
     else:
         pc = PresetConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PresetConfig)
                              if hasattr(args, f.name)})
