@@ -317,3 +317,13 @@ def test_preset_runs_and_per_model_digests():
     # the committed copies are those of the default config: the preset never pre-trains in CI
     for m in "ABC":
         assert tiny._is_done(os.path.join(tiny.COMMITTED, m), m, base), f"data/tiny_models/{m} is stale"
+
+
+def test_an_evaluation_missing_a_file_is_evaluated_again(tmp_path):
+    """A rerun with more seeds adds received-prompt files: the cached evaluation without them is dropped."""
+    out = tmp_path / "before_A.json"
+    out.write_text(json.dumps({"problems": {"test": [], "s0_graft_A": []}}))
+    tiny.drop_stale_eval(str(out), ["/x/test.jsonl", "/y/s0_graft_A.jsonl"])
+    assert out.exists()  # every file was evaluated: the cache stands
+    tiny.drop_stale_eval(str(out), ["/x/test.jsonl", "/y/s0_graft_A.jsonl", "/y/s1_graft_A.jsonl"])
+    assert not out.exists()

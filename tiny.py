@@ -8,7 +8,7 @@
     python tiny.py --peers 3                   # a third model C: three pairs and the three-way run
     python tiny.py --smoke                     # CI: 3 steps, a 50-problem subset
     python tiny.py --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
-    python tiny.py prepare RUN_DIR [--retrain] # only data, tokenizers and pre-trained models
+    python tiny.py prepare RUN_DIR [--peers 3] [--retrain]   # only data, tokenizers and pre-trained models
 
 What it measures. The paper's claim is about prompts on which the receiver fails all n rollouts:
 GRPO has no gradient there, GRAFT gives one from the peer's mixed group. So the first table is
@@ -617,11 +617,16 @@ class Job:
     """Called (no arguments) once the job is complete, cached or just run."""
 
 
+NICE_WIDE = 5
+"""CPU priority (nice) of the processes of a job wider than --slots, all but its first (see run_jobs)."""
+
+
 def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None = None) -> None:
     """Run ``jobs`` with at most ``slots`` processes at once, in list order: a job whose deps are done
     but that does not fit the free slots holds back the jobs after it, so the list is the priority
     (the GRAFT runs first, then single runs and evaluations fill the slots). A job wider than ``slots``
-    (the three-way run: three processes that must meet) starts when nothing else runs, and runs alone.
+    (the three-way run: three processes that must meet) starts when nothing else runs, and runs alone,
+    its processes after the first at nice NICE_WIDE.
     ``timing`` gets each run job's wall seconds (and ``timing_file``, rewritten after each job). The
     first failure stops everything and prints the failed log."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -644,11 +649,17 @@ def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None 
             if len(j.procs) > free and not (len(j.procs) > slots and free == slots):
                 break
             procs = []
-            for args, log in j.procs:
+            for i, (args, log) in enumerate(j.procs):
                 os.makedirs(os.path.dirname(log), exist_ok=True)
                 cmd = [sys.executable, os.path.join(HERE, "graft.py")] + args
                 print("+ " + " ".join(cmd[1:]).replace("\n", "\\n") + f"   > {log}", flush=True)
-                procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env))
+                # A job wider than the slots has more processes than cores. Its first process is the
+                # slowest model's (A: the character model's sequences are the longest), whose steps the
+                # others wait for; the others run at a lower CPU priority, so that A keeps a core to
+                # itself and the faster ones share the rest, instead of all three slowing A down.
+                nice = NICE_WIDE if len(j.procs) > slots and i > 0 and hasattr(os, "nice") else 0
+                procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                              preexec_fn=(lambda v=nice: os.nice(v)) if nice else None))
             running.append((j, procs, time.time()))
             pending.remove(j)
             free -= len(j.procs)
@@ -839,6 +850,20 @@ TRAIN_SIDE = ("graft", "byte", "no_weight", "no_floor", "no_balance", "seq_ratio
               "peer_first", "uniform", "pooled_adv", "success_only", "luffy")
 
 
+def drop_stale_eval(out: str, files: list[str]) -> None:
+    """Delete the evaluation ``out`` if it lacks one of ``files`` (by file stem): a finished evaluation is
+    cached by its output's existence, and a rerun with more seeds or variants adds received-prompt files
+    to an evaluation that was already done without them."""
+    try:
+        with open(out) as f:
+            have = set(json.load(f)["problems"])
+    except (OSError, ValueError, KeyError):
+        return
+    if not {os.path.splitext(os.path.basename(p))[0] for p in files} <= have:
+        print(f"[tiny] {out}: evaluated without some of {len(files)} files; evaluating again", flush=True)
+        os.remove(out)
+
+
 def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) -> list[Job]:
     """Every graft.py process of the preset as jobs in priority order, seed by seed: the exchange runs
     (two or three processes each), the single-model runs, then that seed's evaluations, which fill the
@@ -876,6 +901,7 @@ def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) ->
                 mine = [v for v in views if model in v.group]
                 recv = [_received_file(run_dir, seed, v.label, model) for v in mine]
                 train_job = f"s{seed}/{run.label}" + (f"/{model}" if run.single else "")
+                drop_stale_eval(out, [pc.eval_file] + recv)
                 evals.append(Job(f"eval s{seed}/{run.label}/{model}",
                                  [(eval_args(_final_ckpt(os.path.join(base, model), pc.steps), [pc.eval_file] + recv,
                                              out, pc, max_new, EVAL_SEED), out + ".log")],
@@ -885,6 +911,7 @@ def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) ->
         before = os.path.join(run_dir, "eval", f"before_{model}.json")
         mine = [v for v in views if model in v.group]
         recv = [_received_file(run_dir, s, v.label, model) for s in range(pc.seeds) for v in mine]
+        drop_stale_eval(before, [pc.eval_file] + recv)
         args = eval_args(os.path.join(run_dir, model), [pc.eval_file] + recv, before, pc, max_new, EVAL_SEED)
         args[args.index("--samples") + 1] = str(2 * pc.eval_samples)  # k to pick the subsets, k to measure
         # after seed 0's jobs: it waits for every seed's received prompts, so it cannot start earlier
@@ -1205,7 +1232,7 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument(flag, type=type(f.default), default=f.default, help=docs.get(f.name))
     sp.add_argument("--variant", dest="variant_one", default=None, help="one variant (same as --variants NAME)")
     sp.add_argument("--retrain", action="store_true",
-                    help="pre-train A and B here instead of using the committed copies")
+                    help="pre-train the models here instead of using the committed copies")
     sp = sub.add_parser("prepare", help="data, tokenizers and pre-trained models (cached)")
     sp.add_argument("run_dir")
     sp.add_argument("--peers", type=int, default=2, choices=(2, 3), help="2: models A and B; 3: also C")
