@@ -106,7 +106,10 @@ Model C (with --peers 3). Its mix (add 0.40, mul 0.40, sub 0.10, linear 0.10) ma
 weak where another is strong: A on mul/linear, B on add/sub, C on sub/linear; on validation before
 RL (8 samples, T=1) C scores add 72.5%, sub 9.1%, mul 45.9%, linear 20.1% (A: 94.0/71.0/0.9/10.1,
 B: 23.8/19.2/50.6/45.4), and C solves 41.2% of A's all-fail problems and 30.1% of B's. The mix was
-set once, before any RL run with C, and not tuned.
+set once, before any RL run with C, and not tuned. Held-out, 3 seeds (`python tiny.py --peers 3
+--seeds 3`; README: three models): the three-way run gives A twice the groups of a pair (6.6 per step)
+and agrees on 300/300 steps, but beyond-sample GRAFT - GRPO is A -1.4 +- 0.4, B +0.8 +- 1.6, C +0.8
++- 1.2 points; the three-way run takes 1.26-1.35x the A-B pair's wall time on two cores.
 
 Choices
   * SFT loss on the response tokens and EOS only: the prompt digits are uniform random, so
