@@ -209,14 +209,21 @@ class TinyModel:
     """build_model's kind: llama, qwen3 or gpt_neox."""
     tokenizer: str
     """char, bpe or bytelevel (see Tokenizers)."""
-    own: tuple[str, ...]
-    """Its own TinyConfig fields (its family mix first): part of its digest, of no other model's."""
+    mix: str
+    """The TinyConfig field of its pre-training family mix."""
+    extra: tuple[str, ...] = ()
+    """Its other TinyConfig fields (its tokenizer's vocabulary size)."""
+
+    @property
+    def own(self) -> tuple[str, ...]:
+        """Every TinyConfig field only this model depends on: part of its digest, of no other model's."""
+        return (self.mix, *self.extra)
 
 
 MODELS = {
-    "A": TinyModel("llama", "char", ("mix_a",)),
-    "B": TinyModel("qwen3", "bpe", ("mix_b", "bpe_vocab")),
-    "C": TinyModel("gpt_neox", "bytelevel", ("mix_c", "bytelevel_vocab")),
+    "A": TinyModel("llama", "char", "mix_a"),
+    "B": TinyModel("qwen3", "bpe", "mix_b", ("bpe_vocab",)),
+    "C": TinyModel("gpt_neox", "bytelevel", "mix_c", ("bytelevel_vocab",)),
 }
 """The preset's models by name. A and B are the pair; C joins with --peers 3. The three differ in
 architecture and tokenizer, as the paper's pairs do, and each is weak on families another is strong on."""
@@ -445,7 +452,7 @@ def _pretrain_one(run_dir: str, name: str, cfg: TinyConfig) -> None:
     rows = load_jsonl(os.path.join(run_dir, "data", "train.jsonl"))
     log = lambda msg: print(f"[{name}] {msg}", flush=True)  # noqa: E731
     log(f"{type(model).__name__}: {n_params(model):,} params, vocab {len(tok)}")
-    wall = pretrain(model, tok, rows, getattr(cfg, spec.own[0]), cfg, log)
+    wall = pretrain(model, tok, rows, getattr(cfg, spec.mix), cfg, log)
     tmp = f"{out}.tmp.{os.getpid()}"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
