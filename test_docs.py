@@ -1,0 +1,275 @@
+"""Tests of the project's structure and documents: what a newcomer reads must stay true and short.
+
+  * The import graph of the project's own modules (every top-level *.py and data/*.py, parsed with ast,
+    counting imports inside functions, under TYPE_CHECKING, and files loaded by path with importlib)
+    has no cycle, so the modules can be read and copied in one direction.
+  * README.md stays short (at most 260 lines); measured figures live in RESULTS.md.
+  * No module docstring, README.md or RESULTS.md carries history: no issue numbers, no rounds of work.
+  * Every link from README.md to a section of RESULTS.md resolves to a heading (GitHub's anchor rules),
+    and every row of the README's "What we measured" table has such a link.
+
+Run: python -m pytest -q test_docs.py
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+README_MAX_LINES = 260
+
+# ------------------------------------------------------------------------------------------------
+# Helpers: the project's modules and their imports
+# ------------------------------------------------------------------------------------------------
+
+
+def project_files() -> list[Path]:
+    """Every project module: the top-level *.py files and data/*.py (tests and benchmarks included)."""
+    return sorted(ROOT.glob("*.py")) + sorted((ROOT / "data").glob("*.py"))
+
+
+def module_names(files: list[Path]) -> dict[str, str]:
+    """Import name -> file (relative path). data/*.py are imported by their stem (tiny.py puts data/ on
+    sys.path) or as data.<stem>; a top-level stem wins a clash."""
+    names: dict[str, str] = {}
+    for f in files:
+        rel = f.relative_to(ROOT).as_posix()
+        if f.parent == ROOT:
+            names[f.stem] = rel
+        else:
+            names.setdefault(f.stem, rel)
+            names[f"data.{f.stem}"] = rel
+    return names
+
+
+def imports_of(source: str, rel: str, names: dict[str, str]) -> dict[str, int]:
+    """Project files that the module `rel` (its source text) imports -> the first line importing each.
+    Walks the whole tree, so imports inside functions and under `if TYPE_CHECKING:` count; so does a
+    file loaded by path with importlib.util.spec_from_file_location (a "<name>.py" string in the call)."""
+    tree = ast.parse(source, filename=rel)
+    by_file = {Path(v).name: v for v in names.values()}
+    found: dict[str, int] = {}
+
+    def add(target: str | None, line: int):
+        if target is not None and target != rel:
+            found.setdefault(target, line)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(names.get(a.name) or names.get(a.name.split(".")[0]), node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            add(names.get(node.module) or names.get(node.module.split(".")[0]), node.lineno)
+            for a in node.names:  # from data import tiny_tasks
+                add(names.get(f"{node.module}.{a.name}"), node.lineno)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if fname == "spec_from_file_location":
+                for arg in ast.walk(node):
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.endswith(".py"):
+                        add(by_file.get(Path(arg.value).name), node.lineno)
+    return found
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    files = project_files()
+    names = module_names(files)
+    rels = {f: f.relative_to(ROOT).as_posix() for f in files}
+    return {rel: imports_of(f.read_text(encoding="utf-8"), rel, names) for f, rel in rels.items()}
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's algorithm: the components with more than one module (a module never imports itself here)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def cycles_in(graph: dict[str, dict[str, int]], comp: list[str]) -> list[list[str]]:
+    """Every elementary cycle inside one component, each starting at its smallest module (small graphs)."""
+    members = set(comp)
+    found: list[list[str]] = []
+
+    def walk(start: str, v: str, path: list[str]):
+        for w in sorted(graph[v]):
+            if w == start:
+                found.append(path + [start])
+            elif w in members and w > start and w not in path:
+                walk(start, w, path + [w])
+
+    for s in sorted(comp):
+        walk(s, s, [s])
+    return found
+
+
+def headings(markdown: str) -> list[str]:
+    """ATX headings outside fenced code blocks, as their text."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+            if m:
+                out.append(m.group(1))
+    return out
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's heading anchor: markup dropped, lower case, punctuation removed, each space a hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link keeps its text
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "").replace("*", "")
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    """Every anchor of the document's headings, with GitHub's -1, -2, ... suffixes for repeats."""
+    seen: dict[str, int] = {}
+    out = set()
+    for h in headings(markdown):
+        slug = github_slug(h)
+        if slug in seen:
+            seen[slug] += 1
+            out.add(f"{slug}-{seen[slug]}")
+        else:
+            seen[slug] = 0
+            out.add(slug)
+    return out
+
+
+def section(markdown: str, title: str) -> str:
+    """The text of the '## title' section, up to the next heading of level 2 or above."""
+    m = re.search(rf"^##\s+{re.escape(title)}\s*$(.*?)(?=^#{{1,2}}\s|\Z)", markdown, re.M | re.S)
+    assert m, f"README.md has no '## {title}' section"
+    return m.group(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Helper checks against hand-made examples (so that the tests below test what they say)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_import_graph_helpers_find_a_cycle():
+    """A hand-made graph: a -> b -> c -> a and c -> d is one component with exactly one cycle."""
+    g = {"a.py": {"b.py": 1}, "b.py": {"c.py": 1}, "c.py": {"a.py": 1, "d.py": 2}, "d.py": {}}
+    assert strongly_connected(g) == [["a.py", "b.py", "c.py"]]
+    assert cycles_in(g, ["a.py", "b.py", "c.py"]) == [["a.py", "b.py", "c.py", "a.py"]]
+    assert strongly_connected({"a.py": {"b.py": 1}, "b.py": {}}) == []
+
+
+def test_imports_of_counts_lazy_type_checking_and_by_path():
+    """A hand-written module: a TYPE_CHECKING import, a lazy one, one by path, a self-import and a stdlib one."""
+    src = ("from typing import TYPE_CHECKING\nimport os\nif TYPE_CHECKING:\n    from graft import Config\n"
+           "def f():\n    import offline, runtime\n    import importlib.util\n"
+           "    s = importlib.util.spec_from_file_location('m', ROOT / 'data' / 'prepare.py')\n"
+           "    from data import tiny_tasks\n")
+    names = {"graft": "graft.py", "offline": "offline.py", "runtime": "runtime.py", "prepare": "data/prepare.py",
+             "data.prepare": "data/prepare.py", "tiny_tasks": "data/tiny_tasks.py", "data.tiny_tasks": "data/tiny_tasks.py"}
+    assert imports_of(src, "runtime.py", names) == {"graft.py": 4, "offline.py": 6, "data/prepare.py": 8,
+                                                    "data/tiny_tasks.py": 9}
+
+
+def test_github_slug_rules():
+    assert github_slug("The tiny preset") == "the-tiny-preset"
+    assert github_slug("Three models (`python tiny.py --peers 3`)") == "three-models-python-tinypy---peers-3"
+    assert github_slug("GPU estimates: memory & time") == "gpu-estimates-memory--time"
+    assert anchors("# A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1"}
+
+
+# ------------------------------------------------------------------------------------------------
+# The project's structure
+# ------------------------------------------------------------------------------------------------
+
+
+def test_project_import_graph_has_no_cycle():
+    """Imports among the project's modules run one way (house style: graft -> offline -> runtime -> ...)."""
+    graph = import_graph()
+    assert "graft.py" in graph and graph["graft.py"], "the parser found no imports in graft.py"
+    comps = strongly_connected(graph)
+    if comps:
+        lines = []
+        for comp in comps:
+            lines.append("import cycle among " + ", ".join(comp) + ":")
+            for cyc in cycles_in(graph, comp):
+                lines.append("  " + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cyc, cyc[1:]))
+                             + f" -> {cyc[-1]}")
+        pytest.fail("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------
+# The documents
+# ------------------------------------------------------------------------------------------------
+
+HISTORY = re.compile(r"\bissues?\s*#?\s*\d+|\b(?:this|last|previous|earlier|next) round\b", re.I)
+
+
+def test_readme_is_short():
+    n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}); move results to RESULTS.md"
+
+
+def test_no_history_in_docstrings_or_documents():
+    """Docstrings and documents say what the code does and why; history (issue numbers, rounds) is git's."""
+    hits = []
+    for f in project_files():
+        doc = ast.get_docstring(ast.parse(f.read_text(encoding="utf-8"))) or ""
+        hits += [f"{f.relative_to(ROOT)} docstring: {m.group(0)!r}" for m in HISTORY.finditer(doc)]
+    for name in ("README.md", "RESULTS.md"):
+        p = ROOT / name
+        if not p.is_file():  # RESULTS.md's existence is asserted by the link test below
+            continue
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            hits += [f"{name}:{i}: {m.group(0)!r}" for m in HISTORY.finditer(line)]
+    assert not hits, "history in the docs:\n" + "\n".join(hits)
+
+
+def test_readme_measured_table_links_resolve_in_results():
+    """Every row of README's 'What we measured' table links to a section of RESULTS.md that exists, and so
+    does every other link from README.md into RESULTS.md."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    results_path = ROOT / "RESULTS.md"
+    assert results_path.is_file(), "RESULTS.md is missing"
+    have = anchors(results_path.read_text(encoding="utf-8"))
+    rows = [ln for ln in section(readme, "What we measured").splitlines()
+            if ln.startswith("|") and not re.match(r"^\|[\s\-:|]+\|$", ln)][1:]  # data rows, header dropped
+    assert rows, "README's 'What we measured' table has no rows"
+    unlinked = [r for r in rows if not re.search(r"\(RESULTS\.md#[^)]+\)", r)]
+    assert not unlinked, "rows without a link to RESULTS.md:\n" + "\n".join(unlinked)
+    links = re.findall(r"\(RESULTS\.md#([^)\s]+)\)", readme)
+    missing = sorted({a for a in links if a not in have})
+    assert not missing, f"README links to RESULTS.md sections that do not exist: {missing}; headings: {sorted(have)}"
