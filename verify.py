@@ -173,6 +173,9 @@ MAX_EXACT_BITS = 200_000    # bigger exact intermediates switch to 50-digit floa
 MAX_MAG_BITS = 100_000      # |value| above 2**this (about 1e30103) is a limit hit
 MAX_POW_EXP = 10_000        # integer exponents computed exactly up to this size
 MAX_FACTORIAL = 5_000       # exact n! up to this n (2004! appears in MATH golds)
+MAX_GAMMA_ARG = 10_000      # x! of a non-integer x (a symbol's sample point) via Gamma up to this
+MAX_SUM_TERMS = 1_000       # terms of one \sum / \prod with numeric bounds
+MAX_DET_SIZE = 4            # \det of matrices up to this size (expanded by cofactors)
 MAX_SECONDS = 0.5           # wall-clock backstop per comparison (checked, never signalled)
 N_POINTS = 3                # evaluation points for expressions with free symbols
 _DPS = 50
@@ -486,6 +489,14 @@ _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.I
 _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-9]\}?|[\s{}/*·]|\\cdot|\\,)$")
 
 
+_FN_WORDS = ("gcd", "lcm", "max", "min", "floor", "ceil", "det", "cosec", "arcsinh", "arccosh", "arctanh",
+             "sinh", "cosh", "tanh", "lg", "ln", "log", "exp", "sec", "csc", "cot", "arcsin", "arccos", "arctan")
+_FN_NAME_RE = re.compile(r"\\(?:operatorname|mathrm|text|rm)\s*\{\s*(" + "|".join(_FN_WORDS) + r")\s*\}")
+_PMOD_RE = re.compile(r"\s*\\pmod\s*(?:\{[^{}]*\}|\w+)|\s*\(\s*\\(?:bmod|mod)\s*\w+\s*\)")
+_ELLIPSIS_RE = re.compile(r"\\(?:ldots|cdots|dots|dotsc|dotsb)(?![a-zA-Z])|\.\.\.|…")
+_DOUBLED_CMD_RE = re.compile(r"\\\\(le|ge|leq|geq|neq|ne|lt|gt|leqslant|geqslant|frac|dfrac|sqrt|in|infty|"
+                             r"pi|cup|cap|text|times|cdot|pm|left|right|emptyset|varnothing|mathbb|"
+                             r"approx|circ|sin|cos|tan|ln|log|boxed|\{|\})(?![a-zA-Z])")
 _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ",
             "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-", "≈": "\\approx ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
@@ -509,6 +520,11 @@ def _replace_cmd_wrapper(s: str, names: tuple[str, ...], repl: str) -> str:
 
 
 def _clean(s: str) -> str:
+    if "\\\\" in s and "\\begin" not in s:     # a JSON-escaped gold: '-3 \\\\le x' is '-3 \\le x'
+        s = _DOUBLED_CMD_RE.sub(r"\\\1", s)
+    s = _FN_NAME_RE.sub(lambda m: "\\" + m.group(1) + " ", s)    # \operatorname{lcm} -> \lcm
+    s = _PMOD_RE.sub("", s)                                      # 9 \pmod{11}: the residue 9
+    s = _ELLIPSIS_RE.sub(lambda m: "\\ldots ", s)                 # one spelling, compared as text
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\cfrac", "\\frac").replace("\\dbinom", "\\binom").replace("\\tbinom", "\\binom")
     s = s.replace("\\lbrace", "\\{").replace("\\rbrace", "\\}").replace("\\lbrack", "[").replace("\\rbrack", "]")
@@ -664,8 +680,17 @@ _FUNCS = {
     "cot": sympy.cot, "arcsin": sympy.asin, "arccos": sympy.acos, "arctan": sympy.atan,
     "asin": sympy.asin, "acos": sympy.acos, "atan": sympy.atan, "sinh": sympy.sinh,
     "cosh": sympy.cosh, "tanh": sympy.tanh, "exp": sympy.exp, "ln": sympy.log, "log": sympy.log,
-    "sqrt": None, "abs": sympy.Abs,
+    "sqrt": None, "abs": sympy.Abs, "cosec": sympy.csc, "arcsinh": sympy.asinh, "arccosh": sympy.acosh,
+    "arctanh": sympy.atanh, "asinh": sympy.asinh, "acosh": sympy.acosh, "atanh": sympy.atanh,
+    "floor": sympy.floor, "ceil": sympy.ceiling, "lg": None, "det": None,
+    "gcd": None, "lcm": None, "max": None, "min": None,
 }
+# Functions of several arguments, kept unevaluated (sympy's own Max/gcd would simplify on creation)
+# and evaluated by _ev: gcd and lcm of integers, max and min of real numbers.
+_NARY = {name: sympy.Function(name.upper() + "_") for name in ("gcd", "lcm", "max", "min")}
+_MOD = sympy.Function("MOD_")             # a \bmod b, on integers
+_SUM = sympy.Function("SUM_")             # (Lambda(k, body), lo, hi): a sum with integer bounds
+_PROD = sympy.Function("PROD_")
 _TRIG = frozenset(("sin", "cos", "tan", "sec", "csc", "cot"))
 _INVERSE = {"sin": sympy.asin, "cos": sympy.acos, "tan": sympy.atan}
 _CONST_WORDS = {"pi": S.Pi, "infty": S.Infinity, "oo": S.Infinity, "inf": S.Infinity, "infinity": S.Infinity}
@@ -677,7 +702,7 @@ _GREEK = frozenset((
 ))
 _ACCENTS = frozenset(("dot", "ddot", "hat", "bar", "vec", "tilde", "overline", "widehat",
                       "widetilde", "overrightarrow"))
-_REL_CMDS = {"le": "<=", "ge": ">=", "ne": "!=", "lt": "<", "gt": ">", "approx": "~"}
+_REL_CMDS = {"le": "<=", "ge": ">=", "ne": "!=", "lt": "<", "gt": ">", "approx": "~", "equiv": "="}
 _NO_FACTOR_CMDS = frozenset(("cdot", "times", "div", "pm", "mp", "le", "ge", "ne", "lt", "gt",
                              "cup", "cap", "setminus", "in", "to", "end", "right", "\\", "}", "quad", "qquad",
                              "approx", "equiv", "sim", "rangle", "rbrace", "rfloor", "rceil"))
@@ -690,6 +715,36 @@ def _neg(e):
 
 def _div(a, b):
     return sympy.Mul(a, sympy.Pow(b, S.NegativeOne, evaluate=False), evaluate=False)
+
+
+def _det(m):
+    """The determinant of a square matrix node as an unevaluated sympy sum (cofactor expansion)."""
+    if not isinstance(m, Matrix) or len(m.rows) != len(m.rows[0]) or len(m.rows) > MAX_DET_SIZE:
+        raise _ParseError("determinant of a non-square or large matrix")
+
+    def det(rows):
+        if len(rows) == 1:
+            return rows[0][0]
+        terms = []
+        for j, a in enumerate(rows[0]):
+            minor = [r[:j] + r[j + 1:] for r in rows[1:]]
+            t = sympy.Mul(a, det(minor), evaluate=False)
+            terms.append(_neg(t) if j % 2 else t)
+        return sympy.Add(*terms, evaluate=False)
+    return det([[v.expr for v in r] for r in m.rows])
+
+
+def _matrix_map(m, fn):
+    """A matrix node with fn applied to every entry expression (scalar multiple, negation)."""
+    return Matrix([[Val(fn(v.expr), v.inexact) for v in r] for r in m.rows])
+
+
+def _matrix_add(a, b, sign):
+    if not (isinstance(a, Matrix) and isinstance(b, Matrix)) or len(a.rows) != len(b.rows) or \
+            len(a.rows[0]) != len(b.rows[0]):
+        raise _ParseError("arithmetic on a structure")
+    return Matrix([[Val(sympy.Add(x.expr, _neg(y.expr) if sign == "-" else y.expr, evaluate=False),
+                        x.inexact or y.inexact) for x, y in zip(ra, rb)] for ra, rb in zip(a.rows, b.rows)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -715,6 +770,8 @@ class _Parser:
         self.percent = False
         self.pm = False
         self.trig_depth = 0       # > 0 while parsing the argument of sin, cos, ...
+        self.bound = ()           # index letters of the enclosing sums ('i' there is not sqrt(-1))
+        self.abs_depth = 0        # > 0 inside |..|, where a '|' closes instead of starting a factor
 
     # -- low-level helpers
     def ws(self) -> None:
@@ -933,6 +990,14 @@ class _Parser:
             elif c == "\\" and self.cmd_name() == "div":
                 self.take_cmd()
                 op = "/"
+            elif c == "\\" and self.cmd_name() in ("bmod", "mod"):     # 17 \bmod 5
+                self.take_cmd()
+                g = self.parse_factor()
+                if isinstance(g, (Seq, Matrix, _Undef)):
+                    raise _ParseError("arithmetic on a structure")
+                left = factors[0] if len(factors) == 1 else sympy.Mul(*factors, evaluate=False)
+                factors = [_MOD(left, g)]
+                continue
             elif not self.starts_factor():
                 break
             elif (len(factors) == 1 and first_int and self.cmd_name() == "frac"):
@@ -1109,6 +1174,8 @@ class _Parser:
         return sympy.Rational(value.numerator, value.denominator)
 
     def _letter(self, ch: str):
+        if ch in self.bound:
+            return sympy.Symbol(ch)
         if ch == "e":
             return S.Exp1
         if ch == "i":
@@ -1132,10 +1199,14 @@ class _Parser:
         if len(run) >= 3:
             return sympy.Symbol(run)       # a word: SRMC, east (departure 10)
         out = [self._letter(ch) for ch in run]
-        out = [self.parse_postfix(x) for x in out[:-1]] + [out[-1]] if len(out) > 1 else out
+        out = [self.parse_postfix(x) for x in out] if len(out) > 1 else out    # 'xy^2' is x*y^2
         return out[0] if len(out) == 1 else sympy.Mul(*out, evaluate=False)
 
     def parse_function(self, name: str):
+        if name in _NARY:
+            return _NARY[name](*self.parse_fn_list())
+        if name == "det":
+            return _det(self.parse_atom())
         power = None
         if self.eat("^"):
             power = self.parse_sup()
@@ -1157,6 +1228,9 @@ class _Parser:
             raise _ParseError("function of a structure")
         if name == "sqrt":
             out = sympy.Pow(arg, S.Half, evaluate=False)
+        elif name == "lg":
+            base = sympy.Integer(10)
+            out = _div(sympy.log(arg, evaluate=False), sympy.log(base, evaluate=False))
         elif name in ("log", "ln") and base is not None:
             out = _div(sympy.log(arg, evaluate=False), sympy.log(base, evaluate=False))
         else:
@@ -1167,6 +1241,22 @@ class _Parser:
         if power is not None:
             out = sympy.Pow(out, power, evaluate=False)
         return out
+
+    def parse_fn_list(self) -> list:
+        """The arguments of \\gcd(a, b), \\max\\{a, b, c\\}: expressions in ( ) or \\{ \\}."""
+        if self.eat("("):
+            closer = ")"
+        elif self.eat("\\{"):
+            closer = "\\}"
+        else:
+            raise _ParseError("function without its argument list")
+        args = [self.parse_expr()]
+        while self.eat(",") or self.eat(";"):
+            args.append(self.parse_expr())
+        self.expect(closer)
+        if any(isinstance(a, (Seq, Matrix, _Undef)) for a in args) or len(args) > 64:
+            raise _ParseError("bad argument list")
+        return args
 
     def parse_fn_arg(self):
         """'\\sin 2x' -> sin(2x): factors up to the next operator or function (no parens)."""
@@ -1257,6 +1347,8 @@ class _Parser:
         if name == "binom":
             n, k = self.parse_arg(), self.parse_arg()
             return sympy.binomial(n, k, evaluate=False)
+        if name in ("sum", "prod"):
+            return self.parse_big_operator(name)
         if name in ("pi", "infty", "infinity"):
             return _CONST_WORDS[name]
         if name in _FUNCS:
@@ -1308,6 +1400,30 @@ class _Parser:
             raise _ParseError("ellipsis")
         raise _ParseError(f"unknown command \\{name}")
 
+    def parse_big_operator(self, name: str):
+        """'\\sum_{k=1}^{4} k^2', '\\prod_{i=1}^{3}(x+i)': integer bounds, the body is the next term.
+        Kept as SUM_/PROD_(Lambda(k, body), lo, hi), expanded only when evaluated."""
+        self.expect("_")
+        m = re.compile(r"\s*\{\s*([a-zA-Z])\s*=\s*").match(self.s, self.i)
+        if not m:
+            raise _ParseError("sum without 'k ='")
+        self.i = m.end()
+        var = m.group(1)
+        lo = self.parse_expr()
+        self.expect("}")
+        self.expect("^")
+        hi = self.parse_sup()
+        saved, self.bound = self.bound, self.bound + (var,)
+        try:
+            body = self.parse_term()
+        finally:
+            self.bound = saved
+        if any(isinstance(x, (Seq, Matrix, _Undef)) for x in (lo, hi, body)) or \
+                lo.free_symbols or hi.free_symbols:
+            raise _ParseError("sum with symbolic bounds")
+        k = sympy.Symbol(var)
+        return (_SUM if name == "sum" else _PROD)(sympy.Lambda(k, body), lo, hi)
+
     def parse_matrix(self):
         env_m = re.compile(r"\s*\{(\w+)\}").match(self.s, self.i)
         if not env_m or env_m.group(1) not in _MATRIX_ENVS:
@@ -1344,7 +1460,7 @@ class _Parser:
         if any(len(r) != len(rows[0]) for r in rows):
             raise _ParseError("ragged matrix")
         if env == "vmatrix":
-            raise _ParseError("determinant")
+            return _det(Matrix(rows))
         return Matrix(rows)
 
 
@@ -1430,7 +1546,8 @@ _MPF_FUNCS = {
     sympy.sin: _MP.sin, sympy.cos: _MP.cos, sympy.tan: _MP.tan, sympy.sec: _MP.sec,
     sympy.csc: _MP.csc, sympy.cot: _MP.cot, sympy.asin: _MP.asin, sympy.acos: _MP.acos,
     sympy.atan: _MP.atan, sympy.sinh: _MP.sinh, sympy.cosh: _MP.cosh, sympy.tanh: _MP.tanh,
-    sympy.exp: _MP.exp, sympy.log: _MP.log,
+    sympy.exp: _MP.exp, sympy.log: _MP.log, sympy.asinh: _MP.asinh, sympy.acosh: _MP.acosh,
+    sympy.atanh: _MP.atanh,
 }
 
 
@@ -1514,13 +1631,26 @@ def _ev(e, env: dict, budget: _Budget):
         v = _ev(e.args[0], env, budget)
         if isinstance(v, Fraction) and v.denominator == 1 and 0 <= v <= MAX_FACTORIAL:
             return Fraction(math.factorial(int(v)))
-        raise _Limit("factorial")
+        return _gamma_of(lambda x: _MP.gamma(x + 1), v)   # m! at a symbol's non-integer sample point
     if isinstance(e, sympy.binomial):
         n, k = (_ev(a, env, budget) for a in e.args)
         if all(isinstance(x, Fraction) and x.denominator == 1 for x in (n, k)) \
                 and 0 <= n <= 10 * MAX_FACTORIAL:
             return Fraction(math.comb(int(n), int(k)) if k >= 0 else 0)
-        raise _Limit("binomial")
+        if all(isinstance(x, Fraction) and x.denominator == 1 for x in (n, k)):
+            raise _Limit("binomial")
+        return _gamma_of(lambda x: _MP.binomial(x, _to_mp(k)), n, k)
+    if isinstance(e, sympy.Lambda):
+        raise _ParseError("a bound variable outside its sum")
+    if type(e) in (_SUM, _PROD):
+        return _ev_big_operator(e, env, budget)
+    if type(e) in _NARY_EVAL:
+        return _NARY_EVAL[type(e)]([_ev(a, env, budget) for a in e.args])
+    if type(e) is _MOD:
+        a, m = (_ev(x, env, budget) for x in e.args)
+        if not all(isinstance(x, Fraction) and x.denominator == 1 for x in (a, m)) or m == 0:
+            raise _Undefined()
+        return a % m
     fn = _MPF_FUNCS.get(type(e))
     if fn is not None:
         args = [_to_mp(_ev(a, env, budget)) for a in e.args]
@@ -1531,6 +1661,60 @@ def _ev(e, env: dict, budget: _Budget):
         except (ZeroDivisionError, ValueError):
             raise _Undefined() from None
     raise _ParseError(f"cannot evaluate {type(e).__name__}")
+
+
+def _gamma_of(fn, *args):
+    """fn (Gamma or binomial) at real values that are not all integers: m! and \\binom{m}{2} for a
+    symbol m, evaluated at its sample points like any other function."""
+    if any(not isinstance(a, Fraction) and abs(a.imag) > ABS_TOL for a in args) or \
+            any(abs(_to_mp(a)) > MAX_GAMMA_ARG for a in args):
+        raise _Limit("factorial")
+    try:
+        return _check_mp(_MP.mpf(fn(_MP.mpf(_to_mp(args[0]).real))))
+    except (ZeroDivisionError, ValueError):
+        raise _Undefined() from None
+
+
+def _ev_big_operator(e, env: dict, budget: _Budget):
+    lam, lo, hi = e.args
+    lo, hi = _ev(lo, env, budget), _ev(hi, env, budget)
+    if not all(isinstance(x, Fraction) and x.denominator == 1 for x in (lo, hi)):
+        raise _Undefined()
+    if hi - lo + 1 > MAX_SUM_TERMS:
+        raise _Limit("sum length")
+    name = lam.variables[0].name
+    acc = Fraction(0) if type(e) is _SUM else Fraction(1)
+    for k in range(int(lo), int(hi) + 1):
+        v = _ev(lam.expr, {**env, name: Fraction(k)}, budget)
+        if isinstance(acc, Fraction) and isinstance(v, Fraction):
+            acc = acc + v if type(e) is _SUM else acc * v
+            if not _exact_ok(acc):
+                acc = _to_mp(acc)
+        else:
+            acc = _check_mp(_to_mp(acc) + _to_mp(v) if type(e) is _SUM else _to_mp(acc) * _to_mp(v))
+    return acc
+
+
+def _ev_gcd(vals, lcm=False):
+    if not all(isinstance(v, Fraction) and v.denominator == 1 for v in vals):
+        raise _Undefined()
+    ints = [abs(int(v)) for v in vals]
+    if any(i.bit_length() > 4096 for i in ints):
+        raise _Limit("gcd size")
+    return Fraction(math.lcm(*ints) if lcm else math.gcd(*ints))
+
+
+def _ev_extreme(vals, pick):
+    reals = [v if isinstance(v, Fraction) else _as_real(v) for v in vals]
+    if any(r is None for r in reals):
+        raise _Undefined()
+    return pick(reals, key=lambda r: _to_mp(r))
+
+
+_NARY_EVAL = {
+    _NARY["gcd"]: _ev_gcd, _NARY["lcm"]: lambda vals: _ev_gcd(vals, lcm=True),
+    _NARY["max"]: lambda vals: _ev_extreme(vals, max), _NARY["min"]: lambda vals: _ev_extreme(vals, min),
+}
 
 
 def _pow(b, x):
