@@ -706,6 +706,7 @@ _REL_CMDS = {"le": "<=", "ge": ">=", "ne": "!=", "lt": "<", "gt": ">", "approx":
 _NO_FACTOR_CMDS = frozenset(("cdot", "times", "div", "pm", "mp", "le", "ge", "ne", "lt", "gt",
                              "cup", "cap", "setminus", "in", "to", "end", "right", "\\", "}", "quad", "qquad",
                              "approx", "equiv", "sim", "rangle", "rbrace", "rfloor", "rceil"))
+_TRANSPOSE_RE = re.compile(r"\s*(?:\{\s*(?:T|\\top|\\intercal|\\mathsf\{T\})\s*\}|T|\\top|\\intercal)(?![a-zA-Z])")
 _MATRIX_ENVS = ("pmatrix", "bmatrix", "matrix", "smallmatrix", "Bmatrix", "vmatrix", "array")
 
 
@@ -925,6 +926,8 @@ class _Parser:
             elif self.cmd_name() in ("pm", "mp"):
                 sign = self.take_cmd()
             t = self.parse_term()
+            if isinstance(t, Matrix) and sign in (None, "+", "-"):
+                return self._matrix_sum(_matrix_map(t, _neg) if sign == "-" else t)
             if isinstance(t, (Seq, Matrix, _Undef)):
                 if sign is not None or self.peek() in ("+", "-"):
                     raise _ParseError("arithmetic on a structure")
@@ -947,6 +950,14 @@ class _Parser:
         finally:
             self.depth -= 1
 
+    def _matrix_sum(self, m):
+        """'A + B - C' of matrices of one shape: entrywise."""
+        while self.peek() in ("+", "-"):
+            op = self.s[self.i]
+            self.i += 1
+            m = _matrix_add(m, self.parse_term(), op)
+        return m
+
     def _signed(self, t, sign):
         if sign == "-":
             return _neg(t)
@@ -962,6 +973,8 @@ class _Parser:
             return False
         if c.isdigit() or c.isalpha() or c in ("(", "{", "[", "."):
             return True
+        if c == "|":                # '|a|\,|b|', '2|a|': a '|' starts a factor unless it closes one
+            return self.abs_depth == 0
         if c == "\\":
             name = self.cmd_name()
             return name not in _NO_FACTOR_CMDS and name not in _REL_CMDS and name != "}"
@@ -969,7 +982,7 @@ class _Parser:
 
     def parse_term(self):
         f = self.parse_factor()
-        if isinstance(f, (Seq, Matrix, _Undef)):
+        if isinstance(f, (Seq, _Undef)) or (isinstance(f, Matrix) and not self.starts_factor()):
             return f
         factors = [f]
         first_int = self._is_int_literal(f)
@@ -1006,11 +1019,18 @@ class _Parser:
                     factors[0] = mixed
                     continue
             g = self.parse_factor()
-            if isinstance(g, (Seq, Matrix, _Undef)):
+            if isinstance(g, (Seq, _Undef)) or (isinstance(g, Matrix) and op == "/"):
                 raise _ParseError("arithmetic on a structure")
             factors.append(_div(S.One, g) if op == "/" else g)
         if len(factors) == 1:
             return factors[0]
+        mats = [x for x in factors if isinstance(x, Matrix)]
+        if mats:                      # a scalar multiple '2 A', '\frac12 A' (no matrix products)
+            if len(mats) > 1:
+                raise _ParseError("matrix product")
+            scalar = [x for x in factors if not isinstance(x, Matrix)]
+            k = scalar[0] if len(scalar) == 1 else sympy.Mul(*scalar, evaluate=False)
+            return _matrix_map(mats[0], lambda e: sympy.Mul(k, e, evaluate=False))
         return sympy.Mul(*factors, evaluate=False)
 
     @staticmethod
@@ -1034,7 +1054,9 @@ class _Parser:
             if c == "-":
                 self.i += 1
                 f = self.parse_factor()
-                if isinstance(f, (Seq, Matrix, _Undef)):
+                if isinstance(f, Matrix):
+                    return _matrix_map(f, _neg)
+                if isinstance(f, (Seq, _Undef)):
                     raise _ParseError("sign on a structure")
                 return _neg(f)
             if c == "+":
@@ -1051,6 +1073,11 @@ class _Parser:
             if c == "^" or (c == "*" and self.s.startswith("**", self.i)):
                 plain = c == "*"
                 self.i += 2 if plain else 1
+                t = _TRANSPOSE_RE.match(self.s, self.i)
+                if isinstance(base, Matrix) and t:          # A^T, A^{\top}
+                    self.i = t.end()
+                    base = Matrix([list(col) for col in zip(*base.rows)])
+                    continue
                 if isinstance(base, (Seq, Matrix, _Undef)):
                     raise _ParseError("power of a structure")
                 if self.cmd_name() == "prime":
@@ -1198,9 +1225,8 @@ class _Parser:
             return self.parse_function(run)
         if len(run) >= 3:
             return sympy.Symbol(run)       # a word: SRMC, east (departure 10)
-        out = [self._letter(ch) for ch in run]
-        out = [self.parse_postfix(x) for x in out] if len(out) > 1 else out    # 'xy^2' is x*y^2
-        return out[0] if len(out) == 1 else sympy.Mul(*out, evaluate=False)
+        self.i = j - len(run) + 1          # one letter: the next is another factor ('xy^2' is x*y^2)
+        return self._letter(run[0])
 
     def parse_function(self, name: str):
         if name in _NARY:
@@ -1304,8 +1330,14 @@ class _Parser:
             raise _ParseError("relation in a group")
         if c == "|":
             self.i += 1
-            e = self.parse_expr()
+            self.abs_depth += 1
+            try:
+                e = self.parse_expr()
+            finally:
+                self.abs_depth -= 1
             self.expect("|")
+            if isinstance(e, (Seq, Matrix, _Undef)):
+                raise _ParseError("absolute value of a structure")
             return sympy.Abs(e, evaluate=False)
         if c == "\\":
             return self.parse_command()
