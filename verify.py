@@ -1879,9 +1879,8 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
         b = Eqn(b.rhs, b.lhs, a.op)
     if _val_equal(a.lhs, b.lhs, tol, budget) and _val_equal(a.rhs, b.rhs, tol, budget):
         return True
-    if a.op != "=":
-        return False
-    # Same equation up to a non-zero constant factor: (l1 - r1) / (l2 - r2) is constant.
+    # Same relation up to a constant factor: (l1 - r1) / (l2 - r2) is constant, and positive for an
+    # inequality ('4y < 8a' is 'y - 2a < 0', not '2a - y < 0').
     da, db = _eqn_diff(a), _eqn_diff(b)
     names = sorted((_free_names(da.expr) | _free_names(db.expr)) - {"__pm__"})
     if not names:
@@ -1898,6 +1897,10 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
         ratios.append(x / y if isinstance(x, Fraction) and isinstance(y, Fraction)
                       else _to_mp(x) / _to_mp(y))
     use_tol = tol if (da.inexact or db.inexact) else EXACT_REL_TOL
+    if a.op not in ("=", "!="):
+        r0 = _as_real(ratios[0]) if ratios else None
+        if r0 is None or r0 <= 0:
+            return False
     return len(ratios) >= 2 and all(_close(r, ratios[0], use_tol) for r in ratios[1:])
 
 
@@ -1929,6 +1932,15 @@ def _unordered_equal(xs: list, ys: list, tol, budget) -> bool:
         else:
             return False
     return True
+
+
+def _distinct(xs: list, tol, budget) -> list:
+    """The items of a set without repeats: \\{3, 5, 3\\} is \\{3, 5\\}."""
+    out = []
+    for x in xs:
+        if not any(_equal(x, y, tol, budget) for y in out):
+            out.append(x)
+    return out
 
 
 def _ordered_equal(xs: list, ys: list, tol, budget) -> bool:
@@ -1965,7 +1977,7 @@ def _unwrap_assignment(node):
 # A set is (variable name or None, inexact, [(lo, lo_closed, hi, hi_closed), ...]) with mpf ends.
 
 _INEQ_OPS = frozenset(("<", "<=", ">", ">=", "!="))
-_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "!=": "!="}
+_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "!=": "!=", "=": "="}
 _SOLVE_POINTS = (Fraction(0), Fraction(1), Fraction(2), Fraction(-1), Fraction(-3), Fraction(13, 7),
                  Fraction(-29, 11))
 
@@ -2032,9 +2044,24 @@ def _intersect(xs: list, ys: list) -> list:
     return _normalise(out)
 
 
+def _ray(op: str, r) -> list:
+    """The real numbers v with 'v op r' as intervals; '=' is the single point r."""
+    inf = _MP.inf
+    return {"<": [(-inf, False, r, False)], "<=": [(-inf, False, r, True)],
+            ">": [(r, False, inf, False)], ">=": [(r, True, inf, False)], "=": [(r, True, r, True)],
+            "!=": [(-inf, False, r, False), (r, False, inf, False)]}[op]
+
+
 def _solve(lhs: Val, rhs: Val, op: str, budget: _Budget):
     """lhs op rhs in one variable, linear in it or in its absolute value -> (name, intervals)."""
     names = sorted((_free_names(lhs.expr) | _free_names(rhs.expr)) - {"__pm__"})
+    if len(names) > 1:
+        # '0 < g(x) < 2': a product of symbols against a constant bounds that product.
+        for side, other, o in ((lhs, rhs, op), (rhs, lhs, _FLIP[op])):
+            if isinstance(side.expr, sympy.Mul) and all(x.is_Symbol for x in side.expr.args) and \
+                    not _free_names(other.expr) - {"__pm__"}:
+                r = _real_value(other, budget)
+                return None if r is None else ("*".join(names), _normalise(_ray(o, r)))
     if len(names) != 1:
         return None
     f = sympy.Add(lhs.expr, _neg(rhs.expr), evaluate=False)
@@ -2052,11 +2079,8 @@ def _solve(lhs: Val, rhs: Val, op: str, budget: _Budget):
         if all(_near(v, a * _to_mp(g(t)) + b) or abs(v - (a * _to_mp(g(t)) + b)) <= 1e-35
                for t, v in zip(_SOLVE_POINTS, vals)):
             r = -b / a
-            o = op if a > 0 else _FLIP[op]
+            sol = _ray(op if a > 0 else _FLIP[op], r)
             inf = _MP.inf
-            sol = {"<": [(-inf, False, r, False)], "<=": [(-inf, False, r, True)],
-                   ">": [(r, False, inf, False)], ">=": [(r, True, inf, False)],
-                   "!=": [(-inf, False, r, False), (r, False, inf, False)]}[o]
             if g is abs:    # |v| op r: the part with |v| >= 0, mirrored to negative v
                 sol = _intersect(sol, [(_MP.mpf(0), True, inf, False)])
                 sol = sol + [(-hi, hc, -lo, lc) for lo, lc, hi, hc in sol]
@@ -2075,10 +2099,15 @@ def _real_set(node, budget: _Budget):
         inexact = any(x.inexact for x in node.items)
         return None, inexact, [(lo, node.open == "[" and not _MP.isinf(lo), hi,
                                 node.close == "]" and not _MP.isinf(hi))]
-    if isinstance(node, Eqn) and node.op in _INEQ_OPS:
+    if isinstance(node, Seq) and node.open == "{" and all(isinstance(x, Val) for x in node.items):
+        points = [_real_value(x, budget) for x in node.items]       # a finite set: its points
+        if any(p is None for p in points):
+            return None
+        return None, any(x.inexact for x in node.items), _normalise([(p, True, p, True) for p in points])
+    if isinstance(node, Eqn) and (node.op in _INEQ_OPS or node.op == "="):   # 't = 2' is the point 2
         got = _solve(node.lhs, node.rhs, node.op, budget)
         return None if got is None else (got[0], node.lhs.inexact or node.rhs.inexact, got[1])
-    if isinstance(node, Chain) and all(op in _INEQ_OPS for op in node.ops):
+    if isinstance(node, Chain) and all(op in _INEQ_OPS or op == "=" for op in node.ops):
         members = [Eqn(node.parts[k], node.parts[k + 1], op) for k, op in enumerate(node.ops)]
         return _combine([_real_set(m, budget) for m in members], _intersect)
     if isinstance(node, Inter):
@@ -2227,7 +2256,8 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
                 and isinstance(b, Seq):
             return _ordered_equal(_by_name(a.items), _by_name(b.items), tol, budget)  # list vs tuple
         if isinstance(other, Seq) and other.open == "{":
-            return _unordered_equal(items, _expand_pm(other.items), tol, budget)
+            return _unordered_equal(_distinct(items, tol, budget), _distinct(_expand_pm(other.items), tol, budget),
+                                    tol, budget)
         if len(items) == 1:
             return _equal(items[0], other, tol, budget)
         return False
@@ -2249,9 +2279,9 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
     if isinstance(a, Chain) and isinstance(b, Chain):
         return a.ops == b.ops and all(_val_equal(x, y, tol, budget) for x, y in zip(a.parts, b.parts))
     if isinstance(a, Seq) and isinstance(b, Seq):
-        if a.open == "{" or b.open == "{":
-            return a.open == b.open and _unordered_equal(_expand_pm(a.items),
-                                                         _expand_pm(b.items), tol, budget)
+        if a.open == "{" or b.open == "{":      # a set: order and repeats do not count
+            return a.open == b.open and _unordered_equal(_distinct(_expand_pm(a.items), tol, budget),
+                                                         _distinct(_expand_pm(b.items), tol, budget), tol, budget)
         return a.open == b.open and a.close == b.close and \
             _ordered_equal(a.items, b.items, tol, budget)
     if isinstance(a, Union) and isinstance(b, Union):
