@@ -132,7 +132,8 @@ EQUIV = {
     "inverse_trig": [("\\sin^{-1} \\frac12", "\\frac{\\pi}{6}", True), ("\\sin(x)^2", "\\sin^2 x", True),
                      ("\\sin(x)^2", "\\sin(x^2)", False), ("(\\sin 1)^{-1}", "\\sin^{-1} 1", False)],
     "ratio_comma": [("4:6", "2:3", True), ("3:2", "2:3", False), ("1:3:2", "1:2:3", False),
-                    ("07:30", "07:30", True), ("2,5", "2.5", True), ("2.5", "2,5", False)],   # gold '2,5' is a list
+                    ("07:30", "07:30", True), ("2,5", "2.5", True), ("2.5", "2,5", True),
+                    ("25", "2,5", False), ("5.2", "2,5", False)],
     "brackets_ordinals": [("\\langle 2, 5 \\rangle", "(2,5)", True), ("\\langle 5, 2 \\rangle", "(2,5)", False),
                           ("3^{\\text{rd}}", "3", True), ("31st", "13", False), ("y + 3rd", "y + 3", False),
                           ("9 marbles", "9", True), ("9 marbles", "8", False),

@@ -252,8 +252,9 @@ _NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question)\s*\d*\s*:", re.IGNOREC
 _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|\\quad|\\qquad)\s*)?"
                           r"(?:[A-Za-z](?:_\{?\w{1,3}\}?)?\s*=\s*)?", re.IGNORECASE)
 # "The final answer is $12$. I hope it is correct.", "Answer: 42", "**Answer:** $\frac38$", "#### 18".
-_ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####)\s*:?",
-                               re.IGNORECASE | re.MULTILINE)
+_ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
+                               r"答案\s*(?:是|为|為)?\s*[:：]?)\s*:?", re.IGNORECASE | re.MULTILINE)
+_LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])", re.IGNORECASE)
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
 _MAX_JOIN = 8               # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
@@ -456,7 +457,7 @@ _LEFTRIGHT_RE = re.compile(r"\\(?:left|right)(?![a-zA-Z])\s*(\.)?")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}|\\circ|°|"
                         r"\\degree(?![a-zA-Z])")
 _THOUSANDS_MARK_RE = re.compile(r"(?<=\d)(?:,\\!|\{,\}|\\,|,\\,)\s*(?=\d{3}(?!\d))")
-_PLAIN_THOUSANDS_RE = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_PLAIN_THOUSANDS_RE = re.compile(r"^[+-]?(?!0,)\d{1,3}(?:,\d{3})+(?:\.\d+)?$")    # not 0,125
 _SPACE_THOUSANDS_RE = re.compile(r"^[+-]?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _TRAILING_TEXT_RE = re.compile(r"^(.*?\S)\s*\\text\s*\{([^{}]*)\}\s*(?:\^\s*\{?\s*[23]\s*\}?)?\s*$",
                                re.DOTALL)
@@ -482,6 +483,7 @@ _PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:per
                               r"(?![A-Za-z])", re.IGNORECASE)
 _ORDINAL_RE = re.compile(r"^(\s*\d+)\s*(?:\^\s*)?(?:\{\s*)?(?:\\(?:text|mathrm)\s*\{\s*)?(?:st|nd|rd|th)\s*\}?\s*\}?\s*$")
 _CURRENCY_RE = re.compile(r"[€£¥₹]")
+_CURRENCY_WORD_RE = re.compile(r"^\s*(?:USD|EUR|GBP|JPY|INR|CHF|US\s*\$|Rs\.?)\s*(?=[+-]?\d)")
 _SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)")
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
@@ -539,6 +541,7 @@ def _clean(s: str) -> str:
     s = _EMPTY_RE.sub(lambda m: "\\{\\}", s)
     s = _PERCENT_WORD_RE.sub(r"\1%", s)
     s = _CURRENCY_RE.sub("", s)
+    s = _CURRENCY_WORD_RE.sub("", s)                  # 'USD 1,250' (after the number: a unit word)
     s = s.replace("²", "^2").replace("³", "^3")
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "")
     s = s.replace("np.", "").replace("math.", "")
@@ -2331,38 +2334,52 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
             return True
         if isinstance(pa, _Undef) or isinstance(ga, _Undef):
             return False
-        # A decimal comma in the prediction where it cannot be a thousands separator: '3,25' is 3.25
-        # (departure 19). Never in the gold: a gold '1,2' is a list, and '1.2' must not match it.
-        dp = _DEC_COMMA_RE.sub(r"\1.\2", cp)
-        if dp != cp:
-            try:
-                qa, qb = _parse(dp, budget, as_gold=False), ga
-            except _ParseError:
-                qa = qb = None
-            if isinstance(qa, Val) and isinstance(qb, Val) and not _free_names(qa.expr) \
-                    and not _free_names(qb.expr) and _equal(qa, qb, rel_tol, budget):
-                return True
+        if _decimal_comma_equal(cp, cg, rel_tol, budget):
+            return True
     elif _norm_text(cp) == _norm_text(cg) and not _has_undefined(cp):
         return True     # neither parses: identical normalised text
     # Last try (departure 12): a plain unit word after a number, on either side.
     up, ug = _strip_plain_unit(cp), _strip_plain_unit(cg)
     if up is None and ug is None:
         return False
+    up, ug = _no_thousands(up or cp), _no_thousands(ug or cg)
     try:
-        pa = _parse(up or cp, budget, as_gold=False)
-        ga = _parse(ug or cg, budget, as_gold=True)
+        pa = _parse(up, budget, as_gold=False)
+        ga = _parse(ug, budget, as_gold=True)
+    except _ParseError:
+        return _decimal_comma_equal(up, ug, rel_tol, budget)
+    return _equal(pa, ga, rel_tol, budget) or _decimal_comma_equal(up, ug, rel_tol, budget)
+
+
+# Decimal commas (departure 19): '3,25' and '0,125' cannot be thousands separators; '1,250' can.
+_DEC_COMMA_RE = re.compile(r"^([+-]?\d+)(?:,|\{,\})(\d{1,2}|\d{4,})(?=%?$)|^([+-]?0)(?:,|\{,\})(\d+)(?=%?$)")
+_LONE_DECIMAL_RE = re.compile(r"^[+-]?\d+\.\d+%?$")
+
+
+def _no_thousands(s: str) -> str:
+    return s.replace(",", "") if _PLAIN_THOUSANDS_RE.match(s) else s
+
+
+def _decimal_comma_equal(cp: str, cg: str, rel_tol: float, budget: _Budget) -> bool:
+    """A decimal comma read as a point: in the prediction against a single number; in the gold
+    only against a lone decimal written with a point (a gold '2,5' is more often the list 2, 5)."""
+    dp = _DEC_COMMA_RE.sub(lambda m: f"{m.group(1) or m.group(3)}.{m.group(2) or m.group(4)}", cp)
+    dg = _DEC_COMMA_RE.sub(lambda m: f"{m.group(1) or m.group(3)}.{m.group(2) or m.group(4)}", cg) \
+        if _LONE_DECIMAL_RE.match(dp) else cg
+    if (dp, dg) == (cp, cg):
+        return False
+    try:
+        qa, qb = _parse(dp, budget, as_gold=False), _parse(dg, budget, as_gold=True)
     except _ParseError:
         return False
-    return _equal(pa, ga, rel_tol, budget)
-
-
-_DEC_COMMA_RE = re.compile(r"^([+-]?\d+)(?:,|\{,\})(\d{1,2}|\d{4,})(?=%?$)")
+    return isinstance(qa, Val) and isinstance(qb, Val) and not _free_names(qa.expr) \
+        and not _free_names(qb.expr) and _equal(qa, qb, rel_tol, budget)
 
 
 def _unwrap_answer(s: str) -> str:
     """An answer string without what surrounds it: the box(es) of a boxed answer or of a whole worked
     solution, or the math delimiters around it ('$\\frac25.$', '\\[ 7 \\]', '\\( 7 \\)')."""
-    s = s.strip()
+    s = _LEAD_CUE_RE.sub("", s.strip(), count=1)     # 'Answer: \\[ 14 \\]', 'Answer $ 14 $'
     if "\\boxed" in s or "\\fbox" in s:
         boxes = _last_boxes(_end_of_turn(s))
         if boxes:
