@@ -249,12 +249,14 @@ _TURN_END_RE = re.compile(r"<\|(?:im_end|im_start|eot_id|end_of_text|endoftext|s
 _NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question)\s*\d*\s*:", re.IGNORECASE)
 # What may stand between two boxes (or two math spans) that together give one answer:
 # "\boxed{2}, \boxed{5}", "$\boxed{1}$ and $\boxed{3}$", "x=\boxed{2}, y=\boxed{5}" (departure 16).
-_JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|\\quad|\\qquad)\s*)?"
+_JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|\\quad|\\qquad)\s*){0,3}"
                           r"(?:[A-Za-z](?:_\{?\w{1,3}\}?)?\s*=\s*)?", re.IGNORECASE)
 # "The final answer is $12$. I hope it is correct.", "Answer: 42", "**Answer:** $\frac38$", "#### 18".
 _ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
                                r"答案\s*(?:是|为|為)?\s*[:：]?)\s*:?", re.IGNORECASE | re.MULTILINE)
 _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])", re.IGNORECASE)
+_IS_VALUE_RE = re.compile(r"\s(?:is|are|equals|was|=)\s+(?!\s)(.+)$")
+_BARE_ARITHMETIC_RE = re.compile(r"^\s*[-+]?\d[\d\s.]*(?:[-+*/×·]\s*\(?\s*\d[\d\s.]*\)?\s*)+$")
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
 _MAX_JOIN = 8               # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
@@ -297,10 +299,8 @@ def _box_at(text: str, pos: int, cmd: str):
     return None
 
 
-def _last_boxes(text: str) -> list[str] | None:
-    """Contents of the last box and of the boxes just before it that belong to the same answer.
-
-    None when there is no box or the last one is unclosed (a truncated response has no answer)."""
+def _outer_boxes(text: str) -> list | None:
+    """(start, end, content) of the outermost boxes of text in order; None when one is unclosed."""
     starts = []
     for cmd in _BOX_CMDS:
         p = text.find(cmd)
@@ -318,6 +318,14 @@ def _last_boxes(text: str) -> list[str] | None:
             return None     # everything after it is inside the unclosed box
         if got is not None:
             boxes.append((p, got[0], got[1]))
+    return boxes
+
+
+def _last_boxes(text: str) -> list[str] | None:
+    """Contents of the last box and of the boxes just before it that belong to the same answer.
+
+    None when there is no box or the last one is unclosed (a truncated response has no answer)."""
+    boxes = _outer_boxes(text)
     if not boxes:
         return None
     out = [boxes[-1]]
@@ -401,7 +409,12 @@ def _after_phrase(text: str) -> str | None:
             joined.append(s)
         return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
     line = rest.split("\n", 1)[0]
-    line = re.split(r"(?<!\d)\.(?!\d)|\s+(?:since|because|which|as)\s", line, maxsplit=1)[0]
+    line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$|[A-Z])|\s+(?:since|because|which|as)\s", line, maxsplit=1)[0]
+    said = None
+    for said in _IS_VALUE_RE.finditer(line):      # 'The smallest $k$ is 12': what follows the last 'is'
+        pass
+    if said is not None and re.match(r"[A-Za-z]", line.strip()):
+        line = said.group(1)
     return _tidy(line) or None
 
 
@@ -435,6 +448,8 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
     if boxes is not None or strict:
         return _join(boxes) if boxes else None
     tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
+    if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
+        return text.strip()   # a whole response '4+7' is its value 11, not its last number
     for find in (_after_phrase, _last_math):
         ans = find(tail)
         if ans:
