@@ -1243,8 +1243,20 @@ class _Parser:
             return self.parse_function(run)
         if len(run) >= 3:
             return sympy.Symbol(run)       # a word: SRMC, east (departure 10)
+        if run == "C" and self.s.startswith("(", j):     # C(6, 2): the binomial coefficient
+            got = self._try_choose()
+            if got is not None:
+                return got
         self.i = j - len(run) + 1          # one letter: the next is another factor ('xy^2' is x*y^2)
         return self._letter(run[0])
+
+    def _try_choose(self):
+        """'C(n, k)' with integer literals n >= k >= 0 is \\binom{n}{k}; anything else is C times (..)."""
+        m = re.compile(r"\(\s*(\d{1,4})\s*,\s*(\d{1,4})\s*\)").match(self.s, self.i)
+        if not m or int(m.group(2)) > int(m.group(1)):
+            return None
+        self.i = m.end()
+        return sympy.binomial(sympy.Integer(int(m.group(1))), sympy.Integer(int(m.group(2))), evaluate=False)
 
     def parse_function(self, name: str):
         if name in _NARY:
@@ -2184,6 +2196,9 @@ def _readings(node, gold, tol: float) -> list:
     alt = _chain_value(node, gold, tol)
     if alt:
         out.extend(alt)
+    grouped = _named_values(node, tuples_only=True)
+    if grouped is not None:
+        out.append(grouped)       # 'a=3, b=1; a=5, b=1' -> (3,1), (5,1)
     if isinstance(node, Seq) and node.open == "" and any(isinstance(x, (Eqn, Chain)) for x in node.items):
         items = []
         for x in node.items:
@@ -2191,6 +2206,28 @@ def _readings(node, gold, tol: float) -> list:
             items.append(v[0] if v else x)     # 'y = 1, x = 2' keeps its names (ordered by them)
         out.append(Seq(items))
     return out
+
+
+def _named_values(node, tuples_only: bool = False):
+    """The values of named answers: 'PQ = 6, RS = 2' -> 6, 2 and 'a=3, b=1; a=5, b=1' (names
+    repeating in a cycle) -> (3,1), (5,1). None when node is not such a list."""
+    items = node.items if isinstance(node, Seq) and node.open == "" else [node]
+    if not items or not all(isinstance(x, Eqn) and x.op == "=" and _is_name(x.lhs.expr) and
+                            not _free_names(x.rhs.expr) - {"__pm__"} for x in items):
+        return None
+    names = [str(x.lhs.expr) for x in items]
+    p = len(set(names))
+    if 2 <= p < len(items) and len(items) % p == 0 and names == names[:p] * (len(items) // p):
+        return Seq([Seq([x.rhs for x in items[k:k + p]], "(", ")") for k in range(0, len(items), p)])
+    if tuples_only or len(set(names)) != len(names):
+        return None
+    return items[0].rhs if len(items) == 1 else Seq([x.rhs for x in items])
+
+
+def _has_relation(node) -> bool:
+    if isinstance(node, (Eqn, Chain, Inter, Union, Minus)):
+        return True
+    return isinstance(node, Seq) and any(_has_relation(x) for x in node.items)
 
 
 def _chain_value(node, gold, tol: float) -> list:
@@ -2338,21 +2375,36 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     cp, cg = _clean(pred), _clean(gold)
     if not cp or not cg:
         return False
+    tail = None
     try:
         pa = _parse(cp, budget, as_gold=False)
         ga = _parse(cg, budget, as_gold=True)
     except _ParseError:
         _count("parse_failures")
         pa = ga = None
+        tail = _right_of_last_equals(cp)
+        if tail is not None:        # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1
+            try:
+                pa, ga = _parse(tail, budget, as_gold=False), _parse(cg, budget, as_gold=True)
+            except _ParseError:
+                pa = ga = None
+            if not isinstance(pa, Val):
+                pa = ga = None
     if pa is not None:
         if any(_equal(r, ga, rel_tol, budget) for r in _readings(pa, ga, rel_tol)):
             return True
+        gv = _named_values(ga) if not _has_relation(pa) else None
+        if gv is not None and _equal(pa, gv, rel_tol, budget):
+            return True             # a labelled gold 'PQ = 6, RS = 2' against the values '6, 2'
         if isinstance(pa, _Undef) or isinstance(ga, _Undef):
             return False
         if _decimal_comma_equal(cp, cg, rel_tol, budget):
             return True
     elif _norm_text(cp) == _norm_text(cg) and not _has_undefined(cp):
         return True     # neither parses: identical normalised text
+    elif tail is not None and _norm_text(tail) == _norm_text(cg) and not _has_undefined(cp) and \
+            not re.search(r"\d", re.sub(r"_\{?\w+\}?", "", cp[:len(cp) - len(tail)])):
+        return True     # 'V_1 : V_2 = 3 : 11' against the text '3:11': a named ratio of two
     # Last try (departure 12): a plain unit word after a number, on either side.
     up, ug = _strip_plain_unit(cp), _strip_plain_unit(cg)
     if up is None and ug is None:
@@ -2369,6 +2421,21 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 # Decimal commas (departure 19): '3,25' and '0,125' cannot be thousands separators; '1,250' can.
 _DEC_COMMA_RE = re.compile(r"^([+-]?\d+)(?:,|\{,\})(\d{1,2}|\d{4,})(?=%?$)|^([+-]?0)(?:,|\{,\})(\d+)(?=%?$)")
 _LONE_DECIMAL_RE = re.compile(r"^[+-]?\d+\.\d+%?$")
+
+
+def _right_of_last_equals(s: str) -> str | None:
+    """What follows the last '=' outside braces and brackets, when the text before it does not parse
+    (a limit, an integral, a determinant): the chain's last value (departure 17)."""
+    depth, last = 0, -1
+    for k, c in enumerate(s):
+        if c in "{([":
+            depth += 1
+        elif c in "})]":
+            depth -= 1
+        elif c == "=" and depth == 0 and s[k - 1:k] not in ("<", ">", "!", "\\"):
+            last = k
+    tail = s[last + 1:].strip() if last > 0 else ""
+    return tail if tail and not _INEQ_RE.search(tail) else None
 
 
 def _no_thousands(s: str) -> str:
