@@ -1839,13 +1839,17 @@ def _close(a, b, tol: float, abs_tol=None) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b)) + extra
 
 
-def _points(names: list[str]) -> list[dict]:
-    """N_POINTS seeded rational points (positive, non-integer): the same on every run and seed."""
+def _points(names: list[str], signed: bool = False) -> list[dict]:
+    """N_POINTS seeded rational points (positive, non-integer): the same on every run and seed.
+    signed=True adds each point with the signs of every other variable flipped (equations)."""
     out = []
     for t in range(N_POINTS):
         rng = random.Random(7919 * (t + 1))
         out.append({n: Fraction(rng.randint(11, 97), rng.randint(5, 41)) + Fraction(1, 7)
                     for n in names})
+    if signed:
+        out += [{n: -v if (k + t) % 2 == 0 else v for k, (n, v) in enumerate(p.items())}
+                for t, p in enumerate(out[:N_POINTS])]
     return out
 
 
@@ -1856,12 +1860,12 @@ def _free_names(e) -> set:
 # ------------------------------------------------------------------------------------------------
 # Comparison of structures.
 
-def _val_equal(a: Val, b: Val, tol: float, budget: _Budget) -> bool:
+def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False) -> bool:
     cands_a = [(a, Fraction(1))] + ([(a, Fraction(1, 100))] if a.percent else [])
     cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent else [])
     use_tol = tol if (a.inexact or b.inexact) else EXACT_REL_TOL
     names = sorted((_free_names(a.expr) | _free_names(b.expr)) - {"__pm__"})
-    points = _points(names) if names else [{}]
+    points = _points(names, signed) if names else [{}]
     for va, sa in cands_a:
         for vb, sb in cands_b:
             if _agree(va, sa, vb, sb, points, use_tol, budget):
@@ -1907,7 +1911,8 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
         if flip.get(a.op) != b.op:
             return False
         b = Eqn(b.rhs, b.lhs, a.op)
-    if _val_equal(a.lhs, b.lhs, tol, budget) and _val_equal(a.rhs, b.rhs, tol, budget):
+    # Equations are solution sets: points of both signs, so 'y = \\sqrt{x^2}' is not 'y = x'.
+    if _val_equal(a.lhs, b.lhs, tol, budget, signed=True) and _val_equal(a.rhs, b.rhs, tol, budget, signed=True):
         return True
     # Same relation up to a constant factor: (l1 - r1) / (l2 - r2) is constant, and positive for an
     # inequality ('4y < 8a' is 'y - 2a < 0', not '2a - y < 0').
@@ -1916,7 +1921,7 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
     if not names:
         return False
     ratios = []
-    for p in _points(names):
+    for p in _points(names, signed=True):
         try:
             x = _ev(da.expr, {**p, **da.env}, budget)
             y = _ev(db.expr, {**p, **db.env}, budget)
@@ -2323,7 +2328,7 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
             return True
         ua, ub = _unwrap_assignment(a), _unwrap_assignment(b)
         return ua is not None and ub is not None and a.lhs.expr == b.lhs.expr and \
-            _val_equal(ua, ub, tol, budget)
+            _val_equal(ua, ub, tol, budget, signed=True)
     if isinstance(a, Eqn) or isinstance(b, Eqn):
         ua, ub = _unwrap_assignment(a), _unwrap_assignment(b)
         if ua is not None and not isinstance(b, Eqn):
