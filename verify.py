@@ -444,6 +444,9 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
     if len(text) > MAX_RESPONSE_CHARS:
         text = text[-MAX_RESPONSE_CHARS:]
     text = _end_of_turn(text)
+    head, sep, after = text.rpartition("</think>")
+    if sep and after.strip():
+        text = after        # a reasoning trace ends at </think>: the answer is what follows it
     boxes = _last_boxes(text)
     if boxes is not None or strict:
         return _join(boxes) if boxes else None
@@ -506,6 +509,8 @@ _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.I
 _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-9]\}?|[\s{}/*·]|\\cdot|\\,)$")
 
 
+_CHOOSE_RE = re.compile(r"(?<!\\)\{([^{}]*?)\\choose(?![a-zA-Z])([^{}]*?)\}")
+_ASCII_MOD_RE = re.compile(r"(?<=[\d)\s])\s*(?<![A-Za-z\\])mod(?![A-Za-z])")
 _FN_WORDS = ("gcd", "lcm", "max", "min", "floor", "ceil", "det", "cosec", "arcsinh", "arccosh", "arctanh",
              "sinh", "cosh", "tanh", "lg", "ln", "log", "exp", "sec", "csc", "cot", "arcsin", "arccos", "arctan")
 _FN_NAME_RE = re.compile(r"\\(?:operatorname|mathrm|text|rm)\s*\{\s*(" + "|".join(_FN_WORDS) + r")\s*\}")
@@ -550,7 +555,9 @@ def _clean(s: str) -> str:
     s = s.replace("\\lvert", "|")
     s = s.replace("\\rvert", "|").replace("\\vert", "|").replace("\\mid", "|")
     s = re.sub(r"\\(le|ge)(?:qslant|qq|slant)(?![a-zA-Z])", r"\\\1", s)
-    s = s.replace("\\leq", "\\le").replace("\\geq", "\\ge").replace("\\neq", "\\ne")
+    s = s.replace("\\leq", "\\le").replace("\\geq", "\\ge").replace("\\neq", "\\ne").replace("\\not=", "\\ne ")
+    s = _CHOOSE_RE.sub(r"\\binom{\1}{\2}", s)                     # {n \\choose k}
+    s = _ASCII_MOD_RE.sub(r"\\bmod ", s)                            # 17 mod 5
     s = s.replace("!=", "\\ne ").replace("<=", "\\le ").replace(">=", "\\ge ")
     s = _REALS_RE.sub(lambda m: "(-\\infty,\\infty)", s)
     s = _EMPTY_RE.sub(lambda m: "\\{\\}", s)
@@ -710,7 +717,8 @@ _MOD = sympy.Function("MOD_")             # a \bmod b, on integers
 _SUM = sympy.Function("SUM_")             # (Lambda(k, body), lo, hi): a sum with integer bounds
 _PROD = sympy.Function("PROD_")
 _TRIG = frozenset(("sin", "cos", "tan", "sec", "csc", "cot"))
-_INVERSE = {"sin": sympy.asin, "cos": sympy.acos, "tan": sympy.atan}
+_INVERSE = {"sin": sympy.asin, "cos": sympy.acos, "tan": sympy.atan, "sinh": sympy.asinh,
+            "cosh": sympy.acosh, "tanh": sympy.atanh}
 _CONST_WORDS = {"pi": S.Pi, "infty": S.Infinity, "oo": S.Infinity, "inf": S.Infinity, "infinity": S.Infinity}
 _GREEK = frozenset((
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
@@ -2508,10 +2516,31 @@ def verify(response: str, gold: str, *, strict: bool = True,
         pred = extract_answer(response, strict=strict)
         if pred is None:
             return 0.0
-        return 1.0 if is_equivalent(pred, gold, rel_tol=rel_tol) else 0.0
+        if is_equivalent(pred, gold, rel_tol=rel_tol):
+            return 1.0
+        boxes = _boxes_for_list(response, gold)
+        return 1.0 if boxes is not None and boxes != pred and is_equivalent(boxes, gold, rel_tol=rel_tol) else 0.0
     except Exception:
         _count("errors")
         return 0.0
+
+
+def _boxes_for_list(response: str, gold: str) -> str | None:
+    """Against a gold list of n answers, the last n boxes of the response joined, whatever prose
+    stands between them ('$\\boxed{3}$ and, checking the sign, also $\\boxed{-3}$'): departure 16."""
+    if not isinstance(response, str) or "\\boxed" not in response and "\\fbox" not in response:
+        return None
+    g = _clean(_unwrap_answer(gold)) if len(gold) <= MAX_RESPONSE_CHARS else ""
+    try:
+        node = _parse(g, _Budget(), as_gold=True) if 0 < len(g) <= MAX_ANSWER_CHARS else None
+    except (_ParseError, _Limit, _Undefined, RecursionError):
+        return None
+    if not (isinstance(node, Seq) and node.open == "" and 2 <= len(node.items) <= _MAX_JOIN):
+        return None
+    boxes = _outer_boxes(_end_of_turn(response[-MAX_RESPONSE_CHARS:]))
+    if not boxes or len(boxes) < len(node.items):
+        return None
+    return _join([c for _, _, c in boxes[-len(node.items):]])
 
 
 def _verify_chunk(args):
