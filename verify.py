@@ -523,7 +523,7 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-", "≈": "\\approx ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
             "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
-_REPEAT_RE = re.compile(r"(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
+_REPEAT_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
 _FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*(?:[a-z]|-?\d+(?:[./]\d+)?)\s*\)\s*=(?!.*=)")  # f(x) =, f(2) =
 
 
@@ -2530,9 +2530,9 @@ def _boxes_for_list(response: str, gold: str) -> str | None:
     stands between them ('$\\boxed{3}$ and, checking the sign, also $\\boxed{-3}$'): departure 16."""
     if not isinstance(response, str) or "\\boxed" not in response and "\\fbox" not in response:
         return None
-    g = _clean(_unwrap_answer(gold)) if len(gold) <= MAX_RESPONSE_CHARS else ""
+    g = _unwrap_answer(gold) if len(gold) <= MAX_RESPONSE_CHARS else ""
     try:
-        node = _parse(g, _Budget(), as_gold=True) if 0 < len(g) <= MAX_ANSWER_CHARS else None
+        node = _parse(_clean(g), _Budget(), as_gold=True) if 0 < len(g) <= MAX_ANSWER_CHARS else None
     except (_ParseError, _Limit, _Undefined, RecursionError):
         return None
     if not (isinstance(node, Seq) and node.open == "" and 2 <= len(node.items) <= _MAX_JOIN):
