@@ -405,8 +405,11 @@ def _last_boxes(text: str) -> list[str] | None:
 
 
 def _is_join_gap(gap: str) -> bool:
-    """True when the text between two boxes / spans only joins them (', ', ' and ', ' or y = ')."""
+    """True when the text between two boxes / spans only joins them (', ', ' and ', ' or y = ', or
+    nothing at all: '\\boxed{1}\\boxed{2}')."""
     g = re.sub(r"\$|\\[()\[\]]", " ", gap)
+    if not gap:
+        return True
     return bool(g.strip()) and _JOIN_GAP_RE.fullmatch(g) is not None and re.search(r"[,;]|and|or|=", g, re.I) \
         is not None
 
@@ -532,8 +535,8 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
 _FONT_CMDS = ("mathrm", "mathbf", "mathit", "mathsf", "mathtt", "mathcal", "mathbb", "boldsymbol",
               "bm", "operatorname", "textup", "emph")
 _TEXT_CMDS = ("textbf", "textrm", "textit", "textsf", "texttt", "textnormal", "mbox", "hbox")
-_SPACING_RE = re.compile(r"(?<!\\)\\(?:[!,;: ]|quad|qquad|displaystyle|textstyle|limits|nolimits|"
-                         r"big|Big|bigg|Bigg|bigl|bigr|Bigl|Bigr|biggl|biggr)(?![a-zA-Z])")
+_SPACING_RE = re.compile(r"(?<!\\)\\(?:[!,;: ]|(?:quad|qquad|displaystyle|textstyle|limits|nolimits|"
+                         r"big|Big|bigg|Bigg|bigl|bigr|Bigl|Bigr|biggl|biggr)(?![a-zA-Z]))")
 _LEFTRIGHT_RE = re.compile(r"\\(?:left|right)(?![a-zA-Z])\s*(\.)?")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}|\\circ|°|"
                         r"\\degree(?![a-zA-Z])")
@@ -560,7 +563,7 @@ _UNIT_WORDS = frozenset((
 ))
 _REALS_RE = re.compile(r"\\mathbb\s*\{\s*R\s*\}|\\R(?![a-zA-Z])|ℝ")
 _EMPTY_RE = re.compile(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|∅")
-_PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:percent|per\s*cent|pct)\.?(?:\s*\})?"
+_PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:percentage|percent|per\s*cent|pct)\.?(?:\s*\})?"
                               r"(?![A-Za-z])", re.IGNORECASE)
 _ORDINAL_RE = re.compile(r"^(\s*\d+)\s*(?:\^\s*)?(?:\{\s*)?(?:\\(?:text|mathrm)\s*\{\s*)?(?:st|nd|rd|th)\s*\}?\s*\}?\s*$")
 _CURRENCY_RE = re.compile(r"[€£¥₹]")
@@ -2041,6 +2044,8 @@ def _expand_pm(items: list) -> list:
         if _has_free_pm(it):
             out.append(Val(it.expr, it.inexact, it.percent, {**it.env, "__pm__": Fraction(1)}))
             out.append(Val(it.expr, it.inexact, it.percent, {**it.env, "__pm__": Fraction(-1)}))
+        elif isinstance(it, Eqn) and it.op == "=" and _has_free_pm(it.rhs):     # x = 1 \pm \sqrt2
+            out.extend(Eqn(it.lhs, r) for r in _expand_pm([it.rhs]))
         else:
             out.append(it)
     return out
@@ -2288,7 +2293,12 @@ def _readings(node, gold, tol: float) -> list:
     out = [node]
     if isinstance(gold, (Eqn, Chain)) or (isinstance(gold, Seq) and any(
             isinstance(x, (Eqn, Chain)) for x in gold.items)):
-        return out          # the gold names its answer too: names must match (x = 5 is not y = 5)
+        # The gold names its answer too: names must match (x = 5 is not y = 5). 'x = 5+5+1 = 11'
+        # against a gold 'x = 11' names x: its stated value is compared.
+        pa = _as_assignment(node)
+        if pa is not None and pa is not node:
+            out.append(pa)
+        return out
     alt = _chain_value(node, gold, tol)
     if alt:
         out.extend(alt)
@@ -2324,6 +2334,18 @@ def _has_relation(node) -> bool:
     if isinstance(node, (Eqn, Chain, Inter, Union, Minus)):
         return True
     return isinstance(node, Seq) and any(_has_relation(x) for x in node.items)
+
+
+def _as_assignment(node):
+    """'x = 5' and the chain 'x = 2+3 = 5' (up to its first '~') as the assignment x = 5, else None."""
+    if isinstance(node, Eqn) and node.op == "=" and isinstance(node.lhs.expr, sympy.Symbol):
+        return node
+    if isinstance(node, Chain) and isinstance(node.parts[0].expr, sympy.Symbol) and \
+            all(op in ("=", "~") for op in node.ops):
+        k = node.ops.index("~") if "~" in node.ops else len(node.ops)
+        if k > 0 and all(op == "=" for op in node.ops[:k]):
+            return Eqn(node.parts[0], node.parts[k])
+    return None
 
 
 def _chain_value(node, gold, tol: float) -> list:
@@ -2487,6 +2509,8 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
             if not isinstance(pa, Val):
                 pa = ga = None
     if pa is not None:
+        if isinstance(ga, Chain):
+            ga = _as_assignment(ga) or ga       # a gold chain 'z = 1 + 1 = 2' states z = 2
         if any(_equal(r, ga, rel_tol, budget) for r in _readings(pa, ga, rel_tol)):
             return True
         gv = _named_values(ga) if not _has_relation(pa) else None
@@ -2567,7 +2591,19 @@ def _unwrap_answer(s: str) -> str:
         return _tidy(next(g for g in m.groups() if g is not None))
     if _ANSWER_PHRASE_RE.search(s):     # 'The answer is 5'
         return _after_phrase(s) or s
+    if _is_prose(s):                   # 'Therefore $x \\geq 5$ is the solution.': as from a response
+        return extract_answer(s) or s
     return s
+
+
+def _is_prose(s: str) -> bool:
+    """Three or more words outside math spans and \\text{..}: a sentence, not an answer."""
+    if len(s) > 4 * MAX_ANSWER_CHARS:
+        return False
+    bare = _MATH_SPAN_RE.sub(" ", re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s))
+    words = len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare))
+    spans = bare != re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s)
+    return (words >= 3 or (words >= 2 and spans)) and bool(re.search(r"\d", s))
 
 
 def _has_undefined(s: str) -> bool:
