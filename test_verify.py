@@ -262,6 +262,19 @@ def test_implicit_products_and_absolute_values():
             ("\\frac{1}{2}pq(p-q)", "\\frac{p^2q-pq^2}{2}", True), ("2pq^2", "2p^2q", False)])
 
 
+def test_sentences_and_named_chains_as_answer_pairs():
+    _check([("Thus $y \\le 4$ is the solution.", "y \\le 4", True), ("Thus $y \\le 4$ is the solution.", "y < 4", False),
+            ("We get that $y \\gt 4$.", "y > 4", True), ("We get that $y \\gt 4$.", "y < 4", False),
+            ("Here it is: $\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}$.", "\\begin{bmatrix}1&0\\\\0&1\\end{bmatrix}", True),
+            ("Here it is: $\\begin{pmatrix}1&0\\\\0&2\\end{pmatrix}$.", "\\begin{bmatrix}1&0\\\\0&1\\end{bmatrix}", False),
+            ("y = 4+4+1 = 9", "y = 9", True), ("y = 4+4+1 = 9", "z = 9", False), ("y = 4+4 = 9", "y = 8", False),
+            ("y = 6+3 = 9", "y = 1 + 8 = 9", True), ("y = 6+3 = 9", "y = 1 + 9 = 10", False),
+            ("x = 1, x = 2 \\pm \\sqrt{3}", "x = 1, x = 2 + \\sqrt{3}, x = 2 - \\sqrt{3}", True),
+            ("x = 1, x = 2 \\pm \\sqrt{3}", "x = 1, x = 2 + \\sqrt{3}", False),
+            ("\\boxed{7}\\boxed{9}", "7, 9", True), ("\\boxed{7}\\boxed{9}", "9", False),
+            ("u = -2,\\ v = 3", "(-2, 3)", True), ("28 percentage", "28\\%", True), ("27 percentage", "28\\%", False)])
+
+
 def test_ellipsis_is_not_a_finite_list():
     _check([("3, 6, 9, \\ldots", "3, 6, 9", False), ("\\{3, 6, 9, \\dots\\}", "\\{3, 6, 9\\}", False),
             ("3, 6, 9, \\ldots", "3, 6, 9, \\cdots", True)])

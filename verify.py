@@ -20,7 +20,9 @@ Public API
     number.
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
     Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
-    delimiters or a box, and the gold may be a whole worked solution: its last box is the answer.
+    delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
+    sentence (words around the math, ``Thus $x \\ge 5$ is the solution.``) is read like a response:
+    its answer is what ``extract_answer`` finds.
 ``verify(response, gold, *, strict=True, rel_tol=DEFAULT_REL_TOL) -> float``
     1.0 or 0.0. Never raises. Anything over a cap scores 0.0 and is counted.
 ``verify_batch(responses, golds, *, workers=0, strict=True, rel_tol=...) -> list[float]``
@@ -97,7 +99,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     the last value is the answer (``= 10`` at the end is wrong whatever came before). Before the first
     ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``); the approximation
     after it counts when the exact part is only a name (``t \\approx 9``) or the gold is a decimal.
-    When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``). Assignments
+    When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``), and a chain
+    that names the same variable states its value (``x = 5+5+1 = 11`` equals ``x = 11``). Assignments
     compared with a tuple are put in the order of their names (``b = 2, a = 1`` equals ``(1, 2)``).
     A ratio ``3:5`` is the number 3/5; a ratio of three (``1:2:3``) and a clock time (``05:00``) are
     compared as text (``V_1 : V_2 = 3 : 11`` equals the text ``3:11``). Assignments whose names repeat
@@ -2597,13 +2600,16 @@ def _unwrap_answer(s: str) -> str:
 
 
 def _is_prose(s: str) -> bool:
-    """Three or more words outside math spans and \\text{..}: a sentence, not an answer."""
+    """A sentence, not an answer: words outside math spans and \\text{..} (two around a math span,
+    else three of three letters or more) and a digit somewhere."""
     if len(s) > 4 * MAX_ANSWER_CHARS:
         return False
     bare = _MATH_SPAN_RE.sub(" ", re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s))
-    words = len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare))
-    spans = bare != re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s)
-    return (words >= 3 or (words >= 2 and spans)) and bool(re.search(r"\d", s))
+    if not re.search(r"\d", s):
+        return False
+    if bare != re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s):      # math spans in a sentence
+        return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{2,}(?![A-Za-z])", bare)) >= 2
+    return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare)) >= 3
 
 
 def _has_undefined(s: str) -> bool:
