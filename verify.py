@@ -318,7 +318,7 @@ _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or
                           r"(?:[A-Za-z](?:_\{?\w{1,3}\}?)?\s*=\s*)?", re.IGNORECASE)
 # "The final answer is $12$. I hope it is correct.", "Answer: 42", "**Answer:** $\frac38$", "#### 18".
 _ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
-                               r"答案\s*(?:是|为|為)?\s*[:：]?)\s*:?", re.IGNORECASE | re.MULTILINE)
+                               r"答案\s*(?:是|为|為)?\s*[:：]?|(?<!\S)答\s*[:：])\s*:?", re.IGNORECASE | re.MULTILINE)
 _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])",
                           re.IGNORECASE)
 _IS_VALUE_RE = re.compile(r"\s(?:is|are|equals|was|=)\s+(?!\s)(.+)$")
@@ -1394,6 +1394,8 @@ class _Parser:
         """The arguments of \\gcd(a, b), \\max\\{a, b, c\\}: expressions in ( ) or \\{ \\}."""
         if self.eat("("):
             closer = ")"
+        elif self.eat("["):
+            closer = "]"
         elif self.eat("\\{"):
             closer = "\\}"
         else:
