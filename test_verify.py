@@ -275,6 +275,16 @@ def test_sentences_and_named_chains_as_answer_pairs():
             ("u = -2,\\ v = 3", "(-2, 3)", True), ("28 percentage", "28\\%", True), ("27 percentage", "28\\%", False)])
 
 
+def test_sympy_printed_answers():
+    _check([("Interval.Ropen(0, 2)", "[0, 2)", True), ("Interval.Ropen(0, 2)", "(0, 2]", False),
+            ("Interval(0, 2)", "0 \\le t \\le 2", True), ("FiniteSet(3, 1)", "\\{1, 3\\}", True),
+            ("FiniteSet(3, 1)", "\\{1, 2\\}", False), ("Union(Interval.open(-oo, 0), Interval.open(1, oo))",
+                                                     "t < 0 \\text{ or } t > 1", True),
+            ("Eq(y, 3*x)", "y = 3x", True), ("Eq(y, 3*x)", "y = 3x + 1", False), ("Rational(2, 7)", "\\frac27", True),
+            ("Abs(x - 2)", "|x-2|", True), ("binomial(6, 3)", "20", True), ("factorial(4)", "24", True),
+            ("log(x, 3)", "\\log_3 x", True), ("log(x, 3)", "\\log_2 x", False), ("EmptySet", "\\emptyset", True)])
+
+
 def test_ellipsis_is_not_a_finite_list():
     _check([("3, 6, 9, \\ldots", "3, 6, 9", False), ("\\{3, 6, 9, \\dots\\}", "\\{3, 6, 9\\}", False),
             ("3, 6, 9, \\ldots", "3, 6, 9, \\cdots", True)])
@@ -409,6 +419,8 @@ HOSTILE = [
     "\\boxed{" + "\\sum_{k=1}^{9}" * 50 + "k}",
     "<think>" * 5000 + "</think>" * 5000 + "\\boxed{1}",
     "V_1 : V_2 = " * 300 + "1:2",
+    "\\boxed{" + "FiniteSet(" * 700 + "1" + ")" * 700 + "}",
+    "\\boxed{" + "Interval(0, " * 300 + "1" + ")" * 300 + "}",
 ]
 
 

@@ -154,6 +154,10 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     postfix (``xy^2`` is ``x y^2``); outside an absolute value a ``|`` starts a factor (``|a||b|``,
     ``2|a|``). ``\\\\le`` (a doubled backslash, as JSON-escaped golds carry it) before a known command
     is ``\\le``. A list ending in ``\\ldots`` is compared as text only (never equal to a finite list).
+26. Answers as sympy prints them are rewritten as text into the forms above before parsing (nothing
+    is evaluated): ``Interval.Ropen(0, 1)`` is ``[0, 1)``, ``FiniteSet(1, 2)``, ``EmptySet``, ``Reals``,
+    ``Union(..)``, ``Eq(y, 2*x)``, ``Rational(1, 3)``, ``Abs``, ``ceiling``, ``binomial``, ``factorial``,
+    ``log(x, 2)``; ``oo`` is infinity and ``**`` a power.
 
 What it accepts (each row: a form and examples that parse; the departures above say how they compare)
 ------------------------------------------------------------------------------------------------------
@@ -177,6 +181,8 @@ names               ``x = 5``, ``|PQ| = 6``, ``(a,b) = (4,1)``, ``f(2) = 9``, ``
                     ``a=3, b=1; a=5, b=1``, ``t = 2+3+4 = 9``, ``\\frac17 \\approx 0.14``
 text                ``\\text{Evelyn}``, choices ``(C)`` / ``\\textbf{(C)}``, units ``5 \\text{ cm}``,
                     ``12 km/h``
+sympy's printing    ``Interval(0, 1)``, ``Interval.open``, ``FiniteSet(1, 2)``, ``Eq(y, 2*x)``, ``Rational(1, 3)``,
+                    ``sqrt(2)/2``, ``x**2``, ``oo``, ``Abs(x)``, ``log(x, 2)``
 answer wrappers     ``\\boxed{..}`` / ``\\fbox``, ``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``,
                     ``Answer: \\[ 14 \\]``, Minerva's ``Final Answer: The final answer is $X$``, ``#### X``,
                     ``答案：C``, ``<think>..</think>``
@@ -580,6 +586,10 @@ _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-
 
 _CHOOSE_RE = re.compile(r"(?<!\\)\{([^{}]*?)\\choose(?![a-zA-Z])([^{}]*?)\}")
 _ASCII_MOD_RE = re.compile(r"(?<=[\d)\s])\s*(?<![A-Za-z\\])mod(?![A-Za-z])")
+_SYMPY_CALL_RE = re.compile(r"(?<![A-Za-z\\])(Interval|FiniteSet|Union|Intersection|Eq|Rational|binomial|factorial|log)"
+                            r"(?:\.(open|Lopen|Ropen))?\(")
+_SYMPY_HINT_RE = re.compile(r"Interval|FiniteSet|EmptySet|Union\(|Intersection\(|Eq\(|Rational\(|Reals|Abs\(|"
+                            r"ceiling\(|binomial\(|factorial\(|(?<!\\)log\([^()]*,")
 _FN_WORDS = ("gcd", "lcm", "max", "min", "floor", "ceil", "det", "cosec", "arcsinh", "arccosh", "arctanh",
              "sinh", "cosh", "tanh", "lg", "ln", "log", "exp", "sec", "csc", "cot", "arcsin", "arccos", "arctan")
 _FN_NAME_RE = re.compile(r"\\(?:operatorname|mathrm|text|rm)\s*\{\s*(" + "|".join(_FN_WORDS) + r")\s*\}")
@@ -610,7 +620,76 @@ def _replace_cmd_wrapper(s: str, names: tuple[str, ...], repl: str) -> str:
     return pat.sub(lambda m: repl, s)
 
 
+def _top_level_split(s: str) -> list[str]:
+    """s split at the commas outside any brackets."""
+    out, depth, start = [], 0, 0
+    for k, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(s[start:k])
+            start = k + 1
+    return out + [s[start:]]
+
+
+def _sympy_printed(s: str) -> str:
+    """Answers as sympy prints them, rewritten to the LaTeX this parser reads (text only, nothing is
+    evaluated): Interval(0, 1) -> [0, 1], Interval.open -> (..), FiniteSet(1, 2) -> \\{1, 2\\},
+    EmptySet -> \\emptyset, Eq(a, b) -> a = b, Rational(1, 3) -> (1)/(3), Union(A, B) -> A \\cup B,
+    Abs/ceiling/binomial/factorial -> abs/ceil/\\binom/!, log(x, b) -> log_b."""
+    s = re.sub(r"\bEmptySet\b", "\\\\emptyset", s)
+    s = re.sub(r"\b(?:S\.)?Reals\b", "(-\\\\infty,\\\\infty)", s)
+    s = re.sub(r"\bAbs\(", "abs(", s)
+    s = re.sub(r"\bceiling\(", "ceil(", s)
+    for _ in range(20):
+        m = _SYMPY_CALL_RE.search(s)
+        if not m:
+            break
+        end = _match_paren(s, m.end() - 1)
+        if end < 0:
+            break
+        args = [a.strip() for a in _top_level_split(s[m.end():end])]
+        name, kind = m.group(1), m.group(2) or ""
+        if name == "Interval" and len(args) == 2:
+            o, c = {"": "[]", "open": "()", "Lopen": "(]", "Ropen": "[)"}[kind]
+            new = f"{o}{args[0]}, {args[1]}{c}"
+        elif name == "FiniteSet":
+            new = "\\{" + ", ".join(args) + "\\}"
+        elif name in ("Union", "Intersection"):
+            new = (" \\cup " if name == "Union" else " \\cap ").join(args)
+        elif name == "Eq" and len(args) == 2:
+            new = f"{args[0]} = {args[1]}"
+        elif name == "Rational" and len(args) == 2:
+            new = f"({args[0]})/({args[1]})"
+        elif name == "binomial" and len(args) == 2:
+            new = f"\\binom{{{args[0]}}}{{{args[1]}}}"
+        elif name == "factorial" and len(args) == 1:
+            new = f"({args[0]})!"
+        elif name == "log" and len(args) == 2:
+            new = f"\\log_{{{args[1]}}}({args[0]})"
+        else:
+            break
+        s = s[:m.start()] + new + s[end + 1:]
+    return s
+
+
+def _match_paren(s: str, start: int) -> int:
+    depth = 0
+    for k in range(start, len(s)):
+        if s[k] == "(":
+            depth += 1
+        elif s[k] == ")":
+            depth -= 1
+            if depth == 0:
+                return k
+    return -1
+
+
 def _clean(s: str) -> str:
+    if _SYMPY_HINT_RE.search(s):
+        s = _sympy_printed(s)
     if "\\\\" in s and "\\begin" not in s:     # a JSON-escaped gold: '-3 \\\\le x' is '-3 \\le x'
         s = _DOUBLED_CMD_RE.sub(r"\\\1", s)
     s = _FN_NAME_RE.sub(lambda m: "\\" + m.group(1) + " ", s)    # \operatorname{lcm} -> \lcm
@@ -2607,7 +2686,7 @@ def _is_prose(s: str) -> bool:
     if len(s) > 4 * MAX_ANSWER_CHARS:
         return False
     bare = _MATH_SPAN_RE.sub(" ", re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s))
-    if not re.search(r"\d", s):
+    if not re.search(r"\d", s) or _SYMPY_HINT_RE.search(s):
         return False
     if bare != re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s):      # math spans in a sentence
         return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{2,}(?![A-Za-z])", bare)) >= 2
