@@ -259,7 +259,8 @@ def test_matrix_algebra():
 def test_implicit_products_and_absolute_values():
     _check([("|p|\\,|q|", "|pq|", True), ("|p|\\,|q|", "|p+q|", False), ("|p||q|", "|pq|", True),
             ("3|p|", "|3p|", True), ("3|p|", "3|q|", False),
-            ("\\frac{1}{2}pq(p-q)", "\\frac{p^2q-pq^2}{2}", True), ("2pq^2", "2p^2q", False)])
+            ("\\frac{1}{2}pq(p-q)", "\\frac{p^2q-pq^2}{2}", True), ("2pq^2", "2p^2q", False),
+            ("\\frac{pq}{3}r", "\\frac{pqr}{3}", True), ("pqr", "pq w", False), ("east", "e a s t", False)])
 
 
 def test_sentences_and_named_chains_as_answer_pairs():

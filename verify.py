@@ -79,7 +79,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    ``lhs - rhs`` of one is a non-zero constant multiple of the other's.
 10. ``e`` is Euler's number and ``i`` the imaginary unit everywhere. A run of three or more letters
     that is not a known function (``east``, ``SRMC``) is one symbol (or plain text when alone); one or
-    two letters are a product of single-letter symbols.
+    two letters are a product of single-letter symbols. When the other answer uses all the letters of
+    such a word as single symbols, the word is also read as their product (``abc`` equals ``ab \\cdot c``).
 11. A number directly followed by an integer ``\\frac`` is a mixed number (``1\\frac{4}{5}`` = 9/5).
 12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped; as a last try a
     known plain unit word (``cm``, ``inches``, ``m`` ...) after a number is dropped too.
@@ -962,6 +963,7 @@ class _Parser:
         self.trig_depth = 0       # > 0 while parsing the argument of sin, cos, ...
         self.bound = ()           # index letters of the enclosing sums ('i' there is not sqrt(-1))
         self.abs_depth = 0        # > 0 inside |..|, where a '|' closes instead of starting a factor
+        self.split = frozenset()  # words read as products of their letters ('abc' = a*b*c)
 
     # -- low-level helpers
     def ws(self) -> None:
@@ -1412,7 +1414,7 @@ class _Parser:
             return _CONST_WORDS[run]
         if run in _FUNCS:
             return self.parse_function(run)
-        if len(run) >= 3:
+        if len(run) >= 3 and run not in self.split:
             return sympy.Symbol(run)       # a word: SRMC, east (departure 10)
         if run == "C" and self.s.startswith("(", j):     # C(6, 2): the binomial coefficient
             got = self._try_choose()
@@ -1745,8 +1747,9 @@ def _unwrap_text(s: str) -> str:
     return s
 
 
-def _parse(s: str, budget: _Budget, *, as_gold: bool):
-    """Cleaned answer string -> structure. Raises _ParseError / _Limit."""
+def _parse(s: str, budget: _Budget, *, as_gold: bool, split: frozenset = frozenset()):
+    """Cleaned answer string -> structure. Raises _ParseError / _Limit. The words in split are read
+    as products of their letters (see _word_products)."""
     s = _unwrap_text(s)
     m = _CHOICE_RE.match(s)
     if m and (as_gold or s.startswith("(")):
@@ -1755,9 +1758,37 @@ def _parse(s: str, budget: _Budget, *, as_gold: bool):
         m = _CHOICE_PRED_RE.match(s)
         if m:
             return Choice(m.group(1))
-    if _WORDS_RE.match(s) and _is_plain_words(s):
+    if _WORDS_RE.match(s) and _is_plain_words(s) and s not in split:
         return Text(_norm_text(s))
-    return _Parser(s, budget).parse_answer()
+    parser = _Parser(s, budget)
+    parser.split = split
+    return parser.parse_answer()
+
+
+def _word_products(s: str, other) -> frozenset:
+    """The words of s (runs of three or more letters, one symbol by departure 10) whose letters are
+    all single-letter symbols of the other answer: 'abc' against 'ab c' is the product a*b*c."""
+    if not isinstance(other, (Val, Eqn, Seq, Chain)):
+        return frozenset()
+    names = set()
+    for v in _vals_of(other):
+        names |= _free_names(v.expr)
+    bare = re.sub(r"\\[A-Za-z]+", " ", re.sub(r"\\text\s*\{[^{}]*\}", " ", s))
+    words = set(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,6}(?![A-Za-z])", bare)) - names
+    return frozenset(w for w in words if w not in _FUNCS and w not in _CONST_WORDS and w not in _UNIT_WORDS
+                     and set(w) <= names)
+
+
+def _vals_of(node) -> list:
+    if isinstance(node, Val):
+        return [node]
+    if isinstance(node, Eqn):
+        return [node.lhs, node.rhs]
+    if isinstance(node, Chain):
+        return list(node.parts)
+    if isinstance(node, Seq):
+        return [v for x in node.items for v in _vals_of(x)]
+    return []
 
 
 def _is_plain_words(s: str) -> bool:
@@ -2604,6 +2635,15 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
             return False
         if _decimal_comma_equal(cp, cg, rel_tol, budget):
             return True
+        sp, sg = _word_products(cp, ga), _word_products(cg, pa)
+        if sp or sg:                # 'abc' against '\\frac{ab}{2}c': the word is a product (departure 10)
+            try:
+                qa = _parse(cp, budget, as_gold=False, split=sp)
+                qg = _parse(cg, budget, as_gold=True, split=sg)
+            except _ParseError:
+                qa = qg = None
+            if qa is not None and any(_equal(r, qg, rel_tol, budget) for r in _readings(qa, qg, rel_tol)):
+                return True
     elif _norm_text(cp) == _norm_text(cg) and not _has_undefined(cp):
         return True     # neither parses: identical normalised text
     elif tail is not None and _norm_text(tail) == _norm_text(cg) and not _has_undefined(cp) and \
