@@ -348,11 +348,11 @@ def test_verify_whole_responses_and_worked_gold():
 def test_whole_responses_in_other_shapes():
     ok = [("<think>\nperhaps \\boxed{9}? no.\n</think>\nThe answer is 8.", "8"),
           ("Checking each case.\nFinal Answer: The least $n$ is 8.", "8"),
-          ("Final Answer: The least $n$ is $\\frac{16}{2}$.", "8"), ("综上，答案：B", "B"), ("5+3", "8"),
+          ("Final Answer: The least $n$ is $\\frac{16}{2}$.", "8"), ("综上，答案：B", "B"), ("Donc $x$ vaut 4.\nRéponse : 8", "8"), ("5+3", "8"),
           ("$\\lim_{x \\to 0} \\frac{x}{x} = 1$", "1"), ("So $\\boxed{1} \\quad \\text{and} \\quad \\boxed{4}$.", "1, 4"),
           ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 4")]
     bad = [("<think>\nperhaps \\boxed{9}? no.\n</think>\nThe answer is 8.", "9"),
-           ("Checking each case.\nFinal Answer: The least $n$ is 7.", "8"), ("综上，答案：C", "B"), ("5+3", "53"),
+           ("Checking each case.\nFinal Answer: The least $n$ is 7.", "8"), ("综上，答案：C", "B"), ("Ответ: 7", "8"), ("5+3", "53"),
            ("5+3", "3"), ("$\\lim_{x \\to 0} \\frac{x}{x} = 1$", "0"),
            ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 5"),
            ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1")]

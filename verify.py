@@ -150,7 +150,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     matrix products are not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4).
 24. Whole responses: after a ``</think>`` only what follows it counts (when anything does); a whole
     response that is bare arithmetic (``4+7``) is its value; after an answer cue a sentence ``The
-    smallest $k$ is 12.`` gives what follows its last "is"; ``答案`` is an answer cue.
+    smallest $k$ is 12.`` gives what follows its last "is"; ``答案``, ``答：``, ``Réponse :``,
+    ``Respuesta:``, ``Antwort:``, ``Ответ:`` are answer cues.
 25. Implicit products: in a run of one or two letters every letter is a factor with its own
     postfix (``xy^2`` is ``x y^2``); outside an absolute value a ``|`` starts a factor (``|a||b|``,
     ``2|a|``). ``\\\\le`` (a doubled backslash, as JSON-escaped golds carry it) before a known command
@@ -325,7 +326,8 @@ _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or
                           r"(?:[A-Za-z](?:_\{?\w{1,3}\}?)?\s*=\s*)?", re.IGNORECASE)
 # "The final answer is $12$. I hope it is correct.", "Answer: 42", "**Answer:** $\frac38$", "#### 18".
 _ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
-                               r"答案\s*(?:是|为|為)?\s*[:：]?|(?<!\S)答\s*[:：])\s*:?", re.IGNORECASE | re.MULTILINE)
+                               r"答案\s*(?:是|为|為)?\s*[:：]?|(?<!\S)答\s*[:：]|"
+                               r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*[:：])\s*:?", re.IGNORECASE | re.MULTILINE)
 _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])",
                           re.IGNORECASE)
 _IS_VALUE_RE = re.compile(r"\s(?:is|are|equals|was|=)\s+(?!\s)(.+)$")
