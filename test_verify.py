@@ -226,6 +226,12 @@ def test_relations_in_other_spellings():
             ("y = \\sqrt{x^2}", "y = x", False), ("y = |x|", "y = \\sqrt{x^2}", True)])
 
 
+def test_equations_compare_solution_sets():
+    _check([("u^3 = v^3", "u = v", True), ("u^2 = v^2", "u = v", False), ("u^4 = v^4", "u^2 = v^2", True),
+            ("v^3 = 27u^3", "v = 3u", True), ("v^3 = 27u^3", "v = -3u", False), ("uv = 2", "v = \\frac{2}{u}", True),
+            ("u^2 v = v", "u^2 = 1", False), ("v = \\sqrt{u^2}", "v = u", False), ("v = \\sqrt{u^2}", "v = |u|", True)])
+
+
 def test_sets_with_repeats_and_interval_algebra():
     _check([("\\{4, 7, 4\\}", "\\{7, 4\\}", True), ("\\{4, 7, 4\\}", "\\{4\\}", False),
             ("[1, 3] \\cap [3, 6]", "\\{3\\}", True), ("[1, 3) \\cap [3, 6]", "\\{3\\}", False),

@@ -76,7 +76,9 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    A column or row vector (``pmatrix``) equals a tuple with the same entries.
 8. ``a \\pm b`` is the unordered pair ``{a+b, a-b}``.
 9. ``x = 5`` equals ``5`` when the left side is a single symbol; two equations are equal when
-   ``lhs - rhs`` of one is a non-zero constant multiple of the other's.
+   ``lhs - rhs`` of one is a non-zero constant multiple of the other's, or (several variables) when
+   at sampled values of the others both are polynomials of degree <= ``MAX_ROOT_DEGREE`` in the last
+   variable with the same real roots: ``x^3 = y^3`` equals ``x = y``, ``x^2 = y^2`` does not.
 10. ``e`` is Euler's number and ``i`` the imaginary unit everywhere. A run of three or more letters
     that is not a known function (``east``, ``SRMC``) is one symbol (or plain text when alone); one or
     two letters are a product of single-letter symbols. When the other answer uses all the letters of
@@ -249,6 +251,7 @@ MAX_FACTORIAL = 5_000       # exact n! up to this n (2004! appears in MATH golds
 MAX_GAMMA_ARG = 10_000      # x! of a non-integer x (a symbol's sample point) via Gamma up to this
 MAX_SUM_TERMS = 1_000       # terms of one \sum / \prod with numeric bounds
 MAX_DET_SIZE = 4            # \det of matrices up to this size (expanded by cofactors)
+MAX_ROOT_DEGREE = 4         # equations as solution sets: polynomials up to this degree are solved
 MAX_SECONDS = 0.5           # wall-clock backstop per comparison (checked, never signalled)
 N_POINTS = 3                # evaluation points for expressions with free symbols
 _DPS = 50
@@ -257,6 +260,8 @@ _DPS = 50
 # threads is safe (the global mpmath.mp is mutable shared state).
 _MP = mpmath.MPContext()
 _MP.dps = _DPS
+_MP_ROOTS = mpmath.MPContext()      # roots of polynomials of degree 3 and 4 (solution sets): 20 digits
+_MP_ROOTS.dps = 20
 
 # ------------------------------------------------------------------------------------------------
 # Counters (the only module-level mutable state).
@@ -2147,7 +2152,82 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
         r0 = _as_real(ratios[0]) if ratios else None
         if r0 is None or r0 <= 0:
             return False
-    return len(ratios) >= 2 and all(_close(r, ratios[0], use_tol) for r in ratios[1:])
+    if len(ratios) >= 2 and all(_close(r, ratios[0], use_tol) for r in ratios[1:]):
+        return True
+    if a.op != "=" or len(names) < 2 or _free_names(da.expr) != _free_names(db.expr):
+        return False
+    return _same_real_roots(da, db, names, budget)
+
+
+# Equations in several variables with the same solution set though not proportional
+# ('x^3 = y^3' and 'x = y'): for sampled values of the other variables, both are polynomials of low
+# degree in the last variable with the same real roots.
+
+
+def _same_real_roots(da: Val, db: Val, names: list, budget: _Budget) -> bool:
+    v = names[-1]
+    nonempty = False
+    points = _points(names[:-1], signed=True)
+    for p in points[N_POINTS:] + points[:1]:        # the sign-flipped points, and one positive one
+        roots = [_real_roots(d, v, p, budget) for d in (da, db)]
+        if roots[0] is None or roots[1] is None or len(roots[0]) != len(roots[1]):
+            return False
+        if not all(abs(x - y) <= 1e-10 * (1 + abs(x)) for x, y in zip(*roots)):
+            return False
+        nonempty = nonempty or bool(roots[0])
+    return nonempty
+
+
+def _real_roots(d: Val, v: str, point: dict, budget: _Budget):
+    """The distinct real roots in v of the expression d (other variables fixed at point), when d is a
+    polynomial in v of degree 1..MAX_ROOT_DEGREE; else None. The polynomial is found by exact
+    interpolation at MAX_ROOT_DEGREE + 1 nodes and checked at two more."""
+    nodes = [Fraction(2 * k - 7, 3) for k in range(MAX_ROOT_DEGREE + 3)]
+    try:
+        ys = [_ev(d.expr, {**point, **d.env, v: t}, budget) for t in nodes]
+    except _Undefined:
+        return None
+    if not all(isinstance(y, Fraction) for y in ys):
+        return None                 # only polynomials with rational coefficients here: exact work
+    n = MAX_ROOT_DEGREE + 1
+    dd = list(ys[:n])               # Newton's divided differences, exact
+    for j in range(1, n):
+        for k in range(n - 1, j - 1, -1):
+            dd[k] = (dd[k] - dd[k - 1]) / (nodes[k] - nodes[k - j])
+    coef = [Fraction(0)] * n        # coef[j] of v**j, from the Newton form by Horner's rule
+    for k in range(n - 1, -1, -1):
+        coef = [(coef[j - 1] if j else 0) - nodes[k] * coef[j] for j in range(n)]
+        coef[0] += dd[k]
+    budget.tick(n * n)
+    for t, y in zip(nodes[n:], ys[n:]):
+        if sum(c * t ** j for j, c in enumerate(coef)) != y:
+            return None             # not a polynomial of low degree in v
+    while coef and coef[-1] == 0:
+        coef.pop()
+    if len(coef) < 2:
+        return None                 # constant in v: no roots or every value
+    if len(coef) == 2:              # linear and quadratic: exact discriminant, closed form
+        return [_to_mp(-coef[0] / coef[1])]
+    if len(coef) == 3:
+        c0, c1, c2 = coef
+        disc = c1 * c1 - 4 * c2 * c0
+        if disc < 0:
+            return []
+        r = _MP.sqrt(_to_mp(disc))
+        return sorted({(-_to_mp(c1) - r) / _to_mp(2 * c2), (-_to_mp(c1) + r) / _to_mp(2 * c2)})
+    try:
+        found = _MP_ROOTS.polyroots([_MP_ROOTS.mpf(c.numerator) / c.denominator for c in reversed(coef)],
+                                    maxsteps=50, extraprec=20)
+    except Exception:               # mpmath raises NoConvergence (a plain Exception subclass)
+        return None
+    real = sorted(_MP.mpf(r.real) if isinstance(r, _MP_ROOTS.mpc) else _MP.mpf(r) for r in
+                  (found if isinstance(found, list) else [found])
+                  if not isinstance(r, _MP_ROOTS.mpc) or abs(r.imag) <= 1e-12 * (1 + abs(r)))
+    out = []
+    for r in real:
+        if not out or not (abs(r - out[-1]) <= 1e-9 * (1 + abs(r))):
+            out.append(r)           # a double root is one point of the solution set
+    return out
 
 
 def _has_free_pm(node) -> bool:
