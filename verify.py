@@ -1998,15 +1998,15 @@ def _close(a, b, tol: float, abs_tol=None) -> bool:
 
 def _points(names: list[str], signed: bool = False) -> list[dict]:
     """N_POINTS seeded rational points (positive, non-integer): the same on every run and seed.
-    signed=True adds each point with the signs of every other variable flipped (equations)."""
+    signed=True flips signs (equations): the second point's every other variable, the third's all."""
     out = []
     for t in range(N_POINTS):
         rng = random.Random(7919 * (t + 1))
         out.append({n: Fraction(rng.randint(11, 97), rng.randint(5, 41)) + Fraction(1, 7)
                     for n in names})
     if signed:
-        out += [{n: -v if (k + t) % 2 == 0 else v for k, (n, v) in enumerate(p.items())}
-                for t, p in enumerate(out[:N_POINTS])]
+        out = [{n: -v if t == 2 or (t == 1 and k % 2 == 0) else v for k, (n, v) in enumerate(p.items())}
+               if t else p for t, p in enumerate(out)]
     return out
 
 
@@ -2167,8 +2167,7 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
 def _same_real_roots(da: Val, db: Val, names: list, budget: _Budget) -> bool:
     v = names[-1]
     nonempty = False
-    points = _points(names[:-1], signed=True)
-    for p in points[N_POINTS:] + points[:1]:        # the sign-flipped points, and one positive one
+    for p in _points(names[:-1], signed=True):
         roots = [_real_roots(d, v, p, budget) for d in (da, db)]
         if roots[0] is None or roots[1] is None or len(roots[0]) != len(roots[1]):
             return False
@@ -2182,13 +2181,20 @@ def _real_roots(d: Val, v: str, point: dict, budget: _Budget):
     """The distinct real roots in v of the expression d (other variables fixed at point), when d is a
     polynomial in v of degree 1..MAX_ROOT_DEGREE; else None. The polynomial is found by exact
     interpolation at MAX_ROOT_DEGREE + 1 nodes and checked at two more."""
+    for k, e in enumerate(sympy.preorder_traversal(d.expr)):
+        if k > MAX_NODES or isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer) and \
+                abs(e.exp) > 4 * MAX_ROOT_DEGREE:
+            return None             # a high power: not a low-degree polynomial worth solving
     nodes = [Fraction(2 * k - 7, 3) for k in range(MAX_ROOT_DEGREE + 3)]
-    try:
-        ys = [_ev(d.expr, {**point, **d.env, v: t}, budget) for t in nodes]
-    except _Undefined:
-        return None
-    if not all(isinstance(y, Fraction) for y in ys):
-        return None                 # only polynomials with rational coefficients here: exact work
+    ys = []
+    for t in nodes:
+        try:
+            y = _ev(d.expr, {**point, **d.env, v: t}, budget)
+        except _Undefined:
+            return None
+        if not isinstance(y, Fraction) or y.numerator.bit_length() + y.denominator.bit_length() > 4096:
+            return None             # only low-degree polynomials with rational coefficients: exact work
+        ys.append(y)
     n = MAX_ROOT_DEGREE + 1
     dd = list(ys[:n])               # Newton's divided differences, exact
     for j in range(1, n):
