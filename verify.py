@@ -695,12 +695,19 @@ def _match_paren(s: str, start: int) -> int:
     return -1
 
 
+def _fn_name(m) -> str:
+    """\\operatorname{lcm} -> \\lcm; \\text{ min} after a number stays a unit (minutes, seconds)."""
+    if m.group(0).startswith("\\text") and m.group(1) in _UNIT_WORDS:
+        return m.group(0)
+    return "\\" + m.group(1) + " "
+
+
 def _clean(s: str) -> str:
     if _SYMPY_HINT_RE.search(s):
         s = _sympy_printed(s)
     if "\\\\" in s and "\\begin" not in s:     # a JSON-escaped gold: '-3 \\\\le x' is '-3 \\le x'
         s = _DOUBLED_CMD_RE.sub(r"\\\1", s)
-    s = _FN_NAME_RE.sub(lambda m: "\\" + m.group(1) + " ", s)    # \operatorname{lcm} -> \lcm
+    s = _FN_NAME_RE.sub(_fn_name, s)                             # \operatorname{lcm} -> \lcm
     s = _PMOD_RE.sub("", s)                                      # 9 \pmod{11}: the residue 9
     s = _ELLIPSIS_RE.sub(lambda m: "\\ldots ", s)                 # one spelling, compared as text
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
@@ -2521,7 +2528,7 @@ def _named_values(node, tuples_only: bool = False):
     """The values of named answers: 'PQ = 6, RS = 2' -> 6, 2 and 'a=3, b=1; a=5, b=1' (names
     repeating in a cycle) -> (3,1), (5,1). None when node is not such a list."""
     items = node.items if isinstance(node, Seq) and node.open == "" else [node]
-    if not items or not all(isinstance(x, Eqn) and x.op == "=" and _is_name(x.lhs.expr) and
+    if not items or not all(isinstance(x, Eqn) and x.op == "=" and _is_label(x.lhs.expr) and
                             not _free_names(x.rhs.expr) - {"__pm__"} for x in items):
         return None
     names = [str(x.lhs.expr) for x in items]
@@ -2531,6 +2538,20 @@ def _named_values(node, tuples_only: bool = False):
     if tuples_only or len(set(names)) != len(names):
         return None
     return items[0].rhs if len(items) == 1 else Seq([x.rhs for x in items])
+
+
+def _is_label(e) -> bool:
+    """A label of a value: x, x_1, PQ, |PQ|, V_1 : V_2. No sums ('y' + ry = 0' is an equation) and
+    no products of lower-case letters ('xy = 0' is an equation too)."""
+    if isinstance(e, sympy.Abs):
+        e = e.args[0]
+    if isinstance(e, sympy.Symbol):
+        return e != _PM
+    if isinstance(e, sympy.Mul) and len(e.args) <= 4 and all(n[:1].isupper() for n in _free_names(e)):
+        return all(a is S.One or isinstance(a, (sympy.Symbol, sympy.Mul)) and _is_label(a) or (
+            isinstance(a, sympy.Pow) and a.exp is S.NegativeOne and isinstance(a.base, sympy.Symbol))
+            for a in e.args)
+    return False
 
 
 def _has_relation(node) -> bool:
