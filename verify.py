@@ -202,7 +202,7 @@ installed, of math-verify side by side with the agreement rate, for each case fi
 three files: ``data/verify_cases.jsonl`` (development cases, written alongside this file),
 ``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed) and
 ``data/verify_outside.jsonl`` (329 cases by answer form, half of them near misses, labelled from
-other graders' documented behaviour and frozen before departures 21-25 existed). The frozen files
+other graders' documented behaviour and frozen before departures 21-26 existed). The frozen files
 were never tuned against, so their figures measure generalisation. A case is ``{"pred"|"response",
 "gold", "label", "category", ["rel_tol"]}``: an answer pair goes to ``is_equivalent``, a whole
 response to ``verify(..., strict=False)``.
