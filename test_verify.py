@@ -251,7 +251,8 @@ def test_labelled_answers_in_either_order():
             ("(2,1), (4,3)", "m=2, n=1; m=4, n=3", True), ("(2,1), (3,4)", "m=2, n=1; m=4, n=3", False),
             ("8, 5", "AB = 8, CD = 5", True), ("8, 6", "AB = 8, CD = 5", False),
             ("A_1 : A_2 = 2 : 13", "2:13", True), ("A_1 : A_2 = 13 : 2", "2:13", False),
-            ("0", "uv = 0", False), ("0", "y' + ry = 0", False)])         # equations, not labels
+            ("0", "uv = 0", False), ("0", "y' + ry = 0", False),         # equations, not labels
+            ("2:13", "A_{1}:A_{2}=2:13", True), ("2:15", "A_{1}:A_{2}=2:13", False)])
 
 
 def test_matrix_algebra():

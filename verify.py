@@ -2717,7 +2717,6 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     cp, cg = _clean(pred), _clean(gold)
     if not cp or not cg:
         return False
-    tail = None
     try:
         pa = _parse(cp, budget, as_gold=False)
         ga = _parse(cg, budget, as_gold=True)
@@ -2755,8 +2754,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
                 return True
     elif _norm_text(cp) == _norm_text(cg) and not _has_undefined(cp):
         return True     # neither parses: identical normalised text
-    elif tail is not None and _norm_text(tail) == _norm_text(cg) and not _has_undefined(cp) and \
-            not re.search(r"\d", re.sub(r"_\{?\w+\}?", "", cp[:len(cp) - len(tail)])):
+    elif _named_text_equal(cp, cg) or _named_text_equal(cg, cp):
         return True     # 'V_1 : V_2 = 3 : 11' against the text '3:11': a named ratio of two
     # Last try (departure 12): a plain unit word after a number, on either side.
     up, ug = _strip_plain_unit(cp), _strip_plain_unit(cg)
@@ -2789,6 +2787,14 @@ def _right_of_last_equals(s: str) -> str | None:
             last = k
     tail = s[last + 1:].strip() if last > 0 else ""
     return tail if tail and not _INEQ_RE.search(tail) else None
+
+
+def _named_text_equal(named: str, other: str) -> bool:
+    """'V_1 : V_2 = 3 : 11' and '3:11', neither parsed (a ratio of two-digit numbers reads as a clock
+    time): equal as text after the name, when the name has no digit outside its subscripts."""
+    tail = _right_of_last_equals(named)
+    return tail is not None and _norm_text(tail) == _norm_text(other) and not _has_undefined(named) and \
+        not re.search(r"\d", re.sub(r"_\{?\w+\}?", "", named[:len(named) - len(tail)]))
 
 
 def _no_thousands(s: str) -> str:
