@@ -452,6 +452,32 @@ def sequence_mean_logprob(logp: torch.Tensor, mask: torch.Tensor, *,
     return total / denom.clamp(min=1)
 
 
+class Mean(NamedTuple):
+    """A metric that is a mean, as its sum and its count (detached floats), e.g. clipped peer tokens
+    over peer tokens. Kept apart so that the trainer adds up sums and counts over micro-batches,
+    minibatches and ranks and divides once: a mean of part-means would weight each part wrongly."""
+
+    total: float
+    count: float
+
+    @property
+    def value(self) -> float:
+        """total / count; NaN when the count is 0 (a mean over nothing)."""
+        return self.total / self.count if self.count else float("nan")
+
+
+def add_metrics(into: dict, metrics: dict, *, prefix: str = "") -> None:
+    """Add one part's metrics into running sums, in place: a Mean's sum and count each add up, a float
+    (a loss part, a count) adds as it is. into[prefix + key] holds the running value."""
+    for key, v in metrics.items():
+        k = prefix + key
+        if isinstance(v, Mean):
+            total, count = into.get(k, (0.0, 0.0))
+            into[k] = Mean(total + v.total, count + v.count)
+        else:
+            into[k] = into.get(k, 0.0) + v
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -484,7 +510,10 @@ def policy_loss(
     the sum over retained responses (w_j > 0); retained peer responses count fully in the
     denominator (Eq. 10). ratio_level="sequence" is the ablation with one ratio per response,
     exp(mean_t log rho_t). dual_clip=c bounds the loss of a negative-advantage token at -c * a (verl).
-    Returns (loss, metrics) with metrics a dict of floats (detached).
+    Returns (loss, metrics), metrics detached: "loss" and the token counts ("tokens", "own_tokens",
+    "peer_tokens") are floats that add up over parts of a minibatch; every mean is a Mean(sum, count):
+    clipfrac_own / clipfrac_peer over own / peer tokens, approx_kl (k3) and ratio_mean over tokens,
+    mean_weight / peer_mean_weight over responses / peer responses. Only retained responses count.
     """
     assert logp.shape == old_logp.shape == mask.shape, "logp, old_logp and mask must all be (B, T)"
     B = logp.shape[0]
@@ -516,26 +545,19 @@ def policy_loss(
     loss = (per_token * tok).sum() / denom
 
     with torch.no_grad():
-        clipped = (surr_clipped < surr).float()  # the clip bound is the active one: zero gradient
-        own_tok, peer_tok = tok * (~is_peer)[:, None], tok * is_peer[:, None]
-        kl = (ratio - 1) - log_ratio  # k3 estimator of KL(pi_old || pi_theta), >= 0
-        frac = lambda x, m: (x * m).sum() / m.sum().clamp(min=1)
-        peer_rows = is_peer & retained
-        stats = torch.stack([
-            frac(clipped, own_tok),
-            frac(clipped, peer_tok),
-            frac(kl, tok),
-            frac(ratio, tok),
-            weights[retained].mean() if retained.any() else weights.new_zeros(()),
-            weights[peer_rows].mean() if peer_rows.any() else weights.new_zeros(()),
-            (advantages[retained] == 0).float().mean() if retained.any() else weights.new_zeros(()),
-            n_tok,
-            own_tok.sum(),
-            peer_tok.sum(),
-        ]).tolist()
-    names = ["clipfrac_own", "clipfrac_peer", "approx_kl", "ratio_mean", "mean_weight", "peer_mean_weight",
-             "zero_adv_frac", "tokens", "own_tokens", "peer_tokens"]
-    metrics = dict(zip(names, stats))
+        clipped = (surr_clipped < surr).float()  # (B, T) the clip bound is the active one: zero gradient
+        own_tok, peer_tok = tok * (~is_peer)[:, None], tok * is_peer[:, None]  # (B, T), (B, T)
+        kl = (ratio - 1) - log_ratio  # (B, T) k3 estimator of KL(pi_old || pi_theta), >= 0
+        peer_rows = (is_peer & retained).float()  # (B,)
+        w_kept = weights * retained.float()  # (B,)
+        sums = torch.stack([(clipped * own_tok).sum(), own_tok.sum(), (clipped * peer_tok).sum(), peer_tok.sum(),
+                            (kl * tok).sum(), (ratio * tok).sum(), n_tok, w_kept.sum(), retained.float().sum(),
+                            (w_kept * peer_rows).sum(), peer_rows.sum()]).tolist()
+    c_own, own, c_peer, peer, kl_sum, ratio_sum, tokens, w_sum, rows, w_peer, peer_n = sums
+    metrics = {"clipfrac_own": Mean(c_own, own), "clipfrac_peer": Mean(c_peer, peer),
+               "approx_kl": Mean(kl_sum, tokens), "ratio_mean": Mean(ratio_sum, tokens),
+               "mean_weight": Mean(w_sum, rows), "peer_mean_weight": Mean(w_peer, peer_n),
+               "tokens": tokens, "own_tokens": own, "peer_tokens": peer}
     metrics["loss"] = float(loss.detach())
     return loss, metrics
 
@@ -1035,7 +1057,13 @@ class Trainer(RunFiles):
         """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel.
 
         rows: the step's Rows; replaced: (G,) bool, groups that came from the peer. Returns metrics:
-        the loss functions' own metrics as token-weighted means per row kind, and the grad norm.
+        the loss functions' metrics per row kind ("<kind>/<key>") over the whole step, the grad norm
+        (mean over optimizer steps), zero_adv_frac, minibatches and peer_minibatches.
+
+        A Mean's sums and counts are added over micro-batches, ranks and minibatches and divided once,
+        so each mean is over exactly the tokens or responses it names (a step without peer tokens has
+        no pg/clipfrac_peer); counts add up; a kind's loss is its token-mean over the whole step
+        (each minibatch's loss weighted by that minibatch's denominator).
         """
         cfg = self.cfg
         gen = seeded_generator(cfg.seed, step, "minibatch")
@@ -1043,7 +1071,7 @@ class Trainer(RunFiles):
         by_group: dict[int, list[Row]] = {}
         for r in rows:
             by_group.setdefault(r.group, []).append(r)
-        agg: dict[str, list] = {}
+        step_sums: dict[str, float | Mean] = {}
         norms, peer_mb = [], []
         self.model.train()
         # The optimizer's own parameters: under FSDP, module.parameters() can be the gathered copies.
@@ -1074,7 +1102,7 @@ class Trainer(RunFiles):
                 most = -(-len(live) // self.dist.world)  # the largest rank's share (shard is strided)
                 chunks += [None] * (-(-most // cfg.micro_batch_size) - len(chunks))
             self.opt.zero_grad(set_to_none=True)
-            mb_stats: dict[str, list[float]] = {}  # metric -> [sum (token-weighted unless additive), tokens]
+            mb_sums: dict[str, float | Mean] = {}  # this rank's sums over the minibatch's micro-batches
             for chunk in chunks:
                 with self.amp():
                     loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, k)
@@ -1086,26 +1114,19 @@ class Trainer(RunFiles):
                                              f"the optimizer step ({self.resume_hint()})")
                 loss.backward()
                 for kind, mt in per_kind.items():
-                    weight = mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))
-                    for key, v in mt.items():
-                        acc = mb_stats.setdefault(f"{kind}/{key}", [0.0, 0.0])
-                        additive = key == "loss" or key.endswith("tokens")  # partial sums add up
-                        acc[0] += v if additive else v * weight
-                        acc[1] += weight
-            # The minibatch's metrics over all micro-batches and ranks: losses and token counts add up
-            # (each part is already divided by the global denominator), the rest are token-weighted.
-            if self.dist.world > 1:
-                merged: dict[str, list[float]] = {}
-                for part in gather_lists([mb_stats], self.dist):  # every rank's, its own included
-                    for key, (a, w) in part.items():
-                        acc = merged.setdefault(key, [0.0, 0.0])
-                        acc[0] += a
-                        acc[1] += w
-                mb_stats = merged
-            for key, (a, w) in mb_stats.items():
-                additive = key.endswith("/loss") or key.endswith("tokens")
-                if additive or w > 0:
-                    agg.setdefault(key, []).append((a if additive else a / w, w))
+                    add_metrics(mb_sums, mt, prefix=f"{kind}/")
+            if self.dist.world > 1:  # every rank's sums, its own included: numerators and counts apart
+                merged: dict[str, float | Mean] = {}
+                for part in gather_lists([mb_sums], self.dist):
+                    add_metrics(merged, part)
+                mb_sums = merged
+            # A kind's minibatch loss (the sum of its parts, each already divided by the minibatch's
+            # denominator D) enters the step's token-mean as (loss * D, D); a minibatch whose rows all
+            # skipped the forward has loss 0 over its D tokens.
+            for kind in dict.fromkeys(r.kind for r in mb_rows if r.weight > 0):
+                d = max(denoms.get(LOSS_KINDS[kind].denominator, 1), 1)
+                mb_sums[f"{kind}/loss"] = Mean(float(mb_sums.get(f"{kind}/loss", 0.0)) * d, float(d))
+            add_metrics(step_sums, mb_sums)
             for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -1119,13 +1140,8 @@ class Trainer(RunFiles):
                                          f"the optimizer step ({self.resume_hint()})")
             norms.append(norm)
             self.opt.step()
-        m: dict = {}
-        for key, vals in agg.items():  # over minibatches: token-weighted means, token counts summed
-            tot = sum(t for _, t in vals)
-            if key.endswith("tokens"):
-                m[key] = sum(v for v, _ in vals)
-            elif tot > 0:
-                m[key] = sum(v * t for v, t in vals) / tot
+        m: dict = {key: v.value if isinstance(v, Mean) else v for key, v in step_sums.items()
+                   if not (isinstance(v, Mean) and v.count == 0)}  # a mean over nothing is not logged
         m["grad_norm"] = sum(norms) / max(1, len(norms))
         zero = sum(1 for r in rows if r.adv == 0 and LOSS_KINDS[r.kind].uses_advantage)
         m["zero_adv_frac"] = zero / max(1, len(rows))
@@ -1136,7 +1152,7 @@ class Trainer(RunFiles):
     def minibatch_loss(self, rows: list[Row], denominators: dict[str, int], mb_index: int) -> tuple[torch.Tensor, dict]:
         """Forward + loss of one micro-batch of rows; the denominators are the whole minibatch's.
 
-        Returns the summed loss and {row kind: that kind's loss metrics}.
+        Returns the summed loss and {row kind: that kind's loss metrics, with its "loss" part}.
         """
         cfg = self.cfg
         lp, mask = self.logprobs([r.prompt for r in rows], [r.response for r in rows])  # (B, T)
@@ -1160,7 +1176,7 @@ class Trainer(RunFiles):
                 part, mt = spec.fn(RowBatch(lp[sel], old[sel], adv[sel], mask[sel], w[sel], is_peer[sel]), cfg=cfg,
                                    denominator=denom, minibatch=mb_index)
             loss = loss + part
-            metrics[kind] = mt
+            metrics[kind] = {**mt, "loss": float(part.detach())}
         return loss, metrics
 
     # -- bookkeeping: logs, checkpoints, the loop -------------------------------------------------
@@ -1275,12 +1291,13 @@ class RowBatch(NamedTuple):
 def nll_loss(logp: torch.Tensor, mask: torch.Tensor, *, coef: float, loss_denominator: float | None = None):
     """SGT's supervised term: coef * token-mean negative log-likelihood of the rows given.
 
-    logp, mask: (B, T). Returns (loss, metrics). loss_denominator as in policy_loss (None = the tokens here).
+    logp, mask: (B, T). Returns (loss, metrics): nll a Mean over tokens, nll_tokens a count.
+    loss_denominator as in policy_loss (None = the tokens here).
     """
     m = mask.float()
     denom = float(loss_denominator) if loss_denominator is not None else m.sum().clamp(min=1)
     loss = -coef * (logp * m).sum() / denom
-    return loss, {"nll": float(-(logp.detach() * m).sum() / m.sum().clamp(min=1)), "nll_tokens": float(m.sum())}
+    return loss, {"nll": Mean(float(-(logp.detach() * m).sum()), float(m.sum())), "nll_tokens": float(m.sum())}
 
 
 def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, gamma: float = 0.1,
@@ -1289,7 +1306,8 @@ def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
 
     logp, mask: (B, T) current-policy log-probs of peer tokens; advantages, weights: (B,).
     The behaviour probability is taken as 1 (so the "ratio" is pi itself) and nothing is clipped;
-    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics).
+    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics):
+    peer_prob_mean a Mean of pi over the retained tokens, peer_tokens a count.
     """
     weights = torch.ones_like(advantages, dtype=torch.float32) if weights is None else weights.float()
     tok = mask.float() * (weights > 0).float()[:, None]  # (B, T)
@@ -1297,7 +1315,7 @@ def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     f = pi / (pi + gamma)  # (B, T)
     denom = float(loss_denominator) if loss_denominator is not None else tok.sum().clamp(min=1)
     loss = -(f * advantages.float()[:, None] * weights[:, None] * tok).sum() / denom
-    return loss, {"peer_prob_mean": float((pi.detach() * tok).sum() / tok.sum().clamp(min=1)),
+    return loss, {"peer_prob_mean": Mean(float((pi.detach() * tok).sum()), float(tok.sum())),
                   "peer_tokens": float(tok.sum())}
 
 
