@@ -120,6 +120,8 @@ class Config:
     """This side's name: its rollout files go to <exchange>/<name>/. Use 'a'/'b' or the model name."""
     prompts: str = "data/math_train.jsonl"
     """Training prompt JSONL: one {"id", "problem", "answer"} object per line (data/prepare.py writes it)."""
+    strict: bool = False
+    """Stop at start when a gold answer of --prompts cannot be read by verify.py (default: a warning listing them)."""
     out: str = "runs/default"
     """Run directory: metrics.jsonl, checkpoints/, and the exchange dir unless --peer-exchange is set."""
     prompt_template: str = "{problem} Let's think step by step and output the final answer within \\boxed{}."
@@ -719,6 +721,28 @@ from runtime import (DistInfo, clip_sharded_grad_norm_, compute_context, encode_
 # ------------------------------------------------------------------------------------------------
 
 
+def unreadable_golds(rows: list[dict], *, workers: int = 0) -> list[str]:
+    """Ids of the prompts whose gold answer verify.py cannot read: the response "\\boxed{<gold>}"
+    does not match the gold itself (an unbalanced brace, say), so every response to them scores 0."""
+    from verify import verify_batch
+    scores = verify_batch([f"\\boxed{{{r['answer']}}}" for r in rows], [r["answer"] for r in rows], workers=workers)
+    return [r["id"] for r, score in zip(rows, scores) if score <= 0]
+
+
+def check_golds(rows: list[dict], cfg: Config, *, main: bool = True) -> None:
+    """Warn about the prompts of --prompts that always score 0 (unreadable_golds), or stop with --strict."""
+    bad = unreadable_golds(rows, workers=cfg.verify_workers)
+    if not bad:
+        return
+    msg = (f"--prompts {cfg.prompts}: {len(bad)} of {len(rows)} gold answers cannot be read by verify.py "
+           f"(\\boxed{{gold}} does not match the gold), so those prompts always score 0; first ids: "
+           f"{', '.join(bad[:5])}")
+    if cfg.strict:
+        raise SystemExit(f"{msg} (--strict)")
+    if main:
+        print(f"WARNING: {msg} (fix or drop them; --strict makes this an error)", file=sys.stderr, flush=True)
+
+
 def _raise_on_signal(signum, frame):
     raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
 
@@ -762,6 +786,7 @@ class Trainer(RunFiles):
         if len(self.data) < cfg.prompts_per_step:
             raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step "
                              f"{cfg.prompts_per_step}")
+        check_golds(self.data, cfg, main=self.dist.main)
         self.peer_log_run = self.check_peer_log() if self.mode == "offline" else None
         self.run_id = self.join_pair()
         try:

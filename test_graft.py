@@ -562,6 +562,23 @@ def test_cli_bad_input_names_the_flag(tiny, tmp_path):
     assert r.returncode != 0 and "--prompts 'nope.jsonl': no such file" in r.stderr, r.stderr[-2000:]
 
 
+def test_unreadable_golds_are_listed_at_start_or_stop_with_strict(tiny, tmp_path, capsys):
+    """Golds the verifier cannot read (an unbalanced brace) would make their prompts always score 0."""
+    rows = [{"id": f"p{i}", "problem": f"{i}+{i + 1}", "answer": str(2 * i + 1)} for i in range(16)]
+    rows[3]["answer"], rows[9]["answer"] = "\\boxed{", "\\frac{1}{2"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert graft.unreadable_golds(rows) == ["p3", "p9"]
+    kw = dict(model=str(tiny / "ma"), prompts=str(prompts), steps=1, prompts_per_step=8, n=4, minibatches=2,
+              max_response_tokens=16, prompt_template="{problem}=", lr=1e-3)
+    with pytest.raises(SystemExit, match=r"p\.jsonl: 2 of 16 gold answers cannot be read by verify\.py.*"
+                                         r"first ids: p3, p9 \(--strict\)"):
+        graft.Trainer(graft.Config(out=str(tmp_path / "strict"), strict=True, **kw))
+    graft.Trainer(graft.Config(out=str(tmp_path / "warn"), **kw))
+    err = capsys.readouterr().err
+    assert "WARNING: --prompts" in err and "2 of 16 gold answers" in err and "first ids: p3, p9" in err
+
+
 # ------------------------------------------------------------------------------------------------
 # Baselines and ablations (README "Baselines and ablations"): each variant's specific behaviour
 # ------------------------------------------------------------------------------------------------
