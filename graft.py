@@ -25,12 +25,13 @@ One GRAFT step, in call order (Trainer.step; each side of the pair runs the same
                                 advantages and w: one Row per response
     7. Trainer.update           minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
                                 -> policy_loss (Eqs. 9-10) -> one AdamW step
-    8. Trainer.log / save_checkpoint   one log line, a JSON metrics line, atomic checkpoints
+    8. Trainer.log / save_checkpoint   one log line, a JSON metrics line (keys: METRICS; --report-to
+                                tensorboard|wandb also live), atomic checkpoints
 The copyable core (section 2) is everything a port to another trainer needs; sections 3-4 are this
 repository's trainer around it; the baselines (section 5) sit apart and never on GRAFT's path.
 
 File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records -> 4 the
-trainer -> 5 baselines -> 6 evaluation -> 7 CLI. sampler.py (the hand-written sampler and the
+trainer -> 5 baselines -> 6 evaluation -> 7 curves (graft.py plot) -> 8 CLI. sampler.py (the hand-written sampler and the
 chunked log-prob kernel), exchange.py (the rollout file) and verify.py (the reward) import nothing
 of ours, so each can be copied alone; runtime.py holds the plumbing (ranks, precision, loading).
 README "The method, equation by equation" maps each equation to its function.
@@ -85,6 +86,8 @@ Launch lines:
     bash run_pair.sh pair1
     # evaluation of a checkpoint on the five benchmarks
     python graft.py eval --model runs/graft_qwen/checkpoints/best --benchmarks all
+    # curves of runs on the same axes (needs matplotlib): reward, exchange, gate, clip fractions, KL, time
+    python graft.py plot runs/tiny/seed0/graft/A runs/tiny/seed0/grpo/A --out runs/tiny/plots
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ from typing import Callable, NamedTuple
 import torch
 
 # ------------------------------------------------------------------------------------------------
-# 1. Config: one dataclass; every field's docstring is also its --help line (section 7)
+# 1. Config: one dataclass; every field's docstring is also its --help line (section 8)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -238,6 +241,8 @@ class Config:
     """Checkpoint every this many steps (and at the end); --resume continues from the latest."""
     keep_checkpoints: int = 2
     """How many step checkpoints to keep (the best-by-eval one is kept apart)."""
+    report_to: str = "none"
+    """Also log metrics live from rank 0: none | tensorboard (<out>/tensorboard) | wandb (optional packages)."""
     resume: bool = False
     """Continue from the latest checkpoint in <out>/checkpoints (and the run identity in <out>/run.json)."""
     force: bool = False
@@ -743,6 +748,111 @@ def check_golds(rows: list[dict], cfg: Config, *, main: bool = True) -> None:
         print(f"WARNING: {msg} (fix or drop them; --strict makes this an error)", file=sys.stderr, flush=True)
 
 
+# What each line of metrics.jsonl holds (README "Metrics"; metrics_markdown prints the table). <kind> is a
+# row kind of LOSS_KINDS with the policy_loss keys (pg; HACPO's hacpo_own and hacpo_peer). "Through the
+# loss" = the tokens or responses of retained rows (w > 0) with a != 0: rows with a = 0 give exactly zero
+# gradient and skip the forward (their tokens stay in the loss denominator). Loss metrics are over the
+# whole step: sums and counts added over micro-batches, minibatches and ranks, divided once (graft.Mean);
+# a mean over nothing is left out of that step's line.
+METRICS: dict[str, str] = {
+    "step": "RL step, from 0.",
+    "reward": "Mean reward of this side's G x n rollouts.",
+    "response_len": "Mean length in tokens of this side's G x n rollouts.",
+    "eos_frac": "Share of this side's G x n rollouts that ended with EOS.",
+    "all_fail": "Share of the G prompts on which all n own rollouts fail.",
+    "all_pass": "Share of the G prompts on which all n own rollouts pass.",
+    "candidates_in": "Prompts where this side fails all n and a peer is mixed (Eq. 4, before balancing).",
+    "candidates_out": "Prompts where a peer fails all n and this side is mixed.",
+    "peer_reward": "Mean reward of every peer response of the step (re-verified for a stored peer).",
+    "assignment": "Fingerprint of the step's whole exchange (online, --selection graft): equal on every process.",
+    "selected": "Peer groups this side received (after balancing).",
+    "selected/<peer>": "Groups received from one peer (three or more sides).",
+    "accepted/<peer>": "Responses accepted from one peer (three or more sides).",
+    "peer_responses": "Responses in the received groups.",
+    "dropped_length": "Received responses longer than --max-response-tokens after retokenisation (dropped).",
+    "accepted": "Received responses with w > 0 (they enter the update).",
+    "rejected": "Received responses with w = 0 (s <= delta: removed).",
+    "mean_s": "Mean s over every scored received response (accepted and rejected); NaN when none.",
+    "mean_w": "Mean w over the accepted responses; NaN when none.",
+    "capability_ratio": "HACPO: the capability ratio c of this step.",
+    "grad_norm": "Gradient norm before clipping, mean over the step's optimizer steps.",
+    "zero_adv_frac": "Share of the step's rows with advantage 0 (all-fail and all-pass groups).",
+    "minibatches": "Minibatches (optimizer steps) of the step.",
+    "peer_minibatches": "Minibatches holding a peer row.",
+    "<kind>/loss": "The step's token-mean of the surrogate (Eq. 10): summed over every minibatch, over the "
+                   "retained tokens of every minibatch.",
+    "<kind>/clipfrac_own": "Clipped own tokens over own tokens through the loss.",
+    "<kind>/clipfrac_peer": "Clipped peer tokens over peer tokens through the loss; absent when the step has none.",
+    "<kind>/approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean over the tokens through the loss.",
+    "<kind>/ratio_mean": "Mean ratio pi_theta / pi_old over the tokens through the loss.",
+    "<kind>/mean_weight": "Mean w over the responses through the loss (own responses w = 1).",
+    "<kind>/peer_mean_weight": "Mean w over the peer responses through the loss; absent when none.",
+    "<kind>/tokens": "Tokens through the loss.",
+    "<kind>/own_tokens": "Own tokens through the loss.",
+    "<kind>/peer_tokens": "Peer tokens through the loss.",
+    "luffy/loss": "LUFFY's peer-token term: its share of the step's token-mean.",
+    "luffy/peer_prob_mean": "LUFFY: mean pi_theta over its peer tokens.",
+    "luffy/peer_tokens": "LUFFY: peer tokens through its term.",
+    "nll/loss": "SGT's NLL term, coefficient included: the step's token-mean over its own tokens.",
+    "nll/nll": "SGT: mean negative log-likelihood per token of the rescue responses.",
+    "nll/nll_tokens": "SGT: tokens of the rescue responses.",
+    "time/<phase>": "Seconds of the step in sample, verify, logprob, write, wait, exchange, update; time/step the whole.",
+    "eval/<benchmark>": "--eval-every: pass@1 (avg@k) on one benchmark.",
+    "eval/mean": "--eval-every: unweighted mean of the benchmarks' pass@1.",
+}
+
+
+def metric_doc(key: str) -> str | None:
+    """METRICS' line for a logged key, matching <...> placeholders as one path part; None if unknown."""
+    if key in METRICS:
+        return METRICS[key]
+    parts = key.split("/")
+    for pattern, doc in METRICS.items():
+        pp = pattern.split("/")
+        if len(pp) == len(parts) and all(a == b or a.startswith("<") for a, b in zip(pp, parts)):
+            return doc
+    return None
+
+
+def metrics_markdown() -> str:
+    """README's metrics table, generated from METRICS."""
+    return "| key | what it is, and what it is a mean over |\n|---|---|\n" + "".join(
+        f"| `{k}` | {v} |\n" for k, v in METRICS.items())
+
+
+def report_values(m: dict) -> dict[str, float]:
+    """The numeric, finite entries of one metrics line, for a live dashboard (step is the x axis)."""
+    return {k: float(v) for k, v in m.items() if k != "step" and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class LiveReport:
+    """--report-to: each metrics line also goes to TensorBoard (<out>/tensorboard) or Weights & Biases,
+    same keys, step as the x axis; rank 0 only. Both packages are optional (validate_config checks)."""
+
+    def __init__(self, kind: str, out: Path, cfg: Config):
+        self.kind = kind
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        else:  # wandb: WANDB_PROJECT / WANDB_MODE etc. from the environment, as wandb reads them
+            import wandb
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "graft"), name=f"{out.name}-{cfg.name}",
+                                  dir=str(out), config=dataclasses.asdict(cfg))
+
+    def log(self, m: dict) -> None:
+        values = report_values(m)
+        if self.kind == "tensorboard":
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, global_step=int(m["step"]))
+            self.writer.flush()  # a killed run keeps every logged step
+        else:
+            self.run.log(values, step=int(m["step"]))
+
+
+REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
 def _raise_on_signal(signum, frame):
     raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
 
@@ -753,6 +863,8 @@ class Trainer(RunFiles):
     What it inherits from runtime.RunFiles is file keeping, not the method: the run directory
     (refuse to overwrite, --force, writability), the stored peer log's checks, the pair's run
     identity and heartbeat, metrics trimming and atomic checkpoints."""
+
+    live: LiveReport | None = None  # --report-to, opened by the first log()
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
@@ -1221,10 +1333,14 @@ class Trainer(RunFiles):
               f"metrics -> {self.out / 'metrics.jsonl'}")
 
     def log(self, m: dict):
+        """One step's metrics (keys: METRICS): a line of metrics.jsonl, --report-to, a console line."""
         if not self.dist.main:
             return
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(m) + "\n")
+        if self.cfg.report_to != "none":
+            self.live = self.live or LiveReport(self.cfg.report_to, self.out, self.cfg)
+            self.live.log(m)
 
         def g(k, fmt="{:.3f}"):
             v = m.get(k)
@@ -1559,7 +1675,131 @@ def run_eval(cfg: Config) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
+# 7. Curves: `graft.py plot RUN_DIR [RUN_DIR ...]`, PNGs from metrics.jsonl (matplotlib, imported only here)
+# ------------------------------------------------------------------------------------------------
+
+# One PNG per group, one panel per key, one line per run. "gate" is derived: accepted / (accepted + rejected).
+PLOT_GROUPS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward", "peer_reward", "eval/mean"),
+    "all_fail": ("all_fail", "all_pass"),
+    "exchange": ("candidates_in", "selected", "accepted", "rejected"),
+    "compatibility": ("mean_s", "mean_w"),
+    "gate": ("gate",),
+    "clip": ("pg/clipfrac_own", "pg/clipfrac_peer"),
+    "kl": ("pg/approx_kl",),
+    "grad_norm": ("grad_norm",),
+    "response_len": ("response_len",),
+    "time": ("time/sample", "time/verify", "time/logprob", "time/wait", "time/exchange", "time/update", "time/step"),
+}
+
+
+def read_metrics_file(run: str | os.PathLike) -> list[dict]:
+    """The lines of <run>/metrics.jsonl (or of the file given). A half-written last line is skipped."""
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise SystemExit(f"graft.py plot: {run}: no metrics.jsonl (give a run's --out folder)")
+    lines = path.read_text(errors="replace").splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if i < len(lines):  # the last line may be cut by a kill; any other is damage
+                raise SystemExit(f"graft.py plot: {path}:{i}: not a JSON line") from None
+    return out
+
+
+def metric_series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one key over a run's lines; steps without a finite number are left out."""
+    steps, values = [], []
+    for r in records:
+        if key == "gate":
+            n = r.get("accepted", 0) + r.get("rejected", 0) if isinstance(r.get("accepted"), (int, float)) else 0
+            v = r["accepted"] / n if n else None
+        else:
+            v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(int(r["step"]))
+            values.append(float(v))
+    return steps, values
+
+
+def run_labels(runs: list[str]) -> list[str]:
+    """Short names for the runs: their paths without the leading folders they all share."""
+    parts = [Path(r).resolve().parts for r in runs]
+    common = 0
+    while all(len(p) > common + 1 for p in parts) and len({p[common] for p in parts}) == 1:
+        common += 1
+    labels = ["/".join(p[common:]) for p in parts]
+    return labels if len(set(labels)) == len(labels) else [str(r) for r in runs]
+
+
+def plot_runs(runs: list[str], out: str | os.PathLike, *, smooth: int = 1) -> list[Path]:
+    """Write <out>/<group>.png for every group of PLOT_GROUPS that some run logged; returns the paths.
+
+    smooth: trailing moving average over this many logged steps (1 = the raw values)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("graft.py plot needs matplotlib (an optional dependency): pip install matplotlib") from None
+    data = {label: read_metrics_file(r) for label, r in zip(run_labels(runs), runs)}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for group, keys in PLOT_GROUPS.items():
+        series = {k: {label: metric_series(recs, k) for label, recs in data.items()} for k in keys}
+        keys = [k for k in keys if any(v for _, v in series[k].values())]
+        if not keys:
+            continue
+        cols = min(len(keys), 4)
+        rows = -(-len(keys) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            for i, (label, (steps, values)) in enumerate(series[key].items()):
+                if values:
+                    if smooth > 1:
+                        values = [sum(values[max(0, j - smooth + 1): j + 1]) / len(values[max(0, j - smooth + 1): j + 1])
+                                  for j in range(len(values))]
+                    ax.plot(steps, values, label=label, color=f"C{i}", linewidth=1.2)
+            ax.set_title(key, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{group}.png"
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main_plot(argv: list[str]) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="graft.py plot", description="PNG curves from runs' metrics.jsonl: one PNG "
+                                "per metric group, the runs on the same axes (e.g. both sides of a pair and GRPO).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (--out of graft.py train) or metrics files")
+    p.add_argument("--out", default="", help="folder for the PNGs (default: <the runs' common folder>/plots)")
+    p.add_argument("--smooth", type=int, default=1, help="moving average over this many steps (1 = raw)")
+    a = p.parse_args(argv)
+    if a.smooth < 1:
+        raise SystemExit("graft.py plot: --smooth must be >= 1")
+    out = a.out or Path(os.path.commonpath([str(Path(r).resolve()) for r in a.runs])) / "plots"
+    t0 = time.time()
+    written = plot_runs(a.runs, out, smooth=a.smooth)
+    print(f"[plot] {len(written)} PNGs in {time.time() - t0:.1f}s -> {out}: {', '.join(w.name for w in written)}")
+    return 0
+
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
 # ------------------------------------------------------------------------------------------------
 
 VARIANTS = ("graft", "hacpo", "sgt", "luffy")
@@ -1574,6 +1814,7 @@ CHOICES = {
     "transfer": ("all", "success"),
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16"),
+    "report_to": ("none", "tensorboard", "wandb"),
 }
 
 
@@ -1639,6 +1880,11 @@ def validate_config(cfg: Config) -> None:
         bad("variant", "hacpo pools n own with n peer rollouts per prompt; a JSONL --peer-log has groups of any size")
     if "{problem}" not in cfg.prompt_template:
         bad("prompt_template", "must contain '{problem}'")
+    if cfg.report_to != "none":
+        import importlib.util
+        package = REPORT_PACKAGES[cfg.report_to]
+        if importlib.util.find_spec(package) is None:
+            bad("report_to", f"{cfg.report_to} needs the optional package {package!r}: pip install {package}")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -1669,6 +1915,7 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("complement", add_help=False,
                    help="how complementary candidate models are, before a pair run (graft.py complement -h)")
+    sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
         p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1706,6 +1953,8 @@ def main(argv=None):
     if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
         import offline
         return offline.main_complement(argv[1:])
+    if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
+        return main_plot(argv[1:])
     args = build_parser().parse_args(argv)
     cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
     try:

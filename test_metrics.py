@@ -158,3 +158,96 @@ def test_planted_step_metrics_on_two_gloo_ranks(tiny, tmp_path, mode):
         rows, _ = planted_rows(tr)
         got["ref"] = naive_step_metrics(tr, rows)
     assert_metrics_equal(got["metrics"], got["ref"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The keys of a real step: each has its line in METRICS; --report-to; graft.py plot
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_runs(tiny, tmp_path, monkeypatch):
+    """A GRAFT step against a planted stored peer (offline) and two GRPO steps: (graft run, grpo run, trainer)."""
+    from test_graft import planted
+    tr, _, _, _ = planted(tiny, tmp_path, monkeypatch, delta=0.0)
+    m = tr.step(0)
+    assert m["accepted"] > 0 and "pg/clipfrac_peer" in m
+    tr.log(m)
+    grpo = graft.Trainer(planted_config(tiny, tmp_path / "grpo", steps=2, minibatches=2, save_every=5))
+    grpo.fit()
+    return tr.out, grpo.out, tr
+
+
+def test_every_logged_key_is_in_the_metrics_table(two_runs):
+    for run in two_runs[:2]:
+        for line in read_metrics(run / "metrics.jsonl"):
+            undocumented = [k for k in line if graft.metric_doc(k) is None]
+            assert not undocumented, f"add these keys to graft.METRICS: {undocumented}"
+    table = graft.metrics_markdown()
+    assert "| `<kind>/clipfrac_peer` | Clipped peer tokens over peer tokens through the loss" in table
+
+
+def test_report_to_tensorboard_logs_the_same_keys(two_runs):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run, _, tr = two_runs
+    m = read_metrics(run / "metrics.jsonl")[0]
+    tr.cfg.report_to = "tensorboard"
+    tr.log(m | {"step": 1})
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert tags == set(graft.report_values(m)), tags ^ set(graft.report_values(m))
+    for k, v in graft.report_values(m).items():
+        (event,) = acc.Scalars(k)
+        assert event.step == 1 and event.value == pytest.approx(v, rel=1e-6), k
+
+
+def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch):
+    m = {"step": 3, "reward": 0.5, "accepted": 4, "mean_s": float("nan"), "assignment": "ab12", "flag": True}
+    assert graft.report_values(m) == {"reward": 0.5, "accepted": 4.0}  # numbers only, NaN and step left out
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")
+                        else real(name, *a))
+    for kind in ("wandb", "tensorboard"):
+        with pytest.raises(ValueError, match=rf"--report-to: {kind} needs the optional package '{kind}': "
+                                             rf"pip install {kind}"):
+            graft.validate_config(planted_config(tiny, tmp_path, report_to=kind))
+
+
+def test_metric_series_gate_and_run_labels():
+    recs = [{"step": 0, "accepted": 3, "rejected": 1, "mean_s": float("nan")}, {"step": 1, "accepted": 0, "rejected": 0},
+            {"step": 2, "accepted": 1, "rejected": 4, "mean_s": 0.5}]
+    assert graft.metric_series(recs, "gate") == ([0, 2], [0.75, 0.2])  # a step that received nothing: no point
+    assert graft.metric_series(recs, "mean_s") == ([2], [0.5])
+    labels = graft.run_labels(["/r/tiny/seed0/graft/A", "/r/tiny/seed0/graft/B", "/r/tiny/seed0/grpo/A"])
+    assert labels == ["graft/A", "graft/B", "grpo/A"]
+
+
+def test_plot_writes_one_png_per_metric_group(two_runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+    graft_run, grpo_run, _ = two_runs
+    assert graft.main([
+        "plot", str(graft_run), str(grpo_run), "--out", str(tmp_path / "plots")]) == 0
+    pngs = sorted(p.stem for p in (tmp_path / "plots").glob("*.png"))
+    assert set(pngs) == set(graft.PLOT_GROUPS), set(pngs) ^ set(graft.PLOT_GROUPS)  # the GRAFT run has every group
+    for name in pngs:
+        img = imread(tmp_path / "plots" / f"{name}.png")
+        assert img.ndim == 3 and img.shape[0] > 100 and img.std() > 0, name  # a picture, not a blank
+
+
+def test_plot_errors_name_the_problem(tmp_path, monkeypatch):
+    (tmp_path / "run").mkdir()
+    with pytest.raises(SystemExit, match="run: no metrics.jsonl"):
+        graft.read_metrics_file(tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n{"ste')
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not a JSON line"):
+        graft.read_metrics_file(tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"ste')  # cut last line: skipped
+    assert graft.read_metrics_file(tmp_path / "run") == [{"step": 0}, {"step": 1}]
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(SystemExit, match="graft.py plot needs matplotlib .*: pip install matplotlib"):
+        graft.plot_runs([str(tmp_path / "run")], tmp_path / "plots")
