@@ -31,9 +31,10 @@ The copyable core (section 2) is everything a port to another trainer needs; sec
 repository's trainer around it; the baselines (section 5) sit apart and never on GRAFT's path.
 
 File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records -> 4 the
-trainer -> 5 baselines -> 6 evaluation -> 7 curves (graft.py plot) -> 8 CLI. sampler.py (the hand-written sampler and the
-chunked log-prob kernel), exchange.py (the rollout file) and verify.py (the reward) import nothing
-of ours, so each can be copied alone; runtime.py holds the plumbing (ranks, precision, loading).
+trainer -> 5 baselines -> 6 evaluation -> 7 curves (graft.py plot) -> 8 CLI. sampler.py (the
+hand-written sampler and the chunked log-prob kernel), exchange.py (the rollout file) and verify.py
+(the reward) import nothing of ours, so each can be copied alone; runtime.py holds the plumbing
+(ranks, precision, loading).
 README "The method, equation by equation" maps each equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
@@ -796,7 +797,8 @@ METRICS: dict[str, str] = {
     "nll/loss": "SGT's NLL term, coefficient included: the step's token-mean over its own tokens.",
     "nll/nll": "SGT: mean negative log-likelihood per token of the rescue responses.",
     "nll/nll_tokens": "SGT: tokens of the rescue responses.",
-    "time/<phase>": "Seconds of the step in sample, verify, logprob, write, wait, exchange, update; time/step the whole.",
+    "time/<phase>": "Seconds of the step in sample, verify, logprob, write, wait, exchange, update; "
+                    "time/step: the whole step.",
     "eval/<benchmark>": "--eval-every: pass@1 (avg@k) on one benchmark.",
     "eval/mean": "--eval-every: unweighted mean of the benchmarks' pass@1.",
 }
@@ -816,8 +818,9 @@ def metric_doc(key: str) -> str | None:
 
 def metrics_markdown() -> str:
     """README's metrics table, generated from METRICS."""
+    escaped = {k: v.replace("|", "\\|") for k, v in METRICS.items()}  # a | inside a cell ends it
     return "| key | what it is, and what it is a mean over |\n|---|---|\n" + "".join(
-        f"| `{k}` | {v} |\n" for k, v in METRICS.items())
+        f"| `{k}` | {v} |\n" for k, v in escaped.items())
 
 
 def report_values(m: dict) -> dict[str, float]:
@@ -1762,17 +1765,17 @@ def plot_runs(runs: list[str], out: str | os.PathLike, *, smooth: int = 1) -> li
         for ax, key in zip(axes.flat, keys):
             for i, (label, (steps, values)) in enumerate(series[key].items()):
                 if values:
-                    if smooth > 1:
-                        values = [sum(values[max(0, j - smooth + 1): j + 1]) / len(values[max(0, j - smooth + 1): j + 1])
-                                  for j in range(len(values))]
-                    ax.plot(steps, values, label=label, color=f"C{i}", linewidth=1.2)
-            ax.set_title(key, fontsize=10)
+                    windows = [values[max(0, j - smooth + 1): j + 1] for j in range(len(values))]
+                    ax.plot(steps, [sum(w) / len(w) for w in windows], label=label, color=f"C{i}", linewidth=1.2)
+            ax.set_title("gate = accepted / (accepted + rejected)" if key == "gate" else key, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(keys):]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=8)
-        fig.tight_layout()
+        # Fixed margins, not tight_layout: that draws every figure once more, about half the time here.
+        fig.subplots_adjust(left=0.06 if cols > 2 else 0.12, right=0.98, bottom=0.16 / rows, top=1 - 0.1 / rows,
+                            wspace=0.28, hspace=0.5)
         path = out / f"{group}.png"
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
         plt.close(fig)

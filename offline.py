@@ -735,9 +735,10 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     records = read_foreign_records(path)
     if not records:
         raise ValueError(f"{path}: no records")
-    long_lines = [r.line for r in records if max_response_chars is not None and len(r.response) > max_response_chars]
-    if long_lines:
-        records = [r for r in records if max_response_chars is None or len(r.response) <= max_response_chars]
+    n_read, long_lines = len(records), []
+    if max_response_chars is not None:  # before matching: nothing is computed for them (choice 7)
+        long_lines = [r.line for r in records if len(r.response) > max_response_chars]
+        records = [r for r in records if len(r.response) <= max_response_chars]
     hits, mc = match_records(records, prompts)
     groups: dict[str, list[ForeignRecord]] = {}
     seen: set[tuple[str, str]] = set()
@@ -754,14 +755,14 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     for pid in singletons:
         del groups[pid]
     if not groups:
-        raise ValueError(f"{path}: no prompt of the run has two or more matched records ({len(records)} records, "
+        raise ValueError(f"{path}: no prompt of the run has two or more matched records ({n_read} records, "
                          f"{mc.unmatched} unmatched, {len(repeat_lines)} repeats, {len(long_lines)} too long, "
                          f"{len(singletons)} single-record prompts); check ids/problem text against --prompts")
-    counts = {"records": len(records) + len(long_lines), "too_long": len(long_lines),
+    counts = {"records": n_read, "too_long": len(long_lines),
               "too_long_lines": long_lines[:5], "max_response_chars": max_response_chars,
-              "duplicates": len(repeat_lines), "duplicate_lines": repeat_lines[:5], "by_id": mc.by_id, "by_text": mc.by_text, "unmatched": mc.unmatched,
-              "ambiguous": mc.ambiguous, "id_conflicts": mc.id_conflicts, "unmatched_lines": mc.unmatched_lines,
-              "singletons": len(singletons)}
+              "duplicates": len(repeat_lines), "duplicate_lines": repeat_lines[:5], "by_id": mc.by_id,
+              "by_text": mc.by_text, "unmatched": mc.unmatched, "ambiguous": mc.ambiguous,
+              "id_conflicts": mc.id_conflicts, "unmatched_lines": mc.unmatched_lines, "singletons": len(singletons)}
     log = ForeignLog(path, groups, counts, std_normalize=std_normalize)
     gold = {p["id"]: p["answer"] for p in prompts}
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]

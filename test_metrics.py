@@ -148,7 +148,8 @@ def test_planted_step_metrics_on_two_gloo_ranks(tiny, tmp_path, mode):
     script = tmp_path / "ranks.py"
     script.write_text(PLANTED_RANKS.format(root=str(ROOT), tiny=str(tiny)))
     out = tmp_path / "metrics.json"
-    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547" if mode == "dp" else "29549",
+    port = "29547" if mode == "dp" else "29549"
+    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
             str(script), str(tmp_path / "run"), mode, str(out)]
     r = run_py(args, tmp_path, {"PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -217,8 +218,8 @@ def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch
 
 
 def test_metric_series_gate_and_run_labels():
-    recs = [{"step": 0, "accepted": 3, "rejected": 1, "mean_s": float("nan")}, {"step": 1, "accepted": 0, "rejected": 0},
-            {"step": 2, "accepted": 1, "rejected": 4, "mean_s": 0.5}]
+    recs = [{"step": 0, "accepted": 3, "rejected": 1, "mean_s": float("nan")},
+            {"step": 1, "accepted": 0, "rejected": 0}, {"step": 2, "accepted": 1, "rejected": 4, "mean_s": 0.5}]
     assert graft.metric_series(recs, "gate") == ([0, 2], [0.75, 0.2])  # a step that received nothing: no point
     assert graft.metric_series(recs, "mean_s") == ([2], [0.5])
     labels = graft.run_labels(["/r/tiny/seed0/graft/A", "/r/tiny/seed0/graft/B", "/r/tiny/seed0/grpo/A"])
