@@ -5,6 +5,7 @@ from the rows (one process and two gloo ranks), the table of metric keys, `graft
 Run: python -m pytest -q test_metrics.py
 """
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,10 @@ import graft
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 
 torch.set_num_threads(1)
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib (optional, for graft.py plot) is not installed")
+needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                                       reason="tensorboard (optional, for --report-to tensorboard) is not installed")
 
 # ------------------------------------------------------------------------------------------------
 # A planted step: own and peer rows, several micro-batches and minibatches, some without peer rows
@@ -188,8 +193,8 @@ def test_every_logged_key_is_in_the_metrics_table(two_runs):
     assert "| `<kind>/clipfrac_peer` | Clipped peer tokens over peer tokens through the loss" in table
 
 
+@needs_tensorboard
 def test_report_to_tensorboard_logs_the_same_keys(two_runs):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run, _, tr = two_runs
     m = read_metrics(run / "metrics.jsonl")[0]
@@ -226,8 +231,8 @@ def test_metric_series_gate_and_run_labels():
     assert labels == ["graft/A", "graft/B", "grpo/A"]
 
 
+@needs_matplotlib
 def test_plot_writes_one_png_per_metric_group(two_runs, tmp_path):
-    pytest.importorskip("matplotlib")
     from matplotlib.image import imread
     graft_run, grpo_run, _ = two_runs
     assert graft.main([
