@@ -25,14 +25,16 @@ One GRAFT step, in call order (Trainer.step; each side of the pair runs the same
                                 advantages and w: one Row per response
     7. Trainer.update           minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
                                 -> policy_loss (Eqs. 9-10) -> one AdamW step
-    8. Trainer.log / save_checkpoint   one log line, a JSON metrics line, atomic checkpoints
+    8. Trainer.log / save_checkpoint   one log line, a JSON metrics line (keys: METRICS; --report-to
+                                tensorboard|wandb also live), atomic checkpoints
 The copyable core (section 2) is everything a port to another trainer needs; sections 3-4 are this
 repository's trainer around it; the baselines (section 5) sit apart and never on GRAFT's path.
 
 File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records -> 4 the
-trainer -> 5 baselines -> 6 evaluation -> 7 CLI. sampler.py (the hand-written sampler and the
-chunked log-prob kernel), exchange.py (the rollout file) and verify.py (the reward) import nothing
-of ours, so each can be copied alone; runtime.py holds the plumbing (ranks, precision, loading).
+trainer -> 5 baselines -> 6 evaluation -> 7 curves (graft.py plot) -> 8 CLI. sampler.py (the
+hand-written sampler and the chunked log-prob kernel), exchange.py (the rollout file) and verify.py
+(the reward) import nothing of ours, so each can be copied alone; runtime.py holds the plumbing
+(ranks, precision, loading).
 README "The method, equation by equation" maps each equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
@@ -85,6 +87,8 @@ Launch lines:
     bash run_pair.sh pair1
     # evaluation of a checkpoint on the five benchmarks
     python graft.py eval --model runs/graft_qwen/checkpoints/best --benchmarks all
+    # curves of runs on the same axes (needs matplotlib): reward, exchange, gate, clip fractions, KL, time
+    python graft.py plot runs/tiny/seed0/graft/A runs/tiny/seed0/grpo/A --out runs/tiny/plots
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ from typing import Callable, NamedTuple
 import torch
 
 # ------------------------------------------------------------------------------------------------
-# 1. Config: one dataclass; every field's docstring is also its --help line (section 7)
+# 1. Config: one dataclass; every field's docstring is also its --help line (section 8)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -120,6 +124,8 @@ class Config:
     """This side's name: its rollout files go to <exchange>/<name>/. Use 'a'/'b' or the model name."""
     prompts: str = "data/math_train.jsonl"
     """Training prompt JSONL: one {"id", "problem", "answer"} object per line (data/prepare.py writes it)."""
+    strict: bool = False
+    """Stop at start when a gold answer of --prompts cannot be read by verify.py (default: a warning listing them)."""
     out: str = "runs/default"
     """Run directory: metrics.jsonl, checkpoints/, and the exchange dir unless --peer-exchange is set."""
     prompt_template: str = "{problem} Let's think step by step and output the final answer within \\boxed{}."
@@ -236,6 +242,8 @@ class Config:
     """Checkpoint every this many steps (and at the end); --resume continues from the latest."""
     keep_checkpoints: int = 2
     """How many step checkpoints to keep (the best-by-eval one is kept apart)."""
+    report_to: str = "none"
+    """Also log metrics live from rank 0: none | tensorboard (<out>/tensorboard) | wandb (optional packages)."""
     resume: bool = False
     """Continue from the latest checkpoint in <out>/checkpoints (and the run identity in <out>/run.json)."""
     force: bool = False
@@ -452,6 +460,32 @@ def sequence_mean_logprob(logp: torch.Tensor, mask: torch.Tensor, *,
     return total / denom.clamp(min=1)
 
 
+class Mean(NamedTuple):
+    """A metric that is a mean, as its sum and its count (detached floats), e.g. clipped peer tokens
+    over peer tokens. Kept apart so that the trainer adds up sums and counts over micro-batches,
+    minibatches and ranks and divides once: a mean of part-means would weight each part wrongly."""
+
+    total: float
+    count: float
+
+    @property
+    def value(self) -> float:
+        """total / count; NaN when the count is 0 (a mean over nothing)."""
+        return self.total / self.count if self.count else float("nan")
+
+
+def add_metrics(into: dict, metrics: dict, *, prefix: str = "") -> None:
+    """Add one part's metrics into running sums, in place: a Mean's sum and count each add up, a float
+    (a loss part, a count) adds as it is. into[prefix + key] holds the running value."""
+    for key, v in metrics.items():
+        k = prefix + key
+        if isinstance(v, Mean):
+            total, count = into.get(k, (0.0, 0.0))
+            into[k] = Mean(total + v.total, count + v.count)
+        else:
+            into[k] = into.get(k, 0.0) + v
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -484,7 +518,10 @@ def policy_loss(
     the sum over retained responses (w_j > 0); retained peer responses count fully in the
     denominator (Eq. 10). ratio_level="sequence" is the ablation with one ratio per response,
     exp(mean_t log rho_t). dual_clip=c bounds the loss of a negative-advantage token at -c * a (verl).
-    Returns (loss, metrics) with metrics a dict of floats (detached).
+    Returns (loss, metrics), metrics detached: "loss" and the token counts ("tokens", "own_tokens",
+    "peer_tokens") are floats that add up over parts of a minibatch; every mean is a Mean(sum, count):
+    clipfrac_own / clipfrac_peer over own / peer tokens, approx_kl (k3) and ratio_mean over tokens,
+    mean_weight / peer_mean_weight over responses / peer responses. Only retained responses count.
     """
     assert logp.shape == old_logp.shape == mask.shape, "logp, old_logp and mask must all be (B, T)"
     B = logp.shape[0]
@@ -516,26 +553,19 @@ def policy_loss(
     loss = (per_token * tok).sum() / denom
 
     with torch.no_grad():
-        clipped = (surr_clipped < surr).float()  # the clip bound is the active one: zero gradient
-        own_tok, peer_tok = tok * (~is_peer)[:, None], tok * is_peer[:, None]
-        kl = (ratio - 1) - log_ratio  # k3 estimator of KL(pi_old || pi_theta), >= 0
-        frac = lambda x, m: (x * m).sum() / m.sum().clamp(min=1)
-        peer_rows = is_peer & retained
-        stats = torch.stack([
-            frac(clipped, own_tok),
-            frac(clipped, peer_tok),
-            frac(kl, tok),
-            frac(ratio, tok),
-            weights[retained].mean() if retained.any() else weights.new_zeros(()),
-            weights[peer_rows].mean() if peer_rows.any() else weights.new_zeros(()),
-            (advantages[retained] == 0).float().mean() if retained.any() else weights.new_zeros(()),
-            n_tok,
-            own_tok.sum(),
-            peer_tok.sum(),
-        ]).tolist()
-    names = ["clipfrac_own", "clipfrac_peer", "approx_kl", "ratio_mean", "mean_weight", "peer_mean_weight",
-             "zero_adv_frac", "tokens", "own_tokens", "peer_tokens"]
-    metrics = dict(zip(names, stats))
+        clipped = (surr_clipped < surr).float()  # (B, T) the clip bound is the active one: zero gradient
+        own_tok, peer_tok = tok * (~is_peer)[:, None], tok * is_peer[:, None]  # (B, T), (B, T)
+        kl = (ratio - 1) - log_ratio  # (B, T) k3 estimator of KL(pi_old || pi_theta), >= 0
+        peer_rows = (is_peer & retained).float()  # (B,)
+        w_kept = weights * retained.float()  # (B,)
+        sums = torch.stack([(clipped * own_tok).sum(), own_tok.sum(), (clipped * peer_tok).sum(), peer_tok.sum(),
+                            (kl * tok).sum(), (ratio * tok).sum(), n_tok, w_kept.sum(), retained.float().sum(),
+                            (w_kept * peer_rows).sum(), peer_rows.sum()]).tolist()
+    c_own, own, c_peer, peer, kl_sum, ratio_sum, tokens, w_sum, rows, w_peer, peer_n = sums
+    metrics = {"clipfrac_own": Mean(c_own, own), "clipfrac_peer": Mean(c_peer, peer),
+               "approx_kl": Mean(kl_sum, tokens), "ratio_mean": Mean(ratio_sum, tokens),
+               "mean_weight": Mean(w_sum, rows), "peer_mean_weight": Mean(w_peer, peer_n),
+               "tokens": tokens, "own_tokens": own, "peer_tokens": peer}
     metrics["loss"] = float(loss.detach())
     return loss, metrics
 
@@ -697,6 +727,135 @@ from runtime import (DistInfo, clip_sharded_grad_norm_, compute_context, encode_
 # ------------------------------------------------------------------------------------------------
 
 
+def unreadable_golds(rows: list[dict], *, workers: int = 0) -> list[str]:
+    """Ids of the prompts whose gold answer verify.py cannot read: the response "\\boxed{<gold>}"
+    does not match the gold itself (an unbalanced brace, say), so every response to them scores 0."""
+    from verify import verify_batch
+    scores = verify_batch([f"\\boxed{{{r['answer']}}}" for r in rows], [r["answer"] for r in rows], workers=workers)
+    return [r["id"] for r, score in zip(rows, scores) if score <= 0]
+
+
+def check_golds(rows: list[dict], cfg: Config, *, main: bool = True) -> None:
+    """Warn about the prompts of --prompts that always score 0 (unreadable_golds), or stop with --strict."""
+    bad = unreadable_golds(rows, workers=cfg.verify_workers)
+    if not bad:
+        return
+    msg = (f"--prompts {cfg.prompts}: {len(bad)} of {len(rows)} gold answers cannot be read by verify.py "
+           f"(\\boxed{{gold}} does not match the gold), so those prompts always score 0; first ids: "
+           f"{', '.join(bad[:5])}")
+    if cfg.strict:
+        raise SystemExit(f"{msg} (--strict)")
+    if main:
+        print(f"WARNING: {msg} (fix or drop them; --strict makes this an error)", file=sys.stderr, flush=True)
+
+
+# What each line of metrics.jsonl holds (README "Metrics"; metrics_markdown prints the table). <kind> is a
+# row kind of LOSS_KINDS with the policy_loss keys (pg; HACPO's hacpo_own and hacpo_peer). "Through the
+# loss" = the tokens or responses of retained rows (w > 0) with a != 0: rows with a = 0 give exactly zero
+# gradient and skip the forward (their tokens stay in the loss denominator). Loss metrics are over the
+# whole step: sums and counts added over micro-batches, minibatches and ranks, divided once (graft.Mean);
+# a mean over nothing is left out of that step's line.
+METRICS: dict[str, str] = {
+    "step": "RL step, from 0.",
+    "reward": "Mean reward of this side's G x n rollouts.",
+    "response_len": "Mean length in tokens of this side's G x n rollouts.",
+    "eos_frac": "Share of this side's G x n rollouts that ended with EOS.",
+    "all_fail": "Share of the G prompts on which all n own rollouts fail.",
+    "all_pass": "Share of the G prompts on which all n own rollouts pass.",
+    "candidates_in": "Prompts where this side fails all n and a peer is mixed (Eq. 4, before balancing).",
+    "candidates_out": "Prompts where a peer fails all n and this side is mixed.",
+    "peer_reward": "Mean reward of every peer response of the step (re-verified for a stored peer).",
+    "assignment": "Fingerprint of the step's whole exchange (online, --selection graft): equal on every process.",
+    "selected": "Peer groups this side received (after balancing).",
+    "selected/<peer>": "Groups received from one peer (three or more sides).",
+    "accepted/<peer>": "Responses accepted from one peer (three or more sides).",
+    "peer_responses": "Responses in the received groups.",
+    "dropped_length": "Received responses longer than --max-response-tokens after retokenisation (dropped).",
+    "accepted": "Received responses with w > 0 (they enter the update).",
+    "rejected": "Received responses with w = 0 (s <= delta: removed).",
+    "mean_s": "Mean s over every scored received response (accepted and rejected); NaN when none.",
+    "mean_w": "Mean w over the accepted responses; NaN when none.",
+    "capability_ratio": "HACPO: the capability ratio c of this step.",
+    "grad_norm": "Gradient norm before clipping, mean over the step's optimizer steps.",
+    "zero_adv_frac": "Share of the step's rows with advantage 0 (all-fail and all-pass groups).",
+    "minibatches": "Minibatches (optimizer steps) of the step.",
+    "peer_minibatches": "Minibatches holding a peer row.",
+    "<kind>/loss": "The step's token-mean of the surrogate (Eq. 10): summed over every minibatch, over the "
+                   "retained tokens of every minibatch.",
+    "<kind>/clipfrac_own": "Clipped own tokens over own tokens through the loss.",
+    "<kind>/clipfrac_peer": "Clipped peer tokens over peer tokens through the loss; absent when the step has none.",
+    "<kind>/approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean over the tokens through the loss.",
+    "<kind>/ratio_mean": "Mean ratio pi_theta / pi_old over the tokens through the loss.",
+    "<kind>/mean_weight": "Mean w over the responses through the loss (own responses w = 1).",
+    "<kind>/peer_mean_weight": "Mean w over the peer responses through the loss; absent when none.",
+    "<kind>/tokens": "Tokens through the loss.",
+    "<kind>/own_tokens": "Own tokens through the loss.",
+    "<kind>/peer_tokens": "Peer tokens through the loss.",
+    "luffy/loss": "LUFFY's peer-token term: its share of the step's token-mean.",
+    "luffy/peer_prob_mean": "LUFFY: mean pi_theta over its peer tokens.",
+    "luffy/peer_tokens": "LUFFY: peer tokens through its term.",
+    "nll/loss": "SGT's NLL term, coefficient included: the step's token-mean over its own tokens.",
+    "nll/nll": "SGT: mean negative log-likelihood per token of the rescue responses.",
+    "nll/nll_tokens": "SGT: tokens of the rescue responses.",
+    "time/<phase>": "Seconds of the step in sample, verify, logprob, write, wait, exchange, update; "
+                    "time/step: the whole step.",
+    "eval/<benchmark>": "--eval-every: pass@1 (avg@k) on one benchmark.",
+    "eval/mean": "--eval-every: unweighted mean of the benchmarks' pass@1.",
+}
+
+
+def metric_doc(key: str) -> str | None:
+    """METRICS' line for a logged key, matching <...> placeholders as one path part; None if unknown."""
+    if key in METRICS:
+        return METRICS[key]
+    parts = key.split("/")
+    for pattern, doc in METRICS.items():
+        pp = pattern.split("/")
+        if len(pp) == len(parts) and all(a == b or a.startswith("<") for a, b in zip(pp, parts)):
+            return doc
+    return None
+
+
+def metrics_markdown() -> str:
+    """README's metrics table, generated from METRICS."""
+    escaped = {k: v.replace("|", "\\|") for k, v in METRICS.items()}  # a | inside a cell ends it
+    return "| key | what it is, and what it is a mean over |\n|---|---|\n" + "".join(
+        f"| `{k}` | {v} |\n" for k, v in escaped.items())
+
+
+def report_values(m: dict) -> dict[str, float]:
+    """The numeric, finite entries of one metrics line, for a live dashboard (step is the x axis)."""
+    return {k: float(v) for k, v in m.items() if k != "step" and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class LiveReport:
+    """--report-to: each metrics line also goes to TensorBoard (<out>/tensorboard) or Weights & Biases,
+    same keys, step as the x axis; rank 0 only. Both packages are optional (validate_config checks)."""
+
+    def __init__(self, kind: str, out: Path, cfg: Config):
+        self.kind = kind
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        else:  # wandb: WANDB_PROJECT / WANDB_MODE etc. from the environment, as wandb reads them
+            import wandb
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "graft"), name=f"{out.name}-{cfg.name}",
+                                  dir=str(out), config=dataclasses.asdict(cfg))
+
+    def log(self, m: dict) -> None:
+        values = report_values(m)
+        if self.kind == "tensorboard":
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, global_step=int(m["step"]))
+            self.writer.flush()  # a killed run keeps every logged step
+        else:
+            self.run.log(values, step=int(m["step"]))
+
+
+REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
 def _raise_on_signal(signum, frame):
     raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
 
@@ -707,6 +866,8 @@ class Trainer(RunFiles):
     What it inherits from runtime.RunFiles is file keeping, not the method: the run directory
     (refuse to overwrite, --force, writability), the stored peer log's checks, the pair's run
     identity and heartbeat, metrics trimming and atomic checkpoints."""
+
+    live: LiveReport | None = None  # --report-to, opened by the first log()
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
@@ -740,6 +901,7 @@ class Trainer(RunFiles):
         if len(self.data) < cfg.prompts_per_step:
             raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step "
                              f"{cfg.prompts_per_step}")
+        check_golds(self.data, cfg, main=self.dist.main)
         self.peer_log_run = self.check_peer_log() if self.mode == "offline" else None
         self.run_id = self.join_pair()
         try:
@@ -1035,7 +1197,13 @@ class Trainer(RunFiles):
         """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel.
 
         rows: the step's Rows; replaced: (G,) bool, groups that came from the peer. Returns metrics:
-        the loss functions' own metrics as token-weighted means per row kind, and the grad norm.
+        the loss functions' metrics per row kind ("<kind>/<key>") over the whole step, the grad norm
+        (mean over optimizer steps), zero_adv_frac, minibatches and peer_minibatches.
+
+        A Mean's sums and counts are added over micro-batches, ranks and minibatches and divided once,
+        so each mean is over exactly the tokens or responses it names (a step without peer tokens has
+        no pg/clipfrac_peer); counts add up; a kind's loss is its token-mean over the whole step
+        (each minibatch's loss weighted by that minibatch's denominator).
         """
         cfg = self.cfg
         gen = seeded_generator(cfg.seed, step, "minibatch")
@@ -1043,7 +1211,7 @@ class Trainer(RunFiles):
         by_group: dict[int, list[Row]] = {}
         for r in rows:
             by_group.setdefault(r.group, []).append(r)
-        agg: dict[str, list] = {}
+        step_sums: dict[str, float | Mean] = {}
         norms, peer_mb = [], []
         self.model.train()
         # The optimizer's own parameters: under FSDP, module.parameters() can be the gathered copies.
@@ -1074,7 +1242,7 @@ class Trainer(RunFiles):
                 most = -(-len(live) // self.dist.world)  # the largest rank's share (shard is strided)
                 chunks += [None] * (-(-most // cfg.micro_batch_size) - len(chunks))
             self.opt.zero_grad(set_to_none=True)
-            mb_stats: dict[str, list[float]] = {}  # metric -> [sum (token-weighted unless additive), tokens]
+            mb_sums: dict[str, float | Mean] = {}  # this rank's sums over the minibatch's micro-batches
             for chunk in chunks:
                 with self.amp():
                     loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, k)
@@ -1086,26 +1254,19 @@ class Trainer(RunFiles):
                                              f"the optimizer step ({self.resume_hint()})")
                 loss.backward()
                 for kind, mt in per_kind.items():
-                    weight = mt.get("tokens", mt.get("peer_tokens", mt.get("nll_tokens", 1.0)))
-                    for key, v in mt.items():
-                        acc = mb_stats.setdefault(f"{kind}/{key}", [0.0, 0.0])
-                        additive = key == "loss" or key.endswith("tokens")  # partial sums add up
-                        acc[0] += v if additive else v * weight
-                        acc[1] += weight
-            # The minibatch's metrics over all micro-batches and ranks: losses and token counts add up
-            # (each part is already divided by the global denominator), the rest are token-weighted.
-            if self.dist.world > 1:
-                merged: dict[str, list[float]] = {}
-                for part in gather_lists([mb_stats], self.dist):  # every rank's, its own included
-                    for key, (a, w) in part.items():
-                        acc = merged.setdefault(key, [0.0, 0.0])
-                        acc[0] += a
-                        acc[1] += w
-                mb_stats = merged
-            for key, (a, w) in mb_stats.items():
-                additive = key.endswith("/loss") or key.endswith("tokens")
-                if additive or w > 0:
-                    agg.setdefault(key, []).append((a if additive else a / w, w))
+                    add_metrics(mb_sums, mt, prefix=f"{kind}/")
+            if self.dist.world > 1:  # every rank's sums, its own included: numerators and counts apart
+                merged: dict[str, float | Mean] = {}
+                for part in gather_lists([mb_sums], self.dist):
+                    add_metrics(merged, part)
+                mb_sums = merged
+            # A kind's minibatch loss (the sum of its parts, each already divided by the minibatch's
+            # denominator D) enters the step's token-mean as (loss * D, D); a minibatch whose rows all
+            # skipped the forward has loss 0 over its D tokens.
+            for kind in dict.fromkeys(r.kind for r in mb_rows if r.weight > 0):
+                d = max(denoms.get(LOSS_KINDS[kind].denominator, 1), 1)
+                mb_sums[f"{kind}/loss"] = Mean(float(mb_sums.get(f"{kind}/loss", 0.0)) * d, float(d))
+            add_metrics(step_sums, mb_sums)
             for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -1119,13 +1280,8 @@ class Trainer(RunFiles):
                                          f"the optimizer step ({self.resume_hint()})")
             norms.append(norm)
             self.opt.step()
-        m: dict = {}
-        for key, vals in agg.items():  # over minibatches: token-weighted means, token counts summed
-            tot = sum(t for _, t in vals)
-            if key.endswith("tokens"):
-                m[key] = sum(v for v, _ in vals)
-            elif tot > 0:
-                m[key] = sum(v * t for v, t in vals) / tot
+        m: dict = {key: v.value if isinstance(v, Mean) else v for key, v in step_sums.items()
+                   if not (isinstance(v, Mean) and v.count == 0)}  # a mean over nothing is not logged
         m["grad_norm"] = sum(norms) / max(1, len(norms))
         zero = sum(1 for r in rows if r.adv == 0 and LOSS_KINDS[r.kind].uses_advantage)
         m["zero_adv_frac"] = zero / max(1, len(rows))
@@ -1136,7 +1292,7 @@ class Trainer(RunFiles):
     def minibatch_loss(self, rows: list[Row], denominators: dict[str, int], mb_index: int) -> tuple[torch.Tensor, dict]:
         """Forward + loss of one micro-batch of rows; the denominators are the whole minibatch's.
 
-        Returns the summed loss and {row kind: that kind's loss metrics}.
+        Returns the summed loss and {row kind: that kind's loss metrics, with its "loss" part}.
         """
         cfg = self.cfg
         lp, mask = self.logprobs([r.prompt for r in rows], [r.response for r in rows])  # (B, T)
@@ -1160,7 +1316,7 @@ class Trainer(RunFiles):
                 part, mt = spec.fn(RowBatch(lp[sel], old[sel], adv[sel], mask[sel], w[sel], is_peer[sel]), cfg=cfg,
                                    denominator=denom, minibatch=mb_index)
             loss = loss + part
-            metrics[kind] = mt
+            metrics[kind] = {**mt, "loss": float(part.detach())}
         return loss, metrics
 
     # -- bookkeeping: logs, checkpoints, the loop -------------------------------------------------
@@ -1180,10 +1336,14 @@ class Trainer(RunFiles):
               f"metrics -> {self.out / 'metrics.jsonl'}")
 
     def log(self, m: dict):
+        """One step's metrics (keys: METRICS): a line of metrics.jsonl, --report-to, a console line."""
         if not self.dist.main:
             return
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(m) + "\n")
+        if self.cfg.report_to != "none":
+            self.live = self.live or LiveReport(self.cfg.report_to, self.out, self.cfg)
+            self.live.log(m)
 
         def g(k, fmt="{:.3f}"):
             v = m.get(k)
@@ -1275,12 +1435,13 @@ class RowBatch(NamedTuple):
 def nll_loss(logp: torch.Tensor, mask: torch.Tensor, *, coef: float, loss_denominator: float | None = None):
     """SGT's supervised term: coef * token-mean negative log-likelihood of the rows given.
 
-    logp, mask: (B, T). Returns (loss, metrics). loss_denominator as in policy_loss (None = the tokens here).
+    logp, mask: (B, T). Returns (loss, metrics): nll a Mean over tokens, nll_tokens a count.
+    loss_denominator as in policy_loss (None = the tokens here).
     """
     m = mask.float()
     denom = float(loss_denominator) if loss_denominator is not None else m.sum().clamp(min=1)
     loss = -coef * (logp * m).sum() / denom
-    return loss, {"nll": float(-(logp.detach() * m).sum() / m.sum().clamp(min=1)), "nll_tokens": float(m.sum())}
+    return loss, {"nll": Mean(float(-(logp.detach() * m).sum()), float(m.sum())), "nll_tokens": float(m.sum())}
 
 
 def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, gamma: float = 0.1,
@@ -1289,7 +1450,8 @@ def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
 
     logp, mask: (B, T) current-policy log-probs of peer tokens; advantages, weights: (B,).
     The behaviour probability is taken as 1 (so the "ratio" is pi itself) and nothing is clipped;
-    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics).
+    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics):
+    peer_prob_mean a Mean of pi over the retained tokens, peer_tokens a count.
     """
     weights = torch.ones_like(advantages, dtype=torch.float32) if weights is None else weights.float()
     tok = mask.float() * (weights > 0).float()[:, None]  # (B, T)
@@ -1297,7 +1459,7 @@ def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     f = pi / (pi + gamma)  # (B, T)
     denom = float(loss_denominator) if loss_denominator is not None else tok.sum().clamp(min=1)
     loss = -(f * advantages.float()[:, None] * weights[:, None] * tok).sum() / denom
-    return loss, {"peer_prob_mean": float((pi.detach() * tok).sum() / tok.sum().clamp(min=1)),
+    return loss, {"peer_prob_mean": Mean(float((pi.detach() * tok).sum()), float(tok.sum())),
                   "peer_tokens": float(tok.sum())}
 
 
@@ -1516,7 +1678,131 @@ def run_eval(cfg: Config) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
+# 7. Curves: `graft.py plot RUN_DIR [RUN_DIR ...]`, PNGs from metrics.jsonl (matplotlib, imported only here)
+# ------------------------------------------------------------------------------------------------
+
+# One PNG per group, one panel per key, one line per run. "gate" is derived: accepted / (accepted + rejected).
+PLOT_GROUPS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward", "peer_reward", "eval/mean"),
+    "all_fail": ("all_fail", "all_pass"),
+    "exchange": ("candidates_in", "selected", "accepted", "rejected"),
+    "compatibility": ("mean_s", "mean_w"),
+    "gate": ("gate",),
+    "clip": ("pg/clipfrac_own", "pg/clipfrac_peer"),
+    "kl": ("pg/approx_kl",),
+    "grad_norm": ("grad_norm",),
+    "response_len": ("response_len",),
+    "time": ("time/sample", "time/verify", "time/logprob", "time/wait", "time/exchange", "time/update", "time/step"),
+}
+
+
+def read_metrics_file(run: str | os.PathLike) -> list[dict]:
+    """The lines of <run>/metrics.jsonl (or of the file given). A half-written last line is skipped."""
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise SystemExit(f"graft.py plot: {run}: no metrics.jsonl (give a run's --out folder)")
+    lines = path.read_text(errors="replace").splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if i < len(lines):  # the last line may be cut by a kill; any other is damage
+                raise SystemExit(f"graft.py plot: {path}:{i}: not a JSON line") from None
+    return out
+
+
+def metric_series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one key over a run's lines; steps without a finite number are left out."""
+    steps, values = [], []
+    for r in records:
+        if key == "gate":
+            n = r.get("accepted", 0) + r.get("rejected", 0) if isinstance(r.get("accepted"), (int, float)) else 0
+            v = r["accepted"] / n if n else None
+        else:
+            v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(int(r["step"]))
+            values.append(float(v))
+    return steps, values
+
+
+def run_labels(runs: list[str]) -> list[str]:
+    """Short names for the runs: their paths without the leading folders they all share."""
+    parts = [Path(r).resolve().parts for r in runs]
+    common = 0
+    while all(len(p) > common + 1 for p in parts) and len({p[common] for p in parts}) == 1:
+        common += 1
+    labels = ["/".join(p[common:]) for p in parts]
+    return labels if len(set(labels)) == len(labels) else [str(r) for r in runs]
+
+
+def plot_runs(runs: list[str], out: str | os.PathLike, *, smooth: int = 1) -> list[Path]:
+    """Write <out>/<group>.png for every group of PLOT_GROUPS that some run logged; returns the paths.
+
+    smooth: trailing moving average over this many logged steps (1 = the raw values)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("graft.py plot needs matplotlib (an optional dependency): pip install matplotlib") from None
+    data = {label: read_metrics_file(r) for label, r in zip(run_labels(runs), runs)}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for group, keys in PLOT_GROUPS.items():
+        series = {k: {label: metric_series(recs, k) for label, recs in data.items()} for k in keys}
+        keys = [k for k in keys if any(v for _, v in series[k].values())]
+        if not keys:
+            continue
+        cols = min(len(keys), 4)
+        rows = -(-len(keys) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            for i, (label, (steps, values)) in enumerate(series[key].items()):
+                if values:
+                    windows = [values[max(0, j - smooth + 1): j + 1] for j in range(len(values))]
+                    ax.plot(steps, [sum(w) / len(w) for w in windows], label=label, color=f"C{i}", linewidth=1.2)
+            ax.set_title("gate = accepted / (accepted + rejected)" if key == "gate" else key, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=8)
+        # Fixed margins, not tight_layout: that draws every figure once more, about half the time here.
+        fig.subplots_adjust(left=0.06 if cols > 2 else 0.12, right=0.98, bottom=0.16 / rows, top=1 - 0.1 / rows,
+                            wspace=0.28, hspace=0.5)
+        path = out / f"{group}.png"
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main_plot(argv: list[str]) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="graft.py plot", description="PNG curves from runs' metrics.jsonl: one PNG "
+                                "per metric group, the runs on the same axes (e.g. both sides of a pair and GRPO).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (--out of graft.py train) or metrics files")
+    p.add_argument("--out", default="", help="folder for the PNGs (default: <the runs' common folder>/plots)")
+    p.add_argument("--smooth", type=int, default=1, help="moving average over this many steps (1 = raw)")
+    a = p.parse_args(argv)
+    if a.smooth < 1:
+        raise SystemExit("graft.py plot: --smooth must be >= 1")
+    out = a.out or Path(os.path.commonpath([str(Path(r).resolve()) for r in a.runs])) / "plots"
+    t0 = time.time()
+    written = plot_runs(a.runs, out, smooth=a.smooth)
+    print(f"[plot] {len(written)} PNGs in {time.time() - t0:.1f}s -> {out}: {', '.join(w.name for w in written)}")
+    return 0
+
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
 # ------------------------------------------------------------------------------------------------
 
 VARIANTS = ("graft", "hacpo", "sgt", "luffy")
@@ -1531,6 +1817,7 @@ CHOICES = {
     "transfer": ("all", "success"),
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16"),
+    "report_to": ("none", "tensorboard", "wandb"),
 }
 
 
@@ -1596,6 +1883,11 @@ def validate_config(cfg: Config) -> None:
         bad("variant", "hacpo pools n own with n peer rollouts per prompt; a JSONL --peer-log has groups of any size")
     if "{problem}" not in cfg.prompt_template:
         bad("prompt_template", "must contain '{problem}'")
+    if cfg.report_to != "none":
+        import importlib.util
+        package = REPORT_PACKAGES[cfg.report_to]
+        if importlib.util.find_spec(package) is None:
+            bad("report_to", f"{cfg.report_to} needs the optional package {package!r}: pip install {package}")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -1626,6 +1918,7 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("complement", add_help=False,
                    help="how complementary candidate models are, before a pair run (graft.py complement -h)")
+    sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
         p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1663,6 +1956,8 @@ def main(argv=None):
     if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
         import offline
         return offline.main_complement(argv[1:])
+    if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
+        return main_plot(argv[1:])
     args = build_parser().parse_args(argv)
     cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
     try:

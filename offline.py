@@ -17,14 +17,15 @@ that need them; it never imports graft.py), so graft.py can import it without a 
    collection of solutions, one JSON object per line:
        {"problem_id" or "id": str|int, and/or "problem": str,    which prompt of --prompts
         "response": str,                                        the solution text (alias "completion")
-        "lbar": float <= 0,                                     optional: the source model's mean token
+        "lbar": float in [-88, 0],                              optional: the source model's mean token
                                                                 log-probability of the response (Eq. 6;
                                                                 alias "mean_logprob", as in rollout files)
         "num_tokens": int >= 1,                                 optional: its length in source tokens
                                                                 (only --compat-norm byte needs it)
         "reward": number|bool,                                  optional: the source's own verdict
         "eos": bool}                                            optional, default true: ended with EOS
-   Records are matched to the run's prompts, grouped per prompt, re-verified and given GRPO advantages
+   Records are matched to the run's prompts, de-duplicated and length-checked (choice 7), grouped per
+   prompt, re-verified and given GRPO advantages
    within their group; `ForeignLog.step(prompt_ids)` then hands the trainer the peer data of one batch
    in the shape of exchange.StepRollouts plus a mask. Where "lbar" is missing, `fill_lbar` computes it
    with a given model (`--peer-model PATH`) and caches it beside the file.
@@ -63,6 +64,16 @@ Our choices, where the paper is silent (numbered so that reviews can cite them):
      that does not re-encode to the tokens the source sampled (a non-canonical BPE split) is scored in
      its canonical encoding: on the tiny preset's model B, 506 of 512 step-0 responses re-encode
      exactly and their computed lbar matches the stored one to 3e-7; the other 6 differ.
+  7. Stored records that cannot be right are stopped or left out before anything is computed: an lbar
+     must lie in [LBAR_MIN, 0] with LBAR_MIN = -88 (float32's largest value is e^88.72: the gate
+     computes s = exp(lbar_recv - lbar) in float32, which a lower lbar can overflow to inf, accepting
+     the response at w = 1; no model samples text at a mean probability of e^-88 per token), else
+     FILE:LINE is an error. A record that repeats an earlier one (same matched prompt, same response
+     text) is removed and counted: repeats would weight one response several times and change the
+     group's advantages. A response longer than max_response_chars (the trainer passes
+     response_char_bound(--max-response-tokens)) is removed and counted before verification or any
+     --peer-model forward: the trainer would drop it for length anyway, and one 10 MB response would
+     otherwise ask for a forward over millions of tokens.
 
 Launch lines:
     python graft.py complement runs/grpo_a/exchange/a runs/grpo_b/exchange/b --n 8 --batch-size 128
@@ -400,6 +411,14 @@ ID_FIELDS = ("problem_id", "id")
 PROBLEM_FIELDS = ("problem", "question")
 RESPONSE_FIELDS = ("response", "completion")
 LBAR_FIELDS = ("lbar", "mean_logprob")
+LBAR_MIN = -88.0  # choice 7: exp(-LBAR_MIN) is finite in float32 (whose largest value is e^88.72)
+MAX_TOKEN_CHARS = 128  # the longest token of the Qwen3, SmolLM3 and Llama-3.2 vocabularies: 128 spaces
+
+
+def response_char_bound(max_response_tokens: int, *, max_token_chars: int = MAX_TOKEN_CHARS) -> int:
+    """Characters above which a response cannot fit in max_response_tokens tokens of a tokenizer whose
+    longest token has max_token_chars characters (choice 7: a bound checked before tokenising)."""
+    return max_response_tokens * max_token_chars
 
 
 def normalise_problem(text: str) -> str:
@@ -457,9 +476,10 @@ def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
             raise ValueError(f"{where}: field {' or '.join(RESPONSE_FIELDS)} must be a string, got {response!r}")
         lbar = _first_field(obj, LBAR_FIELDS)
         if lbar is not None and (isinstance(lbar, bool) or not isinstance(lbar, (int, float))
-                                 or not math.isfinite(lbar) or lbar > 0):
-            raise ValueError(f"{where}: field {' or '.join(LBAR_FIELDS)} must be a finite number <= 0 "
-                             f"(a mean log-probability), got {lbar!r}")
+                                 or not LBAR_MIN <= lbar <= 0):  # NaN fails the comparison too
+            raise ValueError(f"{where}: field {' or '.join(LBAR_FIELDS)} must be a finite number in "
+                             f"[{LBAR_MIN:g}, 0] (a mean log-probability per token; lower overflows the "
+                             f"float32 score s = exp(lbar_recv - lbar)), got {lbar!r}")
         num_tokens = obj.get("num_tokens")
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
                                        or num_tokens < 1):
@@ -681,9 +701,13 @@ class ForeignLog:
         sizes = self.mask.sum(dim=1)  # (P,)
         k = self.rewards.sum(dim=1)  # (P,)
         mixed = int(((k >= 1) & (k < sizes)).sum())
+        first = lambda key: f" (first on lines {c[key]})" if c.get(key) else ""  # noqa: E731
         lines = [f"[foreign] {self.path}: {c['records']} records; matched {c['by_id']} by id, {c['by_text']} by "
                  f"problem text; unmatched {c['unmatched']} (ambiguous text {c['ambiguous']}, id/text conflicts "
                  f"{c['id_conflicts']})" + (f", first on lines {c['unmatched_lines']}" if c["unmatched_lines"] else ""),
+                 f"[foreign] dropped {c.get('too_long', 0)} longer than {c.get('max_response_chars')} characters"
+                 f"{first('too_long_lines')} and {c.get('duplicates', 0)} repeats of an earlier record (same prompt "
+                 f"and response){first('duplicate_lines')}",
                  f"[foreign] {len(self.prompt_ids)} prompt groups (sizes {int(sizes.min())}-{self.width}, "
                  f"mean {float(sizes.float().mean()):.1f}); dropped "
                  f"{c['singletons']} single-record prompts; {mixed} groups mixed",
@@ -694,11 +718,14 @@ class ForeignLog:
 
 
 def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normalize: bool = True,
-                     verify_workers: int = 0, rel_tol: float | None = None) -> ForeignLog:
+                     verify_workers: int = 0, rel_tol: float | None = None,
+                     max_response_chars: int | None = None) -> ForeignLog:
     """Read, match, group, re-verify and score a foreign JSONL file against the run's prompts.
 
     prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prepare.py load_prompts
-    returns). Unmatched records and single-record prompts are counted (ForeignLog.report) and left out.
+    returns). Responses over max_response_chars characters (None = no bound), repeats of an earlier
+    record (same prompt, same response text), unmatched records and single-record prompts are counted
+    (ForeignLog.report) and left out, in that order (choice 7), before anything is verified or scored.
     Rewards of the kept records are verify.verify_batch(response, gold) (strict: a boxed answer);
     verify_workers and rel_tol are passed to it. Raises ValueError (FILE:LINE) on a bad record, and when
     nothing usable is left.
@@ -708,21 +735,34 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     records = read_foreign_records(path)
     if not records:
         raise ValueError(f"{path}: no records")
+    n_read, long_lines = len(records), []
+    if max_response_chars is not None:  # before matching: nothing is computed for them (choice 7)
+        long_lines = [r.line for r in records if len(r.response) > max_response_chars]
+        records = [r for r in records if len(r.response) <= max_response_chars]
     hits, mc = match_records(records, prompts)
     groups: dict[str, list[ForeignRecord]] = {}
+    seen: set[tuple[str, str]] = set()
+    repeat_lines = []
     for rec, pid in zip(records, hits):
-        if pid is not None:
-            groups.setdefault(pid, []).append(rec)
+        if pid is None:
+            continue
+        if (pid, rec.response) in seen:
+            repeat_lines.append(rec.line)
+            continue
+        seen.add((pid, rec.response))
+        groups.setdefault(pid, []).append(rec)
     singletons = [pid for pid, g in groups.items() if len(g) < 2]
     for pid in singletons:
         del groups[pid]
     if not groups:
-        raise ValueError(f"{path}: no prompt of the run has two or more matched records ({len(records)} records, "
-                         f"{mc.unmatched} unmatched, {len(singletons)} single-record prompts); check ids/problem "
-                         f"text against --prompts")
-    counts = {"records": len(records), "by_id": mc.by_id, "by_text": mc.by_text, "unmatched": mc.unmatched,
-              "ambiguous": mc.ambiguous, "id_conflicts": mc.id_conflicts, "unmatched_lines": mc.unmatched_lines,
-              "singletons": len(singletons)}
+        raise ValueError(f"{path}: no prompt of the run has two or more matched records ({n_read} records, "
+                         f"{mc.unmatched} unmatched, {len(repeat_lines)} repeats, {len(long_lines)} too long, "
+                         f"{len(singletons)} single-record prompts); check ids/problem text against --prompts")
+    counts = {"records": n_read, "too_long": len(long_lines),
+              "too_long_lines": long_lines[:5], "max_response_chars": max_response_chars,
+              "duplicates": len(repeat_lines), "duplicate_lines": repeat_lines[:5], "by_id": mc.by_id,
+              "by_text": mc.by_text, "unmatched": mc.unmatched, "ambiguous": mc.ambiguous,
+              "id_conflicts": mc.id_conflicts, "unmatched_lines": mc.unmatched_lines, "singletons": len(singletons)}
     log = ForeignLog(path, groups, counts, std_normalize=std_normalize)
     gold = {p["id"]: p["answer"] for p in prompts}
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]
@@ -838,7 +878,8 @@ def write_planted_log(path: str | os.PathLike, prompts: list[dict], *, records: 
                       seed: int = 0) -> None:
     """A synthetic foreign file for the benchmark: `records` lines, `group` per prompt, half matched by id
     and half by (re-spaced) problem text, one response in three with a wrong boxed answer, every tenth
-    prompt absent from the run (unmatched). Responses are the prompt's "solution" field when it has one."""
+    prompt absent from the run (unmatched). Responses are the prompt's "solution" field when it has one,
+    numbered so that no two are the same text (a repeat would be removed, choice 7)."""
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(prompts), generator=g).tolist()
     lines = []
@@ -846,7 +887,8 @@ def write_planted_log(path: str | os.PathLike, prompts: list[dict], *, records: 
         p = prompts[order[(r // group) % len(prompts)]]
         body = p.get("solution") or f"We work it out step by step: {p['problem'][:200]}"
         wrong = r % 3 == 2
-        rec = {"response": f"{body}\nSo the answer is $\\boxed{{{p['answer'] + ' + 1' if wrong else p['answer']}}}$.",
+        rec = {"response": f"{body}\nSo the answer is $\\boxed{{{p['answer'] + ' + 1' if wrong else p['answer']}}}$ "
+                           f"(sample {r}).",
                "lbar": -0.25 - 0.01 * (r % 7), "reward": float(not wrong)}
         if (r // group) % 10 == 9:
             rec["id"] = f"not-in-this-run-{r // group}"

@@ -205,6 +205,17 @@ def test_load_prompts_duplicate_id(tmp_path):
         prep.load_prompts(p)
 
 
+@pytest.mark.parametrize("field", ["id", "problem", "answer"])
+def test_load_prompts_lone_surrogate_names_file_and_line(tmp_path, field):
+    """A JSON escape can carry a lone surrogate, which no tokenizer or file can encode."""
+    p = tmp_path / "p.jsonl"
+    bad = {"id": "b", "problem": "y", "answer": "2"} | {field: "x\ud800"}
+    _write_jsonl(p, [{"id": "a", "problem": "x", "answer": "1"}, bad])  # json.dumps writes the escape \ud800
+    assert "\\ud800" in p.read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"p\.jsonl:2: field '{field}' is not valid Unicode text \(character 1"):
+        prep.load_prompts(p)
+
+
 def test_import_has_no_side_effects(tmp_path):
     code = (f"import importlib.util as u; s = u.spec_from_file_location('m', {str(SCRIPT)!r}); "
             "m = u.module_from_spec(s); s.loader.exec_module(m); print(callable(m.load_prompts))")

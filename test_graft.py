@@ -237,8 +237,13 @@ def test_policy_loss_matches_naive_loop_values_and_grads(dual_clip):
     torch.testing.assert_close(lp1.grad, lp2.grad, rtol=1e-6, atol=1e-8)
     assert lp1.grad[2].abs().sum() == 0  # w = 0: no gradient
     assert metrics["tokens"] == float((mask[[0, 1, 3, 4, 5]]).sum())  # w = 0 row left the denominator
-    for k in ("clipfrac_own", "clipfrac_peer", "approx_kl", "mean_weight", "zero_adv_frac", "loss"):
-        assert isinstance(metrics[k], float)
+    assert isinstance(metrics["loss"], float)
+    for k in ("clipfrac_own", "clipfrac_peer", "approx_kl", "ratio_mean", "mean_weight", "peer_mean_weight"):
+        assert isinstance(metrics[k], graft.Mean) and isinstance(metrics[k].total, float), k
+    # each mean over its own subset: peer tokens of retained rows (3, 4), own tokens, peer rows
+    assert metrics["clipfrac_peer"].count == metrics["peer_tokens"] == float(mask[[3, 4]].sum())
+    assert metrics["clipfrac_own"].count == metrics["own_tokens"] == float(mask[[0, 1, 5]].sum())
+    assert metrics["peer_mean_weight"] == (pytest.approx(0.9 + 0.85), 2.0)
 
 
 def test_policy_loss_weight_zero_removes_from_denominator():
@@ -251,7 +256,7 @@ def test_policy_loss_weight_zero_removes_from_denominator():
     # with w = (1, 0.5): -(1*1*2 + 0.5*5*2) / 4 = -7/4; the peer row counts fully in the denominator
     loss, m = policy_loss(z, z, torch.tensor([1.0, 5.0]), mask, weights=torch.tensor([1.0, 0.5]))
     assert loss.item() == pytest.approx(-7 / 4)
-    assert m["mean_weight"] == pytest.approx(0.75)
+    assert m["mean_weight"].value == pytest.approx(0.75)
 
 
 def test_policy_loss_clipping_zero_gradient_outside_trust_region():
@@ -263,12 +268,12 @@ def test_policy_loss_clipping_zero_gradient_outside_trust_region():
     loss.backward()
     # a > 0: the too-high ratio is clipped (zero grad); the too-low one is not (the min keeps rho*a)
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0 and lp.grad[0, 2] != 0 and lp.grad[0, 3] != 0
-    assert m["clipfrac_own"] == pytest.approx(0.25)
+    assert m["clipfrac_own"].value == pytest.approx(0.25)
     lp.grad = None
     loss, m = policy_loss(lp, old, torch.tensor([-1.0]), mask)  # negative advantage
     loss.backward()
     assert lp.grad[0, 2] == 0 and lp.grad[0, 0] != 0 and lp.grad[0, 1] != 0
-    assert m["clipfrac_own"] == pytest.approx(0.25)
+    assert m["clipfrac_own"].value == pytest.approx(0.25)
 
 
 def test_policy_loss_dual_clip_bounds_negative_advantage():
@@ -300,10 +305,10 @@ def test_sequence_ratio_clamps_the_mean_not_each_token():
     lp = torch.tensor([[50.0, 0.0]])
     _, m = policy_loss(lp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
                        ratio_level="sequence")
-    assert m["ratio_mean"] == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert m["ratio_mean"].value == pytest.approx(math.exp(20.0), rel=1e-5)
     _, m = policy_loss(torch.tensor([[50.0, -10.0]]), torch.zeros(1, 2), torch.tensor([-1.0]),
                        torch.ones(1, 2, dtype=torch.bool), ratio_level="sequence")
-    assert m["ratio_mean"] == pytest.approx(math.exp(20.0), rel=1e-5)  # mean 20: at the bound, not exp(5)
+    assert m["ratio_mean"].value == pytest.approx(math.exp(20.0), rel=1e-5)  # mean 20: at the bound, not exp(5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -555,6 +560,23 @@ def test_cli_bad_input_names_the_flag(tiny, tmp_path):
     assert r.returncode != 0 and "--order: 'sideways' is not one of" in r.stderr, r.stderr[-2000:]
     r = run_py([str(ROOT / "graft.py"), "train", "--model", str(tiny / "ma"), "--prompts", "nope.jsonl"], tmp_path)
     assert r.returncode != 0 and "--prompts 'nope.jsonl': no such file" in r.stderr, r.stderr[-2000:]
+
+
+def test_unreadable_golds_are_listed_at_start_or_stop_with_strict(tiny, tmp_path, capsys):
+    """Golds the verifier cannot read (an unbalanced brace) would make their prompts always score 0."""
+    rows = [{"id": f"p{i}", "problem": f"{i}+{i + 1}", "answer": str(2 * i + 1)} for i in range(16)]
+    rows[3]["answer"], rows[9]["answer"] = "\\boxed{", "\\frac{1}{2"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert graft.unreadable_golds(rows) == ["p3", "p9"]
+    kw = dict(model=str(tiny / "ma"), prompts=str(prompts), steps=1, prompts_per_step=8, n=4, minibatches=2,
+              max_response_tokens=16, prompt_template="{problem}=", lr=1e-3)
+    with pytest.raises(SystemExit, match=r"p\.jsonl: 2 of 16 gold answers cannot be read by verify\.py.*"
+                                         r"first ids: p3, p9 \(--strict\)"):
+        graft.Trainer(graft.Config(out=str(tmp_path / "strict"), strict=True, **kw))
+    graft.Trainer(graft.Config(out=str(tmp_path / "warn"), **kw))
+    err = capsys.readouterr().err
+    assert "WARNING: --prompts" in err and "2 of 16 gold answers" in err and "first ids: p3, p9" in err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 import offline
 from exchange import StepRollouts, save_rollouts
-from graft import graft_candidates, group_advantages
+from graft import compatibility_scores, graft_candidates, group_advantages
 from offline import (align, complement_rows, complementarity, load_foreign_log, main_complement,
                      masked_group_advantages, match_records, normalise_problem, pair_complementarity,
                      prob_all_fail, prob_all_pass, read_eval_results, read_foreign_records, read_rollout_folder)
@@ -259,8 +259,12 @@ def write_jsonl(path: Path, objs: list) -> Path:
     (json.dumps({"id": "p1"}), "response or completion must be a string"),
     (json.dumps({"id": 3.5, "response": "r"}), "must be a non-empty string or an integer"),
     (json.dumps({"problem": "  ", "response": "r"}), "('problem', 'question') must be a non-empty string"),
-    (json.dumps({"id": "p1", "response": "r", "lbar": 0.3}), "must be a finite number <= 0"),
-    (json.dumps({"id": "p1", "response": "r", "lbar": "x"}), "must be a finite number <= 0"),
+    (json.dumps({"id": "p1", "response": "r", "lbar": 0.3}), "must be a finite number in [-88, 0]"),
+    (json.dumps({"id": "p1", "response": "r", "lbar": "x"}), "must be a finite number in [-88, 0]"),
+    # finite in float64 but -inf in float32 (s = inf, w = 1), and finite in float32 but overflowing s
+    (json.dumps({"id": "p1", "response": "r", "lbar": -1e39}), "must be a finite number in [-88, 0]"),
+    (json.dumps({"id": "p1", "response": "r", "lbar": -1e30}), "must be a finite number in [-88, 0]"),
+    ('{"id": "p1", "response": "r", "lbar": NaN}', "must be a finite number in [-88, 0]"),
     (json.dumps({"id": "p1", "response": "r", "eos": 1}), "'eos' must be true or false"),
     (json.dumps({"id": "p1", "response": "r", "reward": "yes"}), "'reward' must be a number"),
     (json.dumps({"id": "p1", "response": "r", "num_tokens": 0}), "'num_tokens' must be an integer >= 1"),
@@ -301,8 +305,8 @@ def test_load_groups_verify_and_advantages(tmp_path):
         {"id": "p1", "response": boxed("3"), "lbar": -0.7, "reward": False},
         {"id": "p1", "response": "no box: 2", "lbar": -0.1, "eos": False},  # strict verifier: 0
         {"id": "p2", "response": boxed("8"), "lbar": -0.3},
-        {"id": "p2", "response": boxed("9"), "lbar": -0.4},
-        {"id": "p2", "response": boxed("9"), "lbar": -0.6, "reward": 1},
+        {"id": "p2", "response": boxed("9") + " (twice)", "lbar": -0.4},
+        {"id": "p2", "response": "So " + boxed("9"), "lbar": -0.6, "reward": 1},
         {"id": "p5", "response": boxed("2"), "lbar": -0.9},  # single record: dropped
         {"id": "nope", "response": boxed("2")},  # unmatched
     ])
@@ -353,23 +357,62 @@ def test_step_view_layout_and_candidates(tmp_path):
         {"id": "p1", "response": boxed("2"), "lbar": -0.5, "num_tokens": 4},
         {"id": "p1", "response": boxed("5"), "lbar": -0.25, "num_tokens": 2},
         {"id": "p2", "response": boxed("9"), "lbar": -1.0, "num_tokens": 10},
-        {"id": "p2", "response": boxed("9"), "lbar": -2.0, "num_tokens": 3},
-        {"id": "p2", "response": boxed("9"), "lbar": -3.0, "num_tokens": 1},
+        {"id": "p2", "response": boxed("9") + " ", "lbar": -2.0, "num_tokens": 3},
+        {"id": "p2", "response": boxed("9") + "  ", "lbar": -3.0, "num_tokens": 1},
     ])
     log = load_foreign_log(path, PROMPTS)
     st = log.step(["p5", "p2", "p1"])  # p5 has no group
     assert st.n == 3 and st.sizes.tolist() == [0, 3, 2]
-    assert st.texts[:3] == [""] * 3 and st.texts[3:6] == [boxed("9")] * 3
+    assert st.texts[:3] == [""] * 3 and st.texts[3:6] == [boxed("9"), boxed("9") + " ", boxed("9") + "  "]
     assert st.texts[6:9] == [boxed("2"), boxed("5"), ""]
     assert st.rewards.tolist() == [[0, 0, 0], [1, 1, 1], [1, 0, 0]]
     assert st.mask.tolist() == [[False] * 3, [True] * 3, [True, True, False]]
     assert st.eos.tolist() == [[False] * 3, [True] * 3, [True, True, False]]
     torch.testing.assert_close(st.lbar("token"), torch.tensor([[0, 0, 0], [-1.0, -2.0, -3.0], [-0.5, -0.25, 0]]))
-    nb = len(boxed("9").encode())
+    nb = torch.tensor([len((boxed("9") + pad).encode()) for pad in ("", " ", "  ")])
     torch.testing.assert_close(st.lbar("byte")[1], torch.tensor([-10.0, -6.0, -3.0]) / nb)
     # the trainer's candidate rule with per-prompt sizes: receiver fails p5, p2 and p1; only p1 is mixed
     k_own = torch.tensor([0, 0, 0])
     assert graft_candidates(k_own, st.rewards.sum(1).long(), st.sizes).tolist() == [False, False, True]
+
+
+def test_lbar_at_the_floor_gives_a_finite_score():
+    s = compatibility_scores(torch.tensor([0.0]), torch.tensor([offline.LBAR_MIN]))
+    assert bool(torch.isfinite(s).all())
+
+
+def test_repeated_records_are_removed_and_counted(tmp_path):
+    """One group repeated six times (by id and by text) counts once: the same group, advantages and report."""
+    group = [{"id": "p1", "response": boxed("2"), "lbar": -0.5}, {"id": "p1", "response": boxed("3"), "lbar": -0.4},
+             {"id": "p2", "response": boxed("9"), "lbar": -0.2}, {"id": "p2", "response": "no box", "lbar": -0.3}]
+    once = load_foreign_log(write_jsonl(tmp_path / "once.jsonl", group), PROMPTS)
+    by_text = [{"problem": "What is 1+1?", "response": boxed("2"), "lbar": -0.9}]  # p1 again, by text
+    path = write_jsonl(tmp_path / "six.jsonl", group * 6 + by_text)
+    six = load_foreign_log(path, PROMPTS)
+    assert six.counts["duplicates"] == 5 * len(group) + 1 and six.counts["duplicate_lines"] == [5, 6, 7, 8, 9]
+    assert six.prompt_ids == once.prompt_ids and six.texts == once.texts
+    torch.testing.assert_close(six.advantages, once.advantages)
+    torch.testing.assert_close(six.mean_logprob, once.mean_logprob)  # the first record of each repeat is kept
+    assert "21 repeats of an earlier record" in six.report() and "first on lines [5, 6, 7, 8, 9]" in six.report()
+
+
+def test_overlong_responses_are_dropped_before_verification_and_scoring(tmp_path, monkeypatch):
+    """A response over the character bound never reaches the verifier nor a --peer-model forward."""
+    import verify
+    seen = []
+    real = verify.verify_batch
+    monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, **kw: seen.extend(rs) or real(rs, gs, **kw))
+    huge = "x" * 10_000 + boxed("2")
+    path = write_jsonl(tmp_path / "f.jsonl", [
+        {"id": "p1", "response": boxed("2")}, {"id": "p1", "response": huge}, {"id": "p1", "response": boxed("5")},
+        {"id": "p2", "response": boxed("9")}, {"id": "p2", "response": "no box"}])
+    log = load_foreign_log(path, PROMPTS, max_response_chars=offline.response_char_bound(64, max_token_chars=4))
+    assert offline.response_char_bound(64, max_token_chars=4) == 256
+    assert log.counts["too_long"] == 1 and log.counts["too_long_lines"] == [2]
+    assert huge not in seen and len(seen) == 4
+    assert log.missing_lbar("token") == [1, 3, 4, 5]  # what --peer-model would score: not line 2
+    assert "dropped 1 longer than 256 characters (first on lines [2])" in log.report()
+    assert load_foreign_log(path, PROMPTS).counts["too_long"] == 0  # no bound given: kept
 
 
 def test_require_lbar_names_the_line(tmp_path):

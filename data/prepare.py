@@ -72,7 +72,7 @@ Usage
 
 Library use (no side effects at import; load it with importlib from its path):
     load_prompts(path) -> list[dict]   reads and validates a prompt JSONL (non-empty string id,
-    problem and answer on every line; unique ids); errors name the file and line.
+    problem and answer on every line, valid Unicode; unique ids); errors name the file and line.
 """
 
 import argparse
@@ -383,9 +383,10 @@ def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
 def load_prompts(path: str | os.PathLike) -> list[dict]:
     """Read a prompt JSONL ({"id", "problem", "answer"} per line) and validate it.
 
-    Each non-blank line must be a JSON object with non-empty string "id", "problem" and "answer";
-    ids must be unique; the file must hold at least one prompt. Errors are ValueError naming the
-    file and line number.
+    Each non-blank line must be a JSON object with non-empty string "id", "problem" and "answer"
+    that are valid Unicode (a JSON escape can carry a lone surrogate such as "\\ud800", which no
+    tokenizer or file can encode); ids must be unique; the file must hold at least one prompt.
+    Errors are ValueError naming the file and line number.
     """
     path = Path(path)
     rows: list[dict] = []
@@ -396,6 +397,11 @@ def load_prompts(path: str | os.PathLike) -> list[dict]:
             if not isinstance(v, str) or not v.strip():
                 raise ValueError(f"{path}:{lineno}: field {key!r} must be a non-empty "
                                  f"string, got {v!r}")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{path}:{lineno}: field {key!r} is not valid Unicode text (character "
+                                 f"{e.start}: {v[e.start]!r}, a lone surrogate); fix the JSON escape") from None
         if row["id"] in seen:
             raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r} "
                              f"(first on line {seen[row['id']]})")

@@ -1,0 +1,259 @@
+"""Tests of what the trainer logs: every loss metric of a planted step against its direct computation
+from the rows (one process and two gloo ranks), the table of metric keys, `graft.py plot` and
+`--report-to`. CPU, tiny random models.
+
+Run: python -m pytest -q test_metrics.py
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import graft
+from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+
+torch.set_num_threads(1)
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib (optional, for graft.py plot) is not installed")
+needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                                       reason="tensorboard (optional, for --report-to tensorboard) is not installed")
+
+# ------------------------------------------------------------------------------------------------
+# A planted step: own and peer rows, several micro-batches and minibatches, some without peer rows
+# ------------------------------------------------------------------------------------------------
+
+PEER_GROUPS = (5, 6, 7)  # replaced groups: under peer-last they fill the last minibatches
+
+
+def planted_config(tiny, out, **kw) -> graft.Config:
+    base = dict(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(out), steps=1, prompts_per_step=8, n=4,
+                minibatches=3, micro_batch_size=3, max_response_tokens=16, prompt_template="{problem}=", lr=1e-3,
+                threads=1, device="cpu")
+    return graft.Config(**(base | kw))
+
+
+def planted_rows(tr: graft.Trainer, *, peer_groups=PEER_GROUPS) -> tuple[list[graft.Row], torch.Tensor]:
+    """8 groups x 4 responses of lengths 2-10. Groups in peer_groups are peer rows with w in [0.5, 1]
+    and one w = 0 response (removed); groups 0 and 3 have advantage 0 (they skip the forward but stay
+    in the denominator). Behaviour log-probs are the current policy's plus noise (std 0.3), so that
+    ratios fall on both sides of the clip range. Returns (rows, (G,) replaced mask)."""
+    g = torch.Generator().manual_seed(0)
+    idx = graft.batch_indices(len(tr.data), 0, 8, 0)
+    rows = []
+    for q in range(8):
+        for i in range(4):
+            resp = torch.randint(3, 50, (2 + (q * 4 + i) % 9,), generator=g).tolist()
+            peer = q in peer_groups
+            adv = 0.0 if q in (0, 3) else float(torch.randn((), generator=g))
+            w = float(0.5 + 0.5 * torch.rand((), generator=g)) if peer else 1.0
+            if peer and q == 6 and i == 3:
+                w = 0.0
+            rows.append(graft.Row(q, tr.prompt_ids[idx[q]], resp, None, adv, weight=w, is_peer=peer))
+    current = tr.behaviour_logprobs([r.prompt for r in rows], [r.response for r in rows])
+    for r, lp in zip(rows, current):
+        r.old_logp = lp + 0.3 * torch.randn(len(lp), generator=g)
+    return rows, torch.tensor([q in peer_groups for q in range(8)])
+
+
+def naive_step_metrics(tr: graft.Trainer, rows: list[graft.Row]) -> dict:
+    """Every loss metric of the step computed from the rows, one token at a time, with the policy fixed.
+
+    Each row's log-probs come from a forward of that row alone. pg/loss is the step's token-mean:
+    the surrogate summed over every token over the retained tokens of the whole step."""
+    cfg = tr.cfg
+    kept = [r for r in rows if r.weight > 0]
+    live = [r for r in kept if r.adv != 0]  # rows with a = 0 contribute 0 and need no forward
+    s = dict.fromkeys(["surrogate", "clip_own", "own", "clip_peer", "peer", "kl", "ratio", "w", "w_peer"], 0.0)
+    with torch.no_grad():
+        for r in live:
+            lp, _ = tr.logprobs([r.prompt], [r.response])  # (1, T)
+            for t in range(len(r.response)):
+                log_rho = float(lp[0, t]) - float(r.old_logp[t])
+                rho = math.exp(log_rho)
+                plain, clipped = rho * r.adv, min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high) * r.adv
+                s["surrogate"] += -r.weight * min(plain, clipped)
+                side = "peer" if r.is_peer else "own"
+                s[side] += 1
+                s["clip_" + side] += clipped < plain
+                s["kl"] += (rho - 1) - log_rho
+                s["ratio"] += rho
+            s["w"] += r.weight
+            s["w_peer"] += r.weight if r.is_peer else 0.0
+    tokens = s["own"] + s["peer"]
+    peer_rows = sum(r.is_peer for r in live)
+    out = {"pg/loss": s["surrogate"] / sum(len(r.response) for r in kept),
+           "pg/clipfrac_own": s["clip_own"] / s["own"], "pg/approx_kl": s["kl"] / tokens,
+           "pg/ratio_mean": s["ratio"] / tokens, "pg/mean_weight": s["w"] / len(live),
+           "pg/tokens": tokens, "pg/own_tokens": s["own"], "pg/peer_tokens": s["peer"],
+           "zero_adv_frac": sum(r.adv == 0 for r in rows) / len(rows)}
+    if peer_rows:
+        out |= {"pg/clipfrac_peer": s["clip_peer"] / s["peer"], "pg/peer_mean_weight": s["w_peer"] / peer_rows}
+    return out
+
+
+def fixed_policy_update(tr: graft.Trainer, rows, replaced) -> dict:
+    """tr.update with the optimizer step a no-op, so every minibatch sees the same policy."""
+    tr.opt.step = lambda *a, **k: None
+    return tr.update(0, rows, replaced)
+
+
+def assert_metrics_equal(m: dict, ref: dict):
+    for k, v in ref.items():
+        assert m.get(k) == pytest.approx(v, rel=1e-6, abs=1e-9), (k, m.get(k), v)
+    loss_keys = {k for k in m if k.startswith("pg/")}
+    assert loss_keys == {k for k in ref if k.startswith("pg/")}, "every logged loss metric has a reference"
+
+
+def test_every_loss_metric_of_a_planted_step_equals_its_direct_computation(tiny, tmp_path):
+    tr = graft.Trainer(planted_config(tiny, tmp_path / "run"))
+    rows, replaced = planted_rows(tr)
+    ref = naive_step_metrics(tr, rows)
+    m = fixed_policy_update(tr, rows, replaced)
+    assert m["minibatches"] == 3 and m["peer_minibatches"] == 2  # one minibatch with no peer row at all
+    assert ref["pg/clipfrac_peer"] > 0 and ref["pg/clipfrac_own"] > 0  # the clip acts on both sides
+    assert_metrics_equal(m, ref)
+
+
+def test_a_step_without_peer_rows_logs_no_peer_means(tiny, tmp_path):
+    tr = graft.Trainer(planted_config(tiny, tmp_path / "run", minibatches=2))
+    rows, replaced = planted_rows(tr, peer_groups=())
+    ref = naive_step_metrics(tr, rows)
+    m = fixed_policy_update(tr, rows, replaced)
+    assert "pg/clipfrac_peer" not in m and "pg/peer_mean_weight" not in m and m["pg/peer_tokens"] == 0
+    assert_metrics_equal(m, ref)
+
+
+PLANTED_RANKS = '''
+import json, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+import torch
+import graft
+from test_metrics import fixed_policy_update, naive_step_metrics, planted_config, planted_rows
+tr = graft.Trainer(planted_config(Path({tiny!r}), sys.argv[1], fsdp=sys.argv[2] == "fsdp"))
+rows, replaced = planted_rows(tr)
+ref = naive_step_metrics(tr, rows) if sys.argv[2] != "fsdp" else None
+m = fixed_policy_update(tr, rows, replaced)
+if tr.dist.main:
+    Path(sys.argv[3]).write_text(json.dumps({{"metrics": m, "ref": ref}}))
+import os
+sys.stdout.flush()
+os._exit(0)  # as graft.main does under --fsdp: gloo + FSDP2 can abort in a destructor at exit
+'''
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_planted_step_metrics_on_two_gloo_ranks(tiny, tmp_path, mode):
+    """The same planted step on two ranks (data parallel, and FSDP2 with its idle turns): sums and counts
+    are reduced apart, so every metric equals the direct computation on one process."""
+    script = tmp_path / "ranks.py"
+    script.write_text(PLANTED_RANKS.format(root=str(ROOT), tiny=str(tiny)))
+    out = tmp_path / "metrics.json"
+    port = "29547" if mode == "dp" else "29549"
+    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+            str(script), str(tmp_path / "run"), mode, str(out)]
+    r = run_py(args, tmp_path, {"PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    if mode == "fsdp":  # the one-process reference, computed here with the same rows
+        tr = graft.Trainer(planted_config(tiny, tmp_path / "one"))
+        rows, _ = planted_rows(tr)
+        got["ref"] = naive_step_metrics(tr, rows)
+    assert_metrics_equal(got["metrics"], got["ref"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The keys of a real step: each has its line in METRICS; --report-to; graft.py plot
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_runs(tiny, tmp_path, monkeypatch):
+    """A GRAFT step against a planted stored peer (offline) and two GRPO steps: (graft run, grpo run, trainer)."""
+    from test_graft import planted
+    tr, _, _, _ = planted(tiny, tmp_path, monkeypatch, delta=0.0)
+    m = tr.step(0)
+    assert m["accepted"] > 0 and "pg/clipfrac_peer" in m
+    tr.log(m)
+    grpo = graft.Trainer(planted_config(tiny, tmp_path / "grpo", steps=2, minibatches=2, save_every=5))
+    grpo.fit()
+    return tr.out, grpo.out, tr
+
+
+def test_every_logged_key_is_in_the_metrics_table(two_runs):
+    for run in two_runs[:2]:
+        for line in read_metrics(run / "metrics.jsonl"):
+            undocumented = [k for k in line if graft.metric_doc(k) is None]
+            assert not undocumented, f"add these keys to graft.METRICS: {undocumented}"
+    table = graft.metrics_markdown()
+    assert "| `<kind>/clipfrac_peer` | Clipped peer tokens over peer tokens through the loss" in table
+
+
+@needs_tensorboard
+def test_report_to_tensorboard_logs_the_same_keys(two_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run, _, tr = two_runs
+    m = read_metrics(run / "metrics.jsonl")[0]
+    tr.cfg.report_to = "tensorboard"
+    tr.log(m | {"step": 1})
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert tags == set(graft.report_values(m)), tags ^ set(graft.report_values(m))
+    for k, v in graft.report_values(m).items():
+        (event,) = acc.Scalars(k)
+        assert event.step == 1 and event.value == pytest.approx(v, rel=1e-6), k
+
+
+def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch):
+    m = {"step": 3, "reward": 0.5, "accepted": 4, "mean_s": float("nan"), "assignment": "ab12", "flag": True}
+    assert graft.report_values(m) == {"reward": 0.5, "accepted": 4.0}  # numbers only, NaN and step left out
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")
+                        else real(name, *a))
+    for kind in ("wandb", "tensorboard"):
+        with pytest.raises(ValueError, match=rf"--report-to: {kind} needs the optional package '{kind}': "
+                                             rf"pip install {kind}"):
+            graft.validate_config(planted_config(tiny, tmp_path, report_to=kind))
+
+
+def test_metric_series_gate_and_run_labels():
+    recs = [{"step": 0, "accepted": 3, "rejected": 1, "mean_s": float("nan")},
+            {"step": 1, "accepted": 0, "rejected": 0}, {"step": 2, "accepted": 1, "rejected": 4, "mean_s": 0.5}]
+    assert graft.metric_series(recs, "gate") == ([0, 2], [0.75, 0.2])  # a step that received nothing: no point
+    assert graft.metric_series(recs, "mean_s") == ([2], [0.5])
+    labels = graft.run_labels(["/r/tiny/seed0/graft/A", "/r/tiny/seed0/graft/B", "/r/tiny/seed0/grpo/A"])
+    assert labels == ["graft/A", "graft/B", "grpo/A"]
+
+
+@needs_matplotlib
+def test_plot_writes_one_png_per_metric_group(two_runs, tmp_path):
+    from matplotlib.image import imread
+    graft_run, grpo_run, _ = two_runs
+    assert graft.main([
+        "plot", str(graft_run), str(grpo_run), "--out", str(tmp_path / "plots")]) == 0
+    pngs = sorted(p.stem for p in (tmp_path / "plots").glob("*.png"))
+    assert set(pngs) == set(graft.PLOT_GROUPS), set(pngs) ^ set(graft.PLOT_GROUPS)  # the GRAFT run has every group
+    for name in pngs:
+        img = imread(tmp_path / "plots" / f"{name}.png")
+        assert img.ndim == 3 and img.shape[0] > 100 and img.std() > 0, name  # a picture, not a blank
+
+
+def test_plot_errors_name_the_problem(tmp_path, monkeypatch):
+    (tmp_path / "run").mkdir()
+    with pytest.raises(SystemExit, match="run: no metrics.jsonl"):
+        graft.read_metrics_file(tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n{"ste')
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not a JSON line"):
+        graft.read_metrics_file(tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"ste')  # cut last line: skipped
+    assert graft.read_metrics_file(tmp_path / "run") == [{"step": 0}, {"step": 1}]
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(SystemExit, match="graft.py plot needs matplotlib .*: pip install matplotlib"):
+        graft.plot_runs([str(tmp_path / "run")], tmp_path / "plots")
