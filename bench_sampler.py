@@ -3,6 +3,7 @@
     python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
     python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
     python bench_sampler.py --only {logprobs,autocast,sampler,long-tail}
+    python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
    gradient, temperature 1:
@@ -13,6 +14,11 @@
    * time of forward + backward, interleaved ours / naive, repeated; the ratio of medians.
    * max abs error of the log-probs and relative error (Frobenius norm of the difference over the norm) of both
      gradients against a float64 reference computed in token chunks.
+   * the same memory and time for a soft-capped head (``softcap=30``, Gemma-2's), against ours on the plain head.
+   * with ``--baseline FILE``: the ``token_logprobs`` of another copy of sampler.py (say the previous commit's,
+     ``git show HEAD~1:sampler.py > /tmp/old/sampler.py``) on the plain head, in the same interleaved loop and fresh
+     subprocesses: ours/baseline ratios of peak memory and median time, so a change to the kernel is measured side
+     by side with what it replaces.
 2. Sampler vs transformers' ``generate`` on a tiny Qwen3-style model (hidden 64, 2 layers, vocab 256), batch 64,
    cap 64 new tokens, one CPU thread. The model is first trained here for a few hundred steps on "filler prompt, then
    the count-down c_{L-1} ... c_1, EOS" after a prompt that ends with c_L, L uniform in 1..60, so that its greedy
@@ -31,6 +37,7 @@
 """
 
 import argparse
+import importlib.util
 import json
 import resource
 import statistics
@@ -68,7 +75,30 @@ def ours_path(hidden, weight, targets):
     return token_logprobs(hidden, weight, targets)  # defaults: chunk_size=1024, automatic vocabulary chunk
 
 
-PATHS = {"naive": naive_path, "ours": ours_path}
+def ours_softcap_path(hidden, weight, targets):
+    return token_logprobs(hidden, weight, targets, softcap=30.0)  # Gemma-2's final_logit_softcapping
+
+
+BASELINE_FILE = None  # --baseline: another copy of sampler.py, whose token_logprobs is the "baseline" path
+_baseline = {}
+
+
+def load_baseline(path):
+    """Import the --baseline copy of sampler.py under its own module name, beside this file's (before measuring)."""
+    global BASELINE_FILE
+    BASELINE_FILE = path
+    spec = importlib.util.spec_from_file_location("baseline_sampler", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    _baseline["fn"] = module.token_logprobs
+
+
+def baseline_path(hidden, weight, targets):
+    return _baseline["fn"](hidden, weight, targets)
+
+
+PATHS = {"naive": naive_path, "ours": ours_path, "ours-softcap": ours_softcap_path, "baseline": baseline_path}
 
 
 def fwd_bwd(path, hidden, weight, targets, upstream):
@@ -93,8 +123,9 @@ def memory_child(path, n, h, v):
 
 
 def peak_rise(path, n, h, v):
+    extra = ["--baseline", BASELINE_FILE] if BASELINE_FILE else []
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", path, str(n), str(h), str(v)],
+        [sys.executable, __file__, "--memory-child", path, str(n), str(h), str(v), *extra],
         check=True, capture_output=True, text=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rise_bytes"]
@@ -116,7 +147,10 @@ def float64_reference(hidden, weight, targets, upstream, chunk=128):
 def bench_logprobs(n, h, v, repeats):
     torch.set_num_threads(1)
     print(f"== log-prob path: float32, CPU, 1 thread, N={n:,} tokens, H={h}, V={v:,}, random upstream gradient")
-    mem = {p: peak_rise(p, n, h, v) for p in ("naive", "ours")}
+    paths = ["naive", "ours", "ours-softcap"] + (["baseline"] if BASELINE_FILE else [])
+    if BASELINE_FILE:
+        print(f"baseline: token_logprobs of {BASELINE_FILE}, plain head")
+    mem = {p: peak_rise(p, n, h, v) for p in paths}
     print(f"peak memory rise, forward+backward (fresh subprocess each; includes the {v * h * 4 / 2**20:.0f} MiB "
           f"weight gradient both return):")
     print(f"  naive {mem['naive'] / 2**20:8.0f} MiB   ours {mem['ours'] / 2**20:8.0f} MiB   "
@@ -125,21 +159,30 @@ def bench_logprobs(n, h, v, repeats):
     net = {p: (m - gw) / 2**20 for p, m in mem.items()}
     print(f"  net of the weight gradient: naive {net['naive']:.0f} MiB, ours {net['ours']:.0f} MiB, "
           f"ratio {net['ours'] / net['naive']:.3f}; one (N, V) float32 array is {n * v * 4 / 2**20:.0f} MiB")
+    for p in paths[2:]:
+        a, b = (p, "ours") if p == "ours-softcap" else ("ours", p)
+        print(f"  {p:12s} {mem[p] / 2**20:8.0f} MiB   {a}/{b} = {mem[a] / mem[b]:.3f}   "
+              f"net of the weight gradient {net[p]:.0f} MiB")
 
     inputs = logprob_inputs(n, h, v)
-    times = {"naive": [], "ours": []}
+    times = {p: [] for p in paths}
     for rep in range(repeats):
-        for p in (("naive", "ours") if rep % 2 == 0 else ("ours", "naive")):  # alternate who goes first
+        for p in (paths if rep % 2 == 0 else paths[::-1]):  # alternate who goes first
             t0 = time.perf_counter()
             fwd_bwd(p, *inputs)
             times[p].append(time.perf_counter() - t0)
     med = {p: statistics.median(t) for p, t in times.items()}
     print("time forward+backward, interleaved, seconds per repeat:")
-    for p in ("naive", "ours"):
-        print(f"  {p:5s} " + " ".join(f"{t:6.2f}" for t in times[p]) + f"   median {med[p]:.2f}")
+    for p in paths:
+        print(f"  {p:12s} " + " ".join(f"{t:6.2f}" for t in times[p]) + f"   median {med[p]:.2f}")
     per_rep = [o / nv for o, nv in zip(times["ours"], times["naive"])]
     print(f"  ours/naive = {med['ours'] / med['naive']:.2f} (median ratio; per repeat "
           + " ".join(f"{r:.2f}" for r in per_rep) + ")  (target <= 1.4)")
+    for p in paths[2:]:
+        a, b = (p, "ours") if p == "ours-softcap" else ("ours", p)  # the soft-cap's cost; the change's effect
+        per_rep = [x / y for x, y in zip(times[a], times[b])]
+        print(f"  {a}/{b} = {med[a] / med[b]:.2f} (median ratio; per repeat "
+              + " ".join(f"{r:.2f}" for r in per_rep) + ")")
     print(f"  why: ours does 4 (N, V, H) matmuls to naive's 3 (backward recomputes the logits): a 1.33x floor on\n"
           f"  arithmetic. But naive also streams several {n * v * 4 / 2**20:.0f} MiB (N, V) float32 arrays through"
           f" memory\n  (logits, log_softmax, their gradients), while ours reuses a few (chunk x vocab-chunk) tiles in"
@@ -433,8 +476,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
     ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail"], help="run one benchmark")
+    ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.baseline:
+        load_baseline(args.baseline)
     if args.memory_child:
         path, n, h, v = args.memory_child
         memory_child(path, int(n), int(h), int(v))
