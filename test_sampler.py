@@ -7,6 +7,10 @@ Tolerances (stated once here, used below):
 * bf16 inputs vs the float64 reference on the same (bf16-rounded) inputs: log-probs |err| < 3e-2, gradients
   |err| / |grad| < 3e-2: the logits matmul rounds its output to bf16 (8 mantissa bits, ~0.4% of a logit).
 * sampler log-probs vs a fresh forward pass: |err| < 1e-5 (different batch shapes, same float32 arithmetic).
+* every architecture (tiny random configs of 21 families and variants, heads that scale or soft-cap their logits,
+  sliding-window layers): greedy tokens identical to generate's, with and without refills; response_logprobs and the
+  sampler's log-probs vs the log-softmax of the model's own float32 logits: |err| < 1e-5; gradients through a
+  transformed head vs autograd of transformers' forward: |err| / |grad| < 1e-4, as for plain heads.
 * sampling frequencies vs softmax(logits / T): total variation < 0.03 over 20,000 draws of a 16-token vocabulary
   (the expected TV from sampling noise alone is about 0.01).
 * bf16 autocast (CPU autocast emulates the GPU trainer: forward under autocast, backward outside it): the errors of
