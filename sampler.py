@@ -36,9 +36,9 @@ Departures and shortcuts (read these before copying)
 1. The head is a bias-free linear map followed by the transform the model's forward applies, read from its config in
    one place (``_head``, table ``_HEAD_TRANSFORMS``, taken from each family's forward in transformers 5.x): logits =
    cap * tanh(s * (h @ W.T) / cap), with s Cohere's ``logit_scale`` (multiplied) or 1 / Granite's ``logits_scaling``
-   (the model divides: one rounding apart, exact for Granite's powers of two) and cap Gemma-2's (and Gemma-3's, when
-   set) ``final_logit_softcapping``; the temperature divides the result, as generate applies it to the model's
-   logits. The transform runs in float32 after the matmul (departure 3), where the model runs it in its own dtype.
+   (the model divides: one rounding apart, exact for Granite's powers of two) and cap the ``final_logit_softcapping``
+   of Gemma-2, VaultGemma, nanochat and Gemma-3 (where set); the temperature divides the result, as generate applies
+   it to the model's logits. The transform runs in float32 after the matmul (departure 3), where the model runs it in its own dtype.
    Any other head (a bias, or one of those fields set on a family not in the table) raises a ValueError naming the
    model class and the field, rather than silently giving log-probs that differ from ``generate``'s.
 2. Log-probs of the sampled tokens are the temperature-scaled FULL-vocabulary log-probs, even when top-p truncates
@@ -344,6 +344,8 @@ _HEAD_TRANSFORMS = {
     "granitemoehybrid": {"logits_scaling": "divide"},
     "gemma2": {"final_logit_softcapping": "softcap"},
     "gemma3_text": {"final_logit_softcapping": "softcap"},
+    "vaultgemma": {"final_logit_softcapping": "softcap"},
+    "nanochat": {"final_logit_softcapping": "softcap"},
 }
 # Config fields through which some transformers forward changes its logits after the lm_head matmul. A model whose
 # family is not in _HEAD_TRANSFORMS for that field and sets one of them (to anything but None or 1) is refused: its

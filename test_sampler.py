@@ -7,7 +7,7 @@ Tolerances (stated once here, used below):
 * bf16 inputs vs the float64 reference on the same (bf16-rounded) inputs: log-probs |err| < 3e-2, gradients
   |err| / |grad| < 3e-2: the logits matmul rounds its output to bf16 (8 mantissa bits, ~0.4% of a logit).
 * sampler log-probs vs a fresh forward pass: |err| < 1e-5 (different batch shapes, same float32 arithmetic).
-* every architecture (tiny random configs of 21 families and variants, heads that scale or soft-cap their logits,
+* every architecture (tiny random configs of 23 families and variants, heads that scale or soft-cap their logits,
   sliding-window layers): greedy tokens identical to generate's, with and without refills; response_logprobs and the
   sampler's log-probs vs the log-softmax of the model's own float32 logits: |err| < 1e-5; gradients through a
   transformed head vs autograd of transformers' forward: |err| / |grad| < 1e-4, as for plain heads.
@@ -649,6 +649,9 @@ def arch_config(arch):
         "gemma2": lambda: tf.Gemma2Config(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, **common),
         "gemma3": lambda: tf.Gemma3TextConfig(head_dim=8, **{**common, **mixed}),
         "gemma3-softcap": lambda: tf.Gemma3TextConfig(head_dim=8, final_logit_softcapping=5.0, **{**common, **mixed}),
+        "vaultgemma": lambda: tf.VaultGemmaConfig(head_dim=8, sliding_window=4, final_logit_softcapping=5.0,
+                                                  **common),
+        "nanochat": lambda: tf.NanoChatConfig(final_logit_softcapping=5.0, **common),
         "granite": lambda: tf.GraniteConfig(logits_scaling=4.0, **common),
         "cohere": lambda: tf.CohereConfig(logit_scale=0.25, **common),
         "cohere2": lambda: tf.Cohere2Config(logit_scale=0.25, **{**common, **mixed}),
@@ -663,8 +666,8 @@ def arch_config(arch):
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3-window", "smollm3", "mistral", "mistral-window", "phi3", "olmo", "olmo2",
-         "gemma", "gemma2", "gemma3", "gemma3-softcap", "granite", "cohere", "cohere2", "stablelm", "gpt_neox", "gpt2",
-         "qwen3_moe"]
+         "gemma", "gemma2", "gemma3", "gemma3-softcap", "vaultgemma", "nanochat", "granite", "cohere", "cohere2",
+         "stablelm", "gpt_neox", "gpt2", "qwen3_moe"]
 ARCH_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [3], [40, 41, 42, 43], [77, 2, 91, 50, 12], [9, 9],
                 [1, 2, 3, 4, 5, 6, 7], [60]]
 
