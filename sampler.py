@@ -38,9 +38,10 @@ Departures and shortcuts (read these before copying)
    cap * tanh(s * (h @ W.T) / cap), with s Cohere's ``logit_scale`` (multiplied) or 1 / Granite's ``logits_scaling``
    (the model divides: one rounding apart, exact for Granite's powers of two) and cap the ``final_logit_softcapping``
    of Gemma-2, VaultGemma, nanochat and Gemma-3 (where set); the temperature divides the result, as generate applies
-   it to the model's logits. The transform runs in float32 after the matmul (departure 3), where the model runs it in its own dtype.
-   Any other head (a bias, or one of those fields set on a family not in the table) raises a ValueError naming the
-   model class and the field, rather than silently giving log-probs that differ from ``generate``'s.
+   it to the model's logits. The transform runs in float32 after the matmul (departure 3), where the model runs it
+   in its own dtype. Any other head (a bias, or one of those fields set on a family not in the table) raises a
+   ValueError naming the model class and the field, rather than silently giving log-probs that differ from
+   ``generate``'s.
 2. Log-probs of the sampled tokens are the temperature-scaled FULL-vocabulary log-probs, even when top-p truncates
    the distribution we sample from (that is what ``response_logprobs`` recomputes and the compatibility score
    uses). For temperature 0 (greedy) they are temperature-1 log-probs.
