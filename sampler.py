@@ -3,19 +3,22 @@
 What this file does
 -------------------
 Every log-probability in GRAFT (behaviour policy at sampling time, current policy in the loss, the compatibility
-score of the paper's Eqs. 6-8) is ``log softmax(h @ W.T / temperature)[target]`` where ``h`` is the model's final
-hidden state and ``W`` its lm_head matrix. This file computes that quantity in two places that must agree:
+score of the paper's Eqs. 6-8) is ``log softmax(head(h @ W.T) / temperature)[target]`` where ``h`` is the model's
+final hidden state, ``W`` its lm_head matrix and ``head`` the output transform of the model's forward (identity for
+most models; departure 1). This file computes that quantity in two places that must agree:
 
 * ``sample`` draws responses token by token and records the log-prob of each drawn token (behaviour log-probs);
 * ``response_logprobs`` recomputes the same log-probs with one forward pass over prompt + response (training and
   compatibility), through ``token_logprobs``, which never materialises the (N, V) logits.
 
-It imports torch, transformers' ``DynamicCache`` and tqdm only; nothing of GRAFT's, so it can be copied alone.
+It imports torch, transformers' KV-cache classes and tqdm only; nothing of GRAFT's, so it can be copied alone.
 
 API
 ---
-``token_logprobs(hidden, weight, targets, *, temperature=1.0, chunk_size=1024, vocab_chunk_size=None) -> (N,) float32``
-    hidden (N, H) any float dtype, weight (V, H), targets (N,) long. log p(target) at the given temperature, computed in
+``token_logprobs(hidden, weight, targets, *, temperature=1.0, logit_scale=1.0, softcap=None, chunk_size=1024,
+               vocab_chunk_size=None) -> (N,) float32``
+    hidden (N, H) any float dtype, weight (V, H), targets (N,) long. log p(target) at the given temperature, the logits
+    scaled by ``logit_scale`` and then soft-capped to softcap * tanh(z / softcap) when ``softcap`` is set, computed in
     chunks of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows with an online log-sum-exp; backward
     recomputes each chunk. Differentiable w.r.t. hidden and weight. (float64 inputs give float64 log-probs.)
 ``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024) -> (logp, mask)``
@@ -30,9 +33,15 @@ API
 
 Departures and shortcuts (read these before copying)
 ----------------------------------------------------
-1. The lm_head is assumed to be a plain bias-free linear map ``logits = h @ W.T``: models that scale, soft-cap or
-   bias their logits (Gemma-2 soft-capping, Granite/Cohere logit scaling) are refused by ``_lm_head_weight`` rather
-   than silently given different log-probs from ``generate``.
+1. The head is a bias-free linear map followed by the transform the model's forward applies, read from its config in
+   one place (``_head``, table ``_HEAD_TRANSFORMS``, taken from each family's forward in transformers 5.x): logits =
+   cap * tanh(s * (h @ W.T) / cap), with s Cohere's ``logit_scale`` (multiplied) or 1 / Granite's ``logits_scaling``
+   (the model divides: one rounding apart, exact for Granite's powers of two) and cap the ``final_logit_softcapping``
+   of Gemma-2, VaultGemma, nanochat and Gemma-3 (where set); the temperature divides the result, as generate applies
+   it to the model's logits. The transform runs in float32 after the matmul (departure 3), where the model runs it
+   in its own dtype. Any other head (a bias, or one of those fields set on a family not in the table) raises a
+   ValueError naming the model class and the field, rather than silently giving log-probs that differ from
+   ``generate``'s.
 2. Log-probs of the sampled tokens are the temperature-scaled FULL-vocabulary log-probs, even when top-p truncates
    the distribution we sample from (that is what ``response_logprobs`` recomputes and the compatibility score
    uses). For temperature 0 (greedy) they are temperature-1 log-probs.
@@ -56,7 +65,12 @@ Departures and shortcuts (read these before copying)
    float round-off of different batch shapes. A refill waits until ``min_refill`` slots are free (default 1/8 of
    ``max_batch_size``), trading a little occupancy for fewer prefill calls. Unlike vLLM-style engines there is no
    paged cache and no chunked prefill: a refill's prefill is its own forward call, and a row's cache is a stretch
-   of a dense tensor. Models with sliding-window layers can only run all prompts at once.
+   of a dense tensor. Sliding-window layers (Mistral, Gemma-2/3, Cohere-2, Qwen's max_window_layers) are supported:
+   every row's tokens sit right-aligned and contiguous in the cache, so the model's own window over cache columns is
+   each row's last W tokens, exactly what it sees alone; such a layer holds the last W - 1 columns of the batch
+   (transformers' DynamicSlidingWindowLayer), and a merge pads, a trim slices, and both reset the columns it counts
+   as seen to the batch's width. Models with any other kind of cache layer (chunked attention, recurrent state) run
+   all prompts at once only, and their caches are never trimmed.
 7. The random stream. One 62-bit seed per prompt is drawn from the caller's generator, in prompt order, at the
    start of the call; row i's t-th token is then drawn by inverting the (top-p truncated) CDF at the uniform
    splitmix64(seed_i + (t + 1) * golden), computed on the device. A row's response is therefore a function of its
@@ -74,8 +88,10 @@ Departures and shortcuts (read these before copying)
    shapes never change, and on CUDA it is captured once as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed.
    Refill prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L
    columns whatever the rows' lengths, as gpt-fast's static cache) and attention over all L columns every step.
-   Supports full-attention models with sdpa or eager attention. On CPU it runs the same step eagerly: tested there
-   for parity with the default path; the graph capture and its speed are not yet measured on a GPU.
+   Supports full-attention models with sdpa or eager attention; a model with a sliding-window layer is refused with a
+   ValueError (its slots would need a second, windowed mask per step and layer type, and its prefill an untrimmed
+   cache). On CPU it runs the same step eagerly: tested there for parity with the default path; the graph capture and
+   its speed are not yet measured on a GPU.
 
 Benchmark
 ---------
@@ -93,6 +109,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 __all__ = ["token_logprobs", "response_logprobs", "sample", "Rollout"]
 
@@ -115,11 +132,26 @@ def _vocab_chunk(vocab_size: int, chunk_size: int, vocab_chunk_size: int | None)
     return max(1, min(vocab_size, _TILE_ELEMENTS // max(chunk_size, 1)))
 
 
-def _tile_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+def _head_transform_(z: torch.Tensor, logit_scale: float, softcap: float | None) -> torch.Tensor:
+    """The model head's output transform, in place on float32 (float64) logits z = h @ W.T: z * logit_scale, then
+    softcap * tanh(z / softcap) when softcap is set. The same ops in the same order as the models' forwards (Cohere's
+    ``logits * logit_scale``, Gemma-2's ``tanh(logits / cap) * cap``), and the one function both the kernel and the
+    sampler use, so their logits round alike. A plain head (1.0, None) costs nothing."""
+    if logit_scale != 1.0:
+        z = z.mul_(logit_scale)
+    if softcap is not None:
+        z = z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _tile_logits(h: torch.Tensor, w: torch.Tensor, temperature: float, logit_scale: float,
+                 softcap: float | None) -> torch.Tensor:
     """Logits of one tile. h (n, H), w (v, H) in the compute dtype -> (n, v) in float32 (float64 for float64
-    inputs), already divided by the temperature."""
+    inputs): the head's transform applied, then divided by the temperature (generate's order: the model's logits,
+    then the temperature)."""
     z = torch.mm(h, w.t())  # (n, v)
     z = z.to(torch.promote_types(z.dtype, torch.float32))  # free for float32 / float64 inputs
+    z = _head_transform_(z, logit_scale, softcap)
     if temperature != 1.0:
         z = z.div_(temperature)  # division, not multiplication by 1/T, so it rounds as `logits / T` does in the sampler
     return z
@@ -136,14 +168,15 @@ class _TokenLogprobs(torch.autograd.Function):
     """Autograd function behind ``token_logprobs``; see there for shapes. Saves only the (N,) log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt):
-        # cdt: the dtype both matmul operands are brought to, fixed by token_logprobs before autograd runs, so the
-        # forward and the backward (which may run under another autocast state, or none) compute the same tiles
+    def forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt):
+        # head: (temperature, logit_scale, softcap). cdt: the dtype both matmul operands are brought to, fixed by
+        # token_logprobs before autograd runs, so the forward and the backward (which may run under another autocast
+        # state, or none) compute the same tiles
         with torch.autocast(hidden.device.type, enabled=False):
-            return _TokenLogprobs._forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt)
+            return _TokenLogprobs._forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_chunk, cdt):
+    def _forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt):
         n_tok, vocab = hidden.shape[0], weight.shape[0]
         adt = torch.promote_types(cdt, torch.float32)  # softmax arithmetic: float32, float64 only for float64 inputs
         lse = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
@@ -155,7 +188,7 @@ class _TokenLogprobs(torch.autograd.Function):
             run_sum = torch.zeros(h.shape[0], dtype=adt, device=h.device)  # (n,)
             tgt = torch.zeros(h.shape[0], dtype=adt, device=h.device)  # (n,)
             for v0 in range(0, vocab, vocab_chunk):
-                z = _tile_logits(h, weight[v0 : v0 + vocab_chunk].to(cdt), temperature)  # (n, v)
+                z = _tile_logits(h, weight[v0 : v0 + vocab_chunk].to(cdt), *head)  # (n, v)
                 inside, col = _target_index(t, v0, z.shape[1])
                 # the target logit is read from the same tile values the normaliser uses, so they round alike
                 tgt = tgt + torch.where(inside, z.gather(1, col).squeeze(1), 0.0)
@@ -166,7 +199,7 @@ class _TokenLogprobs(torch.autograd.Function):
             lse[n0 : n0 + chunk_size] = run_max + torch.log(run_sum)
             logp[n0 : n0 + chunk_size] = tgt - lse[n0 : n0 + chunk_size]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.cfg = (temperature, chunk_size, vocab_chunk, cdt)
+        ctx.cfg = (head, chunk_size, vocab_chunk, cdt)
         return logp
 
     @staticmethod
@@ -179,10 +212,14 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logp):
-        # d logp_i / d z_ij = (1[j = t_i] - p_ij) / T with z = h @ W.T; chain rule with the upstream gradient g_i:
-        # grad_z = (g / T)[:, None] * (onehot(t) - p). Each tile's p is recomputed from the saved log-sum-exp.
+        # With c = head(s * h @ W.T) the head's logits and z = c / T: d logp_i / d z_ij = 1[j = t_i] - p_ij, so with the
+        # upstream gradient g_i, grad_z = g[:, None] * (onehot(t) - p). Through the temperature (1/T), the soft-cap
+        # (d c / d u = 1 - tanh(u / cap)**2 = 1 - (c / cap)**2 for u = s * h @ W.T) and the scale (s), the gradient of
+        # the matmul output is grad_z * (1 - (c / cap)**2) * s / T. Each tile's p is recomputed from the saved
+        # log-sum-exp; the scalars s / T are folded into g once.
         hidden, weight, targets, lse = ctx.saved_tensors
-        temperature, chunk_size, vocab_chunk, cdt = ctx.cfg
+        head, chunk_size, vocab_chunk, cdt = ctx.cfg
+        temperature, logit_scale, softcap = head
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_tok, vocab = hidden.shape[0], weight.shape[0]
         adt = lse.dtype  # float32 (float64 for float64 inputs)
@@ -190,6 +227,8 @@ class _TokenLogprobs(torch.autograd.Function):
         # float32 accumulator for the weight gradient: many token chunks add into every row of it
         grad_w = torch.zeros(weight.shape, dtype=adt, device=weight.device) if need_w else None  # (V, H)
         g_scaled = grad_logp.to(adt) / temperature  # (N,)
+        if logit_scale != 1.0:
+            g_scaled = g_scaled * logit_scale
         for n0 in range(0, n_tok, chunk_size):
             h = hidden[n0 : n0 + chunk_size].to(cdt)  # (n, H)
             t = targets[n0 : n0 + chunk_size]  # (n,)
@@ -197,11 +236,15 @@ class _TokenLogprobs(torch.autograd.Function):
             acc_h = torch.zeros(h.shape, dtype=adt, device=h.device) if need_h else None  # (n, H)
             for v0 in range(0, vocab, vocab_chunk):
                 w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
-                z = _tile_logits(h, w, temperature)  # (n, v)
+                z = _tile_logits(h, w, *head)  # (n, v)
+                # soft-cap derivative 1 - (c / cap)**2 with c = z * T, read off the tile before z is overwritten
+                dcap = None if softcap is None else (z * (temperature / softcap)).square_().neg_().add_(1.0)  # (n, v)
                 p = z.sub_(lse[n0 : n0 + chunk_size].unsqueeze(1)).exp_()  # (n, v) softmax probabilities, in place
-                gz = p.mul_(-g.unsqueeze(1))  # (n, v) = -(g/T) p
+                gz = p.mul_(-g.unsqueeze(1))  # (n, v) = -(g s / T) p
                 inside, col = _target_index(t, v0, gz.shape[1])
-                gz.scatter_add_(1, col, torch.where(inside, g, 0.0).unsqueeze(1))  # + (g/T) at the target column
+                gz.scatter_add_(1, col, torch.where(inside, g, 0.0).unsqueeze(1))  # + (g s / T) at the target column
+                if dcap is not None:
+                    gz = gz.mul_(dcap)
                 gz = gz.to(cdt)  # no-op for float32; bf16 matmuls for bf16 inputs (departure 3)
                 if need_h:
                     _add_matmul(acc_h, gz, w)  # (n, H) += (n, v) @ (v, H)
@@ -228,17 +271,25 @@ def token_logprobs(
     targets: torch.Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     chunk_size: int = 1024,
     vocab_chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """log_softmax(hidden @ weight.T / temperature)[i, targets[i]] for every token i, in float32.
+    """log_softmax(head(hidden @ weight.T) / temperature)[i, targets[i]] for every token i, in float32.
+
+    head(z) = z * logit_scale, then softcap * tanh(z / softcap) when softcap is set: the output transform of the
+    model's head (``_head`` reads it from a model's config). The defaults are a plain linear head.
 
     Args:
         hidden: (N, H) final hidden states, any float dtype (N flattened tokens, H hidden size).
         weight: (V, H) lm_head matrix (V vocabulary). May be the input embedding's Parameter (tied embeddings):
             autograd adds this function's gradient to the embedding's.
         targets: (N,) long token ids in [0, V) (not checked, departure 4).
-        temperature: > 0; logits are divided by it before the softmax.
+        temperature: > 0; the head's logits are divided by it before the softmax.
+        logit_scale: > 0, multiplies the logits (Cohere's ``logit_scale``; 1 / ``logits_scaling`` for Granite).
+        softcap: None, or > 0: logits become softcap * tanh(logits / softcap) after the scaling (Gemma-2's
+            ``final_logit_softcapping``).
         chunk_size: tokens per chunk.
         vocab_chunk_size: vocabulary rows per chunk; None picks the whole vocabulary if a chunk_size x V tile holds
             at most 2**23 logits, else the largest slice that does.
@@ -248,7 +299,8 @@ def token_logprobs(
         hidden and weight; gradients come back in their dtypes.
 
     Memory: the forward keeps one (chunk_size, vocab_chunk) float32 tile alive at a time and saves only the (N,)
-    log-sum-exp; the backward recomputes each tile (one extra matmul per tile) instead of storing (N, V) logits.
+    log-sum-exp; the backward recomputes each tile (one extra matmul per tile) instead of storing (N, V) logits. A
+    soft-cap costs one tanh per logit in each pass and one more tile in the backward (its derivative).
     """
     assert hidden.dim() == 2 and weight.dim() == 2, f"hidden (N, H), weight (V, H); got {hidden.shape}, {weight.shape}"
     assert hidden.shape[1] == weight.shape[1], f"hidden size mismatch: hidden {hidden.shape}, weight {weight.shape}"
@@ -256,9 +308,12 @@ def token_logprobs(
     assert hidden.is_floating_point() and weight.is_floating_point(), "hidden and weight must be floating point"
     assert temperature > 0, f"temperature must be > 0 for log-probs, got {temperature}"
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
+    assert logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}"
+    assert softcap is None or softcap > 0, f"softcap must be None or > 0, got {softcap}"
     vocab_chunk = _vocab_chunk(weight.shape[0], chunk_size, vocab_chunk_size)
     cdt = _matmul_dtype(hidden, weight)
-    return _TokenLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size), vocab_chunk, cdt)
+    head = (float(temperature), float(logit_scale), None if softcap is None else float(softcap))
+    return _TokenLogprobs.apply(hidden, weight, targets.long(), head, int(chunk_size), vocab_chunk, cdt)
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -278,22 +333,82 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 # ------------------------------------------------------------------------------------------------
 
 
-def _lm_head_weight(model) -> torch.Tensor:
-    """The (V, H) lm_head matrix, after checking the head really is logits = h @ W.T (departure 1)."""
-    head = model.get_output_embeddings()
-    assert head is not None and hasattr(head, "weight"), f"{type(model).__name__} has no lm_head weight"
-    assert getattr(head, "bias", None) is None, "lm_head with a bias is not supported (departure 1)"
+# How each model family's forward transforms lm_head(h), read off its modeling_<family>.py in transformers 5.x:
+# config field -> "multiply" (logits * value), "divide" (logits / value) or "softcap" (tanh(logits / v) * v).
+_HEAD_TRANSFORMS = {
+    "cohere": {"logit_scale": "multiply"},
+    "cohere2": {"logit_scale": "multiply"},
+    "cohere2_moe": {"logit_scale": "multiply"},
+    "granite": {"logits_scaling": "divide"},
+    "granitemoe": {"logits_scaling": "divide"},
+    "granitemoeshared": {"logits_scaling": "divide"},
+    "granitemoehybrid": {"logits_scaling": "divide"},
+    "gemma2": {"final_logit_softcapping": "softcap"},
+    "gemma3_text": {"final_logit_softcapping": "softcap"},
+    "vaultgemma": {"final_logit_softcapping": "softcap"},
+    "nanochat": {"final_logit_softcapping": "softcap"},
+}
+# Config fields through which some transformers forward changes its logits after the lm_head matmul. A model whose
+# family is not in _HEAD_TRANSFORMS for that field and sets one of them (to anything but None or 1) is refused: its
+# forward may scale, divide or cap, and a guess would silently give log-probs that differ from generate's.
+_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap", "lm_head_multiplier",
+                "output_multiplier")
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The model's head as this file computes it: logits = head(h @ weight.T), head(z) = z * logit_scale, then
+    softcap * tanh(z / softcap) when softcap is set (departure 1). Read from the model by ``_head`` only."""
+
+    weight: torch.Tensor  # (V, H) lm_head matrix
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def kernel_kwargs(self) -> dict:
+        """token_logprobs' head arguments; none for a plain head, so a plain head calls it as it always could."""
+        if self.logit_scale == 1.0 and self.softcap is None:
+            return {}
+        return dict(logit_scale=self.logit_scale, softcap=self.softcap)
+
+
+def _head(model) -> _Head:
+    """The (V, H) lm_head matrix and the transform the model's forward applies to h @ W.T (departure 1). Anything
+    but a bias-free linear map, scaled and soft-capped as _HEAD_TRANSFORMS lists, raises a ValueError."""
+    name = type(model).__name__
+    module = model.get_output_embeddings()
+    if module is None or not isinstance(getattr(module, "weight", None), torch.Tensor) or module.weight.dim() != 2:
+        raise ValueError(f"sampler.py: {name} has no lm_head weight matrix (get_output_embeddings())")
+    if getattr(module, "bias", None) is not None:
+        raise ValueError(f"sampler.py: {name}'s lm_head has a bias; only logits = h @ W.T (scaled, soft-capped) is "
+                         f"supported")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        value = getattr(cfg, attr, None)
-        assert value in (None, 1, 1.0), f"config.{attr}={value}: scaled or capped logits are not supported"
-    return head.weight
+    known = _HEAD_TRANSFORMS.get(getattr(cfg, "model_type", None), {})
+    scale, softcap = 1.0, None
+    for field in _HEAD_FIELDS:
+        value = getattr(cfg, field, None)
+        kind = known.get(field)
+        if kind is None:
+            if value is not None and value != 1:
+                raise ValueError(f"sampler.py: {name} sets config.{field}={value!r}; sampler.py does not know how this "
+                                 f"model's forward applies it to the logits, so it refuses rather than guess")
+        elif value is not None:
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"sampler.py: {name}: config.{field} must be a positive number, got {value!r}")
+            if kind == "multiply":
+                scale *= float(value)
+            elif kind == "divide":
+                scale /= float(value)  # one rounding away from the model's division; exact for powers of two
+            else:
+                softcap = float(value)
+    return _Head(module.weight, scale, softcap)
 
 
 def _base_model(model):
     """The transformer body that returns final hidden states (after the last norm), without the lm_head."""
     base = getattr(model, model.base_model_prefix, None)
-    assert base is not None and base is not model, f"cannot find the base model of {type(model).__name__}"
+    if base is None or base is model:
+        raise ValueError(f"sampler.py: cannot find the base model of {type(model).__name__} "
+                         f"(base_model_prefix {model.base_model_prefix!r})")
     return base
 
 
@@ -303,17 +418,21 @@ def _cache_kwarg(base) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _full_attention(config) -> bool:
-    """True if every layer attends to the whole past: no sliding window (departures 6, 8, 10)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return all(t == "full_attention" for t in layer_types)
-    return getattr(config, "sliding_window", None) is None  # e.g. Mistral: one window for all layers, no layer_types
-
-
-def _full_attention_sdpa(config) -> bool:
-    """True if every layer is plain causal SDPA attention: no sliding window, no other kernel (departure 8)."""
-    return getattr(config, "_attn_implementation", None) == "sdpa" and _full_attention(config)
+def _layer_windows(config) -> list[int | None] | None:
+    """The attention span of each layer, as transformers lays out its DynamicCache for this config: None for full
+    attention, W for a sliding window of W tokens (a query sees itself and the W - 1 tokens before it; the cache
+    layer keeps the last W - 1). None instead of a list when some layer is of another kind (chunked attention,
+    a recurrent state): the default path's trim and merge (departure 6) know these two kinds only."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = []
+    for kind, layer in zip(layer_types, DynamicCache(config=config).layers):  # empty layers: nothing allocated yet
+        if kind == "full_attention" and type(layer) is DynamicLayer:
+            windows.append(None)
+        elif kind == "sliding_attention" and type(layer) is DynamicSlidingWindowLayer:
+            windows.append(int(layer.sliding_window))
+        else:
+            return None
+    return windows
 
 
 def _as_id_list(seq) -> list[int]:
@@ -364,8 +483,8 @@ def response_logprobs(
     responses = [_as_id_list(r) for r in responses]
     assert len(prompts) == len(responses), f"{len(prompts)} prompts but {len(responses)} responses"
     assert all(len(p) > 0 for p in prompts), "every prompt needs a token: its last predicts the first response token"
-    weight = _lm_head_weight(model)
-    device = weight.device
+    head = _head(model)
+    weight, device = head.weight, head.weight.device
     _check_ids(prompts, weight.shape[0], "prompts")
     _check_ids(responses, weight.shape[0], "responses")
     n_rows = len(prompts)
@@ -399,7 +518,7 @@ def response_logprobs(
     h = hidden[rows_t, cols_t]  # (N, H): only the positions that predict response tokens
     logp_flat = token_logprobs(
         h, weight, torch.tensor(targets, dtype=torch.long, device=device), temperature=temperature,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size, **head.kernel_kwargs(),
     )  # (N,)
     # mask is row-major in the same order as the flattened tokens, so masked_scatter puts each value in its slot
     logp = torch.zeros(n_rows, t_max, dtype=logp_flat.dtype, device=device).masked_scatter(mask, logp_flat)  # (B, T)
@@ -501,7 +620,7 @@ class _Run:
     one scatter at the end assembles them, instead of indexed writes into output buffers on every step."""
 
     prompts: list[list[int]]
-    weight: torch.Tensor  # (V, H) lm_head
+    head: _Head  # lm_head weight (V, H) and the transform of its output
     seeds: torch.Tensor  # (B,) int64, one per prompt
     eos: torch.Tensor  # (E,) long
     max_new_tokens: int
@@ -532,7 +651,8 @@ class _Run:
         """Draw the next token of each running row. hidden (A, H), rows (A,) original row ids, n_out (A,) tokens
         drawn so far; may_cap: whether some row can reach max_new_tokens now (known on the host, so the check is
         skipped otherwise) -> tokens (A,), done (A,) bool (EOS drawn or the cap reached), is_eos (A,) bool."""
-        logits = torch.mm(hidden, self.weight.t()).float()  # (A, V), the same expression token_logprobs uses
+        logits = torch.mm(hidden, self.head.weight.t()).float()  # (A, V), the same expressions token_logprobs uses
+        logits = _head_transform_(logits, self.head.logit_scale, self.head.softcap)  # the model's own logits
         u = None if self.temperature == 0 else _uniforms(self.seeds[rows], n_out)  # (A,)
         tokens, logp = _draw(logits, self.temperature, self.top_p, u)  # (A,), (A,)
         self.draws.append((rows, n_out, tokens, logp))
@@ -618,21 +738,29 @@ def sample(
     assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"sampler.py sample(): max_batch_size must be >= 1 or None, got {max_batch_size}")
-    weight = _lm_head_weight(model)
-    device = weight.device
-    _check_ids(prompts, weight.shape[0], "prompts")
+    head = _head(model)
+    device = head.weight.device
+    _check_ids(prompts, head.weight.shape[0], "prompts")
     n_rows = len(prompts)
     if n_rows == 0:
         return []
     capacity = n_rows if max_batch_size is None else min(max_batch_size, n_rows)
-    if (capacity < n_rows or static) and not _full_attention(model.config):
-        raise ValueError("sampler.py sample(): max_batch_size < len(prompts) and static=True need a model whose layers "
-                         "all use full attention (sliding-window caches cannot be merged or preallocated per slot)")
+    windows = _layer_windows(model.config)  # per layer: None (full attention) or its sliding window
+    if capacity < n_rows and windows is None:
+        raise ValueError(f"sampler.py sample(): max_batch_size < len(prompts) needs every layer to use full or "
+                         f"sliding-window attention; {type(model).__name__} has other KV-cache layers "
+                         f"(config.layer_types={getattr(model.config, 'layer_types', None)})")
+    if static and (windows is None or any(w is not None for w in windows)):
+        raise ValueError(f"sampler.py sample(): static=True needs full attention in every layer; "
+                         f"{type(model).__name__} has sliding-window or other layers (config.sliding_window="
+                         f"{getattr(model.config, 'sliding_window', None)}, config.layer_types="
+                         f"{getattr(model.config, 'layer_types', None)}); the default path (static=False) supports "
+                         f"sliding windows")
     if static and model.config._attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"sampler.py sample(): static=True supports sdpa and eager attention, not "
                          f"{model.config._attn_implementation!r}")
     run = _Run(
-        prompts, weight, _row_seeds(n_rows, generator, device),
+        prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
         capacity, max(1, capacity // 8) if min_refill is None else max(1, int(min_refill)),
     )
@@ -644,7 +772,10 @@ def sample(
     # small model's decode step. Its tensors never escape: the rollouts' tensors are copied out after it.
     try:
         with torch.inference_mode():
-            (_decode_static if static else _decode_dynamic)(model, base, run, pad_token_id)
+            if static:
+                _decode_static(model, base, run, pad_token_id)
+            else:
+                _decode_dynamic(model, base, run, pad_token_id, windows)
     finally:
         if run.bar is not None:
             run.bar.close()
@@ -681,7 +812,7 @@ class _Batch:
 
 def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: int) -> _Batch:
     """One forward over the left-padded prompts of `rows` into a fresh DynamicCache; they draw first at `step`."""
-    device = run.weight.device
+    device = run.head.weight.device
     lens = torch.tensor([len(run.prompts[r]) for r in rows], dtype=torch.long)  # (b,)
     width = int(lens.max())
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (b, P)
@@ -712,13 +843,29 @@ def _left_pad(x: torch.Tensor, width: int, dim: int, value) -> torch.Tensor:
     return torch.cat([x.new_full(shape, value), x], dim=dim)
 
 
-def _merge(a: _Batch, b: _Batch, room: int) -> _Batch:
+def _cache_columns(width: int, window: int | None) -> int:
+    """Columns a cache layer holds for a batch `width` columns wide: all of them, or the last W - 1 of a sliding
+    window of W (what transformers' DynamicSlidingWindowLayer keeps between forwards)."""
+    return width if window is None else min(width, window - 1)
+
+
+def _set_width(layer, width: int, window: int | None) -> None:
+    """A sliding layer derives its mask's offset from the columns it has seen (``cumulative_length``), not from the
+    columns it holds: after a merge or a trim it must count the batch's new width, as the full layers do."""
+    if window is not None:
+        layer.cumulative_length = width
+
+
+def _merge(a: _Batch, b: _Batch, room: int, windows: list[int | None]) -> _Batch:
     """Batch a's rows then b's, both caches left-padded to the wider one (the padding columns are masked out and
-    positions are per row, so every row computes what it computed before)."""
+    positions are per row, so every row computes what it computed before). A sliding layer holds the last
+    min(width, W - 1) columns of each batch: each is left-padded to that many columns of the merged width."""
     width = max(a.width, b.width)
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        la.keys = torch.cat([_left_pad(la.keys, width, 2, 0.0), _left_pad(lb.keys, width, 2, 0.0)])  # (B, h, W, d)
-        la.values = torch.cat([_left_pad(la.values, width, 2, 0.0), _left_pad(lb.values, width, 2, 0.0)])
+    for la, lb, window in zip(a.cache.layers, b.cache.layers, windows):
+        cols = _cache_columns(width, window)
+        la.keys = torch.cat([_left_pad(la.keys, cols, 2, 0.0), _left_pad(lb.keys, cols, 2, 0.0)])  # (B, h, W, d)
+        la.values = torch.cat([_left_pad(la.values, cols, 2, 0.0), _left_pad(lb.values, cols, 2, 0.0)])
+        _set_width(la, width, window)
     attn = torch.ones(a.attn.shape[0] + b.attn.shape[0], width + room, dtype=torch.bool, device=a.attn.device)
     attn[:, :width] = torch.cat([_left_pad(a.attn[:, : a.width], width, 1, False),
                                  _left_pad(b.attn[:, : b.width], width, 1, False)])  # (B, W)
@@ -728,29 +875,35 @@ def _merge(a: _Batch, b: _Batch, room: int) -> _Batch:
                   cat(a.hidden, b.hidden), a.rows_host + b.rows_host, a.starts + b.starts, pads)
 
 
-def _keep(batch: _Batch, keep: list[int]) -> _Batch:
+def _keep(batch: _Batch, keep: list[int], windows: list[int | None] | None) -> _Batch:
     """Only the rows `keep` stay: cache rows, mask rows, row state. Leading columns that became padding in every
-    remaining row are cut (a view, no copy), so the cache stays as wide as its longest row, not as the run."""
+    remaining row are cut (a view, no copy), so the cache stays as wide as its longest row, not as the run; a sliding
+    layer keeps the last min(new width, W - 1) of its columns. Nothing is cut when some layer keeps another kind of
+    cache (windows None)."""
     keep_t = torch.tensor(keep, dtype=torch.long, device=batch.rows.device)  # (B',)
     batch.cache.batch_select_indices(keep_t)
     pads = [batch.pads[i] for i in keep]
-    lead = min(pads)  # columns that are padding in every remaining row
+    lead = min(pads) if windows is not None else 0  # columns that are padding in every remaining row
     attn = batch.attn[keep_t, lead:]
+    width = batch.width - lead
     if lead > 0:
-        for layer in batch.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
-    return _Batch(batch.cache, attn, batch.width - lead, batch.next_pos[keep_t], batch.rows[keep_t],
+        for layer, window in zip(batch.cache.layers, windows):
+            cols = _cache_columns(width, window)
+            layer.keys, layer.values = layer.keys[:, :, -cols:], layer.values[:, :, -cols:]  # cols >= 1: a prompt
+            _set_width(layer, width, window)
+    return _Batch(batch.cache, attn, width, batch.next_pos[keep_t], batch.rows[keep_t],
                   batch.n_out[keep_t], batch.hidden[keep_t], [batch.rows_host[i] for i in keep],
                   [batch.starts[i] for i in keep], [p - lead for p in pads])
 
 
-def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
-    """The default decode loop: draw, drop finished rows, one decode step for the rest, refill."""
+def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int | None] | None) -> None:
+    """The default decode loop: draw, drop finished rows, one decode step for the rest, refill. windows: each
+    layer's sliding window (None: full attention), or None for a model with other cache layers (never refilled)."""
     cache_arg = _cache_kwarg(base)
     # For SDPA models without sliding-window layers, a decode step's mask is just the padding mask, and transformers
     # passes a ready 4D mask through untouched: hand it a (B, 1, 1, cur) view of the buffer and skip the per-step
     # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
-    ready_4d = _full_attention_sdpa(model.config)
+    ready_4d = model.config._attn_implementation == "sdpa" and windows is not None and all(w is None for w in windows)
     step = 0
     batch = _prefill(model, base, run, run.take(run.capacity, 0), pad_token_id, step)
     while batch is not None:
@@ -759,7 +912,7 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
         if done.any():  # one host sync per step: the batch shape of the next step depends on it
             flags = run.finish(batch.rows_host, [step - s for s in batch.starts], done, is_eos)
             keep = [i for i, d in enumerate(flags) if not d]
-            batch, tokens = (_keep(batch, keep), tokens[keep]) if keep else (None, None)
+            batch, tokens = (_keep(batch, keep, windows), tokens[keep]) if keep else (None, None)
         step += 1
         if batch is not None:
             cur = batch.width + 1  # cache columns once this step's token is in
@@ -774,7 +927,7 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int) -> None:
         new = run.take(run.capacity - alive, alive)
         if new:
             fresh = _prefill(model, base, run, new, pad_token_id, step)
-            batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens)
+            batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens, windows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -865,7 +1018,7 @@ def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -
                                                                                        torch.Tensor]:
     """One forward over the right-padded prompts of `rows`: (cache with K/V at columns [0, len), hidden (b, H) at
     each row's last prompt token, lens (b,) on the model's device)."""
-    device = run.weight.device
+    device = run.head.weight.device
     lens = torch.tensor([len(run.prompts[r]) for r in rows], dtype=torch.long)  # (b,)
     width = int(lens.max())
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (b, P)
@@ -883,7 +1036,7 @@ def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -
 
 def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
     """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch."""
-    device = run.weight.device
+    device = run.head.weight.device
     n_slots = run.capacity
     length = max(len(p) for p in run.prompts) + run.max_new_tokens  # every row fits from column 0
     cache = _SlotCache(n_slots, length, device)
