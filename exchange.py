@@ -267,6 +267,12 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
     # A file of another run (left in the folder) counts as not written yet: the peer of this run
     # will replace it atomically.
     while not (Path(path).exists() and (run_id is None or file_run_id(path) == run_id)):
+        if me and attempt is not None and time.time() > next_check:
+            newer = newest_attempt_of(exchange, me, run_id)
+            if newer > attempt:
+                raise RuntimeError(f"side {me!r} was relaunched: a newer process took part in attempt {newer} of "
+                                   f"run {run_id} in {exchange}; this process (attempt {attempt}) stops")
+            next_check = time.time() + 2.0
         failed = read_json(side / "FAILED")
         beat = read_json(side / "HEARTBEAT")
         if failed is not None and (run_id is None or failed.get("run_id") == run_id):
@@ -302,12 +308,6 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
             raise TimeoutError(f"side {peer!r} has not joined run {run_id} (attempt {attempt}) in {exchange} "
                                f"within --join-timeout: is it running, with --peer-exchange {exchange} (and "
                                f"--resume if this side resumed)? See its log")
-        if me and attempt is not None and time.time() > next_check:
-            newer = newest_attempt_of(exchange, me, run_id)
-            if newer > attempt:
-                raise RuntimeError(f"side {me!r} was relaunched: a newer process took part in attempt {newer} of "
-                                   f"run {run_id} in {exchange}; this process (attempt {attempt}) stops")
-            next_check = time.time() + 2.0
         if time.time() - t0 > timeout:
             raise TimeoutError(f"waited {timeout:.0f}s for the peer's rollout file {path}; is the peer process "
                                f"running with the same --peer-exchange and --steps? (raise --exchange-timeout)")
@@ -378,14 +378,15 @@ def attempts_dir(exchange: Path) -> Path:
     return Path(exchange) / ".attempts"
 
 
-def current_attempt(exchange: Path, run_id: str) -> tuple[int, str]:
-    """(k, founder) of the run's newest attempt; attempt 0 is the run's founding (the RUN record)."""
+def current_attempt(exchange: Path, run_id: str) -> tuple[int, dict]:
+    """(k, record {founder, created}) of the run's newest attempt; attempt 0 is the run's founding
+    (the RUN record)."""
     ks = [int(p.name.split(".")[1]) for p in attempts_dir(exchange).glob(f"{run_id}.[0-9]*")
           if p.name.count(".") == 1]
     if not ks:
-        return 0, str((read_json(Path(exchange) / "RUN") or {}).get("founder", ""))
+        return 0, read_json(Path(exchange) / "RUN") or {}
     k = max(ks)
-    return k, str((read_json(attempts_dir(exchange) / f"{run_id}.{k:06d}") or {}).get("founder", ""))
+    return k, read_json(attempts_dir(exchange) / f"{run_id}.{k:06d}") or {}
 
 
 def take_part(exchange: Path, run_id: str, attempt: int, name: str) -> bool:
@@ -400,11 +401,17 @@ def newest_attempt_of(exchange: Path, name: str, run_id: str | None) -> int:
     return max(ks, default=-1)
 
 
-def first_beat(exchange: Path, name: str, run_id: str, attempt: int) -> None:
-    """A heartbeat written before the record that names this side founder: a peer that reads the
-    record must find its founder alive, even before the founder's Heartbeat thread starts."""
-    write_json(Path(exchange) / name / "HEARTBEAT", {"run_id": run_id, "attempt": attempt, "pid": os.getpid(),
-                                                     "step": -1, "time": time.time(), "state": "running"})
+def founder_alive(exchange: Path, founder: str, run_id: str, attempt: int | None, record: dict,
+                  dead_after: float) -> bool:
+    """A run's or attempt's founder is alive: its heartbeat of that run and attempt says running and
+    is younger than dead_after, or it has none yet and the record is younger than dead_after (its
+    Heartbeat thread may not have started; a founder writes nothing into its side folder before its
+    record exists, so that a process that loses the race to found never overwrites the winner's
+    heartbeat)."""
+    beat = read_json(Path(exchange) / founder / "HEARTBEAT") or {}
+    if beat.get("run_id") == run_id and (attempt is None or int(beat.get("attempt", 0)) == attempt):
+        return alive(exchange, founder, run_id, attempt, dead_after)
+    return time.time() - float(record.get("created", 0)) <= dead_after
 
 
 def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair: dict | None = None,
@@ -431,7 +438,6 @@ def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair:
             if run_file.exists():
                 raise RuntimeError(f"{run_file}: not a readable run record; delete it or use a fresh --peer-exchange")
             rid = run_id or previous or new_run_id()
-            first_beat(exchange, name, rid, 0)
             if not create_exclusive(run_file, {"run_id": rid, "founder": name, "sides": sides, "pair": pair,
                                                "created": time.time()}):
                 continue  # the peer founded it first
@@ -471,7 +477,7 @@ def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair:
         if k > 0:
             raise RuntimeError(f"{run_file}: run {rid} is being resumed (attempt {k}); this side joins it only with "
                                f"--resume and its own --out of that run")
-        if founder != name and not alive(exchange, founder, rid, None, dead_after):
+        if not founder_alive(exchange, founder, rid, None, record, dead_after):
             raise RuntimeError(f"{run_file}: run {rid} was started by side {founder!r}, which is not running now "
                                f"(no live heartbeat): these are a dead run's files; use a fresh --peer-exchange, "
                                f"or --force on both sides to start over here")
@@ -493,14 +499,14 @@ def join_attempt(exchange: Path, name: str, run_id: str, *, dead_after: float = 
     FAILED marker of an earlier attempt."""
     exchange = Path(exchange)
     for _ in range(100):  # retried only while two sides race to found the next attempt
-        k, founder = current_attempt(exchange, run_id)
+        k, record = current_attempt(exchange, run_id)
+        founder = str(record.get("founder", ""))
         if (founder != name and newest_attempt_of(exchange, name, run_id) < k
-                and alive(exchange, founder, run_id, k, dead_after)):
+                and founder_alive(exchange, founder, run_id, k, record, dead_after)):
             if not take_part(exchange, run_id, k, name):
                 raise RuntimeError(f"{exchange}: another process joined attempt {k} of run {run_id} as side "
                                    f"{name!r} first; one process per side name")
         else:
-            first_beat(exchange, name, run_id, k + 1)
             if not create_exclusive(attempts_dir(exchange) / f"{run_id}.{k + 1:06d}",
                                     {"founder": name, "created": time.time()}):
                 continue  # the peer founded it first: join it
