@@ -147,7 +147,8 @@ def finished_run(finished_template, tmp_path):
     shutil.copytree(finished_template / "run", tmp_path / "run")
     run_json = tmp_path / "run" / "run.json"  # the run's prompts path is the copy's
     record = json.loads(run_json.read_text())
-    record["settings"]["prompts"] = str(tmp_path / "p.jsonl")
+    if "settings" in record:
+        record["settings"]["prompts"] = str(tmp_path / "p.jsonl")
     run_json.write_text(json.dumps(record))
     return tmp_path / "run", tmp_path / "p.jsonl"
 
