@@ -538,7 +538,8 @@ def leave_run(exchange: Path, name: str, *, dead_after: float = 60.0) -> None:
             beat = read_json(exchange / s / "HEARTBEAT") or {}
             age = time.time() - float(beat.get("time", 0)) if beat.get("state") == "running" else None
         if age is not None and age <= dead_after:
-            raise RuntimeError(f"--force would delete the files of run {target or '?'} in {exchange}, but side {s!r} "
+            raise RuntimeError(f"--force would delete the files of run {target or (record or {}).get('run_id')} in "
+                               f"{exchange}, but side {s!r} "
                                f"of it is running (heartbeat {age:.0f}s old, pid "
                                f"{(read_json(exchange / s / 'HEARTBEAT') or {}).get('pid')}): stop that pair first, "
                                f"or use a fresh --peer-exchange")
@@ -549,6 +550,8 @@ def leave_run(exchange: Path, name: str, *, dead_after: float = 60.0) -> None:
     rid = str(record.get("run_id"))
     if target and rid != target:
         return  # the folder already holds a new run (the peer's --force founded it): keep it
+    if not target and any(alive(exchange, s, rid, None, dead_after) for s in sides if s != name):
+        return  # this side never joined that run, which is alive: not this side's to delete
     # Remove the record only if it is still that run: a peer may found a new one meanwhile.
     grave = exchange / f".RUN.removed.{os.getpid()}"
     try:

@@ -297,17 +297,36 @@ def test_force_refuses_while_the_run_is_live(tiny, tmp_path):
     assert not (tmp_path / "second" / "a" / "metrics.jsonl").exists()
 
 
+def side_proc(tiny, out, ex, name, peer, model, *extra, steps=1):
+    args = [str(tiny / "planted.py"), "train", "--model", str(tiny / model), "--name", name, "--peer-name", peer,
+            "--out", str(out), "--peer-exchange", str(ex)] + common_flags(tiny, steps=steps) + list(extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen([sys.executable] + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
 def test_two_pairs_started_at_once_never_cross(tiny, tmp_path):
+    # Pair 1 (data seed 0) and pair 2 (data seed 1), same side names, one exchange folder, no --run-id:
+    # a of pair 1 and b of pair 2 start together (the pair that would cross), their partners just after.
     ex = tmp_path / "ex"
-    procs = []
-    for tag in ("p1", "p2"):  # as run_pair.sh launches them: each pair with its own --run-id
-        procs += pair_procs(tiny, tmp_path / tag, ex, *FAST, "--run-id", tag, steps=1)
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    codes = [p.returncode for p in procs]
-    winner = json.loads((ex / "RUN").read_text())["run_id"]
-    ok = [i for i, c in enumerate(codes) if c == 0]
-    assert ok == ([0, 1] if winner == "p1" else [2, 3]), (codes, [o[-1500:] for o in outs])
-    assert all("--peer-exchange" in outs[i] for i in range(4) if i not in ok)
+    seeds = {"p1": "0", "p2": "1"}
+    procs = {("p1", "a"): side_proc(tiny, tmp_path / "p1" / "a", ex, "a", "b", "ma", "--data-seed", "0", *FAST),
+             ("p2", "b"): side_proc(tiny, tmp_path / "p2" / "b", ex, "b", "a", "mb", "--data-seed", "1", *FAST)}
+    wait_until(lambda: (ex / "RUN").is_file(), list(procs.values()), "a founder")
+    procs[("p1", "b")] = side_proc(tiny, tmp_path / "p1" / "b", ex, "b", "a", "mb", "--data-seed", "0", *FAST)
+    procs[("p2", "a")] = side_proc(tiny, tmp_path / "p2" / "a", ex, "a", "b", "ma", "--data-seed", "1", *FAST)
+    outs = {k: p.communicate(timeout=600)[0] for k, p in procs.items()}
+    ok = sorted(k for k, p in procs.items() if p.returncode == 0)
+    assert ok in ([("p1", "a"), ("p1", "b")], [("p2", "a"), ("p2", "b")]), {k: o[-1500:] for k, o in outs.items()}
+    tag = ok[0][0]
+    for k, out in outs.items():
+        if k[0] != tag:
+            assert "--peer-exchange:" in out and not (tmp_path / k[0] / k[1] / "metrics.jsonl").exists(), out[-1500:]
+    said = "".join(o for k, o in outs.items() if k[0] != tag)
+    assert "--data-seed 0 there, 1 here" in said or "--data-seed 1 there, 0 here" in said, said[-3000:]
+    m = {s: read_metrics(tmp_path / tag / s / "metrics.jsonl") for s in "ab"}
+    assert m["a"][0]["assignment"] == m["b"][0]["assignment"]
+    assert graft.load_rollouts(graft.rollout_path(ex, "a", 0))[1]["data_seed"] == seeds[tag]
 
 
 def test_join_run_checks_the_founders_peers_and_pair_settings(tmp_path):
@@ -329,6 +348,8 @@ def test_join_run_checks_the_founders_peers_and_pair_settings(tmp_path):
         assert graft.join_run(ex, "b", peers=["a"], pair=pair) == rid
         with pytest.raises(RuntimeError, match="--force would delete .* side 'a' of it is running"):
             graft.leave_run(ex, "b")  # --force of a second pair in this folder
+        graft.leave_run(ex, "c")  # --force of a side that never joined: its own folder only, never the live run
+        assert json.loads((ex / "RUN").read_text())["run_id"] == rid
         (ex / "b" / "RUN_ID").unlink()  # a second process as b, even before the first wrote its RUN_ID
         with pytest.raises(RuntimeError, match="side 'b' already took part in run"):
             graft.join_run(ex, "b", peers=["a"], pair=pair)
