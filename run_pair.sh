@@ -17,7 +17,8 @@
 # A pair splits the GPUs in two halves (printed); with one GPU both sides share it, with none both run
 # on the CPU. When one side exits non-zero the other is stopped at once. Each launch passes both sides
 # a fresh --run-id (not with --resume, which keeps the run's), so two pairs started in one exchange
-# folder never join each other. The script prints every command it runs.
+# folder never join each other. After any failure, `bash run_pair.sh pair1 --resume` continues the
+# pair from each side's last complete checkpoint. The script prints every command it runs.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -147,7 +148,7 @@ case "$PRESET" in
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py eval --model "$MODEL" --data-dir "$DATA" --benchmarks all --samples 8 --temperature 0.6 --top-p 0.95 "$@" ;;
   -h|--help|help)
-    sed -n '2,17p' "$0" ;;
+    sed -n '2,21p' "$0" ;;
   *)
     echo "run_pair.sh: unknown preset '$PRESET' (tiny, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
 esac
