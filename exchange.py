@@ -453,13 +453,13 @@ def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair:
                                    f"belongs to run {previous}: resume with the exchange folder of that run")
             mine.write_text(rid)
             return rid
-        if run_id and rid != run_id:
-            raise RuntimeError(f"{run_file}: the exchange folder belongs to run {rid}, not --run-id {run_id} "
-                               f"(another pair uses this folder: give each pair its own --peer-exchange)")
         if joined == rid or newest_attempt_of(exchange, name, rid) >= 0:
             raise RuntimeError(f"{run_file}: side {name!r} already took part in run {rid} of this exchange folder; "
                                f"to continue it pass --resume, to start a new pair use a fresh --peer-exchange "
                                f"(or --force on both sides)")
+        if run_id and rid != run_id:
+            raise RuntimeError(f"{run_file}: the exchange folder belongs to run {rid}, not --run-id {run_id} "
+                               f"(another pair uses this folder: give each pair its own --peer-exchange)")
         if founder == name:
             raise RuntimeError(f"{run_file}: run {rid} was founded by another process as side {name!r}; one "
                                f"process per side name (is a second pair starting in this folder?)")
