@@ -541,10 +541,13 @@ class RunFiles:
         if not (self.dist.main and self.mode == "online" and self.heartbeat is not None):
             return
         import traceback
-        if not self.heartbeat.left_behind():
-            write_failed(self.exchange, self.cfg.name, self.run_id,
-                         f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}", attempt=self.attempt)
-        self.heartbeat.stop("failed")
+        try:  # on a full disk these writes fail too; the peer then sees the heartbeat go stale
+            if not self.heartbeat.left_behind():
+                write_failed(self.exchange, self.cfg.name, self.run_id,
+                             f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}", attempt=self.attempt)
+            self.heartbeat.stop("failed")
+        except OSError as e:
+            print(f"[graft] could not leave the FAILED marker for the peer: {e}")
         self.heartbeat = None
 
     def resume_hint(self) -> str:
