@@ -239,7 +239,7 @@ class Config:
     keep_checkpoints: int = 2
     """How many step checkpoints to keep (the best-by-eval one is kept apart)."""
     resume: bool = False
-    """Continue from the newest checkpoint that loads; settings are checked against <out>/run.json (README "Resuming")."""
+    """Continue from the newest checkpoint that loads (a pair: relaunch both sides); a changed run-defining flag is refused."""
     force: bool = False
     """Delete an earlier run in --out (and this side's files in the exchange dir) and start over."""
 

@@ -376,7 +376,10 @@ FAKE_TORCHRUN = r'''#!/usr/bin/env bash
 # stands in for "python -m torch.distributed.run": logs the launch, then behaves as FAIL_SIDE says
 name=$(echo "$*" | sed -E 's/.* --name ([^ ]+) .*/\1/')
 echo "side=$name gpus=[${CUDA_VISIBLE_DEVICES-unset}] $*" >> "$LOG"
-if [ "$name" = "${FAIL_SIDE:-}" ]; then exit 3; fi
+if [ "$name" = "${FAIL_SIDE:-}" ]; then  # fails once both sides are up
+  for _ in $(seq 100); do [ "$(wc -l < "$LOG")" -ge 2 ] && break; sleep 0.1; done
+  exit 3
+fi
 if [ -n "${FAIL_SIDE:-}" ]; then sleep 60; fi
 '''
 
