@@ -15,13 +15,21 @@ Response r = g * n + i is rollout i of prompt g. Loading validates format, versi
 offsets, finiteness, prompt ids and the run identity, and every error names the file.
 
 Beside the step files, an online pair keeps (section "Run identity and liveness"):
-    <exchange>/RUN                 JSON {run_id, founder, created}: written once, by the first side
+    <exchange>/RUN                 JSON {run_id, founder, sides, pair, created}: written once, by the
+                                   first side; sides = the founder and the peers it names, pair = the
+                                   settings both sides must share (pair_settings in runtime.py)
+    <exchange>/.attempts/<run>.<k>         JSON {founder, created}: attempt k >= 1 of the run, founded
+                                   by the first side relaunched with --resume (attempt 0 is the RUN)
+    <exchange>/.attempts/<run>.<k>.<side>  side took part in attempt k (created once, exclusively)
     <exchange>/<side>/RUN_ID       the run this side joined (a side joins a run once)
-    <exchange>/<side>/HEARTBEAT    JSON {run_id, pid, step, time, state}, rewritten every few seconds
-    <exchange>/<side>/FAILED       JSON {run_id, error}: written by a side that dies of an exception
-                                   or SIGTERM, so its peer stops at once instead of timing out
+    <exchange>/<side>/HEARTBEAT    JSON {run_id, attempt, pid, step, time, state}, rewritten every few seconds
+    <exchange>/<side>/FAILED       JSON {run_id, attempt, error}: written by a side that dies of an
+                                   exception or a signal, so its peer stops at once instead of timing out
 A file or marker of another run is never taken for this run's: step files are checked against the
-run id, stale markers are ignored, and a side that finds a dead run in its folder says so at start.
+run id, markers and heartbeats of another run or of an earlier attempt are ignored (a pair relaunched
+with --resume after any failure is a new attempt of the same run), and a side that finds a dead run
+in its folder says so at start. Step files are the run's, whichever attempt wrote them: a step is a
+pure function of the checkpoint it starts from.
 
 Imports torch and safetensors only (nothing of GRAFT's), so another trainer can read and write the
 same files.
@@ -29,8 +37,10 @@ same files.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -99,12 +109,47 @@ def _unpack_strings(data: torch.Tensor, offsets: torch.Tensor) -> list[str]:
 
 
 def atomic_write(path: Path, write) -> None:
-    """write(tmp_path), then rename onto path: readers never see a half-written file."""
+    """write(tmp_path), then rename onto path: readers never see a half-written file.
+
+    A failed write (full disk, read-only folder) removes its temporary file and raises OSError
+    naming path and the OS error; path keeps its previous content."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, Exception):
+            raise OSError(getattr(os_error(e), "errno", None) or errno.EIO,
+                          f"{path}: cannot write ({describe_write_error(e, path.parent)})") from e
+        raise
+
+
+def os_error(e: BaseException) -> OSError | None:
+    """The OSError behind an exception (a writer may wrap it in its own error), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def describe_write_error(e: BaseException, folder: Path) -> str:
+    """The OS error of a failed write, with the free space left where it wrote: torch and safetensors
+    report a full disk as their own error ("unexpected pos ..."), so the free space says it."""
+    oe = os_error(e)
+    text = f"{oe.strerror or oe} [{errno.errorcode.get(oe.errno, oe.errno)}]" if oe is not None else \
+        f"{type(e).__name__}: {e}"
+    try:
+        free = shutil.disk_usage(folder).free
+        text += f"; {free / 2**20:.1f} MiB free on that disk"
+    except OSError:
+        pass
+    return text
 
 
 def save_rollouts(path: Path, r: StepRollouts, meta: dict) -> None:
@@ -202,32 +247,51 @@ def rollout_path(exchange: Path, name: str, step: int) -> Path:
 
 
 def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str | None = None,
+                  attempt: int | None = None, join_by: float | None = None, me: str = "",
                   dead_after: float = 60.0) -> float:
     """Block until path exists; returns seconds waited.
 
     Stops early, with an error naming the file, when the peer whose folder holds path is known to be
-    gone: its FAILED marker (of this run; a marker of another run is stale and ignored), its heartbeat
-    saying it finished, or its heartbeat older than dead_after seconds (killed by a signal or out of
-    memory: it wrote nothing). A peer that has not started yet has no heartbeat of this run: then
-    only the timeout applies. run_id=None: no run check (markers of any run count).
+    gone: its FAILED marker of this run and attempt, its heartbeat saying it finished, or its
+    heartbeat older than dead_after seconds (killed by a signal or out of memory: it wrote nothing).
+    Markers of another run or of an earlier attempt are stale and ignored. A peer whose heartbeat is
+    not of this attempt yet has not joined: past join_by (a time.time() value; None = no limit) that
+    is an error naming the exchange folder and the side. A peer of a later attempt, or a newer process
+    of this side (me), means this process was left behind by a relaunch: it stops.
+    run_id=None: no run check; attempt=None: no attempt check (markers of any attempt count).
     """
     t0 = time.time()
     side = Path(path).parent
-    stale_noted = False
+    exchange, peer = side.parent, side.name
+    stale_noted, next_check = False, 0.0
     # A file of another run (left in the folder) counts as not written yet: the peer of this run
     # will replace it atomically.
     while not (Path(path).exists() and (run_id is None or file_run_id(path) == run_id)):
+        if me and attempt is not None and time.time() > next_check:
+            newer = newest_attempt_of(exchange, me, run_id)
+            if newer > attempt:
+                raise RuntimeError(f"side {me!r} was relaunched: a newer process took part in attempt {newer} of "
+                                   f"run {run_id} in {exchange}; this process (attempt {attempt}) stops")
+            next_check = time.time() + 2.0
         failed = read_json(side / "FAILED")
+        beat = read_json(side / "HEARTBEAT")
         if failed is not None and (run_id is None or failed.get("run_id") == run_id):
-            raise RuntimeError(f"the peer failed before writing {path}: {str(failed.get('error'))[-2000:]}")
+            their = int(failed.get("attempt", 0))
+            if attempt is None or their == attempt:
+                raise RuntimeError(f"the peer failed before writing {path}: {str(failed.get('error'))[-2000:]}\n"
+                                   f"(fix the cause, then relaunch both sides with --resume)")
+            if their > attempt:
+                raise RuntimeError(left_behind(exchange, peer, run_id, their, attempt))
         if not stale_noted and (failed is not None or Path(path).exists()):
             what = side / "FAILED" if failed is not None else Path(path)
             other = failed.get("run_id") if failed is not None else file_run_id(path)
-            print(f"[exchange] ignoring {what}: it belongs to run {other!r}, not this run {run_id!r}",
-                  file=sys.stderr, flush=True)
+            whose = (f"attempt {failed.get('attempt', 0)} of this run, not attempt {attempt}" if other == run_id
+                     else f"run {other!r}, not this run {run_id!r}")
+            print(f"[exchange] ignoring {what}: it belongs to {whose}", file=sys.stderr, flush=True)
             stale_noted = True
-        beat = read_json(side / "HEARTBEAT")
-        if beat is not None and run_id is not None and beat.get("run_id") == run_id:
+        joined = (beat is not None and run_id is not None and beat.get("run_id") == run_id
+                  and (attempt is None or int(beat.get("attempt", 0)) == attempt))
+        if joined:
             age = time.time() - float(beat.get("time", 0))
             if beat.get("state") == "finished":
                 raise RuntimeError(f"the peer finished (last step {beat.get('step')}) without writing {path}: "
@@ -237,11 +301,23 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
                                    f"(pid {beat.get('pid')}, last at step {beat.get('step')}); it was killed or "
                                    f"ran out of memory before writing {path}: see its log, then relaunch both "
                                    f"with --resume")
+        elif attempt is not None and beat is not None and beat.get("run_id") == run_id \
+                and int(beat.get("attempt", 0)) > attempt:
+            raise RuntimeError(left_behind(exchange, peer, run_id, int(beat["attempt"]), attempt))
+        elif join_by is not None and time.time() > join_by:
+            raise TimeoutError(f"side {peer!r} has not joined run {run_id} (attempt {attempt}) in {exchange} "
+                               f"within --join-timeout: is it running, with --peer-exchange {exchange} (and "
+                               f"--resume if this side resumed)? See its log")
         if time.time() - t0 > timeout:
             raise TimeoutError(f"waited {timeout:.0f}s for the peer's rollout file {path}; is the peer process "
                                f"running with the same --peer-exchange and --steps? (raise --exchange-timeout)")
         time.sleep(poll)
     return time.time() - t0
+
+
+def left_behind(exchange: Path, peer: str, run_id: str | None, theirs: int, mine: int) -> str:
+    return (f"side {peer!r} runs attempt {theirs} of run {run_id} in {exchange}: it was relaunched while this "
+            f"process ran attempt {mine}; relaunch this side with --resume to join it")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,49 +338,111 @@ def write_json(path: Path, value: dict) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(json.dumps(value)))
 
 
-def heartbeat_age(exchange: Path, side: str, run_id: str) -> float | None:
-    """Seconds since side's last heartbeat in this run, or None if it has none of this run."""
+def create_exclusive(path: Path, value: dict) -> bool:
+    """Write a JSON file only if path does not exist yet (atomic and exclusive, by a hard link);
+    False when another process created it first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def heartbeat_age(exchange: Path, side: str, run_id: str, attempt: int | None = None) -> float | None:
+    """Seconds since side's last heartbeat in this run (and attempt, unless None), or None if it has
+    none of them or says it stopped."""
     beat = read_json(Path(exchange) / side / "HEARTBEAT")
     if beat is None or beat.get("run_id") != run_id or beat.get("state") != "running":
         return None
+    if attempt is not None and int(beat.get("attempt", 0)) != attempt:
+        return None
     return time.time() - float(beat.get("time", 0))
+
+
+def alive(exchange: Path, side: str, run_id: str, attempt: int | None, dead_after: float) -> bool:
+    age = heartbeat_age(exchange, side, run_id, attempt)
+    return age is not None and age <= dead_after
 
 
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def join_run(exchange: Path, name: str, *, previous: str = "", run_id: str = "", dead_after: float = 60.0) -> str:
+def attempts_dir(exchange: Path) -> Path:
+    return Path(exchange) / ".attempts"
+
+
+def current_attempt(exchange: Path, run_id: str) -> tuple[int, dict]:
+    """(k, record {founder, created}) of the run's newest attempt; attempt 0 is the run's founding
+    (the RUN record)."""
+    ks = [int(p.name.split(".")[1]) for p in attempts_dir(exchange).glob(f"{run_id}.[0-9]*")
+          if p.name.count(".") == 1]
+    if not ks:
+        return 0, read_json(Path(exchange) / "RUN") or {}
+    k = max(ks)
+    return k, read_json(attempts_dir(exchange) / f"{run_id}.{k:06d}") or {}
+
+
+def take_part(exchange: Path, run_id: str, attempt: int, name: str) -> bool:
+    """Record that side name takes part in the attempt; False if it already did (once per side)."""
+    return create_exclusive(attempts_dir(exchange) / f"{run_id}.{attempt:06d}.{name}",
+                            {"pid": os.getpid(), "time": time.time()})
+
+
+def newest_attempt_of(exchange: Path, name: str, run_id: str | None) -> int:
+    """The newest attempt of the run that side name took part in (-1: none)."""
+    ks = [int(p.name.split(".")[1]) for p in attempts_dir(exchange).glob(f"{run_id}.[0-9]*.{name}")]
+    return max(ks, default=-1)
+
+
+def founder_alive(exchange: Path, founder: str, run_id: str, attempt: int | None, record: dict,
+                  dead_after: float) -> bool:
+    """A run's or attempt's founder is alive: its heartbeat of that run and attempt says running and
+    is younger than dead_after, or it has none yet and the record is younger than dead_after (its
+    Heartbeat thread may not have started; a founder writes nothing into its side folder before its
+    record exists, so that a process that loses the race to found never overwrites the winner's
+    heartbeat)."""
+    beat = read_json(Path(exchange) / founder / "HEARTBEAT") or {}
+    if beat.get("run_id") == run_id and (attempt is None or int(beat.get("attempt", 0)) == attempt):
+        return alive(exchange, founder, run_id, attempt, dead_after)
+    return time.time() - float(record.get("created", 0)) <= dead_after
+
+
+def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair: dict | None = None,
+             previous: str = "", run_id: str = "", dead_after: float = 60.0) -> str:
     """Found or join the run that owns an exchange folder; returns its id. Raises RuntimeError
     naming the folder when this side may not take part.
 
-    previous: the run this side's own run directory belongs to (--resume), "" for a fresh start.
-    run_id: an id both sides were given (--run-id), "" to let the first side draw one.
-    A fresh side founds the run when the folder has none, joins it when its founder is alive (a
-    heartbeat of that run younger than dead_after), and refuses when it had already joined that run
-    (an earlier run, not resumed) or the founder is not running (a dead run's leftovers).
+    peers: the sides this side pairs with (None = not checked); pair: the settings both sides must
+    share (None = not checked). previous: the run this side's own run directory belongs to
+    (--resume; then join_attempt picks the attempt), "" for a fresh start. run_id: an id both sides
+    were given (--run-id), "" to let the first side draw one.
+    A fresh side founds the run when the folder has none. It joins the run when the founder is one of
+    its peers and names this side among its own, the pair settings agree, the founder is alive (a
+    heartbeat younger than dead_after) and no process took this side's part yet. It refuses an
+    earlier run it took part in (not resumed) and a dead run's leftovers.
     """
     exchange = Path(exchange)
     (exchange / name).mkdir(parents=True, exist_ok=True)
     run_file, mine = exchange / "RUN", exchange / name / "RUN_ID"
+    sides = sorted({name, *peers}) if peers is not None else None
     for _ in range(100):  # retried only while two sides race to found the run
         record = read_json(run_file)
         if record is None:
             if run_file.exists():
                 raise RuntimeError(f"{run_file}: not a readable run record; delete it or use a fresh --peer-exchange")
             rid = run_id or previous or new_run_id()
-            # A first heartbeat before the record appears: a peer that reads the record must find
-            # its founder alive, even before the founder's Heartbeat thread starts.
-            write_json(exchange / name / "HEARTBEAT", {"run_id": rid, "pid": os.getpid(), "step": -1,
-                                                       "time": time.time(), "state": "running"})
-            tmp = run_file.with_name(f".RUN.tmp.{os.getpid()}")
-            tmp.write_text(json.dumps({"run_id": rid, "founder": name, "created": time.time()}))
-            try:
-                os.link(tmp, run_file)  # atomic and exclusive: fails if the peer founded it first
-            except FileExistsError:
-                continue
-            finally:
-                tmp.unlink(missing_ok=True)
+            if not create_exclusive(run_file, {"run_id": rid, "founder": name, "sides": sides, "pair": pair,
+                                               "created": time.time()}):
+                continue  # the peer founded it first
+            if not previous:
+                take_part(exchange, rid, 0, name)
             mine.write_text(rid)
             return rid
         rid, founder = str(record.get("run_id")), str(record.get("founder"))
@@ -315,59 +453,151 @@ def join_run(exchange: Path, name: str, *, previous: str = "", run_id: str = "",
                                    f"belongs to run {previous}: resume with the exchange folder of that run")
             mine.write_text(rid)
             return rid
-        if run_id and rid != run_id:
-            raise RuntimeError(f"{run_file}: the exchange folder belongs to run {rid}, not --run-id {run_id}")
-        if joined == rid:
+        if joined == rid or newest_attempt_of(exchange, name, rid) >= 0:
             raise RuntimeError(f"{run_file}: side {name!r} already took part in run {rid} of this exchange folder; "
                                f"to continue it pass --resume, to start a new pair use a fresh --peer-exchange "
                                f"(or --force on both sides)")
-        age = heartbeat_age(exchange, founder, rid)
-        if founder != name and (age is None or age > dead_after):
+        if run_id and rid != run_id:
+            raise RuntimeError(f"{run_file}: the exchange folder belongs to run {rid}, not --run-id {run_id} "
+                               f"(another pair uses this folder: give each pair its own --peer-exchange)")
+        if founder == name:
+            raise RuntimeError(f"{run_file}: run {rid} was founded by another process as side {name!r}; one "
+                               f"process per side name (is a second pair starting in this folder?)")
+        named = record.get("sides")
+        if peers is not None and named is not None and (founder not in peers or name not in named):
+            raise RuntimeError(f"{run_file}: run {rid} was founded by side {founder!r} for sides {named}; this side "
+                               f"{name!r} pairs with {sorted(peers)}: another pair's run (use its own --peer-exchange)")
+        theirs = record.get("pair")
+        if pair is not None and theirs is not None and theirs != pair:
+            diff = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {pair.get(k)!r} here"
+                             for k in sorted(set(theirs) | set(pair)) if theirs.get(k) != pair.get(k))
+            raise RuntimeError(f"{run_file}: run {rid} of side {founder!r} differs in what both sides must share: "
+                               f"{diff} (another pair's run, or fix the flags)")
+        k, _ = current_attempt(exchange, rid)
+        if k > 0:
+            raise RuntimeError(f"{run_file}: run {rid} is being resumed (attempt {k}); this side joins it only with "
+                               f"--resume and its own --out of that run")
+        if not founder_alive(exchange, founder, rid, None, record, dead_after):
             raise RuntimeError(f"{run_file}: run {rid} was started by side {founder!r}, which is not running now "
                                f"(no live heartbeat): these are a dead run's files; use a fresh --peer-exchange, "
                                f"or --force on both sides to start over here")
+        if not take_part(exchange, rid, 0, name):
+            raise RuntimeError(f"{run_file}: another process joined run {rid} as side {name!r} first; one process "
+                               f"per side name (is a second pair starting in this folder?)")
         mine.write_text(rid)
         return rid
     raise RuntimeError(f"{run_file}: could not found or join the run (it keeps changing)")
 
 
-def leave_run(exchange: Path, name: str) -> None:
-    """--force: forget this side's part in the folder's run (its step files, markers, RUN_ID); the
-    run record too when no other side of that run is alive, so the next start founds a new run."""
-    import shutil
+def join_attempt(exchange: Path, name: str, run_id: str, *, dead_after: float = 60.0) -> int:
+    """--resume: the attempt of the run this side takes part in now; returns its number.
+
+    It joins the newest attempt when that attempt's founder is another side, still alive, and this
+    side has not taken part in it yet (the peer was relaunched first); otherwise it founds the next
+    attempt (this side's earlier process took part in the newest one, or its founder is gone).
+    Markers and heartbeats of earlier attempts then never stop this one. Removes this side's own
+    FAILED marker of an earlier attempt."""
     exchange = Path(exchange)
-    shutil.rmtree(exchange / name, ignore_errors=True)
+    for _ in range(100):  # retried only while two sides race to found the next attempt
+        k, record = current_attempt(exchange, run_id)
+        founder = str(record.get("founder", ""))
+        if (founder != name and newest_attempt_of(exchange, name, run_id) < k
+                and founder_alive(exchange, founder, run_id, k, record, dead_after)):
+            if not take_part(exchange, run_id, k, name):
+                raise RuntimeError(f"{exchange}: another process joined attempt {k} of run {run_id} as side "
+                                   f"{name!r} first; one process per side name")
+        else:
+            if not create_exclusive(attempts_dir(exchange) / f"{run_id}.{k + 1:06d}",
+                                    {"founder": name, "created": time.time()}):
+                continue  # the peer founded it first: join it
+            take_part(exchange, run_id, k + 1, name)
+            k += 1
+        failed = read_json(exchange / name / "FAILED")
+        if failed is not None and int(failed.get("attempt", 0)) < k:
+            (exchange / name / "FAILED").unlink(missing_ok=True)
+        return k
+    raise RuntimeError(f"{exchange}: could not found or join an attempt of run {run_id} (it keeps changing)")
+
+
+def leave_run(exchange: Path, name: str, *, dead_after: float = 60.0) -> None:
+    """--force: forget this side's part in the folder's run (its step files, markers, RUN_ID), and
+    the run record too when it is that run, so the next start founds a new run.
+
+    Refuses (RuntimeError) while any side of the run it would delete has a live heartbeat, or while
+    another process runs as this side: --force never deletes a live pair's files."""
+    exchange = Path(exchange)
     record = read_json(exchange / "RUN")
+    mine = exchange / name / "RUN_ID"
+    target = mine.read_text().strip() if mine.is_file() else ""
+    sides = [p.name for p in exchange.iterdir() if p.is_dir() and not p.name.startswith(".")] \
+        if exchange.is_dir() else []
+    checked = [s for s in sides if target or s == name]  # a side that never joined deletes only its own folder
+    for s in checked:
+        age = heartbeat_age(exchange, s, target or str((record or {}).get("run_id")))
+        if age is None and s == name:  # another process running as this side, of any run
+            beat = read_json(exchange / s / "HEARTBEAT") or {}
+            age = time.time() - float(beat.get("time", 0)) if beat.get("state") == "running" else None
+        if age is not None and age <= dead_after:
+            raise RuntimeError(f"--force would delete the files of run {target or (record or {}).get('run_id')} in "
+                               f"{exchange}, but side {s!r} "
+                               f"of it is running (heartbeat {age:.0f}s old, pid "
+                               f"{(read_json(exchange / s / 'HEARTBEAT') or {}).get('pid')}): stop that pair first, "
+                               f"or use a fresh --peer-exchange")
+    shutil.rmtree(exchange / name, ignore_errors=True)
     if record is None:
         (exchange / "RUN").unlink(missing_ok=True)
         return
     rid = str(record.get("run_id"))
-    others = [p.name for p in exchange.iterdir() if p.is_dir() and p.name != name]
-    if not any((age := heartbeat_age(exchange, o, rid)) is not None and age < 60 for o in others):
-        (exchange / "RUN").unlink(missing_ok=True)
+    if target and rid != target:
+        return  # the folder already holds a new run (the peer's --force founded it): keep it
+    if not target and any(alive(exchange, s, rid, None, dead_after) for s in sides if s != name):
+        return  # this side never joined that run, which is alive: not this side's to delete
+    # Remove the record only if it is still that run: a peer may found a new one meanwhile.
+    grave = exchange / f".RUN.removed.{os.getpid()}"
+    try:
+        os.replace(exchange / "RUN", grave)
+    except FileNotFoundError:
+        return
+    if (read_json(grave) or {}).get("run_id") != rid:
+        try:
+            os.link(grave, exchange / "RUN")  # a new run's record: put it back
+        except FileExistsError:
+            pass
+    else:
+        for p in attempts_dir(exchange).glob(f"{rid}.*"):
+            p.unlink(missing_ok=True)
+    grave.unlink(missing_ok=True)
 
 
 class Heartbeat:
     """A daemon thread rewriting <exchange>/<side>/HEARTBEAT every `interval` seconds.
 
     The file is what a waiting peer reads to tell "slow" from "dead" (wait_for_file). step is
-    updated by the trainer; stop(state) writes a last beat ("finished" or "failed")."""
+    updated by the trainer; stop(state) writes a last beat ("finished" or "failed"). A process left
+    behind by a relaunch of its side (a newer process took part in a later attempt) stops beating,
+    so that it never overwrites the newer process's heartbeat."""
 
-    def __init__(self, exchange: Path, name: str, run_id: str, *, interval: float = 10.0):
-        self.path = Path(exchange) / name / "HEARTBEAT"
-        self.run_id, self.interval, self.step = run_id, interval, -1
+    def __init__(self, exchange: Path, name: str, run_id: str, *, attempt: int = 0, interval: float = 10.0):
+        self.exchange, self.name = Path(exchange), name
+        self.path = self.exchange / name / "HEARTBEAT"
+        self.run_id, self.attempt, self.interval, self.step = run_id, attempt, interval, -1
         self._stop = threading.Event()
         self.beat()
         self._thread = threading.Thread(target=self._loop, name="graft-heartbeat", daemon=True)
         self._thread.start()
 
     def beat(self, state: str = "running") -> None:
-        write_json(self.path, {"run_id": self.run_id, "pid": os.getpid(), "step": self.step, "time": time.time(),
-                               "state": state})
+        write_json(self.path, {"run_id": self.run_id, "attempt": self.attempt, "pid": os.getpid(), "step": self.step,
+                               "time": time.time(), "state": state})
+
+    def left_behind(self) -> bool:
+        return newest_attempt_of(self.exchange, self.name, self.run_id) > self.attempt
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
+                if self.left_behind():
+                    return
                 self.beat()
             except OSError:  # a full or flaky disk must not kill training; the next beat retries
                 pass
@@ -375,12 +605,13 @@ class Heartbeat:
     def stop(self, state: str) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self.beat(state)
+        if not self.left_behind():
+            self.beat(state)
 
 
-def write_failed(exchange: Path, name: str, run_id: str, error: str) -> None:
+def write_failed(exchange: Path, name: str, run_id: str, error: str, *, attempt: int = 0) -> None:
     """The marker a dying side leaves so that its peer stops at once (read by wait_for_file)."""
-    write_json(Path(exchange) / name / "FAILED", {"run_id": run_id, "error": error})
+    write_json(Path(exchange) / name / "FAILED", {"run_id": run_id, "attempt": attempt, "error": error})
 
 
 def batch_indices(num_prompts: int, step: int, prompts_per_step: int, data_seed: int) -> list[int]:

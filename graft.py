@@ -150,6 +150,8 @@ class Config:
     """A waiting side stops when the peer's heartbeat is this many seconds old (killed peer; typ. 60-300)."""
     heartbeat_interval: float = 10.0
     """Seconds between this side's heartbeats in the exchange dir (well under --peer-dead-after)."""
+    join_timeout: float = 300.0
+    """Seconds a side waits, once its own model is loaded, for each peer to join the run (or a resumed attempt)."""
     run_id: str = ""
     """The pair's run identity ('' = the first side draws one and the second adopts it)."""
 
@@ -245,7 +247,7 @@ class Config:
     report_to: str = "none"
     """Also log metrics live from rank 0: none | tensorboard (<out>/tensorboard) | wandb (optional packages)."""
     resume: bool = False
-    """Continue from the latest checkpoint in <out>/checkpoints (and the run identity in <out>/run.json)."""
+    """Continue from the newest checkpoint that loads (a pair: relaunch both sides); a changed run-defining flag is refused."""
     force: bool = False
     """Delete an earlier run in --out (and this side's files in the exchange dir) and start over."""
 
@@ -887,9 +889,11 @@ class Trainer(RunFiles):
         self.heartbeat: Heartbeat | None = None
         # Everything that can fail on bad input fails here, before the first rollout: the run
         # directory, the prompts, the stored peer log, the pair's run identity, then the model.
-        latest = self.latest_checkpoint() if cfg.resume else None
+        self.attempt, self.join_by = 0, None  # the pair's attempt (runtime.join_pair); the peers' join deadline
+        if cfg.resume:
+            self.check_resume_settings()  # refuses a change of what defines the run, before anything loads
+        latest, state = self.resume_checkpoint() if cfg.resume else (None, None)
         if latest is not None:
-            state = torch.load(latest / "trainer_state.pt", map_location="cpu", weights_only=True)
             self.start_step, self.best_score = int(state["step"]), float(state["best_score"])
             self.baseline_state = state.get("baseline_state", {})
         elif cfg.resume and self.dist.main:
@@ -916,6 +920,8 @@ class Trainer(RunFiles):
                 load_full_optimizer_state(self.policy, self.opt, state["optimizer"])
             elif latest is not None:
                 self.opt.load_state_dict(state["optimizer"])
+            for group in self.opt.param_groups:  # the optimizer state restores the run's lr; --lr is the one used
+                group["lr"] = cfg.lr
             self.prompt_ids = [encode_prompt(r["problem"], self.tok, template=cfg.prompt_template,
                                              chat=cfg.chat_template) for r in self.data]
             too_long = [(r["id"], len(p)) for r, p in zip(self.data, self.prompt_ids) if len(p) > cfg.max_prompt_tokens]
@@ -1031,7 +1037,8 @@ class Trainer(RunFiles):
             out = {}
             for name in self.peers:
                 path = rollout_path(self.exchange, name, step)
-                wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, dead_after=cfg.peer_dead_after)
+                wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, attempt=self.attempt,
+                              join_by=self.join_by, me=cfg.name, dead_after=cfg.peer_dead_after)
                 out[name], _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.run_id)
             return out
         path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
@@ -1365,10 +1372,18 @@ class Trainer(RunFiles):
             # SIGTERM (a scheduler's kill, Ctrl-C of a launcher) becomes an exception, so the FAILED
             # marker below is written; kill -9 writes nothing and is caught by the heartbeat instead.
             signal.signal(signal.SIGTERM, _raise_on_signal)
+        if self.mode == "online":  # the clock starts once this side's own model has loaded
+            self.join_by = time.time() + cfg.join_timeout
+            if self.dist.main:
+                print(f"[graft] run {self.run_id} attempt {self.attempt} in {self.exchange}: waiting up to "
+                      f"--join-timeout {cfg.join_timeout:.0f}s for {', '.join(self.peers)} to join")
         try:
             for step in range(self.start_step, cfg.steps):
                 if self.heartbeat is not None:
                     self.heartbeat.step = step
+                    if self.heartbeat.left_behind():
+                        raise SystemExit(f"side {cfg.name!r} was relaunched (a newer process took part in a later "
+                                         f"attempt of run {self.run_id}); this process stops")
                 m = self.step(step)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                     m.update(self.validate(step + 1))
@@ -1840,7 +1855,8 @@ def validate_config(cfg: Config) -> None:
     for f in ("threads", "verify_workers", "eval_every", "eval_max_problems", "eval_max_tokens", "sgt_coef"):
         if getattr(cfg, f) < 0:
             bad(f, f"must be >= 0, got {getattr(cfg, f)}")
-    for f in ("lr", "grad_clip", "exchange_timeout", "peer_dead_after", "heartbeat_interval", "luffy_gamma"):
+    for f in ("lr", "grad_clip", "exchange_timeout", "peer_dead_after", "heartbeat_interval", "join_timeout",
+              "luffy_gamma"):
         if not getattr(cfg, f) > 0:
             bad(f, f"must be > 0, got {getattr(cfg, f)}")
     if not 0 <= cfg.delta <= 1:

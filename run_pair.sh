@@ -14,7 +14,11 @@
 # `--order uniform`, `--no-balance`, `--compat-norm byte`. Every variable below has a default and can
 # be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`; FSDP=1 / 0
 # forces FSDP2 sharding on / off, default auto: on for GPUs under 80 GB with two or more per side).
-# The script prints every command it runs.
+# A pair splits the GPUs in two halves (printed); with one GPU both sides share it, with none both run
+# on the CPU. When one side exits non-zero the other is stopped at once. Each launch passes both sides
+# a fresh --run-id (not with --resume, which keeps the run's), so two pairs started in one exchange
+# folder never join each other. After any failure, `bash run_pair.sh pair1 --resume` continues the
+# pair from each side's last complete checkpoint. The script prints every command it runs.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -27,9 +31,17 @@ DATA=${DATA:-data}
 STEPS=${STEPS:-174}
 SEED=${SEED:-0}
 NGPU=${NGPU:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 0)}
-HALF=$(( NGPU > 1 ? NGPU / 2 : 1 ))
-GPUS_A=${GPUS_A:-$(seq -s, 0 $((HALF - 1)))}
-GPUS_B=${GPUS_B:-$(seq -s, $HALF $((NGPU > 1 ? NGPU - 1 : 0)))}
+# The pair's split: the first half of the GPUs for A, the rest for B; one GPU: both share GPU 0;
+# none: both on the CPU (an empty list means CPU below).
+if [ "$NGPU" -gt 1 ]; then
+  HALF=$((NGPU / 2)); SPLIT_A=$(seq -s, 0 $((HALF - 1))); SPLIT_B=$(seq -s, $HALF $((NGPU - 1)))
+elif [ "$NGPU" -eq 1 ]; then
+  SPLIT_A=0; SPLIT_B=0
+else
+  SPLIT_A=; SPLIT_B=
+fi
+GPUS_A=${GPUS_A-$SPLIT_A}
+GPUS_B=${GPUS_B-$SPLIT_B}
 SMOL=${SMOL:-HuggingFaceTB/SmolLM3-3B-Base}
 QWEN=${QWEN:-Qwen/Qwen3-1.7B-Base}
 OCTO=${OCTO:-OctoThinker/OctoThinker-3B-Hybrid-Base}
@@ -38,8 +50,10 @@ OCTO=${OCTO:-OctoThinker/OctoThinker-3B-Hybrid-Base}
 FSDP=${FSDP:-auto}
 GPU_MEM_MIB=${GPU_MEM_MIB:-$( (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) || echo 0)}
 
-run() { echo "+ $*" >&2; "$@"; }
-count() { echo "$1" | tr ',' '\n' | grep -c .; }
+run() { echo "+ $*" >&2; "$@"; }  # (run exec CMD: prints CMD, then the shell becomes it)
+count() { echo "$1" | tr ',' '\n' | grep -c . || true; }
+nproc_of() { local c; c=$(count "$1"); echo $(( c > 0 ? c : 1 )); }  # an empty GPU list: one CPU process
+device_of() { [ -n "$1" ] && echo cuda || echo cpu; }
 fsdp_flag() {  # fsdp_flag GPUS: prints --fsdp when this side should shard its model
   case "$FSDP" in
     1) echo --fsdp ;;
@@ -55,27 +69,51 @@ prepare_data() {
 side() {  # side NAME PEER_NAME MODEL GPUS OUT EXCHANGE [flags...]
   local name=$1 peer=$2 model=$3 gpus=$4 out=$5 ex=$6; shift 6
   local port=$((29500 + RANDOM % 1000))
-  CUDA_VISIBLE_DEVICES=$gpus run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$gpus")" \
+  # exec: the background job is torchrun itself, so that stopping the side stops its workers too
+  CUDA_VISIBLE_DEVICES=$gpus run exec $PYTHON -m torch.distributed.run --nproc_per_node "$(nproc_of "$gpus")" \
     --master_port "$port" graft.py train --model "$model" --name "$name" --peer-name "$peer" \
     --peer-exchange "$ex" --out "$out" --prompts "$DATA/math_train.jsonl" --data-dir "$DATA" \
-    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all $(fsdp_flag "$gpus") "$@"
+    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all --device "$(device_of "$gpus")" \
+    $(fsdp_flag "$gpus") "$@"
+}
+
+split_gpus() {  # prints the pair's split; refuses a split that leaves one side without a device
+  if [ -z "$GPUS_A" ] && [ -z "$GPUS_B" ]; then
+    echo "no GPU found (NGPU=$NGPU): both sides run on the CPU, one process each" >&2
+  elif [ -z "$GPUS_A" ] || [ -z "$GPUS_B" ]; then
+    echo "run_pair.sh: GPUS_A='$GPUS_A' GPUS_B='$GPUS_B': give each side GPUs, e.g. GPUS_A=0,1 GPUS_B=2,3 (or the same GPU to both: GPUS_A=0 GPUS_B=0)" >&2
+    return 2
+  elif [ "$GPUS_A" = "$GPUS_B" ]; then
+    echo "one GPU list for both sides ($GPUS_A): the two models share it (memory permitting)" >&2
+  fi
 }
 
 pair() {  # pair TAG MODEL_A MODEL_B [flags...]
   local tag=$1 a=$2 b=$3; shift 3
+  split_gpus || return 2
   prepare_data
   local ex="$RUNS/$tag/exchange"
   mkdir -p "$RUNS/$tag"
-  echo "pair $tag: A=$a on GPUs $GPUS_A, B=$b on GPUs $GPUS_B, exchange $ex" >&2
-  side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$@" > "$RUNS/$tag/a.log" 2>&1 &
+  local id=()
+  case " $* " in *" --resume "*) ;; *) id=(--run-id "${RUN_ID:-$tag-$(date +%Y%m%d-%H%M%S)-$RANDOM}") ;; esac
+  echo "pair $tag: A=$a on GPUs ${GPUS_A:-none (CPU)}, B=$b on GPUs ${GPUS_B:-none (CPU)}, exchange $ex" >&2
+  side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "${id[@]}" "$@" > "$RUNS/$tag/a.log" 2>&1 &
   local pa=$!
-  side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$@" > "$RUNS/$tag/b.log" 2>&1 &
+  side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "${id[@]}" "$@" > "$RUNS/$tag/b.log" 2>&1 &
   local pb=$!
   trap 'kill $pa $pb 2>/dev/null' INT TERM
   tail -f "$RUNS/$tag/a.log" --pid=$pa &
-  local status=0
-  wait $pa || status=$?
-  wait $pb || status=$?
+  # The first side to exit decides: non-zero stops the other at once (it would only wait for a
+  # peer that is gone); zero waits for the other to finish too.
+  local status=0 done_pid first other rest=0
+  wait -n -p done_pid $pa $pb || status=$?
+  if [ "$done_pid" = "$pa" ]; then first=a; other=$pb; else first=b; other=$pa; fi
+  if [ "$status" -ne 0 ]; then
+    echo "pair $tag: side $first exited with status $status; stopping the other side (see $RUNS/$tag/$first.log)" >&2
+    kill "$other" 2>/dev/null || true
+  fi
+  wait "$other" || rest=$?
+  [ "$status" -ne 0 ] || status=$rest
   echo "pair $tag finished (status $status); logs $RUNS/$tag/{a,b}.log, best checkpoints $RUNS/$tag/{a,b}/checkpoints/best" >&2
   return $status
 }
@@ -110,7 +148,7 @@ case "$PRESET" in
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py eval --model "$MODEL" --data-dir "$DATA" --benchmarks all --samples 8 --temperature 0.6 --top-p 0.95 "$@" ;;
   -h|--help|help)
-    sed -n '2,17p' "$0" ;;
+    sed -n '2,21p' "$0" ;;
   *)
     echo "run_pair.sh: unknown preset '$PRESET' (tiny, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
 esac

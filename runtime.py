@@ -14,17 +14,22 @@ offline.py.
     timed               adds a block's wall time to a dict of timings
     shard_policy, gathered, full_state_dicts, load_full_optimizer_state,
     clip_sharded_grad_norm_   FSDP2 (--fsdp)
-    RunFiles            the trainer's file keeping: run directory, stored-log checks, run identity and
-                        heartbeat (exchange.py), metrics trimming, atomic checkpoints
+    RunFiles            the trainer's file keeping: run directory, the settings check of --resume,
+                        stored-log checks, run identity, attempt and heartbeat (exchange.py), metrics
+                        trimming, atomic checkpoints and the fall-back over broken ones
+    check_weight_files  a model folder's safetensors files, checked before loading (names the file)
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import json
 import os
 import shutil
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from exchange import (Heartbeat, atomic_write, join_run, leave_run, load_rollouts, new_run_id, read_json,
-                      write_failed, write_json)
+from exchange import (Heartbeat, atomic_write, describe_write_error, join_attempt, join_run, leave_run, load_rollouts,
+                      new_run_id, read_json, write_failed, write_json)
 
 if TYPE_CHECKING:  # annotations only: graft.py imports this file, never the reverse
     from graft import Config
@@ -116,10 +121,14 @@ def load_policy(path: str, cfg: Config, dist_info: DistInfo, *, for_training: bo
     if local.exists() and not (local / "config.json").is_file():
         raise SystemExit(f"--model {path!r}: {'a file' if local.is_file() else 'a folder without config.json'}, "
                          f"not a transformers model folder (save_pretrained writes one) nor a hub id")
+    if local.is_dir():
+        problem = check_weight_files(local)
+        if problem:
+            raise SystemExit(f"--model {path!r}: {problem}")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError, KeyError) as e:  # missing files, unknown architecture, broken tokenizer
+    except Exception as e:  # missing files, unknown architecture, broken tokenizer or weights
         raise SystemExit(f"--model {path!r}: cannot load a transformers causal LM and tokenizer "
                          f"({type(e).__name__}: {e})") from e
     model.to(dist_info.device)
@@ -149,6 +158,59 @@ def encode_prompt(problem: str, tokenizer, *, template: str, chat: bool) -> list
                                             tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer.encode(text, add_special_tokens=True)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file (unreadable, bad header, truncated), or None.
+
+    Reads the header only: 8 bytes of header length, the JSON header, and the file size the
+    header's last data offset implies (a cut file is shorter)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path}: truncated ({size} bytes, no safetensors header)"
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                return f"{path}: truncated or not safetensors (header of {n} bytes in a file of {size})"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
+    if size != 8 + n + end:
+        return f"{path}: truncated ({size} bytes, its header describes {8 + n + end})"
+    return None
+
+
+def check_weight_files(folder: Path) -> str | None:
+    """The first problem of a local model folder's weight files (missing shard, truncated or bad
+    header), naming the file; None when they look whole."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            return f"{index}: not a readable weight index ({type(e).__name__}: {e})"
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            return f"{folder / missing[0]}: missing (named in {index.name})"
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files and not any(folder.glob("*.bin")):
+            return f"{folder}: no weight file (model.safetensors)"
+    return next((p for p in map(safetensors_problem, files) if p), None)
+
+
+def file_digest(path: str) -> str:
+    """sha256 of a file's bytes (the prompts file: --resume refuses a changed one)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -301,25 +363,78 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torc
 # The trainer's file keeping (a mixin of graft.Trainer: it reads self.cfg, self.dist, self.out, ...)
 # ------------------------------------------------------------------------------------------------
 
+# What --resume may change: run length, checkpoint and eval cadence, waits and timeouts, speed and
+# memory knobs that leave the numbers as they are, paths that may move, and --lr / --grad-clip (a
+# researcher lowering the lr of a diverging run is a deliberate choice; the new lr is written into
+# the optimizer's param groups after its state is loaded, which would otherwise restore the old one).
+# Every other Config field defines the run, and a change of one is refused.
+RESUMABLE = frozenset({
+    "steps", "save_every", "keep_checkpoints", "resume", "force", "out", "peer_exchange", "data_dir",
+    "eval_every", "benchmarks", "eval_samples", "eval_temperature", "eval_top_p", "eval_max_problems",
+    "eval_max_tokens", "save_responses", "eval_out", "exchange_timeout", "peer_dead_after", "heartbeat_interval",
+    "join_timeout", "threads", "verify_workers", "gen_batch_size", "micro_batch_size", "logprob_chunk",
+    "static_decode", "gradient_checkpointing", "fsdp", "device", "trust_remote_code", "run_id", "lr", "grad_clip",
+})
+# What the two sides of a pair must share for both to compute the same batches and the same swap
+# (written into the run record by the founder, checked by every side that joins).
+PAIR_SETTINGS = ("prompts_sha256", "n", "prompts_per_step", "data_seed", "balance", "selection", "variant")
+
+
+def run_settings(cfg: Config, mode: str) -> dict:
+    """Every Config field, the pair mode and a digest of the prompts file's content (run.json)."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    out["mode"] = mode
+    out["prompts_sha256"] = file_digest(cfg.prompts) if Path(cfg.prompts).is_file() else ""
+    return out
+
 
 class RunFiles:
-    """Run directory, stored-log checks, the pair's run identity, metrics trimming, checkpoints."""
+    """Run directory, resume checks, the pair's run identity, metrics trimming, checkpoints."""
+
+    def check_resume_settings(self) -> None:
+        """--resume: refuse any change of what defines the run (against <out>/run.json), before the
+        model loads; apply and print the changes that may be made (RESUMABLE)."""
+        cfg, path = self.cfg, self.out / "run.json"
+        record = read_json(path)
+        if record is None or "settings" not in record:
+            if self.dist.main and (self.out / "checkpoints").exists():
+                print(f"--resume: {path} holds no settings: the run's settings cannot be checked")
+            return
+        old, new = record["settings"], run_settings(cfg, self.mode)
+        labels = {"mode": "the peer mode (--peer-exchange, --peer-log or neither)",
+                  "prompts_sha256": "the content of --prompts (sha256)"}
+        flag = lambda k: labels.get(k, "--" + k.replace("_", "-"))
+        refused = [f"{flag(k)}: {old[k]!r} in the run, {new[k]!r} now" for k in sorted(new)
+                   if k not in RESUMABLE and k in old and old[k] != new[k]]
+        if cfg.run_id and record.get("run_id") not in (None, cfg.run_id):
+            refused.append(f"--run-id: {record.get('run_id')!r} in the run, {cfg.run_id!r} now")
+        if refused:
+            raise SystemExit(f"--resume: {path}: the run was started with other settings; resume with the run's "
+                             f"own (or start a new run in a fresh --out):\n  " + "\n  ".join(refused))
+        changed = [f"{flag(k)} {old[k]!r} -> {new[k]!r}" for k in sorted(RESUMABLE - {"resume", "force", "run_id"})
+                   if k in old and k in new and old[k] != new[k]]
+        if changed and self.dist.main:
+            print("--resume: applying changed settings: " + ", ".join(changed)
+                  + (" (the new --lr is set in the optimizer)" if old.get("lr") != cfg.lr else ""))
 
     def prepare_run_dir(self):
         """Refuse to overwrite an earlier run in --out (unless --resume or --force); check that the
         run and exchange folders are writable now rather than after the first rollout."""
         cfg = self.cfg
         parts = [p for p in ("metrics.jsonl", "checkpoints", "run.json", "exchange") if (self.out / p).exists()]
-        if parts and not cfg.resume:
-            if not cfg.force:
-                raise SystemExit(f"--out {self.out}: already holds a run ({', '.join(parts)}); pass --resume to "
-                                 f"continue it, --force to delete it and start over, or choose a new --out")
+        if parts and not cfg.resume and not cfg.force:
+            raise SystemExit(f"--out {self.out}: already holds a run ({', '.join(parts)}); pass --resume to "
+                             f"continue it, --force to delete it and start over, or choose a new --out")
+        if cfg.force and self.mode == "online":
+            try:  # first: it refuses while the run it would delete is alive, before anything is deleted
+                leave_run(self.exchange, cfg.name, dead_after=cfg.peer_dead_after)
+            except RuntimeError as e:
+                raise SystemExit(f"--peer-exchange: {e}") from None
+        if parts and cfg.force:
             print(f"--force: deleting the earlier run in {self.out} ({', '.join(parts)})")
             for p in parts:
                 target = self.out / p
                 shutil.rmtree(target) if target.is_dir() else target.unlink()
-        if cfg.force and self.mode == "online":
-            leave_run(self.exchange, cfg.name)
         for folder, flag in ((self.out, "--out"), (self.exchange / cfg.name, "--peer-exchange" if cfg.peer_exchange
                                                    else "--out")):
             try:
@@ -329,6 +444,7 @@ class RunFiles:
                 probe.unlink()
             except OSError as e:
                 raise SystemExit(f"{flag}: cannot write to {folder} ({e.strerror or e})") from None
+        self.clean_partial_checkpoints()
         self.trim_metrics()
 
     def check_peer_log(self) -> str | None:
@@ -387,38 +503,51 @@ class RunFiles:
     def join_pair(self) -> str:
         """This run's identity: written into every rollout file and checked on every peer file.
 
-        Online, rank 0 founds or joins the run of the exchange folder (exchange.join_run) and starts
-        the heartbeat; the id goes to <out>/run.json so that --resume keeps it, and to every rank.
+        Online, rank 0 founds or joins the run of the exchange folder (exchange.join_run), takes part
+        in an attempt of it (0 for a fresh start, a new one for --resume: exchange.join_attempt) and
+        starts the heartbeat; the id and the settings go to <out>/run.json so that --resume keeps the
+        one and checks the other, and the id and attempt go to every rank.
         """
         cfg = self.cfg
-        rid = ""
+        rid, self.attempt = "", 0
         if self.dist.main:
             record = read_json(self.out / "run.json") if cfg.resume else None
             previous = str(record["run_id"]) if record and "run_id" in record else ""
+            settings = run_settings(cfg, self.mode)
             if self.mode == "online":
                 try:
-                    rid = join_run(self.exchange, cfg.name, previous=previous, run_id=cfg.run_id,
-                                   dead_after=cfg.peer_dead_after)
+                    rid = join_run(self.exchange, cfg.name, peers=self.peers,
+                                   pair={k: settings[k] for k in PAIR_SETTINGS}, previous=previous,
+                                   run_id=cfg.run_id, dead_after=cfg.peer_dead_after)
+                    if previous:
+                        self.attempt = join_attempt(self.exchange, cfg.name, rid, dead_after=cfg.peer_dead_after)
                 except RuntimeError as e:
                     raise SystemExit(f"--peer-exchange: {e}") from None
-                self.heartbeat = Heartbeat(self.exchange, cfg.name, rid, interval=cfg.heartbeat_interval)
+                self.heartbeat = Heartbeat(self.exchange, cfg.name, rid, attempt=self.attempt,
+                                           interval=cfg.heartbeat_interval)
             else:
                 rid = previous or cfg.run_id or new_run_id()
-            write_json(self.out / "run.json", {"run_id": rid, "name": cfg.name, "model": cfg.model})
+            write_json(self.out / "run.json", {"run_id": rid, "name": cfg.name, "model": cfg.model,
+                                               "attempt": self.attempt, "settings": settings})
         if self.dist.world > 1:
-            box = [rid]
+            box = [rid, self.attempt]
             torch.distributed.broadcast_object_list(box, src=0)
-            rid = box[0]
+            rid, self.attempt = box
         return rid
 
     def leave_pair(self, error: BaseException) -> None:
-        """On any failure: the FAILED marker for a waiting peer, and a last heartbeat saying so."""
+        """On any failure: the FAILED marker for a waiting peer, and a last heartbeat saying so
+        (not by a process that a relaunch of its side left behind: the marker is the new one's)."""
         if not (self.dist.main and self.mode == "online" and self.heartbeat is not None):
             return
         import traceback
-        write_failed(self.exchange, self.cfg.name, self.run_id,
-                     f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}")
-        self.heartbeat.stop("failed")
+        try:  # on a full disk these writes fail too; the peer then sees the heartbeat go stale
+            if not self.heartbeat.left_behind():
+                write_failed(self.exchange, self.cfg.name, self.run_id,
+                             f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}", attempt=self.attempt)
+            self.heartbeat.stop("failed")
+        except OSError as e:
+            print(f"[graft] could not leave the FAILED marker for the peer: {e}")
         self.heartbeat = None
 
     def resume_hint(self) -> str:
@@ -430,6 +559,47 @@ class RunFiles:
         steps = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
         steps = [p for p in steps if (p / "trainer_state.pt").is_file()]
         return steps[-1] if steps else None
+
+    def resume_checkpoint(self) -> tuple[Path | None, dict | None]:
+        """--resume: the newest step checkpoint that loads, with its trainer state; (None, None) when
+        the run wrote none. A checkpoint that does not load (truncated or missing file, bad header)
+        is reported by path and the previous one is taken; with none left that loads, it stops."""
+        found = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
+        broken = []
+        for ckpt in reversed(found):
+            problem = None if (ckpt / "config.json").is_file() else f"{ckpt / 'config.json'}: missing"
+            problem = problem or check_weight_files(ckpt)
+            state = None
+            if problem is None:
+                try:
+                    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+                    int(state["step"]), float(state["best_score"]), state["optimizer"]
+                except Exception as e:  # missing, truncated or not a trainer state
+                    problem = f"{ckpt / 'trainer_state.pt'}: does not load ({type(e).__name__}: {e})"
+            if problem is None:
+                return ckpt, state
+            broken.append(ckpt)
+            if self.dist.main:
+                print(f"--resume: {problem}; falling back to the previous checkpoint")
+        if broken:
+            raise SystemExit(f"--resume: no checkpoint in {self.ckpt_dir} loads (tried {', '.join(p.name for p in broken)},"
+                             f" each reported above); start over with --force, or restore one of them")
+        return None, None
+
+    def clean_partial_checkpoints(self) -> None:
+        """Remove what a write cut short left in checkpoints/ (a .X.tmp folder can hold most of a model
+        and keep a full disk full), and put back a .X.old that a kill left in place of X."""
+        if not self.ckpt_dir.is_dir():
+            return
+        for p in self.ckpt_dir.glob(".*.old"):
+            final = p.with_name(p.name[1:-len(".old")])
+            if not final.exists():
+                os.replace(p, final)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.ckpt_dir.glob(".*.tmp"):
+            print(f"removing the partial checkpoint {p}")
+            shutil.rmtree(p, ignore_errors=True)
 
     def trim_metrics(self):
         """On resume, drop metric lines of steps that will be redone (the file stays one line per step)."""
@@ -454,17 +624,26 @@ class RunFiles:
 
     def save_checkpoint(self, step: int, dest: Path | None = None):
         """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place.
-        Under --fsdp every rank takes part in gathering the full state dicts; rank 0 writes them."""
+        Under --fsdp every rank takes part in gathering the full state dicts; rank 0 writes them.
+        A failed write (full disk, read-only folder) removes the temp folder and stops the run with
+        the path and the OS error; the last complete checkpoint stays the one --resume takes."""
         model_state, opt_state = full_state_dicts(self.policy, self.opt) if self.policy is not None else (None, None)
         if not self.dist.main:
             return
         dest = dest or self.ckpt_dir / f"step_{step:06d}"
         tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
-        self.tok.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": opt_state if opt_state is not None else self.opt.state_dict(),
-                    "best_score": self.best_score, "baseline_state": self.baseline_state}, tmp / "trainer_state.pt")
+        try:
+            self.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+            self.tok.save_pretrained(tmp)
+            torch.save({"step": step, "optimizer": opt_state if opt_state is not None else self.opt.state_dict(),
+                        "best_score": self.best_score, "baseline_state": self.baseline_state}, tmp / "trainer_state.pt")
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest = self.latest_checkpoint()
+            raise SystemExit(f"checkpoint {dest}: writing {tmp} failed ({describe_write_error(e, self.ckpt_dir)}); "
+                             f"the partial folder is removed and the last complete checkpoint is "
+                             f"{latest or 'none yet'}: free space or fix the folder, then relaunch with --resume") from e
         old = dest.with_name(f".{dest.name}.old")
         if dest.exists():
             os.replace(dest, old)
@@ -473,5 +652,3 @@ class RunFiles:
         if dest.name.startswith("step_"):
             for stale in sorted(self.ckpt_dir.glob("step_[0-9]*"))[: -self.cfg.keep_checkpoints]:
                 shutil.rmtree(stale, ignore_errors=True)
-
-
