@@ -30,11 +30,14 @@ One GRAFT step, in call order (Trainer.step; each side of the pair runs the same
 The copyable core (section 2) is everything a port to another trainer needs; sections 3-4 are this
 repository's trainer around it; the baselines (section 5) sit apart and never on GRAFT's path.
 
-File order: 1 Config -> 2 the copyable core -> (sampler.py, exchange.py) -> 3 records -> 4 the
-trainer -> 5 baselines -> 6 evaluation -> 7 curves (graft.py plot) -> 8 CLI. sampler.py (the
-hand-written sampler and the chunked log-prob kernel), exchange.py (the rollout file) and verify.py
-(the reward) import nothing of ours, so each can be copied alone; runtime.py holds the plumbing
-(ranks, precision, loading).
+File order: 1 Config -> 2 the copyable core -> 3 records -> 4 the trainer -> 5 baselines -> 6
+evaluation -> 7 curves (graft.py plot) -> 8 CLI. The satellites are imported once at the top and run
+one way: graft.py -> offline.py (the stored peer) -> runtime.py (ranks, precision, loading, the run's
+files) -> exchange.py (the rollout file); sampler.py (the sampler and the chunked log-prob kernel) and
+verify.py (the reward) import nothing of ours, so each can be copied alone (test_docs.py checks it).
+The Trainer keeps its file keeping as the mixin runtime.RunFiles rather than a self.files object:
+those methods read a dozen of the trainer's fields (cfg, dist, model, opt, best_score, ...), and
+handing them over on every call would add plumbing to the step without making it easier to read.
 README "The method, equation by equation" maps each equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
@@ -109,6 +112,18 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+
+# The satellites, imported here once; section 2 (the copyable core) uses none of them. Imports run one
+# way: graft.py -> offline.py -> runtime.py -> exchange.py; sampler.py and verify.py stand alone.
+import offline  # the stored peer at start (--peer-log) and `graft.py complement`
+from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, Heartbeat, StepRollouts, atomic_write,  # noqa: F401
+                      batch_indices, join_run, leave_run, load_rollouts, new_run_id, read_json, rollout_path,
+                      save_rollouts, wait_for_file, write_failed, write_json)  # the rollout file, run identity
+from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt,  # noqa: F401
+                     full_state_dicts, gather_lists, gathered, load_full_optimizer_state, load_policy,
+                     load_prompt_file, setup_distributed, shard, shard_policy, timed,
+                     unshard)  # ranks, precision, loading, FSDP2, the run's files: plumbing, not the method
+from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: F401  (the sampler and kernel)
 
 # ------------------------------------------------------------------------------------------------
 # 1. Config: one dataclass; every field's docstring is also its --help line (section 8)
@@ -653,20 +668,6 @@ def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_token
 
 
 # ------------------------------------------------------------------------------------------------
-# Sampler and logprob path (sampler.py: hand-written KV-cache sampler and the chunked logprob kernel)
-# ------------------------------------------------------------------------------------------------
-
-from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: E402,F401  (re-exported)
-
-# ------------------------------------------------------------------------------------------------
-# Rollouts and exchange files (exchange.py: the safetensors rollout file, README "Files")
-# ------------------------------------------------------------------------------------------------
-
-from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, Heartbeat, StepRollouts, atomic_write,  # noqa: E402,F401
-                      batch_indices, join_run, leave_run, load_rollouts, new_run_id, read_json, rollout_path,
-                      save_rollouts, wait_for_file, write_failed, write_json)
-
-# ------------------------------------------------------------------------------------------------
 # 3. Records: what flows between the trainer's phases (plumbing: runtime.py)
 # ------------------------------------------------------------------------------------------------
 
@@ -716,12 +717,6 @@ class LossKind:
 
 
 LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs in section 5
-
-# Ranks, devices, precision, model and prompt loading: runtime.py (plumbing, not the method).
-from runtime import (DistInfo, clip_sharded_grad_norm_, compute_context, encode_prompt,  # noqa: E402,F401
-                     full_state_dicts, gather_lists,
-                     gathered, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed, shard,
-                     shard_policy, timed, unshard, RunFiles)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -906,7 +901,11 @@ class Trainer(RunFiles):
             raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step "
                              f"{cfg.prompts_per_step}")
         check_golds(self.data, cfg, main=self.dist.main)
-        self.peer_log_run = self.check_peer_log() if self.mode == "offline" else None
+        if self.mode == "offline":  # a rollout folder's run id, or a JSONL of foreign trajectories loaded once
+            self.peer_log_run, self.foreign = offline.open_peer_log(cfg, self.data, self.dist,
+                                                                    start_step=self.start_step)
+        else:
+            self.peer_log_run = None
         self.run_id = self.join_pair()
         try:
             self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
@@ -1970,7 +1969,6 @@ def flags_markdown() -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
-        import offline
         return offline.main_complement(argv[1:])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         return main_plot(argv[1:])

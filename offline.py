@@ -1,8 +1,9 @@
 """GRAFT before and beside the online pair: how complementary models are, and foreign trajectories as a peer.
 
 Two tools in one file that imports only torch and the standard library at the top (exchange.py,
-verify.py, sampler.py, runtime.py for data/prepare.py's reader, and safetensors inside the functions
-that need them; it never imports graft.py), so graft.py can import it without a cycle.
+verify.py, sampler.py, runtime.py for data/prepare.py's reader and the peer model's loading, and
+safetensors inside the functions that need them; it never imports graft.py), so graft.py can import it
+without a cycle. `open_peer_log` is what the trainer calls at start for --peer-log.
 
 1. Complementarity: `python graft.py complement SRC1 SRC2 [SRC3 ...] [--n 8] [--batch-size 128]`
    (or `python offline.py complement ...`). A source is a folder of this project's rollout files
@@ -867,6 +868,70 @@ def fill_lbar(log: ForeignLog, model, tokenizer, *, model_path: str, encode_prom
         log.mean_logprob[p, i] = value
         log.num_tokens[p, i] = count
     return {"computed": len(todo), "cached": len(need) - len(todo), "cache": str(cache)}
+
+
+# ------------------------------------------------------------------------------------------------
+# The stored peer at the trainer's start: every check before the first rollout
+# ------------------------------------------------------------------------------------------------
+
+
+def open_peer_log(cfg, data: list[dict], dist, *, start_step: int) -> tuple[str | None, ForeignLog | None]:
+    """--peer-log, checked once at start. Returns (the rollout folder's run id, None) for a finished
+    run's rollout files, or (None, the loaded ForeignLog) for a JSONL of foreign trajectories.
+
+    cfg: the trainer's Config; data: the run's prompts (--prompts); dist: runtime.DistInfo. A rollout
+    folder must hold a file of this n for every step the run will take, from start_step on. Bad input
+    raises SystemExit naming the flag and the file (and line, for JSONL records)."""
+    log = Path(cfg.peer_log)
+    if log.is_file():
+        return None, load_foreign(cfg, data, dist)
+    if not log.is_dir():
+        raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files or JSONL file")
+    from exchange import load_rollouts
+    missing = [t for t in range(start_step, cfg.steps) if not (log / f"step_{t:06d}.safetensors").is_file()]
+    if missing:
+        have = len(list(log.glob("step_*.safetensors")))
+        raise SystemExit(f"--peer-log {log}: this run needs steps {start_step}..{cfg.steps - 1} (--steps "
+                         f"{cfg.steps}) but {len(missing)} are missing, the first step_{missing[0]:06d}"
+                         f".safetensors (the folder holds {have} step files)")
+    try:
+        _, meta = load_rollouts(log / f"step_{start_step:06d}.safetensors", n=cfg.n)
+    except ValueError as e:
+        raise SystemExit(f"--peer-log: {e}") from None
+    return meta.get("run_id"), None
+
+
+def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:
+    """A JSONL --peer-log: matched to --prompts by id or problem text, de-duplicated, length-checked,
+    grouped per prompt, re-verified; lbar computed once by --peer-model where the records lack it."""
+    from runtime import compute_context, encode_prompt, load_policy
+    try:
+        log = load_foreign_log(cfg.peer_log, data, std_normalize=cfg.std_normalize,
+                               verify_workers=cfg.verify_workers,
+                               max_response_chars=response_char_bound(cfg.max_response_tokens))
+    except ValueError as e:  # names the file and line
+        raise SystemExit(f"--peer-log: {e}") from None
+    if dist.main:
+        print(log.report())
+    if cfg.peer_model and log.missing_lbar(cfg.compat_norm):
+        model, tok, stop = load_policy(cfg.peer_model, cfg, dist, for_training=False)
+        with compute_context(cfg, dist):
+            info = fill_lbar(
+                log, model, tok, model_path=cfg.peer_model, eos_token_id=stop[0],
+                encode_prompt=lambda q: encode_prompt(q, tok, template=cfg.prompt_template, chat=cfg.chat_template),
+                problems={r["id"]: r["problem"] for r in data},
+                cache_key=f"{cfg.prompt_template}\0{cfg.chat_template}", batch_size=cfg.micro_batch_size,
+                chunk_size=cfg.logprob_chunk)
+        if dist.main:
+            print(f"[graft] lbar by --peer-model {cfg.peer_model}: {info['computed']} computed, "
+                  f"{info['cached']} from {info['cache']}")
+        del model
+    if cfg.compat_weight or cfg.acceptance == "random":
+        try:
+            log.require_lbar(cfg.compat_norm)
+        except ValueError as e:
+            raise SystemExit(f"--peer-log: {e} (give --peer-model PATH to compute it)") from None
+    return log
 
 
 # ------------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 None of this is the method; graft.py imports it so that the trainer reads as the GRAFT step. Each
 function takes the trainer's Config (any object with the named attributes) and imports nothing of
-ours but exchange.py (the run files), data/prepare.py's prompt reader and, for a foreign log,
-offline.py.
+ours but exchange.py (the run files) and data/prepare.py's prompt reader: the project's imports run
+graft.py -> offline.py -> runtime.py -> exchange.py, never back.
 
     setup_distributed   torchrun's RANK / WORLD_SIZE -> process group (NCCL on GPU, gloo on CPU)
     gather_lists, shard, unshard   split a list over ranks and put the gathered parts back in order
@@ -15,7 +15,7 @@ offline.py.
     shard_policy, gathered, full_state_dicts, load_full_optimizer_state,
     clip_sharded_grad_norm_   FSDP2 (--fsdp)
     RunFiles            the trainer's file keeping: run directory, the settings check of --resume,
-                        stored-log checks, run identity, attempt and heartbeat (exchange.py), metrics
+                        run identity, attempt and heartbeat (exchange.py), metrics
                         trimming, atomic checkpoints and the fall-back over broken ones
     check_weight_files  a model folder's safetensors files, checked before loading (names the file)
 """
@@ -33,15 +33,16 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from exchange import (Heartbeat, atomic_write, describe_write_error, join_attempt, join_run, leave_run, load_rollouts,
+from exchange import (Heartbeat, atomic_write, describe_write_error, join_attempt, join_run, leave_run,
                       new_run_id, read_json, write_failed, write_json)
 
-if TYPE_CHECKING:  # annotations only: graft.py imports this file, never the reverse
-    from graft import Config
+# The trainer's Config (graft.Config), or any object with the fields a function reads: this file
+# never imports graft.py, so that the project's imports run one way (README "Files").
+Config = Any
 
 
 @dataclass
@@ -364,9 +365,10 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torc
 # ------------------------------------------------------------------------------------------------
 
 # What --resume may change: run length, checkpoint and eval cadence, waits and timeouts, speed and
-# memory knobs that leave the numbers as they are, paths that may move, and --lr / --grad-clip (a
-# researcher lowering the lr of a diverging run is a deliberate choice; the new lr is written into
-# the optimizer's param groups after its state is loaded, which would otherwise restore the old one).
+# memory knobs that leave the numbers as they are, paths that may move, live logging (--report-to),
+# the gold check's --strict, and --lr / --grad-clip (a researcher lowering the lr of a diverging run
+# is a deliberate choice; the new lr is written into the optimizer's param groups after its state is
+# loaded, which would otherwise restore the old one).
 # Every other Config field defines the run, and a change of one is refused.
 RESUMABLE = frozenset({
     "steps", "save_every", "keep_checkpoints", "resume", "force", "out", "peer_exchange", "data_dir",
@@ -374,6 +376,7 @@ RESUMABLE = frozenset({
     "eval_max_tokens", "save_responses", "eval_out", "exchange_timeout", "peer_dead_after", "heartbeat_interval",
     "join_timeout", "threads", "verify_workers", "gen_batch_size", "micro_batch_size", "logprob_chunk",
     "static_decode", "gradient_checkpointing", "fsdp", "device", "trust_remote_code", "run_id", "lr", "grad_clip",
+    "report_to", "strict",
 })
 # What the two sides of a pair must share for both to compute the same batches and the same swap
 # (written into the run record by the founder, checked by every side that joins).
@@ -446,59 +449,6 @@ class RunFiles:
                 raise SystemExit(f"{flag}: cannot write to {folder} ({e.strerror or e})") from None
         self.clean_partial_checkpoints()
         self.trim_metrics()
-
-    def check_peer_log(self) -> str | None:
-        """--peer-log: every step this run will take has its file, of this n; returns the log's run id.
-        A JSONL file of foreign trajectories is loaded, matched and re-verified here, once."""
-        cfg, log = self.cfg, Path(self.cfg.peer_log)
-        if log.is_file():
-            self.foreign = self.load_foreign()
-            return None
-        if not log.is_dir():
-            raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files or JSONL file")
-        missing = [t for t in range(self.start_step, cfg.steps) if not (log / f"step_{t:06d}.safetensors").is_file()]
-        if missing:
-            have = len(list(log.glob("step_*.safetensors")))
-            raise SystemExit(f"--peer-log {log}: this run needs steps {self.start_step}..{cfg.steps - 1} (--steps "
-                             f"{cfg.steps}) but {len(missing)} are missing, the first step_{missing[0]:06d}"
-                             f".safetensors (the folder holds {have} step files)")
-        try:
-            _, meta = load_rollouts(log / f"step_{self.start_step:06d}.safetensors", n=cfg.n)
-        except ValueError as e:
-            raise SystemExit(f"--peer-log: {e}") from None
-        return meta.get("run_id")
-
-    def load_foreign(self):
-        """A JSONL --peer-log (offline.py): matched to --prompts by id or problem text, grouped per
-        prompt, re-verified; lbar computed once by --peer-model where the records lack it."""
-        import offline
-        cfg = self.cfg
-        try:
-            log = offline.load_foreign_log(cfg.peer_log, self.data, std_normalize=cfg.std_normalize,
-                                           verify_workers=cfg.verify_workers)
-        except ValueError as e:  # names the file and line
-            raise SystemExit(f"--peer-log: {e}") from None
-        if self.dist.main:
-            print(log.report())
-        if cfg.peer_model and log.missing_lbar(cfg.compat_norm):
-            model, tok, stop = load_policy(cfg.peer_model, cfg, self.dist, for_training=False)
-            with compute_context(cfg, self.dist):
-                info = offline.fill_lbar(
-                    log, model, tok, model_path=cfg.peer_model, eos_token_id=stop[0],
-                    encode_prompt=lambda q: encode_prompt(q, tok, template=cfg.prompt_template, chat=cfg.chat_template),
-                    problems={r["id"]: r["problem"] for r in self.data},
-                    cache_key=f"{cfg.prompt_template}\0{cfg.chat_template}", batch_size=cfg.micro_batch_size,
-                    chunk_size=cfg.logprob_chunk)
-            if self.dist.main:
-                print(f"[graft] lbar by --peer-model {cfg.peer_model}: {info['computed']} computed, "
-                      f"{info['cached']} from {info['cache']}")
-            del model
-        if cfg.compat_weight or cfg.acceptance == "random":
-            try:
-                log.require_lbar(cfg.compat_norm)
-            except ValueError as e:
-                raise SystemExit(f"--peer-log: {e} (give --peer-model PATH to compute it)") from None
-        return log
 
     def join_pair(self) -> str:
         """This run's identity: written into every rollout file and checked on every peer file.
