@@ -1,30 +1,52 @@
-"""The tiny CPU preset: the whole GRAFT method on two tiny models, on a laptop CPU, with a table.
+"""The tiny CPU preset: the whole GRAFT method on two tiny models, on a laptop CPU, with its tables.
 
     bash run_pair.sh tiny                      # = python tiny.py --out runs/tiny
     python tiny.py --seeds 3                   # mean +- std over 3 RL seeds per cell
-    python tiny.py --split val                 # the same on the validation split (choosing settings)
-    python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the same table
+    python tiny.py --seeds 3 --no-held-out     # the mechanism panel alone
+    python tiny.py report runs/tiny            # Markdown for RESULTS.md, recomputed from a finished run's files
+    python tiny.py --split val                 # the held-out table on the validation split (choosing settings)
+    python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the held-out table
     python tiny.py --variant sgt               # one variant next to GRPO
     python tiny.py --peers 3                   # a third model C: three pairs and the three-way run
-    python tiny.py --smoke                     # CI: 3 steps, a 50-problem subset
+    python tiny.py --smoke                     # CI: 3 steps, a 50-problem subset, a panel of 2 x 4 problems
     python tiny.py --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
     python tiny.py prepare RUN_DIR [--peers 3] [--retrain]   # only data, tokenizers and pre-trained models
 
 What it measures. The paper's claim is about prompts on which the receiver fails all n rollouts:
-GRPO has no gradient there, GRAFT gives one from the peer's mixed group. So the first table is
-the beyond-sample subset: for each model, the evaluated problems it fails on all k = 8 samples
-before RL while its peer solves at least one, with accuracy on that subset before RL, after GRPO
-and after GRAFT (mean +- std over seeds, and the paired GRAFT - GRPO difference), next to the rest
-of the split and the overall accuracy. The subset is picked by k samples of an evaluation of the
-models before RL and measured by k further samples of the same evaluation (2k per problem), so the
-"before" column is an honest re-draw, not 0% by construction. Also printed: the complementarity
-statistic (share of a model's all-fail problems its peer solves at least once; the paper reports
-47.9% and 18.7% for its Pair 1) before RL and between the two GRPO-trained models; the train-side
-view (the train prompts a side received from its peer in the GRAFT run, recomputed from the runs'
-rollout files with the trainer's balanced swap, and their pass@8 before RL, after GRPO and after
-GRAFT); per-pair exchange diagnostics (candidates, selected, accepted, mean s, mean w, clip
-fractions of own and peer tokens); and a profile (seconds per step by phase from every run's
-metrics.jsonl, wall seconds per job).
+GRPO has no gradient there, GRAFT gives one from the peer's mixed group. Two tables test it.
+
+The mechanism panel (printed first; in-sample by design). A fixed set of 48 train problems: 24
+that A fails 0/8 before RL while B solves 1-7 of 8 (a mixed group, Eq. 4's condition), and 24 the
+other way round, the first of each kind in a seeded shuffle of 1000 train problems, found by one
+evaluation of each model before RL (8 samples at T=1); the held-out split is never touched. The
+set is symmetric because the paper's balanced swap moves m = min(candidates each way) groups: with
+one side's failures only it would exchange nothing. GRPO for each model alone and the GRAFT pair
+train on the whole set every step (30 steps x 48 prompts x n=8, the preset's other settings) from
+the same checkpoints. Printed per model: the train reward on its own all-fail half and on the
+other half over steps 1-10, 11-20 and 21-30 under both methods, the paired GRAFT - GRPO difference
+(mean +- std over seeds), the groups received and peer responses accepted per step and the clip
+fractions of peer and own tokens; every figure comes from the runs' rollout files and metrics.jsonl,
+so the panel costs no evaluation. It asks whether a receiver learns prompts it had no signal on,
+which is the paper's premise, not whether that generalises.
+
+The held-out table (printed second) measures generalisation: for each model, the beyond-sample
+subset (the evaluated problems it fails on all k = 8 samples before RL while its peer solves at
+least one) with accuracy before RL, after GRPO and after GRAFT (mean +- std over seeds, and the
+paired GRAFT - GRPO difference), next to the rest of the split and the overall accuracy. The subset
+is picked by k samples of an evaluation of the models before RL and measured by k further samples
+of the same evaluation (2k per problem), so the "before" column is an honest re-draw, not 0% by
+construction. At this scale the table is not expected to move: RL on 0.7M-parameter models does
+not generalise (GRPO's in-sample gain lowers A's validation accuracy), each train prompt is seen
+about once in 100 x 48 steps, and a problem a model fails 0/8 in an evaluation still has a few
+percent success per sample under GRPO, so GRPO is not signal-free there. Also printed: the
+complementarity statistic (share of a model's all-fail problems its peer solves at least once; the
+paper reports 47.9% and 18.7% for its Pair 1) before RL and between the two GRPO-trained models;
+the train-side view (the train prompts a side received from its peer in the GRAFT run, recomputed
+from the runs' rollout files with the trainer's balanced swap, and their pass@8 before RL, after
+GRPO and after GRAFT); per-pair exchange diagnostics (candidates, selected, accepted, mean s, mean
+w, clip fractions of own and peer tokens); and a profile (seconds per step by phase from every
+run's metrics.jsonl, wall seconds per job). Measured figures: RESULTS.md, tiny preset, whose block
+`python tiny.py report RUN_DIR` regenerates from the run that printed them.
 
 What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed run resumes):
   1. data/{train,val,test}.jsonl: generated problems of five families (data/tiny_tasks.py: add,
@@ -38,7 +60,10 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      with different family mixes (TinyConfig, MODELS). The committed copies in data/tiny_models are
      used when their digest (the shared fields and the model's own) matches (`--retrain` pre-trains
      here: ~4 minutes for A and B on an idle 2-core machine, ~8 under load; C ~1.5 minutes).
-  3. For each seed: the GRAFT pair (and each --variants entry), then GRPO for A alone and for B
+  3. panel/: the pick (pool.jsonl, pick_A.json, pick_B.json: both models on the pool, n samples at
+     T=1), the fixed set (set.jsonl, set.json), then for each seed the GRAFT pair and GRPO for A and
+     for B on it (panel/seed<s>/{graft,grpo}/). These jobs come first (--no-panel skips them).
+  4. For each seed: the GRAFT pair (and each --variants entry), then GRPO for A alone and for B
      alone, all through `graft.py train` with the same starting checkpoints, prompt batches, steps,
      n, lr and minibatches: a budget-equal comparison as in the paper. At most --slots graft.py
      processes run at once (one torch thread each), in that order, and the evaluations fill the
@@ -47,77 +72,65 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      (column graft: three processes with `--peer-name` listing the other two, graft.py's
      multi-peer rule), all from the same checkpoints and batches; the three-way run starts when
      nothing else runs, and the profile prints its wall time against the A-B pair's. After every
-     exchange run the preset recomputes each step's assignment from the rollout files and checks
-     that every process logged the same fingerprint (metrics key "assignment"); a disagreement
-     stops it.
-  4. Evaluations (graft.py eval, T=1): the models before RL at 2k samples per problem, every final
-     model at k, on the split and on the received train prompts; then the tables, results.txt and
-     results.csv (one row per seed, method, model and subset: size and accuracy).
+     exchange run (the panel's too) the preset recomputes each step's assignment from the rollout
+     files and checks that every process logged the same fingerprint (metrics key "assignment"); a
+     disagreement stops it. --no-held-out skips this step and the next.
+  5. Evaluations (graft.py eval, T=1): the models before RL at 2k samples per problem, every final
+     model at k, on the split and on the received train prompts.
+  6. The tables, printed and written: results.txt (what is printed), panel.csv (one row per seed,
+     method, model, half and window), results.csv (one row per seed, method, model and subset: size
+     and accuracy), run.json (the command, the settings, the machine, its load average at the start
+     and the end, the wall time), which `tiny.py report` reads.
 
 Prompt: PROMPT_TEMPLATE = "{problem}\\n", given to graft.py as --prompt-template.
 
-Changes for the beyond-sample measure (issue 13), each with its reason
-  1. k = 8 samples per problem (was 4) and the subset picked and measured by separate draws: with
-     4 samples and one draw, much of "fails all 4" was bad luck on problems solved ~10% of the time,
-     which regression to the mean lifted under both methods alike.
+Settings, each with its reason
+  1. k = 8 samples per problem, and the held-out subset picked and measured by separate draws: with
+     fewer samples and one draw, much of "fails all k" is bad luck on problems solved ~10% of the
+     time, which regression to the mean lifts under both methods alike.
   2. A fifth family, mul2 (two-digit times two-digit), pre-trained by neither model: both fail it
-     nearly always, as both paper models fail many MATH problems. Without it the complementarity
-     was 72% / 88% (each model's all-fail problems were almost all in its weak families, which its
-     peer solves); the paper's 47.9% / 18.7% needs problems that neither model solves.
-  3. Weak-family mixes lowered (A: mul 0.09 -> 0.04, linear 0.06 -> 0.02; B keeps 0.12 of add and
-     sub each, up from 0.05): A's success on mul and linear is near zero (validation: 2.0% and
-     10.7% at T=1), so that A's beyond-sample problems are ones it truly does not solve and GRPO has
-     little to work with, while B's add/sub are weak but alive. On validation this gives 44.3%
-     (B solves of A's all-fail) and 40.5% (A solves of B's): the first near the paper's 47.9%, the
-     second above its 18.7%. A second pre-training with B at 0.2 add/sub (0.3 mul/linear) gave
-     39.5% / 34.8% and a weaker B on its own families, so the first mixes were kept; a closer match
-     needs more pre-training rounds than this change could afford.
+     nearly always, as both paper models fail many MATH problems. Without such problems each
+     model's all-fail problems are almost all in its weak families, which its peer solves, and the
+     complementarity is far above the paper's 47.9% / 18.7%.
+  3. Weak-family mixes (A: mul 0.04, linear 0.02; B: add 0.12, sub 0.12): A's success on mul and
+     linear is near zero, so its beyond-sample problems are ones it truly does not solve, while B's
+     add/sub are weak but alive. Chosen on the validation split, where they give 44.3% (B solves of
+     A's all-fail) and 40.5% (A solves of B's); B at 0.2 add/sub (0.3 mul/linear) gave 39.5% /
+     34.8% and a weaker B on its own families.
   4. A validation split (500 problems cut from train; neither pre-training nor RL sees it): the
-     mixes above were chosen on it, and `--split val` runs the whole preset on it. The held-out
+     mixes above were chosen on it, and `--split val` runs the held-out table on it. The held-out
      split is only read for the final table.
-  5. Pre-training uses the train split only (it used all generated train problems, which now
-     include the validation split).
-  6. Jobs in slots (run_jobs): the GRPO runs of A and B take unequal time (the character model's
-     sequences are longer); the evaluations now fill the idle slot.
-  7. 100 steps x 48 prompts (was 120 x 64), for time: under the load of a shared 2-core machine a
-     120 x 64 seed was on course for ~25-30 minutes (7 s per GRAFT step over its first 34 steps).
-     The earlier preset found that progress per step was the same at 128 and 64 prompts, so the cut
-     takes prompts first; fewer steps and prompts mean fewer exchanged groups (see the diagnostics).
-The other RL settings (n=8, AdamW 1e-4, 4 minibatches, eps 0.2/0.28, delta 0.8 per token) are those
-of the earlier preset, where a minimal GRPO loop found them: lr 1.5e-4..3e-4 was flat or worse, 8
-minibatches no better than 4. They were run on the validation split (`--split val`) before the
-held-out table, not re-tuned.
-
-Findings (held-out, 3 seeds, `python tiny.py --seeds 3 --variants graft,no_balance`; README: the
-tiny preset has the full table). Beyond-sample subset: A 202 problems, 3.3% before RL, GRPO 4.8,
-GRAFT 5.7 (paired +0.9 +- 2.2); B 153 problems, 6.5% before, GRPO 12.5, GRAFT 11.9 (-0.6 +- 0.8):
-no effect beyond the seed spread. Complementarity 42.3% / 35.7% before RL (paper 47.9% / 18.7%).
-Diagnostics: A's train reward is flat under GRPO (35.1% -> 35.5%, first vs last 25 steps), clip
-fractions ~0.1-0.2%; into A 3.4 groups selected and 9.2 responses accepted per step (the swap is
-bounded by B's 1.8 candidates); the gate into A passes 53% of the peer's responses in the first
-quarter of the steps and 18% in the last; `no_balance` (8.3 groups into A) changes nothing
-measurable. On validation, before the held-out run, the same picture (A beyond +0.2, B +0.7 on
-one seed). lr 3e-4 on validation (after the held-out run, for the diagnosis only) collapses A under
-both methods (overall 35.0% -> 3.9% GRPO, 7.2% GRAFT), so the learning rate is not the lever. What
-the preset lacks is first of all a GRPO that moves A at a stable step size, then a gate that stays
-open as the receiver trains.
+  5. Jobs in slots (run_jobs): the GRPO runs of A and B take unequal time (the character model's
+     sequences are longer), so the evaluations fill the idle slot.
+  6. 100 steps x 48 prompts in the held-out runs, for time on a shared 2-core machine; progress per
+     step was the same at 128 and 64 prompts, so prompts were cut before steps. Fewer prompts mean
+     fewer exchanged groups (see the diagnostics).
+  7. The panel's peer groups are mixed (1-7 of 8), not merely solved once: a peer group that solves
+     all 8 has zero advantages and is no candidate (Eq. 4). Its 30 steps on 48 prompts show the
+     mechanism within minutes, and windows of 10 steps average out the step-to-step noise of 48
+     prompts.
+The other RL settings (n=8, AdamW 1e-4, 4 minibatches, eps 0.2/0.28, delta 0.8 per token) are
+those a minimal GRPO loop found: lr 1.5e-4..3e-4 was flat or worse, 8 minibatches no better than 4,
+and lr 3e-4 on validation collapses A under both methods. They were run on the validation split
+(`--split val`) before the held-out table, not re-tuned.
 
 Model C (with --peers 3). Its mix (add 0.40, mul 0.40, sub 0.10, linear 0.10) makes each model
 weak where another is strong: A on mul/linear, B on add/sub, C on sub/linear; on validation before
 RL (8 samples, T=1) C scores add 72.5%, sub 9.1%, mul 45.9%, linear 20.1% (A: 94.0/71.0/0.9/10.1,
 B: 23.8/19.2/50.6/45.4), and C solves 41.2% of A's all-fail problems and 30.1% of B's. The mix was
-set once, before any RL run with C, and not tuned. Held-out, 3 seeds (`python tiny.py --peers 3
---seeds 3`; README: three models): the three-way run gives A twice the groups of a pair (6.6 per step)
-and agrees on 300/300 steps, but beyond-sample GRAFT - GRPO is A -1.4 +- 0.4, B +0.8 +- 1.6, C +0.8
-+- 1.2 points; the three-way run takes 1.26-1.35x the A-B pair's wall time on two cores.
+set once, before any RL run with C, and not tuned. The panel stays the pair A-B's.
 
 Choices
   * SFT loss on the response tokens and EOS only: the prompt digits are uniform random, so
     modelling them would spend a tiny model's capacity on noise.
   * --seeds varies the RL seed (sampling, minibatch order, prompt order) over the same pre-trained
-    pair; pre-training is one fixed seed (it is the shared starting point of both methods).
+    pair; pre-training is one fixed seed (it is the shared starting point of both methods). The
+    panel's fixed set is one pick (PANEL_SEED) for every RL seed.
   * The train-side view counts a prompt as received when the swap selected its group; the rollout
     files do not record which of its responses the compatibility gate then removed.
+  * The panel's reward is the train reward of the runs' own rollouts (T=1, n=8 per prompt per step),
+    read from the rollout files: with the whole set in every step it is an in-sample evaluation of
+    the current policy at each step.
 """
 
 from __future__ import annotations
@@ -196,7 +209,7 @@ class TinyConfig:
 
     def digest(self, model: str) -> str:
         """Short hash of the fields that model ``model`` depends on: the shared ones and its own (MODELS).
-        A changed field invalidates that model's cached copy, and no other's: adding C left A and B valid."""
+        A changed field invalidates that model's cached copy, and no other's: a change to C's mix keeps A and B valid."""
         own = {f for m in MODELS.values() for f in m.own}
         blob = {k: v for k, v in dataclasses.asdict(self).items() if k not in own or k in MODELS[model].own}
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
@@ -1167,7 +1180,7 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
             out.append(f"  {r.label:<9}{m}: " + "  ".join(f"{p} {_mean_key(rm, 'time/' + p):.2f}" for p in phases))
     if timing:
         out.append("  " + ", ".join(f"{j} {t:.0f}" for j, t in timing.items()))
-    if len(models) > 2:  # the three-way run's wall time against the pair A-B (today's two-model preset)
+    if len(models) > 2:  # the three-way run's wall time against the pair A-B (the two-model preset)
         for r in [r for r in exch if len(r.group) == len(models)]:
             pair = f"{r.method}_{''.join(models[:2])}"
             for s in range(pc.seeds):
