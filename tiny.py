@@ -1379,7 +1379,7 @@ def panel_report(run_dir: str, pc: PresetConfig) -> tuple[str, list[str]]:
                            f"{_cell(per['graft']):>12}{_cell(diff, signed=True):>14}")
     out.append("exchange in the GRAFT run, per step (mean over the window's steps and seeds): groups received (the "
                "balanced swap recomputed from the rollout files), peer responses accepted by the gate, and the "
-               "clip fractions of peer and own tokens (metrics.jsonl)")
+               "clip fractions of peer tokens (over the steps that accepted some) and own tokens (metrics.jsonl)")
     received = {}
     for s in range(pc.seeds):
         ex = os.path.join(pdir, f"seed{s}", "graft", "exchange")
@@ -1396,12 +1396,16 @@ def panel_report(run_dir: str, pc: PresetConfig) -> tuple[str, list[str]]:
             rec = [sum(received[(s, m)][w[0]:w[1]]) / (w[1] - w[0]) for s in range(pc.seeds)]
             part = [x for x in rm if w[0] <= x["step"] < w[1]]
             acc = _mean_key(part, "accepted")
-            clip_peer, clip_own = _mean_key(part, "pg/clipfrac_peer"), _mean_key(part, "pg/clipfrac_own")
+            # the peer clip fraction over the steps that trained on peer tokens: a step without any
+            # has no such fraction (logged as 0 or NaN), and averaging it in would hide the others
+            clip_peer = _mean_key([x for x in part if x.get("accepted", 0) > 0], "pg/clipfrac_peer")
+            clip_own = _mean_key(part, "pg/clipfrac_own")
             csv += [f"{s},graft,{m},received,{label(w)},{x:.6f}" for s, x in enumerate(rec)]
             csv += [f"-1,graft,{m},{key},{label(w)},{v:.6f}" for key, v in
                     (("accepted", acc), ("clipfrac_peer", clip_peer), ("clipfrac_own", clip_own))]
+            frac = lambda v: "-" if v != v else f"{v:.4f}"  # noqa: E731
             out.append(f"  -> {m}  steps {label(w):>5}: {sum(rec) / len(rec):5.2f} groups received, {acc:5.1f} "
-                       f"responses accepted; clip fraction peer {clip_peer:.4f}, own {clip_own:.4f}")
+                       f"responses accepted; clip fraction peer {frac(clip_peer)}, own {frac(clip_own)}")
     return "\n".join(out), csv
 
 
