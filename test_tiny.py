@@ -214,7 +214,7 @@ def test_preset_smoke_with_three_models(tmp_path):
     out = tmp_path / "tiny3"
     r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke", "--peers", "3",
                         "--no-panel"],  # the panel is the pair's (test_panel_*)
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
     cells = {(meth, model) for _, meth, model, subset, _, _ in rows if subset == "overall"}
