@@ -173,12 +173,21 @@ def test_models_build_save_and_load(toks, tmp_path):
             assert torch.allclose(model(x).logits, m2(x).logits, atol=1e-5)
 
 
-def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(tmp_path):
-    """CI version of `bash run_pair.sh tiny`: committed pre-trained models, 3 RL steps per run."""
-    out = tmp_path / "tiny"
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One `python tiny.py --smoke` run (the panel and the held-out table, 3 RL steps each), shared by the
+    tests below: (run folder, the completed process)."""
+    out = tmp_path_factory.mktemp("smoke") / "tiny"
+    # the timeout only catches a hang: on a loaded 2-core machine the run takes several minutes
     r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke"],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r
+
+
+def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(smoke):
+    """CI version of `bash run_pair.sh tiny`: committed pre-trained models, 3 RL steps per run."""
+    out, r = smoke
     rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
     cells = {(meth, model) for _, meth, model, subset, _, _ in rows if subset == "overall"}
     assert cells == {(m, s) for m in ("before", "grpo", "graft") for s in ("A", "B")}  # every phase ran
@@ -201,10 +210,11 @@ def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(tmp_path):
 
 
 def test_preset_smoke_with_three_models(tmp_path):
-    """`python tiny.py --peers 3 --smoke`: GRPO for A, B and C, the three pairs and the three-way run."""
+    """`python tiny.py --peers 3 --smoke --no-panel`: GRPO for A, B and C, the three pairs and the three-way run."""
     out = tmp_path / "tiny3"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke", "--peers", "3"],
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke", "--peers", "3",
+                        "--no-panel"],  # the panel is the pair's (test_panel_*)
+                       capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
     cells = {(meth, model) for _, meth, model, subset, _, _ in rows if subset == "overall"}
@@ -327,3 +337,113 @@ def test_an_evaluation_missing_a_file_is_evaluated_again(tmp_path):
     assert out.exists()  # every file was evaluated: the cache stands
     tiny.drop_stale_eval(str(out), ["/x/test.jsonl", "/y/s0_graft_A.jsonl", "/y/s1_graft_A.jsonl"])
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# The mechanism panel and the report
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pick_halves_and_windows_by_hand():
+    # n = 4 samples; the pool's order decides which of a kind come first
+    a = {"p0": [0, 0, 0, 0], "p1": [0, 0, 0, 0], "p2": [1, 1, 0, 1], "p3": [0, 0, 0, 0], "p4": [1, 1, 1, 1],
+         "p5": [0, 1, 0, 0]}
+    b = {"p0": [1, 1, 1, 1], "p1": [0, 1, 1, 0], "p2": [0, 0, 0, 0], "p3": [1, 0, 0, 0], "p4": [0, 0, 0, 0],
+         "p5": [0, 0, 0, 0]}
+    order = ["p5", "p4", "p3", "p2", "p1", "p0"]
+    # A fails p0 (B solves 4/4: not mixed, excluded), p1 and p3 (B mixed); B fails p2 and p5 (A mixed), p4
+    # (A solves 4/4: excluded)
+    assert tiny.pick_halves(a, b, order, 5) == {"A": ["p3", "p1"], "B": ["p5", "p2"]}
+    assert tiny.pick_halves(a, b, order, 1) == {"A": ["p3"], "B": ["p5"]}
+    assert tiny.thirds(30) == [(0, 10), (10, 20), (20, 30)]
+    assert tiny.thirds(31) == [(0, 10), (10, 20), (20, 31)] and tiny.thirds(2) == [(0, 1), (1, 2)]
+
+
+def _rollouts(folder, name, step):
+    from exchange import load_rollouts, rollout_path
+    from pathlib import Path
+    return load_rollouts(rollout_path(Path(folder), name, step))[0]
+
+
+def test_panel_halves_are_all_fail_and_every_printed_number_comes_from_the_files(smoke):
+    """The smoke run's panel: its halves are disjoint train problems (never held-out), each model's half is
+    all-fail before RL by the pick's own samples while the peer is mixed, and every number the panel
+    prints is recomputed here, by plain loops, from the pick evaluation, the rollout files and metrics.jsonl."""
+    out, r = smoke
+    pdir = out / "panel"
+    meta = json.loads((pdir / "set.json").read_text())
+    halves, n = meta["halves"], meta["samples"]
+    train = {row["id"]: row for row in map(json.loads, (out / "data" / "train.jsonl").read_text().splitlines())}
+    test_ids = {json.loads(x)["id"] for x in (out / "data" / "test.jsonl").read_text().splitlines()}
+    assert len(halves["A"]) == len(halves["B"]) == 4 and not set(halves["A"]) & set(halves["B"])
+    assert set(halves["A"]) | set(halves["B"]) <= set(train) and not (set(halves["A"]) | set(halves["B"])) & test_ids
+    pick = {m: tiny.load_eval(str(pdir / f"pick_{m}.json"))["pool"] for m in "AB"}
+    assert {len(c) for m in "AB" for c in pick[m].values()} == {n}
+    for own, peer in (("A", "B"), ("B", "A")):
+        for q in halves[own]:
+            assert sum(pick[own][q]) == 0 and 0 < sum(pick[peer][q]) < n, (own, q, pick[own][q], pick[peer][q])
+    set_rows = [json.loads(x) for x in (pdir / "set.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in set_rows] == halves["A"] + halves["B"]
+    text = r.stdout
+    assert "mechanism panel (in-sample)" in text
+    # the family mix and how many of each kind the pool held
+    for m, peer in (("A", "B"), ("B", "A")):
+        mix = ", ".join(f"{f} {sum(train[q]['family'] == f for q in halves[m])}" for f in tiny_tasks.FAMILIES)
+        in_pool = sum(sum(pick[m][q]) == 0 and 0 < sum(pick[peer][q]) < n for q in pick[m])
+        assert f"  {m} fails: {mix} ({in_pool} such problems in the pool)" in text
+    # rewards on each half, per window, for both methods, and the paired difference (one seed)
+    steps = 3
+    folders = {("grpo", m): (pdir / "seed0" / "grpo" / m / "exchange", m.lower()) for m in "AB"}
+    folders |= {("graft", m): (pdir / "seed0" / "graft" / "exchange", m.lower()) for m in "AB"}
+    rows = re.findall(r"^(A|B)\s+(own|other) \((A|B) fails\)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", text, re.M)
+    assert len(rows) == 2 * 2 * 3
+    for m, half, who, label, grpo_cell, graft_cell, diff_cell in rows:
+        assert who == (m if half == "own" else "BA"["AB".index(m)])
+        step = int(label) - 1  # 3 steps: one window per step
+        got = {}
+        for method in ("grpo", "graft"):
+            ro = _rollouts(*folders[(method, m)], step)
+            vals = [float(ro.rewards[g, i]) for g, q in enumerate(ro.prompt_ids) if q in halves[who]
+                    for i in range(ro.rewards.shape[1])]
+            assert len(vals) == len(halves[who]) * ro.rewards.shape[1]  # the whole half, every step
+            got[method] = 100 * sum(vals) / len(vals)
+        assert float(grpo_cell) == pytest.approx(got["grpo"], abs=0.051)
+        assert float(graft_cell) == pytest.approx(got["graft"], abs=0.051)
+        assert float(diff_cell) == pytest.approx(got["graft"] - got["grpo"], abs=0.051)
+    # groups received (the balanced swap: m = min of the candidates either way, each direction keeping its
+    # m with the most source successes and every candidate tied with the m-th), accepted, clip fractions
+    ex = re.findall(r"-> (A|B)  steps\s+(\S+):\s+(\S+) groups received,\s+(\S+) responses accepted; "
+                    r"clip fraction peer (\S+), own (\S+)$", text, re.M)
+    assert len(ex) == 2 * 3
+    for m, label, recv, acc, clip_peer, clip_own in ex:
+        step = int(label) - 1
+        ro = {s: _rollouts(pdir / "seed0" / "graft" / "exchange", s.lower(), step) for s in "AB"}
+        assert ro["A"].prompt_ids == ro["B"].prompt_ids
+        k = {s: ro[s].rewards.sum(1).tolist() for s in "AB"}
+        cand = {s: sorted((k[o][g] for g in range(len(k[s])) if k[s][g] == 0 and 0 < k[o][g] < n), reverse=True)
+                for s, o in ("AB", "BA")}  # the source's successes on each candidate of receiver s
+        top = min(len(c) for c in cand.values())
+        kept = sum(x >= cand[m][top - 1] for x in cand[m]) if top else 0
+        assert float(recv) == kept
+        metrics = [json.loads(x) for x in (pdir / "seed0" / "graft" / m / "metrics.jsonl").read_text().splitlines()]
+        row = next(x for x in metrics if x["step"] == step)
+        assert row["selected"] == kept
+        assert float(acc) == pytest.approx(row["accepted"], abs=0.051)
+        for cell, key in ((clip_peer, "pg/clipfrac_peer"), (clip_own, "pg/clipfrac_own")):
+            v = row.get(key) if key == "pg/clipfrac_own" or row["accepted"] > 0 else None  # no peer tokens: "-"
+            assert cell == "-" if v is None or v != v else float(cell) == pytest.approx(v, abs=5.1e-5)
+
+
+def test_report_prints_the_tables_the_run_printed(smoke):
+    """`python tiny.py report RUN_DIR` recomputes the tables from the run's files: its Markdown blocks are
+    exactly what the run printed (panel first, then the held-out table), under the run's command."""
+    out, r = smoke
+    rep = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "report", str(out)], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    blocks = re.findall(r"^```text\n(.*?)\n```$", rep.stdout, re.S | re.M)
+    assert len(blocks) == 2 and blocks[0].startswith("mechanism panel") and "beyond-sample subset" in blocks[1]
+    printed = "\n\n".join(blocks)
+    assert printed + "\n" in r.stdout and (out / "results.txt").read_text() == printed + "\n"
+    assert re.search(r"^#### Mechanism panel .*^#### Held-out table", rep.stdout, re.S | re.M)
+    assert f"Command: `python tiny.py --out {out} --smoke`; " in rep.stdout

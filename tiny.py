@@ -1,30 +1,52 @@
-"""The tiny CPU preset: the whole GRAFT method on two tiny models, on a laptop CPU, with a table.
+"""The tiny CPU preset: the whole GRAFT method on two tiny models, on a laptop CPU, with its tables.
 
     bash run_pair.sh tiny                      # = python tiny.py --out runs/tiny
     python tiny.py --seeds 3                   # mean +- std over 3 RL seeds per cell
-    python tiny.py --split val                 # the same on the validation split (choosing settings)
-    python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the same table
+    python tiny.py --seeds 3 --no-held-out     # the mechanism panel alone
+    python tiny.py report runs/tiny            # Markdown for RESULTS.md, recomputed from a finished run's files
+    python tiny.py --split val                 # the held-out table on the validation split (choosing settings)
+    python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the held-out table
     python tiny.py --variant sgt               # one variant next to GRPO
     python tiny.py --peers 3                   # a third model C: three pairs and the three-way run
-    python tiny.py --smoke                     # CI: 3 steps, a 50-problem subset
+    python tiny.py --smoke                     # CI: 3 steps, a 50-problem subset, a panel of 2 x 4 problems
     python tiny.py --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
     python tiny.py prepare RUN_DIR [--peers 3] [--retrain]   # only data, tokenizers and pre-trained models
 
 What it measures. The paper's claim is about prompts on which the receiver fails all n rollouts:
-GRPO has no gradient there, GRAFT gives one from the peer's mixed group. So the first table is
-the beyond-sample subset: for each model, the evaluated problems it fails on all k = 8 samples
-before RL while its peer solves at least one, with accuracy on that subset before RL, after GRPO
-and after GRAFT (mean +- std over seeds, and the paired GRAFT - GRPO difference), next to the rest
-of the split and the overall accuracy. The subset is picked by k samples of an evaluation of the
-models before RL and measured by k further samples of the same evaluation (2k per problem), so the
-"before" column is an honest re-draw, not 0% by construction. Also printed: the complementarity
-statistic (share of a model's all-fail problems its peer solves at least once; the paper reports
-47.9% and 18.7% for its Pair 1) before RL and between the two GRPO-trained models; the train-side
-view (the train prompts a side received from its peer in the GRAFT run, recomputed from the runs'
-rollout files with the trainer's balanced swap, and their pass@8 before RL, after GRPO and after
-GRAFT); per-pair exchange diagnostics (candidates, selected, accepted, mean s, mean w, clip
-fractions of own and peer tokens); and a profile (seconds per step by phase from every run's
-metrics.jsonl, wall seconds per job).
+GRPO has no gradient there, GRAFT gives one from the peer's mixed group. Two tables test it.
+
+The mechanism panel (printed first; in-sample by design). A fixed set of 48 train problems: 24
+that A fails 0/8 before RL while B solves 1-7 of 8 (a mixed group, Eq. 4's condition), and 24 the
+other way round, the first of each kind in a seeded shuffle of 1000 train problems, found by one
+evaluation of each model before RL (8 samples at T=1); the held-out split is never touched. The
+set is symmetric because the paper's balanced swap moves m = min(candidates each way) groups: with
+one side's failures only it would exchange nothing. GRPO for each model alone and the GRAFT pair
+train on the whole set every step (30 steps x 48 prompts x n=8, the preset's other settings) from
+the same checkpoints. Printed per model: the train reward on its own all-fail half and on the
+other half over steps 1-10, 11-20 and 21-30 under both methods, the paired GRAFT - GRPO difference
+(mean +- std over seeds), the groups received and peer responses accepted per step and the clip
+fractions of peer and own tokens; every figure comes from the runs' rollout files and metrics.jsonl,
+so the panel costs no evaluation. It asks whether a receiver learns prompts it had no signal on,
+which is the paper's premise, not whether that generalises.
+
+The held-out table (printed second) measures generalisation: for each model, the beyond-sample
+subset (the evaluated problems it fails on all k = 8 samples before RL while its peer solves at
+least one) with accuracy before RL, after GRPO and after GRAFT (mean +- std over seeds, and the
+paired GRAFT - GRPO difference), next to the rest of the split and the overall accuracy. The subset
+is picked by k samples of an evaluation of the models before RL and measured by k further samples
+of the same evaluation (2k per problem), so the "before" column is an honest re-draw, not 0% by
+construction. At this scale the table is not expected to move: RL on 0.7M-parameter models does
+not generalise (GRPO's in-sample gain lowers A's validation accuracy), each train prompt is seen
+about once in 100 x 48 steps, and a problem a model fails 0/8 in an evaluation still has a few
+percent success per sample under GRPO, so GRPO is not signal-free there. Also printed: the
+complementarity statistic (share of a model's all-fail problems its peer solves at least once; the
+paper reports 47.9% and 18.7% for its Pair 1) before RL and between the two GRPO-trained models;
+the train-side view (the train prompts a side received from its peer in the GRAFT run, recomputed
+from the runs' rollout files with the trainer's balanced swap, and their pass@8 before RL, after
+GRPO and after GRAFT); per-pair exchange diagnostics (candidates, selected, accepted, mean s, mean
+w, clip fractions of own and peer tokens); and a profile (seconds per step by phase from every
+run's metrics.jsonl, wall seconds per job). Measured figures: RESULTS.md, tiny preset, whose block
+`python tiny.py report RUN_DIR` regenerates from the run that printed them.
 
 What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed run resumes):
   1. data/{train,val,test}.jsonl: generated problems of five families (data/tiny_tasks.py: add,
@@ -38,7 +60,10 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      with different family mixes (TinyConfig, MODELS). The committed copies in data/tiny_models are
      used when their digest (the shared fields and the model's own) matches (`--retrain` pre-trains
      here: ~4 minutes for A and B on an idle 2-core machine, ~8 under load; C ~1.5 minutes).
-  3. For each seed: the GRAFT pair (and each --variants entry), then GRPO for A alone and for B
+  3. panel/: the pick (pool.jsonl, pick_A.json, pick_B.json: both models on the pool, n samples at
+     T=1), the fixed set (set.jsonl, set.json), then for each seed the GRAFT pair and GRPO for A and
+     for B on it (panel/seed<s>/{graft,grpo}/). These jobs come first (--no-panel skips them).
+  4. For each seed: the GRAFT pair (and each --variants entry), then GRPO for A alone and for B
      alone, all through `graft.py train` with the same starting checkpoints, prompt batches, steps,
      n, lr and minibatches: a budget-equal comparison as in the paper. At most --slots graft.py
      processes run at once (one torch thread each), in that order, and the evaluations fill the
@@ -47,77 +72,65 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      (column graft: three processes with `--peer-name` listing the other two, graft.py's
      multi-peer rule), all from the same checkpoints and batches; the three-way run starts when
      nothing else runs, and the profile prints its wall time against the A-B pair's. After every
-     exchange run the preset recomputes each step's assignment from the rollout files and checks
-     that every process logged the same fingerprint (metrics key "assignment"); a disagreement
-     stops it.
-  4. Evaluations (graft.py eval, T=1): the models before RL at 2k samples per problem, every final
-     model at k, on the split and on the received train prompts; then the tables, results.txt and
-     results.csv (one row per seed, method, model and subset: size and accuracy).
+     exchange run (the panel's too) the preset recomputes each step's assignment from the rollout
+     files and checks that every process logged the same fingerprint (metrics key "assignment"); a
+     disagreement stops it. --no-held-out skips this step and the next.
+  5. Evaluations (graft.py eval, T=1): the models before RL at 2k samples per problem, every final
+     model at k, on the split and on the received train prompts.
+  6. The tables, printed and written: results.txt (what is printed), panel.csv (one row per seed,
+     method, model, half and window), results.csv (one row per seed, method, model and subset: size
+     and accuracy), run.json (the command, the settings, the machine, its load average at the start
+     and the end, the wall time), which `tiny.py report` reads.
 
 Prompt: PROMPT_TEMPLATE = "{problem}\\n", given to graft.py as --prompt-template.
 
-Changes for the beyond-sample measure (issue 13), each with its reason
-  1. k = 8 samples per problem (was 4) and the subset picked and measured by separate draws: with
-     4 samples and one draw, much of "fails all 4" was bad luck on problems solved ~10% of the time,
-     which regression to the mean lifted under both methods alike.
+Settings, each with its reason
+  1. k = 8 samples per problem, and the held-out subset picked and measured by separate draws: with
+     fewer samples and one draw, much of "fails all k" is bad luck on problems solved ~10% of the
+     time, which regression to the mean lifts under both methods alike.
   2. A fifth family, mul2 (two-digit times two-digit), pre-trained by neither model: both fail it
-     nearly always, as both paper models fail many MATH problems. Without it the complementarity
-     was 72% / 88% (each model's all-fail problems were almost all in its weak families, which its
-     peer solves); the paper's 47.9% / 18.7% needs problems that neither model solves.
-  3. Weak-family mixes lowered (A: mul 0.09 -> 0.04, linear 0.06 -> 0.02; B keeps 0.12 of add and
-     sub each, up from 0.05): A's success on mul and linear is near zero (validation: 2.0% and
-     10.7% at T=1), so that A's beyond-sample problems are ones it truly does not solve and GRPO has
-     little to work with, while B's add/sub are weak but alive. On validation this gives 44.3%
-     (B solves of A's all-fail) and 40.5% (A solves of B's): the first near the paper's 47.9%, the
-     second above its 18.7%. A second pre-training with B at 0.2 add/sub (0.3 mul/linear) gave
-     39.5% / 34.8% and a weaker B on its own families, so the first mixes were kept; a closer match
-     needs more pre-training rounds than this change could afford.
+     nearly always, as both paper models fail many MATH problems. Without such problems each
+     model's all-fail problems are almost all in its weak families, which its peer solves, and the
+     complementarity is far above the paper's 47.9% / 18.7%.
+  3. Weak-family mixes (A: mul 0.04, linear 0.02; B: add 0.12, sub 0.12): A's success on mul and
+     linear is near zero, so its beyond-sample problems are ones it truly does not solve, while B's
+     add/sub are weak but alive. Chosen on the validation split, where they give 44.3% (B solves of
+     A's all-fail) and 40.5% (A solves of B's); B at 0.2 add/sub (0.3 mul/linear) gave 39.5% /
+     34.8% and a weaker B on its own families.
   4. A validation split (500 problems cut from train; neither pre-training nor RL sees it): the
-     mixes above were chosen on it, and `--split val` runs the whole preset on it. The held-out
+     mixes above were chosen on it, and `--split val` runs the held-out table on it. The held-out
      split is only read for the final table.
-  5. Pre-training uses the train split only (it used all generated train problems, which now
-     include the validation split).
-  6. Jobs in slots (run_jobs): the GRPO runs of A and B take unequal time (the character model's
-     sequences are longer); the evaluations now fill the idle slot.
-  7. 100 steps x 48 prompts (was 120 x 64), for time: under the load of a shared 2-core machine a
-     120 x 64 seed was on course for ~25-30 minutes (7 s per GRAFT step over its first 34 steps).
-     The earlier preset found that progress per step was the same at 128 and 64 prompts, so the cut
-     takes prompts first; fewer steps and prompts mean fewer exchanged groups (see the diagnostics).
-The other RL settings (n=8, AdamW 1e-4, 4 minibatches, eps 0.2/0.28, delta 0.8 per token) are those
-of the earlier preset, where a minimal GRPO loop found them: lr 1.5e-4..3e-4 was flat or worse, 8
-minibatches no better than 4. They were run on the validation split (`--split val`) before the
-held-out table, not re-tuned.
-
-Findings (held-out, 3 seeds, `python tiny.py --seeds 3 --variants graft,no_balance`; README: the
-tiny preset has the full table). Beyond-sample subset: A 202 problems, 3.3% before RL, GRPO 4.8,
-GRAFT 5.7 (paired +0.9 +- 2.2); B 153 problems, 6.5% before, GRPO 12.5, GRAFT 11.9 (-0.6 +- 0.8):
-no effect beyond the seed spread. Complementarity 42.3% / 35.7% before RL (paper 47.9% / 18.7%).
-Diagnostics: A's train reward is flat under GRPO (35.1% -> 35.5%, first vs last 25 steps), clip
-fractions ~0.1-0.2%; into A 3.4 groups selected and 9.2 responses accepted per step (the swap is
-bounded by B's 1.8 candidates); the gate into A passes 53% of the peer's responses in the first
-quarter of the steps and 18% in the last; `no_balance` (8.3 groups into A) changes nothing
-measurable. On validation, before the held-out run, the same picture (A beyond +0.2, B +0.7 on
-one seed). lr 3e-4 on validation (after the held-out run, for the diagnosis only) collapses A under
-both methods (overall 35.0% -> 3.9% GRPO, 7.2% GRAFT), so the learning rate is not the lever. What
-the preset lacks is first of all a GRPO that moves A at a stable step size, then a gate that stays
-open as the receiver trains.
+  5. Jobs in slots (run_jobs): the GRPO runs of A and B take unequal time (the character model's
+     sequences are longer), so the evaluations fill the idle slot.
+  6. 100 steps x 48 prompts in the held-out runs, for time on a shared 2-core machine; progress per
+     step was the same at 128 and 64 prompts, so prompts were cut before steps. Fewer prompts mean
+     fewer exchanged groups (see the diagnostics).
+  7. The panel's peer groups are mixed (1-7 of 8), not merely solved once: a peer group that solves
+     all 8 has zero advantages and is no candidate (Eq. 4). Its 30 steps on 48 prompts show the
+     mechanism within minutes, and windows of 10 steps average out the step-to-step noise of 48
+     prompts.
+The other RL settings (n=8, AdamW 1e-4, 4 minibatches, eps 0.2/0.28, delta 0.8 per token) are
+those a minimal GRPO loop found: lr 1.5e-4..3e-4 was flat or worse, 8 minibatches no better than 4,
+and lr 3e-4 on validation collapses A under both methods. They were run on the validation split
+(`--split val`) before the held-out table, not re-tuned.
 
 Model C (with --peers 3). Its mix (add 0.40, mul 0.40, sub 0.10, linear 0.10) makes each model
 weak where another is strong: A on mul/linear, B on add/sub, C on sub/linear; on validation before
 RL (8 samples, T=1) C scores add 72.5%, sub 9.1%, mul 45.9%, linear 20.1% (A: 94.0/71.0/0.9/10.1,
 B: 23.8/19.2/50.6/45.4), and C solves 41.2% of A's all-fail problems and 30.1% of B's. The mix was
-set once, before any RL run with C, and not tuned. Held-out, 3 seeds (`python tiny.py --peers 3
---seeds 3`; README: three models): the three-way run gives A twice the groups of a pair (6.6 per step)
-and agrees on 300/300 steps, but beyond-sample GRAFT - GRPO is A -1.4 +- 0.4, B +0.8 +- 1.6, C +0.8
-+- 1.2 points; the three-way run takes 1.26-1.35x the A-B pair's wall time on two cores.
+set once, before any RL run with C, and not tuned. The panel stays the pair A-B's.
 
 Choices
   * SFT loss on the response tokens and EOS only: the prompt digits are uniform random, so
     modelling them would spend a tiny model's capacity on noise.
   * --seeds varies the RL seed (sampling, minibatch order, prompt order) over the same pre-trained
-    pair; pre-training is one fixed seed (it is the shared starting point of both methods).
+    pair; pre-training is one fixed seed (it is the shared starting point of both methods). The
+    panel's fixed set is one pick (PANEL_SEED) for every RL seed.
   * The train-side view counts a prompt as received when the swap selected its group; the rollout
     files do not record which of its responses the compatibility gate then removed.
+  * The panel's reward is the train reward of the runs' own rollouts (T=1, n=8 per prompt per step),
+    read from the rollout files: with the whole set in every step it is an in-sample evaluation of
+    the current policy at each step.
 """
 
 from __future__ import annotations
@@ -129,6 +142,7 @@ import json
 import math
 import os
 import random
+import shlex
 import string
 import subprocess
 import sys
@@ -195,7 +209,7 @@ class TinyConfig:
 
     def digest(self, model: str) -> str:
         """Short hash of the fields that model ``model`` depends on: the shared ones and its own (MODELS).
-        A changed field invalidates that model's cached copy, and no other's: adding C left A and B valid."""
+        A changed field invalidates that model's cached copy, and no other's: a change to C's mix keeps A and B valid."""
         own = {f for m in MODELS.values() for f in m.own}
         blob = {k: v for k, v in dataclasses.asdict(self).items() if k not in own or k in MODELS[model].own}
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
@@ -590,8 +604,22 @@ class PresetConfig:
     """Evaluation every this many steps inside the runs (for --plot; 0 = final only)."""
     plot: bool = False
     """Write accuracy-vs-step PNGs (needs matplotlib and --eval-every)."""
+    panel: bool = True
+    """Run the mechanism panel first (in-sample: GRPO vs GRAFT on a fixed set of train problems that one
+    model fails 0/n before RL while the other's group is mixed; see the module docstring)."""
+    held_out: bool = True
+    """Run the held-out table (GRPO vs GRAFT on the whole train split, evaluated on --split)."""
+    panel_half: int = 24
+    """Problems in each half of the panel's fixed set: A fails them 0/n while B solves 1..n-1 of n, and the
+    other way round. Every panel step trains on the whole set (2 x panel_half prompts)."""
+    panel_pool: int = 1000
+    """Train problems evaluated (n samples each, T=1, before RL) to find the panel's halves: the rarer kind
+    (B fails, A mixed) is about 1 in 25 train problems."""
+    panel_steps: int = 30
+    """RL steps of the panel's runs."""
     smoke: bool = False
-    """CI smoke: 3 steps of 16 prompts and a 50-problem subset of the split, to check every phase runs."""
+    """CI smoke: 3 steps of 16 prompts and a 50-problem subset of the split, to check every phase runs; the
+    panel with 4 problems per half, picked from 300, for 3 steps."""
     eval_file: str = ""
     """The evaluated prompt file (set by run_preset from --split, or its subset with --smoke)."""
 
@@ -631,21 +659,22 @@ NICE_WIDE = 5
 """CPU priority (nice) of the processes of a job wider than --slots, all but its first (see run_jobs)."""
 
 
-def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None = None) -> None:
+def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None = None) -> list[str]:
     """Run ``jobs`` with at most ``slots`` processes at once, in list order: a job whose deps are done
     but that does not fit the free slots holds back the jobs after it, so the list is the priority
     (the GRAFT runs first, then single runs and evaluations fill the slots). A job wider than ``slots``
     (the three-way run: three processes that must meet) starts when nothing else runs, and runs alone,
     its processes after the first at nice NICE_WIDE.
     ``timing`` gets each run job's wall seconds (and ``timing_file``, rewritten after each job). The
-    first failure stops everything and prints the failed log."""
+    first failure stops everything and prints the failed log. Returns the names of the jobs found cached."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done = set()
+    done, cached = set(), []
     pending = []
     for j in jobs:
         if all(os.path.exists(p) for p in j.outputs):
             print(f"[tiny] {j.name}: cached", flush=True)
             done.add(j.name)
+            cached.append(j.name)
             if j.after:
                 j.after()
         else:
@@ -698,16 +727,22 @@ def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None 
                 done.add(j.name)
                 if j.after:
                     j.after()
+    return cached
 
 
-def train_args(run_dir: str, pc: PresetConfig, seed: int, max_new: int) -> list[str]:
-    """graft.py train flags shared by every run of one seed."""
-    args = ["--prompts", os.path.join(run_dir, "data", "train.jsonl"), "--steps", str(pc.steps),
-            "--prompts-per-step", str(pc.prompts_per_step), "--n", str(pc.n), "--minibatches", str(pc.minibatches),
+def train_args(run_dir: str, pc: PresetConfig, seed: int, max_new: int, *, prompts: str = "", steps: int = 0,
+               prompts_per_step: int = 0) -> list[str]:
+    """graft.py train flags shared by every run of one seed: the held-out table's runs (the train split,
+    --steps x --prompts-per-step) or, given ``prompts``, ``steps`` and ``prompts_per_step``, the panel's."""
+    panel = bool(prompts)  # the panel's runs are not evaluated: its figures come from the rollout files
+    prompts = prompts or os.path.join(run_dir, "data", "train.jsonl")
+    steps, prompts_per_step = steps or pc.steps, prompts_per_step or pc.prompts_per_step
+    args = ["--prompts", prompts, "--steps", str(steps),
+            "--prompts-per-step", str(prompts_per_step), "--n", str(pc.n), "--minibatches", str(pc.minibatches),
             "--lr", str(pc.lr), "--max-response-tokens", str(max_new), "--prompt-template", PROMPT_TEMPLATE,
-            "--threads", "1", "--seed", str(seed), "--data-seed", str(seed), "--save-every", str(max(1, pc.steps // 4)),
+            "--threads", "1", "--seed", str(seed), "--data-seed", str(seed), "--save-every", str(max(1, steps // 4)),
             "--micro-batch-size", "64", "--gen-batch-size", "1024", "--resume", "--exchange-timeout", "1800"]
-    if pc.eval_every:
+    if pc.eval_every and not panel:
         args += ["--eval-every", str(pc.eval_every), "--benchmarks", pc.eval_file, "--eval-samples", "1",
                  "--eval-temperature", "1.0", "--eval-top-p", "1.0", "--eval-max-tokens", str(max_new)]
     return args
@@ -770,24 +805,34 @@ def exchange_view(exchange: str, sides: list[str], steps: int, *,
     process of the run logged as the metrics key "assignment". A received group may still have lost
     responses to the compatibility gate: the files do not say which, so this is the set of selected groups.
     """
-    from exchange import load_rollouts, rollout_path
-    from graft import assignment_digest, multi_peer_sources
-    from pathlib import Path
+    from graft import assignment_digest
 
     sides = sorted(sides)
     received: dict[str, dict[str, str]] = {s: {} for s in sides}
     prints = []
+    for prompt_ids, src in step_sources(exchange, sides, steps, balance=balance):
+        prints.append(assignment_digest(src, prompt_ids))
+        for r, side in enumerate(sides):
+            for g in torch.nonzero(src[r] >= 0).squeeze(1).tolist():
+                received[side].setdefault(prompt_ids[g], sides[int(src[r, g])])
+    return received, prints
+
+
+def step_sources(exchange: str, sides: list[str], steps: int, *, balance: bool = True):
+    """Yield (prompt ids, src) for every step of a finished exchange run, recomputed from its rollout files
+    with graft.multi_peer_sources: src (S, G) long, the side (index into ``sides``, which must be sorted as
+    the trainer sorts them) whose group each side received on each prompt, or -1."""
+    from exchange import load_rollouts, rollout_path
+    from graft import multi_peer_sources
+    from pathlib import Path
+
+    assert list(sides) == sorted(sides), f"sides {sides} must be in the trainer's (sorted) order"
     for step in range(steps):
         first, _ = load_rollouts(rollout_path(Path(exchange), sides[0], step))
         files = [first] + [load_rollouts(rollout_path(Path(exchange), s, step), prompt_ids=first.prompt_ids)[0]
                            for s in sides[1:]]
         k = torch.stack([f.rewards.sum(1).long() for f in files])  # (S, G)
-        src = multi_peer_sources(k, first.n, balance=balance)  # (S, G) source side index or -1
-        prints.append(assignment_digest(src, first.prompt_ids))
-        for r, side in enumerate(sides):
-            for g in torch.nonzero(src[r] >= 0).squeeze(1).tolist():
-                received[side].setdefault(first.prompt_ids[g], sides[int(src[r, g])])
-    return received, prints
+        yield first.prompt_ids, multi_peer_sources(k, first.n, balance=balance)  # (S, G) source side or -1
 
 
 def received_prompts(exchange: str, side: str, peers: list[str], steps: int, *, balance: bool = True) -> list[str]:
@@ -992,10 +1037,10 @@ def _mean_key(rows: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> str:
-    """Print-ready tables; also writes results.txt and results.csv (one row per seed, method, model,
-    subset: its size and accuracy) into RUN_DIR. A method's column is its run label (``graft``,
-    ``graft_AB``, ...)."""
+def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tuple[str, list[str]]:
+    """The held-out tables, print-ready, and their CSV rows (one per seed, method, model, subset: its size
+    and accuracy), from the run's evaluations, metrics and records. A method's column is its run label
+    (``graft``, ``graft_AB``, ...)."""
     split = os.path.splitext(os.path.basename(pc.eval_file))[0]
     rows = load_jsonl(pc.eval_file)
     family = {r["id"]: r["family"] for r in rows}
@@ -1135,7 +1180,7 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> str
             out.append(f"  {r.label:<9}{m}: " + "  ".join(f"{p} {_mean_key(rm, 'time/' + p):.2f}" for p in phases))
     if timing:
         out.append("  " + ", ".join(f"{j} {t:.0f}" for j, t in timing.items()))
-    if len(models) > 2:  # the three-way run's wall time against the pair A-B (today's two-model preset)
+    if len(models) > 2:  # the three-way run's wall time against the pair A-B (the two-model preset)
         for r in [r for r in exch if len(r.group) == len(models)]:
             pair = f"{r.method}_{''.join(models[:2])}"
             for s in range(pc.seeds):
@@ -1143,12 +1188,225 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> str
                 if t3 and t2:
                     out.append(f"  seed {s}: {r.label} ({len(models)} processes) {t3:.0f} s vs {pair} {t2:.0f} s: "
                                f"{t3 / t2:.2f}x")
-    table = "\n".join(out)
-    with open(os.path.join(run_dir, "results.csv"), "w") as f:
-        f.write("\n".join(csv) + "\n")
-    with open(os.path.join(run_dir, "results.txt"), "w") as f:
-        f.write(table + "\n")
-    return table
+    return "\n".join(out), csv
+
+
+# ------------------------------------------------------------------------------------------------
+# The mechanism panel: GRPO vs GRAFT on a fixed set of train problems each model fails before RL
+# ------------------------------------------------------------------------------------------------
+
+PANEL_MODELS = ("A", "B")
+"""The panel's pair (with --peers 3 too: it measures the paper's two-model rule)."""
+PANEL_SEED = 2
+"""Seed of the panel's pool (a shuffle of the train split) and of the pick evaluation's samples: the fixed set
+is the same for every RL seed and every run of the preset."""
+
+
+def panel_pool_rows(train: list[dict], size: int) -> list[dict]:
+    """The first ``size`` train rows in a seeded shuffle (PANEL_SEED): the problems the pick evaluates."""
+    rows = list(train)
+    random.Random(PANEL_SEED).shuffle(rows)
+    return rows[:size]
+
+
+def pick_halves(k_a: dict[str, list[float]], k_b: dict[str, list[float]], order: list[str],
+                size: int) -> dict[str, list[str]]:
+    """The panel's two halves from one evaluation of each model before RL (n samples per problem).
+
+    k_a, k_b: {problem id: [0/1 per sample]} of A and B; order: the pool's ids, in the order in which
+    problems are taken. Returns {"A": ids A fails on every sample while B solves some but not all,
+    "B": the other way round}, the first ``size`` of each kind in ``order`` (fewer if the pool has fewer).
+    The peer's group must be mixed, as the paper's candidate rule (Eq. 4) asks: a peer group that solves
+    all n has zero advantages and nothing to give.
+    """
+    def kind(own, peer):
+        return [q for q in order if max(own[q]) == 0 and 0 < sum(peer[q]) < len(peer[q])][:size]
+    return {"A": kind(k_a, k_b), "B": kind(k_b, k_a)}
+
+
+def _panel_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "panel")
+
+
+def _panel_settings(pc: PresetConfig) -> dict:
+    """What the panel's cached files depend on; a run folder made with other values is refused."""
+    return {"half": pc.panel_half, "pool": pc.panel_pool, "steps": pc.panel_steps, "n": pc.n, "lr": pc.lr,
+            "minibatches": pc.minibatches, "compat_norm": pc.compat_norm, "seed": PANEL_SEED}
+
+
+def write_panel_set(run_dir: str, pc: PresetConfig) -> None:
+    """After the pick evaluation: choose the halves (pick_halves) and write panel/set.jsonl (the 2 x half
+    train rows, A's half first) and panel/set.json (the halves' ids and how many of each kind the pool had).
+    Too few of a kind in the pool stops the preset, naming the flag to raise."""
+    pdir = _panel_dir(run_dir)
+    if os.path.exists(os.path.join(pdir, "set.json")):
+        return
+    pool = load_jsonl(os.path.join(pdir, "pool.jsonl"))
+    order = [r["id"] for r in pool]
+    k = {m: load_eval(os.path.join(pdir, f"pick_{m}.json"))["pool"] for m in PANEL_MODELS}
+    every = pick_halves(k["A"], k["B"], order, len(order))
+    halves = {m: ids[:pc.panel_half] for m, ids in every.items()}
+    short = {m: len(ids) for m, ids in halves.items() if len(ids) < pc.panel_half}
+    if short:
+        raise SystemExit(f"tiny.py --panel-pool: {pc.panel_pool} train problems hold only {short} problems of a "
+                         f"half (need {pc.panel_half} each); raise --panel-pool or lower --panel-half")
+    by_id = {r["id"]: r for r in pool}
+    tiny_tasks.write_jsonl(os.path.join(pdir, "set.jsonl"), [by_id[q] for m in PANEL_MODELS for q in halves[m]])
+    tmp = os.path.join(pdir, f"set.json.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:  # written last: marks the pick complete
+        json.dump({"halves": halves, "in_pool": {m: len(ids) for m, ids in every.items()}, "pool": len(pool),
+                   "samples": pc.n, "seed": PANEL_SEED}, f)
+    os.replace(tmp, os.path.join(pdir, "set.json"))
+
+
+def panel_jobs(run_dir: str, pc: PresetConfig, max_new: int) -> list[Job]:
+    """The panel's graft.py processes as jobs: the pick (both models evaluated on the pool, n samples at
+    T=1), then per seed the GRAFT pair and GRPO for each model alone on the fixed set, from the same
+    checkpoints, the whole set every step."""
+    pdir = _panel_dir(run_dir)
+    os.makedirs(pdir, exist_ok=True)
+    settings_file = os.path.join(pdir, "settings.json")
+    if os.path.exists(settings_file):
+        with open(settings_file) as f:
+            old = json.load(f)
+        if old != _panel_settings(pc):
+            raise SystemExit(f"tiny.py: {pdir} holds a panel made with {old}, not {_panel_settings(pc)}; "
+                             f"delete {pdir} or choose another --out")
+    else:
+        with open(settings_file, "w") as f:
+            json.dump(_panel_settings(pc), f)
+    pool = os.path.join(pdir, "pool.jsonl")
+    if not os.path.exists(pool):
+        tiny_tasks.write_jsonl(pool, panel_pool_rows(load_jsonl(os.path.join(run_dir, "data", "train.jsonl")),
+                                                     pc.panel_pool))
+    picks = []
+    for m in PANEL_MODELS:
+        out = os.path.join(pdir, f"pick_{m}.json")
+        args = eval_args(os.path.join(run_dir, m), [pool], out, pc, max_new, PANEL_SEED)
+        args[args.index("--samples") + 1] = str(pc.n)  # "fails 0/n" as the trainer's rule sees a group
+        picks.append((args, out + ".log"))
+    set_file = os.path.join(pdir, "set.jsonl")
+    jobs = [Job("panel pick", picks, [os.path.join(pdir, f"pick_{m}.json") for m in PANEL_MODELS]
+                + [os.path.join(pdir, "set.json")], after=lambda: write_panel_set(run_dir, pc))]
+    for seed in range(pc.seeds):
+        common = train_args(run_dir, pc, seed, max_new, prompts=set_file, steps=pc.panel_steps,
+                            prompts_per_step=2 * pc.panel_half)
+        base = os.path.join(pdir, f"seed{seed}")
+        done = lambda method, m: os.path.join(  # noqa: E731
+            _final_ckpt(os.path.join(base, method, m), pc.panel_steps), "model.safetensors")
+        pair = []
+        for m in PANEL_MODELS:
+            peer = next(p for p in PANEL_MODELS if p != m).lower()
+            pair.append((["train", "--model", os.path.join(run_dir, m), "--name", m.lower(), "--out",
+                          os.path.join(base, "graft", m), "--peer-name", peer, "--peer-exchange",
+                          os.path.join(base, "graft", "exchange")] + common + ["--compat-norm", pc.compat_norm],
+                         os.path.join(base, "graft", f"{m}.log")))
+        jobs.append(Job(f"panel s{seed}/graft", pair, [done("graft", m) for m in PANEL_MODELS], deps=("panel pick",)))
+        jobs += [Job(f"panel s{seed}/grpo/{m}", [(["train", "--model", os.path.join(run_dir, m), "--name", m.lower(),
+                                                   "--out", os.path.join(base, "grpo", m)] + common,
+                                                  os.path.join(base, "grpo", f"{m}.log"))],
+                     [done("grpo", m)], deps=("panel pick",)) for m in PANEL_MODELS]
+    return jobs
+
+
+def step_rewards(folder: str, name: str, steps: int) -> list[dict[str, float]]:
+    """Per step, {prompt id: mean reward of its n rollouts}, read from a run's rollout files (``folder``:
+    the exchange folder, ``name``: the side's folder in it)."""
+    from exchange import load_rollouts, rollout_path
+    from pathlib import Path
+
+    out = []
+    for step in range(steps):
+        r, _ = load_rollouts(rollout_path(Path(folder), name, step))
+        out.append(dict(zip(r.prompt_ids, r.rewards.mean(1).tolist())))  # (G,) per prompt
+    return out
+
+
+def thirds(steps: int) -> list[tuple[int, int]]:
+    """The panel's windows: [lo, hi) step ranges, three (as equal as the steps allow: 30 -> 1-10, 11-20,
+    21-30), fewer when there are fewer than three steps."""
+    parts = min(3, steps)
+    return [(steps * i // parts, steps * (i + 1) // parts) for i in range(parts)]
+
+
+def panel_report(run_dir: str, pc: PresetConfig) -> tuple[str, list[str]]:
+    """The panel's print-ready table and its CSV rows (seed, method, model, half, steps, value), all from the
+    panel's files: rewards and received groups from the rollout files, accepted responses and clip fractions
+    from metrics.jsonl. Also checks that both processes of every GRAFT run logged the assignment recomputed
+    from the files."""
+    from graft import assignment_digest
+
+    pdir = _panel_dir(run_dir)
+    with open(os.path.join(pdir, "set.json")) as f:
+        meta = json.load(f)
+    halves, n, steps = meta["halves"], meta["samples"], pc.panel_steps
+    family = {r["id"]: r["family"] for r in load_jsonl(os.path.join(pdir, "set.jsonl"))}
+    wins = thirds(steps)
+    label = lambda w: f"{w[0] + 1}-{w[1]}" if w[1] - w[0] > 1 else f"{w[1]}"  # noqa: E731
+    csv = ["seed,method,model,half,steps,value"]
+    peer_of = {m: next(p for p in PANEL_MODELS if p != m) for m in PANEL_MODELS}
+    out = [f"mechanism panel (in-sample): a fixed set of {2 * pc.panel_half} train problems, {pc.panel_half} that A "
+           f"fails 0/{n} before RL while B solves 1-{n - 1} of {n}, and {pc.panel_half} the other way round; picked "
+           f"from {meta['pool']} train problems (seed {meta['seed']}) by one evaluation of each model before RL "
+           f"({n} samples at T=1), the first of each kind"]
+    for m in PANEL_MODELS:
+        mix = ", ".join(f"{f} {sum(family[q] == f for q in halves[m])}" for f in tiny_tasks.FAMILIES)
+        out.append(f"  {m} fails: {mix} ({meta['in_pool'][m]} such problems in the pool)")
+    out.append(f"GRPO for each model alone and the GRAFT pair (balanced swap) from the same checkpoints, {steps} steps "
+               f"x {2 * pc.panel_half} prompts (the whole set) x n={pc.n}, lr {pc.lr}; {pc.seeds} seed(s)")
+    out.append("train reward (%) from the rollout files: mean over the half's prompts, their rollouts and the "
+               "window's steps; mean+-std over seeds; GRAFT-GRPO paired by seed")
+    out.append(f"{'model':<7}{'half':<17}{'steps':>7}{'GRPO':>12}{'GRAFT':>12}{'GRAFT-GRPO':>14}")
+    rewards = {}
+    for s in range(pc.seeds):
+        base = os.path.join(pdir, f"seed{s}")
+        for m in PANEL_MODELS:
+            rewards[(s, "grpo", m)] = step_rewards(os.path.join(base, "grpo", m, "exchange"), m.lower(), steps)
+            rewards[(s, "graft", m)] = step_rewards(os.path.join(base, "graft", "exchange"), m.lower(), steps)
+    for m in PANEL_MODELS:
+        for half, who in (("own", m), ("other", peer_of[m])):
+            ids = halves[who]
+            for w in wins:
+                per = {}
+                for method in ("grpo", "graft"):
+                    per[method] = []
+                    for s in range(pc.seeds):
+                        vals = [rewards[(s, method, m)][t][q] for t in range(*w) for q in ids]
+                        per[method].append(sum(vals) / len(vals))
+                        csv.append(f"{s},{method},{m},{half},{label(w)},{per[method][-1]:.6f}")
+                diff = [x - y for x, y in zip(per["graft"], per["grpo"])]
+                out.append(f"{m:<7}{f'{half} ({who} fails)':<17}{label(w):>7}{_cell(per['grpo']):>12}"
+                           f"{_cell(per['graft']):>12}{_cell(diff, signed=True):>14}")
+    out.append("exchange in the GRAFT run, per step (mean over the window's steps and seeds): groups received (the "
+               "balanced swap recomputed from the rollout files), peer responses accepted by the gate, and the "
+               "clip fractions of peer tokens (over the steps that accepted some) and own tokens (metrics.jsonl)")
+    received = {}
+    for s in range(pc.seeds):
+        ex = os.path.join(pdir, f"seed{s}", "graft", "exchange")
+        sides = sorted(m.lower() for m in PANEL_MODELS)
+        srcs = list(step_sources(ex, sides, steps))
+        check_assignments(ex, {m.lower(): os.path.join(pdir, f"seed{s}", "graft", m, "metrics.jsonl")
+                               for m in PANEL_MODELS}, steps, [assignment_digest(src, ids) for ids, src in srcs])
+        for m in PANEL_MODELS:
+            r = sides.index(m.lower())
+            received[(s, m)] = [int((src[r] >= 0).sum()) for _, src in srcs]
+    for m in PANEL_MODELS:
+        rm = run_metrics(pdir, pc.seeds, "graft", m)
+        for w in wins:
+            rec = [sum(received[(s, m)][w[0]:w[1]]) / (w[1] - w[0]) for s in range(pc.seeds)]
+            part = [x for x in rm if w[0] <= x["step"] < w[1]]
+            acc = _mean_key(part, "accepted")
+            # the peer clip fraction over the steps that trained on peer tokens: a step without any
+            # has no such fraction (logged as 0 or NaN), and averaging it in would hide the others
+            clip_peer = _mean_key([x for x in part if x.get("accepted", 0) > 0], "pg/clipfrac_peer")
+            clip_own = _mean_key(part, "pg/clipfrac_own")
+            csv += [f"{s},graft,{m},received,{label(w)},{x:.6f}" for s, x in enumerate(rec)]
+            csv += [f"-1,graft,{m},{key},{label(w)},{v:.6f}" for key, v in
+                    (("accepted", acc), ("clipfrac_peer", clip_peer), ("clipfrac_own", clip_own))]
+            frac = lambda v: "-" if v != v else f"{v:.4f}"  # noqa: E731
+            out.append(f"  -> {m}  steps {label(w):>5}: {sum(rec) / len(rec):5.2f} groups received, {acc:5.1f} "
+                       f"responses accepted; clip fraction peer {frac(clip_peer)}, own {frac(clip_own)}")
+    return "\n".join(out), csv
 
 
 def plot(run_dir: str, pc: PresetConfig, runs: list[Run]) -> None:
@@ -1180,16 +1438,36 @@ def plot(run_dir: str, pc: PresetConfig, runs: list[Run]) -> None:
     print(f"[tiny] plot -> {os.path.join(run_dir, 'accuracy.png')}")
 
 
-def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False) -> str:
-    """Prepare, then run every job (GRPO and GRAFT runs, evaluations before and after RL), print the tables."""
-    t0 = time.time()
+def preset_tables(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> list[tuple[str, str, str, list[str]]]:
+    """The preset's printed tables as (title, text, CSV file name, CSV rows): the panel, then the held-out
+    tables (whichever ran), recomputed from the run's files. Both a finished run and `tiny.py report` print
+    them from here."""
+    out = []
+    if pc.panel:
+        text, csv = panel_report(run_dir, pc)
+        out.append(("Mechanism panel (in-sample)", text, "panel.csv", csv))
+    if pc.held_out:
+        split = os.path.splitext(os.path.basename(pc.eval_file))[0]
+        text, csv = report(run_dir, pc, runs, timing)
+        out.append((f"Held-out table ({split} split)", text, "results.csv", csv))
+    return out
+
+
+def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, command: str = "") -> str:
+    """Prepare, then run every job (the panel's runs, the GRPO and GRAFT runs, evaluations before and after RL),
+    print the tables; write results.txt (what is printed), results.csv (held-out), panel.csv and run.json
+    (the command, the preset's settings, the machine, its load and the wall time: `tiny.py report` reads it)."""
+    t0, load_start = time.time(), os.getloadavg()
     run_dir = pc.out
     if pc.split not in ("test", "val"):
         raise SystemExit(f"tiny.py --split: {pc.split!r} is neither 'test' nor 'val'")
-    if pc.smoke:  # CI: every phase, a few steps, a 50-problem subset
+    if pc.smoke:  # CI: every phase, a few steps, a 50-problem subset; the panel on 2 x 4 problems
         pc.steps, pc.prompts_per_step, pc.seeds = min(pc.steps, 3), 16, 1
+        pc.panel_steps, pc.panel_half, pc.panel_pool = min(pc.panel_steps, 3), 4, 300
     if pc.peers not in (2, 3):
         raise SystemExit(f"tiny.py --peers: {pc.peers} models is not offered; 2 (A, B) or 3 (A, B, C)")
+    if not (pc.panel or pc.held_out):
+        raise SystemExit("tiny.py: --no-panel and --no-held-out leave nothing to run")
     models = list(MODELS)[:pc.peers]
     prepare(run_dir, tc, models=tuple(models), retrain=retrain)
     path = os.path.join(run_dir, "data", f"{pc.split}.jsonl")
@@ -1208,13 +1486,61 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False) -> st
     runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], models)
     timing_file = os.path.join(run_dir, "timing.json")  # wall seconds per job, kept across resumed invocations
     timing: dict[str, float] = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
-    run_jobs(build_jobs(run_dir, pc, runs, max_new), pc.slots, timing, timing_file)
-    table = report(run_dir, pc, runs, timing)
+    jobs = (panel_jobs(run_dir, pc, max_new) if pc.panel else []) + (
+        build_jobs(run_dir, pc, runs, max_new) if pc.held_out else [])
+    cached = run_jobs(jobs, pc.slots, timing, timing_file)
+    tables = preset_tables(run_dir, pc, runs, timing)
+    for _, _, name, csv in tables:
+        _write_lines(os.path.join(run_dir, name), csv)
+    text = "\n\n".join(t for _, t, _, _ in tables)
+    _write_lines(os.path.join(run_dir, "results.txt"), [text])
+    wall = time.time() - t0
+    info = {"command": command or f"python tiny.py --out {run_dir}", "preset": dataclasses.asdict(pc),
+            "wall_s": wall, "cached_jobs": len(cached), "jobs": len(jobs), "cpus": os.cpu_count(),
+            "load_start": list(load_start), "load_end": list(os.getloadavg()), "torch": torch.__version__,
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    _write_lines(os.path.join(run_dir, "run.json"), [json.dumps(info, indent=1)])
     if pc.plot:
         plot(run_dir, pc, runs)
-    print(table)
-    print(f"[tiny] total {time.time() - t0:.0f}s; tables -> {run_dir}/results.txt, {run_dir}/results.csv")
-    return table
+    print(text)
+    print(f"[tiny] total {wall:.0f}s; tables -> {run_dir}/results.txt, {run_dir}/results.csv; "
+          f"Markdown for RESULTS.md: python tiny.py report {run_dir}")
+    return text
+
+
+def _write_lines(path: str, lines: list[str]) -> None:
+    """Write ``lines`` (and a final newline) to ``path`` atomically."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def markdown_report(run_dir: str) -> str:
+    """The Markdown block for RESULTS.md of a finished run: its command, machine, load and wall time, then
+    each table as the run printed it, recomputed from the run's files (run.json, the evaluations, metrics
+    and rollout files), so that the document's figures and the run's printout are the same figures."""
+    path = os.path.join(run_dir, "run.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"tiny.py report: {path} not found; is {run_dir} the --out folder of a finished run?")
+    with open(path) as f:
+        info = json.load(f)
+    pc = PresetConfig(**info["preset"])
+    pc.out, pc.eval_file = run_dir, os.path.join(run_dir, "data", os.path.basename(pc.eval_file))
+    variants = list(VARIANT_FLAGS) if pc.variants == "all" else [v.strip() for v in pc.variants.split(",") if v.strip()]
+    runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], list(MODELS)[:pc.peers])
+    timing_file = os.path.join(run_dir, "timing.json")
+    timing = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
+    load = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    cached = f" ({info['cached_jobs']} of {info['jobs']} jobs cached from an earlier invocation)" \
+        if info["cached_jobs"] else ""
+    out = [f"<!-- generated by `python tiny.py report {run_dir}` from the run's files; regenerate, do not edit -->",
+           "", f"Command: `{info['command']}`; {info['cpus']} CPU cores, load average (1 / 5 / 15 min) "
+           f"{load(info['load_start'])} at the start and {load(info['load_end'])} at the end; wall time "
+           f"{info['wall_s']:.0f} s{cached}; torch {info['torch']}; finished {info['finished']}."]
+    for title, text, _, _ in preset_tables(run_dir, pc, runs, timing):
+        out += ["", f"#### {title}", "", "```text", text, "```"]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1224,6 +1550,7 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False) -> st
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python tiny.py " + shlex.join(argv)
     if not argv or argv[0].startswith("-"):
         argv = ["run"] + argv  # `python tiny.py [flags]` runs the preset
     p = argparse.ArgumentParser(prog="tiny.py", description="GRAFT tiny CPU preset")
@@ -1247,6 +1574,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("run_dir")
     sp.add_argument("--peers", type=int, default=2, choices=(2, 3), help="2: models A and B; 3: also C")
     sp.add_argument("--retrain", action="store_true", help="pre-train even if a committed copy matches")
+    sp = sub.add_parser("report", help="the Markdown block for RESULTS.md of a finished run, from its files")
+    sp.add_argument("run_dir")
     sp = sub.add_parser("_pretrain_one")
     sp.add_argument("run_dir")
     sp.add_argument("name")
@@ -1257,6 +1586,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "_pretrain_one":
         with open(args.cfg_path) as f:
             _pretrain_one(args.run_dir, args.name, TinyConfig(**json.load(f)))
+    elif args.cmd == "report":
+        print(markdown_report(args.run_dir))
     elif args.cmd == "prepare":
         prepare(args.run_dir, TinyConfig(), models=tuple(MODELS)[:args.peers], retrain=args.retrain)
     else:
@@ -1264,7 +1595,7 @@ def main(argv: list[str] | None = None) -> int:
                              if hasattr(args, f.name)})
         if args.variant_one:
             pc.variants = args.variant_one
-        run_preset(pc, TinyConfig(), retrain=args.retrain)
+        run_preset(pc, TinyConfig(), retrain=args.retrain, command=command)
     return 0
 
 
