@@ -415,6 +415,22 @@ def test_overlong_responses_are_dropped_before_verification_and_scoring(tmp_path
     assert load_foreign_log(path, PROMPTS).counts["too_long"] == 0  # no bound given: kept
 
 
+def test_the_trainer_applies_its_response_bound_when_it_opens_a_foreign_log(tmp_path, capsys):
+    """open_peer_log (what the trainer calls at start) passes response_char_bound(--max-response-tokens):
+    with --max-response-tokens 2 the bound is 256 characters, so the 300-character response is dropped."""
+    import graft
+    from runtime import DistInfo
+    path = write_jsonl(tmp_path / "f.jsonl", [
+        {"id": "p1", "response": boxed("2"), "lbar": -0.5}, {"id": "p1", "response": "y" * 300, "lbar": -0.5},
+        {"id": "p1", "response": boxed("5"), "lbar": -0.5}])
+    cfg = graft.Config(model="unused", peer_log=str(path), max_response_tokens=2)
+    run_id, log = offline.open_peer_log(cfg, PROMPTS, DistInfo(), start_step=0)
+    assert run_id is None and log.counts["too_long"] == 1 and log.counts["too_long_lines"] == [2]
+    assert "dropped 1 longer than 256 characters" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--peer-log 'nowhere': no such folder of rollout files or JSONL file"):
+        offline.open_peer_log(graft.Config(model="unused", peer_log="nowhere"), PROMPTS, DistInfo(), start_step=0)
+
+
 def test_require_lbar_names_the_line(tmp_path):
     path = write_jsonl(tmp_path / "f.jsonl", [
         {"id": "p1", "response": "a", "lbar": -0.5}, {"id": "p1", "response": "b"},
