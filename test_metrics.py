@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import graft
+import plot
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 
 torch.set_num_threads(1)
@@ -133,6 +134,7 @@ sys.path.insert(0, {root!r})
 from pathlib import Path
 import torch
 import graft
+import plot
 from test_metrics import fixed_policy_update, naive_step_metrics, planted_config, planted_rows
 tr = graft.Trainer(planted_config(Path({tiny!r}), sys.argv[1], fsdp=sys.argv[2] == "fsdp"))
 rows, replaced = planted_rows(tr)
@@ -225,9 +227,9 @@ def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch
 def test_metric_series_gate_and_run_labels():
     recs = [{"step": 0, "accepted": 3, "rejected": 1, "mean_s": float("nan")},
             {"step": 1, "accepted": 0, "rejected": 0}, {"step": 2, "accepted": 1, "rejected": 4, "mean_s": 0.5}]
-    assert graft.metric_series(recs, "gate") == ([0, 2], [0.75, 0.2])  # a step that received nothing: no point
-    assert graft.metric_series(recs, "mean_s") == ([2], [0.5])
-    labels = graft.run_labels(["/r/tiny/seed0/graft/A", "/r/tiny/seed0/graft/B", "/r/tiny/seed0/grpo/A"])
+    assert plot.metric_series(recs, "gate") == ([0, 2], [0.75, 0.2])  # a step that received nothing: no point
+    assert plot.metric_series(recs, "mean_s") == ([2], [0.5])
+    labels = plot.run_labels(["/r/tiny/seed0/graft/A", "/r/tiny/seed0/graft/B", "/r/tiny/seed0/grpo/A"])
     assert labels == ["graft/A", "graft/B", "grpo/A"]
 
 
@@ -238,7 +240,7 @@ def test_plot_writes_one_png_per_metric_group(two_runs, tmp_path):
     assert graft.main([
         "plot", str(graft_run), str(grpo_run), "--out", str(tmp_path / "plots")]) == 0
     pngs = sorted(p.stem for p in (tmp_path / "plots").glob("*.png"))
-    assert set(pngs) == set(graft.PLOT_GROUPS), set(pngs) ^ set(graft.PLOT_GROUPS)  # the GRAFT run has every group
+    assert set(pngs) == set(plot.PLOT_GROUPS), set(pngs) ^ set(plot.PLOT_GROUPS)  # the GRAFT run has every group
     for name in pngs:
         img = imread(tmp_path / "plots" / f"{name}.png")
         assert img.ndim == 3 and img.shape[0] > 100 and img.std() > 0, name  # a picture, not a blank
@@ -247,13 +249,13 @@ def test_plot_writes_one_png_per_metric_group(two_runs, tmp_path):
 def test_plot_errors_name_the_problem(tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()
     with pytest.raises(SystemExit, match="run: no metrics.jsonl"):
-        graft.read_metrics_file(tmp_path / "run")
+        plot.read_metrics_file(tmp_path / "run")
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n{"ste')
     with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not a JSON line"):
-        graft.read_metrics_file(tmp_path / "run")
+        plot.read_metrics_file(tmp_path / "run")
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"ste')  # cut last line: skipped
-    assert graft.read_metrics_file(tmp_path / "run") == [{"step": 0}, {"step": 1}]
+    assert plot.read_metrics_file(tmp_path / "run") == [{"step": 0}, {"step": 1}]
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     with pytest.raises(SystemExit, match="graft.py plot needs matplotlib .*: pip install matplotlib"):
-        graft.plot_runs([str(tmp_path / "run")], tmp_path / "plots")
+        plot.plot_runs([str(tmp_path / "run")], tmp_path / "plots")
