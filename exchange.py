@@ -282,13 +282,20 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
                                    f"(fix the cause, then relaunch both sides with --resume)")
             if their > attempt:
                 raise RuntimeError(left_behind(exchange, peer, run_id, their, attempt))
-        if not stale_noted and (failed is not None or Path(path).exists()):
-            what = side / "FAILED" if failed is not None else Path(path)
-            other = failed.get("run_id") if failed is not None else file_run_id(path)
-            whose = (f"attempt {failed.get('attempt', 0)} of this run, not attempt {attempt}" if other == run_id
-                     else f"run {other!r}, not this run {run_id!r}")
-            print(f"[exchange] ignoring {what}: it belongs to {whose}", file=sys.stderr, flush=True)
+        if not stale_noted and failed is not None:
+            whose = (f"attempt {failed.get('attempt', 0)} of this run, not attempt {attempt}"
+                     if failed.get("run_id") == run_id else f"run {failed.get('run_id')!r}, not this run {run_id!r}")
+            print(f"[exchange] ignoring {side / 'FAILED'}: it belongs to {whose}", file=sys.stderr, flush=True)
             stale_noted = True
+        elif not stale_noted and Path(path).exists():
+            # Read the file's run id again: the peer may have written this run's file since the loop's
+            # test (a race seen in practice); then the loop's next test takes it, and there is nothing
+            # stale to report.
+            other = file_run_id(path)
+            if other != run_id:
+                print(f"[exchange] ignoring {path}: it belongs to run {other!r}, not this run {run_id!r}",
+                      file=sys.stderr, flush=True)
+                stale_noted = True
         joined = (beat is not None and run_id is not None and beat.get("run_id") == run_id
                   and (attempt is None or int(beat.get("attempt", 0)) == attempt))
         if joined:

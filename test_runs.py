@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import exchange
 import graft
 from test_graft import ROOT, common_flags, planted, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 
@@ -101,6 +102,25 @@ def test_files_and_markers_of_another_run(tmp_path, capsys):
         graft.wait_for_file(graft.rollout_path(tmp_path, "b", 1), timeout=0.5, run_id="new")
     err = capsys.readouterr().err
     assert "ignoring" in err and "belongs to run 'old', not this run 'new'" in err, err  # said, once
+
+
+def test_wait_takes_a_file_written_between_its_checks(tmp_path, monkeypatch, capsys):
+    """The peer's step file can appear (or become readable) between the wait loop's test and its check for
+    stale files: the wait then returns the file, without calling it stale or failing."""
+    n, G = 2, 1
+    r = graft.StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
+                           texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
+                           rewards=torch.tensor([[1.0, 0.0]]), advantages=torch.zeros(G, n))
+    path = graft.rollout_path(tmp_path, "b", 0)
+    graft.save_rollouts(path, r, {"run_id": "r"})
+    real, calls = exchange.file_run_id, []
+
+    def late(p):  # the first read sees no run id (not yet there), every later one this run's
+        calls.append(p)
+        return None if len(calls) == 1 else real(p)
+    monkeypatch.setattr(exchange, "file_run_id", late)
+    assert exchange.wait_for_file(path, timeout=5, run_id="r") < 5
+    assert len(calls) >= 2 and "ignoring" not in capsys.readouterr().err
 
 
 def test_relaunch_in_an_old_exchange_folder_is_refused(tiny, tmp_path):
