@@ -353,8 +353,14 @@ def test_pick_halves_and_windows_by_hand():
     order = ["p5", "p4", "p3", "p2", "p1", "p0"]
     # A fails p0 (B solves 4/4: not mixed, excluded), p1 and p3 (B mixed); B fails p2 and p5 (A mixed), p4
     # (A solves 4/4: excluded)
-    assert tiny.pick_halves(a, b, order, 5) == {"A": ["p3", "p1"], "B": ["p5", "p2"]}
-    assert tiny.pick_halves(a, b, order, 1) == {"A": ["p3"], "B": ["p5"]}
+    assert tiny.pick_halves(a, b, order, 5, peer_solves=(1, 3)) == {"A": ["p3", "p1"], "B": ["p5", "p2"]}
+    assert tiny.pick_halves(a, b, order, 1, peer_solves=(1, 3)) == {"A": ["p3"], "B": ["p5"]}
+    # the peer window: with 2-3 of 4, p3 (B solves 1) and p5 (A solves 1) drop out
+    assert tiny.pick_halves(a, b, order, 5, peer_solves=(2, 3)) == {"A": ["p1"], "B": ["p2"]}
+    assert tiny.parse_peer_window("2-6", 8) == (2, 6)
+    for bad in ("0-6", "2-8", "6-2", "2", "a-b"):
+        with pytest.raises(SystemExit, match="--panel-peer"):
+            tiny.parse_peer_window(bad, 8)
     assert tiny.thirds(30) == [(0, 10), (10, 20), (20, 30)]
     assert tiny.thirds(31) == [(0, 10), (10, 20), (20, 31)] and tiny.thirds(2) == [(0, 1), (1, 2)]
 
@@ -374,14 +380,25 @@ def test_panel_halves_are_all_fail_and_every_printed_number_comes_from_the_files
     meta = json.loads((pdir / "set.json").read_text())
     halves, n = meta["halves"], meta["samples"]
     train = {row["id"]: row for row in map(json.loads, (out / "data" / "train.jsonl").read_text().splitlines())}
-    test_ids = {json.loads(x)["id"] for x in (out / "data" / "test.jsonl").read_text().splitlines()}
+    test_ids = {json.loads(x)["id"] for split in ("test", "val")
+                for x in (out / "data" / f"{split}.jsonl").read_text().splitlines()}  # held-out and validation
     assert len(halves["A"]) == len(halves["B"]) == 4 and not set(halves["A"]) & set(halves["B"])
     assert set(halves["A"]) | set(halves["B"]) <= set(train) and not (set(halves["A"]) | set(halves["B"])) & test_ids
-    pick = {m: tiny.load_eval(str(pdir / f"pick_{m}.json"))["pool"] for m in "AB"}
-    assert {len(c) for m in "AB" for c in pick[m].values()} == {n}
+    lo, hi = meta["peer_solves"]
+    assert (lo, hi) == (2, 6) and meta["pool"] == 300 * meta["chunks"]  # the default window; smoke chunks of 300
+    # the pick's own samples, chunk by chunk (each chunk a separate evaluation with its own seed)
+    pick, pool_ids = {"A": {}, "B": {}}, []
+    for c in range(meta["chunks"]):
+        pool_ids += [json.loads(x)["id"] for x in (pdir / f"pool_{c:02d}.jsonl").read_text().splitlines()]
+        for m in "AB":
+            pick[m].update(tiny.load_eval(str(pdir / f"pick_{m}_{c:02d}.json"))[f"pool_{c:02d}"])
+    assert not (pdir / f"pick_A_{meta['chunks']:02d}.json").exists()  # the pick stopped once both halves were full
+    assert {len(c) for m in "AB" for c in pick[m].values()} == {n} and len(pool_ids) == meta["pool"]
     for own, peer in (("A", "B"), ("B", "A")):
+        kind = [q for q in pool_ids if sum(pick[own][q]) == 0 and lo <= sum(pick[peer][q]) <= hi]
+        assert halves[own] == kind[:4], own  # the first of the kind in pool order
         for q in halves[own]:
-            assert sum(pick[own][q]) == 0 and 0 < sum(pick[peer][q]) < n, (own, q, pick[own][q], pick[peer][q])
+            assert sum(pick[own][q]) == 0 and lo <= sum(pick[peer][q]) <= hi, (own, q, pick[own][q], pick[peer][q])
     set_rows = [json.loads(x) for x in (pdir / "set.jsonl").read_text().splitlines()]
     assert [x["id"] for x in set_rows] == halves["A"] + halves["B"]
     text = r.stdout
@@ -389,8 +406,8 @@ def test_panel_halves_are_all_fail_and_every_printed_number_comes_from_the_files
     # the family mix and how many of each kind the pool held
     for m, peer in (("A", "B"), ("B", "A")):
         mix = ", ".join(f"{f} {sum(train[q]['family'] == f for q in halves[m])}" for f in tiny_tasks.FAMILIES)
-        in_pool = sum(sum(pick[m][q]) == 0 and 0 < sum(pick[peer][q]) < n for q in pick[m])
-        assert f"  {m} fails: {mix} ({in_pool} such problems in the pool)" in text
+        in_pool = sum(sum(pick[m][q]) == 0 and lo <= sum(pick[peer][q]) <= hi for q in pick[m])
+        assert f"  {m} fails: {mix} ({in_pool} such problems among the {meta['pool']})" in text
     # rewards on each half, per window, for both methods, and the paired difference (one seed)
     steps = 3
     folders = {("grpo", m): (pdir / "seed0" / "grpo" / m / "exchange", m.lower()) for m in "AB"}

@@ -16,9 +16,10 @@ What it measures. The paper's claim is about prompts on which the receiver fails
 GRPO has no gradient there, GRAFT gives one from the peer's mixed group. Two tables test it.
 
 The mechanism panel (printed first; in-sample by design). A fixed set of 48 train problems: 24
-that A fails 0/8 before RL while B solves 1-7 of 8 (a mixed group, Eq. 4's condition), and 24 the
-other way round, the first of each kind in a seeded shuffle of 1000 train problems, found by one
-evaluation of each model before RL (8 samples at T=1); the held-out split is never touched. The
+that A fails 0/8 before RL while B solves 2-6 of 8 (a mixed group, Eq. 4's condition), and 24 the
+other way round, the first of each kind in a seeded shuffle of the train split, found by one
+evaluation of each model before RL (8 samples at T=1, 500 problems at a time until both halves
+are full: 2000 for the committed models); the held-out and validation splits are never touched. The
 set is symmetric because the paper's balanced swap moves m = min(candidates each way) groups: with
 one side's failures only it would exchange nothing. GRPO for each model alone and the GRAFT pair
 train on the whole set every step (30 steps x 48 prompts x n=8, the preset's other settings) from
@@ -60,9 +61,10 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      with different family mixes (TinyConfig, MODELS). The committed copies in data/tiny_models are
      used when their digest (the shared fields and the model's own) matches (`--retrain` pre-trains
      here: ~4 minutes for A and B on an idle 2-core machine, ~8 under load; C ~1.5 minutes).
-  3. panel/: the pick (pool.jsonl, pick_A.json, pick_B.json: both models on the pool, n samples at
-     T=1), the fixed set (set.jsonl, set.json), then for each seed the GRAFT pair and GRPO for A and
-     for B on it (panel/seed<s>/{graft,grpo}/). These jobs come first (--no-panel skips them).
+  3. panel/: the pick (pool_NN.jsonl, pick_A_NN.json, pick_B_NN.json: both models on chunk NN of the
+     pool, n samples at T=1), the fixed set (set.jsonl, set.json), then for each seed the GRAFT pair
+     and GRPO for A and for B on it (panel/seed<s>/{graft,grpo}/). These jobs come first (--no-panel
+     skips them).
   4. For each seed: the GRAFT pair (and each --variants entry), then GRPO for A alone and for B
      alone, all through `graft.py train` with the same starting checkpoints, prompt batches, steps,
      n, lr and minibatches: a budget-equal comparison as in the paper. At most --slots graft.py
@@ -105,10 +107,12 @@ Settings, each with its reason
   6. 100 steps x 48 prompts in the held-out runs, for time on a shared 2-core machine; progress per
      step was the same at 128 and 64 prompts, so prompts were cut before steps. Fewer prompts mean
      fewer exchanged groups (see the diagnostics).
-  7. The panel's peer groups are mixed (1-7 of 8), not merely solved once: a peer group that solves
-     all 8 has zero advantages and is no candidate (Eq. 4). Its 30 steps on 48 prompts show the
-     mechanism within minutes, and windows of 10 steps average out the step-to-step noise of 48
-     prompts.
+  7. The panel's peer groups are mixed, not merely solved once: a peer group that solves all 8 has
+     zero advantages and is no candidate (Eq. 4). Of the mixed ones it keeps 2-6 of 8 (--panel-peer):
+     at 7 of 8, the most common kind on A's half, the group's seven correct responses carry advantage
+     +0.35 each and its wrong one -2.47 (Eq. 2, unbiased std), so the group mostly says "not this
+     one"; at 1 of 8 the other way round. Its 30 steps on 48 prompts show the mechanism within
+     minutes, and windows of 10 steps average out the step-to-step noise of 48 prompts.
 The other RL settings (n=8, AdamW 1e-4, 4 minibatches, eps 0.2/0.28, delta 0.8 per token) are
 those a minimal GRPO loop found: lr 1.5e-4..3e-4 was flat or worse, 8 minibatches no better than 4,
 and lr 3e-4 on validation collapses A under both methods. They were run on the validation split
@@ -610,11 +614,17 @@ class PresetConfig:
     held_out: bool = True
     """Run the held-out table (GRPO vs GRAFT on the whole train split, evaluated on --split)."""
     panel_half: int = 24
-    """Problems in each half of the panel's fixed set: A fails them 0/n while B solves 1..n-1 of n, and the
-    other way round. Every panel step trains on the whole set (2 x panel_half prompts)."""
-    panel_pool: int = 1000
-    """Train problems evaluated (n samples each, T=1, before RL) to find the panel's halves: the rarer kind
-    (B fails, A mixed) is about 1 in 25 train problems."""
+    """Problems in each half of the panel's fixed set: A fails them 0/n while B solves --panel-peer of n, and
+    the other way round. Every panel step trains on the whole set (2 x panel_half prompts)."""
+    panel_peer: str = "2-6"
+    """lo-hi: how many of its n samples the peer solves on a problem of the other's half (within 1..n-1, a
+    mixed group as Eq. 4 asks; 2-6 keeps groups that give both correct and wrong responses weight)."""
+    panel_pool: int = 3000
+    """Most train problems the pick evaluates (n samples each, T=1, before RL), --panel-chunk at a time
+    until both halves are full: the rarer kind (B fails, A solves 2-6) is about 1 in 75 train problems."""
+    panel_chunk: int = 500
+    """Train problems per pick evaluation (both models in parallel); the pick stops after the chunk that
+    fills both halves."""
     panel_steps: int = 30
     """RL steps of the panel's runs."""
     smoke: bool = False
@@ -1209,18 +1219,33 @@ def panel_pool_rows(train: list[dict], size: int) -> list[dict]:
     return rows[:size]
 
 
+def parse_peer_window(spec: str, n: int) -> tuple[int, int]:
+    """--panel-peer "lo-hi" -> (lo, hi), checked against n: the peer's group must be mixed (1 <= lo <= hi <= n-1)."""
+    try:
+        lo, hi = (int(x) for x in spec.split("-"))
+    except ValueError:
+        raise SystemExit(f"tiny.py --panel-peer: {spec!r} is not lo-hi (e.g. 2-6)") from None
+    if not 1 <= lo <= hi <= n - 1:
+        raise SystemExit(f"tiny.py --panel-peer: {spec!r} must lie within 1-{n - 1} (a mixed group of n={n})")
+    return lo, hi
+
+
 def pick_halves(k_a: dict[str, list[float]], k_b: dict[str, list[float]], order: list[str],
-                size: int) -> dict[str, list[str]]:
+                size: int, *, peer_solves: tuple[int, int]) -> dict[str, list[str]]:
     """The panel's two halves from one evaluation of each model before RL (n samples per problem).
 
-    k_a, k_b: {problem id: [0/1 per sample]} of A and B; order: the pool's ids, in the order in which
-    problems are taken. Returns {"A": ids A fails on every sample while B solves some but not all,
-    "B": the other way round}, the first ``size`` of each kind in ``order`` (fewer if the pool has fewer).
-    The peer's group must be mixed, as the paper's candidate rule (Eq. 4) asks: a peer group that solves
-    all n has zero advantages and nothing to give.
+    k_a, k_b: {problem id: [0/1 per sample]} of A and B; order: the evaluated ids, in the order in which
+    problems are taken; peer_solves: (lo, hi), the peer's solved samples that qualify, 1 <= lo <= hi <= n-1.
+    Returns {"A": ids A fails on every sample while B solves lo..hi of them, "B": the other way round}, the
+    first ``size`` of each kind in ``order`` (fewer if there are fewer). The peer's group must be mixed, as
+    the paper's candidate rule (Eq. 4) asks: a peer group that solves all n has zero advantages and nothing
+    to give.
     """
+    lo, hi = peer_solves
+    assert lo >= 1 and hi <= min(len(c) for c in k_a.values()) - 1, f"peer window {peer_solves} is not mixed"
+
     def kind(own, peer):
-        return [q for q in order if max(own[q]) == 0 and 0 < sum(peer[q]) < len(peer[q])][:size]
+        return [q for q in order if max(own[q]) == 0 and lo <= sum(peer[q]) <= hi][:size]
     return {"A": kind(k_a, k_b), "B": kind(k_b, k_a)}
 
 
@@ -1230,39 +1255,30 @@ def _panel_dir(run_dir: str) -> str:
 
 def _panel_settings(pc: PresetConfig) -> dict:
     """What the panel's cached files depend on; a run folder made with other values is refused."""
-    return {"half": pc.panel_half, "pool": pc.panel_pool, "steps": pc.panel_steps, "n": pc.n, "lr": pc.lr,
-            "minibatches": pc.minibatches, "compat_norm": pc.compat_norm, "seed": PANEL_SEED}
+    return {"half": pc.panel_half, "peer": pc.panel_peer, "pool": pc.panel_pool, "chunk": pc.panel_chunk,
+            "steps": pc.panel_steps, "n": pc.n, "lr": pc.lr, "minibatches": pc.minibatches,
+            "compat_norm": pc.compat_norm, "seed": PANEL_SEED}
 
 
-def write_panel_set(run_dir: str, pc: PresetConfig) -> None:
-    """After the pick evaluation: choose the halves (pick_halves) and write panel/set.jsonl (the 2 x half
-    train rows, A's half first) and panel/set.json (the halves' ids and how many of each kind the pool had).
-    Too few of a kind in the pool stops the preset, naming the flag to raise."""
-    pdir = _panel_dir(run_dir)
-    if os.path.exists(os.path.join(pdir, "set.json")):
-        return
-    pool = load_jsonl(os.path.join(pdir, "pool.jsonl"))
-    order = [r["id"] for r in pool]
-    k = {m: load_eval(os.path.join(pdir, f"pick_{m}.json"))["pool"] for m in PANEL_MODELS}
-    every = pick_halves(k["A"], k["B"], order, len(order))
-    halves = {m: ids[:pc.panel_half] for m, ids in every.items()}
-    short = {m: len(ids) for m, ids in halves.items() if len(ids) < pc.panel_half}
-    if short:
-        raise SystemExit(f"tiny.py --panel-pool: {pc.panel_pool} train problems hold only {short} problems of a "
-                         f"half (need {pc.panel_half} each); raise --panel-pool or lower --panel-half")
-    by_id = {r["id"]: r for r in pool}
-    tiny_tasks.write_jsonl(os.path.join(pdir, "set.jsonl"), [by_id[q] for m in PANEL_MODELS for q in halves[m]])
-    tmp = os.path.join(pdir, f"set.json.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:  # written last: marks the pick complete
-        json.dump({"halves": halves, "in_pool": {m: len(ids) for m, ids in every.items()}, "pool": len(pool),
-                   "samples": pc.n, "seed": PANEL_SEED}, f)
-    os.replace(tmp, os.path.join(pdir, "set.json"))
+def pick_files(pdir: str, chunk: int, model: str) -> tuple[str, str]:
+    """(prompt file, per-problem results) of one pick chunk for one model."""
+    return os.path.join(pdir, f"pool_{chunk:02d}.jsonl"), os.path.join(pdir, f"pick_{model}_{chunk:02d}.json")
 
 
-def panel_jobs(run_dir: str, pc: PresetConfig, max_new: int) -> list[Job]:
-    """The panel's graft.py processes as jobs: the pick (both models evaluated on the pool, n samples at
-    T=1), then per seed the GRAFT pair and GRPO for each model alone on the fixed set, from the same
-    checkpoints, the whole set every step."""
+def pick_samples(pdir: str, chunks: int) -> dict[str, dict[str, list[float]]]:
+    """{model: {problem id: [0/1 per sample]}} over the first ``chunks`` pick chunks, in pool order."""
+    out = {m: {} for m in PANEL_MODELS}
+    for c in range(chunks):
+        for m in PANEL_MODELS:
+            out[m].update(load_eval(pick_files(pdir, c, m)[1])[f"pool_{c:02d}"])
+    return out
+
+
+def run_pick(run_dir: str, pc: PresetConfig, max_new: int, timing: dict, timing_file: str) -> None:
+    """The panel's pick: both models evaluated before RL (n samples at T=1, in parallel) on the pool,
+    --panel-chunk problems at a time, until both halves are full; then panel/set.jsonl (the 2 x half train
+    rows, A's half first) and panel/set.json (the halves, the peer window, how many of each kind the
+    evaluated problems held). Too few of a kind in the whole pool stops the preset, naming the flags."""
     pdir = _panel_dir(run_dir)
     os.makedirs(pdir, exist_ok=True)
     settings_file = os.path.join(pdir, "settings.json")
@@ -1275,19 +1291,53 @@ def panel_jobs(run_dir: str, pc: PresetConfig, max_new: int) -> list[Job]:
     else:
         with open(settings_file, "w") as f:
             json.dump(_panel_settings(pc), f)
-    pool = os.path.join(pdir, "pool.jsonl")
-    if not os.path.exists(pool):
-        tiny_tasks.write_jsonl(pool, panel_pool_rows(load_jsonl(os.path.join(run_dir, "data", "train.jsonl")),
-                                                     pc.panel_pool))
-    picks = []
-    for m in PANEL_MODELS:
-        out = os.path.join(pdir, f"pick_{m}.json")
-        args = eval_args(os.path.join(run_dir, m), [pool], out, pc, max_new, PANEL_SEED)
-        args[args.index("--samples") + 1] = str(pc.n)  # "fails 0/n" as the trainer's rule sees a group
-        picks.append((args, out + ".log"))
+    if os.path.exists(os.path.join(pdir, "set.json")):
+        print("[tiny] panel pick: cached", flush=True)
+        return
+    window = parse_peer_window(pc.panel_peer, pc.n)
+    pool = panel_pool_rows(load_jsonl(os.path.join(run_dir, "data", "train.jsonl")), pc.panel_pool)
+    chunks = -(-len(pool) // pc.panel_chunk)
+    for c in range(chunks):
+        rows = pool[c * pc.panel_chunk:(c + 1) * pc.panel_chunk]
+        procs = []
+        for m in PANEL_MODELS:
+            prompts, out = pick_files(pdir, c, m)
+            if not os.path.exists(prompts):
+                tiny_tasks.write_jsonl(prompts, rows)
+            args = eval_args(os.path.join(run_dir, m), [prompts], out, pc, max_new, PANEL_SEED + c)
+            args[args.index("--samples") + 1] = str(pc.n)  # "fails 0/n" as the trainer's rule sees a group
+            procs.append((args, out + ".log"))
+        run_jobs([Job(f"panel pick {c + 1}", procs, [out for _, out in (pick_files(pdir, c, m)
+                                                                          for m in PANEL_MODELS)])],
+                 pc.slots, timing, timing_file)
+        k = pick_samples(pdir, c + 1)
+        order = [r["id"] for r in pool[:(c + 1) * pc.panel_chunk]]
+        every = pick_halves(k["A"], k["B"], order, len(order), peer_solves=window)
+        print(f"[tiny] panel pick: {len(order)} problems, " + ", ".join(
+            f"{m} fails {len(ids)}" for m, ids in every.items()) + f" (need {pc.panel_half} each)", flush=True)
+        if min(len(ids) for ids in every.values()) >= pc.panel_half:
+            break
+    else:
+        short = {m: len(ids) for m, ids in every.items() if len(ids) < pc.panel_half}
+        raise SystemExit(f"tiny.py --panel-pool: {len(pool)} train problems hold only {short} problems of a half "
+                         f"(need {pc.panel_half} each, peer solving {pc.panel_peer} of {pc.n}); raise --panel-pool "
+                         f"or lower --panel-half")
+    halves = {m: ids[:pc.panel_half] for m, ids in every.items()}
+    by_id = {r["id"]: r for r in pool}
+    tiny_tasks.write_jsonl(os.path.join(pdir, "set.jsonl"), [by_id[q] for m in PANEL_MODELS for q in halves[m]])
+    tmp = os.path.join(pdir, f"set.json.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:  # written last: marks the pick complete
+        json.dump({"halves": halves, "in_pool": {m: len(ids) for m, ids in every.items()}, "pool": len(order),
+                   "chunks": c + 1, "peer_solves": list(window), "samples": pc.n, "seed": PANEL_SEED}, f)
+    os.replace(tmp, os.path.join(pdir, "set.json"))
+
+
+def panel_jobs(run_dir: str, pc: PresetConfig, max_new: int) -> list[Job]:
+    """The panel's graft.py processes as jobs, after the pick (run_pick): per seed the GRAFT pair and GRPO
+    for each model alone on the fixed set, from the same checkpoints, the whole set every step."""
+    pdir = _panel_dir(run_dir)
     set_file = os.path.join(pdir, "set.jsonl")
-    jobs = [Job("panel pick", picks, [os.path.join(pdir, f"pick_{m}.json") for m in PANEL_MODELS]
-                + [os.path.join(pdir, "set.json")], after=lambda: write_panel_set(run_dir, pc))]
+    jobs = []
     for seed in range(pc.seeds):
         common = train_args(run_dir, pc, seed, max_new, prompts=set_file, steps=pc.panel_steps,
                             prompts_per_step=2 * pc.panel_half)
@@ -1301,11 +1351,11 @@ def panel_jobs(run_dir: str, pc: PresetConfig, max_new: int) -> list[Job]:
                           os.path.join(base, "graft", m), "--peer-name", peer, "--peer-exchange",
                           os.path.join(base, "graft", "exchange")] + common + ["--compat-norm", pc.compat_norm],
                          os.path.join(base, "graft", f"{m}.log")))
-        jobs.append(Job(f"panel s{seed}/graft", pair, [done("graft", m) for m in PANEL_MODELS], deps=("panel pick",)))
+        jobs.append(Job(f"panel s{seed}/graft", pair, [done("graft", m) for m in PANEL_MODELS]))
         jobs += [Job(f"panel s{seed}/grpo/{m}", [(["train", "--model", os.path.join(run_dir, m), "--name", m.lower(),
                                                    "--out", os.path.join(base, "grpo", m)] + common,
                                                   os.path.join(base, "grpo", f"{m}.log"))],
-                     [done("grpo", m)], deps=("panel pick",)) for m in PANEL_MODELS]
+                     [done("grpo", m)]) for m in PANEL_MODELS]
     return jobs
 
 
@@ -1345,13 +1395,14 @@ def panel_report(run_dir: str, pc: PresetConfig) -> tuple[str, list[str]]:
     label = lambda w: f"{w[0] + 1}-{w[1]}" if w[1] - w[0] > 1 else f"{w[1]}"  # noqa: E731
     csv = ["seed,method,model,half,steps,value"]
     peer_of = {m: next(p for p in PANEL_MODELS if p != m) for m in PANEL_MODELS}
+    lo, hi = meta["peer_solves"]
     out = [f"mechanism panel (in-sample): a fixed set of {2 * pc.panel_half} train problems, {pc.panel_half} that A "
-           f"fails 0/{n} before RL while B solves 1-{n - 1} of {n}, and {pc.panel_half} the other way round; picked "
-           f"from {meta['pool']} train problems (seed {meta['seed']}) by one evaluation of each model before RL "
-           f"({n} samples at T=1), the first of each kind"]
+           f"fails 0/{n} before RL while B solves {lo}-{hi} of {n}, and {pc.panel_half} the other way round; the "
+           f"first of each kind among {meta['pool']} train problems (a seeded shuffle, seed {meta['seed']}) "
+           f"evaluated once per model before RL ({n} samples at T=1)"]
     for m in PANEL_MODELS:
         mix = ", ".join(f"{f} {sum(family[q] == f for q in halves[m])}" for f in tiny_tasks.FAMILIES)
-        out.append(f"  {m} fails: {mix} ({meta['in_pool'][m]} such problems in the pool)")
+        out.append(f"  {m} fails: {mix} ({meta['in_pool'][m]} such problems among the {meta['pool']})")
     out.append(f"GRPO for each model alone and the GRAFT pair (balanced swap) from the same checkpoints, {steps} steps "
                f"x {2 * pc.panel_half} prompts (the whole set) x n={pc.n}, lr {pc.lr}; {pc.seeds} seed(s)")
     out.append("train reward (%) from the rollout files: mean over the half's prompts, their rollouts and the "
@@ -1463,9 +1514,14 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, comma
         raise SystemExit(f"tiny.py --split: {pc.split!r} is neither 'test' nor 'val'")
     if pc.smoke:  # CI: every phase, a few steps, a 50-problem subset; the panel on 2 x 4 problems
         pc.steps, pc.prompts_per_step, pc.seeds = min(pc.steps, 3), 16, 1
-        pc.panel_steps, pc.panel_half, pc.panel_pool = min(pc.panel_steps, 3), 4, 300
+        pc.panel_steps, pc.panel_half, pc.panel_pool, pc.panel_chunk = min(pc.panel_steps, 3), 4, 1200, 300
     if pc.peers not in (2, 3):
         raise SystemExit(f"tiny.py --peers: {pc.peers} models is not offered; 2 (A, B) or 3 (A, B, C)")
+    if pc.panel and not (1 <= pc.panel_half and 1 <= pc.panel_chunk and 2 * pc.panel_half <= pc.panel_pool):
+        raise SystemExit(f"tiny.py: --panel-half {pc.panel_half}, --panel-chunk {pc.panel_chunk} and --panel-pool "
+                         f"{pc.panel_pool} must be >= 1 with the pool at least twice the half")
+    if pc.panel:
+        parse_peer_window(pc.panel_peer, pc.n)
     if not (pc.panel or pc.held_out):
         raise SystemExit("tiny.py: --no-panel and --no-held-out leave nothing to run")
     models = list(MODELS)[:pc.peers]
@@ -1486,6 +1542,8 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, comma
     runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], models)
     timing_file = os.path.join(run_dir, "timing.json")  # wall seconds per job, kept across resumed invocations
     timing: dict[str, float] = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
+    if pc.panel:
+        run_pick(run_dir, pc, max_new, timing, timing_file)
     jobs = (panel_jobs(run_dir, pc, max_new) if pc.panel else []) + (
         build_jobs(run_dir, pc, runs, max_new) if pc.held_out else [])
     cached = run_jobs(jobs, pc.slots, timing, timing_file)
