@@ -2,7 +2,7 @@
 
     python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
     python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
-    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail}
+    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval}
     python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
@@ -35,11 +35,19 @@
    included; on a GPU a decode step costs about the same whatever its rows, so this is the cost that matters there),
    tokens/s on this CPU, and greedy outputs identical row by row. ``static=True`` is run too, for parity and calls;
    its CPU speed is not what it is built for.
+5. The tiny preset's evaluations (``--only tiny-eval``; not in the default run): the committed tiny models A
+   and B (data/tiny_models), 1,000 generated train problems x 8 samples at T=1, 1024 rows in flight, one CPU
+   thread: rows/s of the default path against ``static=True``, interleaved, and whether the two drew the same
+   responses. With thousands of rows through a full set of slots a per-slot cache can beat the default path's
+   growing, left-padded one; how much depends on the response lengths (A's character-level responses are
+   long, B's short), which is why the tiny preset's choice of ``--static-decode`` for its evaluations is
+   measured here, per model.
 """
 
 import argparse
 import importlib.util
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -50,6 +58,8 @@ from dataclasses import dataclass
 import torch
 
 from sampler import sample, token_logprobs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ------------------------------------------------------------------------------------------------
 # 1. log-prob path
@@ -553,6 +563,45 @@ def bench_real_weights():
 
 
 # ------------------------------------------------------------------------------------------------
+# 5. the tiny preset's evaluations: the default path vs static=True (--only tiny-eval)
+# ------------------------------------------------------------------------------------------------
+
+
+def bench_tiny_eval(problems: int = 1000, samples: int = 8, slots: int = 1024, repeats: int = 2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, os.path.join(HERE, "data"))
+    import tiny_tasks
+
+    torch.set_num_threads(1)
+    rows, _ = tiny_tasks.generate(0, problems, 0)
+    print(f"\n== tiny preset evaluations: {problems} generated train problems x {samples} samples, T=1, "
+          f"{slots} rows in flight, CPU, 1 thread")
+    for name in ("A", "B"):
+        path = os.path.join(HERE, "data", "tiny_models", name)
+        tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+        prompts = [tok(r["problem"] + "\n")["input_ids"] for r in rows for _ in range(samples)]
+
+        def run(static):
+            return sample(model, prompts, max_new_tokens=68, temperature=1.0, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0),
+                          max_batch_size=slots, static=static)
+        rate = {False: [], True: []}
+        outs = {}
+        for rep in range(repeats):
+            for static in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate the order
+                t0 = time.perf_counter()
+                outs[static] = run(static)
+                rate[static].append(len(prompts) / (time.perf_counter() - t0))
+        same = sum(a.tokens == b.tokens for a, b in zip(outs[False], outs[True]))
+        med = {k: statistics.median(v) for k, v in rate.items()}
+        print(f"  {name}: default path {' '.join(f'{x:.0f}' for x in rate[False])} rows/s, static=True "
+              f"{' '.join(f'{x:.0f}' for x in rate[True])} rows/s; static / default = {med[True] / med[False]:.2f}x; "
+              f"{same}/{len(prompts)} responses identical" + ("" if same == len(prompts) else
+                                                              " (the rest differ by float round-off in the sampling)"))
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -560,8 +609,8 @@ def bench_real_weights():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
-    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights"],
-                    help="run one benchmark (real-weights: only when asked for)")
+    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval"],
+                    help="run one benchmark (real-weights, tiny-eval: only when asked for)")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -584,6 +633,8 @@ def main():
         bench_long_tail(train_steps=200 if args.quick else 300, repeats=1 if args.quick else 2)
     if args.only == "real-weights":
         bench_real_weights()
+    if args.only == "tiny-eval":
+        bench_tiny_eval()
 
 
 if __name__ == "__main__":

@@ -759,11 +759,17 @@ def train_args(run_dir: str, pc: PresetConfig, seed: int, max_new: int, *, promp
 
 
 def eval_args(model: str, files: list[str], out: str, pc: PresetConfig, max_new: int, seed: int) -> list[str]:
-    """graft.py eval flags: k samples per problem at T=1 on every file, per-problem results to ``out``."""
+    """graft.py eval flags: k samples per problem at T=1 on every file, per-problem results to ``out``.
+    Evaluations sample thousands of rows through 1024 slots, where the static decode's per-slot cache beats
+    the default path's growing, left-padded one on A's long character-level responses (1.62x the rows/s)
+    and loses on B's short ones (0.81x; `python bench_sampler.py --only tiny-eval`). A's evaluations are the
+    preset's longest: its evaluation jobs (the pick included) took 315 s with it against 394 s without, with
+    identical tables (the two paths drew the same responses). The training runs (384 rows per step) keep the
+    default path."""
     return ["eval", "--model", model, "--benchmarks", ",".join(files), "--samples", str(pc.eval_samples),
             "--temperature", "1.0", "--top-p", "1.0", "--eval-max-tokens", str(max_new), "--max-response-tokens",
             str(max_new), "--prompt-template", PROMPT_TEMPLATE, "--threads", "1", "--gen-batch-size", "1024",
-            "--seed", str(seed), "--eval-out", out]
+            "--static-decode", "--seed", str(seed), "--eval-out", out]
 
 
 # ------------------------------------------------------------------------------------------------
