@@ -83,13 +83,19 @@ def test_join_run_founds_joins_and_refuses(tmp_path):
     assert graft.join_run(ex, "b") != rid  # a new run
 
 
-def test_files_and_markers_of_another_run(tmp_path, capsys):
+def _one_group_file(exchange_dir, run_id):
+    """Side b's step-0 rollout file (one group, n = 2) of run ``run_id``; returns its path."""
     n, G = 2, 1
     r = graft.StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
                            texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
                            rewards=torch.tensor([[1.0, 0.0]]), advantages=torch.zeros(G, n))
-    path = graft.rollout_path(tmp_path, "b", 0)
-    graft.save_rollouts(path, r, {"run_id": "old"})
+    path = graft.rollout_path(exchange_dir, "b", 0)
+    graft.save_rollouts(path, r, {"run_id": run_id})
+    return path
+
+
+def test_files_and_markers_of_another_run(tmp_path, capsys):
+    path = _one_group_file(tmp_path, "old")
     with pytest.raises(ValueError, match="step_000000.safetensors: written by run 'old', this pair is run 'new'"):
         graft.load_rollouts(path, n=2, run_id="new")
     t0 = time.time()
@@ -107,12 +113,7 @@ def test_files_and_markers_of_another_run(tmp_path, capsys):
 def test_wait_takes_a_file_written_between_its_checks(tmp_path, monkeypatch, capsys):
     """The peer's step file can appear (or become readable) between the wait loop's test and its check for
     stale files: the wait then returns the file, without calling it stale or failing."""
-    n, G = 2, 1
-    r = graft.StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
-                           texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
-                           rewards=torch.tensor([[1.0, 0.0]]), advantages=torch.zeros(G, n))
-    path = graft.rollout_path(tmp_path, "b", 0)
-    graft.save_rollouts(path, r, {"run_id": "r"})
+    path = _one_group_file(tmp_path, "r")
     real, calls = exchange.file_run_id, []
 
     def late(p):  # the first read sees no run id (not yet there), every later one this run's

@@ -629,7 +629,7 @@ class PresetConfig:
     """RL steps of the panel's runs."""
     smoke: bool = False
     """CI smoke: 3 steps of 16 prompts and a 50-problem subset of the split, to check every phase runs; the
-    panel with 4 problems per half, picked from 300, for 3 steps."""
+    panel with 4 problems per half, picked 300 at a time from up to 1200, for 3 steps."""
     eval_file: str = ""
     """The evaluated prompt file (set by run_preset from --split, or its subset with --smoke)."""
 
