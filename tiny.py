@@ -1295,8 +1295,7 @@ def run_pick(run_dir: str, pc: PresetConfig, max_new: int, timing: dict, timing_
             raise SystemExit(f"tiny.py: {pdir} holds a panel made with {old}, not {_panel_settings(pc)}; "
                              f"delete {pdir} or choose another --out")
     else:
-        with open(settings_file, "w") as f:
-            json.dump(_panel_settings(pc), f)
+        _write_lines(settings_file, [json.dumps(_panel_settings(pc))])
     if os.path.exists(os.path.join(pdir, "set.json")):
         print("[tiny] panel pick: cached", flush=True)
         return
