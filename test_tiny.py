@@ -365,6 +365,45 @@ def test_pick_halves_and_windows_by_hand():
     assert tiny.thirds(31) == [(0, 10), (10, 20), (20, 31)] and tiny.thirds(2) == [(0, 1), (1, 2)]
 
 
+def test_a_short_pick_says_raise_the_pool_and_raising_it_continues(tmp_path, monkeypatch):
+    """A pick that runs out of pool stops with "raise --panel-pool"; doing exactly that on the same --out passes
+    the panel's settings check and evaluates only the chunks not yet evaluated. The evaluations are faked
+    (a fixed table of outcomes by problem) so that the pick's own logic is what runs."""
+    run_dir = tmp_path / "run"
+    rows = [{"id": f"q{i:02d}", "problem": f"p{i}", "answer": "1", "family": "add"} for i in range(24)]
+    (run_dir / "data").mkdir(parents=True)
+    tiny_tasks.write_jsonl(str(run_dir / "data" / "train.jsonl"), rows)
+    solved = {"A": lambda i: 0 if i % 6 == 0 else 3 if i % 6 == 1 else 8,  # A fails q00, q06, ..., B fails q01, ...
+              "B": lambda i: 3 if i % 6 == 0 else 0 if i % 6 == 1 else 8}
+    ran = []
+
+    def fake_run_jobs(jobs, slots, timing, timing_file=None):
+        for job in jobs:
+            if all(os.path.exists(p) for p in job.outputs):
+                continue  # cached, as run_jobs does
+            ran.append(job.name)
+            for args, _ in job.procs:
+                model = os.path.basename(args[args.index("--model") + 1])
+                prompts = args[args.index("--benchmarks") + 1]
+                stem = os.path.splitext(os.path.basename(prompts))[0]
+                probs = [{"id": r["id"], "correct": [1.0] * solved[model](int(r["id"][1:]))
+                          + [0.0] * (8 - solved[model](int(r["id"][1:])))} for r in tiny.load_jsonl(prompts)]
+                with open(args[args.index("--eval-out") + 1], "w") as f:
+                    json.dump({"problems": {stem: probs}}, f)
+        return []
+    monkeypatch.setattr(tiny, "run_jobs", fake_run_jobs)
+    pc = tiny.PresetConfig(out=str(run_dir), panel_half=2, panel_chunk=4, panel_pool=4)
+    with pytest.raises(SystemExit, match=r"raise --panel-pool \(the chunks evaluated so far are kept\)"):
+        tiny.run_pick(str(run_dir), pc, 8, {}, str(tmp_path / "timing.json"))
+    assert ran == ["panel pick 1"] and not (run_dir / "panel" / "set.json").exists()
+    pc.panel_pool = 24  # what the message says
+    tiny.run_pick(str(run_dir), pc, 8, {}, str(tmp_path / "timing.json"))
+    meta = json.loads((run_dir / "panel" / "set.json").read_text())
+    assert ran[0] == "panel pick 1" and "panel pick 1" not in ran[1:] and len(ran) == meta["chunks"]
+    assert all(int(q[1:]) % 6 == 0 for q in meta["halves"]["A"]) and len(meta["halves"]["A"]) == 2
+    assert all(int(q[1:]) % 6 == 1 for q in meta["halves"]["B"]) and len(meta["halves"]["B"]) == 2
+
+
 def _rollouts(folder, name, step):
     from exchange import load_rollouts, rollout_path
     from pathlib import Path

@@ -1261,23 +1261,15 @@ def _panel_dir(run_dir: str) -> str:
 
 def _panel_settings(pc: PresetConfig) -> dict:
     """What the panel's cached files depend on; a run folder made with other values is refused."""
-    return {"half": pc.panel_half, "peer": pc.panel_peer, "pool": pc.panel_pool, "chunk": pc.panel_chunk,
-            "steps": pc.panel_steps, "n": pc.n, "lr": pc.lr, "minibatches": pc.minibatches,
-            "compat_norm": pc.compat_norm, "seed": PANEL_SEED}
+    # --panel-pool is left out: it only bounds how far the pick goes, so raising it after a pick that ran
+    # short continues from the chunks already evaluated
+    return {"half": pc.panel_half, "peer": pc.panel_peer, "chunk": pc.panel_chunk, "steps": pc.panel_steps,
+            "n": pc.n, "lr": pc.lr, "minibatches": pc.minibatches, "compat_norm": pc.compat_norm, "seed": PANEL_SEED}
 
 
 def pick_files(pdir: str, chunk: int, model: str) -> tuple[str, str]:
     """(prompt file, per-problem results) of one pick chunk for one model."""
     return os.path.join(pdir, f"pool_{chunk:02d}.jsonl"), os.path.join(pdir, f"pick_{model}_{chunk:02d}.json")
-
-
-def pick_samples(pdir: str, chunks: int) -> dict[str, dict[str, list[float]]]:
-    """{model: {problem id: [0/1 per sample]}} over the first ``chunks`` pick chunks, in pool order."""
-    out = {m: {} for m in PANEL_MODELS}
-    for c in range(chunks):
-        for m in PANEL_MODELS:
-            out[m].update(load_eval(pick_files(pdir, c, m)[1])[f"pool_{c:02d}"])
-    return out
 
 
 def run_pick(run_dir: str, pc: PresetConfig, max_new: int, timing: dict, timing_file: str) -> None:
@@ -1301,21 +1293,21 @@ def run_pick(run_dir: str, pc: PresetConfig, max_new: int, timing: dict, timing_
         return
     window = parse_peer_window(pc.panel_peer, pc.n)
     pool = panel_pool_rows(load_jsonl(os.path.join(run_dir, "data", "train.jsonl")), pc.panel_pool)
-    chunks = -(-len(pool) // pc.panel_chunk)
-    for c in range(chunks):
-        rows = pool[c * pc.panel_chunk:(c + 1) * pc.panel_chunk]
+    k: dict[str, dict[str, list[float]]] = {m: {} for m in PANEL_MODELS}  # the pick's samples so far
+    for c in range(-(-len(pool) // pc.panel_chunk)):
+        prompts = pick_files(pdir, c, "A")[0]  # one prompt file per chunk, the same for both models
+        if not os.path.exists(prompts):
+            tiny_tasks.write_jsonl(prompts, pool[c * pc.panel_chunk:(c + 1) * pc.panel_chunk])
         procs = []
         for m in PANEL_MODELS:
-            prompts, out = pick_files(pdir, c, m)
-            if not os.path.exists(prompts):
-                tiny_tasks.write_jsonl(prompts, rows)
+            out = pick_files(pdir, c, m)[1]
             args = eval_args(os.path.join(run_dir, m), [prompts], out, pc, max_new, PANEL_SEED + c)
             args[args.index("--samples") + 1] = str(pc.n)  # "fails 0/n" as the trainer's rule sees a group
             procs.append((args, out + ".log"))
-        run_jobs([Job(f"panel pick {c + 1}", procs, [out for _, out in (pick_files(pdir, c, m)
-                                                                          for m in PANEL_MODELS)])],
+        run_jobs([Job(f"panel pick {c + 1}", procs, [pick_files(pdir, c, m)[1] for m in PANEL_MODELS])],
                  pc.slots, timing, timing_file)
-        k = pick_samples(pdir, c + 1)
+        for m in PANEL_MODELS:
+            k[m].update(load_eval(pick_files(pdir, c, m)[1])[f"pool_{c:02d}"])
         order = [r["id"] for r in pool[:(c + 1) * pc.panel_chunk]]
         every = pick_halves(k["A"], k["B"], order, len(order), peer_solves=window)
         print(f"[tiny] panel pick: {len(order)} problems, " + ", ".join(
@@ -1326,7 +1318,7 @@ def run_pick(run_dir: str, pc: PresetConfig, max_new: int, timing: dict, timing_
         short = {m: len(ids) for m, ids in every.items() if len(ids) < pc.panel_half}
         raise SystemExit(f"tiny.py --panel-pool: {len(pool)} train problems hold only {short} problems of a half "
                          f"(need {pc.panel_half} each, peer solving {pc.panel_peer} of {pc.n}); raise --panel-pool "
-                         f"or lower --panel-half")
+                         f"(the chunks evaluated so far are kept) or lower --panel-half with another --out")
     halves = {m: ids[:pc.panel_half] for m, ids in every.items()}
     by_id = {r["id"]: r for r in pool}
     tiny_tasks.write_jsonl(os.path.join(pdir, "set.jsonl"), [by_id[q] for m in PANEL_MODELS for q in halves[m]])
