@@ -621,7 +621,8 @@ class PresetConfig:
     mixed group as Eq. 4 asks; 2-6 keeps groups that give both correct and wrong responses weight)."""
     panel_pool: int = 3000
     """Most train problems the pick evaluates (n samples each, T=1, before RL), --panel-chunk at a time
-    until both halves are full: the rarer kind (B fails, A solves 2-6) is about 1 in 75 train problems."""
+    until both halves are full: the rarer kind (B fails, A solves 2-6) is about 1 in 75 train problems.
+    Raised after a pick that ran short, the pick continues from the chunks it has."""
     panel_chunk: int = 500
     """Train problems per pick evaluation (both models in parallel); the pick stops after the chunk that
     fills both halves."""
