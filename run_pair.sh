@@ -19,6 +19,19 @@
 # a fresh --run-id (not with --resume, which keeps the run's), so two pairs started in one exchange
 # folder never join each other. After any failure, `bash run_pair.sh pair1 --resume` continues the
 # pair from each side's last complete checkpoint. The script prints every command it runs.
+#
+# Past one node (README "Past one node"): a side spans several nodes, and a launch may start one side only.
+#   SIDE=a | b      start only that side here, on all this node's GPUs (default: both); the other side is
+#                   started elsewhere and meets this one in $RUNS/<preset>/exchange, which both must see
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   the side's torchrun rendezvous (c10d) over NNODES nodes:
+#                   every node of the side runs this script with the same values and its own NODE_RANK, 0 on
+#                   MASTER_ADDR (it hosts the rendezvous); A_NNODES, B_MASTER_PORT, ... set one side's. Under
+#                   Slurm they default to SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST.
+#                   B's port is MASTER_PORT + 1 when this launch starts both sides.
+#   NPROC_PER_NODE  processes per node of a side (default: one per GPU of the side, one on the CPU)
+#   RUN_ID          the pair's --run-id; with SIDE or NNODES > 1 it is passed only when set (the same on every
+#                   launch of the pair), else the first side to start draws it
+#   DRY_RUN=1       print the commands, shell-quoted, and run none
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -31,9 +44,14 @@ DATA=${DATA:-data}
 STEPS=${STEPS:-174}
 SEED=${SEED:-0}
 NGPU=${NGPU:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 0)}
+SIDE=${SIDE:-both}
+DRY_RUN=${DRY_RUN:-0}
+ALL_GPUS=$([ "$NGPU" -gt 0 ] && seq -s, 0 $((NGPU - 1)) || true)
 # The pair's split: the first half of the GPUs for A, the rest for B; one GPU: both share GPU 0;
-# none: both on the CPU (an empty list means CPU below).
-if [ "$NGPU" -gt 1 ]; then
+# none: both on the CPU (an empty list means CPU below). A side started alone (SIDE) takes them all.
+if [ "$SIDE" != both ]; then
+  SPLIT_A=$ALL_GPUS; SPLIT_B=$ALL_GPUS
+elif [ "$NGPU" -gt 1 ]; then
   HALF=$((NGPU / 2)); SPLIT_A=$(seq -s, 0 $((HALF - 1))); SPLIT_B=$(seq -s, $HALF $((NGPU - 1)))
 elif [ "$NGPU" -eq 1 ]; then
   SPLIT_A=0; SPLIT_B=0
@@ -50,9 +68,31 @@ OCTO=${OCTO:-OctoThinker/OctoThinker-3B-Hybrid-Base}
 FSDP=${FSDP:-auto}
 GPU_MEM_MIB=${GPU_MEM_MIB:-$( (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) || echo 0)}
 
-run() { echo "+ $*" >&2; "$@"; }  # (run exec CMD: prints CMD, then the shell becomes it)
+first_host() {  # first_host NODELIST: the first host of a Slurm node list ("gpu-[003-006,010],cpu1" -> gpu-003)
+  if command -v scontrol >/dev/null; then scontrol show hostnames "$1" | head -n 1; return; fi
+  local list=$1 out= depth=0 c i
+  for ((i = 0; i < ${#list}; i++)); do  # the list's first element: up to a comma outside brackets
+    c=${list:i:1}
+    case $c in "[") depth=$((depth + 1)) ;; "]") depth=$((depth - 1)) ;; ,) [ $depth -gt 0 ] || break ;; esac
+    out+=$c
+  done
+  echo "$out" | sed -E 's/\[([^],-]+)[^]]*\]/\1/g'  # each [range list] -> its first number
+}
+# Under Slurm (srun starts this script once per node) the rendezvous comes from the job.
+if [ -n "${SLURM_JOB_NODELIST:-}" ] && [ -n "${SLURM_NNODES:-}" ]; then
+  NNODES=${NNODES:-$SLURM_NNODES}
+  NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+  MASTER_ADDR=${MASTER_ADDR:-$(first_host "$SLURM_JOB_NODELIST")}
+fi
+
+show() {  # show CMD...: prints "+ CMD", each word quoted for the shell where it needs it
+  local w out=+
+  for w in "$@"; do if [[ "$w" =~ ^[][A-Za-z0-9_./:=,@%+-]+$ ]]; then out+=" $w"; else out+=" ${w@Q}"; fi; done
+  echo "$out"
+}
+run() { if [ "$DRY_RUN" = 1 ]; then show "$@"; else show "$@" >&2; "$@"; fi; }
 count() { echo "$1" | tr ',' '\n' | grep -c . || true; }
-nproc_of() { local c; c=$(count "$1"); echo $(( c > 0 ? c : 1 )); }  # an empty GPU list: one CPU process
+nproc_of() { local c; c=$(count "$1"); echo "${NPROC_PER_NODE:-$(( c > 0 ? c : 1 ))}"; }  # no GPU: one CPU process
 device_of() { [ -n "$1" ] && echo cuda || echo cpu; }
 fsdp_flag() {  # fsdp_flag GPUS: prints --fsdp when this side should shard its model
   case "$FSDP" in
@@ -60,26 +100,75 @@ fsdp_flag() {  # fsdp_flag GPUS: prints --fsdp when this side should shard its m
     auto) if [ "$GPU_MEM_MIB" -gt 0 ] && [ "$GPU_MEM_MIB" -lt 79000 ] && [ "$(count "$1")" -gt 1 ]; then echo --fsdp; fi ;;
   esac
 }
+of_side() {  # of_side a|b NAME DEFAULT: A_NAME (B_NAME), else NAME, else DEFAULT
+  local own="${1^^}_$2"
+  echo "${!own:-${!2:-$3}}"
+}
+side_port() {  # side_port a|b: the side's rendezvous port; empty = a random one (one node, none given)
+  local own="${1^^}_MASTER_PORT"
+  if [ -n "${!own:-}" ]; then echo "${!own}"; return; fi
+  if [ "$(of_side "$1" NNODES 1)" -eq 1 ] && [ -z "${MASTER_PORT:-}" ]; then return; fi
+  local port=${MASTER_PORT:-29500}
+  if [ "$1" = b ] && [ "$SIDE" = both ]; then port=$((port + 1)); fi  # both sides here: two rendezvous
+  echo "$port"
+}
+node_rank_of() { of_side "$1" NODE_RANK 0; }
+started() { [ "$SIDE" = both ] || [ "$SIDE" = "$1" ]; }  # started a|b: does this launch start that side?
+
+rendezvous() {  # rendezvous NAME TAG: prints torchrun's rendezvous flags for side NAME, one per line
+  local name=$1 tag=$2 nnodes rank addr port
+  nnodes=$(of_side "$name" NNODES 1); rank=$(node_rank_of "$name"); addr=$(of_side "$name" MASTER_ADDR "")
+  port=$(side_port "$name")
+  if [ "$nnodes" -eq 1 ]; then  # one node: a local rendezvous on a random port (pairs side by side do not clash)
+    printf '%s\n' --master_port "${port:-$((29500 + RANDOM % 1000))}"
+  else  # every node of the side meets at addr:port; node 0, on addr, hosts the rendezvous store
+    printf '%s\n' --nnodes "$nnodes" --rdzv_backend c10d --rdzv_endpoint "$addr:$port" --rdzv_id "$tag-$name" \
+      --rdzv_conf "is_host=$([ "$rank" -eq 0 ] && echo 1 || echo 0)"
+  fi
+}
+
+check_layout() {  # refuses a SIDE, node rank or rendezvous that cannot work, naming the variable
+  case "$SIDE" in a|b|both) ;; *) echo "run_pair.sh: SIDE='$SIDE': give a, b or leave it unset (both)" >&2; return 2 ;; esac
+  local s nnodes rank
+  for s in a b; do
+    started "$s" || continue
+    nnodes=$(of_side "$s" NNODES 1); rank=$(node_rank_of "$s")
+    if ! [[ "$nnodes" =~ ^[1-9][0-9]*$ && "$rank" =~ ^[0-9]+$ ]] || [ "$rank" -ge "$nnodes" ]; then
+      echo "run_pair.sh: side $s: NNODES='$nnodes' NODE_RANK='$rank': NNODES >= 1 and 0 <= NODE_RANK < NNODES" >&2
+      return 2
+    fi
+    if [ "$nnodes" -gt 1 ] && [ -z "$(of_side "$s" MASTER_ADDR "")" ]; then
+      echo "run_pair.sh: side $s on $nnodes nodes: set MASTER_ADDR (or ${s^^}_MASTER_ADDR), the address of its node 0" >&2
+      return 2
+    fi
+  done
+}
 
 prepare_data() {
   [ -f "$DATA/math_train.jsonl" ] || run $PYTHON data/prepare.py --out "$DATA"
 }
 
-# One side of a pair: torchrun over its GPUs, meeting the other side in the exchange directory.
-side() {  # side NAME PEER_NAME MODEL GPUS OUT EXCHANGE [flags...]
-  local name=$1 peer=$2 model=$3 gpus=$4 out=$5 ex=$6; shift 6
-  local port=$((29500 + RANDOM % 1000))
-  # exec: the background job is torchrun itself, so that stopping the side stops its workers too
-  CUDA_VISIBLE_DEVICES=$gpus run exec $PYTHON -m torch.distributed.run --nproc_per_node "$(nproc_of "$gpus")" \
-    --master_port "$port" graft.py train --model "$model" --name "$name" --peer-name "$peer" \
-    --peer-exchange "$ex" --out "$out" --prompts "$DATA/math_train.jsonl" --data-dir "$DATA" \
-    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all --device "$(device_of "$gpus")" \
-    $(fsdp_flag "$gpus") "$@"
+# One side of a pair: torchrun over its GPUs (and nodes), meeting the other side in the exchange directory.
+side() {  # side NAME PEER_NAME MODEL GPUS OUT EXCHANGE TAG [flags...]
+  local name=$1 peer=$2 model=$3 gpus=$4 out=$5 ex=$6 tag=$7; shift 7
+  local rdzv
+  mapfile -t rdzv < <(rendezvous "$name" "$tag")
+  local cmd=(env CUDA_VISIBLE_DEVICES="$gpus" $PYTHON -m torch.distributed.run "${rdzv[@]}"
+    --nproc_per_node "$(nproc_of "$gpus")" graft.py train --model "$model" --name "$name" --peer-name "$peer"
+    --peer-exchange "$ex" --out "$out" --prompts "$DATA/math_train.jsonl" --data-dir "$DATA"
+    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all --device "$(device_of "$gpus")"
+    $(fsdp_flag "$gpus") "$@")
+  if [ "$DRY_RUN" = 1 ]; then show "${cmd[@]}"; return; fi
+  show "${cmd[@]}" >&2
+  exec "${cmd[@]}"  # the background job is torchrun itself, so that stopping the side stops its workers too
 }
 
 split_gpus() {  # prints the pair's split; refuses a split that leaves one side without a device
-  if [ -z "$GPUS_A" ] && [ -z "$GPUS_B" ]; then
-    echo "no GPU found (NGPU=$NGPU): both sides run on the CPU, one process each" >&2
+  if [ "$SIDE" != both ]; then
+    local g; g=$([ "$SIDE" = a ] && echo "$GPUS_A" || echo "$GPUS_B")
+    echo "side $SIDE alone on this node: GPUs ${g:-none (CPU)}" >&2
+  elif [ -z "$GPUS_A" ] && [ -z "$GPUS_B" ]; then
+    echo "no GPU found (NGPU=$NGPU): both sides run on the CPU" >&2
   elif [ -z "$GPUS_A" ] || [ -z "$GPUS_B" ]; then
     echo "run_pair.sh: GPUS_A='$GPUS_A' GPUS_B='$GPUS_B': give each side GPUs, e.g. GPUS_A=0,1 GPUS_B=2,3 (or the same GPU to both: GPUS_A=0 GPUS_B=0)" >&2
     return 2
@@ -88,28 +177,57 @@ split_gpus() {  # prints the pair's split; refuses a split that leaves one side 
   fi
 }
 
+log_of() {  # log_of TAG NAME: this node's log of side NAME (node 0: <name>.log, node k: <name>.node<k>.log)
+  local rank; rank=$(node_rank_of "$2")
+  [ "$rank" -eq 0 ] && echo "$RUNS/$1/$2.log" || echo "$RUNS/$1/$2.node$rank.log"
+}
+
 pair() {  # pair TAG MODEL_A MODEL_B [flags...]
   local tag=$1 a=$2 b=$3; shift 3
+  check_layout || return 2
   split_gpus || return 2
-  prepare_data
-  local ex="$RUNS/$tag/exchange"
-  mkdir -p "$RUNS/$tag"
+  local ex="$RUNS/$tag/exchange" s
+  # data: prepared by a node 0 (prepare.py writes atomically, so two sides' node 0 may both run it)
+  for s in a b; do if started "$s" && [ "$(node_rank_of "$s")" -eq 0 ]; then prepare_data; break; fi; done
   local id=()
-  case " $* " in *" --resume "*) ;; *) id=(--run-id "${RUN_ID:-$tag-$(date +%Y%m%d-%H%M%S)-$RANDOM}") ;; esac
-  echo "pair $tag: A=$a on GPUs ${GPUS_A:-none (CPU)}, B=$b on GPUs ${GPUS_B:-none (CPU)}, exchange $ex" >&2
-  side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "${id[@]}" "$@" > "$RUNS/$tag/a.log" 2>&1 &
-  local pa=$!
-  side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "${id[@]}" "$@" > "$RUNS/$tag/b.log" 2>&1 &
-  local pb=$!
+  case " $* " in
+    *" --resume "*) ;;
+    *) if [ "$SIDE" = both ] && [ "$(of_side a NNODES 1)" -eq 1 ] && [ "$(of_side b NNODES 1)" -eq 1 ]; then
+         id=(--run-id "${RUN_ID:-$tag-$(date +%Y%m%d-%H%M%S)-$RANDOM}")
+       elif [ -n "${RUN_ID:-}" ]; then
+         id=(--run-id "$RUN_ID")
+       fi ;;
+  esac
+  local here=()
+  started a && here+=("A=$a on GPUs ${GPUS_A:-none (CPU)}")
+  started b && here+=("B=$b on GPUs ${GPUS_B:-none (CPU)}")
+  echo "pair $tag: $(IFS=,; echo "${here[*]}" | sed 's/,B=/, B=/'), exchange $ex" >&2
+  if [ "$DRY_RUN" = 1 ]; then
+    started a && side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@"
+    started b && side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@"
+    return 0
+  fi
+  mkdir -p "$RUNS/$tag"
+  local pa= pb=
+  if started a; then side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" a)" 2>&1 & pa=$!; fi
+  if started b; then side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" b)" 2>&1 & pb=$!; fi
   trap 'kill $pa $pb 2>/dev/null' INT TERM
-  tail -f "$RUNS/$tag/a.log" --pid=$pa &
+  local status=0
+  if [ "$SIDE" != both ]; then  # one side here: its peer, elsewhere, learns of a failure from the exchange folder
+    local p=${pa:-$pb}
+    tail -f "$(log_of "$tag" "$SIDE")" --pid="$p" &
+    wait "$p" || status=$?
+    echo "side $SIDE of pair $tag finished (status $status) on node $(node_rank_of "$SIDE"); log $(log_of "$tag" "$SIDE")" >&2
+    return $status
+  fi
+  tail -f "$(log_of "$tag" a)" --pid=$pa &
   # The first side to exit decides: non-zero stops the other at once (it would only wait for a
   # peer that is gone); zero waits for the other to finish too.
-  local status=0 done_pid first other rest=0
+  local done_pid first other rest=0
   wait -n -p done_pid $pa $pb || status=$?
   if [ "$done_pid" = "$pa" ]; then first=a; other=$pb; else first=b; other=$pa; fi
   if [ "$status" -ne 0 ]; then
-    echo "pair $tag: side $first exited with status $status; stopping the other side (see $RUNS/$tag/$first.log)" >&2
+    echo "pair $tag: side $first exited with status $status; stopping the other side (see $(log_of "$tag" $first))" >&2
     kill "$other" 2>/dev/null || true
   fi
   wait "$other" || rest=$?
@@ -148,7 +266,7 @@ case "$PRESET" in
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py eval --model "$MODEL" --data-dir "$DATA" --benchmarks all --samples 8 --temperature 0.6 --top-p 0.95 "$@" ;;
   -h|--help|help)
-    sed -n '2,21p' "$0" ;;
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' ;;
   *)
     echo "run_pair.sh: unknown preset '$PRESET' (tiny, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
 esac
