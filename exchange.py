@@ -279,7 +279,7 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
             their = int(failed.get("attempt", 0))
             if attempt is None or their == attempt:
                 raise RuntimeError(f"the peer failed before writing {path}: {str(failed.get('error'))[-2000:]}\n"
-                                   f"(fix the cause, then relaunch both sides with --resume)")
+                                   f"(fix the cause, then relaunch both sides, every node of each, with --resume)")
             if their > attempt:
                 raise RuntimeError(left_behind(exchange, peer, run_id, their, attempt))
         if not stale_noted and failed is not None:
@@ -307,7 +307,7 @@ def wait_for_file(path: Path, *, timeout: float, poll: float = 0.2, run_id: str 
                 raise RuntimeError(f"the peer is dead: no heartbeat in {side / 'HEARTBEAT'} for {age:.0f}s "
                                    f"(pid {beat.get('pid')}, last at step {beat.get('step')}); it was killed or "
                                    f"ran out of memory before writing {path}: see its log, then relaunch both "
-                                   f"with --resume")
+                                   f"sides, every node of each, with --resume")
         elif attempt is not None and beat is not None and beat.get("run_id") == run_id \
                 and int(beat.get("attempt", 0)) > attempt:
             raise RuntimeError(left_behind(exchange, peer, run_id, int(beat["attempt"]), attempt))

@@ -128,7 +128,10 @@ rendezvous() {  # rendezvous NAME TAG: prints torchrun's rendezvous flags for si
 }
 
 check_layout() {  # refuses a SIDE, node rank or rendezvous that cannot work, naming the variable
-  case "$SIDE" in a|b|both) ;; *) echo "run_pair.sh: SIDE='$SIDE': give a, b or leave it unset (both)" >&2; return 2 ;; esac
+  case "$SIDE" in
+    a|b|both) ;;
+    *) echo "run_pair.sh: SIDE='$SIDE': give a, b or leave it unset (both)" >&2; return 2 ;;
+  esac
   local s nnodes rank
   for s in a b; do
     started "$s" || continue
@@ -138,7 +141,8 @@ check_layout() {  # refuses a SIDE, node rank or rendezvous that cannot work, na
       return 2
     fi
     if [ "$nnodes" -gt 1 ] && [ -z "$(of_side "$s" MASTER_ADDR "")" ]; then
-      echo "run_pair.sh: side $s on $nnodes nodes: set MASTER_ADDR (or ${s^^}_MASTER_ADDR), the address of its node 0" >&2
+      echo "run_pair.sh: side $s on $nnodes nodes: set MASTER_ADDR (or ${s^^}_MASTER_ADDR)," \
+        "the address of its node 0" >&2
       return 2
     fi
   done
@@ -209,15 +213,22 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
   fi
   mkdir -p "$RUNS/$tag"
   local pa= pb=
-  if started a; then side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" a)" 2>&1 & pa=$!; fi
-  if started b; then side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" b)" 2>&1 & pb=$!; fi
+  if started a; then
+    side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" a)" 2>&1 &
+    pa=$!
+  fi
+  if started b; then
+    side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" b)" 2>&1 &
+    pb=$!
+  fi
   trap 'kill $pa $pb 2>/dev/null' INT TERM
   local status=0
   if [ "$SIDE" != both ]; then  # one side here: its peer, elsewhere, learns of a failure from the exchange folder
     local p=${pa:-$pb}
     tail -f "$(log_of "$tag" "$SIDE")" --pid="$p" &
     wait "$p" || status=$?
-    echo "side $SIDE of pair $tag finished (status $status) on node $(node_rank_of "$SIDE"); log $(log_of "$tag" "$SIDE")" >&2
+    echo "side $SIDE of pair $tag finished (status $status) on node $(node_rank_of "$SIDE");" \
+      "log $(log_of "$tag" "$SIDE")" >&2
     return $status
   fi
   tail -f "$(log_of "$tag" a)" --pid=$pa &

@@ -5,7 +5,8 @@ function takes the trainer's Config (any object with the named attributes) and i
 ours but exchange.py (the run files) and data/prepare.py's prompt reader: the project's imports run
 graft.py -> offline.py -> runtime.py -> exchange.py, never back.
 
-    setup_distributed   torchrun's RANK / WORLD_SIZE -> process group (NCCL on GPU, gloo on CPU)
+    setup_distributed   torchrun's RANK / WORLD_SIZE -> process group (NCCL on GPU, gloo on CPU), on one
+                        node or several (README "Past one node")
     gather_lists, shard, unshard   split a list over ranks and put the gathered parts back in order
     compute_context     bf16 autocast on GPU with --dtype auto (graft.py departure 6)
     load_policy         a transformers causal LM + tokenizer + the ids that stop a rollout
@@ -15,8 +16,9 @@ graft.py -> offline.py -> runtime.py -> exchange.py, never back.
     shard_policy, gathered, full_state_dicts, load_full_optimizer_state,
     clip_sharded_grad_norm_   FSDP2 (--fsdp)
     RunFiles            the trainer's file keeping: run directory, the settings check of --resume,
-                        run identity, attempt and heartbeat (exchange.py), metrics
-                        trimming, atomic checkpoints and the fall-back over broken ones
+                        run identity, attempt and heartbeat (exchange.py), the check that every rank
+                        sees rank 0's files, metrics trimming, atomic checkpoints and the fall-back
+                        over broken ones; a lost rank named as such (lost_rank_message)
     check_weight_files  a model folder's safetensors files, checked before loading (names the file)
 """
 
@@ -29,7 +31,9 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +61,12 @@ class DistInfo:
 
 
 def setup_distributed(cfg: Config) -> DistInfo:
-    """torchrun sets RANK/WORLD_SIZE: one process per GPU (NCCL) or per CPU worker (gloo)."""
+    """torchrun sets RANK/WORLD_SIZE: one process per GPU (NCCL) or per CPU worker (gloo).
+
+    Over several nodes (torchrun --nnodes N, one launch per node) RANK is global and LOCAL_RANK picks
+    the GPU on this node. Nothing else changes: every rank computes the step's exchange itself, from
+    the same rollout files in --peer-exchange, so those folders (and --out, which --resume reads on
+    every rank) must be on storage every node sees; RunFiles.check_shared_files stops a run where not."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -391,6 +400,21 @@ def run_settings(cfg: Config, mode: str) -> dict:
     return out
 
 
+# Words of the errors that gloo and NCCL raise when a peer process of the group is gone.
+LOST_RANK_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                   "NCCL communicator was aborted", "NCCL error", "ProcessGroupNCCL", "ProcessGroupGloo")
+
+
+def lost_rank_message(error: BaseException, name: str, world: int) -> str:
+    """The line that says what an error of a collective means: another process of this side is gone (its
+    node died or it was killed), so this one stops too; "" for any other error."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if world == 1 or not (isinstance(error, dist_error) or any(s in str(error) for s in LOST_RANK_SIGNS)):
+        return ""
+    return (f"side {name!r} lost one of its {world} processes (a collective failed: a node of this side died or "
+            f"a process of it was killed; its own log says which and why); every process of the pair stops.")
+
+
 class RunFiles:
     """Run directory, resume checks, the pair's run identity, metrics trimming, checkpoints."""
 
@@ -483,18 +507,51 @@ class RunFiles:
             box = [rid, self.attempt]
             torch.distributed.broadcast_object_list(box, src=0)
             rid, self.attempt = box
+            self.check_shared_files(rid)
         return rid
+
+    def check_shared_files(self, rid: str, *, wait: float = 30.0) -> None:
+        """Every rank sees the files rank 0 keeps, or the run stops here with one message on every rank.
+
+        Rank 0 alone writes <out>/run.json, the checkpoints and, online, the exchange folder's RUN record
+        and this side's step files; every rank reads the checkpoint on --resume and the peer's step files
+        each step. A rank on a node that does not share those folders would train other weights or wait
+        for files it never sees. Each rank waits up to ``wait`` s for run.json (and RUN) of run ``rid``
+        (a network filesystem may show a new file late), then all compare that and their resume step."""
+        need = [(self.out / "run.json", "--out")] + ([(self.exchange / "RUN", "--peer-exchange")]
+                                                     if self.mode == "online" else [])
+        deadline = time.time() + wait
+        while True:
+            unseen = [(path, flag) for path, flag in need if (read_json(path) or {}).get("run_id") != rid]
+            if not unseen or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        mine = "; ".join(f"{path} ({flag}) of run {rid} is not there" for path, flag in unseen)
+        views = [None] * self.dist.world
+        torch.distributed.all_gather_object(views, (socket.gethostname(), mine, self.start_step))
+        problems = [f"rank {r} on {host}: {what}" for r, (host, what, _) in enumerate(views) if what]
+        problems += [f"rank {r} on {host} resumes at step {step}, rank 0 at step {views[0][2]}"
+                     for r, (host, _, step) in enumerate(views) if step != views[0][2]]
+        if problems:
+            raise SystemExit(f"side {self.cfg.name!r}: not every rank sees the files of rank 0 "
+                             f"({views[0][0]}): " + "; ".join(problems) + ". --out and --peer-exchange must be "
+                             f"on storage that every node of the side sees (a shared filesystem)")
 
     def leave_pair(self, error: BaseException) -> None:
         """On any failure: the FAILED marker for a waiting peer, and a last heartbeat saying so
-        (not by a process that a relaunch of its side left behind: the marker is the new one's)."""
+        (not by a process that a relaunch of its side left behind: the marker is the new one's). A
+        collective that failed because another process of this side is gone is said so, on every rank."""
+        lost = lost_rank_message(error, self.cfg.name, self.dist.world)
+        if lost:
+            print(f"[graft] rank {self.dist.rank}: {lost}", file=sys.stderr, flush=True)
         if not (self.dist.main and self.mode == "online" and self.heartbeat is not None):
             return
         import traceback
         try:  # on a full disk these writes fail too; the peer then sees the heartbeat go stale
             if not self.heartbeat.left_behind():
                 write_failed(self.exchange, self.cfg.name, self.run_id,
-                             f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}", attempt=self.attempt)
+                             f"{lost + ' ' if lost else ''}{type(error).__name__}: {error}\n"
+                             f"{traceback.format_exc()[-1500:]}", attempt=self.attempt)
             self.heartbeat.stop("failed")
         except OSError as e:
             print(f"[graft] could not leave the FAILED marker for the peer: {e}")
