@@ -146,11 +146,33 @@ def test_one_side_launch_runs_torchrun_and_names_the_nodes_log(tmp_path):
 
 
 def start(argv: list[str], script: Path, log: Path, **env) -> subprocess.Popen:
-    """One node's launch, in its own session (its process group is the node)."""
+    """One node's launch: torchrun (the agent) and its workers, the printed line with graft.py -> script."""
     argv = [str(script) if w == "graft.py" else w for w in argv]
     e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **env)
-    return subprocess.Popen(argv, cwd=ROOT, env=e, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(argv, cwd=ROOT, env=e, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def kill_node(p: subprocess.Popen) -> None:
+    """SIGKILL to a launch's whole process tree, as if its node went down: torchrun starts each worker in a
+    session of its own, so the worker is found by its parent (Linux /proc), not by a process group."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:  # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    tree, todo = [], [p.pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def finish(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 300) -> dict[str, int]:
@@ -160,16 +182,9 @@ def finish(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 300)
             codes[key] = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs.values():
-                with_group(q, signal.SIGKILL)
+                kill_node(q)
             raise AssertionError(f"{key} did not stop: " + (logs / f"{key}.log").read_text()[-3000:])
     return codes
-
-
-def with_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def test_two_nodes_per_side_equal_one_node_and_resume_after_a_node_dies(tiny, tmp_path):
@@ -209,7 +224,7 @@ def test_two_nodes_per_side_equal_one_node_and_resume_after_a_node_dies(tiny, tm
         assert time.time() < deadline and all(p.poll() is None for p in procs.values()), \
             [(two / f"{k}.log").read_text()[-2000:] for k in procs]
         time.sleep(0.1)
-    with_group(procs["a1"], signal.SIGKILL)
+    kill_node(procs["a1"])
     t0 = time.time()
     codes = finish(procs, two, timeout=120)
     logs = {k: (two / f"{k}.log").read_text() for k in procs}
