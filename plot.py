@@ -2,8 +2,10 @@
 
 Reads each run's metrics.jsonl (one JSON line per step, keys in graft.METRICS) and writes one PNG per
 metric group of PLOT_GROUPS, one panel per key, one line per run, so the two sides of a pair or GRAFT
-next to GRPO share the axes. matplotlib is an optional dependency, imported only when plotting. Of ours it
-imports only exchange.py (atomic writes); graft.py calls main() for its `plot` command.
+next to GRPO share the axes. draw_curves is the same drawing for curves computed elsewhere (the tiny
+preset's mechanism panel, README's figure: `python tiny.py figure`). matplotlib is an optional
+dependency, imported only when plotting. Of ours it imports only exchange.py (atomic writes); graft.py
+calls main() for its `plot` command.
 
 Launch line:
     python graft.py plot runs/tiny/seed0/graft/A runs/tiny/seed0/graft/B runs/tiny/seed0/grpo/A --out runs/tiny/plots
@@ -79,16 +81,56 @@ def run_labels(runs: list[str]) -> list[str]:
     return labels if len(set(labels)) == len(labels) else [str(r) for r in runs]
 
 
-def plot_runs(runs: list[str], out: str | os.PathLike, *, smooth: int = 1) -> list[Path]:
-    """Write <out>/<group>.png for every group of PLOT_GROUPS that some run logged; returns the paths.
-
-    smooth: trailing moving average over this many logged steps (1 = the raw values)."""
+def pyplot(command: str):
+    """matplotlib.pyplot on the file-only Agg backend, or a SystemExit naming the command and the install."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("graft.py plot needs matplotlib (an optional dependency): pip install matplotlib") from None
+        raise SystemExit(f"{command} needs matplotlib (an optional dependency): pip install matplotlib") from None
+    return plt
+
+
+def draw_curves(panels: dict[str, dict[str, list[list[float]]]], path: str | os.PathLike, *, xlabel: str,
+                ylabel: str, title: str = "", command: str = "graft.py plot") -> Path:
+    """One PNG: a panel per key of ``panels``, in it a curve per label. Each curve is given as one list of
+    values per repeat (seed), all of one length, at x = 1, 2, ...: drawn is their mean, with a band of
+    +- one sample std where there are several. Written atomically; returns the path."""
+    plt = pyplot(command)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.1), squeeze=False, sharey=True)
+    for ax, (name, curves) in zip(axes.flat, panels.items()):
+        for i, (label, repeats) in enumerate(curves.items()):
+            assert repeats and len({len(r) for r in repeats}) == 1, f"{name} / {label}: ragged or empty repeats"
+            xs = list(range(1, len(repeats[0]) + 1))
+            cols = list(zip(*repeats))  # (steps,) tuples of one value per repeat
+            mean = [sum(c) / len(c) for c in cols]
+            ax.plot(xs, mean, color=f"C{i}", linewidth=1.6, label=label + (f" ({len(repeats)} seeds)"
+                                                                           if len(repeats) > 1 else ""))
+            if len(repeats) > 1:
+                sd = [math.sqrt(sum((v - m) ** 2 for v in c) / (len(c) - 1)) for c, m in zip(cols, mean)]
+                ax.fill_between(xs, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
+                                color=f"C{i}", alpha=0.2, linewidth=0)
+        ax.set_title(name, fontsize=9.5)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    axes.flat[0].set_ylabel(ylabel)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.8 if title else 0.9, wspace=0.08)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    plt.close(fig)
+    return path
+
+
+def plot_runs(runs: list[str], out: str | os.PathLike, *, smooth: int = 1) -> list[Path]:
+    """Write <out>/<group>.png for every group of PLOT_GROUPS that some run logged; returns the paths.
+
+    smooth: trailing moving average over this many logged steps (1 = the raw values)."""
+    plt = pyplot("graft.py plot")
     data = {label: read_metrics_file(r) for label, r in zip(run_labels(runs), runs)}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

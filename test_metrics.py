@@ -1,6 +1,7 @@
 """Tests of what the trainer logs: every loss metric of a planted step against its direct computation
-from the rows (one process and two gloo ranks), the table of metric keys, `graft.py plot` and
-`--report-to`. CPU, tiny random models.
+from the rows (one process and two gloo ranks), the table of metric keys, `graft.py plot`, README's
+figure (`tiny.py figure`) and `--report-to` (TensorBoard's events and an offline W&B run read back).
+CPU, tiny random models.
 
 Run: python -m pytest -q test_metrics.py
 """
@@ -8,6 +9,7 @@ Run: python -m pytest -q test_metrics.py
 import importlib.util
 import json
 import math
+import struct
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,8 @@ needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is 
                                       reason="matplotlib (optional, for graft.py plot) is not installed")
 needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
                                        reason="tensorboard (optional, for --report-to tensorboard) is not installed")
+needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                                 reason="wandb (optional, for --report-to wandb) is not installed")
 
 # ------------------------------------------------------------------------------------------------
 # A planted step: own and peer rows, several micro-batches and minibatches, some without peer rows
@@ -209,6 +213,57 @@ def test_report_to_tensorboard_logs_the_same_keys(two_runs):
     for k, v in graft.report_values(m).items():
         (event,) = acc.Scalars(k)
         assert event.step == 1 and event.value == pytest.approx(v, rel=1e-6), k
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of an offline W&B run file (<run>.wandb): a 7-byte header (":W&B", magic, version),
+    then LevelDB-log blocks of 32 KiB whose records each have a 7-byte header (crc32, length, type: 1 = whole,
+    2 / 3 / 4 = first / middle / last part); a block's last < 7 bytes are padding."""
+    from wandb.proto import wandb_internal_pb2
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", path
+    pos, part, out = 7, b"", []
+    while len(data) - pos >= 7:
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        part += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            out.append(wandb_internal_pb2.Record.FromString(part))
+            part = b""
+    return out
+
+
+@needs_wandb
+def test_report_to_wandb_offline_logs_the_same_keys(two_runs, monkeypatch, tmp_path):
+    for k, v in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off", WANDB_PROJECT="graft-test",
+                     WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"),
+                     WANDB_DATA_DIR=str(tmp_path / "data")).items():
+        monkeypatch.setenv(k, v)
+    run, _, tr = two_runs
+    m = read_metrics(run / "metrics.jsonl")[0]
+    tr.cfg.report_to = "wandb"
+    tr.log(m | {"step": 1})
+    import wandb
+    tr.live.run.finish()  # what the process's exit does, ...
+    wandb.teardown()  # ... and the end of its W&B service, which writes the run's file
+    (path,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    records = {}
+    for r in wandb_records(path):
+        records.setdefault(r.WhichOneof("record_type"), []).append(r)
+    assert {"run", "history"} <= set(records), (path.stat().st_size, sorted(records))
+    (info,) = [r.run for r in records["run"]]
+    assert info.project == "graft-test" and info.display_name == f"{run.name}-{tr.cfg.name}"
+    config = {c.key: json.loads(c.value_json) for c in info.config.update}
+    assert config["model"] == tr.cfg.model and config["report_to"] == "wandb"  # the Config, as run.json keeps it
+    (history,) = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+                  for r in records["history"]]  # a key with "/" (pg/clipfrac_own) is kept as its parts
+    logged, want = {k: v for k, v in history.items() if not k.startswith("_")}, graft.report_values(m)
+    assert history["_step"] == 1 and set(logged) == set(want), set(logged) ^ set(want)
+    for k, v in want.items():
+        assert logged[k] == pytest.approx(v, rel=1e-12), k
 
 
 def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@
     python tiny.py --seeds 3                   # mean +- std over 3 RL seeds per cell
     python tiny.py --seeds 3 --no-held-out     # the mechanism panel alone
     python tiny.py report runs/tiny            # Markdown for RESULTS.md, recomputed from a finished run's files
+    python tiny.py figure runs/tiny --out mechanism_panel.png   # README's figure: the panel's curves by step
     python tiny.py --split val                 # the held-out table on the validation split (choosing settings)
     python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the held-out table
     python tiny.py --variant sgt               # one variant next to GRPO
@@ -1458,6 +1459,39 @@ def panel_report(run_dir: str, pc: PresetConfig) -> tuple[str, list[str]]:
     return "\n".join(out), csv
 
 
+def panel_curves(run_dir: str, pc: PresetConfig) -> dict[str, dict[str, list[list[float]]]]:
+    """The panel's "own" rows step by step: {model: {"GRPO" | "GRAFT": per seed, per step, the train reward (%)
+    on the model's own all-fail half (mean over the half's prompts and their n rollouts)}}, from the rollout
+    files, as panel_report reads them."""
+    pdir = _panel_dir(run_dir)
+    with open(os.path.join(pdir, "set.json")) as f:
+        halves = json.load(f)["halves"]
+    out = {}
+    for m in PANEL_MODELS:
+        out[m] = {}
+        for method, folder in (("GRPO", os.path.join("grpo", m)), ("GRAFT", "graft")):
+            runs = [os.path.join(pdir, f"seed{s}", folder, "exchange") for s in range(pc.seeds)]
+            out[m][method] = [[100 * sum(r[q] for q in halves[m]) / len(halves[m])
+                               for r in step_rewards(ex, m.lower(), pc.panel_steps)] for ex in runs]
+    return out
+
+
+def figure(run_dir: str, out: str) -> str:
+    """README's figure from a finished run's files: per model, the reward on its own all-fail half by step under
+    GRPO and GRAFT (the mechanism panel's curves; mean and +- std band over seeds). Returns the PNG's path."""
+    import plot
+    info, pc = saved_preset(run_dir, "figure")
+    if not pc.panel:
+        raise SystemExit(f"tiny.py figure: {run_dir} ran without the mechanism panel (--no-panel)")
+    curves = panel_curves(run_dir, pc)
+    panels = {f"model {m}: the {pc.panel_half} problems it fails 0/{pc.n} before RL": c for m, c in curves.items()}
+    path = plot.draw_curves(panels, out, xlabel="RL step", ylabel="train reward on them (%)", command="tiny.py figure",
+                            title=f"tiny preset, mechanism panel: each model's own all-fail half, GRPO vs GRAFT "
+                                  f"({2 * pc.panel_half} prompts x n={pc.n} per step)")
+    print(f"[tiny] figure -> {path} (from {run_dir}, {pc.seeds} seed(s))")
+    return str(path)
+
+
 def plot(run_dir: str, pc: PresetConfig, runs: list[Run]) -> None:
     try:
         import matplotlib
@@ -1572,17 +1606,23 @@ def _write_lines(path: str, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def markdown_report(run_dir: str) -> str:
-    """The Markdown block for RESULTS.md of a finished run: its command, machine, load and wall time, then
-    each table as the run printed it, recomputed from the run's files (run.json, the evaluations, metrics
-    and rollout files), so that the document's figures and the run's printout are the same figures."""
+def saved_preset(run_dir: str, command: str) -> tuple[dict, PresetConfig]:
+    """A finished run's run.json and its settings, with the paths pointed at ``run_dir`` (it may have moved)."""
     path = os.path.join(run_dir, "run.json")
     if not os.path.exists(path):
-        raise SystemExit(f"tiny.py report: {path} not found; is {run_dir} the --out folder of a finished run?")
+        raise SystemExit(f"tiny.py {command}: {path} not found; is {run_dir} the --out folder of a finished run?")
     with open(path) as f:
         info = json.load(f)
     pc = PresetConfig(**info["preset"])
     pc.out, pc.eval_file = run_dir, os.path.join(run_dir, "data", os.path.basename(pc.eval_file))
+    return info, pc
+
+
+def markdown_report(run_dir: str) -> str:
+    """The Markdown block for RESULTS.md of a finished run: its command, machine, load and wall time, then
+    each table as the run printed it, recomputed from the run's files (run.json, the evaluations, metrics
+    and rollout files), so that the document's figures and the run's printout are the same figures."""
+    info, pc = saved_preset(run_dir, "report")
     variants = list(VARIANT_FLAGS) if pc.variants == "all" else [v.strip() for v in pc.variants.split(",") if v.strip()]
     runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], list(MODELS)[:pc.peers])
     timing_file = os.path.join(run_dir, "timing.json")
@@ -1632,6 +1672,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--retrain", action="store_true", help="pre-train even if a committed copy matches")
     sp = sub.add_parser("report", help="the Markdown block for RESULTS.md of a finished run, from its files")
     sp.add_argument("run_dir")
+    sp = sub.add_parser("figure", help="README's figure (the mechanism panel's curves) from a finished run's files")
+    sp.add_argument("run_dir")
+    sp.add_argument("--out", default="", help="the PNG (default: RUN_DIR/mechanism_panel.png)")
     sp = sub.add_parser("_pretrain_one")
     sp.add_argument("run_dir")
     sp.add_argument("name")
@@ -1644,6 +1687,8 @@ def main(argv: list[str] | None = None) -> int:
             _pretrain_one(args.run_dir, args.name, TinyConfig(**json.load(f)))
     elif args.cmd == "report":
         print(markdown_report(args.run_dir))
+    elif args.cmd == "figure":
+        figure(args.run_dir, args.out or os.path.join(args.run_dir, "mechanism_panel.png"))
     elif args.cmd == "prepare":
         prepare(args.run_dir, TinyConfig(), models=tuple(MODELS)[:args.peers], retrain=args.retrain)
     else:
