@@ -314,3 +314,64 @@ def test_plot_errors_name_the_problem(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     with pytest.raises(SystemExit, match="graft.py plot needs matplotlib .*: pip install matplotlib"):
         plot.plot_runs([str(tmp_path / "run")], tmp_path / "plots")
+
+
+# ------------------------------------------------------------------------------------------------
+# README's figure: `python tiny.py figure RUN_DIR --out PNG` from a planted panel run's files
+# ------------------------------------------------------------------------------------------------
+
+
+def planted_reward(seed: int, method: str, model: str, step: int, prompt: int, i: int) -> float:
+    return float((seed + 2 * step + prompt + i + (method == "graft") + 2 * (model == "B")) % 3 == 0)
+
+
+def planted_panel(run_dir: Path, *, seeds=2, steps=3, n=2) -> dict:
+    """A finished panel's files as tiny.py lays them out: run.json, panel/set.json (halves: A fails p0 p1, B fails
+    p2 p3) and each run's rollout files of the 4 prompts, with planted_reward's rewards."""
+    import dataclasses
+    import tiny
+    pc = tiny.PresetConfig(out=str(run_dir), seeds=seeds, n=n, panel_half=2, panel_steps=steps, held_out=False)
+    (run_dir / "panel").mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"preset": dataclasses.asdict(pc)}))
+    halves = {"A": ["p0", "p1"], "B": ["p2", "p3"]}
+    (run_dir / "panel" / "set.json").write_text(json.dumps({"halves": halves}))
+    for s in range(seeds):
+        for method in ("grpo", "graft"):
+            for m in "AB":
+                ex = run_dir / "panel" / f"seed{s}" / method / (m if method == "grpo" else "") / "exchange"
+                for t in range(steps):
+                    r = torch.tensor([[planted_reward(s, method, m, t, g, i) for i in range(n)] for g in range(4)])
+                    ro = graft.StepRollouts(prompt_ids=[f"p{g}" for g in range(4)], tokens=[[1]] * 4 * n,
+                                            logprobs=[torch.zeros(1)] * 4 * n, texts=["x"] * 4 * n,
+                                            eos=torch.ones(4, n, dtype=torch.bool), rewards=r,
+                                            advantages=torch.zeros(4, n))
+                    graft.save_rollouts(graft.rollout_path(ex, m.lower(), t), ro, {"run_id": "planted"})
+    return halves
+
+
+@needs_matplotlib
+def test_tiny_figure_draws_the_panels_curves(tmp_path):
+    import tiny
+    from matplotlib.image import imread
+    from test_graft import run_py
+    halves = planted_panel(tmp_path / "run")
+    _, pc = tiny.saved_preset(str(tmp_path / "run"), "figure")
+    curves = tiny.panel_curves(str(tmp_path / "run"), pc)
+    for m in "AB":  # the naive loop: per seed and step, the mean over the own half's prompts and rollouts
+        for method in ("grpo", "graft"):
+            want = [[100 * sum(planted_reward(s, method, m, t, int(q[1:]), i) for q in halves[m] for i in range(2)) / 4
+                     for t in range(3)] for s in range(2)]
+            assert curves[m][method.upper()] == want, (m, method)  # multiples of 1/4: exact
+    r = run_py([str(ROOT / "tiny.py"), "figure", str(tmp_path / "run"), "--out", str(tmp_path / "fig.png")], tmp_path)
+    assert r.returncode == 0 and "2 seed(s)" in r.stdout, r.stderr[-2000:]
+    img = imread(tmp_path / "fig.png")[..., :3]  # (H, W, 3) in [0, 1]
+    assert img.shape[:2] == (310, 840), img.shape  # two panels, 4.2 x 3.1 inches each at 100 dpi
+    for colour in ((0.122, 0.467, 0.706), (1.0, 0.498, 0.055)):  # C0 (GRPO) and C1 (GRAFT): both curves drawn
+        assert (abs(img - torch.tensor(colour).numpy()).max(-1) < 0.02).sum() > 200, colour
+    planted = json.loads((tmp_path / "run" / "run.json").read_text())
+    planted["preset"]["panel"] = False
+    (tmp_path / "run" / "run.json").write_text(json.dumps(planted))
+    with pytest.raises(SystemExit, match="ran without the mechanism panel"):
+        tiny.figure(str(tmp_path / "run"), str(tmp_path / "no.png"))
+    with pytest.raises(SystemExit, match=r"tiny.py figure: .*run.json not found; is .* the --out folder"):
+        tiny.figure(str(tmp_path), str(tmp_path / "no.png"))
