@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import runtime
 from test_graft import ROOT, common_flags, read_metrics, tiny  # noqa: F401  (tiny: fixture)
 from test_resume import launch, untimed
 
@@ -109,7 +111,7 @@ def test_one_side_per_launch_and_each_nodes_rendezvous(tmp_path):
 
 @pytest.mark.parametrize("env, message", [
     (dict(SIDE="c"), "SIDE='c': give a, b or leave it unset (both)"),
-    (dict(NNODES="2", NODE_RANK="2", MASTER_ADDR="h"), "side a: NNODES='2' NODE_RANK='2': NNODES >= 1 and 0 <= NODE_RANK"),
+    (dict(NNODES="2", NODE_RANK="2", MASTER_ADDR="h"), "side a: NNODES='2' NODE_RANK='2': NNODES >= 1 and 0 <="),
     (dict(SIDE="b", NNODES="2"), "side b on 2 nodes: set MASTER_ADDR (or B_MASTER_ADDR), the address of its node 0"),
 ])
 def test_a_layout_that_cannot_work_is_refused(env, message):
@@ -135,13 +137,57 @@ def test_one_side_launch_runs_torchrun_and_names_the_nodes_log(tmp_path):
     writes node 1's log to a.node1.log and exits with the side's status."""
     r, sides = launch(tmp_path, NGPU="0", SIDE="a", NNODES="2", NODE_RANK="1", MASTER_ADDR="h", MASTER_PORT="29900")
     assert r.returncode == 0 and set(sides) == {"a"}, r.stderr[-2000:]
-    assert "--rdzv_endpoint h:29900 --rdzv_id pair1-a --rdzv_conf is_host=0 --nproc_per_node 1 graft.py" in sides["a"][1]
+    line = sides["a"][1]
+    assert "--rdzv_endpoint h:29900 --rdzv_id pair1-a --rdzv_conf is_host=0 --nproc_per_node 1 graft.py" in line, line
     assert (tmp_path / "runs" / "pair1" / "a.node1.log").is_file()
     assert "side a of pair pair1 finished (status 0) on node 1" in r.stderr
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. Each side as 2 nodes x 1 process equals 1 node x 2 processes; a dead node stops the pair; --resume
+# 2. Every rank sees rank 0's files, or the run stops; a lost rank is named
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_rank_that_does_not_see_rank_0s_files_stops_every_rank(tmp_path, monkeypatch):
+    """Rank 1 of 2 (its node mounts another --out and --peer-exchange) and rank 0's view, as all_gather_object
+    would bring it: every rank raises the same message, naming the rank, its host, the files and the steps."""
+    files = runtime.RunFiles()
+    files.cfg = type("Cfg", (), {"name": "a"})()
+    files.dist = runtime.DistInfo(rank=1, world=2)
+    files.out, files.exchange, files.mode, files.start_step = tmp_path / "a", tmp_path / "ex", "online", 0
+
+    def gather(views, mine):  # rank 0 saw its files and resumes at step 2
+        views[:] = [("node0", "", 2), mine]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        files.check_shared_files("r1", wait=0.5)
+    assert 0.5 <= time.time() - t0 < 5  # it waited for the files (a network filesystem shows them late)
+    host = socket.gethostname()
+    assert str(e.value) == (
+        f"side 'a': not every rank sees the files of rank 0 (node0): rank 1 on {host}: {tmp_path / 'a' / 'run.json'} "
+        f"(--out) of run r1 is not there; {tmp_path / 'ex' / 'RUN'} (--peer-exchange) of run r1 is not there; rank 1 "
+        f"on {host} resumes at step 0, rank 0 at step 2. --out and --peer-exchange must be on storage that every node "
+        f"of the side sees (a shared filesystem)")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "run.json").write_text(json.dumps({"run_id": "r1"}))
+    (tmp_path / "ex").mkdir()
+    (tmp_path / "ex" / "RUN").write_text(json.dumps({"run_id": "r1"}))
+    files.start_step = 2
+    files.check_shared_files("r1", wait=0.5)  # sees both, resumes where rank 0 does: no error
+
+
+def test_lost_rank_message_names_a_failed_collective():
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:17610. This is typically caused by a remote worker crashing.")
+    assert runtime.lost_rank_message(gloo, "a", 2).startswith("side 'a' lost one of its 2 processes (a collective "
+                                                               "failed: a node of this side died")
+    assert runtime.lost_rank_message(gloo, "a", 1) == ""  # one process: nothing to lose
+    assert runtime.lost_rank_message(ValueError("bad --lr"), "a", 2) == ""
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Each side as 2 nodes x 1 process equals 1 node x 2 processes; a dead node stops the pair; --resume
 # ------------------------------------------------------------------------------------------------
 
 
