@@ -1893,7 +1893,7 @@ def build_parser():
 
 
 def flags_markdown() -> str:
-    """README's flag table, generated from Config (a test keeps the README equal to it)."""
+    """The flag table of FLAGS.md, generated from Config."""
     docs = field_docs(Config)
     lines = ["| flag | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(Config):
@@ -1902,6 +1902,15 @@ def flags_markdown() -> str:
         text = docs.get(f.name, "") + (f" Choices: {', '.join(CHOICES[f.name])}." if f.name in CHOICES else "")
         lines.append(f"| `--{f.name.replace('_', '-')}` | `{default}` | {text.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def flags_document() -> str:
+    """FLAGS.md, whole (a test keeps the file equal to it):
+    python -c "import graft; print(graft.flags_document(), end='')" > FLAGS.md"""
+    return ("# Flags of `python graft.py train`\n\n"
+            "Generated from `graft.Config`, the one config dataclass, whose field docstrings are the help lines\n"
+            "(`python graft.py train --help` prints the same). Regenerate after changing a field:\n"
+            "`python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md`.\n\n" + flags_markdown())
 
 
 def main(argv=None):

@@ -859,7 +859,8 @@ def test_periodic_validation_keeps_the_best_checkpoint(tiny, tmp_path):
     assert state["best_score"] == pytest.approx(max(m["eval/mean"] for m in ms))
 
 
-def test_readme_flag_table_is_the_config():
-    """README's flag table is generated from Config (graft.flags_markdown); a changed flag must show there."""
-    readme = (ROOT / "README.md").read_text()
-    assert graft.flags_markdown() in readme, "README.md's flag table is stale: paste graft.flags_markdown()"
+def test_flag_document_is_the_config():
+    """FLAGS.md is generated from Config (graft.flags_document); a changed flag must show there."""
+    assert (ROOT / "FLAGS.md").read_text(encoding="utf-8") == graft.flags_document(), (
+        "FLAGS.md is stale: python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md")
+    assert "[FLAGS.md](FLAGS.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
