@@ -386,7 +386,7 @@ def balanced_swap(*, k_a: torch.Tensor, k_b: torch.Tensor, n: int, balance: bool
 
 
 def balance_directions(*, a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Tensor, k_b: torch.Tensor) -> Swap:
-    """The balancing rule of balanced_swap on given candidate masks: (G,) bool each, in and out.
+    """The balancing rule of balanced_swap on given candidate masks: (G,) bool each in, a Swap out.
 
     m = min(|a_to_b|, |b_to_a|); each direction keeps its first m candidates by the source's count
     (k_a for a_to_b, k_b for b_to_a), descending, plus every candidate tied with the m-th.
