@@ -411,8 +411,9 @@ def lost_rank_message(error: BaseException, name: str, world: int) -> str:
     dist_error = getattr(torch.distributed, "DistError", ())
     if world == 1 or not (isinstance(error, dist_error) or any(s in str(error) for s in LOST_RANK_SIGNS)):
         return ""
-    return (f"side {name!r} lost one of its {world} processes (a collective failed: a node of this side died or "
-            f"a process of it was killed; its own log says which and why); every process of the pair stops.")
+    return (f"side {name!r} lost one of its {world} processes (a collective failed: a node of this side died, a "
+            f"process of it was killed or the network between them broke; the other nodes' logs say which); every "
+            f"process of the pair stops.")
 
 
 class RunFiles:
@@ -549,9 +550,10 @@ class RunFiles:
         import traceback
         try:  # on a full disk these writes fail too; the peer then sees the heartbeat go stale
             if not self.heartbeat.left_behind():
+                # the lost-rank line last: the peer quotes the marker's tail
                 write_failed(self.exchange, self.cfg.name, self.run_id,
-                             f"{lost + ' ' if lost else ''}{type(error).__name__}: {error}\n"
-                             f"{traceback.format_exc()[-1500:]}", attempt=self.attempt)
+                             f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}{lost}",
+                             attempt=self.attempt)
             self.heartbeat.stop("failed")
         except OSError as e:
             print(f"[graft] could not leave the FAILED marker for the peer: {e}")

@@ -181,7 +181,7 @@ def test_lost_rank_message_names_a_failed_collective():
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:17610. This is typically caused by a remote worker crashing.")
     assert runtime.lost_rank_message(gloo, "a", 2).startswith("side 'a' lost one of its 2 processes (a collective "
-                                                               "failed: a node of this side died")
+                                                               "failed: a node of this side died, a process")
     assert runtime.lost_rank_message(gloo, "a", 1) == ""  # one process: nothing to lose
     assert runtime.lost_rank_message(ValueError("bad --lr"), "a", 2) == ""
 
@@ -277,8 +277,10 @@ def test_two_nodes_per_side_equal_one_node_and_resume_after_a_node_dies(tiny, tm
     assert all(c != 0 for c in codes.values()), codes  # the whole pair stopped ...
     assert time.time() - t0 < 60, codes  # ... within seconds, not at a timeout
     assert "side 'a' lost one of its 2 processes" in logs["a0"], logs["a0"][-3000:]
-    for k in ("b0", "b1"):  # the peer's message: what to do next
+    rank0_survived = (two / "pair1" / "exchange" / "a" / "FAILED").is_file()  # it left the marker: B quotes it
+    for k in ("b0", "b1"):  # the peer's message: why, and what to do next
         assert "then relaunch both sides, every node of each, with --resume" in logs[k], logs[k][-3000:]
+        assert ("side 'a' lost one of its 2 processes" if rank0_survived else "the peer is dead") in logs[k], logs[k]
 
     # exactly what the message says: every node of both sides again, with --resume
     codes = finish(nodes("--resume"), two)
