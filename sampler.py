@@ -103,6 +103,8 @@ Benchmarks).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -450,6 +452,13 @@ def _check_ids(rows: list[list[int]], vocab: int, what: str) -> None:
             raise ValueError(f"{what}[{i}] has a token id outside [0, {vocab}): min {min(row)}, max {max(row)}")
 
 
+def _prompt_keys(prompts: list[list[int]]) -> list[int] | None:
+    """Per row, the index of the first row with the same prompt ids (departure 11); None when all are distinct."""
+    first: dict[tuple[int, ...], int] = {}
+    keys = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
+    return None if len(first) == len(prompts) else keys
+
+
 # ------------------------------------------------------------------------------------------------
 # Log-probs of given responses: one forward pass to hidden states, then token_logprobs
 # ------------------------------------------------------------------------------------------------
@@ -628,16 +637,33 @@ class _Run:
     top_p: float
     capacity: int  # rows in flight at most
     min_refill: int  # free slots that trigger a refill while rows are still running
+    keys: list[int] | None = None  # per row, the first row with the same prompt ids (departure 11); None: no sharing
     bar: object = None
     queue: list[int] | None = None  # prompt indices not started yet, in order (consumed from the front)
     draws: list | None = None
     out_len: list[int] | None = None
     ended: list[bool] | None = None
     forward_calls: int = 0  # prefill + decode calls of the model body (the benchmark's GPU cost proxy)
+    prefill_tokens: int = 0  # prompt tokens (padding excluded) fed to the model body
+    pending: dict | None = None  # prompt key -> its rows not taken yet (sharing only)
+    stash: object = None  # prefilled prompts whose copies still wait in the queue (sharing only; per decode loop)
 
     def __post_init__(self):
-        self.queue = list(range(len(self.prompts)))[::-1]  # reversed: pop() takes the next prompt in order
+        order = list(range(len(self.prompts)))
+        if self.keys is not None:  # copies of a prompt queued together, so one prefill serves them (departure 11)
+            order.sort(key=lambda r: (self.keys[r], r))
+            self.pending = {}
+            for k in self.keys:
+                self.pending[k] = self.pending.get(k, 0) + 1
+        self.queue = order[::-1]  # reversed: pop() takes the next prompt in order
         self.draws, self.out_len, self.ended = [], [0] * len(self.prompts), [False] * len(self.prompts)
+
+    def share(self, rows: list[int]) -> list[int]:
+        """The prompt keys of the rows just taken (departure 11); each key's count of rows still queued drops."""
+        keys = [self.keys[r] for r in rows]
+        for k in keys:
+            self.pending[k] -= 1
+        return keys
 
     def take(self, free: int, alive: int) -> list[int]:
         """Prompts to start now. A refill costs one prefill call whatever its size, so while rows are still
@@ -699,6 +725,7 @@ def sample(
     max_batch_size: int | None = None,
     min_refill: int | None = None,
     static: bool = False,
+    share_prefix: bool = True,
     progress: bool = False,
     stats: dict | None = None,
 ) -> list[Rollout]:
@@ -721,9 +748,12 @@ def sample(
             whole queue fits), so that one prefill call serves several; default max(1, max_batch_size // 8).
         static: the static-shape decode path (departure 10): a preallocated per-slot KV cache and a fixed-shape decode
             step, captured as a CUDA graph on CUDA. Same results as the default path up to float round-off.
+        share_prefix: rows with the same prompt ids share one prefill (departure 11); same results as False up to
+            float round-off. Only for models whose layers all use full or sliding-window attention.
         progress: show a tqdm bar over finished rows.
         stats: if a dict is given, ``stats["forward_calls"]`` receives the number of model-body calls (prefills and
-            decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost.
+            decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost;
+            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded).
 
     Returns:
         B Rollouts, in prompt order.
@@ -763,6 +793,7 @@ def sample(
         prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
         capacity, max(1, capacity // 8) if min_refill is None else max(1, int(min_refill)),
+        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None,
     )
     base = _base_model(model)
     was_training = model.training
@@ -781,7 +812,7 @@ def sample(
             run.bar.close()
         model.train(was_training)
     if stats is not None:
-        stats["forward_calls"] = run.forward_calls
+        stats["forward_calls"], stats["prefill_tokens"] = run.forward_calls, run.prefill_tokens
     return run.rollouts(device)
 
 
@@ -828,6 +859,7 @@ def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: i
         use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state[:, -1]  # (b, H): left padding puts every row's last prompt token in the last column
     run.forward_calls += 1
+    run.prefill_tokens += int(lens.sum())
     rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (b,)
     return _Batch(cache, attn.to(device), width, lens.to(device).unsqueeze(1), rows_t, torch.zeros_like(rows_t),
                   hidden, list(rows), [step] * len(rows), (width - lens).tolist())
@@ -896,6 +928,38 @@ def _keep(batch: _Batch, keep: list[int], windows: list[int | None] | None) -> _
                   [batch.starts[i] for i in keep], [p - lead for p in pads])
 
 
+def _select(batch: _Batch, index: list[int], windows: list[int | None] | None) -> _Batch:
+    """Rows `index` of batch (repeats allowed) in a cache of their own, trimmed as ``_keep`` trims; batch itself is
+    left as it is (``batch_select_indices`` gives the shallow copy's layers new tensors, the original keeps its)."""
+    cache = copy.copy(batch.cache)
+    cache.layers = [copy.copy(layer) for layer in batch.cache.layers]
+    return _keep(dataclasses.replace(batch, cache=cache), index, windows)
+
+
+def _prefill_shared(model, base, run: _Run, rows: list[int], pad_token_id: int, step: int,
+                    windows: list[int | None] | None) -> _Batch:
+    """``_prefill`` with one prefill per distinct prompt (departure 11). The distinct prompts not in ``run.stash``
+    (a _Batch with one row per prompt key whose copies were partly taken before) go through one forward; each row
+    then gets its own copy of its prompt's cache rows and of the hidden state that draws its first token. Prompts
+    with copies still queued stay in the stash (one row each), the others leave it."""
+    keys = run.share(rows)
+    stash = run.stash
+    held = set() if stash is None else set(stash.rows_host)
+    new = [k for k in dict.fromkeys(keys) if k not in held]
+    src = stash
+    if new:
+        fresh = _prefill(model, base, run, new, pad_token_id, step)  # rows_host = keys: a key is one of its rows
+        src = fresh if stash is None else _merge(stash, fresh, run.max_new_tokens, windows)
+    at = {k: i for i, k in enumerate(src.rows_host)}
+    waiting = [i for i, k in enumerate(src.rows_host) if run.pending[k] > 0]
+    run.stash = _select(src, waiting, windows) if waiting else None
+    batch = _select(src, [at[k] for k in keys], windows)  # (b rows)
+    batch.rows = torch.tensor(rows, dtype=torch.long, device=batch.rows.device)  # (b,)
+    batch.n_out = torch.zeros_like(batch.rows)  # (b,)
+    batch.rows_host, batch.starts = list(rows), [step] * len(rows)
+    return batch
+
+
 def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int | None] | None) -> None:
     """The default decode loop: draw, drop finished rows, one decode step for the rest, refill. windows: each
     layer's sliding window (None: full attention), or None for a model with other cache layers (never refilled)."""
@@ -905,7 +969,13 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
     # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
     ready_4d = model.config._attn_implementation == "sdpa" and windows is not None and all(w is None for w in windows)
     step = 0
-    batch = _prefill(model, base, run, run.take(run.capacity, 0), pad_token_id, step)
+
+    def prefill(rows: list[int]) -> _Batch:
+        if run.keys is None:
+            return _prefill(model, base, run, rows, pad_token_id, step)
+        return _prefill_shared(model, base, run, rows, pad_token_id, step, windows)
+
+    batch = prefill(run.take(run.capacity, 0))
     while batch is not None:
         may_cap = step - min(batch.starts) + 1 >= run.max_new_tokens  # the oldest row is at its last token
         tokens, done, is_eos = run.draw(batch.hidden, batch.rows, batch.n_out, may_cap)  # (B,) each
@@ -926,7 +996,7 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
         alive = 0 if batch is None else len(batch.rows_host)
         new = run.take(run.capacity - alive, alive)
         if new:
-            fresh = _prefill(model, base, run, new, pad_token_id, step)
+            fresh = prefill(new)
             batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens, windows)
 
 
@@ -947,10 +1017,10 @@ class _SlotCache:
         self.keys, self.values = [], []
         self.write_pos = torch.zeros(slots, dtype=torch.long, device=device)  # (S,)
 
-    def load(self, slots: torch.Tensor, prefill: DynamicCache, lens: torch.Tensor) -> None:
-        """Copy right-padded prefill K/V (b, h, P, d) into `slots` (b,), columns [0, P); lens (b,) prompt lengths."""
-        for i, layer in enumerate(prefill.layers):
-            k, v = layer.keys, layer.values  # (b, h, P, d)
+    def load(self, slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor) -> None:
+        """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into `slots`
+        (b,), columns [0, P); lens (b,) prompt lengths."""
+        for i, (k, v) in enumerate(kv):
             if i == len(self.keys):  # first load: allocate with the K/V's own head count, size and dtype
                 shape = (self.slots, k.shape[1], self.length, k.shape[3])
                 self.keys.append(k.new_zeros(shape))
@@ -1030,8 +1100,41 @@ def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -
         input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state  # (b, P, H); right padding: default positions 0..len-1 are the real ones
     run.forward_calls += 1
+    run.prefill_tokens += int(lens.sum())
     lens = lens.to(device)
     return cache, hidden[torch.arange(len(rows), device=device), lens - 1], lens  # (b, H) at the last prompt token
+
+
+def _load_shared(model, base, run: _Run, cache: _SlotCache, slots: list[int], rows: list[int],
+                 pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static path's prefill with one prefill per distinct prompt (departure 11): the distinct prompts not in
+    ``run.stash`` (prompt key -> its K/V per layer (1, h, len, d), hidden (1, H) and length (1,), kept while copies
+    are queued) go through one forward; each prompt's K/V is then copied into the slots of all its rows. Returns
+    the rows' hidden states (b, H) at their last prompt token and their lengths (b,)."""
+    keys = run.share(rows)
+    new = [k for k in dict.fromkeys(keys) if k not in run.stash]
+    if new:
+        pre_cache, pre_hidden, lens = _prefill_right(model, base, run, new, pad_token_id)
+        for i, k in enumerate(new):
+            n = len(run.prompts[k])
+            run.stash[k] = ([(layer.keys[i : i + 1, :, :n], layer.values[i : i + 1, :, :n])
+                             for layer in pre_cache.layers], pre_hidden[i : i + 1], lens[i : i + 1])
+    device = cache.write_pos.device
+    for k in dict.fromkeys(keys):
+        kv, _, n = run.stash[k]
+        mine = [s for s, key in zip(slots, keys) if key == k]
+        cache.load(torch.tensor(mine, dtype=torch.long, device=device),
+                   [(kk.expand(len(mine), -1, -1, -1), vv.expand(len(mine), -1, -1, -1)) for kk, vv in kv],
+                   n.expand(len(mine)))
+    hidden = torch.cat([run.stash[k][1] for k in keys])  # (b, H)
+    lens = torch.cat([run.stash[k][2] for k in keys])  # (b,)
+    for k in dict.fromkeys(keys):
+        if run.pending[k] == 0:
+            del run.stash[k]
+        elif k in new:  # a view would keep the whole prefill's K/V alive: keep a copy of this prompt's only
+            kv, h, n = run.stash[k]
+            run.stash[k] = ([(kk.clone(), vv.clone()) for kk, vv in kv], h.clone(), n.clone())
+    return hidden, lens
 
 
 def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
@@ -1047,14 +1150,18 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
     free = list(range(n_slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
     row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step of its row's first draw
+    run.stash = {}  # departure 11: prompt key -> its prefilled K/V, while copies of it are queued
     step = 0
 
     def admit(rows: list[int]) -> None:
         nonlocal hidden
         slots = [free.pop() for _ in rows]
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
-        pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
-        cache.load(slots_t, pre_cache, lens)
+        if run.keys is None:
+            pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
+            cache.load(slots_t, [(layer.keys, layer.values) for layer in pre_cache.layers], lens)
+        else:
+            pre_hidden, lens = _load_shared(model, base, run, cache, slots, rows, pad_token_id)
         decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
         slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
         n_out.index_fill_(0, slots_t, 0)
