@@ -464,6 +464,81 @@ def _prompt_keys(prompts: list[list[int]]) -> list[int] | None:
 # ------------------------------------------------------------------------------------------------
 
 
+def _full_hidden(base, prompts, responses, pad_token_id: int, device) -> tuple[torch.Tensor, list[int]]:
+    """The hidden states that predict every response token, (N, H) row-major, from one right-padded forward over
+    prompt + response (all but its last token) per row; and the N target ids."""
+    # Right padding: position ids are then the default arange, matching the per-row positions sample() uses.
+    # The last response token predicts nothing we score, so it is not fed (saves one position per row).
+    seqs = [p + r[:-1] for p, r in zip(prompts, responses)]
+    n_rows, length = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)  # (B, L)
+    attention_mask = torch.zeros(n_rows, length, dtype=torch.long)  # (B, L)
+    rows, cols, targets = [], [], []
+    for i, (s, p, r) in enumerate(zip(seqs, prompts, responses)):
+        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, : len(s)] = 1
+        rows += [i] * len(r)
+        cols += range(len(p) - 1, len(p) - 1 + len(r))  # position len(p)-1+t predicts response token t
+        targets += r
+    hidden = base(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+    ).last_hidden_state  # (B, L, H)
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (N,)
+    cols_t = torch.tensor(cols, dtype=torch.long, device=device)  # (N,)
+    return hidden[rows_t, cols_t], targets  # (N, H): only the positions that predict response tokens
+
+
+def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad_token_id: int,
+                          device) -> torch.Tensor:
+    """``_full_hidden``'s (N, H) with each distinct prompt run once (departure 11). keys: per row, the first row
+    with its prompt (``_prompt_keys``).
+
+    A left-padded forward over the U distinct prompts fills a KV cache; its rows are copied to the B responses by
+    indexing (autograd adds the copies' gradients back into the prompt's K/V, so the parameters' gradient is the
+    per-row forward's up to float round-off: a sum over rows either way); a second forward runs the responses (all
+    but their last tokens, right-padded, at positions len(prompt) + t) on that cache. Left padding keeps every
+    row's prompt right-aligned and contiguous, so a sliding-window layer's last W - 1 cached columns are each
+    row's last W - 1 prompt tokens, as in ``sample``."""
+    uniq = list(dict.fromkeys(keys))
+    at = {k: i for i, k in enumerate(uniq)}
+    index = torch.tensor([at[k] for k in keys], dtype=torch.long)  # (B,) distinct prompt of each row
+    lens = torch.tensor([len(prompts[k]) for k in uniq], dtype=torch.long)  # (U,)
+    width = int(lens.max())
+    ids = torch.full((len(uniq), width), pad_token_id, dtype=torch.long)  # (U, P)
+    for i, k in enumerate(uniq):
+        ids[i, width - lens[i] :] = torch.tensor(prompts[k], dtype=torch.long)
+    prompt_mask = torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)  # (U, P)
+    positions = (torch.arange(width).unsqueeze(0) - (width - lens).unsqueeze(1)).clamp(min=0)  # (U, P)
+    cache = DynamicCache(config=config)
+    cache_arg = _cache_kwarg(base)
+    last = base(
+        input_ids=ids.to(device), attention_mask=prompt_mask.long().to(device), position_ids=positions.to(device),
+        use_cache=True, **{cache_arg: cache},
+    ).last_hidden_state[:, -1]  # (U, H): each prompt's last token, which predicts its responses' first
+    index_dev = index.to(device)
+    hidden = last[index_dev].unsqueeze(1)  # (B, 1, H)
+    rest = max(len(r) for r in responses) - 1  # response tokens fed to the second forward, at most
+    if rest > 0:
+        cache.batch_select_indices(index_dev)  # (B, h, P, d) per layer: each row its own copy of its prompt's K/V
+        r_ids = torch.full((len(responses), rest), pad_token_id, dtype=torch.long)  # (B, R)
+        r_len = torch.tensor([max(len(r) - 1, 0) for r in responses], dtype=torch.long)  # (B,)
+        for i, r in enumerate(responses):
+            r_ids[i, : r_len[i]] = torch.tensor(r[: r_len[i]], dtype=torch.long)
+        r_mask = torch.arange(rest).unsqueeze(0) < r_len.unsqueeze(1)  # (B, R)
+        # position of response token t is len(prompt) + t; padding gets 0 (masked out, and inside any position table)
+        r_pos = torch.where(r_mask, lens[index].unsqueeze(1) + torch.arange(rest).unsqueeze(0), 0)  # (B, R)
+        attn = torch.cat([prompt_mask[index], r_mask], dim=1)  # (B, P + R)
+        more = base(
+            input_ids=r_ids.to(device), attention_mask=attn.long().to(device), position_ids=r_pos.to(device),
+            use_cache=True, **{cache_arg: cache},
+        ).last_hidden_state  # (B, R, H)
+        hidden = torch.cat([hidden, more], dim=1)  # (B, 1 + R, H): column t predicts response token t
+    rows = [i for i, r in enumerate(responses) for _ in r]
+    cols = [t for r in responses for t in range(len(r))]
+    return hidden[torch.tensor(rows, dtype=torch.long, device=device),
+                  torch.tensor(cols, dtype=torch.long, device=device)]  # (N, H)
+
+
 def response_logprobs(
     model,
     prompts,
@@ -472,8 +547,10 @@ def response_logprobs(
     pad_token_id: int,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of each response given its prompt, from one right-padded forward pass.
+    """Per-token log-probs of each response given its prompt, from one right-padded forward pass (two when
+    prompts repeat: each distinct prompt once, then the responses on its cache; departure 11).
 
     Args:
         model: a transformers causal LM (``*ForCausalLM``) with a plain lm_head (departure 1).
@@ -482,6 +559,9 @@ def response_logprobs(
         pad_token_id: id written into padding slots (they are masked out, any valid id works).
         temperature: logits are divided by it, as in ``sample``.
         chunk_size: tokens per chunk in ``token_logprobs``.
+        share_prefix: run each distinct prompt once when prompts repeat (departure 11); the same values and
+            gradients as False up to float round-off. Only for models whose layers all use full or sliding-window
+            attention.
 
     Returns:
         logp: (B, T) float32, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
@@ -505,26 +585,13 @@ def response_logprobs(
         # nothing to score: skip the forward pass (an all-empty batch would otherwise cost a full prompt pass)
         return torch.zeros(n_rows, 0, dtype=torch.float32, device=device), mask
 
-    # Right padding: position ids are then the default arange, matching the per-row positions sample() uses.
-    # The last response token predicts nothing we score, so it is not fed (saves one position per row).
-    seqs = [p + r[:-1] for p, r in zip(prompts, responses)]
-    length = max(len(s) for s in seqs)
-    input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)  # (B, L)
-    attention_mask = torch.zeros(n_rows, length, dtype=torch.long)  # (B, L)
-    rows, cols, targets = [], [], []
-    for i, (s, p, r) in enumerate(zip(seqs, prompts, responses)):
-        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, : len(s)] = 1
-        rows += [i] * len(r)
-        cols += range(len(p) - 1, len(p) - 1 + len(r))  # position len(p)-1+t predicts response token t
-        targets += r
     base = _base_model(model)
-    hidden = base(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
-    ).last_hidden_state  # (B, L, H)
-    rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (N,)
-    cols_t = torch.tensor(cols, dtype=torch.long, device=device)  # (N,)
-    h = hidden[rows_t, cols_t]  # (N, H): only the positions that predict response tokens
+    keys = _prompt_keys(prompts) if share_prefix and _layer_windows(model.config) is not None else None
+    if keys is not None:
+        h = _shared_prefix_hidden(base, model.config, prompts, responses, keys, pad_token_id, device)  # (N, H)
+        targets = [t for r in responses for t in r]
+    else:
+        h, targets = _full_hidden(base, prompts, responses, pad_token_id, device)  # (N, H), N targets
     logp_flat = token_logprobs(
         h, weight, torch.tensor(targets, dtype=torch.long, device=device), temperature=temperature,
         chunk_size=chunk_size, **head.kernel_kwargs(),
