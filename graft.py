@@ -243,6 +243,8 @@ class Config:
     """Rows in flight in the sampler at most (bounds the KV cache; finished rows are refilled; typ. 64-512)."""
     static_decode: bool = False
     """Sampler's static-shape decode (preallocated KV cache, CUDA graph on GPU); unmeasured on GPU, so off."""
+    share_prefix: bool = True
+    """Run each prompt once for its n samples and their log-prob passes (sampler.py departure 11)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass inside a minibatch (gradient accumulation)."""
     logprob_chunk: int = 1024
@@ -976,7 +978,7 @@ class Trainer(RunFiles):
             outs: list[Rollout] = sample(
                 self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
-                max_batch_size=cfg.gen_batch_size, static=cfg.static_decode,
+                max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, share_prefix=cfg.share_prefix,
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
@@ -1019,7 +1021,7 @@ class Trainer(RunFiles):
         """The policy's per-token log-probs of the responses: (B, T) float and the (B, T) bool mask,
         through the chunked kernel; under --fsdp inside the FSDP root's forward (runtime.PolicyForward)."""
         kw = dict(pad_token_id=self.tok.pad_token_id, temperature=self.cfg.temperature or 1.0,
-                  chunk_size=self.cfg.logprob_chunk)
+                  chunk_size=self.cfg.logprob_chunk, share_prefix=self.cfg.share_prefix)
         if self.policy is not None:
             return self.policy(prompts, responses, **kw)
         return response_logprobs(self.model, prompts, responses, **kw)

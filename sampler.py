@@ -21,13 +21,15 @@ API
     scaled by ``logit_scale`` and then soft-capped to softcap * tanh(z / softcap) when ``softcap`` is set, computed in
     chunks of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows with an online log-sum-exp; backward
     recomputes each chunk. Differentiable w.r.t. hidden and weight. (float64 inputs give float64 log-probs.)
-``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024) -> (logp, mask)``
+``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024, share_prefix=True)
+-> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
     responses[i][:t]), 0 where mask is False. Differentiable w.r.t. the model's parameters when grad is enabled.
 ``Rollout(tokens, logprobs, ended_with_eos)``
     one sampled response: token ids (EOS included when it stopped at EOS), (len(tokens),) float32 CPU log-probs.
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
-         generator=None, max_batch_size=None, min_refill=None, static=False, progress=False, stats=None)``
+         generator=None, max_batch_size=None, min_refill=None, static=False, share_prefix=True, progress=False,
+         stats=None)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
     most ``max_batch_size`` rows in flight; rows that finish leave the batch and waiting prompts take their places.
 
@@ -92,6 +94,19 @@ Departures and shortcuts (read these before copying)
    ValueError (its slots would need a second, windowed mask per step and layer type, and its prefill an untrimmed
    cache). On CPU it runs the same step eagerly: tested there for parity with the default path; the graph capture and
    its speed are not yet measured on a GPU.
+11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
+   each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
+   prefills each distinct prompt of a refill once; every copy gets its own copy of the prompt's cache rows (so the
+   cache, the trims and the merges of departure 6 and the slots of departure 10 are exactly as without sharing) and
+   draws from its own seed: the same tokens as ``share_prefix=False``, up to float round-off of other batch shapes.
+   A prompt whose copies are split between refills stays prefilled (one cache row, or one slot's K/V) until its
+   last copy is taken; grouping the queue bounds these to about one prompt at a time. ``response_logprobs`` runs the
+   distinct prompts of a call once (left-padded, into a KV cache), copies the cache rows to the responses and runs
+   the responses on them; gradients flow through the copies into the prompt's forward, so they equal the per-row
+   forward's (a sum over rows either way; tested against autograd of the unshared path). Not shared: models with
+   other kinds of cache layers (departure 6), and ``response_logprobs`` under gradient checkpointing with grad
+   enabled (transformers' checkpointed layers drop the cache). The saving is prompt compute and activations: the
+   KV cache of every row still holds its prompt (a copy, not a shared block as in vLLM's paged cache).
 
 Benchmark
 ---------
@@ -586,7 +601,10 @@ def response_logprobs(
         return torch.zeros(n_rows, 0, dtype=torch.float32, device=device), mask
 
     base = _base_model(model)
-    keys = _prompt_keys(prompts) if share_prefix and _layer_windows(model.config) is not None else None
+    # transformers' checkpointed layers drop the cache while grad is on, so that pass cannot continue a prompt's cache
+    shareable = _layer_windows(model.config) is not None and not (torch.is_grad_enabled()
+                                                                  and getattr(model, "is_gradient_checkpointing", False))
+    keys = _prompt_keys(prompts) if share_prefix and shareable else None
     if keys is not None:
         h = _shared_prefix_hidden(base, model.config, prompts, responses, keys, pad_token_id, device)  # (N, H)
         targets = [t for r in responses for t in r]
