@@ -602,8 +602,8 @@ def response_logprobs(
 
     base = _base_model(model)
     # transformers' checkpointed layers drop the cache while grad is on, so that pass cannot continue a prompt's cache
-    shareable = _layer_windows(model.config) is not None and not (torch.is_grad_enabled()
-                                                                  and getattr(model, "is_gradient_checkpointing", False))
+    shareable = _layer_windows(model.config) is not None and not (
+        torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()))
     keys = _prompt_keys(prompts) if share_prefix and shareable else None
     if keys is not None:
         h = _shared_prefix_hidden(base, model.config, prompts, responses, keys, pad_token_id, device)  # (N, H)
