@@ -602,6 +602,162 @@ def bench_tiny_eval(problems: int = 1000, samples: int = 8, slots: int = 1024, r
 
 
 # ------------------------------------------------------------------------------------------------
+# 6. one prefill per prompt: a GRPO rollout (G prompts x n) with and without share_prefix (--only prefill)
+# ------------------------------------------------------------------------------------------------
+
+PF_N, PF_CAP, PF_SLOTS, PF_MICRO = 8, 128, 32, 16  # copies per prompt, cap, rows in flight, log-prob micro-batch
+
+
+def rss_reset() -> int:
+    """Reset this process's peak RSS (VmHWM, via /proc/self/clear_refs) to its current RSS; return that in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def rss_peak() -> int:
+    """Peak RSS (VmHWM) in bytes since the last rss_reset."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def pf_rollout(model, rows, *, eos, pad, share: bool, seed: int = 0):
+    """One rollout as Trainer.rollout calls it: T=1, cap PF_CAP, PF_SLOTS rows in flight. -> (rollouts, seconds,
+    peak RSS rise in bytes, sample()'s stats)."""
+    stats = {}
+    base = rss_reset()
+    t0 = time.perf_counter()
+    rolls = sample(model, rows, max_new_tokens=PF_CAP, temperature=1.0, eos_token_id=eos, pad_token_id=pad,
+                   generator=torch.Generator().manual_seed(seed), max_batch_size=PF_SLOTS, share_prefix=share,
+                   stats=stats)
+    return rolls, time.perf_counter() - t0, rss_peak() - base, stats
+
+
+def pf_logprobs(model, rows, responses, *, pad, share: bool):
+    """Behaviour log-probs as Trainer.behaviour_logprobs computes them: rows in order, micro-batches of PF_MICRO,
+    no grad, T=1. -> (list of (len,) tensors, seconds, peak RSS rise in bytes)."""
+    from sampler import response_logprobs
+    out = []
+    base = rss_reset()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(rows), PF_MICRO):
+            lp, mask = response_logprobs(model, rows[i : i + PF_MICRO], responses[i : i + PF_MICRO],
+                                         pad_token_id=pad, share_prefix=share)
+            out += [lp[j, : int(mask[j].sum())] for j in range(lp.shape[0])]
+    return out, time.perf_counter() - t0, rss_peak() - base
+
+
+def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int) -> None:
+    """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved."""
+    rows = [p for p in prompts for _ in range(PF_N)]  # row r = g * n + i, as Trainer.rollout builds them
+    lens = [len(p) for p in prompts]
+    print(f"{name}: {len(prompts)} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.0f}) x "
+          f"n={PF_N} = {len(rows)} rows, T=1, cap {PF_CAP}, {PF_SLOTS} rows in flight")
+    pf_rollout(model, rows[: 2 * PF_N], eos=eos, pad=pad, share=True)  # warm-up (first-call overheads)
+    runs = {False: [], True: []}
+    for rep in range(repeats):
+        for share in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate who goes first
+            runs[share].append(pf_rollout(model, rows, eos=eos, pad=pad, share=share))
+    label = {False: "unshared", True: "shared"}
+    tps = {k: [sum(len(r.tokens) for r in v[0]) / v[1] for v in rs] for k, rs in runs.items()}
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    for k in (False, True):
+        rolls, _, peak, stats = runs[k][-1]
+        print(f"  rollout {label[k]:8s} tokens/s " + " ".join(f"{x:7.1f}" for x in tps[k]) + f"   peak RSS rise "
+              f"{peak / 2**20:7.1f} MiB, prefill tokens {stats['prefill_tokens']:,}, forward calls "
+              f"{stats['forward_calls']:,}")
+    lengths = [len(r.tokens) for r in runs[True][-1][0]]
+    same = sum(a.tokens == b.tokens for a, b in zip(runs[False][-1][0], runs[True][-1][0]))
+    print(f"  response lengths {min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.1f}); sampled tokens "
+          f"identical shared vs unshared: {same}/{len(rows)} rows")
+    print(f"  shared / unshared tokens/s = {med[True] / med[False]:.2f}x (median of {repeats}); peak RSS rise, "
+          f"largest of each: shared {max(r[2] for r in runs[True]) / 2**20:.1f} MiB, unshared "
+          f"{max(r[2] for r in runs[False]) / 2**20:.1f} MiB")
+    rolls = runs[True][-1][0]
+    responses = [r.tokens for r in rolls]
+    lp = {}
+    for share in (False, True):
+        lp[share] = pf_logprobs(model, rows, responses, pad=pad, share=share)
+    diff = max((a - b).abs().max().item() for a, b in zip(lp[False][0], lp[True][0]))
+    vs_sampler = max((a - r.logprobs).abs().max().item() for a, r in zip(lp[True][0], rolls))
+    print(f"  behaviour log-probs (micro-batches of {PF_MICRO}): unshared {lp[False][1]:.1f} s, peak RSS rise "
+          f"{lp[False][2] / 2**20:.1f} MiB; shared {lp[True][1]:.1f} s, {lp[True][2] / 2**20:.1f} MiB; time "
+          f"{lp[True][1] / lp[False][1]:.2f}x; max |shared - unshared| {diff:.1e}, max |shared - sampler| "
+          f"{vs_sampler:.1e}")
+
+
+def pf_train(threads: int, steps: int = 3) -> None:
+    """The trainer's own phase times (time/sample, time/logprob, time/update) of a short GRPO run on the tiny
+    model A, --share-prefix against --no-share-prefix, alternating, two runs each; medians over steps 1.."""
+    import tempfile
+    sys.path.insert(0, os.path.join(HERE, "data"))
+    import tiny_tasks
+    rows, _ = tiny_tasks.generate(0, 64, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "train.jsonl")
+        with open(data, "w") as f:
+            f.writelines(json.dumps({k: r[k] for k in ("id", "problem", "answer")}) + "\n" for r in rows)
+        times = {True: [], False: []}
+        for k, share in enumerate((True, False, False, True)):
+            out = os.path.join(tmp, f"run{k}")
+            cmd = [sys.executable, os.path.join(HERE, "graft.py"), "train", "--model",
+                   os.path.join(HERE, "data", "tiny_models", "A"), "--prompts", data, "--out", out, "--steps",
+                   str(steps), "--prompts-per-step", "16", "--n", str(PF_N), "--minibatches", "2",
+                   "--max-response-tokens", "68", "--prompt-template", "{problem}\n", "--threads", str(threads),
+                   "--micro-batch-size", str(PF_MICRO), "--gen-batch-size", str(PF_SLOTS), "--save-every", "1000",
+                   "--share-prefix" if share else "--no-share-prefix"]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                times[share] += [json.loads(line) for line in f][1:]  # step 0 pays the first-call overheads
+    print(f"trainer phase times, tiny model A, GRPO, 16 prompts x n={PF_N} per step, {steps} steps x 2 runs each "
+          f"(step 0 left out), medians in seconds:")
+    for key in ("time/sample", "time/logprob", "time/update", "time/step"):
+        med = {s: statistics.median(m[key] for m in times[s]) for s in (False, True)}
+        print(f"  {key:13s} unshared {med[False]:6.2f}   shared {med[True]:6.2f}   shared / unshared "
+              f"{med[True] / med[False]:.2f}x")
+
+
+def bench_prefill(threads: int, real: bool, prompts: int, repeats: int) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
+    print(f"\n== one prefill per prompt: a GRPO rollout, share_prefix=False vs True, interleaved, float32 CPU, "
+          f"{threads} threads (load average {load:.1f} at the start)")
+    sys.path.insert(0, os.path.join(HERE, "data"))
+    import tiny_tasks
+    problems, _ = tiny_tasks.generate(0, prompts, 0)
+    for name in ("A", "B"):
+        path = os.path.join(HERE, "data", "tiny_models", name)
+        tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+        ids = [tok(r["problem"] + "\n")["input_ids"] for r in problems]  # the tiny preset's prompt template
+        pf_model(f"tiny {name}", model, ids, eos=tok.eos_token_id, pad=tok.pad_token_id, repeats=repeats)
+    pf_train(threads)
+    if not real:
+        return
+    from graft import Config
+    from runtime import encode_prompt
+    bench = os.path.join(HERE, "..", "shared", "benchmarks", "math500.jsonl")
+    with open(bench) as f:
+        math = [json.loads(line)["problem"] for line, _ in zip(f, range(prompts))]
+    found, missing = gguf_models()
+    for reason in missing:
+        print(f"  skipped: {reason}")
+    for name, directory, file in found:
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32).eval()
+        ids = [encode_prompt(p, tok, template=Config.prompt_template, chat=False) for p in math]  # the paper's
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        pf_model(f"{name} ({len(math)} MATH-500 problems, the paper's instruction)", model, ids,
+                 eos=tok.eos_token_id, pad=pad, repeats=1)
+        del model
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -609,8 +765,11 @@ def bench_tiny_eval(problems: int = 1000, samples: int = 8, slots: int = 1024, r
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
-    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval"],
-                    help="run one benchmark (real-weights, tiny-eval: only when asked for)")
+    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval",
+                                       "prefill"],
+                    help="run one benchmark (real-weights, tiny-eval, prefill: only when asked for)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of --only prefill (the others use 1)")
+    ap.add_argument("--no-real", action="store_true", help="--only prefill: the tiny models only")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -635,6 +794,9 @@ def main():
         bench_real_weights()
     if args.only == "tiny-eval":
         bench_tiny_eval()
+    if args.only == "prefill":
+        bench_prefill(args.threads, real=not args.no_real, prompts=8 if args.quick else 32,
+                      repeats=2 if args.quick else 3)
 
 
 if __name__ == "__main__":

@@ -543,7 +543,8 @@ def test_each_row_samples_as_if_alone(static):
     assert [r.tokens for r in other] != [r.tokens for r in whole]
 
 
-def test_refills_fill_freed_slots_and_save_forward_calls():
+@pytest.mark.parametrize("share", [False, True])
+def test_refills_fill_freed_slots_and_save_forward_calls(share):
     model = tiny_model("qwen3", seed=9)
     prompts = PROMPTS * 4  # 20 prompts, 4 slots
     free = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=1000)
@@ -556,13 +557,15 @@ def test_refills_fill_freed_slots_and_save_forward_calls():
     try:
         stats = {}
         ours = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=eos, max_batch_size=4,
-                      min_refill=1, stats=stats)
+                      min_refill=1, share_prefix=share, stats=stats)
     finally:
         hook.remove()
     lengths = [len(r.tokens) for r in ours]
     assert stats["forward_calls"] == len(calls)
     assert max(n for n, _ in calls) <= 4, "never more rows in flight than max_batch_size"
-    assert sum(n for n, pre in calls if pre) == len(prompts), "every prompt is prefilled exactly once"
+    # every prompt is prefilled exactly once; with share_prefix each of the 5 distinct ones (departure 11)
+    assert sum(n for n, pre in calls if pre) == (len(PROMPTS) if share else len(prompts))
+    assert stats["prefill_tokens"] == (sum(map(len, PROMPTS)) if share else sum(map(len, prompts)))
     # every token but a row's last is fed to exactly one decode step: no finished row is carried along
     assert sum(n for n, pre in calls if not pre) == sum(n - 1 for n in lengths)
     # fixed chunks of 4 would pay one prefill + (longest row - 1) decode steps per chunk
