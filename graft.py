@@ -1020,8 +1020,11 @@ class Trainer(RunFiles):
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs of the responses: (B, T) float and the (B, T) bool mask,
         through the chunked kernel; under --fsdp inside the FSDP root's forward (runtime.PolicyForward)."""
+        # --fsdp with grad gathers the weights in every forward, so all ranks must make the same number of calls:
+        # a shared prefix (a data-dependent second call) runs only where the weights are gathered (no grad)
+        share = self.cfg.share_prefix and (self.policy is None or not torch.is_grad_enabled())
         kw = dict(pad_token_id=self.tok.pad_token_id, temperature=self.cfg.temperature or 1.0,
-                  chunk_size=self.cfg.logprob_chunk, share_prefix=self.cfg.share_prefix)
+                  chunk_size=self.cfg.logprob_chunk, share_prefix=share)
         if self.policy is not None:
             return self.policy(prompts, responses, **kw)
         return response_logprobs(self.model, prompts, responses, **kw)
