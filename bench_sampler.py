@@ -2,7 +2,7 @@
 
     python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
     python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
-    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval}
+    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill}
     python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
@@ -42,6 +42,18 @@
    growing, left-padded one; how much depends on the response lengths (A's character-level responses are
    long, B's short), which is why the tiny preset's choice of ``--static-decode`` for its evaluations is
    measured here, per model.
+6. One prefill per prompt (``--only prefill``; not in the default run; ``--no-real``: tiny models only, ``--quick``:
+   8 prompts): one GRPO rollout of G prompts x n=8 as ``Trainer.rollout`` hands it to ``sample`` (row g * n + i,
+   T=1, cap 128, 32 rows in flight, float32, ``--threads`` torch threads, default 2), ``share_prefix=False`` and
+   ``True`` interleaved (3 repeats on the tiny models, 1 on the real ones): tokens/s, the rise of peak RSS over
+   the call (VmHWM reset through /proc/self/clear_refs), prefill tokens and forward calls, rows identical; then
+   the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
+   order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|. Models: the
+   committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
+   Instruct and Gemma-3-270M (``gguf_models``, where installed) on the first 32 MATH-500 problems of
+   ../shared/benchmarks/math500.jsonl with the paper's instruction (graft.Config.prompt_template, raw text).
+   Between them, the trainer's own ``time/*`` metrics of a 3-step tiny GRPO run (model A, 16 prompts x 8 per
+   step, ``graft.py train --share-prefix`` vs ``--no-share-prefix``, two runs each, alternating).
 """
 
 import argparse

@@ -113,7 +113,8 @@ Benchmark
 ``python bench_sampler.py [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
 full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against transformers' ``generate``, and, on
 long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
-Benchmarks).
+Benchmarks). ``python bench_sampler.py --only prefill`` measures departure 11: a GRPO rollout (G prompts x 8) and
+its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
 """
 
 from __future__ import annotations
