@@ -44,14 +44,15 @@
    measured here, per model.
 6. One prefill per prompt (``--only prefill``; not in the default run; ``--no-real``: tiny models only, ``--quick``:
    8 prompts): one GRPO rollout of G prompts x n=8 as ``Trainer.rollout`` hands it to ``sample`` (row g * n + i,
-   T=1, cap 128, 32 rows in flight, float32, ``--threads`` torch threads, default 2), ``share_prefix=False`` and
-   ``True`` interleaved (3 repeats on the tiny models, 1 on the real ones): tokens/s, the rise of peak RSS over
+   T=1, cap 128, 32 rows in flight, float32, ``--threads`` torch threads, default 1), ``share_prefix=False`` and
+   ``True`` interleaved (3 repeats on the tiny models, 1 on the real ones): tokens per wall-clock second and per
+   CPU second of the process (the robust one on a shared machine), the rise of peak RSS over
    the call (VmHWM reset through /proc/self/clear_refs), prefill tokens and forward calls, rows identical; then
    the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
    order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|. Models: the
    committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
-   Instruct and Gemma-3-270M (``gguf_models``, where installed) on the first 32 MATH-500 problems of
-   ../shared/benchmarks/math500.jsonl with the paper's instruction (graft.Config.prompt_template, raw text).
+   Instruct and Gemma-3-270M (``gguf_models``, where installed; ``--real-only NAME``: one of them, ``--no-tiny``: no
+   tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with the paper's instruction (graft.Config.prompt_template, raw text).
    Between them, the trainer's own ``time/*`` metrics of a 3-step tiny GRPO run (model A, 16 prompts x 8 per
    step, ``graft.py train --share-prefix`` vs ``--no-share-prefix``, two runs each, alternating).
 """
@@ -638,30 +639,30 @@ def _status_kib(field: str) -> int:
 
 
 def pf_rollout(model, rows, *, eos, pad, share: bool, seed: int = 0):
-    """One rollout as Trainer.rollout calls it: T=1, cap PF_CAP, PF_SLOTS rows in flight. -> (rollouts, seconds,
-    peak RSS rise in bytes, sample()'s stats)."""
+    """One rollout as Trainer.rollout calls it: T=1, cap PF_CAP, PF_SLOTS rows in flight. -> (rollouts, (wall-clock
+    seconds, CPU seconds of this process), peak RSS rise in bytes, sample()'s stats)."""
     stats = {}
     base = rss_reset()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rolls = sample(model, rows, max_new_tokens=PF_CAP, temperature=1.0, eos_token_id=eos, pad_token_id=pad,
                    generator=torch.Generator().manual_seed(seed), max_batch_size=PF_SLOTS, share_prefix=share,
                    stats=stats)
-    return rolls, time.perf_counter() - t0, rss_peak() - base, stats
+    return rolls, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base, stats
 
 
 def pf_logprobs(model, rows, responses, *, pad, share: bool):
     """Behaviour log-probs as Trainer.behaviour_logprobs computes them: rows in order, micro-batches of PF_MICRO,
-    no grad, T=1. -> (list of (len,) tensors, seconds, peak RSS rise in bytes)."""
+    no grad, T=1. -> (list of (len,) tensors, (wall-clock, CPU) seconds, peak RSS rise in bytes)."""
     from sampler import response_logprobs
     out = []
     base = rss_reset()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for i in range(0, len(rows), PF_MICRO):
             lp, mask = response_logprobs(model, rows[i : i + PF_MICRO], responses[i : i + PF_MICRO],
                                          pad_token_id=pad, share_prefix=share)
             out += [lp[j, : int(mask[j].sum())] for j in range(lp.shape[0])]
-    return out, time.perf_counter() - t0, rss_peak() - base
+    return out, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base
 
 
 def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int) -> None:
@@ -676,18 +677,21 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
         for share in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate who goes first
             runs[share].append(pf_rollout(model, rows, eos=eos, pad=pad, share=share))
     label = {False: "unshared", True: "shared"}
-    tps = {k: [sum(len(r.tokens) for r in v[0]) / v[1] for v in rs] for k, rs in runs.items()}
-    med = {k: statistics.median(v) for k, v in tps.items()}
+    # tokens per wall-clock second and per CPU second of this process (with one thread, the latter barely moves
+    # when other jobs share the machine)
+    tps = {(k, c): [sum(len(r.tokens) for r in v[0]) / v[1][c] for v in rs] for k, rs in runs.items() for c in (0, 1)}
+    med = {key: statistics.median(v) for key, v in tps.items()}
     for k in (False, True):
         rolls, _, peak, stats = runs[k][-1]
-        print(f"  rollout {label[k]:8s} tokens/s " + " ".join(f"{x:7.1f}" for x in tps[k]) + f"   peak RSS rise "
-              f"{peak / 2**20:7.1f} MiB, prefill tokens {stats['prefill_tokens']:,}, forward calls "
-              f"{stats['forward_calls']:,}")
+        print(f"  rollout {label[k]:8s} tokens/s wall " + " ".join(f"{x:6.1f}" for x in tps[k, 0]) + ", CPU "
+              + " ".join(f"{x:6.1f}" for x in tps[k, 1]) + f"; peak RSS rise {peak / 2**20:7.1f} MiB, prefill "
+              f"tokens {stats['prefill_tokens']:,}, forward calls {stats['forward_calls']:,}")
     lengths = [len(r.tokens) for r in runs[True][-1][0]]
     same = sum(a.tokens == b.tokens for a, b in zip(runs[False][-1][0], runs[True][-1][0]))
     print(f"  response lengths {min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.1f}); sampled tokens "
           f"identical shared vs unshared: {same}/{len(rows)} rows")
-    print(f"  shared / unshared tokens/s = {med[True] / med[False]:.2f}x (median of {repeats}); peak RSS rise, "
+    print(f"  shared / unshared tokens/s = {med[True, 1] / med[False, 1]:.2f}x per CPU second, "
+          f"{med[True, 0] / med[False, 0]:.2f}x wall-clock (medians of {repeats}); peak RSS rise, "
           f"largest of each: shared {max(r[2] for r in runs[True]) / 2**20:.1f} MiB, unshared "
           f"{max(r[2] for r in runs[False]) / 2**20:.1f} MiB")
     rolls = runs[True][-1][0]
@@ -697,10 +701,11 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
         lp[share] = pf_logprobs(model, rows, responses, pad=pad, share=share)
     diff = max((a - b).abs().max().item() for a, b in zip(lp[False][0], lp[True][0]))
     vs_sampler = max((a - r.logprobs).abs().max().item() for a, r in zip(lp[True][0], rolls))
-    print(f"  behaviour log-probs (micro-batches of {PF_MICRO}): unshared {lp[False][1]:.1f} s, peak RSS rise "
-          f"{lp[False][2] / 2**20:.1f} MiB; shared {lp[True][1]:.1f} s, {lp[True][2] / 2**20:.1f} MiB; time "
-          f"{lp[True][1] / lp[False][1]:.2f}x; max |shared - unshared| {diff:.1e}, max |shared - sampler| "
-          f"{vs_sampler:.1e}")
+    (w0, c0), (w1, c1) = lp[False][1], lp[True][1]
+    print(f"  behaviour log-probs (micro-batches of {PF_MICRO}): unshared {c0:.1f} CPU s ({w0:.1f} wall), peak RSS "
+          f"rise {lp[False][2] / 2**20:.1f} MiB; shared {c1:.1f} CPU s ({w1:.1f} wall), {lp[True][2] / 2**20:.1f} "
+          f"MiB; time {c1 / c0:.2f}x CPU, {w1 / w0:.2f}x wall; max |shared - unshared| {diff:.1e}, max |shared - "
+          f"sampler| {vs_sampler:.1e}")
 
 
 def pf_train(threads: int, steps: int = 3) -> None:
@@ -734,7 +739,8 @@ def pf_train(threads: int, steps: int = 3) -> None:
               f"{med[True] / med[False]:.2f}x")
 
 
-def bench_prefill(threads: int, real: bool, prompts: int, repeats: int) -> None:
+def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, repeats: int, tiny: bool = True,
+                  real_only: str = "") -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(threads)
     load = os.getloadavg()[0]
@@ -743,23 +749,26 @@ def bench_prefill(threads: int, real: bool, prompts: int, repeats: int) -> None:
     sys.path.insert(0, os.path.join(HERE, "data"))
     import tiny_tasks
     problems, _ = tiny_tasks.generate(0, prompts, 0)
-    for name in ("A", "B"):
+    for name in ("A", "B") if tiny else ():
         path = os.path.join(HERE, "data", "tiny_models", name)
         tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
         ids = [tok(r["problem"] + "\n")["input_ids"] for r in problems]  # the tiny preset's prompt template
         pf_model(f"tiny {name}", model, ids, eos=tok.eos_token_id, pad=tok.pad_token_id, repeats=repeats)
-    pf_train(threads)
+    if tiny:
+        pf_train(threads)
     if not real:
         return
     from graft import Config
     from runtime import encode_prompt
     bench = os.path.join(HERE, "..", "shared", "benchmarks", "math500.jsonl")
     with open(bench) as f:
-        math = [json.loads(line)["problem"] for line, _ in zip(f, range(prompts))]
+        math = [json.loads(line)["problem"] for line, _ in zip(f, range(real_prompts))]
     found, missing = gguf_models()
     for reason in missing:
         print(f"  skipped: {reason}")
     for name, directory, file in found:
+        if real_only.lower() not in name.lower():
+            continue
         tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32).eval()
         ids = [encode_prompt(p, tok, template=Config.prompt_template, chat=False) for p in math]  # the paper's
@@ -780,8 +789,11 @@ def main():
     ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval",
                                        "prefill"],
                     help="run one benchmark (real-weights, tiny-eval, prefill: only when asked for)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of --only prefill (the others use 1)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of --only prefill (the others use 1)")
+    ap.add_argument("--real-prompts", type=int, default=32, help="--only prefill: MATH-500 prompts (x 8 rows)")
     ap.add_argument("--no-real", action="store_true", help="--only prefill: the tiny models only")
+    ap.add_argument("--no-tiny", action="store_true", help="--only prefill: the real models only")
+    ap.add_argument("--real-only", default="", metavar="NAME", help="--only prefill: the real model whose name has NAME")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -808,7 +820,8 @@ def main():
         bench_tiny_eval()
     if args.only == "prefill":
         bench_prefill(args.threads, real=not args.no_real, prompts=8 if args.quick else 32,
-                      repeats=2 if args.quick else 3)
+                      real_prompts=args.real_prompts, repeats=2 if args.quick else 3, tiny=not args.no_tiny,
+                      real_only=args.real_only)
 
 
 if __name__ == "__main__":
