@@ -52,7 +52,8 @@
    order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|. Models: the
    committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
    Instruct and Gemma-3-270M (``gguf_models``, where installed; ``--real-only NAME``: one of them, ``--no-tiny``: no
-   tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with the paper's instruction (graft.Config.prompt_template, raw text).
+   tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with
+   the paper's instruction (graft.Config.prompt_template, raw text).
    Between them, the trainer's own ``time/*`` metrics of a 3-step tiny GRPO run (model A, 16 prompts x 8 per
    step, ``graft.py train --share-prefix`` vs ``--no-share-prefix``, two runs each, alternating).
 """
@@ -793,7 +794,8 @@ def main():
     ap.add_argument("--real-prompts", type=int, default=32, help="--only prefill: MATH-500 prompts (x 8 rows)")
     ap.add_argument("--no-real", action="store_true", help="--only prefill: the tiny models only")
     ap.add_argument("--no-tiny", action="store_true", help="--only prefill: the real models only")
-    ap.add_argument("--real-only", default="", metavar="NAME", help="--only prefill: the real model whose name has NAME")
+    ap.add_argument("--real-only", default="", metavar="NAME",
+                    help="--only prefill: only the real model whose name contains NAME")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
