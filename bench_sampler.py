@@ -697,16 +697,19 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
           f"{max(r[2] for r in runs[False]) / 2**20:.1f} MiB")
     rolls = runs[True][-1][0]
     responses = [r.tokens for r in rolls]
-    lp = {}
-    for share in (False, True):
-        lp[share] = pf_logprobs(model, rows, responses, pad=pad, share=share)
+    lp, lp_times = {}, {False: [], True: []}
+    for rep in range(repeats):
+        for share in ((False, True) if rep % 2 == 0 else (True, False)):
+            lp[share] = pf_logprobs(model, rows, responses, pad=pad, share=share)
+            lp_times[share].append(lp[share][1])
     diff = max((a - b).abs().max().item() for a, b in zip(lp[False][0], lp[True][0]))
     vs_sampler = max((a - r.logprobs).abs().max().item() for a, r in zip(lp[True][0], rolls))
-    (w0, c0), (w1, c1) = lp[False][1], lp[True][1]
-    print(f"  behaviour log-probs (micro-batches of {PF_MICRO}): unshared {c0:.1f} CPU s ({w0:.1f} wall), peak RSS "
-          f"rise {lp[False][2] / 2**20:.1f} MiB; shared {c1:.1f} CPU s ({w1:.1f} wall), {lp[True][2] / 2**20:.1f} "
-          f"MiB; time {c1 / c0:.2f}x CPU, {w1 / w0:.2f}x wall; max |shared - unshared| {diff:.1e}, max |shared - "
-          f"sampler| {vs_sampler:.1e}")
+    (w0, c0), (w1, c1) = ((statistics.median(t[0] for t in lp_times[s]), statistics.median(t[1] for t in lp_times[s]))
+                          for s in (False, True))
+    print(f"  behaviour log-probs (micro-batches of {PF_MICRO}, medians of {repeats}): unshared {c0:.2f} CPU s "
+          f"({w0:.2f} wall), peak RSS rise {lp[False][2] / 2**20:.1f} MiB; shared {c1:.2f} CPU s ({w1:.2f} wall), "
+          f"{lp[True][2] / 2**20:.1f} MiB; time {c1 / c0:.2f}x CPU, {w1 / w0:.2f}x wall; max |shared - unshared| "
+          f"{diff:.1e}, max |shared - sampler| {vs_sampler:.1e}")
 
 
 def pf_train(threads: int, steps: int = 3) -> None:
@@ -794,6 +797,7 @@ def main():
     ap.add_argument("--real-prompts", type=int, default=32, help="--only prefill: MATH-500 prompts (x 8 rows)")
     ap.add_argument("--no-real", action="store_true", help="--only prefill: the tiny models only")
     ap.add_argument("--no-tiny", action="store_true", help="--only prefill: the real models only")
+    ap.add_argument("--repeats", type=int, default=0, help="--only prefill: repeats on the tiny models (default 3)")
     ap.add_argument("--real-only", default="", metavar="NAME",
                     help="--only prefill: only the real model whose name contains NAME")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
@@ -822,7 +826,8 @@ def main():
         bench_tiny_eval()
     if args.only == "prefill":
         bench_prefill(args.threads, real=not args.no_real, prompts=8 if args.quick else 32,
-                      real_prompts=args.real_prompts, repeats=2 if args.quick else 3, tiny=not args.no_tiny,
+                      real_prompts=args.real_prompts, repeats=args.repeats or (2 if args.quick else 3),
+                      tiny=not args.no_tiny,
                       real_only=args.real_only)
 
 
