@@ -623,7 +623,11 @@ PF_N, PF_CAP, PF_SLOTS, PF_MICRO = 8, 128, 32, 16  # copies per prompt, cap, row
 
 
 def rss_reset() -> int:
-    """Reset this process's peak RSS (VmHWM, via /proc/self/clear_refs) to its current RSS; return that in bytes."""
+    """Reset this process's peak RSS (VmHWM, via /proc/self/clear_refs) to its current RSS; return that in bytes.
+    Memory freed by earlier runs is first handed back to the OS (glibc's malloc_trim): glibc keeps freed blocks of
+    up to 32 MiB in its heap, so a run after another would otherwise reuse them without raising the RSS."""
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status_kib("VmRSS") * 1024
