@@ -504,15 +504,30 @@ def _full_hidden(base, prompts, responses, pad_token_id: int, device) -> tuple[t
     return hidden[rows_t, cols_t], targets  # (N, H): only the positions that predict response tokens
 
 
+def _read_only_rows(layer, index: torch.Tensor) -> None:
+    """Make a filled cache layer (U rows) serve a B-row forward without growing: its ``update`` returns the rows
+    ``index`` (B,) of the prompt's K/V followed by the new ones, and stores nothing, so each layer's (B, h, P + R, d)
+    exists only while that layer runs (a stored cache would keep every layer's at once). A sliding layer still
+    counts the new columns, as its own update would (transformers builds the masks before any layer runs)."""
+    keys, values = layer.keys, layer.values  # (U, h, P', d): P' = P, or a sliding layer's last W - 1 columns
+
+    def update(key_states, value_states, *args, **kwargs):
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length += key_states.shape[-2]
+        return torch.cat([keys[index], key_states], dim=-2), torch.cat([values[index], value_states], dim=-2)
+
+    layer.update = update  # this call's own cache object: the instance attribute shadows the class's method
+
+
 def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad_token_id: int,
                           device) -> torch.Tensor:
     """``_full_hidden``'s (N, H) with each distinct prompt run once (departure 11). keys: per row, the first row
     with its prompt (``_prompt_keys``).
 
-    A left-padded forward over the U distinct prompts fills a KV cache; its rows are copied to the B responses by
-    indexing (autograd adds the copies' gradients back into the prompt's K/V, so the parameters' gradient is the
-    per-row forward's up to float round-off: a sum over rows either way); a second forward runs the responses (all
-    but their last tokens, right-padded, at positions len(prompt) + t) on that cache. Left padding keeps every
+    A left-padded forward over the U distinct prompts fills a KV cache; a second forward runs the responses (all
+    but their last tokens, right-padded, at positions len(prompt) + t) on it, each layer reading its prompt's rows
+    by indexing (``_read_only_rows``; autograd adds the copies' gradients back into the prompt's K/V, so the
+    parameters' gradient is the per-row forward's up to float round-off: a sum over rows either way). Left padding keeps every
     row's prompt right-aligned and contiguous, so a sliding-window layer's last W - 1 cached columns are each
     row's last W - 1 prompt tokens, as in ``sample``."""
     uniq = list(dict.fromkeys(keys))
@@ -535,7 +550,8 @@ def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad
     hidden = last[index_dev].unsqueeze(1)  # (B, 1, H)
     rest = max(len(r) for r in responses) - 1  # response tokens fed to the second forward, at most
     if rest > 0:
-        cache.batch_select_indices(index_dev)  # (B, h, P, d) per layer: each row its own copy of its prompt's K/V
+        for layer in cache.layers:
+            _read_only_rows(layer, index_dev)
         r_ids = torch.full((len(responses), rest), pad_token_id, dtype=torch.long)  # (B, R)
         r_len = torch.tensor([max(len(r) - 1, 0) for r in responses], dtype=torch.long)  # (B,)
         for i, r in enumerate(responses):
