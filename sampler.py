@@ -527,9 +527,9 @@ def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad
     A left-padded forward over the U distinct prompts fills a KV cache; a second forward runs the responses (all
     but their last tokens, right-padded, at positions len(prompt) + t) on it, each layer reading its prompt's rows
     by indexing (``_read_only_rows``; autograd adds the copies' gradients back into the prompt's K/V, so the
-    parameters' gradient is the per-row forward's up to float round-off: a sum over rows either way). Left padding keeps every
-    row's prompt right-aligned and contiguous, so a sliding-window layer's last W - 1 cached columns are each
-    row's last W - 1 prompt tokens, as in ``sample``."""
+    parameters' gradient is the per-row forward's up to float round-off: a sum over rows either way). Left padding
+    keeps every row's prompt right-aligned and contiguous, so a sliding-window layer's last W - 1 cached columns
+    are each row's last W - 1 prompt tokens, as in ``sample``."""
     uniq = list(dict.fromkeys(keys))
     at = {k: i for i, k in enumerate(uniq)}
     index = torch.tensor([at[k] for k in keys], dtype=torch.long)  # (B,) distinct prompt of each row
