@@ -101,8 +101,8 @@ Departures and shortcuts (read these before copying)
    draws from its own seed: the same tokens as ``share_prefix=False``, up to float round-off of other batch shapes.
    A prompt whose copies are split between refills stays prefilled (one cache row, or one slot's K/V) until its
    last copy is taken; grouping the queue bounds these to about one prompt at a time. ``response_logprobs`` runs the
-   distinct prompts of a call once (left-padded, into a KV cache), copies the cache rows to the responses and runs
-   the responses on them; gradients flow through the copies into the prompt's forward, so they equal the per-row
+   distinct prompts of a call once (left-padded, into a KV cache), then the responses, each layer reading its rows
+   of that cache by indexing; gradients flow through the indexing into the prompt's forward, so they equal the per-row
    forward's (a sum over rows either way; tested against autograd of the unshared path). Not shared: models with
    other kinds of cache layers (departure 6), and ``response_logprobs`` under gradient checkpointing with grad
    enabled (transformers' checkpointed layers drop the cache). The saving is prompt compute and activations: the
