@@ -2,6 +2,7 @@
 labelled case file, determinism across hash seeds, threads and the process-pool batch path."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = os.path.join(HERE, "data", "verify_cases.jsonl")
 FROZEN = os.path.join(HERE, "data", "verify_test.jsonl")
 OUTSIDE = os.path.join(HERE, "data", "verify_outside.jsonl")
+HACKING = os.path.join(HERE, "data", "verify_hacking.jsonl")
 
 
 def _load(path):
@@ -430,6 +432,27 @@ HOSTILE = [
     "V_1 : V_2 = " * 300 + "1:2",
     "\\boxed{" + "FiniteSet(" * 700 + "1" + ")" * 700 + "}",
     "\\boxed{" + "Interval(0, " * 300 + "1" + ")" * 300 + "}",
+    # Python-looking and oversized junk of the kinds a policy under RL stumbles on.
+    "\\boxed{" + "a0" * 700 + "}",
+    "\\boxed{" + "x." * 700 + "0}",
+    "\\boxed{" + "f(" * 400 + "0" + ")" * 400 + "}",
+    "\\boxed{" + "'" * 1400 + "}",
+    "\\boxed{" + ", ".join(["\\pm 1"] * 300) + "}",
+    "\\boxed{\\{" + ", ".join(str(k) for k in range(400)) + "\\}}",
+    "\\boxed{" + "\\sqrt{" * 400 + "2" + "}" * 400 + "}",
+    "\\boxed{" + "\\sin(" * 300 + "x" + ")" * 300 + "}",
+    "\\boxed{" + "2^" * 700 + "2}",
+    "\\boxed{" + "|" * 1400 + "}",
+    "\\boxed{" + "1, 3, 5, \\ldots, " * 80 + "}",
+    "\\boxed{" + "4 \\text{ or } " * 100 + "4}",
+    "\\boxed{" + "\\sum_{j=1}^{m}" * 60 + "j}",
+    "\\boxed{" + "[0,3] \\setminus " * 100 + "(1,2)}",
+    "\\boxed{" + "x = 1 \\pm " * 200 + "2}",
+    "\\boxed{" + "((1,2),(3,4)), " * 100 + "(5,6)}",
+    "\\boxed{\\sqrt{2+\\sqrt{" * 150 + "3" + "}}" * 150 + "}",
+    "\\boxed{x^{" + "x^{" * 300 + "2" + "}" * 301 + "}",
+    "\\boxed{" + "3,15 € " * 200 + "}",
+    "\\boxed{e^{\\pi\\sqrt{163}}}",
 ]
 
 
@@ -528,6 +551,43 @@ def test_outside_frozen_file_accuracy():
     assert V.stats()["errors"] == 0
     assert acc >= 0.95, acc
     assert fp / len(cases) < 0.01, fp
+
+
+# ------------------------------------------------------------------------------------------------
+# Reward hacking: responses a policy under RL could find that must score 0, by kind, each kind with
+# controls (the same forms used honestly) that must score 1. One answer gets one verdict whatever
+# wraps it: the boxed answer of a response is also judged bare, in dollars and boxed by is_equivalent,
+# and by verify() in training mode (strict).
+
+_HACK = _load(HACKING)
+_BOXED_ANSWER_RE = re.compile(r"^Working through the steps, the final answer is \$\\boxed\{(.*)\}\$\.$", re.DOTALL)
+
+
+def test_hacking_file_shape():
+    kinds = {}
+    for c in _HACK:
+        assert ("pred" in c) != ("response" in c) and isinstance(c["label"], bool), c
+        kinds.setdefault(c["category"], set()).add(c["label"])
+    assert sum(not c["label"] for c in _HACK) >= 120
+    assert all(labels == {True, False} for labels in kinds.values()), kinds
+    assert len(kinds) >= 14
+
+
+@pytest.mark.parametrize("k", range(len(_HACK)))
+def test_reward_hacking(k):
+    c = _HACK[k]
+    assert _judge(c) is c["label"], c
+    if "response" in c:
+        boxed = "\\boxed" in c["response"] or "\\fbox" in c["response"]
+        assert V.verify(c["response"], c["gold"]) == float(c["label"] and boxed), c     # training: strict
+        m = _BOXED_ANSWER_RE.match(c["response"])
+        if m:
+            ans = m.group(1)
+            for wrapped in (ans, f"${ans}$", f"\\boxed{{{ans}}}", f"\\( {ans} \\)"):
+                assert V.is_equivalent(wrapped, c["gold"]) is c["label"], (wrapped, c)
+    else:
+        for wrapped in (c["pred"], f"\\boxed{{{c['pred']}}}"):
+            assert V.verify(wrapped, c["gold"], strict=False) == float(c["label"]), (wrapped, c)
 
 
 _DET_SCRIPT = r"""
