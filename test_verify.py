@@ -315,6 +315,12 @@ def test_extract_answer():
     assert V.extract_answer("The final answer is $12$.") == "12"
     assert V.extract_answer("we get 3 apples and then 17 pears") == "17"
     assert V.extract_answer("no answer here") is None
+    assert V.extract_answer("\\boxed{1} then \\boxed{") is None                 # truncated: no fallback either
+    assert V.extract_answer("3 or 4") == "3 or 4"                                  # a bare answer is read whole
+    assert V.extract_answer("1, 3, 5, ...") == "1, 3, 5, ..."                     # its dots are no full stop
+    assert V.extract_answer("we counted 1,3,5") == "5"                             # a list is not the number 135
+    assert V.extract_answer("we counted 2,880,000") == "2,880,000"
+    assert V.extract_answer("then we add 3 to get 5", last_number=False) is None
 
 
 def test_extract_answer_forms():

@@ -17,12 +17,14 @@ Public API
     box falls back to the math (or sentence) after the last "answer is" / "Answer:" / "####"
     (Minerva's "Final Answer: The final answer is $X$. I hope it is correct."), then to the last
     math span (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last
-    number.
+    number (``last_number=True``). A whole response that is one short line without words is its
+    own answer. An unclosed last box is no answer in either mode (a truncated response).
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
     Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
     delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
     sentence (words around the math, ``Thus $x \\ge 5$ is the solution.``) is read like a response:
-    its answer is what ``extract_answer`` finds.
+    its answer is what ``extract_answer(.., last_number=False)`` finds (never just its last number:
+    ``cos(t)+sin(t)^2`` is not a sentence whose answer is 2).
 ``verify(response, gold, *, strict=True, rel_tol=DEFAULT_REL_TOL) -> float``
     1.0 or 0.0. Never raises. Anything over a cap scores 0.0 and is counted.
 ``verify_batch(responses, golds, *, workers=0, strict=True, rel_tol=...) -> list[float]``
@@ -53,13 +55,37 @@ How answers are compared
    never called, and the cost of each evaluation is bounded by the caps.
 3. Undefined values (0/0, division by zero, nan, zoo) make the answer unequal to everything.
 
+What counts as an answer (the strictness rule)
+----------------------------------------------
+Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
+So a prediction is a mathematical answer only when it is written in the notation of the table below
+(numbers, names, operators, functions, relations, structures, plain words for a text answer). In
+particular none of these is an answer, and each is unequal to every gold (``_check_math`` and
+``_check_product``, the one place that decides it; no other reading or leniency is tried after it):
+program syntax (quotes that are not primes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names
+``os.path`` / ``math.sqrt``, ``__``, ``import``/``lambda``/``return``), a call of a name that is not a
+known function (``run(0)``, ``print(4)``), and a product in which a factor written as the literal
+``0`` stands next to a factor that is not a number (``k0``, ``v0w``, ``0x``, ``\\frac{0}{k}``: each
+would equal every gold 0). The leniencies below are each bounded by what a policy could exploit:
+text after a value is a unit only when it holds no digit, bracket or qualifying word (``\\text{ or
+5}``, ``\\text{ (not sure)}``, ``\\text{ or more}`` are not units); a chain of constants that is false
+(``4 = 5``, ``0 = 1 = 2``) states no value; expressions must also agree at points of both signs
+wherever both sides stay real (``|u|``, ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``); an open list
+(any spelling of the ellipsis, inside or outside braces, with or without dollars) is never a finite
+list; a box inside a box beside other content, and an unclosed last box, are no answer; a whole
+response without a box that is one short line without words is read whole (``3 or 4`` is two
+answers, ``1,3,5`` is not the number 135). ``data/verify_hacking.jsonl`` holds the forms a policy
+could try, by kind, each with honest controls.
+
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
 1. No ``sympify``/``parse_expr``/``eval``: the parser is ours and smaller; an answer it cannot parse
    is compared as normalised text only (so exotic LaTeX can give false negatives, never code runs).
 2. Symbolic equality is decided by evaluation at seeded rational points (Schwartz-Zippel style),
-   not by ``simplify``. Identities that only hold for some values (``\\sqrt{x^2}`` vs ``x``) are
-   judged on positive points, so they count as equal. Equations are solution sets: they are
+   not by ``simplify``: positive points first, then points of both signs at which neither side
+   leaves the real numbers (a square root or logarithm of a negative value, found as a complex value
+   from real arguments, skips the point). So ``\\sqrt{x^2}`` is ``|x|`` and not ``x``, while
+   ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal. Equations are solution sets:
    compared at points of both signs, so ``y = \\sqrt{x^2}`` is not ``y = x``.
 3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
@@ -99,7 +125,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 17. Named answers and chains (the prediction side only): a left side made of symbols and no number
     (``x``, ``AB``, ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6``
     and ``(a,b) = (4,1)`` equals ``(4,1)``; ``2x = 10`` is an equation, not 10. In ``t = 2+3+4 = 9``
-    the last value is the answer (``= 10`` at the end is wrong whatever came before). Before the first
+    the last value is the answer (``= 10`` at the end is wrong whatever came before; constants in
+    the chain must equal it: ``2 + 2 = 5`` states nothing). Before the first
     ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``); the approximation
     after it counts when the exact part is only a name (``t \\approx 9``) or the gold is a decimal.
     When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``), and a chain
@@ -140,10 +167,11 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is
     ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals the matrix with those rows.
 21. Named functions: ``\\gcd`` / ``\\operatorname{lcm}`` of integers, ``\\max`` / ``\\min`` of real numbers,
-    ``a \\bmod b`` (and ``a mod b``) of integers; ``\\pmod{m}`` is dropped, so ``x \\equiv 2 \\pmod 7``
-    equals ``2`` (the residue as written, not any number congruent to it). ``\\lg`` is the base-10
-    logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k`` is ``\\binom{n}{k}``, so a
-    point named C with such coordinates would be read as a number.
+    ``a \\bmod b`` (and ``a mod b``) of integers; ``f(0)``, ``I(2)`` (one letter before a parenthesised
+    integer) are one symbol, the function's value, not ``f`` times 0; ``\\pmod{m}`` is dropped, so
+    ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it).
+    ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
+    is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
 22. ``m!`` and ``\\binom{m}{k}`` of a symbol are evaluated through the Gamma function at its sample
     points, so ``m (m-1)!`` equals ``m!`` and ``\\binom{m}{2}`` equals ``\\frac{m(m-1)}{2}``.
     ``\\sum`` / ``\\prod`` with integer bounds are expanded when evaluated (up to ``MAX_SUM_TERMS``
@@ -199,11 +227,13 @@ Benchmark
 ``python verify.py bench [--cases FILE ...] [--show-errors]`` prints accuracy, false positives/
 negatives, exceptions, cases/s and p50/p99/max call time of this verifier and, when math-verify is
 installed, of math-verify side by side with the agreement rate, for each case file. By default the
-three files: ``data/verify_cases.jsonl`` (development cases, written alongside this file),
-``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed) and
+four files: ``data/verify_cases.jsonl`` (development cases, written alongside this file),
+``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed),
 ``data/verify_outside.jsonl`` (329 cases by answer form, half of them near misses, labelled from
-other graders' documented behaviour and frozen before departures 21-26 existed). The frozen files
-were never tuned against, so their figures measure generalisation. A case is ``{"pred"|"response",
+other graders' documented behaviour and frozen before departures 21-26 existed) and
+``data/verify_hacking.jsonl`` (whole responses a policy under RL could find that must score 0, by
+kind, each kind with controls that must score 1; written before the strictness rule). The frozen
+files were never tuned against, so their figures measure generalisation. A case is ``{"pred"|"response",
 "gold", "label", "category", ["rel_tol"]}``: an answer pair goes to ``is_equivalent``, a whole
 response to ``verify(..., strict=False)``.
 ``python verify.py golds [files...]`` checks every gold of the benchmark files against itself.
@@ -267,7 +297,7 @@ _MP_ROOTS.dps = 20
 # Counters (the only module-level mutable state).
 
 _STATS_LOCK = threading.Lock()
-_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "errors": 0}
+_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "not_math": 0, "errors": 0}
 
 
 def _count(key: str, n: int = 1) -> None:
@@ -276,7 +306,8 @@ def _count(key: str, n: int = 1) -> None:
 
 
 def stats() -> dict:
-    """A copy of the counters: calls, limit_hits, parse_failures, errors (internal exceptions)."""
+    """A copy of the counters: calls, limit_hits, parse_failures, not_math (predictions refused by the
+    strictness rule), errors (internal exceptions)."""
     with _STATS_LOCK:
         return dict(_STATS)
 
@@ -299,14 +330,19 @@ class _Undefined(Exception):
     """The value is undefined (0/0, 1/0, nan): never equal to anything."""
 
 
+class _NotMath(Exception):
+    """The prediction is not a mathematical answer (the strictness rule): unequal to every gold."""
+
+
 class _Budget:
     """Step counter plus a wall-clock backstop, shared by the parse and the evaluation of one call."""
 
-    __slots__ = ("steps", "deadline")
+    __slots__ = ("steps", "deadline", "left_reals")
 
     def __init__(self) -> None:
         self.steps = 0
         self.deadline = time.perf_counter() + MAX_SECONDS
+        self.left_reals = False     # an evaluation went complex from real inputs (sqrt of a negative)
 
     def tick(self, n: int = 1) -> None:
         self.steps += n
@@ -416,8 +452,9 @@ def _last_boxes(text: str) -> list[str] | None:
         out.insert(0, b)
     contents = []
     for _, _, c in out:
-        inner = _last_boxes(c) if ("\\boxed" in c or "\\fbox" in c) and len(out) == 1 else None
-        contents.extend(inner if inner is not None and c.strip().startswith(_BOX_CMDS) else [c])
+        inner = _outer_boxes(c.strip()) if ("\\boxed" in c or "\\fbox" in c) and len(out) == 1 else None
+        whole = inner is not None and len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(c.strip())
+        contents.extend(_last_boxes(c.strip()) if whole else [c])     # \\boxed{\\boxed{7}} is 7
     return contents
 
 
@@ -472,6 +509,8 @@ def _tidy(ans: str) -> str:
     ans = re.split(r"\s*I hope it is correct", ans, maxsplit=1, flags=re.IGNORECASE)[0]
     ans = ans.strip().strip("*").strip()
     ans = re.sub(r"^(?:\\\(|\\\[|\$+)|(?:\\\)|\\\]|\$+)$", "", ans).strip()
+    if ans.endswith("..."):         # '1, 3, 5, ...' is an open list: its dots are not a full stop
+        return ans
     return ans.rstrip(".,;:").strip()
 
 
@@ -515,13 +554,13 @@ def _last_math(text: str) -> str | None:
     return _tidy(_join([_tidy(c) for _, _, c in out])) or None
 
 
-def extract_answer(text: str, *, strict: bool = False) -> str | None:
+def extract_answer(text: str, *, strict: bool = False, last_number: bool = True) -> str | None:
     """The final answer of a response (None when there is none).
 
     The response ends at its first end-of-turn marker. Then: the last \\boxed/\\fbox content, joined
     with the boxes just before it when only ', ' / 'and' / 'or' separate them. ``strict=True``
     (training) stops there. Otherwise, without a box: the math (or the sentence) after the last
-    "answer is" / "Answer:" / "####"; else the last math span; else the last number."""
+    "answer is" / "Answer:" / "####"; else the last math span; else (``last_number``) the last number."""
     if not isinstance(text, str) or not text:
         return None
     if len(text) > MAX_RESPONSE_CHARS:
@@ -531,19 +570,38 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
     if sep and after.strip():
         text = after        # a reasoning trace ends at </think>: the answer is what follows it
     boxes = _last_boxes(text)
-    if boxes is not None or strict:
-        return _join(boxes) if boxes else None
+    if boxes is not None or strict or _outer_boxes(text) is None:
+        return _join(boxes) if boxes else None      # an unclosed last box: a truncated response
     tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
     if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
         return text.strip()   # a whole response '4+7' is its value 11, not its last number
+    if _is_bare_answer(text):
+        return _tidy(text)    # a whole response '\\{1, 3, 5, \\ldots\\}' or '3 or 4' is its answer
     for find in (_after_phrase, _last_math):
         ans = find(tail)
         if ans:
             return ans
+    if not last_number:
+        return None
     last = None
     for last in _NUMBER_RE.finditer(tail):
         pass
-    return last.group(0).rstrip(",") if last is not None else None
+    if last is None:
+        return None
+    num = last.group(0).rstrip(",")
+    if num.count(",") > 1 and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num):
+        num = num.rsplit(",", 1)[1]     # '1,3,5' is a list whose last number is 5, not a number
+    return num
+
+
+def _is_bare_answer(text: str) -> bool:
+    """A whole response that is only an answer: one short line without words (runs of two or more
+    letters other than function names, 'or' and 'and', outside LaTeX commands)."""
+    t = text.strip()
+    if not t or len(t) > 200 or "\n" in t:
+        return False
+    words = re.findall(r"(?<![\\A-Za-z])[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", " ", t))
+    return all(w in _FUNCS or w.lower() in ("or", "and") for w in words)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -589,6 +647,11 @@ _SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
+# Text after a value that is not a unit: digits, brackets, or words that qualify or hedge the value.
+_HEDGE_TEXT_RE = re.compile(r"[\d()\[\]=<>]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
+                            r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|"
+                            r"answer|guess|correct|incorrect|depending|about|around|approximately|roughly|to|"
+                            r"between|plus|minus|etc)(?![A-Za-z])", re.IGNORECASE)
 _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-9]\}?|[\s{}/*·]|\\cdot|\\,)$")
 
 
@@ -611,6 +674,7 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
             "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
 _REPEAT_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
+_FN_VALUE_RE = re.compile(r"\((-?\d{1,6})\)(?![\d.])")     # the '(0)' of I(0)
 _FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*(?:[a-z]|-?\d+(?:[./]\d+)?)\s*\)\s*=(?!.*=)")  # f(x) =, f(2) =
 
 
@@ -730,7 +794,6 @@ def _clean(s: str) -> str:
     s = _CURRENCY_WORD_RE.sub("", s)                  # 'USD 1,250' (after the number: a unit word)
     s = s.replace("²", "^2").replace("³", "^3")
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "")
-    s = s.replace("np.", "").replace("math.", "")
     for u, latex in _UNICODE.items():
         if u in s:
             s = s.replace(u, latex)
@@ -764,8 +827,8 @@ def _clean(s: str) -> str:
         m = _TRAILING_TEXT_RE.match(s)
         unit = m.group(2).strip() if m else ""
         if not m or m.group(1).endswith(("_", "^", "{")) or (
-                len(unit) < 2 and unit not in _UNIT_WORDS):
-            break
+                len(unit) < 2 and unit not in _UNIT_WORDS) or _HEDGE_TEXT_RE.search(unit):
+            break           # '4 \text{ or 5}', '12 \text{ (not sure)}': words about the value, not a unit
         s = m.group(1).strip()
     s = s.strip().rstrip(".,;").strip()
     if _PLAIN_THOUSANDS_RE.match(s):
@@ -791,6 +854,48 @@ def _strip_plain_unit(s: str) -> str | None:
                 return rest.strip()
             return None
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The strictness rule (module docstring, "What counts as an answer"): the one place that decides
+# whether a prediction is a mathematical answer at all. Every parse of a prediction goes through
+# _parse(as_gold=False), which calls _check_math on the cleaned text, and the parser calls
+# _check_product on every product it builds; a prediction that fails either raises _NotMath and is
+# unequal to every gold: no other reading or leniency is tried.
+
+_PY_SYNTAX_RE = re.compile(
+    r"[\"`?@#]|=="                                   # quotes, backticks, Python's equality and decorators
+    r"|(?<![A-Za-z0-9)}\]'])'|'(?=[A-Za-z0-9_'\"])"      # a quote that is not a prime (f'(x), y'')
+    r"|[A-Za-z_]\.[A-Za-z_]|__"                          # dotted names (os.path, x.real), dunders
+    r"|(?<![\\A-Za-z])(?:import|lambda|return)(?![A-Za-z])")
+_CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
+
+
+def _check_math(s: str) -> None:
+    """Raises _NotMath when the cleaned prediction s is not a mathematical answer: program syntax
+    or a call of a name that is not a known function (the parser adds _check_product)."""
+    if _PY_SYNTAX_RE.search(s):
+        raise _NotMath("program syntax")
+    for m in _CALL_RE.finditer(s):
+        if m.group(1) not in _FUNCS:
+            raise _NotMath(f"call of {m.group(1)}")
+
+
+def _check_product(factors: list, zero_written: bool) -> None:
+    """Called by the parser for each product it builds (a term, a \\frac): a factor written as the
+    literal 0 ('0', '(0)', '{0}') next to a factor that is not a number is not an answer: 'k0', 'v0w',
+    'run(0)', '0x', '\\frac{0}{k}' would otherwise equal every gold 0."""
+    if zero_written and not all(_numeric(f, 0) for f in factors):
+        raise _NotMath("a product of 0 and a name")
+
+
+def _numeric(e, depth: int) -> bool:
+    """Built from numbers and constants alone (5, \\sqrt2, \\pi/180): no name and no function."""
+    if isinstance(e, sympy.Rational) or e in (S.Pi, S.Exp1):
+        return True
+    if depth < 20 and isinstance(e, (sympy.Add, sympy.Mul, sympy.Pow)):
+        return all(_numeric(a, depth + 1) for a in e.args)
+    return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -978,6 +1083,7 @@ class _Parser:
         self.bound = ()           # index letters of the enclosing sums ('i' there is not sqrt(-1))
         self.abs_depth = 0        # > 0 inside |..|, where a '|' closes instead of starting a factor
         self.split = frozenset()  # words read as products of their letters ('abc' = a*b*c)
+        self.check_zero = False   # a prediction: products of a written 0 and a name raise _NotMath
 
     # -- low-level helpers
     def ws(self) -> None:
@@ -1185,8 +1291,15 @@ class _Parser:
             return name not in _NO_FACTOR_CMDS and name not in _REL_CMDS and name != "}"
         return False
 
+    def _written_zero(self, e, start: int) -> bool:
+        """e was written as the literal 0: '0', '(0)', '{0}' (not '000' of '2,000 km')."""
+        return e is S.Zero and self.s[start:self.i].strip(" {}()") == "0"
+
     def parse_term(self):
+        self.ws()
+        start = self.i
         f = self.parse_factor()
+        zero = self._written_zero(f, start)
         if isinstance(f, (Seq, _Undef)) or (isinstance(f, Matrix) and not self.starts_factor()):
             return f
         factors = [f]
@@ -1223,12 +1336,16 @@ class _Parser:
                 if mixed is not None:
                     factors[0] = mixed
                     continue
+            start = self.i
             g = self.parse_factor()
+            zero = zero or self._written_zero(g, start)
             if isinstance(g, (Seq, _Undef)) or (isinstance(g, Matrix) and op == "/"):
                 raise _ParseError("arithmetic on a structure")
             factors.append(_div(S.One, g) if op == "/" else g)
         if len(factors) == 1:
             return factors[0]
+        if self.check_zero:
+            _check_product([x for x in factors if not isinstance(x, Matrix)], zero)
         mats = [x for x in factors if isinstance(x, Matrix)]
         if mats:                      # a scalar multiple '2 A', '\frac12 A' (no matrix products)
             if len(mats) > 1:
@@ -1434,6 +1551,11 @@ class _Parser:
             got = self._try_choose()
             if got is not None:
                 return got
+        if len(run) == 1 and run not in "ei" and run not in self.bound:
+            m = _FN_VALUE_RE.match(self.s, j)
+            if m:                          # I(0), y(1): a function's value is one symbol, not I*0
+                self.i = m.end()
+                return sympy.Symbol(run + m.group(0))
         self.i = j - len(run) + 1          # one letter: the next is another factor ('xy^2' is x*y^2)
         return self._letter(run[0])
 
@@ -1585,8 +1707,12 @@ class _Parser:
     def parse_command(self):
         name = self.take_cmd()
         if name == "frac":
+            start = self.i
             a = self.parse_arg()
+            zero = self._written_zero(a, start)
             b = self.parse_arg()
+            if self.check_zero:
+                _check_product([a, b], zero)
             return _div(a, b)
         if name == "sqrt":
             if self.eat("["):
@@ -1772,11 +1898,14 @@ def _parse(s: str, budget: _Budget, *, as_gold: bool, split: frozenset = frozens
         m = _CHOICE_PRED_RE.match(s)
         if m:
             return Choice(m.group(1))
+    if not as_gold:
+        _check_math(s)
     if _WORDS_RE.match(s) and _is_plain_words(s) and s not in split:
         return Text(_norm_text(s))
     parser = _Parser(s, budget)
-    parser.split = split
-    return parser.parse_answer()
+    parser.split, parser.check_zero = split, not as_gold
+    node = parser.parse_answer()
+    return node
 
 
 def _word_products(s: str, other) -> frozenset:
@@ -1882,7 +2011,8 @@ def _ev(e, env: dict, budget: _Budget):
                 acc = _check_mp(_to_mp(acc) * _to_mp(v))
         return acc
     if isinstance(e, sympy.Pow):
-        return _pow(_ev(e.base, env, budget), _ev(e.exp, env, budget))
+        b, x = _ev(e.base, env, budget), _ev(e.exp, env, budget)
+        return _note_complex(_pow(b, x), (b, x), budget)
     if e is S.Pi:
         return _MP.pi + 0
     if e is S.Exp1:
@@ -1937,10 +2067,21 @@ def _ev(e, env: dict, budget: _Budget):
         if type(e) is sympy.log and args[0] == 0:
             raise _Undefined()
         try:
-            return _check_mp(fn(*args))
+            return _note_complex(_check_mp(fn(*args)), args, budget)
         except (ZeroDivisionError, ValueError):
             raise _Undefined() from None
     raise _ParseError(f"cannot evaluate {type(e).__name__}")
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, Fraction) or not isinstance(v, _MP.mpc) or v.imag == 0
+
+
+def _note_complex(out, args, budget: _Budget):
+    """out, noting on the budget when real arguments gave a complex value (outside the real domain)."""
+    if not _is_real(out) and all(_is_real(a) for a in args):
+        budget.left_reals = True
+    return out
 
 
 def _pow(b, x):
@@ -2090,9 +2231,30 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     points = _points(names, signed) if names else [{}]
     for va, sa in cands_a:
         for vb, sb in cands_b:
-            if _agree(va, sa, vb, sb, points, use_tol, budget):
+            if _agree(va, sa, vb, sb, points, use_tol, budget) and (
+                    signed or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget)):
                 return True
     return False
+
+
+def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
+    """Agreement at points of both signs wherever both sides stay real (departure 2): |u| is not u,
+    but \\ln(u^2) and 2\\ln u (complex for u < 0) are not told apart by a negative u."""
+    for p in _points(names, signed=True)[1:]:
+        budget.left_reals = False
+        try:
+            x = _ev(a.expr, {**p, **a.env}, budget)
+            y = _ev(b.expr, {**p, **b.env}, budget)
+        except _Undefined:
+            continue
+        if budget.left_reals:
+            continue
+        x = x * sa if isinstance(x, Fraction) else x * _MP.mpf(sa.numerator) / sa.denominator
+        y = y * sb if isinstance(y, Fraction) else y * _MP.mpf(sb.numerator) / sb.denominator
+        if not _close(x, y, tol):
+            return False
+    budget.left_reals = False
+    return True
 
 
 def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
@@ -2497,7 +2659,7 @@ def _sets_equal(x, y, tol: float) -> bool:
 
 # Readings of the prediction (departure 17): a named answer is its value, a chain its last value.
 
-def _readings(node, gold, tol: float) -> list:
+def _readings(node, gold, tol: float, budget: _Budget) -> list:
     """The prediction and the other ways to read it: 'x+y = 9' -> 9, 't = 2+3+4 = 9' -> 9,
     '\\frac17 \\approx 0.14' -> 1/7 (and 0.14 when the gold is a decimal or the exact part is a name)."""
     out = [node]
@@ -2509,7 +2671,7 @@ def _readings(node, gold, tol: float) -> list:
         if pa is not None and pa is not node:
             out.append(pa)
         return out
-    alt = _chain_value(node, gold, tol)
+    alt = _chain_value(node, gold, tol, budget)
     if alt:
         out.extend(alt)
     grouped = _named_values(node, tuples_only=True)
@@ -2518,7 +2680,7 @@ def _readings(node, gold, tol: float) -> list:
     if isinstance(node, Seq) and node.open == "" and any(isinstance(x, (Eqn, Chain)) for x in node.items):
         items = []
         for x in node.items:
-            v = _chain_value(x, gold, tol) if _unwrap_assignment(x) is None else None
+            v = _chain_value(x, gold, tol, budget) if _unwrap_assignment(x) is None else None
             items.append(v[0] if v else x)     # 'y = 1, x = 2' keeps its names (ordered by them)
         out.append(Seq(items))
     return out
@@ -2572,7 +2734,7 @@ def _as_assignment(node):
     return None
 
 
-def _chain_value(node, gold, tol: float) -> list:
+def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
     if isinstance(node, Eqn) and node.op == "=":
         parts, ops = [node.lhs, node.rhs], ["="]
     elif isinstance(node, Chain) and all(op in ("=", "~") for op in node.ops):
@@ -2587,6 +2749,8 @@ def _chain_value(node, gold, tol: float) -> list:
     # part before it is a name or a constant ('2x + 1 = 7' is an equation to solve, not 7).
     # In a longer chain ('\\pi r^2 = 4\\pi \\approx 12.57') the head is what is being computed.
     head_ok = head_is_name or len(parts) >= 3
+    if const[k] and any(const[j] and not _val_equal(parts[j], parts[k], tol, budget) for j in range(k)):
+        return []       # a false chain ('4 = 5', '0 = 1 = 2') states no value
     if const[k] and all(const[j] or (j == 0 and head_ok) for j in range(k)):
         out.append(parts[k])
     if "~" in ops and const[-1] and (
@@ -2734,7 +2898,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     if pa is not None:
         if isinstance(ga, Chain):
             ga = _as_assignment(ga) or ga       # a gold chain 'z = 1 + 1 = 2' states z = 2
-        if any(_equal(r, ga, rel_tol, budget) for r in _readings(pa, ga, rel_tol)):
+        if any(_equal(r, ga, rel_tol, budget) for r in _readings(pa, ga, rel_tol, budget)):
             return True
         gv = _named_values(ga) if not _has_relation(pa) else None
         if gv is not None and _equal(pa, gv, rel_tol, budget):
@@ -2750,7 +2914,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
                 qg = _parse(cg, budget, as_gold=True, split=sg)
             except _ParseError:
                 qa = qg = None
-            if qa is not None and any(_equal(r, qg, rel_tol, budget) for r in _readings(qa, qg, rel_tol)):
+            if qa is not None and any(_equal(r, qg, rel_tol, budget) for r in _readings(qa, qg, rel_tol, budget)):
                 return True
     elif _norm_text(cp) == _norm_text(cg) and not _has_undefined(cp):
         return True     # neither parses: identical normalised text
@@ -2831,7 +2995,7 @@ def _unwrap_answer(s: str) -> str:
     if _ANSWER_PHRASE_RE.search(s):     # 'The answer is 5'
         return _after_phrase(s) or s
     if _is_prose(s):                   # 'Therefore $x \\geq 5$ is the solution.': as from a response
-        return extract_answer(s) or s
+        return extract_answer(s, last_number=False) or s
     return s
 
 
@@ -2845,7 +3009,8 @@ def _is_prose(s: str) -> bool:
         return False
     if bare != re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s):      # math spans in a sentence
         return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{2,}(?![A-Za-z])", bare)) >= 2
-    return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare)) >= 3
+    words = re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare)
+    return sum(w not in _FUNCS and w not in _CONST_WORDS for w in words) >= 3    # not 'cos(t)+sin(t)'
 
 
 def _has_undefined(s: str) -> bool:
@@ -2863,6 +3028,8 @@ def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> 
         _count("limit_hits")
     except (_ParseError, _Undefined):
         _count("parse_failures")
+    except _NotMath:
+        _count("not_math")
     except RecursionError:
         _count("limit_hits")
     except Exception:           # a bug in this file must not crash a training step
@@ -2875,8 +3042,8 @@ def verify(response: str, gold: str, *, strict: bool = True,
     """Reward of one response: 1.0 when its final answer equals gold, else 0.0."""
     try:
         pred = extract_answer(response, strict=strict)
-        if pred is None:
-            return 0.0
+        if pred is None or "\\boxed" in pred or "\\fbox" in pred:
+            return 0.0          # no answer, or a box inside a box beside other content
         if is_equivalent(pred, gold, rel_tol=rel_tol):
             return 1.0
         boxes = _boxes_for_list(response, gold)
@@ -3006,12 +3173,13 @@ def _bench(argv: list[str]) -> int:
     ap.add_argument("--cases", action="append", default=None,
                     help="labelled case file (repeatable); default: data/verify_cases.jsonl (development, "
                          "written alongside this file), data/verify_test.jsonl and data/verify_outside.jsonl "
-                         "(frozen before the verifier was extended for them, never tuned against)")
+                         "(frozen before the verifier was extended for them, never tuned against), "
+                         "data/verify_hacking.jsonl (reward-hacking forms that must score 0, with controls)")
     ap.add_argument("--no-math-verify", action="store_true")
     ap.add_argument("--show-errors", action="store_true", help="print the cases verify.py gets wrong")
     args = ap.parse_args(argv)
     files = args.cases or [os.path.join(here, name) for name in
-                           ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl")]
+                           ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl")]
     mv = None
     if not args.no_math_verify:
         try:
