@@ -74,7 +74,11 @@ wherever both sides stay real (``|u|``, ``\\sqrt{u^2}``, ``\\max(u, -u)`` are no
 (any spelling of the ellipsis, inside or outside braces, with or without dollars) is never a finite
 list; a box inside a box beside other content, and an unclosed last box, are no answer; a whole
 response without a box that is one short line without words is read whole (``3 or 4`` is two
-answers, ``1,3,5`` is not the number 135). ``data/verify_hacking.jsonl`` holds the forms a policy
+answers, ``1,3,5`` is not the number 135); a choice letter followed by another letter, ``or`` or a
+comma is no choice (``(C) or (D)``); an approximation farther from the value it follows than half a
+unit in its last place states nothing (``5 \\approx 5.1``); numbers side by side are no product
+(``7 0``, ``4 5``; ``10 000`` is read only as a whole answer) and a number's subscript must be a
+base (``52_8``, not ``4_{\\text{or }5}``). ``data/verify_hacking.jsonl`` holds the forms a policy
 could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
@@ -674,6 +678,7 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
             "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
 _REPEAT_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
+_BASE_RE = re.compile(r"\d{1,2}|ten|two|eight|sixteen|b|d|h|o", re.IGNORECASE)     # 52_8, 12_{ten}
 _FN_VALUE_RE = re.compile(r"\((-?\d{1,6})\)(?![\d.])")     # the '(0)' of I(0)
 _FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*(?:[a-z]|-?\d+(?:[./]\d+)?)\s*\)\s*=(?!.*=)")  # f(x) =, f(2) =
 
@@ -1308,6 +1313,7 @@ class _Parser:
         while True:
             c = self.peek()
             op = "*"
+            implicit = False
             if c == "*" and not self.s.startswith("**", self.i):
                 self.i += 1
             elif c in ("/", ":"):         # a ratio 3:5 is the number 3/5
@@ -1336,6 +1342,10 @@ class _Parser:
                 if mixed is not None:
                     factors[0] = mixed
                     continue
+            else:
+                implicit = True
+            if implicit and (c.isdigit() or c == ".") and self.s[:self.i].rstrip()[-1:].isdigit():
+                raise _ParseError("numbers side by side")     # '7 0', '4 5': not a product (nor 10 000)
             start = self.i
             g = self.parse_factor()
             zero = zero or self._written_zero(g, start)
@@ -1415,6 +1425,8 @@ class _Parser:
                 self.i += 1
                 sub = self.parse_sub_text()
                 if isinstance(base, sympy.Integer):
+                    if not _BASE_RE.fullmatch(sub):
+                        raise _ParseError("subscript on a number that is not a base")   # 4_{\text{or }5}
                     continue        # base subscript of a number: 52_8 compares as 52 (departure 6)
                 if isinstance(base, sympy.Symbol):
                     base = sympy.Symbol(base.name + "_" + sub)
@@ -1877,6 +1889,7 @@ def _decimal_fraction(txt: str) -> Fraction:
 
 _CHOICE_RE = re.compile(r"^\(?\s*([A-E])\s*\)?$")
 _CHOICE_PRED_RE = re.compile(r"^(?:\\text\{)?\(([A-E])\)")
+_OTHER_CHOICE_RE = re.compile(r"\([A-E]\)|(?<![A-Za-z\\])(?:[A-E]|or|and)(?![A-Za-z])|,")
 _WORDS_RE = re.compile(r"^[A-Za-z]{2,}(?:[ '\-]+[A-Za-z]{2,})*$")
 
 
@@ -1896,8 +1909,8 @@ def _parse(s: str, budget: _Budget, *, as_gold: bool, split: frozenset = frozens
         return Choice(m.group(1))
     if not as_gold:
         m = _CHOICE_PRED_RE.match(s)
-        if m:
-            return Choice(m.group(1))
+        if m and not _OTHER_CHOICE_RE.search(s[m.end():]):
+            return Choice(m.group(1))       # '\\textbf{(C)} 12', not '(C) or (D)' 
     if not as_gold:
         _check_math(s)
     if _WORDS_RE.match(s) and _is_plain_words(s) and s not in split:
@@ -1944,6 +1957,7 @@ def _is_plain_words(s: str) -> bool:
 
 def _norm_text(s: str) -> str:
     s = re.sub(r"\\text\s*\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"(?<=\d)(?:(\s+)|\.)(?=\d)", lambda m: "_" if m.group(1) else "p", s)   # '4 2' is not '42'
     return re.sub(r"[\s{}\\.]+", "", s).lower()
 
 
@@ -2751,12 +2765,30 @@ def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
     head_ok = head_is_name or len(parts) >= 3
     if const[k] and any(const[j] and not _val_equal(parts[j], parts[k], tol, budget) for j in range(k)):
         return []       # a false chain ('4 = 5', '0 = 1 = 2') states no value
+    if any(op == "~" and const[j] and const[j + 1] and not _approx_true(parts[j], parts[j + 1], budget)
+           for j, op in enumerate(ops)):
+        return []       # '5 \\approx 6', '5 \\approx 5.1': not an approximation of what it follows
     if const[k] and all(const[j] or (j == 0 and head_ok) for j in range(k)):
         out.append(parts[k])
     if "~" in ops and const[-1] and (
             (k == 0 and head_is_name) or tol > APPROX_GOLD_TOL or _has_decimal(gold)):
         out.append(parts[-1])
     return out
+
+
+def _approx_true(exact: Val, approx: Val, budget: _Budget) -> bool:
+    """'exact \\approx approx' holds: within half a unit in the approximation's last place (a decimal
+    or an integer literal), else within 1%. Complex or undefined values are not judged (True)."""
+    x, y = _real_value(exact, budget), _real_value(approx, budget)
+    if x is None or y is None:
+        return True
+    if approx.half_ulp is not None:
+        room = _to_mp(approx.half_ulp)
+    elif isinstance(approx.expr, sympy.Integer):
+        room = _MP.mpf(0.5)
+    else:
+        room = abs(y) / 100
+    return abs(x - y) <= room * (1 + _MP.mpf(10) ** -9) + ABS_TOL
 
 
 def _has_decimal(node) -> bool:
