@@ -217,7 +217,39 @@ def test_sums_and_products_with_numeric_bounds():
             ("\\sum_{i=1}^{3} i", "6", True),                        # i is the index, not sqrt(-1)
             ("\\prod_{i=1}^{2}(y+i)", "(y+1)(y+2)", True), ("\\prod_{i=1}^{2}(y+i)", "(y+1)^2", False),
             ("\\sum_{n=1}^{2} \\frac{1}{n}", "\\frac32", True), ("\\sum_{n=1}^{2} \\frac{1}{n} + 1", "\\frac32", False),
-            ("\\sum_{k=1}^{n} k", "\\frac{n(n+1)}{2}", False)])    # symbolic bounds are not expanded
+            ("\\sum_{k=1}^{n} k", "\\frac{n(n+1)}{2}", True), ("\\sum_{k=1}^{n} k", "\\frac{n(n-1)}{2}", False),
+            ("\\sum_{k=1}^{n-1} k", "\\frac{n(n-1)}{2}", True), ("\\sum_{k=0}^{n} k^2", "\\frac{n(n+1)(2n+1)}{6}", True),
+            ("\\sum_{k=1}^{n} k^2", "\\frac{n(n+1)(2n-1)}{6}", False), ("\\prod_{k=1}^{n} k", "n!", True),
+            ("\\prod_{k=1}^{n} k", "(n+1)!", False), ("\\sum_{k=1}^{n} x^k", "\\frac{x(x^n-1)}{x-1}", True),
+            ("\\sum_{k=1}^{n} x^k", "\\frac{x^n-1}{x-1}", False)])      # symbolic bounds: integer points
+
+
+def test_outside_forms_with_near_misses():
+    """Forms other graders' and CAS answer tests use, each beside the near misses it must refuse."""
+    _check([("sec(3*u)^2*(1+tan(3*u))", "sec(3*u)^2+sec(3*u)^2*tan(3*u)", True),
+            ("sec(3*u)^2*(1-tan(3*u))", "sec(3*u)^2+sec(3*u)^2*tan(3*u)", False),
+            ("3*sec(3*u)^2", "3/cos(3*u)^2", True), ("3*sec(3*u)^2", "-3/cos(3*u)^2", False),
+            ("cosech(u)", "1/sinh(u)", True), ("cosech(u)", "1/cosh(u)", False), ("csch(u)^2", "coth(u)^2 - 1", True),
+            ("\\operatorname{sech}^2 u", "1-\\tanh^2 u", True), ("\\operatorname{sech}^2 u", "1+\\tanh^2 u", False),
+            ("\\coth u", "\\frac{\\cosh u}{\\sinh u}", True), ("arccot(2)", "arctan(1/2)", True),
+            ("[0,3] \\setminus (1,2)", "[0,1] \\cup [2,3]", True), ("[0,3] \\setminus (1,2)", "[0,1) \\cup (2,3]", False),
+            ("[0,3] \\setminus [1,2]", "[0,1) \\cup (2,3]", True), ("\\mathbb{R} \\setminus (-1, 1)", "|x| \\ge 1", True),
+            ("\\mathbb{R} \\setminus [-1, 1]", "|x| \\ge 1", False),
+            ("(x < 1) \\text{ or } (x > 3)", "(-\\infty,1) \\cup (3,\\infty)", True),
+            ("(x < 1) \\text{ or } (x > 3)", "(-\\infty,1] \\cup (3,\\infty)", False),
+            ("(x > 1) \\text{ and } (x < 3)", "(1,3)", True), ("(x > 1) \\text{ or } (x < 3)", "(1,3)", False),
+            ("x = 2 \\pm \\sqrt{3}", "x = 2+\\sqrt3 \\text{ or } x = 2-\\sqrt3", True),
+            ("x = 2 \\pm \\sqrt{3}", "x = 2+\\sqrt3", False), ("x = 2 \\pm \\sqrt{3}", "x = 2+\\sqrt3 \\text{ or } x = 3-\\sqrt3", False),
+            ("\\frac{x^2}{|x|}", "|x|", True), ("\\frac{x^2}{|x|}", "x", False), ("|x| \\cdot |x|", "x^2", True),
+            ("\\sqrt{3+2\\sqrt{2}}", "1+\\sqrt2", True), ("\\sqrt{3+2\\sqrt{2}}", "\\sqrt2 - 1", False),
+            ("\\sqrt{5+2\\sqrt{6}}", "\\sqrt2+\\sqrt3", True), ("\\sqrt{5-2\\sqrt{6}}", "\\sqrt2+\\sqrt3", False),
+            ("-3 \\mod 4", "1", True), ("-3 \\bmod 4", "-3", False), ("(-3) \\bmod 4", "1", True), ("-3 \\bmod 4", "3", False),
+            ("The total cost is 3,15 €.", "3.15", True), ("The total cost is 3,15 €.", "315", False),
+            ("The area is 2,000.5 m².", "2000.5", True), ("The area is 2,000.5 m².", "2.0005", False),
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 5", True),
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 6", False),
+            ("((1,2),(3,4))", "(3,4), (1,2)", True), ("(1,2),(3,4)", "((3,4), (1,2))", True),
+            ("((2,1),(3,4))", "(3,4), (1,2)", False), ("((1,2),(3,5))", "(3,4), (1,2)", False)])
 
 
 def test_relations_in_other_spellings():

@@ -103,7 +103,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
 7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals
    a tuple with the same order. Bracket kinds of intervals must match (``[a,b)`` != ``(a,b)``).
-   A column or row vector (``pmatrix``) equals a tuple with the same entries.
+   A column or row vector (``pmatrix``) equals a tuple with the same entries. A tuple of tuples
+   against a bare list of tuples is unordered (``((1,2),(3,4))`` equals ``(3,4), (1,2)``).
 8. ``a \\pm b`` is the unordered pair ``{a+b, a-b}``.
 9. ``x = 5`` equals ``5`` when the left side is a single symbol; two equations are equal when
    ``lhs - rhs`` of one is a non-zero constant multiple of the other's, or (several variables) when
@@ -149,7 +150,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     intervals merge. A bare ``(a, b)`` is read as an interval only against an inequality or a union.
     Two relations in different variables are never equal. Nonlinear relations are not solved, and a
     comma list of relations is not a set (``x < 1, x > 2`` means "or", ``x \\ne 1, x \\ne 2`` "and").
-    ``\\mathbb{R} \\setminus \\{a\\}`` and ``\\{x \\mid x > a\\}`` are sets too; a union of finite sets is
+    ``\\mathbb{R} \\setminus \\{a\\}``, ``[0,3] \\setminus (1,2)`` and ``\\{x \\mid x > a\\}`` are sets too, and
+    brackets around a relation go (``(x < 1) \\text{ or } (x > 3)``); a union of finite sets is
     one set (``\\{1,2\\} \\cup \\{3\\}`` equals ``\\{1,2,3\\}``). Against a relation, ``t = 2`` (one
     variable, linear) and a finite set of numbers are sets of points (``[0,2] \\cap [2,5]`` equals
     ``\\{2\\}``); a product of symbols bounded by constants is one variable (``(0, 2)`` equals
@@ -171,15 +173,18 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is
     ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals the matrix with those rows.
 21. Named functions: ``\\gcd`` / ``\\operatorname{lcm}`` of integers, ``\\max`` / ``\\min`` of real numbers,
-    ``a \\bmod b`` (and ``a mod b``) of integers; ``f(0)``, ``I(2)`` (one letter before a parenthesised
-    integer) are one symbol, the function's value, not ``f`` times 0; ``\\pmod{m}`` is dropped, so
+    ``a \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter
+    before a parenthesised integer) are one symbol, the function's value, not ``f`` times 0;
+    ``\\pmod{m}`` is dropped, so
     ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it).
     ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
     is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
 22. ``m!`` and ``\\binom{m}{k}`` of a symbol are evaluated through the Gamma function at its sample
     points, so ``m (m-1)!`` equals ``m!`` and ``\\binom{m}{2}`` equals ``\\frac{m(m-1)}{2}``.
     ``\\sum`` / ``\\prod`` with integer bounds are expanded when evaluated (up to ``MAX_SUM_TERMS``
-    terms); the body is the next term. Symbolic bounds are not parsed.
+    terms); the body is the next term. With a symbolic bound (``\\sum_{j=1}^{m} j``) the names in the
+    bounds are compared at the integers 2, 3, 5, 7, 11, 13 (the other names at rational points), so
+    a sum equals its closed form (``\\frac{m(m+1)}{2}``) and not a near miss (``\\frac{m(m-1)}{2}``).
 23. Matrices: entrywise sums and differences, scalar multiples, negation and ``^T`` are computed;
     matrix products are not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4).
 24. Whole responses: after a ``</think>`` only what follows it counts (when anything does); a whole
@@ -205,7 +210,8 @@ arithmetic          ``+ - * / : \\cdot \\times \\div \\bmod``, implicit products
                     ``!``, ``\\frac``, ``\\sqrt[n]``, ``\\binom``, ``{n \\choose k}``, ``C(6,2)``, ``|x|``,
                     ``\\lfloor \\rfloor``, ``\\lceil \\rceil``, ``\\pm``, ``\\sum_{k=1}^{4}``, ``\\prod_{i=1}^{3}``
 functions           ``sin cos tan sec csc cot`` (``cosec``), their ``arc``/``^{-1}`` inverses,
-                    ``sinh cosh tanh`` and inverses (``arcsinh``), ``exp ln log log_b lg sqrt abs floor ceil``,
+                    ``sinh cosh tanh sech csch coth`` (``cosech``), inverses (``arcsinh``, ``arccot``),
+                    ``exp ln log log_b lg sqrt abs floor ceil``,
                     ``gcd lcm max min det``; with a backslash, ``\\operatorname{..}`` or in ASCII
 constants           ``\\pi``, ``e``, ``i``, ``\\infty``, ``\\mathbb{R}``, ``\\emptyset``
 relations           ``= < > \\le \\ge \\ne`` and ``<= >= != \\leq \\geqslant \\lt \\gt \\not= \\equiv``,
@@ -649,6 +655,7 @@ _CURRENCY_RE = re.compile(r"[€£¥₹]")
 _CURRENCY_WORD_RE = re.compile(r"^\s*(?:USD|EUR|GBP|JPY|INR|CHF|US\s*\$|Rs\.?)\s*(?=[+-]?\d)")
 _SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)")
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
+_PAREN_RELATION_RE = re.compile(r"\(\s*([^(),]*?(?:[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z]))[^(),]*?)\s*\)")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
 # Text after a value that is not a unit: digits, brackets, or words that qualify or hedge the value.
@@ -666,7 +673,8 @@ _SYMPY_CALL_RE = re.compile(r"(?<![A-Za-z\\])(Interval|FiniteSet|Union|Intersect
 _SYMPY_HINT_RE = re.compile(r"Interval|FiniteSet|EmptySet|Union\(|Intersection\(|Eq\(|Rational\(|Reals|Abs\(|"
                             r"ceiling\(|binomial\(|factorial\(|(?<!\\)log\([^()]*,")
 _FN_WORDS = ("gcd", "lcm", "max", "min", "floor", "ceil", "det", "cosec", "arcsinh", "arccosh", "arctanh",
-             "sinh", "cosh", "tanh", "lg", "ln", "log", "exp", "sec", "csc", "cot", "arcsin", "arccos", "arctan")
+             "sinh", "cosh", "tanh", "lg", "ln", "log", "exp", "sec", "csc", "cot", "arcsin", "arccos", "arctan",
+             "sech", "csch", "cosech", "coth", "arccot", "arcsec", "arccsc")
 _FN_NAME_RE = re.compile(r"\\(?:operatorname|mathrm|text|rm)\s*\{\s*(" + "|".join(_FN_WORDS) + r")\s*\}")
 _PMOD_RE = re.compile(r"\s*\\pmod\s*(?:\{[^{}]*\}|\w+)|\s*\(\s*\\(?:bmod|mod)\s*\w+\s*\)")
 _ELLIPSIS_RE = re.compile(r"\\(?:ldots|cdots|dots|dotsc|dotsb)(?![a-zA-Z])|\.\.\.|…")
@@ -824,6 +832,7 @@ def _clean(s: str) -> str:
             s = cond
     s = _IN_PREFIX_RE.sub("", s)
     if _INEQ_RE.search(s):            # "x < -1 or x > 4" is a union, "x > 1 and x < 3" an intersection
+        s = _PAREN_RELATION_RE.sub(r" \1 ", s)       # "(x < -1) or (x > 4)": brackets around relations go
         s = _AND_RE.sub(lambda m: " \\cap ", s)
         s = _OR_ONLY_RE.sub(lambda m: " \\cup ", s)
     s = _OR_RE.sub(",", s)
@@ -982,6 +991,8 @@ _FUNCS = {
     "sqrt": None, "abs": sympy.Abs, "cosec": sympy.csc, "arcsinh": sympy.asinh, "arccosh": sympy.acosh,
     "arctanh": sympy.atanh, "asinh": sympy.asinh, "acosh": sympy.acosh, "atanh": sympy.atanh,
     "floor": sympy.floor, "ceil": sympy.ceiling, "lg": None, "det": None,
+    "sech": sympy.sech, "csch": sympy.csch, "cosech": sympy.csch, "coth": sympy.coth, "arccot": sympy.acot,
+    "acot": sympy.acot, "arcsec": sympy.asec, "arccsc": sympy.acsc, "asec": sympy.asec, "acsc": sympy.acsc,
     "gcd": None, "lcm": None, "max": None, "min": None,
 }
 # Functions of several arguments, kept unevaluated (sympy's own Max/gcd would simplify on creation)
@@ -1242,6 +1253,8 @@ class _Parser:
             elif self.cmd_name() in ("pm", "mp"):
                 sign = self.take_cmd()
             t = self.parse_term()
+            if sign == "-" and type(t) is _MOD:
+                t, sign = _MOD(_neg(t.args[0]), t.args[1]), None    # '-3 \\bmod 4' is 1, not -(3 mod 4)
             if isinstance(t, Matrix) and sign in (None, "+", "-"):
                 return self._matrix_sum(_matrix_map(t, _neg) if sign == "-" else t)
             if isinstance(t, (Seq, Matrix, _Undef)):
@@ -1807,9 +1820,8 @@ class _Parser:
             body = self.parse_term()
         finally:
             self.bound = saved
-        if any(isinstance(x, (Seq, Matrix, _Undef)) for x in (lo, hi, body)) or \
-                lo.free_symbols or hi.free_symbols:
-            raise _ParseError("sum with symbolic bounds")
+        if any(isinstance(x, (Seq, Matrix, _Undef)) for x in (lo, hi, body)):
+            raise _ParseError("sum of a structure")
         k = sympy.Symbol(var)
         return (_SUM if name == "sum" else _PROD)(sympy.Lambda(k, body), lo, hi)
 
@@ -1970,7 +1982,8 @@ _MPF_FUNCS = {
     sympy.csc: _MP.csc, sympy.cot: _MP.cot, sympy.asin: _MP.asin, sympy.acos: _MP.acos,
     sympy.atan: _MP.atan, sympy.sinh: _MP.sinh, sympy.cosh: _MP.cosh, sympy.tanh: _MP.tanh,
     sympy.exp: _MP.exp, sympy.log: _MP.log, sympy.asinh: _MP.asinh, sympy.acosh: _MP.acosh,
-    sympy.atanh: _MP.atanh,
+    sympy.atanh: _MP.atanh, sympy.sech: _MP.sech, sympy.csch: _MP.csch, sympy.coth: _MP.coth,
+    sympy.acot: _MP.acot, sympy.asec: _MP.asec, sympy.acsc: _MP.acsc,
 }
 
 
@@ -2176,6 +2189,28 @@ def _free_names(e) -> set:
     return {s.name for s in e.free_symbols}
 
 
+_BOUND_VALUES = (2, 3, 5, 7, 11, 13)
+
+
+def _bound_names(e) -> set:
+    """Names in the bounds of a \\sum / \\prod (symbolic bounds: 'm' of \\sum_{j=1}^{m})."""
+    out = set()
+    for x in sympy.preorder_traversal(e):
+        if isinstance(x, (_SUM, _PROD)):
+            out |= _free_names(x.args[1]) | _free_names(x.args[2])
+    return out
+
+
+def _integer_points(names: list, ints: set) -> list[dict]:
+    """len(_BOUND_VALUES) points: the bound names at small integers, the others as in _points."""
+    out = []
+    for t, k in enumerate(_BOUND_VALUES):
+        rng = random.Random(7919 * (t + 1))
+        out.append({n: Fraction(k) if n in ints else Fraction(rng.randint(11, 97), rng.randint(5, 41)) +
+                    Fraction(1, 7) for n in names})
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Evaluation of the functions sympy would simplify on creation: gcd, lcm, max, min, sums and products
 # with integer bounds, and m! / \binom{m}{k} at a symbol's (non-integer) sample points via Gamma.
@@ -2242,7 +2277,11 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent else [])
     use_tol = tol if (a.inexact or b.inexact) else EXACT_REL_TOL
     names = sorted((_free_names(a.expr) | _free_names(b.expr)) - {"__pm__"})
-    points = _points(names, signed) if names else [{}]
+    bounds = (_bound_names(a.expr) | _bound_names(b.expr)) & set(names)
+    if bounds:                  # '\\sum_{j=1}^{m} j' against 'm(m+1)/2': integer points for m
+        points, signed = _integer_points(names, bounds), True
+    else:
+        points = _points(names, signed) if names else [{}]
     for va, sa in cands_a:
         for vb, sb in cands_b:
             if _agree(va, sa, vb, sb, points, use_tol, budget) and (
@@ -2468,8 +2507,8 @@ def _as_items(node):
     """A node as a list of items when it is a list-like (bare list, or a single \\pm value)."""
     if isinstance(node, Seq) and node.open == "":
         return _expand_pm(node.items)
-    if _has_free_pm(node):
-        return _expand_pm([node])
+    if _has_free_pm(node) or isinstance(node, Eqn) and node.op == "=" and _has_free_pm(node.rhs):
+        return _expand_pm([node])      # 'x = 2 \\pm \\sqrt3' is 'x = 2+\\sqrt3, x = 2-\\sqrt3'
     return None
 
 
@@ -2561,6 +2600,16 @@ def _intersect(xs: list, ys: list) -> list:
     return _normalise(out)
 
 
+def _complement(ivs: list) -> list:
+    """The real line without the sorted, merged intervals ivs."""
+    out, lo, lc = [], -_MP.inf, False
+    for a, ac, b, bc in ivs:
+        out.append((lo, lc, a, not ac))
+        lo, lc = b, not bc
+    out.append((lo, lc, _MP.inf, False))
+    return _normalise([iv for iv in out if not (_MP.isinf(iv[0]) and _MP.isinf(iv[2]) and iv[0] == iv[2])])
+
+
 def _ray(op: str, r) -> list:
     """The real numbers v with 'v op r' as intervals; '=' is the single point r."""
     inf = _MP.inf
@@ -2629,16 +2678,10 @@ def _real_set(node, budget: _Budget):
         return _combine([_real_set(m, budget) for m in members], _intersect)
     if isinstance(node, Inter):
         return _combine([_real_set(m, budget) for m in node.items], _intersect)
-    if isinstance(node, Minus) and isinstance(node.removed, Seq) and node.removed.open == "{":
-        whole = _real_set(node.whole, budget)
-        points = [_real_value(x, budget) if isinstance(x, Val) else None for x in node.removed.items]
-        if whole is None or any(p is None for p in points):
-            return None
-        points.sort()
-        keep = [(-_MP.inf, False, p, False) for p in points[:1]] + [
-            (p, False, q, False) for p, q in zip(points, points[1:])] + [
-            (p, False, _MP.inf, False) for p in points[-1:]]        # the line without the points
-        return whole[0], whole[1], _intersect(whole[2], _normalise(keep)) if points else whole[2]
+    if isinstance(node, Minus):     # '\\mathbb{R} \\setminus \\{2\\}', '[0,3] \\setminus (1,2)'
+        got = _combine([_real_set(node.whole, budget), _real_set(node.removed, budget)], lambda x, y: x)
+        removed = _real_set(node.removed, budget) if got is not None else None
+        return None if removed is None else (got[0], got[1], _intersect(got[2], _complement(removed[2])))
     if isinstance(node, Union):
         return _combine([_real_set(m, budget) for m in node.items], lambda x, y: _normalise(x + y))
     return None
@@ -2847,6 +2890,8 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
         items = ia if ia is not None else ib
         if isinstance(other, Seq) and other.open == "(" and isinstance(a, Seq) \
                 and isinstance(b, Seq):
+            if all(isinstance(x, Seq) and x.open == "(" and x.close == ")" for x in items + other.items):
+                return _unordered_equal(items, other.items, tol, budget)   # ((1,2),(3,4)): a list of pairs
             return _ordered_equal(_by_name(a.items), _by_name(b.items), tol, budget)  # list vs tuple
         if isinstance(other, Seq) and other.open == "{":
             return _unordered_equal(_distinct(items, tol, budget),
@@ -3027,7 +3072,8 @@ def _unwrap_answer(s: str) -> str:
     if _ANSWER_PHRASE_RE.search(s):     # 'The answer is 5'
         return _after_phrase(s) or s
     if _is_prose(s):                   # 'Therefore $x \\geq 5$ is the solution.': as from a response
-        return extract_answer(s, last_number=False) or s
+        plain = not re.search(r"[\^*/=()\[\]{}\\<>|_]", _MATH_SPAN_RE.sub(" ", s))
+        return extract_answer(s, last_number=plain) or s    # 'It costs 3,15 €.': its last number
     return s
 
 
@@ -3042,7 +3088,8 @@ def _is_prose(s: str) -> bool:
     if bare != re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s):      # math spans in a sentence
         return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{2,}(?![A-Za-z])", bare)) >= 2
     words = re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare)
-    return sum(w not in _FUNCS and w not in _CONST_WORDS for w in words) >= 3    # not 'cos(t)+sin(t)'
+    n = sum(w not in _FUNCS and w not in _CONST_WORDS for w in words)    # not 'cos(t)+sin(t)'
+    return n >= 3 or n >= 2 and re.search(r"\.\s*$|\s(?:is|are)\s", s) is not None   # 'The area is 2 m².'
 
 
 def _has_undefined(s: str) -> bool:
@@ -3055,7 +3102,10 @@ def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> 
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     try:
-        return bool(_compare(pred, gold, rel_tol))
+        if _compare(pred, gold, rel_tol):
+            return True
+        boxes = _boxes_for_list(pred, gold)     # the same reading of several boxes as verify()
+        return boxes is not None and boxes != pred and _compare(boxes, gold, rel_tol)
     except _Limit:
         _count("limit_hits")
     except (_ParseError, _Undefined):
