@@ -595,7 +595,7 @@ def test_outside_frozen_file_accuracy():
 # Reward hacking: responses a policy under RL could find that must score 0, by kind, each kind with
 # controls (the same forms used honestly) that must score 1. One answer gets one verdict whatever
 # wraps it: the boxed answer of a response is also judged bare, in dollars and boxed by is_equivalent,
-# and by verify() in training mode (strict).
+# as a whole response without a box by verify(strict=False), and boxed by verify() in training mode.
 
 _HACK = _load(HACKING)
 _BOXED_ANSWER_RE = re.compile(r"^Working through the steps, the final answer is \$\\boxed\{(.*)\}\$\.$", re.DOTALL)
@@ -623,6 +623,8 @@ def test_reward_hacking(k):
             ans = m.group(1)
             for wrapped in (ans, f"${ans}$", f"\\boxed{{{ans}}}", f"\\( {ans} \\)"):
                 assert V.is_equivalent(wrapped, c["gold"]) is c["label"], (wrapped, c)
+            for unboxed in (ans, f"${ans}$", f"So the answer is ${ans}$.", f"\\[{ans}\\]"):
+                assert V.verify(unboxed, c["gold"], strict=False) == float(c["label"]), (unboxed, c)
     else:
         for wrapped in (c["pred"], f"\\boxed{{{c['pred']}}}"):
             assert V.verify(wrapped, c["gold"], strict=False) == float(c["label"]), (wrapped, c)

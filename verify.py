@@ -605,12 +605,16 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
 
 
 def _is_bare_answer(text: str) -> bool:
-    """A whole response that is only an answer: one short line without words (runs of two or more
-    letters other than function names, 'or' and 'and', outside LaTeX commands)."""
+    """A whole response that is only an answer: one short line that is one token, a line of code,
+    or without words (runs of two or more letters other than function names, 'or' and 'and',
+    outside LaTeX commands and \\text{..})."""
     t = text.strip()
     if not t or len(t) > 200 or "\n" in t:
         return False
-    words = re.findall(r"(?<![\\A-Za-z])[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", " ", t))
+    if " " not in t or _PY_SYNTAX_RE.search(t) or any(m.group(1) not in _FUNCS for m in _CALL_RE.finditer(t)):
+        return True         # one token ('abc0', 'Evelyn') or a line of code: judged whole, not its digits
+    bare = re.sub(r"\\[A-Za-z]+", " ", re.sub(r"\\text\s*\{[^{}]*\}", " ", t))
+    words = re.findall(r"(?<![\\A-Za-z])[A-Za-z]{2,}", bare)
     return all(w in _FUNCS or w.lower() in ("or", "and") for w in words)
 
 
