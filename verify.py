@@ -73,8 +73,9 @@ text after a value is a unit only when it holds no digit, bracket or qualifying 
 wherever both sides stay real (``|u|``, ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``); an open list
 (any spelling of the ellipsis, inside or outside braces, with or without dollars) is never a finite
 list; a box inside a box beside other content, and an unclosed last box, are no answer; a whole
-response without a box that is one short line without words is read whole (``3 or 4`` is two
-answers, ``1,3,5`` is not the number 135); a choice letter followed by another letter, ``or`` or a
+response without a box that is one short line (one token, a line of code, or no words) is read
+whole (``3 or 4`` is two answers, ``1,3,5`` is not the number 135, ``abc0`` is not 0), and the last
+number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``); a choice letter followed by another letter, ``or`` or a
 comma is no choice (``(C) or (D)``); an approximation farther from the value it follows than half a
 unit in its last place states nothing (``5 \\approx 5.1``); numbers side by side are no product
 (``7 0``, ``4 5``; ``10 000`` is read only as a whole answer) and a number's subscript must be a
@@ -384,6 +385,8 @@ _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\
 _IS_VALUE_RE = re.compile(r"\s(?:is|are|equals|was|=)\s+(?!\s)(.+)$")
 _BARE_ARITHMETIC_RE = re.compile(r"^\s*[-+]?\d[\d\s.]*(?:[-+*/×·]\s*\(?\s*\d[\d\s.]*\)?\s*)+$")
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
+_HEDGE_WORDS_RE = re.compile(r"(?<![A-Za-z])(?:or|maybe|perhaps|possibly|probably|either|might|guess|unsure|"
+                             r"not sure|could be)(?![A-Za-z])", re.IGNORECASE)
 _MAX_JOIN = 8               # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
 
@@ -591,8 +594,8 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
         ans = find(tail)
         if ans:
             return ans
-    if not last_number:
-        return None
+    if not last_number or _HEDGE_WORDS_RE.search(tail.strip().rsplit("\n", 1)[-1]):
+        return None         # 'It is either 4 or 5.': a hedge, not an answer to read a number from
     last = None
     for last in _NUMBER_RE.finditer(tail):
         pass
