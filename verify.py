@@ -58,29 +58,37 @@ How answers are compared
 What counts as an answer (the strictness rule)
 ----------------------------------------------
 Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
-So a prediction is a mathematical answer only when it is written in the notation of the table below
-(numbers, names, operators, functions, relations, structures, plain words for a text answer). In
-particular none of these is an answer, and each is unequal to every gold (``_check_math`` and
-``_check_product``, the one place that decides it; no other reading or leniency is tried after it):
-program syntax (quotes that are not primes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names
-``os.path`` / ``math.sqrt``, ``__``, ``import``/``lambda``/``return``), a call of a name that is not a
-known function (``run(0)``, ``print(4)``), and a product in which a factor written as the literal
-``0`` stands next to a factor that is not a number (``k0``, ``v0w``, ``0x``, ``\\frac{0}{k}``: each
-would equal every gold 0). The leniencies below are each bounded by what a policy could exploit:
-text after a value is a unit only when it holds no digit, bracket or qualifying word (``\\text{ or
-5}``, ``\\text{ (not sure)}``, ``\\text{ or more}`` are not units); a chain of constants that is false
-(``4 = 5``, ``0 = 1 = 2``) states no value; expressions must also agree at points of both signs
-wherever both sides stay real (``|u|``, ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``); an open list
-(any spelling of the ellipsis, inside or outside braces, with or without dollars) is never a finite
-list; a box inside a box beside other content, and an unclosed last box, are no answer; a whole
-response without a box that is one short line (one token, a line of code, or no words) is read
-whole (``3 or 4`` is two answers, ``1,3,5`` is not the number 135, ``abc0`` is not 0), and the last
-number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``); a choice letter followed by another letter, ``or`` or a
-comma is no choice (``(C) or (D)``); an approximation farther from the value it follows than half a
-unit in its last place states nothing (``5 \\approx 5.1``); numbers side by side are no product
-(``7 0``, ``4 5``; ``10 000`` is read only as a whole answer) and a number's subscript must be a
-base (``52_8``, not ``4_{\\text{or }5}``). ``data/verify_hacking.jsonl`` holds the forms a policy
-could try, by kind, each with honest controls.
+So a prediction is an answer only when it is written in the notation of the table below (numbers,
+names, operators, functions, relations, structures, plain words for a text answer). These are not
+answers, and each is unequal to every gold; ``_check_math`` and ``_check_product`` are the one place
+that decides it, and no other reading or leniency is tried after it:
+
+- program syntax: quotes that are not primes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names
+  (``os.path``, ``x.real``), ``__``, ``import`` / ``lambda`` / ``return``. Only ``np.``, ``numpy.`` or
+  ``math.`` before a known function or ``pi`` is dropped (Minerva's gold ``np.arcsin(10/13)``);
+- a call of a name that is not a known function (``run(0)``, ``print(4)``);
+- a product in which a factor written as the literal ``0`` stands next to a factor that is not a
+  number (``k0``, ``v0w``, ``0x``, ``\\frac{0}{k}``: each would equal every gold 0).
+
+Every leniency is bounded by what a policy could exploit with it:
+
+- text after a value is a unit only when it holds no digit, bracket or qualifying word
+  (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}`` are not units);
+- a false chain of constants states no value (``4 = 5``, ``0 = 1 = 2``), nor does an approximation
+  farther than half a unit in its last place from the value it follows (``5 \\approx 5.1``);
+- expressions must also agree at points of both signs wherever both sides stay real (``|u|``,
+  ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``; departure 2);
+- an open list (any spelling of the ellipsis, inside or outside braces, with or without dollars)
+  is never a finite list;
+- a box inside a box beside other content, and an unclosed last box, are no answer;
+- a whole response without a box that is one short line (one token, a line of code, or no words)
+  is read whole (``3 or 4`` is two answers, ``1,3,5`` is not 135, ``abc0`` is not 0); the last
+  number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``);
+- a choice letter followed by another letter, ``or`` or a comma is no choice (``(C) or (D)``);
+- numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
+  answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
+
+``data/verify_hacking.jsonl`` holds the forms a policy could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
@@ -662,6 +670,9 @@ _CURRENCY_RE = re.compile(r"[€£¥₹]")
 _CURRENCY_WORD_RE = re.compile(r"^\s*(?:USD|EUR|GBP|JPY|INR|CHF|US\s*\$|Rs\.?)\s*(?=[+-]?\d)")
 _SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)")
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
+_NUMPY_RE = re.compile(r"(?<![A-Za-z_.])(?:np|numpy|math)\.(?=(?:" + "|".join(
+    ("arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "sin", "cos", "tan", "exp", "log10", "log", "sqrt",
+     "pi", "e", "floor", "ceil", "abs", "gcd")) + r")(?![A-Za-z_]))")
 _PAREN_RELATION_RE = re.compile(r"\(\s*([^(),]*?(?:[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z]))[^(),]*?)\s*\)")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
@@ -814,6 +825,7 @@ def _clean(s: str) -> str:
     s = _CURRENCY_WORD_RE.sub("", s)                  # 'USD 1,250' (after the number: a unit word)
     s = s.replace("²", "^2").replace("³", "^3")
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "")
+    s = _NUMPY_RE.sub("", s)                          # np.arcsin(10/13), math.pi: the function itself
     for u, latex in _UNICODE.items():
         if u in s:
             s = s.replace(u, latex)
@@ -887,7 +899,7 @@ def _strip_plain_unit(s: str) -> str | None:
 _PY_SYNTAX_RE = re.compile(
     r"[\"`?@#]|=="                                   # quotes, backticks, Python's equality and decorators
     r"|(?<![A-Za-z0-9)}\]'])'|'(?=[A-Za-z0-9_'\"])"      # a quote that is not a prime (f'(x), y'')
-    r"|[A-Za-z_]\.[A-Za-z_]|__"                          # dotted names (os.path, x.real), dunders
+    r"|[A-Za-z_]{2,}\.[A-Za-z_]|[A-Za-z_]\.[A-Za-z_]{2,}|__"   # dotted names (os.path, x.real; not p.m.), dunders
     r"|(?<![\\A-Za-z])(?:import|lambda|return)(?![A-Za-z])")
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
 
