@@ -1671,7 +1671,10 @@ class _Parser:
 
     def parse_fn_arg(self):
         """'\\sin 2x' -> sin(2x): factors up to the next operator or function (no parens)."""
+        self.ws()
+        start = self.i
         factors = [self.parse_factor()]
+        zero = self._written_zero(factors[0], start)
         while self.starts_factor():
             name = self.cmd_name()
             if name in _FUNCS or name == "frac":
@@ -1682,9 +1685,13 @@ class _Parser:
                     j += 1
                 if self.s[self.i:j] in _FUNCS:
                     break
+            start = self.i
             factors.append(self.parse_factor())
+            zero = zero or self._written_zero(factors[-1], start)
         if any(isinstance(f, (Seq, Matrix, _Undef)) for f in factors):
             raise _ParseError("function of a structure")
+        if len(factors) > 1 and self.check_zero:
+            _check_product(factors, zero)          # '\\sin 0x'
         return factors[0] if len(factors) == 1 else sympy.Mul(*factors, evaluate=False)
 
     def parse_atom(self):
