@@ -74,8 +74,11 @@ Every leniency is bounded by what a policy could exploit with it:
 
 - text after a value is a unit only when it holds no digit, bracket or qualifying word
   (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}`` are not units);
-- a false chain of constants states no value (``4 = 5``, ``0 = 1 = 2``), nor does an approximation
-  farther than half a unit in its last place from the value it follows (``5 \\approx 5.1``);
+- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
+  approximation farther than half a unit in its last place from the value it follows
+  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
+  after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
+  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``;
 - expressions must also agree at points of both signs wherever both sides stay real (``|u|``,
   ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``; departure 2);
 - an open list (any spelling of the ellipsis, inside or outside braces, with or without dollars)
@@ -84,7 +87,7 @@ Every leniency is bounded by what a policy could exploit with it:
 - a whole response without a box that is one short line (one token, a line of code, or no words)
   is read whole (``3 or 4`` is two answers, ``1,3,5`` is not 135, ``abc0`` is not 0); the last
   number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``);
-- a choice letter followed by another letter, ``or`` or a comma is no choice (``(C) or (D)``);
+- a choice letter followed by anything but its value is no choice (``(C) or (D)``, ``(C)+1``);
 - numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
   answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
 
@@ -673,7 +676,7 @@ _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
 _NUMPY_RE = re.compile(r"(?<![A-Za-z_.])(?:np|numpy|math)\.(?=(?:" + "|".join(
     ("arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "sin", "cos", "tan", "exp", "log10", "log", "sqrt",
      "pi", "e", "floor", "ceil", "abs", "gcd")) + r")(?![A-Za-z_]))")
-_PAREN_RELATION_RE = re.compile(r"\(\s*([^(),]*?(?:[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z]))[^(),]*?)\s*\)")
+_PAREN_RELATION_RE = re.compile(r"(?<![^\s{},])\(\s*([^(),]*?(?:[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z]))[^(),]*?)\s*\)")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
 # Text after a value that is not a unit: digits, brackets, or words that qualify or hedge the value.
@@ -854,7 +857,7 @@ def _clean(s: str) -> str:
         s = _PAREN_RELATION_RE.sub(r" \1 ", s)       # "(x < -1) or (x > 4)": brackets around relations go
         s = _AND_RE.sub(lambda m: " \\cap ", s)
         s = _OR_ONLY_RE.sub(lambda m: " \\cup ", s)
-    s = _OR_RE.sub(",", s)
+    s = _OR_RE.sub(", ", s)          # with a space: '4 or 7' is never the decimal 4,7
     # Units written as text after a value: "5.4 \text{ cents}", "864 \mbox{ inches}^2".
     for _ in range(3):
         m = _TRAILING_TEXT_RE.match(s)
@@ -1927,7 +1930,8 @@ def _decimal_fraction(txt: str) -> Fraction:
 
 _CHOICE_RE = re.compile(r"^\(?\s*([A-E])\s*\)?$")
 _CHOICE_PRED_RE = re.compile(r"^(?:\\text\{)?\(([A-E])\)")
-_OTHER_CHOICE_RE = re.compile(r"\([A-E]\)|(?<![A-Za-z\\])(?:[A-E]|or|and)(?![A-Za-z])|,")
+# After a choice letter only its value may follow ('\\textbf{(C)} 12'): not '(C) or (D)', '(C)+1'.
+_CHOICE_VALUE_RE = re.compile(r"[\s}]*(?:-?\d+(?:\.\d+)?|\\frac\s*\{\d+\}\s*\{\d+\}|\\sqrt\s*\{?\d+\}?)?\s*")
 _WORDS_RE = re.compile(r"^[A-Za-z]{2,}(?:[ '\-]+[A-Za-z]{2,})*$")
 
 
@@ -1947,7 +1951,7 @@ def _parse(s: str, budget: _Budget, *, as_gold: bool, split: frozenset = frozens
         return Choice(m.group(1))
     if not as_gold:
         m = _CHOICE_PRED_RE.match(s)
-        if m and not _OTHER_CHOICE_RE.search(s[m.end():]):
+        if m and _CHOICE_VALUE_RE.fullmatch(s[m.end():]):
             return Choice(m.group(1))       # '\\textbf{(C)} 12', not '(C) or (D)' 
     if not as_gold:
         _check_math(s)
@@ -2750,7 +2754,7 @@ def _readings(node, gold, tol: float, budget: _Budget) -> list:
             isinstance(x, (Eqn, Chain)) for x in gold.items)):
         # The gold names its answer too: names must match (x = 5 is not y = 5). 'x = 5+5+1 = 11'
         # against a gold 'x = 11' names x: its stated value is compared.
-        pa = _as_assignment(node)
+        pa = _as_assignment(node, budget)
         if pa is not None and pa is not node:
             out.append(pa)
         return out
@@ -2805,12 +2809,14 @@ def _has_relation(node) -> bool:
     return isinstance(node, Seq) and any(_has_relation(x) for x in node.items)
 
 
-def _as_assignment(node):
-    """'x = 5' and the chain 'x = 2+3 = 5' (up to its first '~') as the assignment x = 5, else None."""
+def _as_assignment(node, budget: _Budget | None = None):
+    """'x = 5' and the chain 'x = 2+3 = 5' (up to its first '~') as the assignment x = 5, else None.
+    With a budget (a prediction), a chain whose approximations do not hold states nothing."""
     if isinstance(node, Eqn) and node.op == "=" and isinstance(node.lhs.expr, sympy.Symbol):
         return node
     if isinstance(node, Chain) and isinstance(node.parts[0].expr, sympy.Symbol) and \
-            all(op in ("=", "~") for op in node.ops):
+            all(op in ("=", "~") for op in node.ops) and (
+                budget is None or _chain_holds(node.parts, node.ops, DEFAULT_REL_TOL, budget)):
         k = node.ops.index("~") if "~" in node.ops else len(node.ops)
         if k > 0 and all(op == "=" for op in node.ops[:k]):
             return Eqn(node.parts[0], node.parts[k])
@@ -2832,11 +2838,8 @@ def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
     # part before it is a name or a constant ('2x + 1 = 7' is an equation to solve, not 7).
     # In a longer chain ('\\pi r^2 = 4\\pi \\approx 12.57') the head is what is being computed.
     head_ok = head_is_name or len(parts) >= 3
-    if const[k] and any(const[j] and not _val_equal(parts[j], parts[k], tol, budget) for j in range(k)):
-        return []       # a false chain ('4 = 5', '0 = 1 = 2') states no value
-    if any(op == "~" and const[j] and const[j + 1] and not _approx_true(parts[j], parts[j + 1], budget)
-           for j, op in enumerate(ops)):
-        return []       # '5 \\approx 6', '5 \\approx 5.1': not an approximation of what it follows
+    if not _chain_holds(parts, ops, tol, budget):
+        return []       # '4 = 5', '0 = 1 = 2', '5 \\approx 5.1': a false chain states no value
     if const[k] and all(const[j] or (j == 0 and head_ok) for j in range(k)):
         out.append(parts[k])
     if "~" in ops and const[-1] and (
@@ -2845,12 +2848,23 @@ def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
     return out
 
 
+def _chain_holds(parts: list, ops: list, tol: float, budget: _Budget) -> bool:
+    """The constants of a chain before its first '\\approx' are equal, and every '\\approx' approximates
+    what it follows: a name ('t \\approx 9'), or a constant within half a unit in the approximation's
+    last place (a decimal or integer literal), else within 1%."""
+    k = ops.index("~") if "~" in ops else len(ops)
+    consts = [p for p in parts[:k + 1] if not (_free_names(p.expr) - {"__pm__"})]
+    if any(not _val_equal(p, consts[-1], tol, budget) for p in consts[:-1]):
+        return False
+    return all(op != "~" or (j == 0 and _is_name(parts[0].expr)) or _approx_true(parts[j], parts[j + 1], budget)
+               for j, op in enumerate(ops))
+
+
 def _approx_true(exact: Val, approx: Val, budget: _Budget) -> bool:
-    """'exact \\approx approx' holds: within half a unit in the approximation's last place (a decimal
-    or an integer literal), else within 1%. Complex or undefined values are not judged (True)."""
-    x, y = _real_value(exact, budget), _real_value(approx, budget)
-    if x is None or y is None:
-        return True
+    try:
+        x, y = _to_mp(_ev(exact.expr, dict(exact.env), budget)), _to_mp(_ev(approx.expr, dict(approx.env), budget))
+    except _Undefined:
+        return False            # a name, a free \\pm or an undefined value: not a stated approximation
     if approx.half_ulp is not None:
         room = _to_mp(approx.half_ulp)
     elif isinstance(approx.expr, sympy.Integer):
@@ -2991,7 +3005,8 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
         _count("parse_failures")
         pa = ga = None
         tail = _right_of_last_equals(cp)
-        if tail is not None:        # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1
+        if tail is not None and _UNPARSED_OPERATOR_RE.search(cp[:len(cp) - len(tail)]):
+            # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1 (not '7, = 15')
             try:
                 pa, ga = _parse(tail, budget, as_gold=False), _parse(cg, budget, as_gold=True)
             except _ParseError:
@@ -3038,6 +3053,8 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 
 # Decimal commas (departure 19): '3,25' and '0,125' cannot be thousands separators; '1,250' can.
 _DEC_COMMA_RE = re.compile(r"^([+-]?\d+)(?:,|\{,\})(\d{1,2}|\d{4,})(?=%?$)|^([+-]?0)(?:,|\{,\})(\d+)(?=%?$)")
+_UNPARSED_OPERATOR_RE = re.compile(r"\\(?:lim|int|iint|oint|partial|nabla|det|sum|prod|mathrm|frac|operatorname)"
+                                   r"(?![a-zA-Z])")
 _LONE_DECIMAL_RE = re.compile(r"^[+-]?\d+\.\d+%?$")
 
 
