@@ -50,7 +50,9 @@ How answers are compared
 2. Two expressions are equal when they agree at a few seeded pseudo-random rational points for their
    free symbols (one "point" when there are none). Evaluation is our own walk over the sympy tree:
    exact ``fractions.Fraction`` arithmetic while only + - * / and integer powers appear, otherwise
-   mpmath at 50 digits. Exact vs exact: identical Fractions, or agreement to 1e-30 relative. When
+   mpmath at 50 digits. Exact vs exact: identical Fractions, or agreement to 1e-44 relative plus the
+   rounding that cancellation can leave (``NOISE`` times the largest term summed or angle of a
+   periodic function): ``\\sin \\pi`` is 0, ``e^{-1000}`` and ``\\sqrt{10^{40}+1} - 10^{20}`` are not. When
    either side contains a decimal literal: relative tolerance ``rel_tol``. sympy's ``simplify`` is
    never called, and the cost of each evaluation is bounded by the caps.
 3. Undefined values (0/0, division by zero, nan, zoo) make the answer unequal to everything.
@@ -289,7 +291,7 @@ __all__ = [
 DEFAULT_REL_TOL = 1e-4      # decimals vs anything: relative tolerance (MATH golds are exact)
 MINERVA_REL_TOL = 1e-2      # Minerva golds have ~3 significant figures (up to 0.5% rounding)
 APPROX_GOLD_TOL = 1e-3      # rel_tol above this: golds are approximate, no rounding check
-EXACT_REL_TOL = 1e-30       # exact vs exact evaluated at 50 digits (irrational functions)
+EXACT_REL_TOL = 1e-44       # exact vs exact evaluated at 50 digits (irrational functions): rounding only
 ABS_TOL = 1e-40             # absorbs cancellation noise around zero at 50 digits
 MAX_RESPONSE_CHARS = 200_000  # longer responses: only the tail is searched for the answer
 MAX_ANSWER_CHARS = 1_500    # an extracted answer longer than this is not parsed
@@ -359,12 +361,13 @@ class _NotMath(Exception):
 class _Budget:
     """Step counter plus a wall-clock backstop, shared by the parse and the evaluation of one call."""
 
-    __slots__ = ("steps", "deadline", "left_reals")
+    __slots__ = ("steps", "deadline", "left_reals", "scale")
 
     def __init__(self) -> None:
         self.steps = 0
         self.deadline = time.perf_counter() + MAX_SECONDS
         self.left_reals = False     # an evaluation went complex from real inputs (sqrt of a negative)
+        self.scale = 0              # largest rounded term summed or angle of a periodic function
 
     def tick(self, n: int = 1) -> None:
         self.steps += n
@@ -2017,6 +2020,10 @@ _MPF_FUNCS = {
 }
 
 
+_PERIODIC = (sympy.sin, sympy.cos, sympy.tan, sympy.sec, sympy.csc, sympy.cot)
+NOISE = 1e-45               # rounding noise at 50 digits, relative to the largest term summed
+
+
 def _to_mp(v):
     if isinstance(v, Fraction):
         return _MP.mpf(v.numerator) / v.denominator
@@ -2054,6 +2061,7 @@ def _ev(e, env: dict, budget: _Budget):
                 if not _exact_ok(acc):
                     acc = _to_mp(acc)
             else:
+                budget.scale = max(budget.scale, abs(_to_mp(acc)), abs(_to_mp(v)))
                 acc = _check_mp(_to_mp(acc) + _to_mp(v))
         return acc
     if isinstance(e, sympy.Mul):
@@ -2123,6 +2131,8 @@ def _ev(e, env: dict, budget: _Budget):
         args = [_to_mp(_ev(a, env, budget)) for a in e.args]
         if type(e) is sympy.log and args[0] == 0:
             raise _Undefined()
+        if type(e) in _PERIODIC:
+            budget.scale = max(budget.scale, abs(args[0]))
         try:
             return _note_complex(_check_mp(fn(*args)), args, budget)
         except (ZeroDivisionError, ValueError):
@@ -2186,7 +2196,10 @@ def _iroot(n: int, k: int) -> int | None:
     return None
 
 
-def _close(a, b, tol: float, abs_tol=None) -> bool:
+def _close(a, b, tol: float, abs_tol=None, scale=None) -> bool:
+    """|a - b| within tol relative, plus abs_tol; or, given scale (the largest term summed or angle
+    of a periodic function while evaluating), plus NOISE * scale: the rounding that cancellation can
+    leave at 50 digits, so sin^2 + cos^2 - 1 is 0 but e^{-1000} is not (without scale: ABS_TOL)."""
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         if a == b:
             return True
@@ -2197,7 +2210,10 @@ def _close(a, b, tol: float, abs_tol=None) -> bool:
     a, b = _to_mp(a), _to_mp(b)
     if _MP.isinf(a) or _MP.isinf(b):
         return a == b
-    extra = ABS_TOL if abs_tol is None else _to_mp(Fraction(abs_tol))
+    if abs_tol is not None:
+        extra = _to_mp(Fraction(abs_tol))
+    else:
+        extra = ABS_TOL if scale is None else NOISE * scale
     return abs(a - b) <= tol * max(abs(a), abs(b)) + extra
 
 
@@ -2324,7 +2340,7 @@ def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
     """Agreement at points of both signs wherever both sides stay real (departure 2): |u| is not u,
     but \\ln(u^2) and 2\\ln u (complex for u < 0) are not told apart by a negative u."""
     for p in _points(names, signed=True)[1:]:
-        budget.left_reals = False
+        budget.left_reals, budget.scale = False, 0
         try:
             x = _ev(a.expr, {**p, **a.env}, budget)
             y = _ev(b.expr, {**p, **b.env}, budget)
@@ -2334,7 +2350,7 @@ def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
             continue
         x = x * sa if isinstance(x, Fraction) else x * _MP.mpf(sa.numerator) / sa.denominator
         y = y * sb if isinstance(y, Fraction) else y * _MP.mpf(sb.numerator) / sb.denominator
-        if not _close(x, y, tol):
+        if not _close(x, y, tol, scale=budget.scale):
             return False
     budget.left_reals = False
     return True
@@ -2343,6 +2359,7 @@ def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
 def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
     valid = 0
     for p in points:
+        budget.scale = 0
         try:
             x = _ev(a.expr, {**p, **a.env}, budget)
             y = _ev(b.expr, {**p, **b.env}, budget)
@@ -2354,7 +2371,7 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
             x = x * sa if isinstance(x, Fraction) else x * _MP.mpf(sa.numerator) / sa.denominator
         if sb != 1:
             y = y * sb if isinstance(y, Fraction) else y * _MP.mpf(sb.numerator) / sb.denominator
-        if not _close(x, y, tol):
+        if not _close(x, y, tol, scale=budget.scale):
             return False
         # A lone decimal against an exact value must also be that value correctly rounded to the
         # decimal's own digits: 100.01 is not 100 and 1.000001 is not 1, though within rel_tol.
@@ -2399,7 +2416,7 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
             return False
         ratios.append(x / y if isinstance(x, Fraction) and isinstance(y, Fraction)
                       else _to_mp(x) / _to_mp(y))
-    use_tol = tol if (da.inexact or db.inexact) else EXACT_REL_TOL
+    use_tol = tol if (da.inexact or db.inexact) else 1e-30     # ratios of differences: cancellation
     if a.op not in ("=", "!="):
         r0 = _as_real(ratios[0]) if ratios else None
         if r0 is None or r0 <= 0:
