@@ -292,7 +292,8 @@ DEFAULT_REL_TOL = 1e-4      # decimals vs anything: relative tolerance (MATH gol
 MINERVA_REL_TOL = 1e-2      # Minerva golds have ~3 significant figures (up to 0.5% rounding)
 APPROX_GOLD_TOL = 1e-3      # rel_tol above this: golds are approximate, no rounding check
 EXACT_REL_TOL = 1e-44       # exact vs exact evaluated at 50 digits (irrational functions): rounding only
-ABS_TOL = 1e-40             # absorbs cancellation noise around zero at 50 digits
+ABS_TOL = 1e-40             # absorbs cancellation noise around zero at 50 digits (intervals, ratios)
+NOISE = 1e-45               # expressions: rounding noise at 50 digits, relative to the largest term summed
 MAX_RESPONSE_CHARS = 200_000  # longer responses: only the tail is searched for the answer
 MAX_ANSWER_CHARS = 1_500    # an extracted answer longer than this is not parsed
 MAX_DEPTH = 60              # nesting depth of the parse
@@ -2021,7 +2022,6 @@ _MPF_FUNCS = {
 
 
 _PERIODIC = (sympy.sin, sympy.cos, sympy.tan, sympy.sec, sympy.csc, sympy.cot)
-NOISE = 1e-45               # rounding noise at 50 digits, relative to the largest term summed
 
 
 def _to_mp(v):
