@@ -88,7 +88,8 @@ Every leniency is bounded by what a policy could exploit with it:
 - a box inside a box beside other content, and an unclosed last box, are no answer;
 - a whole response without a box that is one short line (one token, a line of code, or no words)
   is read whole (``3 or 4`` is two answers, ``1,3,5`` is not 135, ``abc0`` is not 0); the last
-  number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``);
+  number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``,
+  ``4 meters, not 5.``);
 - a choice letter followed by anything but its value is no choice (``(C) or (D)``, ``(C)+1``);
 - numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
   answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
@@ -199,6 +200,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     terms); the body is the next term. With a symbolic bound (``\\sum_{j=1}^{m} j``) the names in the
     bounds are compared at the integers 2, 3, 5, 7, 11, 13 (the other names at rational points), so
     a sum equals its closed form (``\\frac{m(m+1)}{2}``) and not a near miss (``\\frac{m(m-1)}{2}``).
+    A prediction's bound counts only for a name it uses nowhere outside its sums, so a sum cannot
+    make a real variable an integer (``\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor`` is not ``x``).
 23. Matrices: entrywise sums and differences, scalar multiples, negation and ``^T`` are computed;
     matrix products are not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4).
 24. Whole responses: after a ``</think>`` only what follows it counts (when anything does); a whole
@@ -400,7 +403,7 @@ _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\
 _IS_VALUE_RE = re.compile(r"\s(?:is|are|equals|was|=)\s+(?!\s)(.+)$")
 _BARE_ARITHMETIC_RE = re.compile(r"^\s*[-+]?\d[\d\s.]*(?:[-+*/×·]\s*\(?\s*\d[\d\s.]*\)?\s*)+$")
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
-_HEDGE_WORDS_RE = re.compile(r"(?<![A-Za-z])(?:or|maybe|perhaps|possibly|probably|either|might|guess|unsure|"
+_HEDGE_WORDS_RE = re.compile(r"(?<![A-Za-z])(?:or|not|maybe|perhaps|possibly|probably|either|might|guess|unsure|"
                              r"not sure|could be)(?![A-Za-z])", re.IGNORECASE)
 _MAX_JOIN = 8               # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
@@ -2247,6 +2250,14 @@ def _bound_names(e) -> set:
     return out
 
 
+def _names_outside_sums(e, depth: int) -> set:
+    if isinstance(e, (_SUM, _PROD)) or depth > MAX_DEPTH:
+        return set()
+    if isinstance(e, sympy.Symbol):
+        return {e.name}
+    return set().union(*(_names_outside_sums(a, depth + 1) for a in e.args)) if e.args else set()
+
+
 def _integer_points(names: list, ints: set) -> list[dict]:
     """len(_BOUND_VALUES) points: the bound names at small integers, the others as in _points."""
     out = []
@@ -2323,8 +2334,10 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent else [])
     use_tol = tol if (a.inexact or b.inexact) else EXACT_REL_TOL
     names = sorted((_free_names(a.expr) | _free_names(b.expr)) - {"__pm__"})
-    bounds = (_bound_names(a.expr) | _bound_names(b.expr)) & set(names)
-    if bounds:                  # '\\sum_{j=1}^{m} j' against 'm(m+1)/2': integer points for m
+    # '\\sum_{j=1}^{m} j' against 'm(m+1)/2': integer points for m. a is the prediction: its bounds
+    # count only for names it uses nowhere else ('\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor' is not x).
+    bounds = (_bound_names(a.expr) - _names_outside_sums(a.expr, 0) | _bound_names(b.expr)) & set(names)
+    if bounds:
         points, signed = _integer_points(names, bounds), True
     else:
         points = _points(names, signed) if names else [{}]
