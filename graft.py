@@ -79,7 +79,8 @@ Our extensions beyond the paper (the paper's behaviour is unchanged when they ar
     records as the stored peer, matched by id or problem text, re-verified, with advantages within
     each prompt's group of any size (offline.py); `--peer-model` supplies a missing lbar.
   * `graft.py complement`: the paper's complementarity statistics for candidate models before a
-    pair run (offline.py).
+    pair run (offline.py); `graft.py preflight` samples two models and runs a step's selection and
+    gate on the samples (preflight.py).
 
 Launch lines:
     # CPU, tiny preset: two tiny models, GRPO vs GRAFT, a table at the end (minutes)
@@ -789,7 +790,8 @@ def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, pr
     lbar_recv = lp_sum / torch.tensor(denom, dtype=torch.float32)  # (R',)
     src = lbar_src.float()[torch.tensor(index)]  # (R',)
     s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=src)  # (R',) Eq. 6
-    w = compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight else torch.ones_like(s)
+    w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight
+         else torch.ones_like(s))  # (R',) Eqs. 7-8
     return Received(index, ids, lps, lbar_recv, src, s, w)
 
 
@@ -1845,6 +1847,8 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("complement", add_help=False,
                    help="how complementary candidate models are, before a pair run (graft.py complement -h)")
+    sub.add_parser("preflight", add_help=False,
+                   help="sample two models and report what a pair of them would exchange (graft.py preflight -h)")
     sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
@@ -1882,6 +1886,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
         return offline.main_complement(argv[1:])
+    if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
+        import preflight  # it never imports graft.py: it is handed this module, the trainer's functions
+        return preflight.main(argv[1:], core=sys.modules[__name__])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         import plot  # matplotlib only there
         return plot.main(argv[1:])

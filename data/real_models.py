@@ -147,7 +147,8 @@ def main(argv=None):
             continue
         t0 = time.perf_counter()
         params, vocab = convert(directory, file, out)
-        print(f"{out}: {params / 1e6:.0f}M parameters, vocab {vocab:,}, from {file} in {time.perf_counter() - t0:.0f} s")
+        print(f"{out}: {params / 1e6:.0f}M parameters, vocab {vocab:,}, from {file} "
+              f"in {time.perf_counter() - t0:.0f} s")
     return 1 if missing and not found else 0
 
 
