@@ -8,7 +8,8 @@ What it does
 
         <out>/smollm2-135m-instruct/    <out>/gemma3-270m/
 
-    ``save_pretrained`` refuses a model loaded from GGUF, so each is rebuilt with ``from_config`` and the
+    ``save_pretrained`` refuses a model loaded from GGUF, so each is rebuilt with ``from_config`` (the
+    config without its GGUF quantization entry, or the trainer's checkpoints would be refused too) and the
     loaded ``state_dict`` copied in (strictly: every tensor must match). A folder that already holds a
     ``config.json`` is kept unless --force; each folder is written to a temporary sibling and renamed, so an
     interrupted run never leaves a folder that a later run would keep.
@@ -29,6 +30,7 @@ reasons for the missing ones (tests skip with these reasons).
 """
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -70,13 +72,20 @@ def convert(directory, gguf_file, out):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = copy.deepcopy(loaded.config)
+    # The GGUF loader marks the config as quantized; kept, it makes every later save_pretrained (a trainer's
+    # checkpoint) refuse the model, although the weights are plain float32 by now.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)  # every tensor, including a tied head
     model.generation_config = loaded.generation_config
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)  # a checkpoint can be saved again
+    assert not getattr(reloaded, "is_quantized", False), f"{tmp}: still marked as quantized"
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return sum(p.numel() for p in model.parameters()), len(tok)
