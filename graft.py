@@ -294,6 +294,15 @@ class Config:
 # ------------------------------------------------------------------------------------------------
 # 2. The copyable core: pure functions on tensors (no globals, no device assumptions, nothing of ours)
 #
+# Copy this section alone into another trainer with exactly these imports (test_graft.py does so):
+#     from __future__ import annotations   # the `X | None` annotations on Python < 3.10
+#     import hashlib
+#     from typing import NamedTuple
+#     import torch
+# Which direction a tensor belongs to is never positional: every argument that could be swapped with a
+# same-shape one of the other side is keyword-only (k_recv= / k_src=, k_a= / k_b=, lbar_recv= /
+# lbar_src=, logp= / old_logp=), so a swapped call is a TypeError. "recv" is the side that receives a
+# peer group, "src" the side that gives it; a_to_b always means "B receives A's group".
 # Shape letters used throughout: G groups (prompts), n rollouts per prompt, B responses (rows) in a
 # (mini)batch, T tokens (response positions), N flattened tokens, V vocabulary, H hidden size.
 # ------------------------------------------------------------------------------------------------
@@ -318,22 +327,49 @@ def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6, std_normalize:
     return torch.where(constant, torch.zeros_like(adv), adv)
 
 
-def graft_candidates(k_recv: torch.Tensor, k_src: torch.Tensor, n: int) -> torch.Tensor:
+def success_counts(rewards: torch.Tensor, *, threshold: float = 0.5, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """k(q), the number of successful rollouts per prompt, which Eq. 4 is written in.
+
+    rewards: (G, n) float; mask: (G, n) bool or None, False on padding (groups of fewer than n
+    responses, e.g. a foreign log's). Returns (G,) int64.
+    A rollout succeeds when its reward is >= threshold. The default 0.5 gives the verifier's verdict
+    for 0/1 rewards and for -1/+1 rewards, and does not count a small format bonus (say 0.1 for a
+    well-formed but wrong answer) as a success: "all n failed" must mean no correct answer, since a
+    group of wrong answers teaches nothing whatever its format reward.
+    """
+    assert rewards.dim() == 2, f"rewards must be (G, n), got {tuple(rewards.shape)}"
+    ok = rewards >= threshold  # (G, n)
+    if mask is not None:
+        assert mask.shape == rewards.shape, f"mask {tuple(mask.shape)} must match rewards {tuple(rewards.shape)}"
+        ok = ok & mask.bool()
+    return ok.sum(dim=1)  # (G,) int64
+
+
+def graft_candidates(*, k_recv: torch.Tensor, k_src: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:
     """Candidate prompts for transfer src -> recv (Eq. 4): the receiver failed all n, the source is mixed.
 
-    k_recv, k_src: (G,) int success counts out of n. Returns (G,) bool.
-    C = { q : k_recv(q) = 0 and 1 <= k_src(q) < n }. An all-pass source group is excluded: its
-    advantages are all 0, so it would teach nothing either.
+    k_recv, k_src: (G,) int success counts (success_counts) of the receiver and the source.
+    n: the group size, an int or a (G,) int tensor when groups differ in size (a stored log's).
+    Returns (G,) bool. C = { q : k_recv(q) = 0 and 1 <= k_src(q) < n }. An all-pass source group is
+    excluded: its advantages are all 0, so it would teach nothing either.
     """
     assert k_recv.shape == k_src.shape and k_recv.dim() == 1, "k_recv and k_src must be (G,) and equal"
     return (k_recv == 0) & (k_src >= 1) & (k_src < n)
 
 
-def balanced_swap(k_a: torch.Tensor, k_b: torch.Tensor, n: int, *, balance: bool = True):
+class Swap(NamedTuple):
+    """The two directions of one step's exchange, each a (G,) bool mask over the step's prompts."""
+
+    a_to_b: torch.Tensor  # (G,) B receives A's group on prompt q
+    b_to_a: torch.Tensor  # (G,) A receives B's group on prompt q
+
+
+def balanced_swap(*, k_a: torch.Tensor, k_b: torch.Tensor, n: int, balance: bool = True) -> Swap:
     """GRAFT selection with the balanced swap (Eq. 4 and the paper's balanced swap).
 
     k_a, k_b: (G,) int success counts of models A and B on the same G prompts.
-    Returns (a_to_b, b_to_a), two (G,) bool masks: a_to_b[q] means B receives A's group for prompt q.
+    Returns Swap(a_to_b, b_to_a), two (G,) bool masks: a_to_b[q] means B receives A's group for prompt q.
+    Calls graft_candidates and balance_directions (copy all three).
 
     m = min(|C_{A->B}|, |C_{B->A}|). In each direction the candidates are sorted by the source's
     success count, descending, with ties broken by prompt index; the first m are kept together with
@@ -343,16 +379,15 @@ def balanced_swap(k_a: torch.Tensor, k_b: torch.Tensor, n: int, *, balance: bool
     of equal counts, so both processes of a pair get the same masks from the same two files.
     balance=False returns every candidate in both directions (the "w/o balancing" ablation).
     """
-    a_to_b = graft_candidates(k_b, k_a, n)  # (G,) B fails all, A mixed
-    b_to_a = graft_candidates(k_a, k_b, n)  # (G,)
+    a_to_b = graft_candidates(k_recv=k_b, k_src=k_a, n=n)  # (G,) B fails all, A mixed
+    b_to_a = graft_candidates(k_recv=k_a, k_src=k_b, n=n)  # (G,)
     if not balance:
-        return a_to_b, b_to_a
-    return balance_directions(a_to_b, b_to_a, k_a, k_b)
+        return Swap(a_to_b, b_to_a)
+    return balance_directions(a_to_b=a_to_b, b_to_a=b_to_a, k_a=k_a, k_b=k_b)
 
 
-def balance_directions(a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Tensor,
-                       k_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The balancing rule of balanced_swap on given candidate masks: (G,) bool each, in and out.
+def balance_directions(*, a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Tensor, k_b: torch.Tensor) -> Swap:
+    """The balancing rule of balanced_swap on given candidate masks: (G,) bool each in, a Swap out.
 
     m = min(|a_to_b|, |b_to_a|); each direction keeps its first m candidates by the source's count
     (k_a for a_to_b, k_b for b_to_a), descending, plus every candidate tied with the m-th.
@@ -367,15 +402,15 @@ def balance_directions(a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Te
         kth = k_src[idx[order[m - 1]]]  # source count of the m-th kept candidate
         return cand & (k_src >= kth)
 
-    return keep_top(a_to_b, k_a), keep_top(b_to_a, k_b)
+    return Swap(keep_top(a_to_b, k_a), keep_top(b_to_a, k_b))
 
 
 def multi_peer_sources(k: torch.Tensor, n: int, *, balance: bool = True) -> torch.Tensor:
     """Our extension to S >= 2 sides (the paper has two): whose group each side receives, per prompt.
 
     k: (S, G) int success counts of S sides on the same G prompts, the sides in one order that every
-    process uses (this trainer: sorted by --name). Returns (S, G) long: src[r, q] is the side whose
-    whole group side r receives on prompt q, or -1.
+    process uses (this trainer: sorted by side name). Returns (S, G) long: src[r, q] is the side whose
+    whole group side r receives on prompt q, or -1. Calls balance_directions.
 
     1. Candidates, Eq. 4 per receiver: side r failed all n on q and at least one other side is mixed
        (1 <= k < n). Its source is the mixed side with the most successes (the group with the most
@@ -398,7 +433,7 @@ def multi_peer_sources(k: torch.Tensor, n: int, *, balance: bool = True) -> torc
         for x in range(S):
             for y in range(x + 1, S):
                 x_to_y, y_to_x = src[y] == x, src[x] == y  # (G,), (G,)
-                keep_xy, keep_yx = balance_directions(x_to_y, y_to_x, k[x], k[y])
+                keep_xy, keep_yx = balance_directions(a_to_b=x_to_y, b_to_a=y_to_x, k_a=k[x], k_b=k[y])
                 src[y] = torch.where(x_to_y & ~keep_xy, -1, src[y])
                 src[x] = torch.where(y_to_x & ~keep_yx, -1, src[x])
     return src
@@ -419,58 +454,60 @@ def assignment_digest(src: torch.Tensor, prompt_ids: list[str]) -> str:
     return h.hexdigest()
 
 
-def received_groups(k_own: torch.Tensor, k_peer: torch.Tensor, n: int, *, own_is_a: bool,
+def received_groups(*, k_own: torch.Tensor, k_peer: torch.Tensor, n: int, own_is_a: bool,
                     balance: bool = True) -> torch.Tensor:
-    """The prompts on which this side receives the peer's group: (G,) bool.
+    """The prompts on which this side receives the peer's group: (G,) bool. Calls balanced_swap.
 
     k_own, k_peer: (G,) int success counts of this side and of its peer on the same G prompts.
-    Each process of a pair calls this with its own counts first. The balanced swap is symmetric but
+    Each process of a pair calls this with its own counts as k_own. The balanced swap is symmetric but
     its tie rule reads (k_a, k_b) in a fixed order, so both processes must agree on which side is A:
-    own_is_a is True on exactly one of them (this trainer: the side whose --name sorts first). Then
+    own_is_a is True on exactly one of them (this trainer: the side whose name sorts first). Then
     the two calls compute the same balanced_swap and each reads its own direction out of it, so what
     A receives is exactly what B sends and vice versa.
     """
     k_a, k_b = (k_own, k_peer) if own_is_a else (k_peer, k_own)
-    a_to_b, b_to_a = balanced_swap(k_a, k_b, n, balance=balance)
-    return b_to_a if own_is_a else a_to_b
+    swap = balanced_swap(k_a=k_a, k_b=k_b, n=n, balance=balance)
+    return swap.b_to_a if own_is_a else swap.a_to_b
 
 
-def rescue_candidates(k_recv: torch.Tensor, k_src: torch.Tensor) -> torch.Tensor:
+def rescue_candidates(*, k_recv: torch.Tensor, k_src: torch.Tensor) -> torch.Tensor:
     """SGT's rescue rule (arXiv 2605.07244): the receiver failed all n, the source solved at least one.
 
     k_recv, k_src: (G,) int. Returns (G,) bool. Unlike Eq. 4 an all-pass source group counts too, and
-    nothing is balanced; `--selection sgt` uses it with GRAFT's replacement, weights and update.
+    nothing is balanced; this trainer's SGT baseline uses it with GRAFT's replacement, weights and update.
     """
     assert k_recv.shape == k_src.shape and k_recv.dim() == 1, "k_recv and k_src must be (G,) and equal"
     return (k_recv == 0) & (k_src >= 1)
 
 
-def compatibility_scores(lbar_recv: torch.Tensor, lbar_src: torch.Tensor) -> torch.Tensor:
+def compatibility_scores(*, lbar_recv: torch.Tensor, lbar_src: torch.Tensor) -> torch.Tensor:
     """s(o|q) = exp(lbar_recv - lbar_src) (Eq. 6): any shape -> same shape, float.
 
-    lbar_X is the mean log-probability per token of the response under model X's behaviour policy,
-    each in its own tokenisation (or per byte with --compat-norm byte, departure 2).
+    lbar_recv: the response's mean log-probability per token under the receiver's behaviour policy,
+    in the receiver's tokenisation; lbar_src: the same under the source model that sampled it, in its
+    own tokenisation (sequence_mean_logprob gives both; its per-byte variant is not the paper's).
     """
     return torch.exp(lbar_recv.float() - lbar_src.float())
 
 
-def compatibility_weights(lbar_recv: torch.Tensor, lbar_src: torch.Tensor, *, delta: float = 0.8) -> torch.Tensor:
-    """w = 1[s > delta] * min(s, 1) (Eqs. 6-8): any shape -> same shape, float.
+def compatibility_weights(*, lbar_recv: torch.Tensor, lbar_src: torch.Tensor, delta: float = 0.8) -> torch.Tensor:
+    """w = 1[s > delta] * min(s, 1) (Eqs. 6-8): any shape -> same shape, float. Calls compatibility_scores.
 
     w = 0 means the response is removed before optimisation (it leaves the loss denominator too).
     delta = 0 is the "no floor" ablation (every response kept, weighted by min(s, 1)).
     """
-    s = compatibility_scores(lbar_recv, lbar_src)
+    s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=lbar_src)
     return torch.where(s > delta, s.clamp(max=1.0), torch.zeros_like(s))
 
 
-def sequence_mean_logprob(logp: torch.Tensor, mask: torch.Tensor, *,
+def sequence_mean_logprob(*, logp: torch.Tensor, mask: torch.Tensor,
                           num_bytes: torch.Tensor | None = None) -> torch.Tensor:
     """Per-response mean log-probability lbar (Eq. 6), the input of the compatibility score.
 
     logp, mask: (B, T). num_bytes: (B,) or None. Returns (B,) float.
     With num_bytes=None: summed log-prob / number of tokens (the paper). With num_bytes: summed
-    log-prob / UTF-8 bytes of the response text (departure 2), comparable across tokenizers.
+    log-prob / UTF-8 bytes of the response text, our variant (not the paper's): a per-token mean
+    favours the tokenizer with more, shorter tokens, while bytes are the same for both models.
     """
     mask = mask.to(logp.dtype)
     total = (logp * mask).sum(dim=1)  # (B,)
@@ -494,7 +531,7 @@ class Mean(NamedTuple):
 
 def add_metrics(into: dict, metrics: dict, *, prefix: str = "") -> None:
     """Add one part's metrics into running sums, in place: a Mean's sum and count each add up, a float
-    (a loss part, a count) adds as it is. into[prefix + key] holds the running value."""
+    (a loss part, a count) adds as it is. into[prefix + key] holds the running value. Uses Mean."""
     for key, v in metrics.items():
         k = prefix + key
         if isinstance(v, Mean):
@@ -504,12 +541,23 @@ def add_metrics(into: dict, metrics: dict, *, prefix: str = "") -> None:
             into[k] = into.get(k, 0.0) + v
 
 
+def metric_values(metrics: dict, *, drop_empty: bool = False) -> dict[str, float]:
+    """Plain floats for logging: each Mean becomes total / count, other values pass as they are.
+
+    A Mean over nothing (count 0: e.g. clipfrac_peer of a batch without peer tokens) is NaN, meaning
+    "no such tokens", not zero; drop_empty=True leaves those keys out instead. Sum first, convert once:
+    metric_values of add_metrics' running sums, never an average of per-part values. Uses Mean.
+    """
+    return {k: v.value if isinstance(v, Mean) else v for k, v in metrics.items()
+            if not (drop_empty and isinstance(v, Mean) and v.count == 0)}
+
+
 def policy_loss(
+    *,
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
     weights: torch.Tensor | None = None,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
@@ -521,6 +569,8 @@ def policy_loss(
 ):
     """GRAFT's weighted clipped surrogate (Eqs. 9-10), token-mean over the retained tokens.
 
+    Every argument is keyword-only (verl's compute_policy_loss takes old_log_prob before log_prob;
+    a positional port would swap them silently).
     logp:       (B, T) log pi_theta(o_t) of the current policy, with grad.
     old_logp:   (B, T) log pi_old(o_t) of the receiver's behaviour policy (own and peer rows alike).
     advantages: (B,)   one advantage per response (own group's, or the peer's held fixed).
@@ -528,7 +578,8 @@ def policy_loss(
     weights:    (B,)   compatibility weights w (1 for own responses); w = 0 removes a response.
     is_peer:    (B,)   bool, only for the separate own/peer metrics.
     loss_denominator: total retained tokens of the whole minibatch when this call sees one
-        micro-batch (or one rank) of it (departure 3); None = the retained tokens of this call.
+        micro-batch (or one rank) of it, so that gradient accumulation and data parallelism give the
+        gradient of one big batch; None = the retained tokens of this call.
     log_ratio_clamp: |log rho| is clamped before exp for numerical safety (as verl does); 20 never
         binds in practice. With ratio_level="sequence" the sequence's mean log-ratio is clamped.
 
@@ -537,9 +588,12 @@ def policy_loss(
     denominator (Eq. 10). ratio_level="sequence" is the ablation with one ratio per response,
     exp(mean_t log rho_t). dual_clip=c bounds the loss of a negative-advantage token at -c * a (verl).
     Returns (loss, metrics), metrics detached: "loss" and the token counts ("tokens", "own_tokens",
-    "peer_tokens") are floats that add up over parts of a minibatch; every mean is a Mean(sum, count):
-    clipfrac_own / clipfrac_peer over own / peer tokens, approx_kl (k3) and ratio_mean over tokens,
-    mean_weight / peer_mean_weight over responses / peer responses. Only retained responses count.
+    "peer_tokens") are floats that add up over parts of a minibatch; every mean is a Mean(sum, count),
+    so that parts (micro-batches, ranks) add up exactly with add_metrics: clipfrac over all tokens
+    (verl's pg_clipfrac), clipfrac_own / clipfrac_peer over own / peer tokens, approx_kl (the k3
+    estimator, >= 0), approx_kl_k1 (mean of old_logp - logp, verl's ppo_kl) and ratio_mean over
+    tokens, mean_weight / peer_mean_weight over responses / peer responses. Only retained responses
+    count. metric_values(metrics) gives plain floats (NaN for a mean over nothing). Uses Mean.
     """
     assert logp.shape == old_logp.shape == mask.shape, "logp, old_logp and mask must all be (B, T)"
     B = logp.shape[0]
@@ -553,7 +607,7 @@ def policy_loss(
     log_ratio = logp - old_logp.detach()  # (B, T)
     if ratio_level == "sequence":
         # Clamp the sequence's mean, not each token before the mean: a rare token's clamped log-ratio
-        # would bias the sequence value (departure 9).
+        # would bias the sequence value.
         seq = (log_ratio * mask).sum(1) / mask.float().sum(1).clamp(min=1)  # (B,)
         log_ratio = seq[:, None].expand_as(logp)  # (B, T): one ratio per response, on every token
     log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)  # (B, T)
@@ -577,11 +631,12 @@ def policy_loss(
         peer_rows = (is_peer & retained).float()  # (B,)
         w_kept = weights * retained.float()  # (B,)
         sums = torch.stack([(clipped * own_tok).sum(), own_tok.sum(), (clipped * peer_tok).sum(), peer_tok.sum(),
-                            (kl * tok).sum(), (ratio * tok).sum(), n_tok, w_kept.sum(), retained.float().sum(),
-                            (w_kept * peer_rows).sum(), peer_rows.sum()]).tolist()
-    c_own, own, c_peer, peer, kl_sum, ratio_sum, tokens, w_sum, rows, w_peer, peer_n = sums
-    metrics = {"clipfrac_own": Mean(c_own, own), "clipfrac_peer": Mean(c_peer, peer),
-               "approx_kl": Mean(kl_sum, tokens), "ratio_mean": Mean(ratio_sum, tokens),
+                            (kl * tok).sum(), (-log_ratio * tok).sum(), (ratio * tok).sum(), n_tok, w_kept.sum(),
+                            retained.float().sum(), (w_kept * peer_rows).sum(), peer_rows.sum()]).tolist()
+    c_own, own, c_peer, peer, kl_sum, k1_sum, ratio_sum, tokens, w_sum, rows, w_peer, peer_n = sums
+    metrics = {"clipfrac": Mean(c_own + c_peer, tokens), "clipfrac_own": Mean(c_own, own),
+               "clipfrac_peer": Mean(c_peer, peer), "approx_kl": Mean(kl_sum, tokens),
+               "approx_kl_k1": Mean(k1_sum, tokens), "ratio_mean": Mean(ratio_sum, tokens),
                "mean_weight": Mean(w_sum, rows), "peer_mean_weight": Mean(w_peer, peer_n),
                "tokens": tokens, "own_tokens": own, "peer_tokens": peer}
     metrics["loss"] = float(loss.detach())
@@ -654,8 +709,9 @@ def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_token
                eos_token_id: int | None = None) -> list[int] | None:
     """The receiver side of retokenisation: peer text -> receiver response ids, or None.
 
-    The text is encoded with the receiver's tokenizer without special tokens (no BOS: it follows the
-    receiver's own prompt ids, departure 1); the receiver's EOS (eos_token_id, default the
+    The text is encoded on its own with the receiver's tokenizer, without special tokens (no BOS: it
+    follows the receiver's own prompt ids, so a BPE merge across the prompt/response boundary is never
+    formed; real tokenizers round-trip benchmark text exactly); the receiver's EOS (eos_token_id, default the
     tokenizer's) is appended only if the peer's response ended with EOS. Returns None when the result
     is longer than max_response_tokens (the caller drops the response and counts it).
     """
@@ -828,9 +884,12 @@ METRICS: dict[str, str] = {
     "peer_minibatches": "Minibatches holding a peer row.",
     "<kind>/loss": "The step's token-mean of the surrogate (Eq. 10): summed over every minibatch, over the "
                    "retained tokens of every minibatch.",
+    "<kind>/clipfrac": "Clipped tokens over all tokens through the loss (verl's pg_clipfrac).",
     "<kind>/clipfrac_own": "Clipped own tokens over own tokens through the loss.",
     "<kind>/clipfrac_peer": "Clipped peer tokens over peer tokens through the loss; absent when the step has none.",
     "<kind>/approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean over the tokens through the loss.",
+    "<kind>/approx_kl_k1": "k1 estimate, mean of log pi_old - log pi_theta over the tokens through the loss "
+                           "(verl's ppo_kl).",
     "<kind>/ratio_mean": "Mean ratio pi_theta / pi_old over the tokens through the loss.",
     "<kind>/mean_weight": "Mean w over the responses through the loss (own responses w = 1).",
     "<kind>/peer_mean_weight": "Mean w over the peer responses through the loss; absent when none.",
@@ -1103,8 +1162,8 @@ class Trainer(RunFiles):
     def select(self, step: int, own: StepRollouts, peers: dict[str, StepRollouts]) -> dict[str, torch.Tensor]:
         """For each peer, a (G,) bool mask of the prompts whose group this side receives from it."""
         cfg, n = self.cfg, self.cfg.n
-        k_own = own.rewards.sum(1).long()  # (G,)
-        k = {name: p.rewards.sum(1).long() for name, p in peers.items()}  # (G,) each
+        k_own = success_counts(own.rewards)  # (G,)
+        k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
         self.assignment = None
         if self.mode == "online" and cfg.selection == "graft":
             # The whole step's assignment, every side's row, as each process computes it: its fingerprint
@@ -1118,11 +1177,11 @@ class Trainer(RunFiles):
                 return {name: src[me] == sides.index(name) for name in peers}
         (name, peer), = peers.items()
         if cfg.selection == "sgt":
-            return {name: rescue_candidates(k_own, k[name])}  # ablation: SGT's rule, no balancing
+            return {name: rescue_candidates(k_recv=k_own, k_src=k[name])}  # ablation: SGT's rule, no balancing
         if self.mode == "offline":  # one-way transfer: nothing to balance against
-            into_me = graft_candidates(k_own, k[name], peer.sizes)
+            into_me = graft_candidates(k_recv=k_own, k_src=k[name], n=peer.sizes)
         else:
-            into_me = received_groups(k_own, k[name], n, own_is_a=cfg.name < name, balance=cfg.balance)
+            into_me = received_groups(k_own=k_own, k_peer=k[name], n=n, own_is_a=cfg.name < name, balance=cfg.balance)
             if self.assignment is not None:  # the pair's rule, read through multi_peer_sources (tested equal)
                 assert torch.equal(into_me, src[me] == sides.index(name)), f"step {step}: swap and assignment differ"
         if cfg.selection == "random":
@@ -1175,7 +1234,7 @@ class Trainer(RunFiles):
         peers: {side name: rollouts}, empty for plain GRPO.
         """
         cfg, n, G = self.cfg, self.cfg.n, len(rows)
-        k_own = own.rewards.sum(1).long()  # (G,)
+        k_own = success_counts(own.rewards)  # (G,)
         m = {"all_fail": float((k_own == 0).float().mean()), "all_pass": float((k_own == n).float().mean())}
         replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
         own_adv = own.advantages.clone()  # (G, n)
@@ -1188,9 +1247,9 @@ class Trainer(RunFiles):
             return [r for g in range(G) for r in own_rows(g)], replaced, m
         cand_in, cand_out = torch.zeros(G, dtype=torch.bool), torch.zeros(G, dtype=torch.bool)
         for p in peers.values():
-            k_p = p.rewards.sum(1).long()  # (G,)
-            cand_in |= graft_candidates(k_own, k_p, p.sizes)  # (G,) Eq. 4, this side receiving
-            cand_out |= graft_candidates(k_p, k_own, n) & (p.sizes > 0)  # (G,) this side giving
+            k_p = success_counts(p.rewards, mask=p.mask)  # (G,)
+            cand_in |= graft_candidates(k_recv=k_own, k_src=k_p, n=p.sizes)  # (G,) Eq. 4, this side receiving
+            cand_out |= graft_candidates(k_recv=k_p, k_src=k_own, n=n) & (p.sizes > 0)  # (G,) this side giving
         m |= {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
               "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
         if cfg.variant in BASELINE_ROWS:  # HACPO and SGT build their rows their own way (section 5)
@@ -1324,8 +1383,7 @@ class Trainer(RunFiles):
                                          f"the optimizer step ({self.resume_hint()})")
             norms.append(norm)
             self.opt.step()
-        m: dict = {key: v.value if isinstance(v, Mean) else v for key, v in step_sums.items()
-                   if not (isinstance(v, Mean) and v.count == 0)}  # a mean over nothing is not logged
+        m: dict = metric_values(step_sums, drop_empty=True)  # a mean over nothing is not logged
         m["grad_norm"] = sum(norms) / max(1, len(norms))
         zero = sum(1 for r in rows if r.adv == 0 and LOSS_KINDS[r.kind].uses_advantage)
         m["zero_adv_frac"] = zero / max(1, len(rows))
@@ -1353,9 +1411,10 @@ class Trainer(RunFiles):
             spec = LOSS_KINDS[kind]
             denom = max(denominators.get(spec.denominator, 1), 1)
             if spec.fn is None:  # Eqs. 9-10: GRPO, GRAFT and its ablations
-                part, mt = policy_loss(lp[sel], old[sel], adv[sel], mask[sel], weights=w[sel], eps_low=cfg.eps_low,
-                                       eps_high=cfg.eps_high, dual_clip=cfg.dual_clip or None,
-                                       ratio_level=cfg.ratio_level, is_peer=is_peer[sel], loss_denominator=denom)
+                part, mt = policy_loss(logp=lp[sel], old_logp=old[sel], advantages=adv[sel], mask=mask[sel],
+                                       weights=w[sel], eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                       dual_clip=cfg.dual_clip or None, ratio_level=cfg.ratio_level,
+                                       is_peer=is_peer[sel], loss_denominator=denom)
             else:  # a baseline's surrogate (section 5)
                 part, mt = spec.fn(RowBatch(lp[sel], old[sel], adv[sel], mask[sel], w[sel], is_peer[sel]), cfg=cfg,
                                    denominator=denom, minibatch=mb_index)
@@ -1515,7 +1574,7 @@ def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
                   "peer_tokens": float(tok.sum())}
 
 
-def hacpo_advantages(r_own: torch.Tensor, r_peer: torch.Tensor, *, capability_ratio: float, eps: float = 1e-6):
+def hacpo_advantages(*, r_own: torch.Tensor, r_peer: torch.Tensor, capability_ratio: float, eps: float = 1e-6):
     """HACPO's pooled advantages for one receiver (arXiv 2603.02604 as the GRAFT paper ran it).
 
     r_own: (G, n) own rewards; r_peer: (G, m) the peer's rewards on the same prompts.
@@ -1542,7 +1601,8 @@ def sgt_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
     cfg, n, G = tr.cfg, tr.cfg.n, len(rows)
     out = [Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own.advantages[g, i]))
            for g in range(G) for i in range(n)]
-    rescue = torch.nonzero(rescue_candidates(own.rewards.sum(1).long(), peer.rewards.sum(1).long())).squeeze(1).tolist()
+    rescue = rescue_candidates(k_recv=success_counts(own.rewards), k_src=success_counts(peer.rewards, mask=peer.mask))
+    rescue = torch.nonzero(rescue).squeeze(1).tolist()
     gen = seeded_generator(cfg.seed, step, "sgt")
     picked = 0
     for g in rescue:
@@ -1568,7 +1628,7 @@ def hacpo_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
     own_rate = sum(h[0] for h in recent) / len(recent)
     peer_rate = sum(h[1] for h in recent) / len(recent)
     c = min(10.0, max(0.1, peer_rate / own_rate)) if own_rate > 0 else 10.0
-    adv_own, adv_peer = hacpo_advantages(own.rewards, peer.rewards, capability_ratio=c)  # (G, n), (G, n)
+    adv_own, adv_peer = hacpo_advantages(r_own=own.rewards, r_peer=peer.rewards, capability_ratio=c)  # (G, n), (G, n)
     out = [Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]),
                kind="hacpo_own") for g in range(G) for i in range(n)]
     scored, dropped_len = tr.score_peer(step, peer, list(range(G)), rows)
@@ -1589,14 +1649,15 @@ def _luffy(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
 
 
 def _hacpo_own(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
-    return policy_loss(b.logp, b.old_logp, b.advantages, b.mask, eps_low=3e-4, eps_high=4e-4,
-                       ratio_level="sequence", loss_denominator=denominator)
+    return policy_loss(logp=b.logp, old_logp=b.old_logp, advantages=b.advantages, mask=b.mask, eps_low=3e-4,
+                       eps_high=4e-4, ratio_level="sequence", loss_denominator=denominator)
 
 
 def _hacpo_peer(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
     low = min(0.8 + 0.025 * minibatch, 0.999)  # the lower bound tightens towards 1 minibatch by minibatch
-    return policy_loss(b.logp, b.old_logp, b.advantages, b.mask, weights=b.weights, eps_low=1 - low,
-                       eps_high=cfg.eps_high, ratio_level="sequence", is_peer=b.is_peer, loss_denominator=denominator)
+    return policy_loss(logp=b.logp, old_logp=b.old_logp, advantages=b.advantages, mask=b.mask, weights=b.weights,
+                       eps_low=1 - low, eps_high=cfg.eps_high, ratio_level="sequence", is_peer=b.is_peer,
+                       loss_denominator=denominator)
 
 
 def _sgt_nll(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
@@ -1871,7 +1932,7 @@ def build_parser():
 
 
 def flags_markdown() -> str:
-    """README's flag table, generated from Config (a test keeps the README equal to it)."""
+    """The flag table of FLAGS.md, generated from Config."""
     docs = field_docs(Config)
     lines = ["| flag | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(Config):
@@ -1880,6 +1941,15 @@ def flags_markdown() -> str:
         text = docs.get(f.name, "") + (f" Choices: {', '.join(CHOICES[f.name])}." if f.name in CHOICES else "")
         lines.append(f"| `--{f.name.replace('_', '-')}` | `{default}` | {text.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def flags_document() -> str:
+    """FLAGS.md, whole (a test keeps the file equal to it):
+    python -c "import graft; print(graft.flags_document(), end='')" > FLAGS.md"""
+    return ("# Flags of `python graft.py train`\n\n"
+            "Generated from `graft.Config`, the one config dataclass, whose field docstrings are the help lines\n"
+            "(`python graft.py train --help` prints the same). Regenerate after changing a field:\n"
+            "`python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md`.\n\n" + flags_markdown())
 
 
 def main(argv=None):

@@ -74,11 +74,6 @@ TRAINING_FLAGS = ("prompt_template", "chat_template", "trust_remote_code", "n", 
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_PASSES = 3.0  # choice 4: an update ~ one forward and one backward ~ three log-prob passes
 
-def success_counts(core, rewards: torch.Tensor) -> torch.Tensor:
-    """(G, n) rewards -> (G,) long successes, with the trainer's success_counts."""
-    return core.success_counts(rewards) if hasattr(core, "success_counts") else rewards.sum(1).long()
-
-
 # ------------------------------------------------------------------------------------------------
 # One side: load, sample, verify, behaviour log-probs (what Trainer.rollout does, on one process)
 # ------------------------------------------------------------------------------------------------
@@ -217,7 +212,7 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
     G, n = ro.rewards.shape
     P = cfg.prompts_per_step
     scale = P / G
-    k_src, k_recv = success_counts(core, ro.rewards), success_counts(core, recv.rollouts.rewards)  # (G,) each
+    k_src, k_recv = core.success_counts(ro.rewards), core.success_counts(recv.rollouts.rewards)  # (G,) each
     cand = core.graft_candidates(k_recv=k_recv, k_src=k_src, n=n)  # (G,) Eq. 4
     assert torch.equal(cand, unbalanced), "--no-balance receives exactly the candidates"
     comp = offline.complementarity(k_recv, k_src, n=n, batch_size=P)
@@ -458,7 +453,7 @@ def preflight(args, core) -> tuple[dict, list[Side]]:
     cross = {"a_to_b": cross_scores(a, b, core), "b_to_a": cross_scores(b, a, core)}
     cross_s = time.time() - t0
     n = args.n
-    k_a, k_b = success_counts(core, a.rollouts.rewards), success_counts(core, b.rollouts.rewards)  # (G,) each
+    k_a, k_b = core.success_counts(a.rollouts.rewards), core.success_counts(b.rollouts.rewards)  # (G,) each
     # What each side receives, as Trainer.select calls it for a pair (own counts first; A's name sorts first)
     into = {}
     for own, peer, k_own, k_peer in ((a, b, k_a, k_b), (b, a, k_b, k_a)):

@@ -15,7 +15,7 @@ import torch
 import graft
 from graft import (balanced_swap, compatibility_weights, decode_response, graft_candidates, group_advantages,
                    minibatch_order, policy_loss, received_groups, rescue_candidates, retokenize, seeded_generator,
-                   sequence_mean_logprob)
+                   sequence_mean_logprob, success_counts)
 
 torch.set_num_threads(1)
 SHARED = Path(__file__).resolve().parent.parent / "shared"
@@ -71,7 +71,7 @@ def test_graft_candidates_eq4():
     k_recv = torch.tensor([0, 0, 0, 0, 1, 2])
     k_src = torch.tensor([0, 1, 3, 4, 2, 0])
     # q0: source all fail; q1, q2: yes; q3: source all pass (a = 0) -> no; q4, q5: receiver not all-fail
-    assert graft_candidates(k_recv, k_src, n).tolist() == [False, True, True, False, False, False]
+    assert graft_candidates(k_recv=k_recv, k_src=k_src, n=n).tolist() == [False, True, True, False, False, False]
 
 
 def test_balanced_swap_hand_example_with_ties_across_boundary():
@@ -82,11 +82,11 @@ def test_balanced_swap_hand_example_with_ties_across_boundary():
     # (tied with the 2nd at 3) -> {q0, q1, q2}, more than m. B->A keeps both.
     k_a = torch.tensor([5, 3, 3, 1, 0, 0, 8, 4])
     k_b = torch.tensor([0, 0, 0, 0, 2, 7, 0, 4])
-    a_to_b, b_to_a = balanced_swap(k_a, k_b, n)
+    a_to_b, b_to_a = balanced_swap(k_a=k_a, k_b=k_b, n=n)
     assert a_to_b.tolist() == [True, True, True, False, False, False, False, False]
     assert b_to_a.tolist() == [False, False, False, False, True, True, False, False]
     # without balancing: every candidate
-    a_all, b_all = balanced_swap(k_a, k_b, n, balance=False)
+    a_all, b_all = balanced_swap(k_a=k_a, k_b=k_b, n=n, balance=False)
     assert a_all.tolist() == [True, True, True, True, False, False, False, False]
     assert b_all.tolist() == b_to_a.tolist()
 
@@ -95,13 +95,13 @@ def test_balanced_swap_m_zero_and_empty():
     n = 4
     k_a = torch.tensor([2, 3, 1])
     k_b = torch.tensor([0, 0, 0])  # only A->B candidates exist: m = 0 selects nothing at all
-    a_to_b, b_to_a = balanced_swap(k_a, k_b, n)
+    a_to_b, b_to_a = balanced_swap(k_a=k_a, k_b=k_b, n=n)
     assert not a_to_b.any() and not b_to_a.any()
     for k in (torch.zeros(3, dtype=torch.long), torch.full((3,), n)):  # all-fail / all-pass both
-        x, y = balanced_swap(k, k, n)
+        x, y = balanced_swap(k_a=k, k_b=k, n=n)
         assert not x.any() and not y.any()
     e = torch.zeros(0, dtype=torch.long)
-    x, y = balanced_swap(e, e, n)
+    x, y = balanced_swap(k_a=e, k_b=e, n=n)
     assert x.shape == (0,) and y.shape == (0,)
 
 
@@ -112,8 +112,8 @@ def test_balanced_swap_invariants_random():
         G = int(torch.randint(1, 30, (1,), generator=g))
         k_a = torch.randint(0, n + 1, (G,), generator=g)
         k_b = torch.randint(0, n + 1, (G,), generator=g)
-        a_to_b, b_to_a = balanced_swap(k_a, k_b, n)
-        c_ab, c_ba = graft_candidates(k_b, k_a, n), graft_candidates(k_a, k_b, n)
+        a_to_b, b_to_a = balanced_swap(k_a=k_a, k_b=k_b, n=n)
+        c_ab, c_ba = graft_candidates(k_recv=k_b, k_src=k_a, n=n), graft_candidates(k_recv=k_a, k_src=k_b, n=n)
         m = min(int(c_ab.sum()), int(c_ba.sum()))
         assert not (a_to_b & ~c_ab).any() and not (b_to_a & ~c_ba).any()  # selected => candidate
         assert int(a_to_b.sum()) >= m and int(b_to_a.sum()) >= m  # kept count >= m
@@ -125,7 +125,7 @@ def test_balanced_swap_invariants_random():
             want = set(idx[:m]) | ({q for q in idx if int(k_src[q]) == int(k_src[idx[m - 1]])} if m else set())
             assert set(torch.nonzero(sel).flatten().tolist()) == want
         # swapping A and B swaps the outputs
-        y, x = balanced_swap(k_b, k_a, n)
+        y, x = balanced_swap(k_a=k_b, k_b=k_a, n=n)
         assert torch.equal(x, a_to_b) and torch.equal(y, b_to_a)
 
 
@@ -139,22 +139,25 @@ def test_received_groups_mirror_between_the_two_processes():
         k_a = torch.randint(0, n + 1, (G,), generator=g)
         k_b = torch.randint(0, n + 1, (G,), generator=g)
         for balance in (True, False):
-            into_a = received_groups(k_a, k_b, n, own_is_a=True, balance=balance)  # process A
-            into_b = received_groups(k_b, k_a, n, own_is_a=False, balance=balance)  # process B
-            a_to_b, b_to_a = balanced_swap(k_a, k_b, n, balance=balance)
+            into_a = received_groups(k_own=k_a, k_peer=k_b, n=n, own_is_a=True, balance=balance)  # process A
+            into_b = received_groups(k_own=k_b, k_peer=k_a, n=n, own_is_a=False, balance=balance)  # process B
+            a_to_b, b_to_a = balanced_swap(k_a=k_a, k_b=k_b, n=n, balance=balance)
             assert torch.equal(into_a, b_to_a) and torch.equal(into_b, a_to_b)
             assert not (into_a & into_b).any()  # a prompt never moves both ways (receiver fails all n)
     # By hand, n = 4: C_{A->B} = {0 (k_a 2), 3 (1), 5 (3)}, C_{B->A} = {1 (k_b 3), 2 (1)}, so m = 2.
     # B keeps A's top two by k_a (5, 0; group 3 is dropped); A keeps both of B's (1, 2).
     k_a, k_b = torch.tensor([2, 0, 0, 1, 0, 3]), torch.tensor([0, 3, 1, 0, 0, 0])
-    assert received_groups(k_a, k_b, 4, own_is_a=True).tolist() == [False, True, True, False, False, False]
-    assert received_groups(k_b, k_a, 4, own_is_a=False).tolist() == [True, False, False, False, False, True]
+    into_a = received_groups(k_own=k_a, k_peer=k_b, n=4, own_is_a=True)
+    into_b = received_groups(k_own=k_b, k_peer=k_a, n=4, own_is_a=False)
+    assert into_a.tolist() == [False, True, True, False, False, False]
+    assert into_b.tolist() == [True, False, False, False, False, True]
 
 
 def test_rescue_candidates_is_sgts_rule():
     k_recv, k_src = torch.tensor([0, 0, 0, 1, 0]), torch.tensor([0, 2, 4, 2, 1])
-    assert rescue_candidates(k_recv, k_src).tolist() == [False, True, True, False, True]  # all-pass source counts
-    assert graft_candidates(k_recv, k_src, 4).tolist() == [False, True, False, False, True]  # Eq. 4 excludes it
+    rescue = rescue_candidates(k_recv=k_recv, k_src=k_src)
+    assert rescue.tolist() == [False, True, True, False, True]  # an all-pass source counts
+    assert graft_candidates(k_recv=k_recv, k_src=k_src, n=4).tolist() == [False, True, False, False, True]  # Eq. 4: not
 
 
 def test_seeded_generator_streams_are_stable_and_distinct():
@@ -180,18 +183,19 @@ def test_compatibility_weights_hand_computed():
     # exp(-0.3) = 0.741 <= 0.8 -> 0; exp(ln 0.8) = 0.8 exactly -> not > delta -> 0
     recv = torch.tensor([-1.0, -0.5, -1.1, -1.3, -1.0 + math.log(0.8)])
     src = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])
-    w = compatibility_weights(recv, src, delta=0.8)
+    w = compatibility_weights(lbar_recv=recv, lbar_src=src, delta=0.8)
     torch.testing.assert_close(w, torch.tensor([1.0, 1.0, math.exp(-0.1), 0.0, 0.0]), atol=1e-6, rtol=0)
-    w0 = compatibility_weights(recv, src, delta=0.0)  # no floor: every response kept
+    w0 = compatibility_weights(lbar_recv=recv, lbar_src=src, delta=0.0)  # no floor: every response kept
     torch.testing.assert_close(w0[3], torch.tensor(math.exp(-0.3)), atol=1e-6, rtol=0)
-    assert compatibility_weights(recv.view(5, 1).expand(5, 3), src.view(5, 1).expand(5, 3)).shape == (5, 3)
+    assert compatibility_weights(lbar_recv=recv.view(5, 1).expand(5, 3),
+                                 lbar_src=src.view(5, 1).expand(5, 3)).shape == (5, 3)
 
 
 def test_sequence_mean_logprob_token_and_byte():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
-    torch.testing.assert_close(sequence_mean_logprob(logp, mask), torch.tensor([-2.0, -4.0]))
-    torch.testing.assert_close(sequence_mean_logprob(logp, mask, num_bytes=torch.tensor([12, 2])),
+    torch.testing.assert_close(sequence_mean_logprob(logp=logp, mask=mask), torch.tensor([-2.0, -4.0]))
+    torch.testing.assert_close(sequence_mean_logprob(logp=logp, mask=mask, num_bytes=torch.tensor([12, 2])),
                                torch.tensor([-0.5, -2.0]))
 
 
@@ -228,7 +232,8 @@ def test_policy_loss_matches_naive_loop_values_and_grads(dual_clip):
     w = torch.tensor([1.0, 1.0, 0.0, 0.9, 0.85, 1.0])
     is_peer = torch.tensor([False, False, True, True, True, False])
     lp1 = base.clone().requires_grad_(True)
-    loss, metrics = policy_loss(lp1, old.double(), adv, mask, weights=w, dual_clip=dual_clip, is_peer=is_peer)
+    loss, metrics = policy_loss(logp=lp1, old_logp=old.double(), advantages=adv, mask=mask, weights=w,
+                                dual_clip=dual_clip, is_peer=is_peer)
     loss.backward()
     lp2 = base.clone().requires_grad_(True)
     ref = naive_loss(lp2, old.double(), adv.double(), mask, w.double(), 0.2, 0.28, dual_clip)
@@ -251,10 +256,12 @@ def test_policy_loss_weight_zero_removes_from_denominator():
     # loss is -(1 + 1) / 2 = -1: the second row is absent from the numerator AND the denominator.
     z = torch.zeros(2, 2)
     mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, m = policy_loss(z, z, torch.tensor([1.0, 5.0]), mask, weights=torch.tensor([1.0, 0.0]))
+    loss, m = policy_loss(logp=z, old_logp=z, advantages=torch.tensor([1.0, 5.0]), mask=mask,
+                          weights=torch.tensor([1.0, 0.0]))
     assert loss.item() == pytest.approx(-1.0)
     # with w = (1, 0.5): -(1*1*2 + 0.5*5*2) / 4 = -7/4; the peer row counts fully in the denominator
-    loss, m = policy_loss(z, z, torch.tensor([1.0, 5.0]), mask, weights=torch.tensor([1.0, 0.5]))
+    loss, m = policy_loss(logp=z, old_logp=z, advantages=torch.tensor([1.0, 5.0]), mask=mask,
+                          weights=torch.tensor([1.0, 0.5]))
     assert loss.item() == pytest.approx(-7 / 4)
     assert m["mean_weight"].value == pytest.approx(0.75)
 
@@ -264,13 +271,13 @@ def test_policy_loss_clipping_zero_gradient_outside_trust_region():
     # ratios e^0.5 = 1.65 (> 1.28), 1.1 (inside), e^-0.5 = 0.61 (< 0.8), 0.9 (inside)
     lp = torch.tensor([[0.5, math.log(1.1), -0.5, math.log(0.9)]], requires_grad=True)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    loss, m = policy_loss(lp, old, torch.tensor([1.0]), mask)  # positive advantage
+    loss, m = policy_loss(logp=lp, old_logp=old, advantages=torch.tensor([1.0]), mask=mask)  # positive advantage
     loss.backward()
     # a > 0: the too-high ratio is clipped (zero grad); the too-low one is not (the min keeps rho*a)
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0 and lp.grad[0, 2] != 0 and lp.grad[0, 3] != 0
     assert m["clipfrac_own"].value == pytest.approx(0.25)
     lp.grad = None
-    loss, m = policy_loss(lp, old, torch.tensor([-1.0]), mask)  # negative advantage
+    loss, m = policy_loss(logp=lp, old_logp=old, advantages=torch.tensor([-1.0]), mask=mask)  # negative advantage
     loss.backward()
     assert lp.grad[0, 2] == 0 and lp.grad[0, 0] != 0 and lp.grad[0, 1] != 0
     assert m["clipfrac_own"].value == pytest.approx(0.25)
@@ -280,12 +287,12 @@ def test_policy_loss_dual_clip_bounds_negative_advantage():
     old = torch.zeros(1, 1)
     lp = torch.tensor([[math.log(5.0)]], requires_grad=True)  # ratio 5 > c = 3, a = -1
     mask = torch.ones(1, 1, dtype=torch.bool)
-    loss, _ = policy_loss(lp, old, torch.tensor([-1.0]), mask, dual_clip=3.0)
+    loss, _ = policy_loss(logp=lp, old_logp=old, advantages=torch.tensor([-1.0]), mask=mask, dual_clip=3.0)
     assert loss.item() == pytest.approx(3.0)  # -max(min(-5, -1.28), -3) = 3
     loss.backward()
     assert lp.grad.item() == 0
     lp.grad = None
-    loss, _ = policy_loss(lp, old, torch.tensor([-1.0]), mask)
+    loss, _ = policy_loss(logp=lp, old_logp=old, advantages=torch.tensor([-1.0]), mask=mask)
     assert loss.item() == pytest.approx(5.0)
 
 
@@ -293,9 +300,10 @@ def test_policy_loss_sequence_ratio_and_denominator_override():
     old = torch.zeros(1, 3)
     lp = torch.tensor([[0.3, -0.3, 0.6]], requires_grad=True)  # mean log ratio 0.2 -> rho = e^0.2
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, m = policy_loss(lp, old, torch.tensor([1.0]), mask, ratio_level="sequence")
+    loss, m = policy_loss(logp=lp, old_logp=old, advantages=torch.tensor([1.0]), mask=mask, ratio_level="sequence")
     assert loss.item() == pytest.approx(-math.exp(0.2))  # min(1.2214, 1.28) * 1, same on each token
-    loss2, _ = policy_loss(lp, old, torch.tensor([1.0]), mask, ratio_level="sequence", loss_denominator=6)
+    loss2, _ = policy_loss(logp=lp, old_logp=old, advantages=torch.tensor([1.0]), mask=mask, ratio_level="sequence",
+                           loss_denominator=6)
     assert loss2.item() == pytest.approx(-math.exp(0.2) / 2)  # 3 tokens / 6 = half
 
 
@@ -303,11 +311,11 @@ def test_sequence_ratio_clamps_the_mean_not_each_token():
     # token log-ratios (50, 0): the sequence mean is 25 -> clamped to 20. Clamping each token first
     # would give mean(20, 0) = 10, a biased sequence ratio.
     lp = torch.tensor([[50.0, 0.0]])
-    _, m = policy_loss(lp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
-                       ratio_level="sequence")
+    _, m = policy_loss(logp=lp, old_logp=torch.zeros(1, 2), advantages=torch.tensor([-1.0]),
+                       mask=torch.ones(1, 2, dtype=torch.bool), ratio_level="sequence")
     assert m["ratio_mean"].value == pytest.approx(math.exp(20.0), rel=1e-5)
-    _, m = policy_loss(torch.tensor([[50.0, -10.0]]), torch.zeros(1, 2), torch.tensor([-1.0]),
-                       torch.ones(1, 2, dtype=torch.bool), ratio_level="sequence")
+    _, m = policy_loss(logp=torch.tensor([[50.0, -10.0]]), old_logp=torch.zeros(1, 2), advantages=torch.tensor([-1.0]),
+                       mask=torch.ones(1, 2, dtype=torch.bool), ratio_level="sequence")
     assert m["ratio_mean"].value == pytest.approx(math.exp(20.0), rel=1e-5)  # mean 20: at the bound, not exp(5)
 
 
@@ -488,7 +496,8 @@ def test_pair_two_processes_mirror_selection(tiny, tmp_path):
         ra, _ = graft.load_rollouts(graft.rollout_path(ex, "a", step), n=4)
         rb, _ = graft.load_rollouts(graft.rollout_path(ex, "b", step), n=4)
         assert ra.prompt_ids == rb.prompt_ids  # same prompt batches on both sides
-        a_to_b, b_to_a = balanced_swap(ra.rewards.sum(1).long(), rb.rewards.sum(1).long(), 4, balance=False)
+        a_to_b, b_to_a = balanced_swap(k_a=success_counts(ra.rewards), k_b=success_counts(rb.rewards), n=4,
+                                       balance=False)
         # each side's own count of what it received mirrors the other's candidates
         assert ma[step]["selected"] == int(b_to_a.sum()) and mb[step]["selected"] == int(a_to_b.sum())
         assert ma[step]["candidates_out"] == mb[step]["candidates_in"]
@@ -705,8 +714,9 @@ def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
     counts = set()
     for step in range(20):
         sel = tr.select(step, own, peer)["log"]
-        k_peer = peer["log"].rewards.sum(1).long()
-        assert int(sel.sum()) == int(graft.graft_candidates(own.rewards.sum(1).long(), k_peer, 4).sum())
+        k_peer = graft.success_counts(peer["log"].rewards)
+        k_own = graft.success_counts(own.rewards)
+        assert int(sel.sum()) == int(graft.graft_candidates(k_recv=k_own, k_src=k_peer, n=4).sum())
         assert set(torch.nonzero(sel).flatten().tolist()) <= MIXED
         counts.add(tuple(sel.tolist()))
     assert int(base.sum()) == 4 and len(counts) > 1  # really random across steps
@@ -714,7 +724,8 @@ def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
 
 def test_hacpo_advantages_hand_computed_and_rows(tiny, tmp_path, monkeypatch):
     # own (1, 0), peer (1, 1), c = 2: baseline (1 + 2 * 2) / (2 + 2 * 2) = 5/6; pooled std of (1,0,1,1) = 0.5
-    a_own, a_peer = graft.hacpo_advantages(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]]), capability_ratio=2.0)
+    a_own, a_peer = graft.hacpo_advantages(r_own=torch.tensor([[1.0, 0.0]]), r_peer=torch.tensor([[1.0, 1.0]]),
+                                           capability_ratio=2.0)
     torch.testing.assert_close(a_own, torch.tensor([[1 / 6, -5 / 6]]) / (0.5 + 1e-6))
     torch.testing.assert_close(a_peer, torch.tensor([[1 / 6, 1 / 6]]) / (0.5 + 1e-6))
     tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
@@ -827,7 +838,7 @@ def test_zero_advantage_rows_have_exactly_zero_gradient():
     mask = torch.ones(3, 5, dtype=torch.bool)
     for kw in ({}, {"dual_clip": 3.0}, {"ratio_level": "sequence"}):
         lp.grad = None
-        graft.policy_loss(lp, old, adv, mask, **kw)[0].backward()
+        graft.policy_loss(logp=lp, old_logp=old, advantages=adv, mask=mask, **kw)[0].backward()
         assert torch.equal(lp.grad[0], torch.zeros(5)) and torch.equal(lp.grad[2], torch.zeros(5)) and lp.grad[1].abs().sum() > 0
     lp.grad = None
     graft.luffy_peer_loss(lp, adv, mask)[0].backward()
@@ -848,7 +859,8 @@ def test_periodic_validation_keeps_the_best_checkpoint(tiny, tmp_path):
     assert state["best_score"] == pytest.approx(max(m["eval/mean"] for m in ms))
 
 
-def test_readme_flag_table_is_the_config():
-    """README's flag table is generated from Config (graft.flags_markdown); a changed flag must show there."""
-    readme = (ROOT / "README.md").read_text()
-    assert graft.flags_markdown() in readme, "README.md's flag table is stale: paste graft.flags_markdown()"
+def test_flag_document_is_the_config():
+    """FLAGS.md is generated from Config (graft.flags_document); a changed flag must show there."""
+    assert (ROOT / "FLAGS.md").read_text(encoding="utf-8") == graft.flags_document(), (
+        "FLAGS.md is stale: python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md")
+    assert "[FLAGS.md](FLAGS.md)" in (ROOT / "README.md").read_text(encoding="utf-8")

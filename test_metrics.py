@@ -68,7 +68,7 @@ def naive_step_metrics(tr: graft.Trainer, rows: list[graft.Row]) -> dict:
     cfg = tr.cfg
     kept = [r for r in rows if r.weight > 0]
     live = [r for r in kept if r.adv != 0]  # rows with a = 0 contribute 0 and need no forward
-    s = dict.fromkeys(["surrogate", "clip_own", "own", "clip_peer", "peer", "kl", "ratio", "w", "w_peer"], 0.0)
+    s = dict.fromkeys(["surrogate", "clip_own", "own", "clip_peer", "peer", "kl", "k1", "ratio", "w", "w_peer"], 0.0)
     with torch.no_grad():
         for r in live:
             lp, _ = tr.logprobs([r.prompt], [r.response])  # (1, T)
@@ -81,13 +81,16 @@ def naive_step_metrics(tr: graft.Trainer, rows: list[graft.Row]) -> dict:
                 s[side] += 1
                 s["clip_" + side] += clipped < plain
                 s["kl"] += (rho - 1) - log_rho
+                s["k1"] += -log_rho
                 s["ratio"] += rho
             s["w"] += r.weight
             s["w_peer"] += r.weight if r.is_peer else 0.0
     tokens = s["own"] + s["peer"]
     peer_rows = sum(r.is_peer for r in live)
     out = {"pg/loss": s["surrogate"] / sum(len(r.response) for r in kept),
+           "pg/clipfrac": (s["clip_own"] + s["clip_peer"]) / tokens,
            "pg/clipfrac_own": s["clip_own"] / s["own"], "pg/approx_kl": s["kl"] / tokens,
+           "pg/approx_kl_k1": s["k1"] / tokens,
            "pg/ratio_mean": s["ratio"] / tokens, "pg/mean_weight": s["w"] / len(live),
            "pg/tokens": tokens, "pg/own_tokens": s["own"], "pg/peer_tokens": s["peer"],
            "zero_adv_frac": sum(r.adv == 0 for r in rows) / len(rows)}

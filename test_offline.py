@@ -18,7 +18,7 @@ import torch
 
 import offline
 from exchange import StepRollouts, save_rollouts
-from graft import compatibility_scores, graft_candidates, group_advantages
+from graft import compatibility_scores, graft_candidates, group_advantages, success_counts
 from offline import (align, complement_rows, complementarity, load_foreign_log, main_complement,
                      masked_group_advantages, match_records, normalise_problem, pair_complementarity,
                      prob_all_fail, prob_all_pass, read_eval_results, read_foreign_records, read_rollout_folder)
@@ -69,7 +69,7 @@ def test_complementarity_hand_computed():
     assert c["mixed_share"] == pytest.approx(0.5) and c["solved_share"] == pytest.approx(5 / 6)
     assert c["candidate_frac"] == pytest.approx(0.3) and c["candidates_per_step"] == pytest.approx(38.4)
     # the same candidates as the trainer's own rule (Eq. 4)
-    assert int(graft_candidates(K_R, K_S, 4).sum()) == 3
+    assert int(graft_candidates(k_recv=K_R, k_src=K_S, n=4).sum()) == 3
     pair = pair_complementarity(K_S, K_R, n=4, batch_size=128)  # a = S, b = R: a_to_b = S -> R
     assert pair["a_to_b"]["candidates_per_step"] == pytest.approx(38.4)
     ba = pair["b_to_a"]
@@ -373,11 +373,13 @@ def test_step_view_layout_and_candidates(tmp_path):
     torch.testing.assert_close(st.lbar("byte")[1], torch.tensor([-10.0, -6.0, -3.0]) / nb)
     # the trainer's candidate rule with per-prompt sizes: receiver fails p5, p2 and p1; only p1 is mixed
     k_own = torch.tensor([0, 0, 0])
-    assert graft_candidates(k_own, st.rewards.sum(1).long(), st.sizes).tolist() == [False, False, True]
+    k_log = success_counts(st.rewards, mask=st.mask)
+    assert graft_candidates(k_recv=k_own, k_src=k_log, n=st.sizes).tolist() == [False, False, True]
 
 
 def test_lbar_at_the_floor_gives_a_finite_score():
-    s = compatibility_scores(torch.tensor([0.0]), torch.tensor([offline.LBAR_MIN]))
+    s = compatibility_scores(lbar_recv=torch.tensor([0.0]),
+                             lbar_src=torch.tensor([offline.LBAR_MIN]))
     assert bool(torch.isfinite(s).all())
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import graft
-from graft import assignment_digest, balanced_swap, group_advantages, multi_peer_sources
+from graft import assignment_digest, balanced_swap, group_advantages, multi_peer_sources, success_counts
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 
 # ------------------------------------------------------------------------------------------------
@@ -32,7 +32,7 @@ def test_two_sides_is_exactly_the_balanced_swap():
         k = torch.randint(0, n + 1, (2, G), generator=g)
         for balance in (True, False):
             src = multi_peer_sources(k, n, balance=balance)
-            a_to_b, b_to_a = balanced_swap(k[0], k[1], n, balance=balance)
+            a_to_b, b_to_a = balanced_swap(k_a=k[0], k_b=k[1], n=n, balance=balance)
             assert torch.equal(src[1] == 0, a_to_b) and torch.equal(src[0] == 1, b_to_a)
             assert torch.equal(src[0] != -1, b_to_a) and torch.equal(src[1] != -1, a_to_b)
 
@@ -81,7 +81,7 @@ def test_three_processes_agree_on_every_assignment(tiny, tmp_path):
     for step in range(2):
         files = {s: graft.load_rollouts(graft.rollout_path(ex, s, step), n=4)[0] for s in "abc"}
         assert files["a"].prompt_ids == files["b"].prompt_ids == files["c"].prompt_ids
-        src = multi_peer_sources(torch.stack([files[s].rewards.sum(1).long() for s in "abc"]), 4)  # (3, G)
+        src = multi_peer_sources(torch.stack([success_counts(files[s].rewards) for s in "abc"]), 4)  # (3, G)
         for r, recv in enumerate("abc"):
             m = metrics[recv][step]
             for j, giver in enumerate("abc"):

@@ -146,7 +146,8 @@ def test_relaunch_in_an_old_exchange_folder_is_refused(tiny, tmp_path):
             assert graft.load_rollouts(graft.rollout_path(ex, side, step), run_id=new_run)[1]["run_id"] == new_run
     for step in range(2):  # both sides log the same fingerprint of the step's swap, recomputed here from the files
         a, b = (graft.load_rollouts(graft.rollout_path(ex, s, step), run_id=new_run)[0] for s in "ab")
-        a_to_b, b_to_a = graft.balanced_swap(a.rewards.sum(1).long(), b.rewards.sum(1).long(), a.n)
+        a_to_b, b_to_a = graft.balanced_swap(k_a=graft.success_counts(a.rewards),
+                                             k_b=graft.success_counts(b.rewards), n=a.n)
         src = torch.stack([torch.where(b_to_a, 1, -1), torch.where(a_to_b, 0, -1)])  # (2, G)
         want = graft.assignment_digest(src, a.prompt_ids)
         assert [read_metrics(tmp_path / s / "metrics.jsonl")[step]["assignment"] for s in "ab"] == [want, want]

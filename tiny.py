@@ -840,7 +840,7 @@ def step_sources(exchange: str, sides: list[str], steps: int, *, balance: bool =
     with graft.multi_peer_sources: src (S, G) long, the side (index into ``sides``, which must be sorted as
     the trainer sorts them) whose group each side received on each prompt, or -1."""
     from exchange import load_rollouts, rollout_path
-    from graft import multi_peer_sources
+    from graft import multi_peer_sources, success_counts
     from pathlib import Path
 
     assert list(sides) == sorted(sides), f"sides {sides} must be in the trainer's (sorted) order"
@@ -848,7 +848,7 @@ def step_sources(exchange: str, sides: list[str], steps: int, *, balance: bool =
         first, _ = load_rollouts(rollout_path(Path(exchange), sides[0], step))
         files = [first] + [load_rollouts(rollout_path(Path(exchange), s, step), prompt_ids=first.prompt_ids)[0]
                            for s in sides[1:]]
-        k = torch.stack([f.rewards.sum(1).long() for f in files])  # (S, G)
+        k = torch.stack([success_counts(f.rewards) for f in files])  # (S, G)
         yield first.prompt_ids, multi_peer_sources(k, first.n, balance=balance)  # (S, G) source side or -1
 
 
