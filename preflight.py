@@ -63,7 +63,7 @@ import torch
 
 import offline
 from exchange import StepRollouts, atomic_write, batch_indices
-from runtime import DistInfo, encode_prompt, load_policy, load_prompt_file
+from runtime import DistInfo, compute_context, encode_prompt, load_policy, load_prompt_file
 from sampler import response_logprobs, sample
 
 # The training settings that a preflight shares with `graft.py train` (same flags, defaults and help).
@@ -93,6 +93,7 @@ class Side:
     sample_s: float = 0.0
     logprob_s: float = 0.0
     load_s: float = 0.0
+    dist: DistInfo = field(default_factory=DistInfo)
 
     @property
     def eos_id(self) -> int:
@@ -101,7 +102,7 @@ class Side:
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
         """Behaviour log-probs (no grad) through the chunked kernel, micro-batched as Trainer.behaviour_logprobs."""
         cfg, out = self.cfg, []
-        with torch.no_grad():
+        with torch.no_grad(), compute_context(cfg, self.dist):  # bf16 autocast on GPU, as the trainer
             for i in range(0, len(prompts), cfg.micro_batch_size):
                 lp, mask = response_logprobs(self.model, prompts[i: i + cfg.micro_batch_size],
                                              responses[i: i + cfg.micro_batch_size], pad_token_id=self.tok.pad_token_id,
@@ -110,7 +111,8 @@ class Side:
         return out
 
 
-def load_side(side: Side, core, dist: DistInfo) -> None:
+def load_side(side: Side, dist: DistInfo) -> None:
+    side.dist = dist
     t0 = time.time()
     side.model, side.tok, side.stop_ids = load_policy(side.cfg.model, side.cfg, dist)  # SystemExit names --model
     side.model.eval()
@@ -124,7 +126,7 @@ def roll_out(side: Side, core, rows: list[dict], dist: DistInfo) -> None:
     prompts = [side.prompt_ids[g] for g in range(G) for _ in range(n)]  # response r = g * n + i
     gen = core.seeded_generator(cfg.seed, 0, "sample", rank=0, device=dist.device)
     t0 = time.time()
-    with torch.no_grad():
+    with torch.no_grad(), compute_context(cfg, dist):
         outs = sample(side.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                       top_p=cfg.top_p, eos_token_id=side.stop_ids, pad_token_id=side.tok.pad_token_id, generator=gen,
                       max_batch_size=cfg.gen_batch_size, static=cfg.static_decode,
@@ -441,7 +443,7 @@ def preflight(args, core) -> tuple[dict, list[Side]]:
     rows = load_prompt_file(args.prompts)  # SystemExit names the file and line
     dist = core.setup_distributed(sides[0].cfg)
     for s in sides:
-        load_side(s, core, dist)
+        load_side(s, dist)
     sample_rows, skipped = usable_rows(rows, sides, core, prompts=args.prompts, problems=args.problems,
                                        data_seed=args.data_seed)
     for s in sides:
