@@ -13,7 +13,8 @@ without a cycle. `open_peer_log` is what the trainer calls at start for --peer-l
    on which the source solves at least once), the expected number of candidate prompts per step in
    each direction at the given batch size (Eq. 4's |C|), and the balanced-swap m that implies
    (README "Choosing a pair"). Run it on short GRPO runs or evaluations of the candidate models before
-   spending GPU-days on a pair.
+   spending GPU-days on a pair. `--json FILE` writes the same report (complement_json), which is also
+   the "complement" entry of `graft.py preflight`'s report (preflight.py samples the counts itself).
 2. Foreign trajectories for the stored-trajectory variant: `--peer-log FILE.jsonl` reads any
    collection of solutions, one JSON object per line:
        {"problem_id" or "id": str|int, and/or "problem": str,    which prompt of --prompts

@@ -280,3 +280,25 @@ def test_bad_input_messages(tmp_path):
         graft.main(["preflight", *args_for(tmp_path, prompts), "--delta", "2"])
     with pytest.raises(SystemExit, match="--deltas '0.5,x'"):
         graft.main(["preflight", *args_for(tmp_path, prompts), "--deltas", "0.5,x"])
+
+
+def test_complement_json_is_the_printed_table(tmp_path, capsys):
+    """`graft.py complement --json` writes the rows of the table it prints (the report preflight embeds)."""
+    import offline
+    corrects = {"a": [[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8], "b": [[1, 1, 0, 0, 0, 0, 0, 0], [0] * 8, [0] * 8]}
+    paths = []
+    for name, rows in corrects.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"model": name, "problems": {"t": [{"id": f"q{i}", "correct": c}
+                                                                      for i, c in enumerate(rows)]}}))
+        paths.append(str(path))
+    assert graft.main(["complement", *paths, "--batch-size", "30", "--json", str(tmp_path / "c.json")]) == 0
+    out = json.loads((tmp_path / "c.json").read_text())
+    rows = {(r["src"], r["recv"]): r for r in out["rows"]}
+    # by hand: a fails q0 (b mixed there), b fails q1 (a mixed) and q2 (a all-pass)
+    assert rows[(1, 0)]["recv_all_fail"] == 1 and rows[(1, 0)]["mixed_share"] == 1.0
+    assert rows[(0, 1)]["recv_all_fail"] == 2 and rows[(0, 1)]["mixed_share"] == 0.5
+    assert rows[(0, 1)]["candidates_per_step"] == pytest.approx(10.0) and rows[(0, 1)]["m"] == pytest.approx(10.0)
+    assert out["n"] == 8 and out["batch_size"] == 30 and [s["path"] for s in out["sources"]] == paths
+    assert f"{10.0:>10.2f}" in capsys.readouterr().out
+    assert offline.complement_json([], [{"x": float("nan")}], n=8, batch_size=1)["rows"] == [{"x": None}]
