@@ -13,7 +13,8 @@ without a cycle. `open_peer_log` is what the trainer calls at start for --peer-l
    on which the source solves at least once), the expected number of candidate prompts per step in
    each direction at the given batch size (Eq. 4's |C|), and the balanced-swap m that implies
    (README "Choosing a pair"). Run it on short GRPO runs or evaluations of the candidate models before
-   spending GPU-days on a pair.
+   spending GPU-days on a pair. `--json FILE` writes the same report (complement_json), which is also
+   the "complement" entry of `graft.py preflight`'s report (preflight.py samples the counts itself).
 2. Foreign trajectories for the stored-trajectory variant: `--peer-log FILE.jsonl` reads any
    collection of solutions, one JSON object per line:
        {"problem_id" or "id": str|int, and/or "problem": str,    which prompt of --prompts
@@ -372,6 +373,14 @@ def format_complement_table(sources: list[SourceCounts], rows: list[dict], *, n:
     return "\n".join(out)
 
 
+def complement_json(sources: list[SourceCounts], rows: list[dict], *, n: int, batch_size: int) -> dict:
+    """The same report as format_complement_table, as JSON: the settings, the sources and the rows (NaN -> None)."""
+    clean = lambda v: None if isinstance(v, float) and math.isnan(v) else v  # noqa: E731  (JSON has no NaN)
+    return {"n": n, "batch_size": batch_size,
+            "sources": [{"path": s.path, "kind": s.kind, "prompts": len(s.counts), "note": s.note} for s in sources],
+            "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+
+
 def build_complement_parser(prog: str = "graft.py complement") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Complementarity of two or more models from GRPO rollout "
                                 "folders or graft.py eval results on the same prompts: for every ordered pair, the "
@@ -383,6 +392,8 @@ def build_complement_parser(prog: str = "graft.py complement") -> argparse.Argum
     p.add_argument("--batch-size", type=int, default=128, help="prompts per step of the planned pair run")
     p.add_argument("--aggregate", choices=("union", "latest"), default="union",
                    help="a prompt met at several steps: pool all its rollouts, or keep its last step's group")
+    p.add_argument("--json", default="", help="also write the table as JSON to this file (as graft.py preflight's "
+                   "'complement' entry)")
     return p
 
 
@@ -400,6 +411,9 @@ def main_complement(argv: list[str] | None = None, *, prog: str = "graft.py comp
     except ValueError as e:
         raise SystemExit(f"{prog}: {e}")
     print(format_complement_table(sources, rows, n=args.n, batch_size=args.batch_size))
+    if args.json:
+        from exchange import write_json
+        write_json(Path(args.json), complement_json(sources, rows, n=args.n, batch_size=args.batch_size))
     print(f"[complement] {time.time() - t0:.1f}s")
     return 0
 

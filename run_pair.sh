@@ -11,7 +11,8 @@
 #   bash run_pair.sh eval  [graft.py flags]    evaluate $MODEL (a checkpoint folder) on the five benchmarks
 #
 # Flags after the preset go to every graft.py process, e.g. `bash run_pair.sh pair1 --variant sgt`,
-# `--order uniform`, `--no-balance`, `--compat-norm byte`. Every variable below has a default and can
+# `--order uniform`, `--no-balance`, `--compat-norm byte`; FLAGS_A / FLAGS_B go to one side only (e.g.
+# FLAGS_A=--chat-template for an instruct model paired with a base model). Every variable below has a default and can
 # be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`; FSDP=1 / 0
 # forces FSDP2 sharding on / off, default auto: on for GPUs under 80 GB with two or more per side).
 # A pair splits the GPUs in two halves (printed); with one GPU both sides share it, with none both run
@@ -97,9 +98,10 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
   local id=()
   case " $* " in *" --resume "*) ;; *) id=(--run-id "${RUN_ID:-$tag-$(date +%Y%m%d-%H%M%S)-$RANDOM}") ;; esac
   echo "pair $tag: A=$a on GPUs ${GPUS_A:-none (CPU)}, B=$b on GPUs ${GPUS_B:-none (CPU)}, exchange $ex" >&2
-  side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "${id[@]}" "$@" > "$RUNS/$tag/a.log" 2>&1 &
+  # FLAGS_A / FLAGS_B: flags for one side only (e.g. FLAGS_A=--chat-template for an instruct model beside a base one)
+  side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "${id[@]}" "$@" ${FLAGS_A:-} > "$RUNS/$tag/a.log" 2>&1 &
   local pa=$!
-  side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "${id[@]}" "$@" > "$RUNS/$tag/b.log" 2>&1 &
+  side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "${id[@]}" "$@" ${FLAGS_B:-} > "$RUNS/$tag/b.log" 2>&1 &
   local pb=$!
   trap 'kill $pa $pb 2>/dev/null' INT TERM
   tail -f "$RUNS/$tag/a.log" --pid=$pa &
@@ -148,7 +150,7 @@ case "$PRESET" in
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py eval --model "$MODEL" --data-dir "$DATA" --benchmarks all --samples 8 --temperature 0.6 --top-p 0.95 "$@" ;;
   -h|--help|help)
-    sed -n '2,21p' "$0" ;;
+    sed -n '2,22p' "$0" ;;
   *)
     echo "run_pair.sh: unknown preset '$PRESET' (tiny, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
 esac
