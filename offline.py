@@ -142,7 +142,7 @@ def prob_all_pass(k: torch.Tensor, samples: torch.Tensor | int | None = None, *,
     return _comb_ratio(k, total, n)
 
 
-def complementarity(k_recv: torch.Tensor, k_src: torch.Tensor, *, n: int, batch_size: int,
+def complementarity(*, k_recv: torch.Tensor, k_src: torch.Tensor, n: int, batch_size: int,
                     samples_recv: torch.Tensor | int | None = None,
                     samples_src: torch.Tensor | int | None = None) -> dict[str, float]:
     """The paper's complementarity statistics for the direction source -> receiver, and its candidates.
@@ -172,7 +172,7 @@ def complementarity(k_recv: torch.Tensor, k_src: torch.Tensor, *, n: int, batch_
             "candidate_frac": frac, "candidates_per_step": frac * batch_size}
 
 
-def pair_complementarity(k_a: torch.Tensor, k_b: torch.Tensor, *, n: int, batch_size: int,
+def pair_complementarity(*, k_a: torch.Tensor, k_b: torch.Tensor, n: int, batch_size: int,
                          samples_a: torch.Tensor | int | None = None,
                          samples_b: torch.Tensor | int | None = None) -> dict:
     """Both directions of a pair and the balanced-swap m: {"a_to_b": ..., "b_to_a": ..., "m": float}.
@@ -180,8 +180,10 @@ def pair_complementarity(k_a: torch.Tensor, k_b: torch.Tensor, *, n: int, batch_
     k_a, k_b: (Q,) success counts on the same prompts. "a_to_b" is complementarity with B receiving A's
     groups; m = min of the two expected candidate counts per step (choice 3).
     """
-    a_to_b = complementarity(k_b, k_a, n=n, batch_size=batch_size, samples_recv=samples_b, samples_src=samples_a)
-    b_to_a = complementarity(k_a, k_b, n=n, batch_size=batch_size, samples_recv=samples_a, samples_src=samples_b)
+    a_to_b = complementarity(k_recv=k_b, k_src=k_a, n=n, batch_size=batch_size, samples_recv=samples_b,
+                             samples_src=samples_a)
+    b_to_a = complementarity(k_recv=k_a, k_src=k_b, n=n, batch_size=batch_size, samples_recv=samples_a,
+                             samples_src=samples_b)
     return {"a_to_b": a_to_b, "b_to_a": b_to_a,
             "m": min(a_to_b["candidates_per_step"], b_to_a["candidates_per_step"])}
 
@@ -340,7 +342,7 @@ def complement_rows(sources: list[SourceCounts], *, n: int, batch_size: int) -> 
                 rows.append({"src": i, "recv": j, "prompts": 0})
                 continue
             try:
-                pair = pair_complementarity(k_s, k_r, n=n, batch_size=batch_size, samples_a=n_s, samples_b=n_r)
+                pair = pair_complementarity(k_a=k_s, k_b=k_r, n=n, batch_size=batch_size, samples_a=n_s, samples_b=n_r)
             except ValueError as e:
                 raise ValueError(f"{s.path} vs {r.path}: {e}") from e
             rows.append({"src": i, "recv": j, **pair["a_to_b"], "reverse": pair["b_to_a"]["candidates_per_step"],

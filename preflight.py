@@ -217,7 +217,7 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
     k_src, k_recv = core.success_counts(ro.rewards), core.success_counts(recv.rollouts.rewards)  # (G,) each
     cand = core.graft_candidates(k_recv=k_recv, k_src=k_src, n=n)  # (G,) Eq. 4
     assert torch.equal(cand, unbalanced), "--no-balance receives exactly the candidates"
-    comp = offline.complementarity(k_recv, k_src, n=n, batch_size=P)
+    comp = offline.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
     src_len = [len(t) for t in ro.tokens]
     src_eos = ro.eos.view(-1).tolist()
     kw = dict(cross=cross, src_len=src_len, src_eos=src_eos, delta=cfg.delta, deltas=deltas, core=core,
