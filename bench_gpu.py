@@ -20,6 +20,11 @@ tokenizers are read from --tokenizers. Every row is measured side by side in thi
    a stored peer (graft.py's offline mode: the same selection, retokenisation, compatibility and peer-last update).
    Rewards come from a planted verifier (a hash of the text), since random models solve nothing: it gives mixed
    groups, so selection, scoring and the update all do work. Time by phase and peak memory.
+4. (run before 3.) One prefill per prompt (sampler share_prefix): a GRPO rollout of 32 random prompts (64-1,024
+   tokens) x n=8 at T=1 on the Qwen3-1.7B-shaped model, bf16, 256 rows in flight, with and without sharing,
+   interleaved: tokens/s, peak memory, sampled rows identical (bf16: other batch shapes round differently, so a
+   few may differ), and the behaviour log-probs (micro-batches of 16) with and without: time, peak memory, max
+   difference.
 
 Exit status 0 with the table printed; a failed identity check exits 1. --tiny uses toy sizes and the tiny
 preset's committed tokenizers (data/tiny_models/A, B), so the script is exercised on every CPU test run.
@@ -51,9 +56,9 @@ ROOT = Path(__file__).resolve().parent
 def sizes(tiny: bool) -> dict:
     if tiny:
         return dict(kernel=(256, 64, 4096), repeats=2, batch=8, batches=(4, 8), new_tokens=24, prompts=8, n=4,
-                    response=24)
+                    response=24, share=(4, (8, 64), 8))
     return dict(kernel=(8192, 2048, 151_936), repeats=5, batch=64, batches=(64, 256), new_tokens=256, prompts=64,
-                n=8, response=512)
+                n=8, response=512, share=(32, (64, 1024), 256))  # share: prompts, their length range, rows in flight
 
 
 def model_config(kind: str, tok, tiny: bool):
@@ -222,6 +227,58 @@ def bench_sampler(sz: dict, tok, device: torch.device, tiny: bool, rows: list) -
     return ok
 
 
+def bench_prefill(sz: dict, tok, device: torch.device, tiny: bool, rows: list) -> None:
+    """Row 4 of the module docstring: a GRPO rollout and its behaviour log-probs, share_prefix False vs True."""
+    from sampler import response_logprobs, sample
+    model = random_model("qwen3", tok, tiny=tiny, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                         device=device, seed=6)
+    n_prompts, (lo, hi), slots = sz["share"]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(5, len(tok) - 1, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),),
+                             generator=gen).tolist() for _ in range(n_prompts)]
+    batch = [p for p in prompts for _ in range(sz["n"])]  # row r = g * n + i, as Trainer.rollout builds them
+    pad, new = tok.pad_token_id or 0, sz["new_tokens"]
+
+    def rollout(share: bool):
+        return sample(model, batch, max_new_tokens=new, temperature=1.0, eos_token_id=tok.eos_token_id,
+                      pad_token_id=pad, generator=torch.Generator().manual_seed(0), max_batch_size=slots,
+                      share_prefix=share)
+
+    def logprobs(share: bool, responses):
+        out = []
+        with torch.no_grad():
+            for i in range(0, len(batch), 16):
+                lp, mask = response_logprobs(model, batch[i: i + 16], responses[i: i + 16], pad_token_id=pad,
+                                             share_prefix=share)
+                out += [lp[j, : int(mask[j].sum())].float() for j in range(lp.shape[0])]
+        return out
+
+    def timed(fn, *args):
+        reset_peak(device)
+        synchronize(device)
+        t0 = time.perf_counter()
+        result = fn(*args)
+        synchronize(device)
+        return result, time.perf_counter() - t0, peak_gib(device)
+
+    rollout(True)  # warm-up
+    res = {}
+    for share in (False, True, True, False):  # interleaved; the second run of each is kept
+        res[share] = timed(rollout, share)
+    toks = {s: sum(len(o.tokens) for o in r[0]) for s, r in res.items()}
+    same = sum(a.tokens == b.tokens for a, b in zip(res[False][0], res[True][0]))
+    rows.append((f"shared prefix, rollout {n_prompts} prompts ({lo}-{hi} tokens) x n={sz['n']}, T=1, {slots} in flight",
+                 f"{toks[True] / res[True][1]:.0f} vs {toks[False] / res[False][1]:.0f} tokens/s "
+                 f"({toks[True] / res[True][1] / (toks[False] / res[False][1]):.2f}x); peak {res[True][2]} vs "
+                 f"{res[False][2]}; identical rows {same}/{len(batch)}"))
+    responses = [o.tokens for o in res[True][0]]
+    lp = {share: timed(logprobs, share, responses) for share in (False, True)}
+    diff = max(float((a - b).abs().max()) for a, b in zip(lp[False][0], lp[True][0]))
+    rows.append(("shared prefix, behaviour log-probs, micro-batches of 16",
+                 f"{lp[True][1]:.2f} vs {lp[False][1]:.2f} s ({lp[False][1] / lp[True][1]:.2f}x faster); peak "
+                 f"{lp[True][2]} vs {lp[False][2]}; max |diff| {diff:.1e}"))
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. One GRAFT step of a real-shape pair on one GPU
 # ------------------------------------------------------------------------------------------------
@@ -285,7 +342,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy sizes on CPU (the test suite's run)")
     p.add_argument("--tokenizers", default="", help="folder with qwen3/ and smollm3/ tokenizer folders")
-    p.add_argument("--only", choices=("kernel", "sampler", "pair"), help="one part only")
+    p.add_argument("--only", choices=("kernel", "sampler", "prefill", "pair"), help="one part only")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
     device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda")
@@ -310,6 +367,8 @@ def main(argv=None) -> int:
         bench_kernel(sz, device, rows)
     if args.only in (None, "sampler"):
         ok &= bench_sampler(sz, toks["b"], device, args.tiny, rows)
+    if args.only in (None, "prefill"):
+        bench_prefill(sz, toks["b"], device, args.tiny, rows)
     if args.only in (None, "pair"):
         bench_pair_step(sz, toks, device, args.tiny, rows)
     width = max(len(r[0]) for r in rows)

@@ -2,7 +2,7 @@
 
     python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
     python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
-    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval}
+    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill}
     python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
@@ -42,6 +42,20 @@
    growing, left-padded one; how much depends on the response lengths (A's character-level responses are
    long, B's short), which is why the tiny preset's choice of ``--static-decode`` for its evaluations is
    measured here, per model.
+6. One prefill per prompt (``--only prefill``; not in the default run; ``--no-real``: tiny models only, ``--quick``:
+   8 prompts): one GRPO rollout of G prompts x n=8 as ``Trainer.rollout`` hands it to ``sample`` (row g * n + i,
+   T=1, cap 128, 32 rows in flight, float32, ``--threads`` torch threads, default 1), ``share_prefix=False`` and
+   ``True`` interleaved (3 repeats on the tiny models, 1 on the real ones): tokens per wall-clock second and per
+   CPU second of the process (the robust one on a shared machine), the rise of peak RSS over
+   the call (VmHWM reset through /proc/self/clear_refs), prefill tokens and forward calls, rows identical; then
+   the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
+   order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|. Models: the
+   committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
+   Instruct and Gemma-3-270M (``gguf_models``, where installed; ``--real-only NAME``: one of them, ``--no-tiny``: no
+   tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with
+   the paper's instruction (graft.Config.prompt_template, raw text).
+   Between them, the trainer's own ``time/*`` metrics of a 3-step tiny GRPO run (model A, 16 prompts x 8 per
+   step, ``graft.py train --share-prefix`` vs ``--no-share-prefix``, two runs each, alternating).
 """
 
 import argparse
@@ -602,6 +616,177 @@ def bench_tiny_eval(problems: int = 1000, samples: int = 8, slots: int = 1024, r
 
 
 # ------------------------------------------------------------------------------------------------
+# 6. one prefill per prompt: a GRPO rollout (G prompts x n) with and without share_prefix (--only prefill)
+# ------------------------------------------------------------------------------------------------
+
+PF_N, PF_CAP, PF_SLOTS, PF_MICRO = 8, 128, 32, 16  # copies per prompt, cap, rows in flight, log-prob micro-batch
+
+
+def rss_reset() -> int:
+    """Reset this process's peak RSS (VmHWM, via /proc/self/clear_refs) to its current RSS; return that in bytes.
+    Memory freed by earlier runs is first handed back to the OS (glibc's malloc_trim): glibc keeps freed blocks of
+    up to 32 MiB in its heap, so a run after another would otherwise reuse them without raising the RSS."""
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def rss_peak() -> int:
+    """Peak RSS (VmHWM) in bytes since the last rss_reset."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def pf_rollout(model, rows, *, eos, pad, share: bool, seed: int = 0):
+    """One rollout as Trainer.rollout calls it: T=1, cap PF_CAP, PF_SLOTS rows in flight. -> (rollouts, (wall-clock
+    seconds, CPU seconds of this process), peak RSS rise in bytes, sample()'s stats)."""
+    stats = {}
+    base = rss_reset()
+    t0, c0 = time.perf_counter(), time.process_time()
+    rolls = sample(model, rows, max_new_tokens=PF_CAP, temperature=1.0, eos_token_id=eos, pad_token_id=pad,
+                   generator=torch.Generator().manual_seed(seed), max_batch_size=PF_SLOTS, share_prefix=share,
+                   stats=stats)
+    return rolls, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base, stats
+
+
+def pf_logprobs(model, rows, responses, *, pad, share: bool):
+    """Behaviour log-probs as Trainer.behaviour_logprobs computes them: rows in order, micro-batches of PF_MICRO,
+    no grad, T=1. -> (list of (len,) tensors, (wall-clock, CPU) seconds, peak RSS rise in bytes)."""
+    from sampler import response_logprobs
+    out = []
+    base = rss_reset()
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        for i in range(0, len(rows), PF_MICRO):
+            lp, mask = response_logprobs(model, rows[i : i + PF_MICRO], responses[i : i + PF_MICRO],
+                                         pad_token_id=pad, share_prefix=share)
+            out += [lp[j, : int(mask[j].sum())] for j in range(lp.shape[0])]
+    return out, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base
+
+
+def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int) -> None:
+    """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved."""
+    rows = [p for p in prompts for _ in range(PF_N)]  # row r = g * n + i, as Trainer.rollout builds them
+    lens = [len(p) for p in prompts]
+    print(f"{name}: {len(prompts)} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.0f}) x "
+          f"n={PF_N} = {len(rows)} rows, T=1, cap {PF_CAP}, {PF_SLOTS} rows in flight")
+    pf_rollout(model, rows[: 2 * PF_N], eos=eos, pad=pad, share=True)  # warm-up (first-call overheads)
+    runs = {False: [], True: []}
+    for rep in range(repeats):
+        for share in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate who goes first
+            runs[share].append(pf_rollout(model, rows, eos=eos, pad=pad, share=share))
+    label = {False: "unshared", True: "shared"}
+    # tokens per wall-clock second and per CPU second of this process (with one thread, the latter barely moves
+    # when other jobs share the machine)
+    tps = {(k, c): [sum(len(r.tokens) for r in v[0]) / v[1][c] for v in rs] for k, rs in runs.items() for c in (0, 1)}
+    med = {key: statistics.median(v) for key, v in tps.items()}
+    for k in (False, True):
+        rolls, _, peak, stats = runs[k][-1]
+        print(f"  rollout {label[k]:8s} tokens/s wall " + " ".join(f"{x:6.1f}" for x in tps[k, 0]) + ", CPU "
+              + " ".join(f"{x:6.1f}" for x in tps[k, 1]) + f"; peak RSS rise {peak / 2**20:7.1f} MiB, prefill "
+              f"tokens {stats['prefill_tokens']:,}, forward calls {stats['forward_calls']:,}")
+    lengths = [len(r.tokens) for r in runs[True][-1][0]]
+    same = sum(a.tokens == b.tokens for a, b in zip(runs[False][-1][0], runs[True][-1][0]))
+    print(f"  response lengths {min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.1f}); sampled tokens "
+          f"identical shared vs unshared: {same}/{len(rows)} rows")
+    print(f"  shared / unshared tokens/s = {med[True, 1] / med[False, 1]:.2f}x per CPU second, "
+          f"{med[True, 0] / med[False, 0]:.2f}x wall-clock (medians of {repeats}); peak RSS rise, "
+          f"largest of each: shared {max(r[2] for r in runs[True]) / 2**20:.1f} MiB, unshared "
+          f"{max(r[2] for r in runs[False]) / 2**20:.1f} MiB")
+    rolls = runs[True][-1][0]
+    responses = [r.tokens for r in rolls]
+    lp, lp_times = {}, {False: [], True: []}
+    for rep in range(repeats):
+        for share in ((False, True) if rep % 2 == 0 else (True, False)):
+            lp[share] = pf_logprobs(model, rows, responses, pad=pad, share=share)
+            lp_times[share].append(lp[share][1])
+    diff = max((a - b).abs().max().item() for a, b in zip(lp[False][0], lp[True][0]))
+    vs_sampler = max((a - r.logprobs).abs().max().item() for a, r in zip(lp[True][0], rolls))
+    (w0, c0), (w1, c1) = ((statistics.median(t[0] for t in lp_times[s]), statistics.median(t[1] for t in lp_times[s]))
+                          for s in (False, True))
+    print(f"  behaviour log-probs (micro-batches of {PF_MICRO}, medians of {repeats}): unshared {c0:.2f} CPU s "
+          f"({w0:.2f} wall), peak RSS rise {lp[False][2] / 2**20:.1f} MiB; shared {c1:.2f} CPU s ({w1:.2f} wall), "
+          f"{lp[True][2] / 2**20:.1f} MiB; time {c1 / c0:.2f}x CPU, {w1 / w0:.2f}x wall; max |shared - unshared| "
+          f"{diff:.1e}, max |shared - sampler| {vs_sampler:.1e}")
+
+
+def pf_train(threads: int, steps: int = 3) -> None:
+    """The trainer's own phase times (time/sample, time/logprob, time/update) of a short GRPO run on the tiny
+    model A, --share-prefix against --no-share-prefix, alternating, two runs each; medians over steps 1.."""
+    import tempfile
+    sys.path.insert(0, os.path.join(HERE, "data"))
+    import tiny_tasks
+    rows, _ = tiny_tasks.generate(0, 64, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "train.jsonl")
+        with open(data, "w") as f:
+            f.writelines(json.dumps({k: r[k] for k in ("id", "problem", "answer")}) + "\n" for r in rows)
+        times = {True: [], False: []}
+        for k, share in enumerate((True, False, False, True)):
+            out = os.path.join(tmp, f"run{k}")
+            cmd = [sys.executable, os.path.join(HERE, "graft.py"), "train", "--model",
+                   os.path.join(HERE, "data", "tiny_models", "A"), "--prompts", data, "--out", out, "--steps",
+                   str(steps), "--prompts-per-step", "16", "--n", str(PF_N), "--minibatches", "2",
+                   "--max-response-tokens", "68", "--prompt-template", "{problem}\n", "--threads", str(threads),
+                   "--micro-batch-size", str(PF_MICRO), "--gen-batch-size", str(PF_SLOTS), "--save-every", "1000",
+                   "--share-prefix" if share else "--no-share-prefix"]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                times[share] += [json.loads(line) for line in f][1:]  # step 0 pays the first-call overheads
+    print(f"trainer phase times, tiny model A, GRPO, 16 prompts x n={PF_N} per step, {steps} steps x 2 runs each "
+          f"(step 0 left out), medians in seconds:")
+    for key in ("time/sample", "time/logprob", "time/update", "time/step"):
+        med = {s: statistics.median(m[key] for m in times[s]) for s in (False, True)}
+        print(f"  {key:13s} unshared {med[False]:6.2f}   shared {med[True]:6.2f}   shared / unshared "
+              f"{med[True] / med[False]:.2f}x")
+
+
+def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, repeats: int, tiny: bool = True,
+                  real_only: str = "") -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
+    print(f"\n== one prefill per prompt: a GRPO rollout, share_prefix=False vs True, interleaved, float32 CPU, "
+          f"{threads} threads (load average {load:.1f} at the start)")
+    sys.path.insert(0, os.path.join(HERE, "data"))
+    import tiny_tasks
+    problems, _ = tiny_tasks.generate(0, prompts, 0)
+    for name in ("A", "B") if tiny else ():
+        path = os.path.join(HERE, "data", "tiny_models", name)
+        tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+        ids = [tok(r["problem"] + "\n")["input_ids"] for r in problems]  # the tiny preset's prompt template
+        pf_model(f"tiny {name}", model, ids, eos=tok.eos_token_id, pad=tok.pad_token_id, repeats=repeats)
+    if tiny:
+        pf_train(threads)
+    if not real:
+        return
+    from graft import Config
+    from runtime import encode_prompt
+    bench = os.path.join(HERE, "..", "shared", "benchmarks", "math500.jsonl")
+    with open(bench) as f:
+        math = [json.loads(line)["problem"] for line, _ in zip(f, range(real_prompts))]
+    found, missing = gguf_models()
+    for reason in missing:
+        print(f"  skipped: {reason}")
+    for name, directory, file in found:
+        if real_only.lower() not in name.lower():
+            continue
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32).eval()
+        ids = [encode_prompt(p, tok, template=Config.prompt_template, chat=False) for p in math]  # the paper's
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        pf_model(f"{name} ({len(math)} MATH-500 problems, the paper's instruction)", model, ids,
+                 eos=tok.eos_token_id, pad=pad, repeats=1)
+        del model
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -609,8 +794,16 @@ def bench_tiny_eval(problems: int = 1000, samples: int = 8, slots: int = 1024, r
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
-    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval"],
-                    help="run one benchmark (real-weights, tiny-eval: only when asked for)")
+    ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval",
+                                       "prefill"],
+                    help="run one benchmark (real-weights, tiny-eval, prefill: only when asked for)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of --only prefill (the others use 1)")
+    ap.add_argument("--real-prompts", type=int, default=32, help="--only prefill: MATH-500 prompts (x 8 rows)")
+    ap.add_argument("--no-real", action="store_true", help="--only prefill: the tiny models only")
+    ap.add_argument("--no-tiny", action="store_true", help="--only prefill: the real models only")
+    ap.add_argument("--repeats", type=int, default=0, help="--only prefill: repeats on the tiny models (default 3)")
+    ap.add_argument("--real-only", default="", metavar="NAME",
+                    help="--only prefill: only the real model whose name contains NAME")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -635,6 +828,11 @@ def main():
         bench_real_weights()
     if args.only == "tiny-eval":
         bench_tiny_eval()
+    if args.only == "prefill":
+        bench_prefill(args.threads, real=not args.no_real, prompts=8 if args.quick else 32,
+                      real_prompts=args.real_prompts, repeats=args.repeats or (2 if args.quick else 3),
+                      tiny=not args.no_tiny,
+                      real_only=args.real_only)
 
 
 if __name__ == "__main__":

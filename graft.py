@@ -19,8 +19,8 @@ One GRAFT step, in call order (Trainer.step; each side of the pair runs the same
                                 group_advantages, behaviour log-probs by one forward
     3. save_rollouts / load_rollouts   write this side's file, wait for and read the peer's     exchange.py
     4. Trainer.select           received_groups -> balanced_swap -> graft_candidates (Eq. 4)
-    5. Trainer.score_peer       decode_response -> retokenize -> receiver log-probs ->
-                                compatibility_weights (Eqs. 6-8)
+    5. Trainer.score_peer       score_received: retokenize -> receiver log-probs ->
+                                compatibility_weights (Eqs. 6-8); `graft.py preflight` runs it too
     6. Trainer.build_rows       own groups + the peer's retained responses with the peer's
                                 advantages and w: one Row per response
     7. Trainer.update           minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
@@ -79,7 +79,8 @@ Our extensions beyond the paper (the paper's behaviour is unchanged when they ar
     records as the stored peer, matched by id or problem text, re-verified, with advantages within
     each prompt's group of any size (offline.py); `--peer-model` supplies a missing lbar.
   * `graft.py complement`: the paper's complementarity statistics for candidate models before a
-    pair run (offline.py).
+    pair run (offline.py); `graft.py preflight` samples two models and runs a step's selection and
+    gate on the samples (preflight.py).
 
 Launch lines:
     # CPU, tiny preset: two tiny models, GRPO vs GRAFT, a table at the end (minutes)
@@ -243,6 +244,8 @@ class Config:
     """Rows in flight in the sampler at most (bounds the KV cache; finished rows are refilled; typ. 64-512)."""
     static_decode: bool = False
     """Sampler's static-shape decode (preallocated KV cache, CUDA graph on GPU); unmeasured on GPU, so off."""
+    share_prefix: bool = True
+    """Run each prompt once for its n samples and their log-prob passes (sampler.py departure 11)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass inside a minibatch (gradient accumulation)."""
     logprob_chunk: int = 1024
@@ -802,6 +805,54 @@ def check_golds(rows: list[dict], cfg: Config, *, main: bool = True) -> None:
         print(f"WARNING: {msg} (fix or drop them; --strict makes this an error)", file=sys.stderr, flush=True)
 
 
+class Received(NamedTuple):
+    """score_received's answer for R peer responses, of which R' survived the length limit."""
+
+    index: list[int]  # (R',) positions in the input of the responses kept (the others were too long)
+    ids: list[list[int]]  # (R',) the receiver's token ids of each kept response (EOS appended if it ended)
+    logprobs: list[torch.Tensor]  # (R',) the receiver's behaviour log-probs, one (len(ids),) tensor each
+    lbar_recv: torch.Tensor  # (R',) Eq. 6 under the receiver, in --compat-norm
+    lbar_src: torch.Tensor  # (R',) the source's lbar of the same responses
+    s: torch.Tensor  # (R',) compatibility scores (Eq. 6)
+    w: torch.Tensor  # (R',) weights (Eqs. 7-8; 1 each with compat_weight=False)
+
+
+def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, prompts: list[list[int]], *,
+                   tokenizer, eos_token_id: int, logprobs: Callable, max_response_tokens: int,
+                   compat_norm: str = "token", delta: float = 0.8, compat_weight: bool = True) -> Received:
+    """Retokenise R peer responses for the receiver and score them under it (Eqs. 6-8).
+
+    texts, eos: the peer's decoded responses and whether each ended with EOS; lbar_src: (R,) the
+    source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprobs(prompts,
+    responses) returns the receiver's behaviour log-probs, one (len,) tensor per response (the trainer's
+    sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
+    dropped: it is not in the answer's index. Trainer.score_peer runs it on the received groups,
+    `graft.py preflight` on every sampled response, so the two cannot drift.
+    """
+    assert len(texts) == len(eos) == len(prompts) == lbar_src.numel(), "one text, EOS flag, lbar and prompt each"
+    index, ids = [], []
+    for j, (text, ended) in enumerate(zip(texts, eos)):
+        r = retokenize(text, ended, tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
+        if r:  # None: too long; []: nothing left to score
+            index.append(j)
+            ids.append(r)
+    if not index:
+        empty = torch.zeros(0)
+        return Received([], [], [], empty, empty, empty, empty)
+    lps = logprobs([prompts[j] for j in index], ids)
+    lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',)
+    if compat_norm == "byte":  # departure 2
+        denom = [max(1, len(texts[j].encode("utf-8"))) for j in index]
+    else:  # Eq. 6: mean log-prob per receiver token
+        denom = [len(x) for x in ids]
+    lbar_recv = lp_sum / torch.tensor(denom, dtype=torch.float32)  # (R',)
+    src = lbar_src.float()[torch.tensor(index)]  # (R',)
+    s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=src)  # (R',) Eq. 6
+    w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight
+         else torch.ones_like(s))  # (R',) Eqs. 7-8
+    return Received(index, ids, lps, lbar_recv, src, s, w)
+
+
 # What each line of metrics.jsonl holds (README "Metrics"; metrics_markdown prints the table). <kind> is a
 # row kind of LOSS_KINDS with the policy_loss keys (pg; HACPO's hacpo_own and hacpo_peer). "Through the
 # loss" = the tokens or responses of retained rows (w > 0) with a != 0: rows with a = 0 give exactly zero
@@ -1035,7 +1086,7 @@ class Trainer(RunFiles):
             outs: list[Rollout] = sample(
                 self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
-                max_batch_size=cfg.gen_batch_size, static=cfg.static_decode,
+                max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, share_prefix=cfg.share_prefix,
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
@@ -1077,8 +1128,11 @@ class Trainer(RunFiles):
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs of the responses: (B, T) float and the (B, T) bool mask,
         through the chunked kernel; under --fsdp inside the FSDP root's forward (runtime.PolicyForward)."""
+        # --fsdp with grad gathers the weights in every forward, so all ranks must make the same number of calls:
+        # a shared prefix (a data-dependent second call) runs only where the weights are gathered (no grad)
+        share = self.cfg.share_prefix and (self.policy is None or not torch.is_grad_enabled())
         kw = dict(pad_token_id=self.tok.pad_token_id, temperature=self.cfg.temperature or 1.0,
-                  chunk_size=self.cfg.logprob_chunk)
+                  chunk_size=self.cfg.logprob_chunk, share_prefix=share)
         if self.policy is not None:
             return self.policy(prompts, responses, **kw)
         return response_logprobs(self.model, prompts, responses, **kw)
@@ -1149,44 +1203,32 @@ class Trainer(RunFiles):
         """Retokenise the peer's responses of the given groups and score them under the receiver.
 
         Returns a PeerResponse (receiver ids, receiver behaviour log-probs, w, s) for every response
-        that survived the length limit, and the number dropped by it.
+        that survived the length limit, and the number dropped by it (score_received does both).
         """
         cfg, n = self.cfg, peer.n  # the stride of r = g * n + i (a foreign log's widest group)
-        cand, dropped_len = [], 0
-        for g in groups:
-            for i in range(n):
-                r = g * n + i
-                if not peer.mask[g, i] or (only_correct and peer.rewards[g, i] <= 0):
-                    continue
-                ids = retokenize(peer.texts[r], bool(peer.eos[g, i]), self.tok,
-                                 max_response_tokens=cfg.max_response_tokens, eos_token_id=self.eos_id)
-                if ids is None or len(ids) == 0:
-                    dropped_len += 1
-                    continue
-                cand.append((g, r, ids))
-        if not cand:
-            return [], dropped_len
-        lps = self.sharded_logprobs([self.prompt_ids[rows[g]] for g, _, _ in cand], [ids for _, _, ids in cand])
-        lp_sum = torch.stack([lp.sum() for lp in lps])  # (C,)
-        if cfg.compat_norm == "byte":  # departure 2
-            lbar_recv = lp_sum / torch.tensor([max(1, len(peer.texts[r].encode("utf-8"))) for _, r, _ in cand],
-                                              dtype=torch.float32)  # (C,)
-        else:  # Eq. 6: mean log-prob per receiver token
-            lbar_recv = lp_sum / torch.tensor([len(ids) for _, _, ids in cand], dtype=torch.float32)  # (C,)
-        lbar_src = peer.lbar(cfg.compat_norm).view(-1)[torch.tensor([r for _, r, _ in cand])]  # (C,)
-        s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=lbar_src)  # (C,) Eq. 6
-        w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=lbar_src, delta=cfg.delta) if cfg.compat_weight
-             else torch.ones_like(s))  # (C,) Eqs. 7-8
-        if cfg.acceptance == "random":
+        picked = [(g, i) for g in groups for i in range(n)
+                  if peer.mask[g, i] and not (only_correct and peer.rewards[g, i] <= 0)]
+        lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, n); a foreign log may lack it unused
+        sc = score_received([peer.texts[g * n + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
+                            torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
+                            [self.prompt_ids[rows[g]] for g, _ in picked], tokenizer=self.tok,
+                            eos_token_id=self.eos_id, logprobs=self.sharded_logprobs,
+                            max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
+                            delta=cfg.delta, compat_weight=cfg.compat_weight)
+        s, w = sc.s, sc.w
+        if cfg.acceptance == "random" and sc.index:
             # Ablation: keep the gate's acceptance rate but draw the accepted responses at random;
             # they keep min(s, 1) as weight, so only *which* responses pass changes.
             k = int((w > 0).sum())
             g_ = seeded_generator(cfg.seed, step, "accept")
-            pick = torch.randperm(len(cand), generator=g_)[:k]
+            pick = torch.randperm(len(sc.index), generator=g_)[:k]
             w = torch.zeros_like(s)
             w[pick] = s[pick].clamp(max=1.0) if cfg.compat_weight else 1.0
-        return [PeerResponse(g, r, ids, lp, float(wi), float(si))
-                for (g, r, ids), lp, wi, si in zip(cand, lps, w, s)], dropped_len
+        out = []
+        for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), s.tolist()):
+            g, i = picked[j]
+            out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
+        return out, len(picked) - len(sc.index)
 
     def build_rows(self, step: int, rows: list[int], own: StepRollouts,
                    peers: dict[str, StepRollouts]) -> tuple[list[Row], torch.Tensor, dict]:
@@ -1871,6 +1913,8 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("complement", add_help=False,
                    help="how complementary candidate models are, before a pair run (graft.py complement -h)")
+    sub.add_parser("preflight", add_help=False,
+                   help="sample two models and report what a pair of them would exchange (graft.py preflight -h)")
     sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
@@ -1917,6 +1961,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
         return offline.main_complement(argv[1:])
+    if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
+        import preflight  # it never imports graft.py: it is handed this module, the trainer's functions
+        return preflight.main(argv[1:], core=sys.modules[__name__])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         import plot  # matplotlib only there
         return plot.main(argv[1:])

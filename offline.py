@@ -13,7 +13,8 @@ without a cycle. `open_peer_log` is what the trainer calls at start for --peer-l
    on which the source solves at least once), the expected number of candidate prompts per step in
    each direction at the given batch size (Eq. 4's |C|), and the balanced-swap m that implies
    (README "Choosing a pair"). Run it on short GRPO runs or evaluations of the candidate models before
-   spending GPU-days on a pair.
+   spending GPU-days on a pair. `--json FILE` writes the same report (complement_json), which is also
+   the "complement" entry of `graft.py preflight`'s report (preflight.py samples the counts itself).
 2. Foreign trajectories for the stored-trajectory variant: `--peer-log FILE.jsonl` reads any
    collection of solutions, one JSON object per line:
        {"problem_id" or "id": str|int, and/or "problem": str,    which prompt of --prompts
@@ -141,7 +142,7 @@ def prob_all_pass(k: torch.Tensor, samples: torch.Tensor | int | None = None, *,
     return _comb_ratio(k, total, n)
 
 
-def complementarity(k_recv: torch.Tensor, k_src: torch.Tensor, *, n: int, batch_size: int,
+def complementarity(*, k_recv: torch.Tensor, k_src: torch.Tensor, n: int, batch_size: int,
                     samples_recv: torch.Tensor | int | None = None,
                     samples_src: torch.Tensor | int | None = None) -> dict[str, float]:
     """The paper's complementarity statistics for the direction source -> receiver, and its candidates.
@@ -171,7 +172,7 @@ def complementarity(k_recv: torch.Tensor, k_src: torch.Tensor, *, n: int, batch_
             "candidate_frac": frac, "candidates_per_step": frac * batch_size}
 
 
-def pair_complementarity(k_a: torch.Tensor, k_b: torch.Tensor, *, n: int, batch_size: int,
+def pair_complementarity(*, k_a: torch.Tensor, k_b: torch.Tensor, n: int, batch_size: int,
                          samples_a: torch.Tensor | int | None = None,
                          samples_b: torch.Tensor | int | None = None) -> dict:
     """Both directions of a pair and the balanced-swap m: {"a_to_b": ..., "b_to_a": ..., "m": float}.
@@ -179,8 +180,10 @@ def pair_complementarity(k_a: torch.Tensor, k_b: torch.Tensor, *, n: int, batch_
     k_a, k_b: (Q,) success counts on the same prompts. "a_to_b" is complementarity with B receiving A's
     groups; m = min of the two expected candidate counts per step (choice 3).
     """
-    a_to_b = complementarity(k_b, k_a, n=n, batch_size=batch_size, samples_recv=samples_b, samples_src=samples_a)
-    b_to_a = complementarity(k_a, k_b, n=n, batch_size=batch_size, samples_recv=samples_a, samples_src=samples_b)
+    a_to_b = complementarity(k_recv=k_b, k_src=k_a, n=n, batch_size=batch_size, samples_recv=samples_b,
+                             samples_src=samples_a)
+    b_to_a = complementarity(k_recv=k_a, k_src=k_b, n=n, batch_size=batch_size, samples_recv=samples_a,
+                             samples_src=samples_b)
     return {"a_to_b": a_to_b, "b_to_a": b_to_a,
             "m": min(a_to_b["candidates_per_step"], b_to_a["candidates_per_step"])}
 
@@ -339,7 +342,7 @@ def complement_rows(sources: list[SourceCounts], *, n: int, batch_size: int) -> 
                 rows.append({"src": i, "recv": j, "prompts": 0})
                 continue
             try:
-                pair = pair_complementarity(k_s, k_r, n=n, batch_size=batch_size, samples_a=n_s, samples_b=n_r)
+                pair = pair_complementarity(k_a=k_s, k_b=k_r, n=n, batch_size=batch_size, samples_a=n_s, samples_b=n_r)
             except ValueError as e:
                 raise ValueError(f"{s.path} vs {r.path}: {e}") from e
             rows.append({"src": i, "recv": j, **pair["a_to_b"], "reverse": pair["b_to_a"]["candidates_per_step"],
@@ -372,6 +375,14 @@ def format_complement_table(sources: list[SourceCounts], rows: list[dict], *, n:
     return "\n".join(out)
 
 
+def complement_json(sources: list[SourceCounts], rows: list[dict], *, n: int, batch_size: int) -> dict:
+    """The same report as format_complement_table, as JSON: the settings, the sources and the rows (NaN -> None)."""
+    clean = lambda v: None if isinstance(v, float) and math.isnan(v) else v  # noqa: E731  (JSON has no NaN)
+    return {"n": n, "batch_size": batch_size,
+            "sources": [{"path": s.path, "kind": s.kind, "prompts": len(s.counts), "note": s.note} for s in sources],
+            "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+
+
 def build_complement_parser(prog: str = "graft.py complement") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Complementarity of two or more models from GRPO rollout "
                                 "folders or graft.py eval results on the same prompts: for every ordered pair, the "
@@ -383,6 +394,8 @@ def build_complement_parser(prog: str = "graft.py complement") -> argparse.Argum
     p.add_argument("--batch-size", type=int, default=128, help="prompts per step of the planned pair run")
     p.add_argument("--aggregate", choices=("union", "latest"), default="union",
                    help="a prompt met at several steps: pool all its rollouts, or keep its last step's group")
+    p.add_argument("--json", default="", help="also write the table as JSON to this file (as graft.py preflight's "
+                   "'complement' entry)")
     return p
 
 
@@ -400,6 +413,9 @@ def main_complement(argv: list[str] | None = None, *, prog: str = "graft.py comp
     except ValueError as e:
         raise SystemExit(f"{prog}: {e}")
     print(format_complement_table(sources, rows, n=args.n, batch_size=args.batch_size))
+    if args.json:
+        from exchange import write_json
+        write_json(Path(args.json), complement_json(sources, rows, n=args.n, batch_size=args.batch_size))
     print(f"[complement] {time.time() - t0:.1f}s")
     return 0
 

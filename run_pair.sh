@@ -11,9 +11,10 @@
 #   bash run_pair.sh eval  [graft.py flags]    evaluate $MODEL (a checkpoint folder) on the five benchmarks
 #
 # Flags after the preset go to every graft.py process, e.g. `bash run_pair.sh pair1 --variant sgt`,
-# `--order uniform`, `--no-balance`, `--compat-norm byte`. Every variable below has a default and can
-# be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`; FSDP=1 / 0
-# forces FSDP2 sharding on / off, default auto: on for GPUs under 80 GB with two or more per side).
+# `--order uniform`, `--no-balance`, `--compat-norm byte`; FLAGS_A / FLAGS_B go to one side only (e.g.
+# FLAGS_A=--chat-template for an instruct model paired with a base model). Every variable below has a
+# default and can be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`;
+# FSDP=1 / 0 forces FSDP2 sharding on / off, default auto: on for GPUs under 80 GB with two or more per side).
 # A pair splits the GPUs in two halves (printed); with one GPU both sides share it, with none both run
 # on the CPU. When one side exits non-zero the other is stopped at once. Each launch passes both sides
 # a fresh --run-id (not with --resume, which keeps the run's), so two pairs started in one exchange
@@ -206,19 +207,20 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
   started a && here+=("A=$a on GPUs ${GPUS_A:-none (CPU)}")
   started b && here+=("B=$b on GPUs ${GPUS_B:-none (CPU)}")
   echo "pair $tag: $(IFS=,; echo "${here[*]}" | sed 's/,B=/, B=/'), exchange $ex" >&2
+  # FLAGS_A / FLAGS_B: flags for one side only (e.g. FLAGS_A=--chat-template for an instruct model beside a base one)
   if [ "$DRY_RUN" = 1 ]; then
-    started a && side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@"
-    started b && side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@"
+    started a && side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@" ${FLAGS_A:-}
+    started b && side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@" ${FLAGS_B:-}
     return 0
   fi
   mkdir -p "$RUNS/$tag"
   local pa= pb=
   if started a; then
-    side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" a)" 2>&1 &
+    side a b "$a" "$GPUS_A" "$RUNS/$tag/a" "$ex" "$tag" "${id[@]}" "$@" ${FLAGS_A:-} > "$(log_of "$tag" a)" 2>&1 &
     pa=$!
   fi
   if started b; then
-    side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@" > "$(log_of "$tag" b)" 2>&1 &
+    side b a "$b" "$GPUS_B" "$RUNS/$tag/b" "$ex" "$tag" "${id[@]}" "$@" ${FLAGS_B:-} > "$(log_of "$tag" b)" 2>&1 &
     pb=$!
   fi
   trap 'kill $pa $pb 2>/dev/null' INT TERM

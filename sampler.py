@@ -21,13 +21,15 @@ API
     scaled by ``logit_scale`` and then soft-capped to softcap * tanh(z / softcap) when ``softcap`` is set, computed in
     chunks of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows with an online log-sum-exp; backward
     recomputes each chunk. Differentiable w.r.t. hidden and weight. (float64 inputs give float64 log-probs.)
-``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024) -> (logp, mask)``
+``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024, share_prefix=True)
+-> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
     responses[i][:t]), 0 where mask is False. Differentiable w.r.t. the model's parameters when grad is enabled.
 ``Rollout(tokens, logprobs, ended_with_eos)``
     one sampled response: token ids (EOS included when it stopped at EOS), (len(tokens),) float32 CPU log-probs.
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
-         generator=None, max_batch_size=None, min_refill=None, static=False, progress=False, stats=None)``
+         generator=None, max_batch_size=None, min_refill=None, static=False, share_prefix=True, progress=False,
+         stats=None)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
     most ``max_batch_size`` rows in flight; rows that finish leave the batch and waiting prompts take their places.
 
@@ -92,17 +94,33 @@ Departures and shortcuts (read these before copying)
    ValueError (its slots would need a second, windowed mask per step and layer type, and its prefill an untrimmed
    cache). On CPU it runs the same step eagerly: tested there for parity with the default path; the graph capture and
    its speed are not yet measured on a GPU.
+11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
+   each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
+   prefills each distinct prompt of a refill once; every copy gets its own copy of the prompt's cache rows (so the
+   cache, the trims and the merges of departure 6 and the slots of departure 10 are exactly as without sharing) and
+   draws from its own seed: the same tokens as ``share_prefix=False``, up to float round-off of other batch shapes.
+   A prompt whose copies are split between refills stays prefilled (one cache row, or one slot's K/V) until its
+   last copy is taken; grouping the queue bounds these to about one prompt at a time. ``response_logprobs`` runs the
+   distinct prompts of a call once (left-padded, into a KV cache), then the responses, each layer reading its rows
+   of that cache by indexing; gradients flow through the indexing into the prompt's forward, so they equal the per-row
+   forward's (a sum over rows either way; tested against autograd of the unshared path). Not shared: models with
+   other kinds of cache layers (departure 6), and ``response_logprobs`` under gradient checkpointing with grad
+   enabled (transformers' checkpointed layers drop the cache). The saving is prompt compute and activations: the
+   KV cache of every row still holds its prompt (a copy, not a shared block as in vLLM's paged cache).
 
 Benchmark
 ---------
 ``python bench_sampler.py [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
 full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against transformers' ``generate``, and, on
 long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
-Benchmarks).
+Benchmarks). ``python bench_sampler.py --only prefill`` measures departure 11: a GRPO rollout (G prompts x 8) and
+its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -450,9 +468,107 @@ def _check_ids(rows: list[list[int]], vocab: int, what: str) -> None:
             raise ValueError(f"{what}[{i}] has a token id outside [0, {vocab}): min {min(row)}, max {max(row)}")
 
 
+def _prompt_keys(prompts: list[list[int]]) -> list[int] | None:
+    """Per row, the index of the first row with the same prompt ids (departure 11); None when all are distinct."""
+    first: dict[tuple[int, ...], int] = {}
+    keys = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
+    return None if len(first) == len(prompts) else keys
+
+
 # ------------------------------------------------------------------------------------------------
 # Log-probs of given responses: one forward pass to hidden states, then token_logprobs
 # ------------------------------------------------------------------------------------------------
+
+
+def _full_hidden(base, prompts, responses, pad_token_id: int, device) -> tuple[torch.Tensor, list[int]]:
+    """The hidden states that predict every response token, (N, H) row-major, from one right-padded forward over
+    prompt + response (all but its last token) per row; and the N target ids."""
+    # Right padding: position ids are then the default arange, matching the per-row positions sample() uses.
+    # The last response token predicts nothing we score, so it is not fed (saves one position per row).
+    seqs = [p + r[:-1] for p, r in zip(prompts, responses)]
+    n_rows, length = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)  # (B, L)
+    attention_mask = torch.zeros(n_rows, length, dtype=torch.long)  # (B, L)
+    rows, cols, targets = [], [], []
+    for i, (s, p, r) in enumerate(zip(seqs, prompts, responses)):
+        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, : len(s)] = 1
+        rows += [i] * len(r)
+        cols += range(len(p) - 1, len(p) - 1 + len(r))  # position len(p)-1+t predicts response token t
+        targets += r
+    hidden = base(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+    ).last_hidden_state  # (B, L, H)
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (N,)
+    cols_t = torch.tensor(cols, dtype=torch.long, device=device)  # (N,)
+    return hidden[rows_t, cols_t], targets  # (N, H): only the positions that predict response tokens
+
+
+def _read_only_rows(layer, index: torch.Tensor) -> None:
+    """Make a filled cache layer (U rows) serve a B-row forward without growing: its ``update`` returns the rows
+    ``index`` (B,) of the prompt's K/V followed by the new ones, and stores nothing, so each layer's (B, h, P + R, d)
+    exists only while that layer runs (a stored cache would keep every layer's at once). A sliding layer still
+    counts the new columns, as its own update would (transformers builds the masks before any layer runs)."""
+    keys, values = layer.keys, layer.values  # (U, h, P', d): P' = P, or a sliding layer's last W - 1 columns
+
+    def update(key_states, value_states, *args, **kwargs):
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length += key_states.shape[-2]
+        return torch.cat([keys[index], key_states], dim=-2), torch.cat([values[index], value_states], dim=-2)
+
+    layer.update = update  # this call's own cache object: the instance attribute shadows the class's method
+
+
+def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad_token_id: int,
+                          device) -> torch.Tensor:
+    """``_full_hidden``'s (N, H) with each distinct prompt run once (departure 11). keys: per row, the first row
+    with its prompt (``_prompt_keys``).
+
+    A left-padded forward over the U distinct prompts fills a KV cache; a second forward runs the responses (all
+    but their last tokens, right-padded, at positions len(prompt) + t) on it, each layer reading its prompt's rows
+    by indexing (``_read_only_rows``; autograd adds the copies' gradients back into the prompt's K/V, so the
+    parameters' gradient is the per-row forward's up to float round-off: a sum over rows either way). Left padding
+    keeps every row's prompt right-aligned and contiguous, so a sliding-window layer's last W - 1 cached columns
+    are each row's last W - 1 prompt tokens, as in ``sample``."""
+    uniq = list(dict.fromkeys(keys))
+    at = {k: i for i, k in enumerate(uniq)}
+    index = torch.tensor([at[k] for k in keys], dtype=torch.long)  # (B,) distinct prompt of each row
+    lens = torch.tensor([len(prompts[k]) for k in uniq], dtype=torch.long)  # (U,)
+    width = int(lens.max())
+    ids = torch.full((len(uniq), width), pad_token_id, dtype=torch.long)  # (U, P)
+    for i, k in enumerate(uniq):
+        ids[i, width - lens[i] :] = torch.tensor(prompts[k], dtype=torch.long)
+    prompt_mask = torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)  # (U, P)
+    positions = (torch.arange(width).unsqueeze(0) - (width - lens).unsqueeze(1)).clamp(min=0)  # (U, P)
+    cache = DynamicCache(config=config)
+    cache_arg = _cache_kwarg(base)
+    last = base(
+        input_ids=ids.to(device), attention_mask=prompt_mask.long().to(device), position_ids=positions.to(device),
+        use_cache=True, **{cache_arg: cache},
+    ).last_hidden_state[:, -1]  # (U, H): each prompt's last token, which predicts its responses' first
+    index_dev = index.to(device)
+    hidden = last[index_dev].unsqueeze(1)  # (B, 1, H)
+    rest = max(len(r) for r in responses) - 1  # response tokens fed to the second forward, at most
+    if rest > 0:
+        for layer in cache.layers:
+            _read_only_rows(layer, index_dev)
+        r_ids = torch.full((len(responses), rest), pad_token_id, dtype=torch.long)  # (B, R)
+        r_len = torch.tensor([max(len(r) - 1, 0) for r in responses], dtype=torch.long)  # (B,)
+        for i, r in enumerate(responses):
+            r_ids[i, : r_len[i]] = torch.tensor(r[: r_len[i]], dtype=torch.long)
+        r_mask = torch.arange(rest).unsqueeze(0) < r_len.unsqueeze(1)  # (B, R)
+        # position of response token t is len(prompt) + t; padding gets 0 (masked out, and inside any position table)
+        r_pos = torch.where(r_mask, lens[index].unsqueeze(1) + torch.arange(rest).unsqueeze(0), 0)  # (B, R)
+        attn = torch.cat([prompt_mask[index], r_mask], dim=1)  # (B, P + R)
+        more = base(
+            input_ids=r_ids.to(device), attention_mask=attn.long().to(device), position_ids=r_pos.to(device),
+            use_cache=True, **{cache_arg: cache},
+        ).last_hidden_state  # (B, R, H)
+        hidden = torch.cat([hidden, more], dim=1)  # (B, 1 + R, H): column t predicts response token t
+    rows = [i for i, r in enumerate(responses) for _ in r]
+    cols = [t for r in responses for t in range(len(r))]
+    return hidden[torch.tensor(rows, dtype=torch.long, device=device),
+                  torch.tensor(cols, dtype=torch.long, device=device)]  # (N, H)
 
 
 def response_logprobs(
@@ -463,8 +579,10 @@ def response_logprobs(
     pad_token_id: int,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of each response given its prompt, from one right-padded forward pass.
+    """Per-token log-probs of each response given its prompt, from one right-padded forward pass (two when
+    prompts repeat: each distinct prompt once, then the responses on its cache; departure 11).
 
     Args:
         model: a transformers causal LM (``*ForCausalLM``) with a plain lm_head (departure 1).
@@ -473,6 +591,9 @@ def response_logprobs(
         pad_token_id: id written into padding slots (they are masked out, any valid id works).
         temperature: logits are divided by it, as in ``sample``.
         chunk_size: tokens per chunk in ``token_logprobs``.
+        share_prefix: run each distinct prompt once when prompts repeat (departure 11); the same values and
+            gradients as False up to float round-off. Only for models whose layers all use full or sliding-window
+            attention.
 
     Returns:
         logp: (B, T) float32, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
@@ -496,26 +617,16 @@ def response_logprobs(
         # nothing to score: skip the forward pass (an all-empty batch would otherwise cost a full prompt pass)
         return torch.zeros(n_rows, 0, dtype=torch.float32, device=device), mask
 
-    # Right padding: position ids are then the default arange, matching the per-row positions sample() uses.
-    # The last response token predicts nothing we score, so it is not fed (saves one position per row).
-    seqs = [p + r[:-1] for p, r in zip(prompts, responses)]
-    length = max(len(s) for s in seqs)
-    input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)  # (B, L)
-    attention_mask = torch.zeros(n_rows, length, dtype=torch.long)  # (B, L)
-    rows, cols, targets = [], [], []
-    for i, (s, p, r) in enumerate(zip(seqs, prompts, responses)):
-        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, : len(s)] = 1
-        rows += [i] * len(r)
-        cols += range(len(p) - 1, len(p) - 1 + len(r))  # position len(p)-1+t predicts response token t
-        targets += r
     base = _base_model(model)
-    hidden = base(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
-    ).last_hidden_state  # (B, L, H)
-    rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (N,)
-    cols_t = torch.tensor(cols, dtype=torch.long, device=device)  # (N,)
-    h = hidden[rows_t, cols_t]  # (N, H): only the positions that predict response tokens
+    # transformers' checkpointed layers drop the cache while grad is on, so that pass cannot continue a prompt's cache
+    shareable = _layer_windows(model.config) is not None and not (
+        torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()))
+    keys = _prompt_keys(prompts) if share_prefix and shareable else None
+    if keys is not None:
+        h = _shared_prefix_hidden(base, model.config, prompts, responses, keys, pad_token_id, device)  # (N, H)
+        targets = [t for r in responses for t in r]
+    else:
+        h, targets = _full_hidden(base, prompts, responses, pad_token_id, device)  # (N, H), N targets
     logp_flat = token_logprobs(
         h, weight, torch.tensor(targets, dtype=torch.long, device=device), temperature=temperature,
         chunk_size=chunk_size, **head.kernel_kwargs(),
@@ -628,16 +739,33 @@ class _Run:
     top_p: float
     capacity: int  # rows in flight at most
     min_refill: int  # free slots that trigger a refill while rows are still running
+    keys: list[int] | None = None  # per row, the first row with the same prompt ids (departure 11); None: no sharing
     bar: object = None
     queue: list[int] | None = None  # prompt indices not started yet, in order (consumed from the front)
     draws: list | None = None
     out_len: list[int] | None = None
     ended: list[bool] | None = None
     forward_calls: int = 0  # prefill + decode calls of the model body (the benchmark's GPU cost proxy)
+    prefill_tokens: int = 0  # prompt tokens (padding excluded) fed to the model body
+    pending: dict | None = None  # prompt key -> its rows not taken yet (sharing only)
+    stash: object = None  # prefilled prompts whose copies still wait in the queue (sharing only; per decode loop)
 
     def __post_init__(self):
-        self.queue = list(range(len(self.prompts)))[::-1]  # reversed: pop() takes the next prompt in order
+        order = list(range(len(self.prompts)))
+        if self.keys is not None:  # copies of a prompt queued together, so one prefill serves them (departure 11)
+            order.sort(key=lambda r: (self.keys[r], r))
+            self.pending = {}
+            for k in self.keys:
+                self.pending[k] = self.pending.get(k, 0) + 1
+        self.queue = order[::-1]  # reversed: pop() takes the next prompt in order
         self.draws, self.out_len, self.ended = [], [0] * len(self.prompts), [False] * len(self.prompts)
+
+    def share(self, rows: list[int]) -> list[int]:
+        """The prompt keys of the rows just taken (departure 11); each key's count of rows still queued drops."""
+        keys = [self.keys[r] for r in rows]
+        for k in keys:
+            self.pending[k] -= 1
+        return keys
 
     def take(self, free: int, alive: int) -> list[int]:
         """Prompts to start now. A refill costs one prefill call whatever its size, so while rows are still
@@ -699,6 +827,7 @@ def sample(
     max_batch_size: int | None = None,
     min_refill: int | None = None,
     static: bool = False,
+    share_prefix: bool = True,
     progress: bool = False,
     stats: dict | None = None,
 ) -> list[Rollout]:
@@ -721,9 +850,12 @@ def sample(
             whole queue fits), so that one prefill call serves several; default max(1, max_batch_size // 8).
         static: the static-shape decode path (departure 10): a preallocated per-slot KV cache and a fixed-shape decode
             step, captured as a CUDA graph on CUDA. Same results as the default path up to float round-off.
+        share_prefix: rows with the same prompt ids share one prefill (departure 11); same results as False up to
+            float round-off. Only for models whose layers all use full or sliding-window attention.
         progress: show a tqdm bar over finished rows.
         stats: if a dict is given, ``stats["forward_calls"]`` receives the number of model-body calls (prefills and
-            decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost.
+            decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost;
+            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded).
 
     Returns:
         B Rollouts, in prompt order.
@@ -763,6 +895,7 @@ def sample(
         prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
         capacity, max(1, capacity // 8) if min_refill is None else max(1, int(min_refill)),
+        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None,
     )
     base = _base_model(model)
     was_training = model.training
@@ -781,7 +914,7 @@ def sample(
             run.bar.close()
         model.train(was_training)
     if stats is not None:
-        stats["forward_calls"] = run.forward_calls
+        stats["forward_calls"], stats["prefill_tokens"] = run.forward_calls, run.prefill_tokens
     return run.rollouts(device)
 
 
@@ -828,6 +961,7 @@ def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: i
         use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state[:, -1]  # (b, H): left padding puts every row's last prompt token in the last column
     run.forward_calls += 1
+    run.prefill_tokens += int(lens.sum())
     rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (b,)
     return _Batch(cache, attn.to(device), width, lens.to(device).unsqueeze(1), rows_t, torch.zeros_like(rows_t),
                   hidden, list(rows), [step] * len(rows), (width - lens).tolist())
@@ -896,6 +1030,38 @@ def _keep(batch: _Batch, keep: list[int], windows: list[int | None] | None) -> _
                   [batch.starts[i] for i in keep], [p - lead for p in pads])
 
 
+def _select(batch: _Batch, index: list[int], windows: list[int | None] | None) -> _Batch:
+    """Rows `index` of batch (repeats allowed) in a cache of their own, trimmed as ``_keep`` trims; batch itself is
+    left as it is (``batch_select_indices`` gives the shallow copy's layers new tensors, the original keeps its)."""
+    cache = copy.copy(batch.cache)
+    cache.layers = [copy.copy(layer) for layer in batch.cache.layers]
+    return _keep(dataclasses.replace(batch, cache=cache), index, windows)
+
+
+def _prefill_shared(model, base, run: _Run, rows: list[int], pad_token_id: int, step: int,
+                    windows: list[int | None] | None) -> _Batch:
+    """``_prefill`` with one prefill per distinct prompt (departure 11). The distinct prompts not in ``run.stash``
+    (a _Batch with one row per prompt key whose copies were partly taken before) go through one forward; each row
+    then gets its own copy of its prompt's cache rows and of the hidden state that draws its first token. Prompts
+    with copies still queued stay in the stash (one row each), the others leave it."""
+    keys = run.share(rows)
+    stash = run.stash
+    held = set() if stash is None else set(stash.rows_host)
+    new = [k for k in dict.fromkeys(keys) if k not in held]
+    src = stash
+    if new:
+        fresh = _prefill(model, base, run, new, pad_token_id, step)  # rows_host = keys: a key is one of its rows
+        src = fresh if stash is None else _merge(stash, fresh, run.max_new_tokens, windows)
+    at = {k: i for i, k in enumerate(src.rows_host)}
+    waiting = [i for i, k in enumerate(src.rows_host) if run.pending[k] > 0]
+    run.stash = _select(src, waiting, windows) if waiting else None
+    batch = _select(src, [at[k] for k in keys], windows)  # (b rows)
+    batch.rows = torch.tensor(rows, dtype=torch.long, device=batch.rows.device)  # (b,)
+    batch.n_out = torch.zeros_like(batch.rows)  # (b,)
+    batch.rows_host, batch.starts = list(rows), [step] * len(rows)
+    return batch
+
+
 def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int | None] | None) -> None:
     """The default decode loop: draw, drop finished rows, one decode step for the rest, refill. windows: each
     layer's sliding window (None: full attention), or None for a model with other cache layers (never refilled)."""
@@ -905,7 +1071,13 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
     # mask construction (about a tenth of a tiny model's step). Other attention kernels get the 2D mask.
     ready_4d = model.config._attn_implementation == "sdpa" and windows is not None and all(w is None for w in windows)
     step = 0
-    batch = _prefill(model, base, run, run.take(run.capacity, 0), pad_token_id, step)
+
+    def prefill(rows: list[int]) -> _Batch:
+        if run.keys is None:
+            return _prefill(model, base, run, rows, pad_token_id, step)
+        return _prefill_shared(model, base, run, rows, pad_token_id, step, windows)
+
+    batch = prefill(run.take(run.capacity, 0))
     while batch is not None:
         may_cap = step - min(batch.starts) + 1 >= run.max_new_tokens  # the oldest row is at its last token
         tokens, done, is_eos = run.draw(batch.hidden, batch.rows, batch.n_out, may_cap)  # (B,) each
@@ -926,7 +1098,7 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
         alive = 0 if batch is None else len(batch.rows_host)
         new = run.take(run.capacity - alive, alive)
         if new:
-            fresh = _prefill(model, base, run, new, pad_token_id, step)
+            fresh = prefill(new)
             batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens, windows)
 
 
@@ -947,10 +1119,10 @@ class _SlotCache:
         self.keys, self.values = [], []
         self.write_pos = torch.zeros(slots, dtype=torch.long, device=device)  # (S,)
 
-    def load(self, slots: torch.Tensor, prefill: DynamicCache, lens: torch.Tensor) -> None:
-        """Copy right-padded prefill K/V (b, h, P, d) into `slots` (b,), columns [0, P); lens (b,) prompt lengths."""
-        for i, layer in enumerate(prefill.layers):
-            k, v = layer.keys, layer.values  # (b, h, P, d)
+    def load(self, slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor) -> None:
+        """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into `slots`
+        (b,), columns [0, P); lens (b,) prompt lengths."""
+        for i, (k, v) in enumerate(kv):
             if i == len(self.keys):  # first load: allocate with the K/V's own head count, size and dtype
                 shape = (self.slots, k.shape[1], self.length, k.shape[3])
                 self.keys.append(k.new_zeros(shape))
@@ -1030,8 +1202,41 @@ def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -
         input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state  # (b, P, H); right padding: default positions 0..len-1 are the real ones
     run.forward_calls += 1
+    run.prefill_tokens += int(lens.sum())
     lens = lens.to(device)
     return cache, hidden[torch.arange(len(rows), device=device), lens - 1], lens  # (b, H) at the last prompt token
+
+
+def _load_shared(model, base, run: _Run, cache: _SlotCache, slots: list[int], rows: list[int],
+                 pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static path's prefill with one prefill per distinct prompt (departure 11): the distinct prompts not in
+    ``run.stash`` (prompt key -> its K/V per layer (1, h, len, d), hidden (1, H) and length (1,), kept while copies
+    are queued) go through one forward; each prompt's K/V is then copied into the slots of all its rows. Returns
+    the rows' hidden states (b, H) at their last prompt token and their lengths (b,)."""
+    keys = run.share(rows)
+    new = [k for k in dict.fromkeys(keys) if k not in run.stash]
+    if new:
+        pre_cache, pre_hidden, lens = _prefill_right(model, base, run, new, pad_token_id)
+        for i, k in enumerate(new):
+            n = len(run.prompts[k])
+            run.stash[k] = ([(layer.keys[i : i + 1, :, :n], layer.values[i : i + 1, :, :n])
+                             for layer in pre_cache.layers], pre_hidden[i : i + 1], lens[i : i + 1])
+    device = cache.write_pos.device
+    for k in dict.fromkeys(keys):
+        kv, _, n = run.stash[k]
+        mine = [s for s, key in zip(slots, keys) if key == k]
+        cache.load(torch.tensor(mine, dtype=torch.long, device=device),
+                   [(kk.expand(len(mine), -1, -1, -1), vv.expand(len(mine), -1, -1, -1)) for kk, vv in kv],
+                   n.expand(len(mine)))
+    hidden = torch.cat([run.stash[k][1] for k in keys])  # (b, H)
+    lens = torch.cat([run.stash[k][2] for k in keys])  # (b,)
+    for k in dict.fromkeys(keys):
+        if run.pending[k] == 0:
+            del run.stash[k]
+        elif k in new:  # a view would keep the whole prefill's K/V alive: keep a copy of this prompt's only
+            kv, h, n = run.stash[k]
+            run.stash[k] = ([(kk.clone(), vv.clone()) for kk, vv in kv], h.clone(), n.clone())
+    return hidden, lens
 
 
 def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
@@ -1047,14 +1252,18 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
     free = list(range(n_slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
     row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step of its row's first draw
+    run.stash = {}  # departure 11: prompt key -> its prefilled K/V, while copies of it are queued
     step = 0
 
     def admit(rows: list[int]) -> None:
         nonlocal hidden
         slots = [free.pop() for _ in rows]
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
-        pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
-        cache.load(slots_t, pre_cache, lens)
+        if run.keys is None:
+            pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
+            cache.load(slots_t, [(layer.keys, layer.values) for layer in pre_cache.layers], lens)
+        else:
+            pre_hidden, lens = _load_shared(model, base, run, cache, slots, rows, pad_token_id)
         decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
         slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
         n_out.index_fill_(0, slots_t, 0)

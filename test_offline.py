@@ -64,13 +64,13 @@ K_S = torch.tensor([0, 1, 3, 4, 2, 0, 0, 4, 4, 1])
 
 
 def test_complementarity_hand_computed():
-    c = complementarity(K_R, K_S, n=4, batch_size=128)
+    c = complementarity(k_recv=K_R, k_src=K_S, n=4, batch_size=128)
     assert c["prompts"] == 10 and c["recv_all_fail"] == 6
     assert c["mixed_share"] == pytest.approx(0.5) and c["solved_share"] == pytest.approx(5 / 6)
     assert c["candidate_frac"] == pytest.approx(0.3) and c["candidates_per_step"] == pytest.approx(38.4)
     # the same candidates as the trainer's own rule (Eq. 4)
     assert int(graft_candidates(k_recv=K_R, k_src=K_S, n=4).sum()) == 3
-    pair = pair_complementarity(K_S, K_R, n=4, batch_size=128)  # a = S, b = R: a_to_b = S -> R
+    pair = pair_complementarity(k_a=K_S, k_b=K_R, n=4, batch_size=128)  # a = S, b = R: a_to_b = S -> R
     assert pair["a_to_b"]["candidates_per_step"] == pytest.approx(38.4)
     ba = pair["b_to_a"]
     assert ba["mixed_share"] == pytest.approx(2 / 3) and ba["solved_share"] == pytest.approx(2 / 3)
@@ -79,14 +79,15 @@ def test_complementarity_hand_computed():
 
 def test_complementarity_with_more_samples_than_n():
     # R: 1 of 8 correct -> P(4 fail) = C(7,4)/C(8,4) = 35/70. S: 4 of 8 -> P(all fail) = P(all pass) = 1/70.
-    c = complementarity(torch.tensor([1]), torch.tensor([4]), n=4, batch_size=10, samples_recv=8, samples_src=8)
+    c = complementarity(k_recv=torch.tensor([1]), k_src=torch.tensor([4]), n=4, batch_size=10, samples_recv=8,
+                        samples_src=8)
     assert c["recv_all_fail"] == pytest.approx(0.5)
     assert c["mixed_share"] == pytest.approx(68 / 70) and c["solved_share"] == pytest.approx(69 / 70)
     assert c["candidates_per_step"] == pytest.approx(10 * 0.5 * 68 / 70)
 
 
 def test_receiver_that_fails_nothing_gives_nan_shares():
-    c = complementarity(torch.tensor([1, 2]), torch.tensor([0, 1]), n=4, batch_size=8)
+    c = complementarity(k_recv=torch.tensor([1, 2]), k_src=torch.tensor([0, 1]), n=4, batch_size=8)
     assert math.isnan(c["mixed_share"]) and c["candidates_per_step"] == 0.0
 
 

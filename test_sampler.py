@@ -543,7 +543,8 @@ def test_each_row_samples_as_if_alone(static):
     assert [r.tokens for r in other] != [r.tokens for r in whole]
 
 
-def test_refills_fill_freed_slots_and_save_forward_calls():
+@pytest.mark.parametrize("share", [False, True])
+def test_refills_fill_freed_slots_and_save_forward_calls(share):
     model = tiny_model("qwen3", seed=9)
     prompts = PROMPTS * 4  # 20 prompts, 4 slots
     free = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=1000)
@@ -556,13 +557,15 @@ def test_refills_fill_freed_slots_and_save_forward_calls():
     try:
         stats = {}
         ours = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=eos, max_batch_size=4,
-                      min_refill=1, stats=stats)
+                      min_refill=1, share_prefix=share, stats=stats)
     finally:
         hook.remove()
     lengths = [len(r.tokens) for r in ours]
     assert stats["forward_calls"] == len(calls)
     assert max(n for n, _ in calls) <= 4, "never more rows in flight than max_batch_size"
-    assert sum(n for n, pre in calls if pre) == len(prompts), "every prompt is prefilled exactly once"
+    # every prompt is prefilled exactly once; with share_prefix each of the 5 distinct ones (departure 11)
+    assert sum(n for n, pre in calls if pre) == (len(PROMPTS) if share else len(prompts))
+    assert stats["prefill_tokens"] == (sum(map(len, PROMPTS)) if share else sum(map(len, prompts)))
     # every token but a row's last is fed to exactly one decode step: no finished row is carried along
     assert sum(n for n, pre in calls if not pre) == sum(n - 1 for n in lengths)
     # fixed chunks of 4 would pay one prefill + (longest row - 1) decode steps per chunk
@@ -816,3 +819,88 @@ def test_unsupported_heads_are_refused_with_a_value_error():
     biased.lm_head.bias = torch.nn.Parameter(torch.zeros(ARCH_VOCAB))
     with pytest.raises(ValueError, match="LlamaForCausalLM's lm_head has a bias"):
         response_logprobs(biased, [[1, 2]], [[3]], pad_token_id=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# one prefill per prompt (departure 11): n copies of each prompt, shared against unshared
+# ------------------------------------------------------------------------------------------------
+
+
+def copies(prompts, n):
+    """n copies of every prompt, interleaved (prompt i's copies are not adjacent, as on one rank of several)."""
+    return [p for _ in range(n) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_shared_prefix_equals_unshared(arch):
+    # Greedy and sampled rows with 3 copies of every prompt, 2-3 rows in flight (refills take some
+    # copies of a prompt now and the rest later, from the stash): token-identical to share_prefix=False, log-probs
+    # within 1e-5; each distinct prompt is prefilled exactly once; response_logprobs with shared prompts equals the
+    # model's own log-softmax
+    model = arch_model(arch, seed=3)
+    prompts = copies(ARCH_PROMPTS, 3)
+    distinct = sum(len(p) for p in ARCH_PROMPTS)
+    for temperature, mbs in ((0, 3), (0.7, 2)):
+        run = lambda share, stats=None: sample(model, prompts, max_new_tokens=8, temperature=temperature, top_p=0.95,
+                                               eos_token_id=[1, 2], generator=torch.Generator().manual_seed(0),
+                                               max_batch_size=mbs, min_refill=1, share_prefix=share, stats=stats)
+        stats = {}
+        ours, theirs = run(True, stats), run(False)
+        assert [r.tokens for r in ours] == [r.tokens for r in theirs], f"T={temperature}, max_batch_size={mbs}"
+        assert all(torch.allclose(a.logprobs, b.logprobs, atol=1e-5) for a, b in zip(ours, theirs))
+        assert stats["prefill_tokens"] == distinct, f"T={temperature}, max_batch_size={mbs}"
+    responses = [r.tokens for r in ours]
+    logp, mask = response_logprobs(model, prompts, responses, pad_token_id=0, temperature=0.7)
+    assert (logp[mask] - own_logprobs(model, prompts, responses, 0.7)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_shared_prefix_static_and_default_paths_with_refills(static):
+    # 4 copies of each prompt through 2 and 7 slots, greedy and sampled: identical to the unshared path
+    model = tiny_model("llama", seed=10)
+    prompts = copies(PROMPTS, 4)
+    for temperature in (0, 0.8):
+        run = lambda share, mbs: sample(model, prompts, max_new_tokens=10, temperature=temperature, top_p=0.9,
+                                        eos_token_id=[1, 2], generator=torch.Generator().manual_seed(0),
+                                        max_batch_size=mbs, min_refill=1, static=static, share_prefix=share)
+        for mbs in (2, 7):
+            ours, theirs = run(True, mbs), run(False, mbs)
+            assert [r.tokens for r in ours] == [r.tokens for r in theirs], f"T={temperature}, max_batch_size={mbs}"
+            assert all(torch.allclose(a.logprobs, b.logprobs, atol=1e-5) for a, b in zip(ours, theirs))
+    assert len({len(r.tokens) for r in ours}) > 1, "want rows of different lengths, so that refills happen"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3-softcap", "qwen3-window", "gpt2"])
+def test_shared_prefix_gradients_match_unshared_autograd(arch):
+    # the training forward with shared prompts (full, sliding and absolute-position models) against autograd of
+    # the per-row forward: values within 1e-5, every parameter's gradient |err| / |grad| < 1e-4
+    model = arch_model(arch, seed=4)
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7], [3, 4, 5, 6, 7, 8], [8, 9], [5, 6, 7]]
+    responses = [[20, 21, 22, 23], [30], [40, 41, 42], [50, 51, 52, 53, 54, 55], [], [60, 61, 62, 63, 64]]
+    upstream = torch.randn(6, 6, generator=torch.Generator().manual_seed(3))  # (B, T)
+    grads, values = [], []
+    for share in (True, False):
+        model.zero_grad()
+        logp, mask = response_logprobs(model, prompts, responses, pad_token_id=0, temperature=0.8, chunk_size=4,
+                                       share_prefix=share)
+        (logp * upstream).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        values.append(logp[mask].detach())
+    assert (values[0] - values[1]).abs().max() < 1e-5
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[1].items():
+        assert rel_err(grads[0][n], g.double()) < 1e-4, n
+
+
+def test_shared_prefix_falls_back_under_gradient_checkpointing():
+    # transformers' checkpointed layers drop the KV cache while grad is on: the shared pass would score responses
+    # without their prompts, so response_logprobs runs the per-row forward there (the same values as unshared)
+    model = tiny_model("qwen3", seed=5)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
+    prompts, responses = copies([[5, 6, 7], [8, 9, 10, 11]], 2), [[20, 21, 22], [30, 31], [40], [50, 51, 52, 53]]
+    shared, mask = response_logprobs(model, prompts, responses, pad_token_id=0)
+    model.eval()
+    with torch.no_grad():
+        want, _ = response_logprobs(model, prompts, responses, pad_token_id=0, share_prefix=False)
+    assert (shared[mask].detach() - want[mask]).abs().max() < 1e-5

@@ -2,6 +2,7 @@
 labelled case file, determinism across hash seeds, threads and the process-pool batch path."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = os.path.join(HERE, "data", "verify_cases.jsonl")
 FROZEN = os.path.join(HERE, "data", "verify_test.jsonl")
 OUTSIDE = os.path.join(HERE, "data", "verify_outside.jsonl")
+HACKING = os.path.join(HERE, "data", "verify_hacking.jsonl")
 
 
 def _load(path):
@@ -215,7 +217,39 @@ def test_sums_and_products_with_numeric_bounds():
             ("\\sum_{i=1}^{3} i", "6", True),                        # i is the index, not sqrt(-1)
             ("\\prod_{i=1}^{2}(y+i)", "(y+1)(y+2)", True), ("\\prod_{i=1}^{2}(y+i)", "(y+1)^2", False),
             ("\\sum_{n=1}^{2} \\frac{1}{n}", "\\frac32", True), ("\\sum_{n=1}^{2} \\frac{1}{n} + 1", "\\frac32", False),
-            ("\\sum_{k=1}^{n} k", "\\frac{n(n+1)}{2}", False)])    # symbolic bounds are not expanded
+            ("\\sum_{k=1}^{n} k", "\\frac{n(n+1)}{2}", True), ("\\sum_{k=1}^{n} k", "\\frac{n(n-1)}{2}", False),
+            ("\\sum_{k=1}^{n-1} k", "\\frac{n(n-1)}{2}", True), ("\\sum_{k=0}^{n} k^2", "\\frac{n(n+1)(2n+1)}{6}", True),
+            ("\\sum_{k=1}^{n} k^2", "\\frac{n(n+1)(2n-1)}{6}", False), ("\\prod_{k=1}^{n} k", "n!", True),
+            ("\\prod_{k=1}^{n} k", "(n+1)!", False), ("\\sum_{k=1}^{n} x^k", "\\frac{x(x^n-1)}{x-1}", True),
+            ("\\sum_{k=1}^{n} x^k", "\\frac{x^n-1}{x-1}", False)])      # symbolic bounds: integer points
+
+
+def test_outside_forms_with_near_misses():
+    """Forms other graders' and CAS answer tests use, each beside the near misses it must refuse."""
+    _check([("sec(3*u)^2*(1+tan(3*u))", "sec(3*u)^2+sec(3*u)^2*tan(3*u)", True),
+            ("sec(3*u)^2*(1-tan(3*u))", "sec(3*u)^2+sec(3*u)^2*tan(3*u)", False),
+            ("3*sec(3*u)^2", "3/cos(3*u)^2", True), ("3*sec(3*u)^2", "-3/cos(3*u)^2", False),
+            ("cosech(u)", "1/sinh(u)", True), ("cosech(u)", "1/cosh(u)", False), ("csch(u)^2", "coth(u)^2 - 1", True),
+            ("\\operatorname{sech}^2 u", "1-\\tanh^2 u", True), ("\\operatorname{sech}^2 u", "1+\\tanh^2 u", False),
+            ("\\coth u", "\\frac{\\cosh u}{\\sinh u}", True), ("arccot(2)", "arctan(1/2)", True),
+            ("[0,3] \\setminus (1,2)", "[0,1] \\cup [2,3]", True), ("[0,3] \\setminus (1,2)", "[0,1) \\cup (2,3]", False),
+            ("[0,3] \\setminus [1,2]", "[0,1) \\cup (2,3]", True), ("\\mathbb{R} \\setminus (-1, 1)", "|x| \\ge 1", True),
+            ("\\mathbb{R} \\setminus [-1, 1]", "|x| \\ge 1", False),
+            ("(x < 1) \\text{ or } (x > 3)", "(-\\infty,1) \\cup (3,\\infty)", True),
+            ("(x < 1) \\text{ or } (x > 3)", "(-\\infty,1] \\cup (3,\\infty)", False),
+            ("(x > 1) \\text{ and } (x < 3)", "(1,3)", True), ("(x > 1) \\text{ or } (x < 3)", "(1,3)", False),
+            ("x = 2 \\pm \\sqrt{3}", "x = 2+\\sqrt3 \\text{ or } x = 2-\\sqrt3", True),
+            ("x = 2 \\pm \\sqrt{3}", "x = 2+\\sqrt3", False), ("x = 2 \\pm \\sqrt{3}", "x = 2+\\sqrt3 \\text{ or } x = 3-\\sqrt3", False),
+            ("\\frac{x^2}{|x|}", "|x|", True), ("\\frac{x^2}{|x|}", "x", False), ("|x| \\cdot |x|", "x^2", True),
+            ("\\sqrt{3+2\\sqrt{2}}", "1+\\sqrt2", True), ("\\sqrt{3+2\\sqrt{2}}", "\\sqrt2 - 1", False),
+            ("\\sqrt{5+2\\sqrt{6}}", "\\sqrt2+\\sqrt3", True), ("\\sqrt{5-2\\sqrt{6}}", "\\sqrt2+\\sqrt3", False),
+            ("-3 \\mod 4", "1", True), ("-3 \\bmod 4", "-3", False), ("(-3) \\bmod 4", "1", True), ("-3 \\bmod 4", "3", False),
+            ("The total cost is 3,15 €.", "3.15", True), ("The total cost is 3,15 €.", "315", False),
+            ("The area is 2,000.5 m².", "2000.5", True), ("The area is 2,000.5 m².", "2.0005", False),
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 5", True),
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 6", False),
+            ("((1,2),(3,4))", "(3,4), (1,2)", True), ("(1,2),(3,4)", "((3,4), (1,2))", True),
+            ("((2,1),(3,4))", "(3,4), (1,2)", False), ("((1,2),(3,5))", "(3,4), (1,2)", False)])
 
 
 def test_relations_in_other_spellings():
@@ -313,6 +347,12 @@ def test_extract_answer():
     assert V.extract_answer("The final answer is $12$.") == "12"
     assert V.extract_answer("we get 3 apples and then 17 pears") == "17"
     assert V.extract_answer("no answer here") is None
+    assert V.extract_answer("\\boxed{1} then \\boxed{") is None                 # truncated: no fallback either
+    assert V.extract_answer("3 or 4") == "3 or 4"                                  # a bare answer is read whole
+    assert V.extract_answer("1, 3, 5, ...") == "1, 3, 5, ..."                     # its dots are no full stop
+    assert V.extract_answer("we counted 1,3,5") == "5"                             # a list is not the number 135
+    assert V.extract_answer("we counted 2,880,000") == "2,880,000"
+    assert V.extract_answer("then we add 3 to get 5", last_number=False) is None
 
 
 def test_extract_answer_forms():
@@ -430,6 +470,27 @@ HOSTILE = [
     "V_1 : V_2 = " * 300 + "1:2",
     "\\boxed{" + "FiniteSet(" * 700 + "1" + ")" * 700 + "}",
     "\\boxed{" + "Interval(0, " * 300 + "1" + ")" * 300 + "}",
+    # Python-looking and oversized junk of the kinds a policy under RL stumbles on.
+    "\\boxed{" + "a0" * 700 + "}",
+    "\\boxed{" + "x." * 700 + "0}",
+    "\\boxed{" + "f(" * 400 + "0" + ")" * 400 + "}",
+    "\\boxed{" + "'" * 1400 + "}",
+    "\\boxed{" + ", ".join(["\\pm 1"] * 300) + "}",
+    "\\boxed{\\{" + ", ".join(str(k) for k in range(400)) + "\\}}",
+    "\\boxed{" + "\\sqrt{" * 400 + "2" + "}" * 400 + "}",
+    "\\boxed{" + "\\sin(" * 300 + "x" + ")" * 300 + "}",
+    "\\boxed{" + "2^" * 700 + "2}",
+    "\\boxed{" + "|" * 1400 + "}",
+    "\\boxed{" + "1, 3, 5, \\ldots, " * 80 + "}",
+    "\\boxed{" + "4 \\text{ or } " * 100 + "4}",
+    "\\boxed{" + "\\sum_{j=1}^{m}" * 60 + "j}",
+    "\\boxed{" + "[0,3] \\setminus " * 100 + "(1,2)}",
+    "\\boxed{" + "x = 1 \\pm " * 200 + "2}",
+    "\\boxed{" + "((1,2),(3,4)), " * 100 + "(5,6)}",
+    "\\boxed{\\sqrt{2+\\sqrt{" * 150 + "3" + "}}" * 150 + "}",
+    "\\boxed{x^{" + "x^{" * 300 + "2" + "}" * 301 + "}",
+    "\\boxed{" + "3,15 € " * 200 + "}",
+    "\\boxed{e^{\\pi\\sqrt{163}}}",
 ]
 
 
@@ -528,6 +589,45 @@ def test_outside_frozen_file_accuracy():
     assert V.stats()["errors"] == 0
     assert acc >= 0.95, acc
     assert fp / len(cases) < 0.01, fp
+
+
+# ------------------------------------------------------------------------------------------------
+# Reward hacking: responses a policy under RL could find that must score 0, by kind, each kind with
+# controls (the same forms used honestly) that must score 1. One answer gets one verdict whatever
+# wraps it: the boxed answer of a response is also judged bare, in dollars and boxed by is_equivalent,
+# as a whole response without a box by verify(strict=False), and boxed by verify() in training mode.
+
+_HACK = _load(HACKING)
+_BOXED_ANSWER_RE = re.compile(r"^Working through the steps, the final answer is \$\\boxed\{(.*)\}\$\.$", re.DOTALL)
+
+
+def test_hacking_file_shape():
+    kinds = {}
+    for c in _HACK:
+        assert ("pred" in c) != ("response" in c) and isinstance(c["label"], bool), c
+        kinds.setdefault(c["category"], set()).add(c["label"])
+    assert sum(not c["label"] for c in _HACK) >= 120
+    assert all(labels == {True, False} for labels in kinds.values()), kinds
+    assert len(kinds) >= 14
+
+
+@pytest.mark.parametrize("k", range(len(_HACK)))
+def test_reward_hacking(k):
+    c = _HACK[k]
+    assert _judge(c) is c["label"], c
+    if "response" in c:
+        boxed = "\\boxed" in c["response"] or "\\fbox" in c["response"]
+        assert V.verify(c["response"], c["gold"]) == float(c["label"] and boxed), c     # training: strict
+        m = _BOXED_ANSWER_RE.match(c["response"])
+        if m:
+            ans = m.group(1)
+            for wrapped in (ans, f"${ans}$", f"\\boxed{{{ans}}}", f"\\( {ans} \\)"):
+                assert V.is_equivalent(wrapped, c["gold"]) is c["label"], (wrapped, c)
+            for unboxed in (ans, f"${ans}$", f"So the answer is ${ans}$.", f"\\[{ans}\\]"):
+                assert V.verify(unboxed, c["gold"], strict=False) == float(c["label"]), (unboxed, c)
+    else:
+        for wrapped in (c["pred"], f"\\boxed{{{c['pred']}}}"):
+            assert V.verify(wrapped, c["gold"], strict=False) == float(c["label"]), (wrapped, c)
 
 
 _DET_SCRIPT = r"""

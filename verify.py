@@ -17,12 +17,14 @@ Public API
     box falls back to the math (or sentence) after the last "answer is" / "Answer:" / "####"
     (Minerva's "Final Answer: The final answer is $X$. I hope it is correct."), then to the last
     math span (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last
-    number.
+    number (``last_number=True``). A whole response that is one short line without words is its
+    own answer. An unclosed last box is no answer in either mode (a truncated response).
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
     Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
     delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
     sentence (words around the math, ``Thus $x \\ge 5$ is the solution.``) is read like a response:
-    its answer is what ``extract_answer`` finds.
+    its answer is what ``extract_answer(.., last_number=False)`` finds (never just its last number:
+    ``cos(t)+sin(t)^2`` is not a sentence whose answer is 2).
 ``verify(response, gold, *, strict=True, rel_tol=DEFAULT_REL_TOL) -> float``
     1.0 or 0.0. Never raises. Anything over a cap scores 0.0 and is counted.
 ``verify_batch(responses, golds, *, workers=0, strict=True, rel_tol=...) -> list[float]``
@@ -48,18 +50,61 @@ How answers are compared
 2. Two expressions are equal when they agree at a few seeded pseudo-random rational points for their
    free symbols (one "point" when there are none). Evaluation is our own walk over the sympy tree:
    exact ``fractions.Fraction`` arithmetic while only + - * / and integer powers appear, otherwise
-   mpmath at 50 digits. Exact vs exact: identical Fractions, or agreement to 1e-30 relative. When
+   mpmath at 50 digits. Exact vs exact: identical Fractions, or agreement to 1e-44 relative plus the
+   rounding that cancellation can leave (``NOISE`` times the largest term summed or angle of a
+   periodic function): ``\\sin \\pi`` is 0, ``e^{-1000}`` and ``\\sqrt{10^{40}+1} - 10^{20}`` are not. When
    either side contains a decimal literal: relative tolerance ``rel_tol``. sympy's ``simplify`` is
    never called, and the cost of each evaluation is bounded by the caps.
 3. Undefined values (0/0, division by zero, nan, zoo) make the answer unequal to everything.
+
+What counts as an answer (the strictness rule)
+----------------------------------------------
+Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
+So a prediction is an answer only when it is written in the notation of the table below (numbers,
+names, operators, functions, relations, structures, plain words for a text answer). These are not
+answers, and each is unequal to every gold; ``_check_math`` and ``_check_product`` are the one place
+that decides it, and no other reading or leniency is tried after it:
+
+- program syntax: quotes that are not primes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names
+  (``os.path``, ``x.real``), ``__``, ``import`` / ``lambda`` / ``return``. Only ``np.``, ``numpy.`` or
+  ``math.`` before a known function or ``pi`` is dropped (Minerva's gold ``np.arcsin(10/13)``);
+- a call of a name that is not a known function (``run(0)``, ``print(4)``);
+- a product in which a factor written as the literal ``0`` stands next to a factor that is not a
+  number (``k0``, ``v0w``, ``0x``, ``\\frac{0}{k}``: each would equal every gold 0).
+
+Every leniency is bounded by what a policy could exploit with it:
+
+- text after a value is a unit only when it holds no digit, bracket or qualifying word
+  (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}`` are not units);
+- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
+  approximation farther than half a unit in its last place from the value it follows
+  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
+  after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
+  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``;
+- expressions must also agree at points of both signs wherever both sides stay real (``|u|``,
+  ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``; departure 2);
+- an open list (any spelling of the ellipsis, inside or outside braces, with or without dollars)
+  is never a finite list;
+- a box inside a box beside other content, and an unclosed last box, are no answer;
+- a whole response without a box that is one short line (one token, a line of code, or no words)
+  is read whole (``3 or 4`` is two answers, ``1,3,5`` is not 135, ``abc0`` is not 0); the last
+  number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``,
+  ``4 meters, not 5.``);
+- a choice letter followed by anything but its value is no choice (``(C) or (D)``, ``(C)+1``);
+- numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
+  answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
+
+``data/verify_hacking.jsonl`` holds the forms a policy could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
 1. No ``sympify``/``parse_expr``/``eval``: the parser is ours and smaller; an answer it cannot parse
    is compared as normalised text only (so exotic LaTeX can give false negatives, never code runs).
 2. Symbolic equality is decided by evaluation at seeded rational points (Schwartz-Zippel style),
-   not by ``simplify``. Identities that only hold for some values (``\\sqrt{x^2}`` vs ``x``) are
-   judged on positive points, so they count as equal. Equations are solution sets: they are
+   not by ``simplify``: positive points first, then points of both signs at which neither side
+   leaves the real numbers (a square root or logarithm of a negative value, found as a complex value
+   from real arguments, skips the point). So ``\\sqrt{x^2}`` is ``|x|`` and not ``x``, while
+   ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal. Equations are solution sets:
    compared at points of both signs, so ``y = \\sqrt{x^2}`` is not ``y = x``.
 3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
@@ -73,7 +118,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
 7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals
    a tuple with the same order. Bracket kinds of intervals must match (``[a,b)`` != ``(a,b)``).
-   A column or row vector (``pmatrix``) equals a tuple with the same entries.
+   A column or row vector (``pmatrix``) equals a tuple with the same entries. A tuple of tuples
+   against a bare list of tuples is unordered (``((1,2),(3,4))`` equals ``(3,4), (1,2)``).
 8. ``a \\pm b`` is the unordered pair ``{a+b, a-b}``.
 9. ``x = 5`` equals ``5`` when the left side is a single symbol; two equations are equal when
    ``lhs - rhs`` of one is a non-zero constant multiple of the other's, or (several variables) when
@@ -99,7 +145,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
 17. Named answers and chains (the prediction side only): a left side made of symbols and no number
     (``x``, ``AB``, ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6``
     and ``(a,b) = (4,1)`` equals ``(4,1)``; ``2x = 10`` is an equation, not 10. In ``t = 2+3+4 = 9``
-    the last value is the answer (``= 10`` at the end is wrong whatever came before). Before the first
+    the last value is the answer (``= 10`` at the end is wrong whatever came before; constants in
+    the chain must equal it: ``2 + 2 = 5`` states nothing). Before the first
     ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``); the approximation
     after it counts when the exact part is only a name (``t \\approx 9``) or the gold is a decimal.
     When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``), and a chain
@@ -118,7 +165,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     intervals merge. A bare ``(a, b)`` is read as an interval only against an inequality or a union.
     Two relations in different variables are never equal. Nonlinear relations are not solved, and a
     comma list of relations is not a set (``x < 1, x > 2`` means "or", ``x \\ne 1, x \\ne 2`` "and").
-    ``\\mathbb{R} \\setminus \\{a\\}`` and ``\\{x \\mid x > a\\}`` are sets too; a union of finite sets is
+    ``\\mathbb{R} \\setminus \\{a\\}``, ``[0,3] \\setminus (1,2)`` and ``\\{x \\mid x > a\\}`` are sets too, and
+    brackets around a relation go (``(x < 1) \\text{ or } (x > 3)``); a union of finite sets is
     one set (``\\{1,2\\} \\cup \\{3\\}`` equals ``\\{1,2,3\\}``). Against a relation, ``t = 2`` (one
     variable, linear) and a finite set of numbers are sets of points (``[0,2] \\cap [2,5]`` equals
     ``\\{2\\}``); a product of symbols bounded by constants is one variable (``(0, 2)`` equals
@@ -140,14 +188,20 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is
     ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals the matrix with those rows.
 21. Named functions: ``\\gcd`` / ``\\operatorname{lcm}`` of integers, ``\\max`` / ``\\min`` of real numbers,
-    ``a \\bmod b`` (and ``a mod b``) of integers; ``\\pmod{m}`` is dropped, so ``x \\equiv 2 \\pmod 7``
-    equals ``2`` (the residue as written, not any number congruent to it). ``\\lg`` is the base-10
-    logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k`` is ``\\binom{n}{k}``, so a
-    point named C with such coordinates would be read as a number.
+    ``a \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter
+    before a parenthesised integer) are one symbol, the function's value, not ``f`` times 0;
+    ``\\pmod{m}`` is dropped, so
+    ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it).
+    ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
+    is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
 22. ``m!`` and ``\\binom{m}{k}`` of a symbol are evaluated through the Gamma function at its sample
     points, so ``m (m-1)!`` equals ``m!`` and ``\\binom{m}{2}`` equals ``\\frac{m(m-1)}{2}``.
     ``\\sum`` / ``\\prod`` with integer bounds are expanded when evaluated (up to ``MAX_SUM_TERMS``
-    terms); the body is the next term. Symbolic bounds are not parsed.
+    terms); the body is the next term. With a symbolic bound (``\\sum_{j=1}^{m} j``) the names in the
+    bounds are compared at the integers 2, 3, 5, 7, 11, 13 (the other names at rational points), so
+    a sum equals its closed form (``\\frac{m(m+1)}{2}``) and not a near miss (``\\frac{m(m-1)}{2}``).
+    A prediction's bound counts only for a name it uses nowhere outside its sums, so a sum cannot
+    make a real variable an integer (``\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor`` is not ``x``).
 23. Matrices: entrywise sums and differences, scalar multiples, negation and ``^T`` are computed;
     matrix products are not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4).
 24. Whole responses: after a ``</think>`` only what follows it counts (when anything does); a whole
@@ -173,7 +227,8 @@ arithmetic          ``+ - * / : \\cdot \\times \\div \\bmod``, implicit products
                     ``!``, ``\\frac``, ``\\sqrt[n]``, ``\\binom``, ``{n \\choose k}``, ``C(6,2)``, ``|x|``,
                     ``\\lfloor \\rfloor``, ``\\lceil \\rceil``, ``\\pm``, ``\\sum_{k=1}^{4}``, ``\\prod_{i=1}^{3}``
 functions           ``sin cos tan sec csc cot`` (``cosec``), their ``arc``/``^{-1}`` inverses,
-                    ``sinh cosh tanh`` and inverses (``arcsinh``), ``exp ln log log_b lg sqrt abs floor ceil``,
+                    ``sinh cosh tanh sech csch coth`` (``cosech``), inverses (``arcsinh``, ``arccot``),
+                    ``exp ln log log_b lg sqrt abs floor ceil``,
                     ``gcd lcm max min det``; with a backslash, ``\\operatorname{..}`` or in ASCII
 constants           ``\\pi``, ``e``, ``i``, ``\\infty``, ``\\mathbb{R}``, ``\\emptyset``
 relations           ``= < > \\le \\ge \\ne`` and ``<= >= != \\leq \\geqslant \\lt \\gt \\not= \\equiv``,
@@ -199,11 +254,13 @@ Benchmark
 ``python verify.py bench [--cases FILE ...] [--show-errors]`` prints accuracy, false positives/
 negatives, exceptions, cases/s and p50/p99/max call time of this verifier and, when math-verify is
 installed, of math-verify side by side with the agreement rate, for each case file. By default the
-three files: ``data/verify_cases.jsonl`` (development cases, written alongside this file),
-``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed) and
+four files: ``data/verify_cases.jsonl`` (development cases, written alongside this file),
+``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed),
 ``data/verify_outside.jsonl`` (329 cases by answer form, half of them near misses, labelled from
-other graders' documented behaviour and frozen before departures 21-26 existed). The frozen files
-were never tuned against, so their figures measure generalisation. A case is ``{"pred"|"response",
+other graders' documented behaviour and frozen before departures 21-26 existed) and
+``data/verify_hacking.jsonl`` (whole responses a policy under RL could find that must score 0, by
+kind, each kind with controls that must score 1; written before the strictness rule). The frozen
+files were never tuned against, so their figures measure generalisation. A case is ``{"pred"|"response",
 "gold", "label", "category", ["rel_tol"]}``: an answer pair goes to ``is_equivalent``, a whole
 response to ``verify(..., strict=False)``.
 ``python verify.py golds [files...]`` checks every gold of the benchmark files against itself.
@@ -237,8 +294,9 @@ __all__ = [
 DEFAULT_REL_TOL = 1e-4      # decimals vs anything: relative tolerance (MATH golds are exact)
 MINERVA_REL_TOL = 1e-2      # Minerva golds have ~3 significant figures (up to 0.5% rounding)
 APPROX_GOLD_TOL = 1e-3      # rel_tol above this: golds are approximate, no rounding check
-EXACT_REL_TOL = 1e-30       # exact vs exact evaluated at 50 digits (irrational functions)
-ABS_TOL = 1e-40             # absorbs cancellation noise around zero at 50 digits
+EXACT_REL_TOL = 1e-44       # exact vs exact evaluated at 50 digits (irrational functions): rounding only
+ABS_TOL = 1e-40             # absorbs cancellation noise around zero at 50 digits (intervals, ratios)
+NOISE = 1e-45               # expressions: rounding noise at 50 digits, relative to the largest term summed
 MAX_RESPONSE_CHARS = 200_000  # longer responses: only the tail is searched for the answer
 MAX_ANSWER_CHARS = 1_500    # an extracted answer longer than this is not parsed
 MAX_DEPTH = 60              # nesting depth of the parse
@@ -267,7 +325,7 @@ _MP_ROOTS.dps = 20
 # Counters (the only module-level mutable state).
 
 _STATS_LOCK = threading.Lock()
-_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "errors": 0}
+_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "not_math": 0, "errors": 0}
 
 
 def _count(key: str, n: int = 1) -> None:
@@ -276,7 +334,8 @@ def _count(key: str, n: int = 1) -> None:
 
 
 def stats() -> dict:
-    """A copy of the counters: calls, limit_hits, parse_failures, errors (internal exceptions)."""
+    """A copy of the counters: calls, limit_hits, parse_failures, not_math (predictions refused by the
+    strictness rule), errors (internal exceptions)."""
     with _STATS_LOCK:
         return dict(_STATS)
 
@@ -299,14 +358,20 @@ class _Undefined(Exception):
     """The value is undefined (0/0, 1/0, nan): never equal to anything."""
 
 
+class _NotMath(Exception):
+    """The prediction is not a mathematical answer (the strictness rule): unequal to every gold."""
+
+
 class _Budget:
     """Step counter plus a wall-clock backstop, shared by the parse and the evaluation of one call."""
 
-    __slots__ = ("steps", "deadline")
+    __slots__ = ("steps", "deadline", "left_reals", "scale")
 
     def __init__(self) -> None:
         self.steps = 0
         self.deadline = time.perf_counter() + MAX_SECONDS
+        self.left_reals = False     # an evaluation went complex from real inputs (sqrt of a negative)
+        self.scale = 0              # largest rounded term summed or angle of a periodic function
 
     def tick(self, n: int = 1) -> None:
         self.steps += n
@@ -338,6 +403,8 @@ _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\
 _IS_VALUE_RE = re.compile(r"\s(?:is|are|equals|was|=)\s+(?!\s)(.+)$")
 _BARE_ARITHMETIC_RE = re.compile(r"^\s*[-+]?\d[\d\s.]*(?:[-+*/×·]\s*\(?\s*\d[\d\s.]*\)?\s*)+$")
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
+_HEDGE_WORDS_RE = re.compile(r"(?<![A-Za-z])(?:or|not|maybe|perhaps|possibly|probably|either|might|guess|unsure|"
+                             r"not sure|could be)(?![A-Za-z])", re.IGNORECASE)
 _MAX_JOIN = 8               # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
 
@@ -416,8 +483,9 @@ def _last_boxes(text: str) -> list[str] | None:
         out.insert(0, b)
     contents = []
     for _, _, c in out:
-        inner = _last_boxes(c) if ("\\boxed" in c or "\\fbox" in c) and len(out) == 1 else None
-        contents.extend(inner if inner is not None and c.strip().startswith(_BOX_CMDS) else [c])
+        inner = _outer_boxes(c.strip()) if ("\\boxed" in c or "\\fbox" in c) and len(out) == 1 else None
+        whole = inner is not None and len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(c.strip())
+        contents.extend(_last_boxes(c.strip()) if whole else [c])     # \\boxed{\\boxed{7}} is 7
     return contents
 
 
@@ -472,6 +540,8 @@ def _tidy(ans: str) -> str:
     ans = re.split(r"\s*I hope it is correct", ans, maxsplit=1, flags=re.IGNORECASE)[0]
     ans = ans.strip().strip("*").strip()
     ans = re.sub(r"^(?:\\\(|\\\[|\$+)|(?:\\\)|\\\]|\$+)$", "", ans).strip()
+    if ans.endswith("..."):         # '1, 3, 5, ...' is an open list: its dots are not a full stop
+        return ans
     return ans.rstrip(".,;:").strip()
 
 
@@ -515,13 +585,13 @@ def _last_math(text: str) -> str | None:
     return _tidy(_join([_tidy(c) for _, _, c in out])) or None
 
 
-def extract_answer(text: str, *, strict: bool = False) -> str | None:
+def extract_answer(text: str, *, strict: bool = False, last_number: bool = True) -> str | None:
     """The final answer of a response (None when there is none).
 
     The response ends at its first end-of-turn marker. Then: the last \\boxed/\\fbox content, joined
     with the boxes just before it when only ', ' / 'and' / 'or' separate them. ``strict=True``
     (training) stops there. Otherwise, without a box: the math (or the sentence) after the last
-    "answer is" / "Answer:" / "####"; else the last math span; else the last number."""
+    "answer is" / "Answer:" / "####"; else the last math span; else (``last_number``) the last number."""
     if not isinstance(text, str) or not text:
         return None
     if len(text) > MAX_RESPONSE_CHARS:
@@ -531,19 +601,42 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
     if sep and after.strip():
         text = after        # a reasoning trace ends at </think>: the answer is what follows it
     boxes = _last_boxes(text)
-    if boxes is not None or strict:
-        return _join(boxes) if boxes else None
+    if boxes is not None or strict or _outer_boxes(text) is None:
+        return _join(boxes) if boxes else None      # an unclosed last box: a truncated response
     tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
     if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
         return text.strip()   # a whole response '4+7' is its value 11, not its last number
+    if _is_bare_answer(text):
+        return _tidy(text)    # a whole response '\\{1, 3, 5, \\ldots\\}' or '3 or 4' is its answer
     for find in (_after_phrase, _last_math):
         ans = find(tail)
         if ans:
             return ans
+    if not last_number or _HEDGE_WORDS_RE.search(tail.strip().rsplit("\n", 1)[-1]):
+        return None         # 'It is either 4 or 5.': a hedge, not an answer to read a number from
     last = None
     for last in _NUMBER_RE.finditer(tail):
         pass
-    return last.group(0).rstrip(",") if last is not None else None
+    if last is None:
+        return None
+    num = last.group(0).rstrip(",")
+    if num.count(",") > 1 and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num):
+        num = num.rsplit(",", 1)[1]     # '1,3,5' is a list whose last number is 5, not a number
+    return num
+
+
+def _is_bare_answer(text: str) -> bool:
+    """A whole response that is only an answer: one short line that is one token, a line of code,
+    or without words (runs of two or more letters other than function names, 'or' and 'and',
+    outside LaTeX commands and \\text{..})."""
+    t = text.strip()
+    if not t or len(t) > 200 or "\n" in t:
+        return False
+    if " " not in t or _PY_SYNTAX_RE.search(t) or any(m.group(1) not in _FUNCS for m in _CALL_RE.finditer(t)):
+        return True         # one token ('abc0', 'Evelyn') or a line of code: judged whole, not its digits
+    bare = re.sub(r"\\[A-Za-z]+", " ", re.sub(r"\\text\s*\{[^{}]*\}", " ", t))
+    words = re.findall(r"(?<![\\A-Za-z])[A-Za-z]{2,}", bare)
+    return all(w in _FUNCS or w.lower() in ("or", "and") for w in words)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -587,8 +680,17 @@ _CURRENCY_RE = re.compile(r"[€£¥₹]")
 _CURRENCY_WORD_RE = re.compile(r"^\s*(?:USD|EUR|GBP|JPY|INR|CHF|US\s*\$|Rs\.?)\s*(?=[+-]?\d)")
 _SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)")
 _INEQ_RE = re.compile(r"[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z])")
+_NUMPY_RE = re.compile(r"(?<![A-Za-z_.])(?:np|numpy|math)\.(?=(?:" + "|".join(
+    ("arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "sin", "cos", "tan", "exp", "log10", "log", "sqrt",
+     "pi", "e", "floor", "ceil", "abs", "gcd")) + r")(?![A-Za-z_]))")
+_PAREN_RELATION_RE = re.compile(r"(?<![^\s{},])\(\s*([^(),]*?(?:[<>]|\\(?:le|ge|lt|gt|ne)(?![a-zA-Z]))[^(),]*?)\s*\)")
 _AND_RE = re.compile(r",?\s*\\text\{\s*,?\s*and\s*\}\s*,?|,?\s(?:and)\s", re.IGNORECASE)
 _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.IGNORECASE)
+# Text after a value that is not a unit: digits, brackets, or words that qualify or hedge the value.
+_HEDGE_TEXT_RE = re.compile(r"[\d()\[\]=<>]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
+                            r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|"
+                            r"answer|guess|correct|incorrect|depending|about|around|approximately|roughly|to|"
+                            r"between|plus|minus|etc)(?![A-Za-z])", re.IGNORECASE)
 _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-9]\}?|[\s{}/*·]|\\cdot|\\,)$")
 
 
@@ -599,7 +701,8 @@ _SYMPY_CALL_RE = re.compile(r"(?<![A-Za-z\\])(Interval|FiniteSet|Union|Intersect
 _SYMPY_HINT_RE = re.compile(r"Interval|FiniteSet|EmptySet|Union\(|Intersection\(|Eq\(|Rational\(|Reals|Abs\(|"
                             r"ceiling\(|binomial\(|factorial\(|(?<!\\)log\([^()]*,")
 _FN_WORDS = ("gcd", "lcm", "max", "min", "floor", "ceil", "det", "cosec", "arcsinh", "arccosh", "arctanh",
-             "sinh", "cosh", "tanh", "lg", "ln", "log", "exp", "sec", "csc", "cot", "arcsin", "arccos", "arctan")
+             "sinh", "cosh", "tanh", "lg", "ln", "log", "exp", "sec", "csc", "cot", "arcsin", "arccos", "arctan",
+             "sech", "csch", "cosech", "coth", "arccot", "arcsec", "arccsc")
 _FN_NAME_RE = re.compile(r"\\(?:operatorname|mathrm|text|rm)\s*\{\s*(" + "|".join(_FN_WORDS) + r")\s*\}")
 _PMOD_RE = re.compile(r"\s*\\pmod\s*(?:\{[^{}]*\}|\w+)|\s*\(\s*\\(?:bmod|mod)\s*\w+\s*\)")
 _ELLIPSIS_RE = re.compile(r"\\(?:ldots|cdots|dots|dotsc|dotsb)(?![a-zA-Z])|\.\.\.|…")
@@ -611,6 +714,8 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
             "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
 _REPEAT_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
+_BASE_RE = re.compile(r"\d{1,2}|ten|two|eight|sixteen|b|d|h|o", re.IGNORECASE)     # 52_8, 12_{ten}
+_FN_VALUE_RE = re.compile(r"\((-?\d{1,6})\)(?![\d.])")     # the '(0)' of I(0)
 _FUNC_LHS_RE = re.compile(r"^\s*[a-zA-Z]\s*\(\s*(?:[a-z]|-?\d+(?:[./]\d+)?)\s*\)\s*=(?!.*=)")  # f(x) =, f(2) =
 
 
@@ -730,7 +835,7 @@ def _clean(s: str) -> str:
     s = _CURRENCY_WORD_RE.sub("", s)                  # 'USD 1,250' (after the number: a unit word)
     s = s.replace("²", "^2").replace("³", "^3")
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "")
-    s = s.replace("np.", "").replace("math.", "")
+    s = _NUMPY_RE.sub("", s)                          # np.arcsin(10/13), math.pi: the function itself
     for u, latex in _UNICODE.items():
         if u in s:
             s = s.replace(u, latex)
@@ -756,16 +861,17 @@ def _clean(s: str) -> str:
             s = cond
     s = _IN_PREFIX_RE.sub("", s)
     if _INEQ_RE.search(s):            # "x < -1 or x > 4" is a union, "x > 1 and x < 3" an intersection
+        s = _PAREN_RELATION_RE.sub(r" \1 ", s)       # "(x < -1) or (x > 4)": brackets around relations go
         s = _AND_RE.sub(lambda m: " \\cap ", s)
         s = _OR_ONLY_RE.sub(lambda m: " \\cup ", s)
-    s = _OR_RE.sub(",", s)
+    s = _OR_RE.sub(", ", s)          # with a space: '4 or 7' is never the decimal 4,7
     # Units written as text after a value: "5.4 \text{ cents}", "864 \mbox{ inches}^2".
     for _ in range(3):
         m = _TRAILING_TEXT_RE.match(s)
         unit = m.group(2).strip() if m else ""
         if not m or m.group(1).endswith(("_", "^", "{")) or (
-                len(unit) < 2 and unit not in _UNIT_WORDS):
-            break
+                len(unit) < 2 and unit not in _UNIT_WORDS) or _HEDGE_TEXT_RE.search(unit):
+            break           # '4 \text{ or 5}', '12 \text{ (not sure)}': words about the value, not a unit
         s = m.group(1).strip()
     s = s.strip().rstrip(".,;").strip()
     if _PLAIN_THOUSANDS_RE.match(s):
@@ -791,6 +897,48 @@ def _strip_plain_unit(s: str) -> str | None:
                 return rest.strip()
             return None
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The strictness rule (module docstring, "What counts as an answer"): the one place that decides
+# whether a prediction is a mathematical answer at all. Every parse of a prediction goes through
+# _parse(as_gold=False), which calls _check_math on the cleaned text, and the parser calls
+# _check_product on every product it builds; a prediction that fails either raises _NotMath and is
+# unequal to every gold: no other reading or leniency is tried.
+
+_PY_SYNTAX_RE = re.compile(
+    r"[\"`?@#]|=="                                   # quotes, backticks, Python's equality and decorators
+    r"|(?<![A-Za-z0-9)}\]'])'|'(?=[A-Za-z0-9_'\"])"      # a quote that is not a prime (f'(x), y'')
+    r"|[A-Za-z_]{2,}\.[A-Za-z_]|[A-Za-z_]\.[A-Za-z_]{2,}|__"   # dotted names (os.path, x.real; not p.m.), dunders
+    r"|(?<![\\A-Za-z])(?:import|lambda|return)(?![A-Za-z])")
+_CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
+
+
+def _check_math(s: str) -> None:
+    """Raises _NotMath when the cleaned prediction s is not a mathematical answer: program syntax
+    or a call of a name that is not a known function (the parser adds _check_product)."""
+    if _PY_SYNTAX_RE.search(s):
+        raise _NotMath("program syntax")
+    for m in _CALL_RE.finditer(s):
+        if m.group(1) not in _FUNCS:
+            raise _NotMath(f"call of {m.group(1)}")
+
+
+def _check_product(factors: list, zero_written: bool) -> None:
+    """Called by the parser for each product it builds (a term, a \\frac): a factor written as the
+    literal 0 ('0', '(0)', '{0}') next to a factor that is not a number is not an answer: 'k0', 'v0w',
+    'run(0)', '0x', '\\frac{0}{k}' would otherwise equal every gold 0."""
+    if zero_written and not all(_numeric(f, 0) for f in factors):
+        raise _NotMath("a product of 0 and a name")
+
+
+def _numeric(e, depth: int) -> bool:
+    """Built from numbers and constants alone (5, \\sqrt2, \\pi/180): no name and no function."""
+    if isinstance(e, sympy.Rational) or e in (S.Pi, S.Exp1):
+        return True
+    if depth < 20 and isinstance(e, (sympy.Add, sympy.Mul, sympy.Pow)):
+        return all(_numeric(a, depth + 1) for a in e.args)
+    return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -872,6 +1020,8 @@ _FUNCS = {
     "sqrt": None, "abs": sympy.Abs, "cosec": sympy.csc, "arcsinh": sympy.asinh, "arccosh": sympy.acosh,
     "arctanh": sympy.atanh, "asinh": sympy.asinh, "acosh": sympy.acosh, "atanh": sympy.atanh,
     "floor": sympy.floor, "ceil": sympy.ceiling, "lg": None, "det": None,
+    "sech": sympy.sech, "csch": sympy.csch, "cosech": sympy.csch, "coth": sympy.coth, "arccot": sympy.acot,
+    "acot": sympy.acot, "arcsec": sympy.asec, "arccsc": sympy.acsc, "asec": sympy.asec, "acsc": sympy.acsc,
     "gcd": None, "lcm": None, "max": None, "min": None,
 }
 # Functions of several arguments, kept unevaluated (sympy's own Max/gcd would simplify on creation)
@@ -978,6 +1128,7 @@ class _Parser:
         self.bound = ()           # index letters of the enclosing sums ('i' there is not sqrt(-1))
         self.abs_depth = 0        # > 0 inside |..|, where a '|' closes instead of starting a factor
         self.split = frozenset()  # words read as products of their letters ('abc' = a*b*c)
+        self.check_zero = False   # a prediction: products of a written 0 and a name raise _NotMath
 
     # -- low-level helpers
     def ws(self) -> None:
@@ -1131,6 +1282,8 @@ class _Parser:
             elif self.cmd_name() in ("pm", "mp"):
                 sign = self.take_cmd()
             t = self.parse_term()
+            if sign == "-" and type(t) is _MOD:
+                t, sign = _MOD(_neg(t.args[0]), t.args[1]), None    # '-3 \\bmod 4' is 1, not -(3 mod 4)
             if isinstance(t, Matrix) and sign in (None, "+", "-"):
                 return self._matrix_sum(_matrix_map(t, _neg) if sign == "-" else t)
             if isinstance(t, (Seq, Matrix, _Undef)):
@@ -1185,8 +1338,15 @@ class _Parser:
             return name not in _NO_FACTOR_CMDS and name not in _REL_CMDS and name != "}"
         return False
 
+    def _written_zero(self, e, start: int) -> bool:
+        """e was written as the literal 0: '0', '(0)', '{0}' (not '000' of '2,000 km')."""
+        return e is S.Zero and self.s[start:self.i].strip(" {}()") == "0"
+
     def parse_term(self):
+        self.ws()
+        start = self.i
         f = self.parse_factor()
+        zero = self._written_zero(f, start)
         if isinstance(f, (Seq, _Undef)) or (isinstance(f, Matrix) and not self.starts_factor()):
             return f
         factors = [f]
@@ -1195,6 +1355,7 @@ class _Parser:
         while True:
             c = self.peek()
             op = "*"
+            implicit = False
             if c == "*" and not self.s.startswith("**", self.i):
                 self.i += 1
             elif c in ("/", ":"):         # a ratio 3:5 is the number 3/5
@@ -1223,12 +1384,20 @@ class _Parser:
                 if mixed is not None:
                     factors[0] = mixed
                     continue
+            else:
+                implicit = True
+            if implicit and (c.isdigit() or c == ".") and self.s[:self.i].rstrip()[-1:].isdigit():
+                raise _ParseError("numbers side by side")     # '7 0', '4 5': not a product (nor 10 000)
+            start = self.i
             g = self.parse_factor()
+            zero = zero or self._written_zero(g, start)
             if isinstance(g, (Seq, _Undef)) or (isinstance(g, Matrix) and op == "/"):
                 raise _ParseError("arithmetic on a structure")
             factors.append(_div(S.One, g) if op == "/" else g)
         if len(factors) == 1:
             return factors[0]
+        if self.check_zero:
+            _check_product([x for x in factors if not isinstance(x, Matrix)], zero)
         mats = [x for x in factors if isinstance(x, Matrix)]
         if mats:                      # a scalar multiple '2 A', '\frac12 A' (no matrix products)
             if len(mats) > 1:
@@ -1298,6 +1467,8 @@ class _Parser:
                 self.i += 1
                 sub = self.parse_sub_text()
                 if isinstance(base, sympy.Integer):
+                    if not _BASE_RE.fullmatch(sub):
+                        raise _ParseError("subscript on a number that is not a base")   # 4_{\text{or }5}
                     continue        # base subscript of a number: 52_8 compares as 52 (departure 6)
                 if isinstance(base, sympy.Symbol):
                     base = sympy.Symbol(base.name + "_" + sub)
@@ -1434,6 +1605,11 @@ class _Parser:
             got = self._try_choose()
             if got is not None:
                 return got
+        if len(run) == 1 and run not in "ei" and run not in self.bound:
+            m = _FN_VALUE_RE.match(self.s, j)
+            if m:                          # I(0), y(1): a function's value is one symbol, not I*0
+                self.i = m.end()
+                return sympy.Symbol(run + m.group(0))
         self.i = j - len(run) + 1          # one letter: the next is another factor ('xy^2' is x*y^2)
         return self._letter(run[0])
 
@@ -1505,7 +1681,10 @@ class _Parser:
 
     def parse_fn_arg(self):
         """'\\sin 2x' -> sin(2x): factors up to the next operator or function (no parens)."""
+        self.ws()
+        start = self.i
         factors = [self.parse_factor()]
+        zero = self._written_zero(factors[0], start)
         while self.starts_factor():
             name = self.cmd_name()
             if name in _FUNCS or name == "frac":
@@ -1516,9 +1695,13 @@ class _Parser:
                     j += 1
                 if self.s[self.i:j] in _FUNCS:
                     break
+            start = self.i
             factors.append(self.parse_factor())
+            zero = zero or self._written_zero(factors[-1], start)
         if any(isinstance(f, (Seq, Matrix, _Undef)) for f in factors):
             raise _ParseError("function of a structure")
+        if len(factors) > 1 and self.check_zero:
+            _check_product(factors, zero)          # '\\sin 0x'
         return factors[0] if len(factors) == 1 else sympy.Mul(*factors, evaluate=False)
 
     def parse_atom(self):
@@ -1585,8 +1768,12 @@ class _Parser:
     def parse_command(self):
         name = self.take_cmd()
         if name == "frac":
+            start = self.i
             a = self.parse_arg()
+            zero = self._written_zero(a, start)
             b = self.parse_arg()
+            if self.check_zero:
+                _check_product([a, b], zero)
             return _div(a, b)
         if name == "sqrt":
             if self.eat("["):
@@ -1669,9 +1856,8 @@ class _Parser:
             body = self.parse_term()
         finally:
             self.bound = saved
-        if any(isinstance(x, (Seq, Matrix, _Undef)) for x in (lo, hi, body)) or \
-                lo.free_symbols or hi.free_symbols:
-            raise _ParseError("sum with symbolic bounds")
+        if any(isinstance(x, (Seq, Matrix, _Undef)) for x in (lo, hi, body)):
+            raise _ParseError("sum of a structure")
         k = sympy.Symbol(var)
         return (_SUM if name == "sum" else _PROD)(sympy.Lambda(k, body), lo, hi)
 
@@ -1751,6 +1937,8 @@ def _decimal_fraction(txt: str) -> Fraction:
 
 _CHOICE_RE = re.compile(r"^\(?\s*([A-E])\s*\)?$")
 _CHOICE_PRED_RE = re.compile(r"^(?:\\text\{)?\(([A-E])\)")
+# After a choice letter only its value may follow ('\\textbf{(C)} 12'): not '(C) or (D)', '(C)+1'.
+_CHOICE_VALUE_RE = re.compile(r"[\s}]*(?:-?\d+(?:\.\d+)?|\\frac\s*\{\d+\}\s*\{\d+\}|\\sqrt\s*\{?\d+\}?)?\s*")
 _WORDS_RE = re.compile(r"^[A-Za-z]{2,}(?:[ '\-]+[A-Za-z]{2,})*$")
 
 
@@ -1770,13 +1958,16 @@ def _parse(s: str, budget: _Budget, *, as_gold: bool, split: frozenset = frozens
         return Choice(m.group(1))
     if not as_gold:
         m = _CHOICE_PRED_RE.match(s)
-        if m:
-            return Choice(m.group(1))
+        if m and _CHOICE_VALUE_RE.fullmatch(s[m.end():]):
+            return Choice(m.group(1))       # '\\textbf{(C)} 12', not '(C) or (D)' 
+    if not as_gold:
+        _check_math(s)
     if _WORDS_RE.match(s) and _is_plain_words(s) and s not in split:
         return Text(_norm_text(s))
     parser = _Parser(s, budget)
-    parser.split = split
-    return parser.parse_answer()
+    parser.split, parser.check_zero = split, not as_gold
+    node = parser.parse_answer()
+    return node
 
 
 def _word_products(s: str, other) -> frozenset:
@@ -1815,6 +2006,7 @@ def _is_plain_words(s: str) -> bool:
 
 def _norm_text(s: str) -> str:
     s = re.sub(r"\\text\s*\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"(?<=\d)(?:(\s+)|\.)(?=\d)", lambda m: "_" if m.group(1) else "p", s)   # '4 2' is not '42'
     return re.sub(r"[\s{}\\.]+", "", s).lower()
 
 
@@ -1827,8 +2019,12 @@ _MPF_FUNCS = {
     sympy.csc: _MP.csc, sympy.cot: _MP.cot, sympy.asin: _MP.asin, sympy.acos: _MP.acos,
     sympy.atan: _MP.atan, sympy.sinh: _MP.sinh, sympy.cosh: _MP.cosh, sympy.tanh: _MP.tanh,
     sympy.exp: _MP.exp, sympy.log: _MP.log, sympy.asinh: _MP.asinh, sympy.acosh: _MP.acosh,
-    sympy.atanh: _MP.atanh,
+    sympy.atanh: _MP.atanh, sympy.sech: _MP.sech, sympy.csch: _MP.csch, sympy.coth: _MP.coth,
+    sympy.acot: _MP.acot, sympy.asec: _MP.asec, sympy.acsc: _MP.acsc,
 }
+
+
+_PERIODIC = (sympy.sin, sympy.cos, sympy.tan, sympy.sec, sympy.csc, sympy.cot)
 
 
 def _to_mp(v):
@@ -1868,6 +2064,7 @@ def _ev(e, env: dict, budget: _Budget):
                 if not _exact_ok(acc):
                     acc = _to_mp(acc)
             else:
+                budget.scale = max(budget.scale, abs(_to_mp(acc)), abs(_to_mp(v)))
                 acc = _check_mp(_to_mp(acc) + _to_mp(v))
         return acc
     if isinstance(e, sympy.Mul):
@@ -1882,7 +2079,8 @@ def _ev(e, env: dict, budget: _Budget):
                 acc = _check_mp(_to_mp(acc) * _to_mp(v))
         return acc
     if isinstance(e, sympy.Pow):
-        return _pow(_ev(e.base, env, budget), _ev(e.exp, env, budget))
+        b, x = _ev(e.base, env, budget), _ev(e.exp, env, budget)
+        return _note_complex(_pow(b, x), (b, x), budget)
     if e is S.Pi:
         return _MP.pi + 0
     if e is S.Exp1:
@@ -1936,11 +2134,24 @@ def _ev(e, env: dict, budget: _Budget):
         args = [_to_mp(_ev(a, env, budget)) for a in e.args]
         if type(e) is sympy.log and args[0] == 0:
             raise _Undefined()
+        if type(e) in _PERIODIC:
+            budget.scale = max(budget.scale, abs(args[0]))
         try:
-            return _check_mp(fn(*args))
+            return _note_complex(_check_mp(fn(*args)), args, budget)
         except (ZeroDivisionError, ValueError):
             raise _Undefined() from None
     raise _ParseError(f"cannot evaluate {type(e).__name__}")
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, Fraction) or not isinstance(v, _MP.mpc) or v.imag == 0
+
+
+def _note_complex(out, args, budget: _Budget):
+    """out, noting on the budget when real arguments gave a complex value (outside the real domain)."""
+    if not _is_real(out) and all(_is_real(a) for a in args):
+        budget.left_reals = True
+    return out
 
 
 def _pow(b, x):
@@ -1988,7 +2199,10 @@ def _iroot(n: int, k: int) -> int | None:
     return None
 
 
-def _close(a, b, tol: float, abs_tol=None) -> bool:
+def _close(a, b, tol: float, abs_tol=None, scale=None) -> bool:
+    """|a - b| within tol relative, plus abs_tol; or, given scale (the largest term summed or angle
+    of a periodic function while evaluating), plus NOISE * scale: the rounding that cancellation can
+    leave at 50 digits, so sin^2 + cos^2 - 1 is 0 but e^{-1000} is not (without scale: ABS_TOL)."""
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         if a == b:
             return True
@@ -1999,7 +2213,10 @@ def _close(a, b, tol: float, abs_tol=None) -> bool:
     a, b = _to_mp(a), _to_mp(b)
     if _MP.isinf(a) or _MP.isinf(b):
         return a == b
-    extra = ABS_TOL if abs_tol is None else _to_mp(Fraction(abs_tol))
+    if abs_tol is not None:
+        extra = _to_mp(Fraction(abs_tol))
+    else:
+        extra = ABS_TOL if scale is None else NOISE * scale
     return abs(a - b) <= tol * max(abs(a), abs(b)) + extra
 
 
@@ -2019,6 +2236,36 @@ def _points(names: list[str], signed: bool = False) -> list[dict]:
 
 def _free_names(e) -> set:
     return {s.name for s in e.free_symbols}
+
+
+_BOUND_VALUES = (2, 3, 5, 7, 11, 13)
+
+
+def _bound_names(e) -> set:
+    """Names in the bounds of a \\sum / \\prod (symbolic bounds: 'm' of \\sum_{j=1}^{m})."""
+    out = set()
+    for x in sympy.preorder_traversal(e):
+        if isinstance(x, (_SUM, _PROD)):
+            out |= _free_names(x.args[1]) | _free_names(x.args[2])
+    return out
+
+
+def _names_outside_sums(e, depth: int) -> set:
+    if isinstance(e, (_SUM, _PROD)) or depth > MAX_DEPTH:
+        return set()
+    if isinstance(e, sympy.Symbol):
+        return {e.name}
+    return set().union(*(_names_outside_sums(a, depth + 1) for a in e.args)) if e.args else set()
+
+
+def _integer_points(names: list, ints: set) -> list[dict]:
+    """len(_BOUND_VALUES) points: the bound names at small integers, the others as in _points."""
+    out = []
+    for t, k in enumerate(_BOUND_VALUES):
+        rng = random.Random(7919 * (t + 1))
+        out.append({n: Fraction(k) if n in ints else Fraction(rng.randint(11, 97), rng.randint(5, 41)) +
+                    Fraction(1, 7) for n in names})
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2087,17 +2334,45 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent else [])
     use_tol = tol if (a.inexact or b.inexact) else EXACT_REL_TOL
     names = sorted((_free_names(a.expr) | _free_names(b.expr)) - {"__pm__"})
-    points = _points(names, signed) if names else [{}]
+    # '\\sum_{j=1}^{m} j' against 'm(m+1)/2': integer points for m. a is the prediction: its bounds
+    # count only for names it uses nowhere else ('\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor' is not x).
+    bounds = (_bound_names(a.expr) - _names_outside_sums(a.expr, 0) | _bound_names(b.expr)) & set(names)
+    if bounds:
+        points, signed = _integer_points(names, bounds), True
+    else:
+        points = _points(names, signed) if names else [{}]
     for va, sa in cands_a:
         for vb, sb in cands_b:
-            if _agree(va, sa, vb, sb, points, use_tol, budget):
+            if _agree(va, sa, vb, sb, points, use_tol, budget) and (
+                    signed or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget)):
                 return True
     return False
+
+
+def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
+    """Agreement at points of both signs wherever both sides stay real (departure 2): |u| is not u,
+    but \\ln(u^2) and 2\\ln u (complex for u < 0) are not told apart by a negative u."""
+    for p in _points(names, signed=True)[1:]:
+        budget.left_reals, budget.scale = False, 0
+        try:
+            x = _ev(a.expr, {**p, **a.env}, budget)
+            y = _ev(b.expr, {**p, **b.env}, budget)
+        except _Undefined:
+            continue
+        if budget.left_reals:
+            continue
+        x = x * sa if isinstance(x, Fraction) else x * _MP.mpf(sa.numerator) / sa.denominator
+        y = y * sb if isinstance(y, Fraction) else y * _MP.mpf(sb.numerator) / sb.denominator
+        if not _close(x, y, tol, scale=budget.scale):
+            return False
+    budget.left_reals = False
+    return True
 
 
 def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
     valid = 0
     for p in points:
+        budget.scale = 0
         try:
             x = _ev(a.expr, {**p, **a.env}, budget)
             y = _ev(b.expr, {**p, **b.env}, budget)
@@ -2109,7 +2384,7 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
             x = x * sa if isinstance(x, Fraction) else x * _MP.mpf(sa.numerator) / sa.denominator
         if sb != 1:
             y = y * sb if isinstance(y, Fraction) else y * _MP.mpf(sb.numerator) / sb.denominator
-        if not _close(x, y, tol):
+        if not _close(x, y, tol, scale=budget.scale):
             return False
         # A lone decimal against an exact value must also be that value correctly rounded to the
         # decimal's own digits: 100.01 is not 100 and 1.000001 is not 1, though within rel_tol.
@@ -2154,7 +2429,7 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
             return False
         ratios.append(x / y if isinstance(x, Fraction) and isinstance(y, Fraction)
                       else _to_mp(x) / _to_mp(y))
-    use_tol = tol if (da.inexact or db.inexact) else EXACT_REL_TOL
+    use_tol = tol if (da.inexact or db.inexact) else 1e-30     # ratios of differences: cancellation
     if a.op not in ("=", "!="):
         r0 = _as_real(ratios[0]) if ratios else None
         if r0 is None or r0 <= 0:
@@ -2292,8 +2567,8 @@ def _as_items(node):
     """A node as a list of items when it is a list-like (bare list, or a single \\pm value)."""
     if isinstance(node, Seq) and node.open == "":
         return _expand_pm(node.items)
-    if _has_free_pm(node):
-        return _expand_pm([node])
+    if _has_free_pm(node) or isinstance(node, Eqn) and node.op == "=" and _has_free_pm(node.rhs):
+        return _expand_pm([node])      # 'x = 2 \\pm \\sqrt3' is 'x = 2+\\sqrt3, x = 2-\\sqrt3'
     return None
 
 
@@ -2385,6 +2660,16 @@ def _intersect(xs: list, ys: list) -> list:
     return _normalise(out)
 
 
+def _complement(ivs: list) -> list:
+    """The real line without the sorted, merged intervals ivs."""
+    out, lo, lc = [], -_MP.inf, False
+    for a, ac, b, bc in ivs:
+        out.append((lo, lc, a, not ac))
+        lo, lc = b, not bc
+    out.append((lo, lc, _MP.inf, False))
+    return _normalise([iv for iv in out if not (_MP.isinf(iv[0]) and _MP.isinf(iv[2]) and iv[0] == iv[2])])
+
+
 def _ray(op: str, r) -> list:
     """The real numbers v with 'v op r' as intervals; '=' is the single point r."""
     inf = _MP.inf
@@ -2453,16 +2738,10 @@ def _real_set(node, budget: _Budget):
         return _combine([_real_set(m, budget) for m in members], _intersect)
     if isinstance(node, Inter):
         return _combine([_real_set(m, budget) for m in node.items], _intersect)
-    if isinstance(node, Minus) and isinstance(node.removed, Seq) and node.removed.open == "{":
-        whole = _real_set(node.whole, budget)
-        points = [_real_value(x, budget) if isinstance(x, Val) else None for x in node.removed.items]
-        if whole is None or any(p is None for p in points):
-            return None
-        points.sort()
-        keep = [(-_MP.inf, False, p, False) for p in points[:1]] + [
-            (p, False, q, False) for p, q in zip(points, points[1:])] + [
-            (p, False, _MP.inf, False) for p in points[-1:]]        # the line without the points
-        return whole[0], whole[1], _intersect(whole[2], _normalise(keep)) if points else whole[2]
+    if isinstance(node, Minus):     # '\\mathbb{R} \\setminus \\{2\\}', '[0,3] \\setminus (1,2)'
+        got = _combine([_real_set(node.whole, budget), _real_set(node.removed, budget)], lambda x, y: x)
+        removed = _real_set(node.removed, budget) if got is not None else None
+        return None if removed is None else (got[0], got[1], _intersect(got[2], _complement(removed[2])))
     if isinstance(node, Union):
         return _combine([_real_set(m, budget) for m in node.items], lambda x, y: _normalise(x + y))
     return None
@@ -2497,7 +2776,7 @@ def _sets_equal(x, y, tol: float) -> bool:
 
 # Readings of the prediction (departure 17): a named answer is its value, a chain its last value.
 
-def _readings(node, gold, tol: float) -> list:
+def _readings(node, gold, tol: float, budget: _Budget) -> list:
     """The prediction and the other ways to read it: 'x+y = 9' -> 9, 't = 2+3+4 = 9' -> 9,
     '\\frac17 \\approx 0.14' -> 1/7 (and 0.14 when the gold is a decimal or the exact part is a name)."""
     out = [node]
@@ -2505,11 +2784,11 @@ def _readings(node, gold, tol: float) -> list:
             isinstance(x, (Eqn, Chain)) for x in gold.items)):
         # The gold names its answer too: names must match (x = 5 is not y = 5). 'x = 5+5+1 = 11'
         # against a gold 'x = 11' names x: its stated value is compared.
-        pa = _as_assignment(node)
+        pa = _as_assignment(node, budget)
         if pa is not None and pa is not node:
             out.append(pa)
         return out
-    alt = _chain_value(node, gold, tol)
+    alt = _chain_value(node, gold, tol, budget)
     if alt:
         out.extend(alt)
     grouped = _named_values(node, tuples_only=True)
@@ -2518,7 +2797,7 @@ def _readings(node, gold, tol: float) -> list:
     if isinstance(node, Seq) and node.open == "" and any(isinstance(x, (Eqn, Chain)) for x in node.items):
         items = []
         for x in node.items:
-            v = _chain_value(x, gold, tol) if _unwrap_assignment(x) is None else None
+            v = _chain_value(x, gold, tol, budget) if _unwrap_assignment(x) is None else None
             items.append(v[0] if v else x)     # 'y = 1, x = 2' keeps its names (ordered by them)
         out.append(Seq(items))
     return out
@@ -2560,19 +2839,21 @@ def _has_relation(node) -> bool:
     return isinstance(node, Seq) and any(_has_relation(x) for x in node.items)
 
 
-def _as_assignment(node):
-    """'x = 5' and the chain 'x = 2+3 = 5' (up to its first '~') as the assignment x = 5, else None."""
+def _as_assignment(node, budget: _Budget | None = None):
+    """'x = 5' and the chain 'x = 2+3 = 5' (up to its first '~') as the assignment x = 5, else None.
+    With a budget (a prediction), a chain whose approximations do not hold states nothing."""
     if isinstance(node, Eqn) and node.op == "=" and isinstance(node.lhs.expr, sympy.Symbol):
         return node
     if isinstance(node, Chain) and isinstance(node.parts[0].expr, sympy.Symbol) and \
-            all(op in ("=", "~") for op in node.ops):
+            all(op in ("=", "~") for op in node.ops) and (
+                budget is None or _chain_holds(node.parts, node.ops, DEFAULT_REL_TOL, budget)):
         k = node.ops.index("~") if "~" in node.ops else len(node.ops)
         if k > 0 and all(op == "=" for op in node.ops[:k]):
             return Eqn(node.parts[0], node.parts[k])
     return None
 
 
-def _chain_value(node, gold, tol: float) -> list:
+def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
     if isinstance(node, Eqn) and node.op == "=":
         parts, ops = [node.lhs, node.rhs], ["="]
     elif isinstance(node, Chain) and all(op in ("=", "~") for op in node.ops):
@@ -2587,12 +2868,40 @@ def _chain_value(node, gold, tol: float) -> list:
     # part before it is a name or a constant ('2x + 1 = 7' is an equation to solve, not 7).
     # In a longer chain ('\\pi r^2 = 4\\pi \\approx 12.57') the head is what is being computed.
     head_ok = head_is_name or len(parts) >= 3
+    if not _chain_holds(parts, ops, tol, budget):
+        return []       # '4 = 5', '0 = 1 = 2', '5 \\approx 5.1': a false chain states no value
     if const[k] and all(const[j] or (j == 0 and head_ok) for j in range(k)):
         out.append(parts[k])
     if "~" in ops and const[-1] and (
             (k == 0 and head_is_name) or tol > APPROX_GOLD_TOL or _has_decimal(gold)):
         out.append(parts[-1])
     return out
+
+
+def _chain_holds(parts: list, ops: list, tol: float, budget: _Budget) -> bool:
+    """The constants of a chain before its first '\\approx' are equal, and every '\\approx' approximates
+    what it follows: a name ('t \\approx 9'), or a constant within half a unit in the approximation's
+    last place (a decimal or integer literal), else within 1%."""
+    k = ops.index("~") if "~" in ops else len(ops)
+    consts = [p for p in parts[:k + 1] if not (_free_names(p.expr) - {"__pm__"})]
+    if any(not _val_equal(p, consts[-1], tol, budget) for p in consts[:-1]):
+        return False
+    return all(op != "~" or (j == 0 and _is_name(parts[0].expr)) or _approx_true(parts[j], parts[j + 1], budget)
+               for j, op in enumerate(ops))
+
+
+def _approx_true(exact: Val, approx: Val, budget: _Budget) -> bool:
+    try:
+        x, y = _to_mp(_ev(exact.expr, dict(exact.env), budget)), _to_mp(_ev(approx.expr, dict(approx.env), budget))
+    except _Undefined:
+        return False            # a name, a free \\pm or an undefined value: not a stated approximation
+    if approx.half_ulp is not None:
+        room = _to_mp(approx.half_ulp)
+    elif isinstance(approx.expr, sympy.Integer):
+        room = _MP.mpf(0.5)
+    else:
+        room = abs(y) / 100
+    return abs(x - y) <= room * (1 + _MP.mpf(10) ** -9) + ABS_TOL
 
 
 def _has_decimal(node) -> bool:
@@ -2651,6 +2960,8 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
         items = ia if ia is not None else ib
         if isinstance(other, Seq) and other.open == "(" and isinstance(a, Seq) \
                 and isinstance(b, Seq):
+            if all(isinstance(x, Seq) and x.open == "(" and x.close == ")" for x in items + other.items):
+                return _unordered_equal(items, other.items, tol, budget)   # ((1,2),(3,4)): a list of pairs
             return _ordered_equal(_by_name(a.items), _by_name(b.items), tol, budget)  # list vs tuple
         if isinstance(other, Seq) and other.open == "{":
             return _unordered_equal(_distinct(items, tol, budget),
@@ -2724,7 +3035,8 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
         _count("parse_failures")
         pa = ga = None
         tail = _right_of_last_equals(cp)
-        if tail is not None:        # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1
+        if tail is not None and _UNPARSED_OPERATOR_RE.search(cp[:len(cp) - len(tail)]):
+            # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1 (not '7, = 15')
             try:
                 pa, ga = _parse(tail, budget, as_gold=False), _parse(cg, budget, as_gold=True)
             except _ParseError:
@@ -2734,7 +3046,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     if pa is not None:
         if isinstance(ga, Chain):
             ga = _as_assignment(ga) or ga       # a gold chain 'z = 1 + 1 = 2' states z = 2
-        if any(_equal(r, ga, rel_tol, budget) for r in _readings(pa, ga, rel_tol)):
+        if any(_equal(r, ga, rel_tol, budget) for r in _readings(pa, ga, rel_tol, budget)):
             return True
         gv = _named_values(ga) if not _has_relation(pa) else None
         if gv is not None and _equal(pa, gv, rel_tol, budget):
@@ -2750,7 +3062,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
                 qg = _parse(cg, budget, as_gold=True, split=sg)
             except _ParseError:
                 qa = qg = None
-            if qa is not None and any(_equal(r, qg, rel_tol, budget) for r in _readings(qa, qg, rel_tol)):
+            if qa is not None and any(_equal(r, qg, rel_tol, budget) for r in _readings(qa, qg, rel_tol, budget)):
                 return True
     elif _norm_text(cp) == _norm_text(cg) and not _has_undefined(cp):
         return True     # neither parses: identical normalised text
@@ -2771,6 +3083,8 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 
 # Decimal commas (departure 19): '3,25' and '0,125' cannot be thousands separators; '1,250' can.
 _DEC_COMMA_RE = re.compile(r"^([+-]?\d+)(?:,|\{,\})(\d{1,2}|\d{4,})(?=%?$)|^([+-]?0)(?:,|\{,\})(\d+)(?=%?$)")
+_UNPARSED_OPERATOR_RE = re.compile(r"\\(?:lim|int|iint|oint|partial|nabla|det|sum|prod|mathrm|frac|operatorname)"
+                                   r"(?![a-zA-Z])")
 _LONE_DECIMAL_RE = re.compile(r"^[+-]?\d+\.\d+%?$")
 
 
@@ -2831,7 +3145,8 @@ def _unwrap_answer(s: str) -> str:
     if _ANSWER_PHRASE_RE.search(s):     # 'The answer is 5'
         return _after_phrase(s) or s
     if _is_prose(s):                   # 'Therefore $x \\geq 5$ is the solution.': as from a response
-        return extract_answer(s) or s
+        plain = not re.search(r"[\^*/=()\[\]{}\\<>|_]", _MATH_SPAN_RE.sub(" ", s))
+        return extract_answer(s, last_number=plain) or s    # 'It costs 3,15 €.': its last number
     return s
 
 
@@ -2845,7 +3160,9 @@ def _is_prose(s: str) -> bool:
         return False
     if bare != re.sub(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?", " ", s):      # math spans in a sentence
         return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{2,}(?![A-Za-z])", bare)) >= 2
-    return len(re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare)) >= 3
+    words = re.findall(r"(?<![A-Za-z\\])[A-Za-z]{3,}(?![A-Za-z])", bare)
+    n = sum(w not in _FUNCS and w not in _CONST_WORDS for w in words)    # not 'cos(t)+sin(t)'
+    return n >= 3 or n >= 2 and re.search(r"\.\s*$|\s(?:is|are)\s", s) is not None   # 'The area is 2 m².'
 
 
 def _has_undefined(s: str) -> bool:
@@ -2858,11 +3175,16 @@ def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> 
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     try:
-        return bool(_compare(pred, gold, rel_tol))
+        if _compare(pred, gold, rel_tol):
+            return True
+        boxes = _boxes_for_list(pred, gold)     # the same reading of several boxes as verify()
+        return boxes is not None and boxes != pred and _compare(boxes, gold, rel_tol)
     except _Limit:
         _count("limit_hits")
     except (_ParseError, _Undefined):
         _count("parse_failures")
+    except _NotMath:
+        _count("not_math")
     except RecursionError:
         _count("limit_hits")
     except Exception:           # a bug in this file must not crash a training step
@@ -2875,8 +3197,8 @@ def verify(response: str, gold: str, *, strict: bool = True,
     """Reward of one response: 1.0 when its final answer equals gold, else 0.0."""
     try:
         pred = extract_answer(response, strict=strict)
-        if pred is None:
-            return 0.0
+        if pred is None or "\\boxed" in pred or "\\fbox" in pred:
+            return 0.0          # no answer, or a box inside a box beside other content
         if is_equivalent(pred, gold, rel_tol=rel_tol):
             return 1.0
         boxes = _boxes_for_list(response, gold)
@@ -3006,12 +3328,13 @@ def _bench(argv: list[str]) -> int:
     ap.add_argument("--cases", action="append", default=None,
                     help="labelled case file (repeatable); default: data/verify_cases.jsonl (development, "
                          "written alongside this file), data/verify_test.jsonl and data/verify_outside.jsonl "
-                         "(frozen before the verifier was extended for them, never tuned against)")
+                         "(frozen before the verifier was extended for them, never tuned against), "
+                         "data/verify_hacking.jsonl (reward-hacking forms that must score 0, with controls)")
     ap.add_argument("--no-math-verify", action="store_true")
     ap.add_argument("--show-errors", action="store_true", help="print the cases verify.py gets wrong")
     args = ap.parse_args(argv)
     files = args.cases or [os.path.join(here, name) for name in
-                           ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl")]
+                           ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl")]
     mv = None
     if not args.no_math_verify:
         try:

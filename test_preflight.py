@@ -1,0 +1,304 @@
+"""Tests of preflight.py on the committed tiny models: every figure of the report recomputed from the
+sampled groups by plain loops (and a few cross-scores by a plain transformers forward), the report equal
+to what a GRAFT step of the same samples selects and accepts (Trainer.select and Trainer.build_rows
+driven on them), and the messages for bad input.
+
+Rewards are planted (a hash of the response text, as test_graft's planted verifier) so that both
+directions have all-fail and mixed groups, and the cap is low enough that some responses are dropped
+as too long after retokenisation and some are cut at the source's cap.
+
+Run: python -m pytest -q test_preflight.py
+"""
+
+import json
+import math
+import sys
+import zlib
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+import graft
+import preflight
+import verify
+from runtime import DistInfo
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent
+TINY = ROOT / "data" / "tiny_models"
+pytestmark = pytest.mark.skipif(not (TINY / "A" / "model.safetensors").is_file() or
+                                not (TINY / "B" / "model.safetensors").is_file(),
+                                reason="data/tiny_models/A and B (the committed tiny models) are absent")
+G, N, CAP, P = 12, 4, 32, 32
+DELTAS = (0.0, 0.5, 0.9)
+
+
+def planted_reward(text: str) -> float:
+    return 1.0 if zlib.crc32(text.encode()) % 3 == 0 else 0.0
+
+
+def planted_batch(responses, golds, *, workers=0, **kw):
+    """The planted verdicts; the gold check of a prompt file ("\\boxed{gold}" against the gold) passes."""
+    return [1.0 if r == f"\\boxed{{{g}}}" else planted_reward(r) for r, g in zip(responses, golds)]
+
+
+def nobody_solves(responses, golds, *, workers=0, **kw):
+    return [1.0 if r == f"\\boxed{{{g}}}" else 0.0 for r, g in zip(responses, golds)]
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    sys.path.insert(0, str(ROOT / "data"))
+    import tiny_tasks
+    train, _ = tiny_tasks.generate(0, count, 5)
+    tiny_tasks.write_jsonl(str(path), train[:count])
+    return path
+
+
+def args_for(tmp: Path, prompts: Path, *extra: str) -> list[str]:
+    return ["--model-a", str(TINY / "A"), "--model-b", str(TINY / "B"), "--prompts", str(prompts),
+            "--problems", str(G), "--n", str(N), "--max-response-tokens", str(CAP), "--prompts-per-step", str(P),
+            "--prompt-template", "{problem}\n", "--deltas", ",".join(map(str, DELTAS)), "--out",
+            str(tmp / "report.json"), *extra]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One preflight of the tiny A <-> B on planted rewards: (report as written to JSON, the two sides, args)."""
+    tmp = tmp_path_factory.mktemp("preflight")
+    prompts = write_prompts(tmp / "p.jsonl", 40)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(verify, "verify_batch", planted_batch)
+    try:
+        args = preflight.build_parser(graft).parse_args(args_for(tmp, prompts))
+        report, sides = preflight.preflight(args, graft)
+    finally:
+        mp.undo()
+    written = json.loads(json.dumps(report))  # what the JSON file holds
+    return written, sides, args
+
+
+def naive_quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def loop_swap(k_a: list[int], k_b: list[int], n: int) -> tuple[set, set]:
+    """The paper's balanced swap by hand: candidates sorted by the source's count (desc, then index), the
+    first m kept plus every candidate tied with the m-th."""
+    c_ab = [g for g in range(len(k_a)) if k_b[g] == 0 and 1 <= k_a[g] < n]
+    c_ba = [g for g in range(len(k_a)) if k_a[g] == 0 and 1 <= k_b[g] < n]
+    m = min(len(c_ab), len(c_ba))
+
+    def keep(c, k):
+        if m == 0:
+            return set()
+        order = sorted(c, key=lambda g: (-k[g], g))
+        kth = k[order[m - 1]]
+        return {g for g in c if k[g] >= kth}
+    return keep(c_ab, k_a), keep(c_ba, k_b)
+
+
+def test_every_figure_recomputed_by_loops(run):
+    report, sides, args = run
+    a, b = sides
+    assert report["problems"] == G
+    k = {s.name: [int(sum(s.rollouts.rewards[g].tolist())) for g in range(G)] for s in sides}
+    for s in sides:  # rewards are the planted verdicts of the decoded texts
+        assert s.rollouts.rewards.view(-1).tolist() == [planted_reward(t) for t in s.rollouts.texts]
+        assert report["models"][s.name]["successes"] == k[s.name]
+    keep_ab, keep_ba = loop_swap(k["a"], k["b"], N)
+    assert keep_ab or keep_ba, "the planted rewards should give the swap something to keep"
+    scale = P / G
+    for key, src, recv, keep in (("a_to_b", a, b, keep_ab), ("b_to_a", b, a, keep_ba)):
+        d, recs = report["directions"][key], report["responses"][key]
+        ks, kr = k[src.name], k[recv.name]
+        fail = [g for g in range(G) if kr[g] == 0]
+        cand = [g for g in fail if 1 <= ks[g] < N]
+        assert d["recv_all_fail"] == len(fail) and d["candidates"] == len(cand)
+        assert d["src_solves"] == sum(1 for g in fail if ks[g] >= 1) and d["src_mixed"] == len(cand)
+        if fail:
+            assert d["solved_share"] == pytest.approx(d["src_solves"] / len(fail))
+            assert d["mixed_share"] == pytest.approx(len(cand) / len(fail))
+        assert d["candidates_per_step"] == pytest.approx(len(cand) * scale)
+        assert d["m"] == min(sum(1 for g in range(G) if k["b"][g] == 0 and 1 <= k["a"][g] < N),
+                             sum(1 for g in range(G) if k["a"][g] == 0 and 1 <= k["b"][g] < N))
+        assert set(d["received_groups"]) == keep and d["kept_per_step"] == pytest.approx(len(keep) * scale)
+        # per response: the source's own record, and the receiver's retokenisation by hand
+        assert len(recs) == G * N
+        for r, x in enumerate(recs):
+            assert x["group"] == r // N and x["text"] == src.rollouts.texts[r]
+            assert x["src_len"] == len(src.rollouts.tokens[r]) and x["eos"] == bool(src.rollouts.eos.view(-1)[r])
+            ids = recv.tok.encode(x["text"], add_special_tokens=False) + ([recv.eos_id] if x["eos"] else [])
+            assert x["recv_len"] == (len(ids) if 0 < len(ids) <= CAP else None)
+            if x["s"] is not None:
+                assert x["s"] == pytest.approx(math.exp(x["lbar_recv"] - x["lbar_src"]), rel=1e-5)
+                assert x["w"] == pytest.approx(min(x["s"], 1.0) if x["s"] > args.delta else 0.0, rel=1e-6)
+        for part, rs in (("received", [r for r in range(G * N) if r // N in keep]),
+                         ("no_balance", [r for r in range(G * N) if r // N in cand]), ("all", list(range(G * N)))):
+            st, xs = d[part], [recs[r] for r in rs]
+            kept = [x for x in xs if x["recv_len"] is not None]
+            dropped = [x for x in xs if x["recv_len"] is None]
+            acc = [(r, x) for r, x in zip(rs, xs) if x["recv_len"] is not None and x["s"] > args.delta]
+            assert (st["responses"], st["retokenised"], st["dropped_length"]) == (len(xs), len(kept), len(dropped))
+            assert st["dropped_no_eos"] == sum(1 for x in dropped if not x["eos"])
+            assert st["with_eos"] == sum(1 for x in xs if x["eos"])
+            assert st["accepted"] == len(acc)
+            assert st["groups_to_update_per_step"] == pytest.approx(len({r // N for r, _ in acc}) * scale)
+            assert st["responses_to_update_per_step"] == pytest.approx(len(acc) * scale)
+            if not xs:
+                assert st["dropped_share"] is None and st["accepted_share"] is None
+                continue
+            assert st["dropped_share"] == pytest.approx(len(dropped) / len(xs))
+            for dl in (*DELTAS, args.delta):
+                assert st["accepted_at"][f"{dl:g}"] == pytest.approx(sum(1 for x in kept if x["s"] > dl) / len(xs))
+            if not kept:
+                assert st["s_quantiles"] is None and st["length_ratio_mean"] is None
+                continue
+            s = [x["s"] for x in kept]
+            for q in preflight.QUANTILES:
+                assert st["s_quantiles"][f"p{round(100 * q)}"] == pytest.approx(naive_quantile(s, q), rel=1e-5)
+            assert st["s_mean"] == pytest.approx(sum(s) / len(s), rel=1e-5)
+            assert st["length_ratio_mean"] == pytest.approx(sum(x["recv_len"] / x["src_len"] for x in kept) / len(kept))
+            assert st["length_ratio_total"] == pytest.approx(sum(x["recv_len"] for x in kept) /
+                                                             sum(x["src_len"] for x in kept))
+            if acc:
+                assert st["mean_w"] == pytest.approx(sum(min(x["s"], 1) for _, x in acc) / len(acc), rel=1e-5)
+    # the run covers what it should: drops for length, cut responses, and accepted ones
+    every = report["directions"]["b_to_a"]["all"]
+    assert every["dropped_length"] > 0 and every["retokenised"] > 0
+    assert any(not x["eos"] for x in report["responses"]["a_to_b"])
+    assert report["directions"]["a_to_b"]["all"]["accepted"]
+    # speed: the figures it says it computes
+    for s in sides:
+        sp = report["models"][s.name]["speed"]
+        tokens = sum(len(t) for t in s.rollouts.tokens)
+        assert sp["tokens"] == tokens and sp["tokens_per_s"] == pytest.approx(tokens / s.sample_s)
+        est = P * N * (tokens / (G * N)) / (tokens / s.sample_s) + s.logprob_s * P / G * (1 + preflight.UPDATE_PASSES)
+        assert sp["step_s_estimate"] == pytest.approx(est)
+    # the complementarity part is graft.py complement's report, from the same counts
+    rows = {(r["src"], r["recv"]): r for r in report["complement"]["rows"]}
+    assert rows[(0, 1)]["recv_all_fail"] == report["directions"]["a_to_b"]["recv_all_fail"]
+    assert rows[(1, 0)]["candidates_per_step"] == pytest.approx(report["directions"]["b_to_a"]["candidates_per_step"])
+
+
+def test_cross_scores_match_a_plain_forward(run):
+    """lbar of a few responses under each model by one full forward and log-softmax at T = 1 (Eq. 6)."""
+    report, sides, _ = run
+    for key, src, recv in (("a_to_b", sides[0], sides[1]), ("b_to_a", sides[1], sides[0])):
+        recs = report["responses"][key]
+        picked = [r for r, x in enumerate(recs) if x["s"] is not None][:4]
+        assert picked
+        for r in picked:
+            x = recs[r]
+            ids = recv.tok.encode(x["text"], add_special_tokens=False) + ([recv.eos_id] if x["eos"] else [])
+            prompt = recv.prompt_ids[r // N]
+            with torch.no_grad():
+                logits = recv.model(torch.tensor([prompt + ids])).logits[0].float()
+            lp = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+            assert x["lbar_recv"] == pytest.approx(float(lp.mean()), abs=1e-4)
+            own = src.rollouts.tokens[r]
+            with torch.no_grad():
+                logits = src.model(torch.tensor([src.prompt_ids[r // N] + own])).logits[0].float()
+            p0 = len(src.prompt_ids[r // N])
+            lp_src = torch.log_softmax(logits, -1)[p0 - 1: -1].gather(1, torch.tensor(own)[:, None]).squeeze(1)
+            assert x["lbar_src"] == pytest.approx(float(lp_src.mean()), abs=1e-4)
+
+
+def receiver_trainer(side, peer_name: str, **cfg_changes):
+    """A Trainer of one side with its model, tokenizer and prompts, for select/build_rows (no run directory)."""
+    tr = graft.Trainer.__new__(graft.Trainer)
+    tr.cfg = graft.Config(**{**side.cfg.__dict__, "peer_exchange": "unused", "peer_name": peer_name, **cfg_changes})
+    tr.mode, tr.peers, tr.dist, tr.policy = "online", [peer_name], DistInfo(), None
+    tr.model, tr.tok, tr.stop_ids, tr.eos_id = side.model, side.tok, side.stop_ids, side.eos_id
+    tr.prompt_ids, tr.amp = side.prompt_ids, nullcontext
+    return tr
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
+    report, sides, _ = run
+    a, b = sides
+    rows = list(range(G))
+    for recv, src, key in ((b, a, "a_to_b"), (a, b, "b_to_a")):
+        tr = receiver_trainer(recv, src.name, balance=balance)
+        d = report["directions"][key]
+        part = d["received"] if balance else d["no_balance"]
+        into = tr.select(0, recv.rollouts, {src.name: src.rollouts})[src.name]
+        groups = d["received_groups"] if balance else [g for g in range(G) if g in set(
+            torch.nonzero(graft.graft_candidates(k_recv=graft.success_counts(recv.rollouts.rewards),
+                                                 k_src=graft.success_counts(src.rollouts.rewards), n=N)).view(-1)
+            .tolist())]
+        assert torch.nonzero(into).view(-1).tolist() == groups
+        out, replaced, m = tr.build_rows(0, rows, recv.rollouts, {src.name: src.rollouts})
+        assert m["selected"] == len(groups) and m["peer_responses"] == part["responses"]
+        assert m["dropped_length"] == part["dropped_length"] and m["accepted"] == part["accepted"]
+        assert m["rejected"] == part["retokenised"] - part["accepted"]
+        assert torch.nonzero(replaced).view(-1).tolist() == sorted({r.group for r in out if r.is_peer})
+        assert len({r.group for r in out if r.is_peer}) == part["groups_to_update_per_step"] * G / P
+        if part["retokenised"]:
+            assert m["mean_s"] == pytest.approx(part["s_mean"], rel=1e-5)
+        if part["accepted"]:
+            assert m["mean_w"] == pytest.approx(part["mean_w"], rel=1e-5)
+        # and per response: the step's s of every scored response is the preflight's cross-score
+        got, dropped = tr.score_peer(0, src.rollouts, groups, rows)
+        recs = report["responses"][key]
+        assert dropped == part["dropped_length"]
+        for x in got:
+            assert x.score == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
+
+
+def test_screen_table_and_json_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(verify, "verify_batch", nobody_solves)
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    argv = args_for(tmp_path, prompts)
+    argv[argv.index("--problems") + 1] = "3"
+    assert graft.main(["preflight", *argv]) == 0
+    text = capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["problems"] == 3 and report["directions"]["a_to_b"]["kept"] == 0
+    assert report["directions"]["a_to_b"]["received"]["accepted_share"] is None
+    assert "zero responses would be received" in text and "neither direction has a candidate" in text
+    assert "every sampled response (cross-scores)" in text and "S1 -> S2" in text  # complement's table
+    assert not list(tmp_path.glob("*.tmp*"))  # written atomically
+
+
+def test_bad_input_messages(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    (tmp_path / "empty_model").mkdir()
+    with pytest.raises(SystemExit, match=r"--model '.*empty_model': a folder without config.json"):
+        graft.main(["preflight", *args_for(tmp_path, prompts)[:2], "--model-b", str(tmp_path / "empty_model"),
+                    *args_for(tmp_path, prompts)[4:]])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "problem": "1+1", "answer": "\\frac{1"}) + "\n")
+    with pytest.raises(SystemExit, match=r"bad\.jsonl: no usable problem among 1 \(1 gold answers verify\.py cannot"):
+        graft.main(["preflight", *args_for(tmp_path, bad)])
+    with pytest.raises(SystemExit, match="--delta: must be in"):
+        graft.main(["preflight", *args_for(tmp_path, prompts), "--delta", "2"])
+    with pytest.raises(SystemExit, match="--deltas '0.5,x'"):
+        graft.main(["preflight", *args_for(tmp_path, prompts), "--deltas", "0.5,x"])
+
+
+def test_complement_json_is_the_printed_table(tmp_path, capsys):
+    """`graft.py complement --json` writes the rows of the table it prints (the report preflight embeds)."""
+    import offline
+    corrects = {"a": [[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8], "b": [[1, 1, 0, 0, 0, 0, 0, 0], [0] * 8, [0] * 8]}
+    paths = []
+    for name, rows in corrects.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"model": name, "problems": {"t": [{"id": f"q{i}", "correct": c}
+                                                                      for i, c in enumerate(rows)]}}))
+        paths.append(str(path))
+    assert graft.main(["complement", *paths, "--batch-size", "30", "--json", str(tmp_path / "c.json")]) == 0
+    out = json.loads((tmp_path / "c.json").read_text())
+    rows = {(r["src"], r["recv"]): r for r in out["rows"]}
+    # by hand: a fails q0 (b mixed there), b fails q1 (a mixed) and q2 (a all-pass)
+    assert rows[(1, 0)]["recv_all_fail"] == 1 and rows[(1, 0)]["mixed_share"] == 1.0
+    assert rows[(0, 1)]["recv_all_fail"] == 2 and rows[(0, 1)]["mixed_share"] == 0.5
+    assert rows[(0, 1)]["candidates_per_step"] == pytest.approx(10.0) and rows[(0, 1)]["m"] == pytest.approx(10.0)
+    assert out["n"] == 8 and out["batch_size"] == 30 and [s["path"] for s in out["sources"]] == paths
+    assert f"{10.0:>10.2f}" in capsys.readouterr().out
+    assert offline.complement_json([], [{"x": float("nan")}], n=8, batch_size=1)["rows"] == [{"x": None}]
