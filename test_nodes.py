@@ -99,7 +99,8 @@ def test_one_side_per_launch_and_each_nodes_rendezvous(tmp_path):
     assert option(b, "--peer-exchange") == "runs/pair1/exchange" and option(b, "--out") == "runs/pair1/b"
     # both sides from one launch over the same nodes: per-side values, B's port one above A's by default
     lines = torchrun_lines(dry_run(dict(NNODES="3", NODE_RANK="0", MASTER_ADDR="n0", B_MASTER_ADDR="m0",
-                                        NPROC_PER_NODE="2", RUN_ID="exp1")))
+                                        NPROC_PER_NODE="2", RUN_ID="exp1", FLAGS_A="--chat-template")))
+    assert lines["a"][-1] == "--chat-template" and "--chat-template" not in lines["b"]  # FLAGS_A: side a only
     assert [option(lines[s], "--rdzv_endpoint") for s in "ab"] == ["n0:29500", "m0:29501"]
     assert [option(lines[s], "--rdzv_conf") for s in "ab"] == ["is_host=1", "is_host=1"]
     assert all(option(lines[s], "--nproc_per_node") == "2" and option(lines[s], "--run-id") == "exp1" for s in "ab")
