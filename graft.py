@@ -269,8 +269,7 @@ class Config:
     report_to: str = "none"
     """Also log metrics live from rank 0: none | tensorboard (<out>/tensorboard) | wandb (optional packages)."""
     resume: bool = False
-    """Continue from the newest checkpoint that loads (a pair: relaunch both sides); a changed run-defining flag
-    is refused."""
+    """Continue from the newest loadable checkpoint (a pair: relaunch both); a changed run-defining flag is refused."""
     force: bool = False
     """Delete an earlier run in --out (and this side's files in the exchange dir) and start over."""
 
