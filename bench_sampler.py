@@ -2,7 +2,7 @@
 
     python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
     python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
-    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill}
+    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill,draw}
     python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
@@ -56,6 +56,12 @@
    the paper's instruction (graft.Config.prompt_template, raw text).
    Between them, the trainer's own ``time/*`` metrics of a 3-step tiny GRPO run (model A, 16 prompts x 8 per
    step, ``graft.py train --share-prefix`` vs ``--no-share-prefix``, two runs each, alternating).
+7. One draw of the decode step (``--only draw``; in the default run): ``sampler._draw`` on (32, V) random logits
+   of the spread of a real LM's, V = 49,152 (SmolLM2), 151,936 (Qwen3), 262,144 (Gemma-3), T = 1, top-p 1 and 0.95,
+   against the reference it replaced, written out here: a log-softmax, a float64 cumulative sum over the whole
+   vocabulary and, for top-p, a sort of every row. CPU ms per draw (one thread, interleaved, medians) and whether
+   both drew the same tokens for the same uniforms; the head matmul ``h @ W.T`` of the same shape is timed beside
+   them, the decode step's other vocabulary-sized cost.
 """
 
 import argparse
@@ -777,6 +783,64 @@ def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, rep
 
 
 # ------------------------------------------------------------------------------------------------
+# 7. one draw of the decode step: blocked inversion and top-p candidates vs a flat CDF and a full sort (--only draw)
+# ------------------------------------------------------------------------------------------------
+
+
+def flat_draw(logits, temperature, top_p, u):
+    """The reference: log-softmax over the vocabulary, a float64 CDF over all of it, a full sort for top-p.
+    logits (B, V), u (B,) -> tokens (B,), logprobs (B,)."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V)
+    probs = logp.exp()
+    order = None
+    if top_p < 1.0:
+        probs, order = probs.sort(dim=-1, descending=True)  # (B, V)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
+    cdf = probs.double().cumsum(dim=-1)  # (B, V)
+    idx = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True)
+    idx = torch.minimum(idx, (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True))  # (B, 1)
+    tokens = (idx if order is None else order.gather(1, idx)).squeeze(1)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def bench_draw(repeats: int = 5, rows: int = 32) -> None:
+    from sampler import _draw
+    torch.set_num_threads(1)
+    print(f"\n== one draw of the decode step: ({rows}, V) logits, T = 1, CPU ms per draw (1 thread, medians of "
+          f"{repeats}, interleaved)")
+    gen = torch.Generator().manual_seed(0)
+    for v, hid in ((49_152, 576), (151_936, 1024), (262_144, 640)):
+        # Zipf-shaped rows, p ~ rank^-s with s from 1.2 to 2.4 over the batch, token ids shuffled: from a flat
+        # row whose 0.95-nucleus holds ~20k tokens (sorted whole) to peaked ones of a few tokens, as an LM's are
+        s = torch.linspace(1.2, 2.4, rows, dtype=torch.float64).unsqueeze(1)  # (B, 1)
+        ranks = torch.rand(rows, v, generator=gen).argsort(dim=-1).double() + 1  # (B, V) a rank per token
+        logits = (-s * ranks.log()).float()  # (B, V)
+        probs = torch.softmax(logits.double(), dim=-1).sort(dim=-1, descending=True).values
+        sizes = ((probs.cumsum(dim=-1) - probs) < 0.95).sum(dim=-1)  # (B,) nucleus sizes at top-p 0.95
+        u = torch.rand(rows, generator=gen, dtype=torch.float64)
+        h, w = torch.randn(rows, hid, generator=gen), torch.randn(v, hid, generator=gen) / hid**0.5
+        for top_p in (1.0, 0.95):
+            times = {"ours": [], "flat": [], "matmul": []}
+            for _ in range(repeats):
+                for name, fn in (("ours", lambda: _draw(logits, 1.0, top_p, u)),
+                                 ("flat", lambda: flat_draw(logits, 1.0, top_p, u)),
+                                 ("matmul", lambda: torch.mm(h, w.t()))):
+                    c0 = time.process_time()
+                    out = fn()
+                    times[name].append(1e3 * (time.process_time() - c0))
+                    if name != "matmul":
+                        times.setdefault(name + "_out", out)
+            med = {k: statistics.median(times[k]) for k in ("ours", "flat", "matmul")}
+            (t0, l0), (t1, l1) = times["ours_out"], times["flat_out"]
+            if top_p < 1.0:
+                print(f"  V={v:7,d}: nucleus sizes at top-p 0.95 {int(sizes.min())}-{int(sizes.max()):,} (median "
+                      f"{int(sizes.median())}), {int((sizes > 256).sum())} of {rows} rows above 256 candidates")
+            print(f"  V={v:7,d} top-p {top_p:4.2f}: ours {med['ours']:7.1f} ms, reference {med['flat']:7.1f} ms "
+                  f"({med['flat'] / med['ours']:5.1f}x); head matmul ({rows} x {hid} x {v:,}) {med['matmul']:6.1f} ms;"
+                  f" same tokens {int((t0 == t1).sum())}/{rows}, max |logp diff| {(l0 - l1).abs().max():.1e}")
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -785,7 +849,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
     ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval",
-                                       "prefill"],
+                                       "prefill", "draw"],
                     help="run one benchmark (real-weights, tiny-eval, prefill: only when asked for)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of --only prefill (the others use 1)")
     ap.add_argument("--real-prompts", type=int, default=32, help="--only prefill: MATH-500 prompts (x 8 rows)")
@@ -814,6 +878,8 @@ def main():
         bench_sampler(train_steps=150 if args.quick else 400, repeats=2 if args.quick else 3)
     if args.only in (None, "long-tail"):
         bench_long_tail(train_steps=200 if args.quick else 300, repeats=1 if args.quick else 2)
+    if args.only in (None, "draw"):
+        bench_draw(repeats=3 if args.quick else 5)
     if args.only == "real-weights":
         bench_real_weights()
     if args.only == "tiny-eval":

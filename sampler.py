@@ -79,7 +79,11 @@ Departures and shortcuts (read these before copying)
    prompt, its seed and the model only: the same whatever its batch mates, ``max_batch_size``, ``static`` or the
    step at which it entered (tests check token identity across all of these). It differs from ``generate``'s
    ``torch.multinomial`` stream; greedy decoding uses no randomness and matches ``generate`` token for token. The
-   CDF is summed in float64, so each token's chance is its probability to ~1e-16 (53-bit uniforms).
+   CDF is summed in float64, so each token's chance is its probability to ~1e-16 (53-bit uniforms), in two levels
+   (blocks of 1,024 tokens, then inside the one block that holds the point), and top-p first looks for its nucleus
+   among each row's 256 most likely tokens, sorting a row whole only when they hold less than top_p: a flat
+   cumulative sum and a sort of 262k tokens per row were most of a Gemma-3 draw (``bench_sampler.py --only draw``).
+   The drawn token's log-prob is z - max - log(sum exp(z - max)) with that sum in float64.
 8. For SDPA models without sliding-window layers, a decode step's attention mask is handed to the model as a
    ready (B_alive, 1, 1, cur) boolean view of the preallocated padding mask (transformers passes 4D masks through
    untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
@@ -671,15 +675,69 @@ def _row_seeds(n_rows: int, generator: torch.Generator | None, device: torch.dev
     return torch.randint(0, 2**62, (n_rows,), generator=generator, device=gen_device).to(device)  # (B,)
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index drawn from each row's unnormalised weights by inversion. weights (B, V) >= 0, u (B,) in [0, 1) -> (B,)
-    long. The cumulative sum runs in float64 so the interval of each token is its probability to ~1e-16."""
-    cdf = weights.double().cumsum(dim=-1)  # (B, V)
+# Block width of the two-level inversion in _inverse_cdf, and the candidates top-p looks at before sorting a row's
+# whole vocabulary (_nucleus). Both only set the cost; a row's token does not depend on them (up to float64
+# round-off at an interval's edge for the first, exactly for the second).
+_CDF_BLOCK = 1024
+_TOP_P_CANDIDATES = 256
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index drawn from each row's unnormalised weights by inversion. weights (B, V) float32 >= 0, u (B,) float64 in
+    [0, 1) -> (index (B,) long, total (B,) float64 = the row's sum of weights).
+
+    The CDF is summed in float64, so each token's interval is its probability to ~1e-16, but never materialised over
+    the whole vocabulary: the float64 sums of blocks of _CDF_BLOCK tokens locate the block that holds u * total, and
+    a float64 cumulative sum inside that one block locates the token. (A flat float64 cumsum over V = 262k tokens
+    cost four times the draw's other work on Gemma-3; the tokens are the same up to round-off at an interval's edge,
+    tested against the flat inversion.) A zero-weight token is never drawn."""
+    b, v = weights.shape
+    full = v // _CDF_BLOCK * _CDF_BLOCK
+    sums = [weights[:, :full].unflatten(1, (-1, _CDF_BLOCK)).sum(dim=-1, dtype=torch.float64)] if full else []
+    if full < v:  # the last, shorter block
+        sums.append(weights[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64))
+    cdf = torch.cat(sums, dim=1).cumsum(dim=-1)  # (B, nb) cumulative mass up to the end of each block
     total = cdf[:, -1:]  # (B, 1)
-    idx = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)  # (B, 1) first index with cdf > u * total
-    # u * total can round up to total: never step past the last token with positive weight
-    last = (cdf < total).sum(dim=-1, keepdim=True)  # (B, 1)
-    return torch.minimum(idx, last).squeeze(1)  # (B,)
+    x = u.unsqueeze(1) * total  # (B, 1) the point to invert
+    # first block whose cumulative mass exceeds x; u * total can round up to total, so never step past the last
+    # block with positive mass (a block of zero mass never has cdf > x where its predecessor has cdf <= x)
+    blk = torch.minimum(torch.searchsorted(cdf, x, right=True), (cdf < total).sum(dim=-1, keepdim=True))  # (B, 1)
+    x = x - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp(min=0)), 0.0)  # (B, 1) x inside the block
+    cols = blk * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)  # (B, block) the block's token ids
+    inside = weights.gather(1, cols.clamp(max=v - 1)).masked_fill(cols >= v, 0.0).double().cumsum(dim=-1)  # (B, blk)
+    # the same clamp inside the block: x can exceed the block's own running sum by round-off (other summation order)
+    j = torch.minimum(torch.searchsorted(inside, x, right=True), (inside < inside[:, -1:]).sum(dim=-1, keepdim=True))
+    return (cols.gather(1, j)).squeeze(1), total.squeeze(1)  # (B,), (B,)
+
+
+def _nucleus(weights: torch.Tensor, total: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p nucleus of each row in descending order: weights (B, V) unnormalised, total (B,) float64 their sums
+    -> (kept (B, K) float32 probabilities, 0 past the row's nucleus; ids (B, K) long token ids), K <= V.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p: a token stays if the mass of the
+    tokens strictly before it (in descending order) is still below top_p, so the most likely one always stays. It is
+    looked for among each row's _TOP_P_CANDIDATES most likely tokens first (``topk``; sorting 262k tokens per row
+    cost 40 times as much on Gemma-3), and a row whose candidates hold less than top_p is sorted whole. The running
+    sums over the candidates are the first entries of the whole sort's, so both find the same nucleus (tokens of
+    equal probability may come in another order; tested against sorting every row)."""
+    v = weights.shape[1]
+    probs, ids = weights.topk(min(_TOP_P_CANDIDATES, v), dim=-1)  # (B, K) sorted descending
+    probs = probs / total.float().unsqueeze(1)  # (B, K)
+    cum = probs.cumsum(dim=-1)  # (B, K)
+    kept = probs.masked_fill(cum - probs >= top_p, 0.0)  # (B, K)
+    if probs.shape[1] == v:
+        return kept, ids
+    wide = (cum[:, -1] < top_p).nonzero().squeeze(1)  # (R,) rows whose nucleus holds more than K tokens
+    if len(wide) == 0:  # one host sync per step (the done check costs one already)
+        return kept, ids
+    p_all, id_all = weights[wide].sort(dim=-1, descending=True)  # (R, V)
+    p_all = p_all / total[wide].float().unsqueeze(1)  # (R, V)
+    p_all = p_all.masked_fill(p_all.cumsum(dim=-1) - p_all >= top_p, 0.0)  # (R, V)
+    width = int((p_all > 0).sum(dim=-1).max())  # the widest nucleus (> K): the kept tokens are a prefix
+    out_p, out_id = kept.new_zeros(len(kept), width), ids.new_zeros(len(ids), width)  # (B, width) each
+    out_p[:, : kept.shape[1]], out_id[:, : ids.shape[1]] = kept, ids
+    out_p[wide], out_id[wide] = p_all[:, :width], id_all[:, :width]
+    return out_p, out_id  # padding columns have weight 0: never drawn
 
 
 def _draw(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None) -> tuple[torch.Tensor,
@@ -690,17 +748,17 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tenso
         tokens = logits.argmax(dim=-1)  # (B,) greedy; first index on ties, as generate
         # temperature-1 log-probs (departure 2): target logit minus log-sum-exp, as token_logprobs computes them
         return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
-    logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V) full-vocabulary log-probs (departure 2)
-    probs = logp.exp()  # (B, V)
+    z = logits if temperature == 1.0 else logits / temperature  # (B, V) division, as token_logprobs rounds it
+    top = z.amax(dim=-1, keepdim=True)  # (B, 1)
+    weights = (z - top).exp_()  # (B, V) unnormalised probabilities, the largest 1
     if top_p < 1.0:
-        # nucleus: the smallest set of most likely tokens whose mass reaches top_p. A token stays if the mass of the
-        # tokens strictly before it (in descending order) is still below top_p, so the most likely one always stays.
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(dim=-1) - sorted_p >= top_p, 0.0)
-        tokens = order.gather(1, _inverse_cdf(sorted_p, u).unsqueeze(1)).squeeze(1)  # (B,); inversion renormalises
+        total = weights.sum(dim=-1, dtype=torch.float64)  # (B,)
+        kept, ids = _nucleus(weights, total, top_p)  # (B, K) each
+        tokens = ids.gather(1, _inverse_cdf(kept, u)[0].unsqueeze(1)).squeeze(1)  # (B,); inversion renormalises
     else:
-        tokens = _inverse_cdf(probs, u)  # (B,)
-    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        tokens, total = _inverse_cdf(weights, u)  # (B,), (B,)
+    # full-vocabulary log-prob of the drawn token (departure 2): z - max - log(sum exp(z - max)), the sum in float64
+    return tokens, (z.gather(1, tokens.unsqueeze(1)) - top).squeeze(1) - total.log().float()
 
 
 # ------------------------------------------------------------------------------------------------

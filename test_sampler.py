@@ -590,6 +590,80 @@ def test_uniforms_are_uniform_and_independent_of_order():
     assert torch.equal(_uniforms(seeds[5:6], torch.tensor([7])), _uniforms(seeds, torch.full((1000,), 7))[5:6])
 
 
+def flat_inverse_cdf(weights, u):
+    """Reference inversion: the whole float64 CDF of each row. weights (B, V) >= 0, u (B,) -> (B,) long."""
+    cdf = weights.double().cumsum(dim=-1)  # (B, V)
+    idx = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True)  # (B, 1)
+    return torch.minimum(idx, (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True)).squeeze(1)
+
+
+def draw_cases(v=5000, seed=0):
+    """Rows of unnormalised weights that exercise the inversion's blocks: peaked, flat, zero blocks, zero tails, a
+    single positive token in the last (short) block, V not a multiple of the block. -> (B, V) float32."""
+    gen = torch.Generator().manual_seed(seed)
+    w = [torch.exp(torch.randn(v, generator=gen) * s) for s in (0.1, 1.0, 3.0, 6.0)]
+    zero_blocks = torch.exp(torch.randn(v, generator=gen))
+    zero_blocks[:3000] = 0.0
+    zero_tail = torch.exp(torch.randn(v, generator=gen))
+    zero_tail[1500:] = 0.0
+    single = torch.zeros(v)
+    single[v - 3] = 0.25
+    return torch.stack(w + [zero_blocks, zero_tail, single])  # (7, V)
+
+
+def test_blocked_inverse_cdf_equals_the_flat_float64_inversion():
+    from sampler import _CDF_BLOCK, _inverse_cdf
+
+    w = draw_cases()
+    assert w.shape[1] % _CDF_BLOCK != 0 and w.shape[1] > 2 * _CDF_BLOCK, "want several blocks and a short last one"
+    gen = torch.Generator().manual_seed(1)
+    u = torch.cat([torch.rand(2000, generator=gen, dtype=torch.float64), torch.tensor([0.0, 1 - 2.0**-53, 0.5])])
+    rows = w.repeat_interleave(len(u), dim=0)  # (7 * U, V): every row against every u
+    uu = u.repeat(len(w))  # (7 * U,)
+    got, total = _inverse_cdf(rows, uu)
+    assert torch.equal(got, flat_inverse_cdf(rows, uu))
+    assert (rows.gather(1, got.unsqueeze(1)) > 0).all(), "a zero-weight token was drawn"
+    assert torch.allclose(total, rows.double().sum(dim=-1), rtol=1e-12, atol=0)
+    assert set(got[-len(u):].tolist()) == {w.shape[1] - 3}
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.95])
+def test_top_p_candidates_give_the_nucleus_of_a_full_sort(top_p):
+    import sampler
+
+    w = draw_cases()[:4]  # peaked to flat: with 256 candidates the flat rows need the whole sort
+    total = w.double().sum(dim=-1)  # (B,)
+    gen = torch.Generator().manual_seed(2)
+    u = torch.rand(500, generator=gen, dtype=torch.float64)  # (U,)
+    kept, ids = sampler._nucleus(w, total, top_p)
+    p_all, id_all = w.sort(dim=-1, descending=True)  # the reference: every row sorted whole
+    p_all = p_all / total.float().unsqueeze(1)
+    ref = p_all.masked_fill(p_all.cumsum(dim=-1) - p_all >= top_p, 0.0)  # (B, V)
+    sizes = (ref > 0).sum(dim=-1)  # (B,) nucleus sizes
+    assert sizes.min() < sampler._TOP_P_CANDIDATES < sizes.max(), f"want both kinds of rows, got sizes {sizes}"
+    assert torch.equal((kept > 0).sum(dim=-1), sizes)
+    for r in range(len(w)):
+        n = int(sizes[r])
+        assert torch.equal(ids[r, :n], id_all[r, :n]) and torch.equal(kept[r, :n], ref[r, :n])
+        rows_k, rows_ref = kept[r].expand(len(u), -1), ref[r].expand(len(u), -1)
+        assert torch.equal(ids[r][sampler._inverse_cdf(rows_k, u)[0]], id_all[r][flat_inverse_cdf(rows_ref, u)])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9)])
+def test_draw_logprobs_are_the_full_vocabulary_log_softmax(temperature, top_p):
+    from sampler import _draw
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=gen) * torch.tensor([0.5, 1, 2, 4, 8, 16]).unsqueeze(1)  # (6, V)
+    u = torch.rand(6, generator=gen, dtype=torch.float64)
+    tokens, logp = _draw(logits, temperature, top_p, u)
+    want = torch.log_softmax(logits.double() / temperature, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert logp.dtype == torch.float32 and torch.allclose(logp.double(), want, atol=2e-6, rtol=0)
+    if top_p == 1.0:  # plain inversion of softmax(z / T), as the flat reference computes it
+        probs = torch.softmax(logits.double() / temperature, dim=-1)
+        assert torch.equal(tokens, flat_inverse_cdf(probs, u))
+
+
 def test_continuous_batching_bad_input():
     model = tiny_model("qwen3", seed=9)
     with pytest.raises(ValueError, match="max_batch_size"):
