@@ -79,8 +79,9 @@ Departures and shortcuts (read these before copying)
    prompt, its seed and the model only: the same whatever its batch mates, ``max_batch_size``, ``static`` or the
    step at which it entered (tests check token identity across all of these). It differs from ``generate``'s
    ``torch.multinomial`` stream; greedy decoding uses no randomness and matches ``generate`` token for token. The
-   CDF is summed in float64, so each token's chance is its probability to ~1e-16 (53-bit uniforms), in two levels
-   (blocks of 1,024 tokens, then inside the one block that holds the point), and top-p first looks for its nucleus
+   CDF is inverted in two levels (float32 sums of blocks of 1,024 tokens, then a float64 cumulative sum inside the
+   one block that holds the point), so each token's chance is its float32 probability to ~1e-7 relative, the
+   round-off the probabilities carry anyway (53-bit uniforms), and top-p first looks for its nucleus
    among each row's 256 most likely tokens, sorting a row whole only when they hold less than top_p: a flat
    cumulative sum and a sort of 262k tokens per row were most of a Gemma-3 draw (``bench_sampler.py --only draw``).
    The drawn token's log-prob is z - max - log(sum exp(z - max)) with that sum in float64.
@@ -686,28 +687,32 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, 
     """Index drawn from each row's unnormalised weights by inversion. weights (B, V) float32 >= 0, u (B,) float64 in
     [0, 1) -> (index (B,) long, total (B,) float64 = the row's sum of weights).
 
-    The CDF is summed in float64, so each token's interval is its probability to ~1e-16, but never materialised over
-    the whole vocabulary: the float64 sums of blocks of _CDF_BLOCK tokens locate the block that holds u * total, and
-    a float64 cumulative sum inside that one block locates the token. (A flat float64 cumsum over V = 262k tokens
-    cost four times the draw's other work on Gemma-3; the tokens are the same up to round-off at an interval's edge,
-    tested against the flat inversion.) A zero-weight token is never drawn."""
+    Two levels, so that no float64 CDF over the whole vocabulary is built: the sums of blocks of _CDF_BLOCK tokens
+    (float32, pairwise within a block; a cumulative sum over the blocks in float64) locate the block that holds
+    u * total, and a float64 cumulative sum inside that one block locates the token, the point rescaled from the
+    block's float32 sum to that float64 one. Each token's chance is then its share of the weights to ~1e-7
+    relative, the float32 round-off the weights themselves carry (a flat float64 CDF over 262k tokens, or float64
+    block sums, cost several times the rest of a Gemma-3 draw; tested against the flat float64 inversion, which
+    draws the same tokens but within ~1e-7 of an interval's edge). A zero-weight token is never drawn."""
     b, v = weights.shape
     full = v // _CDF_BLOCK * _CDF_BLOCK
-    sums = [weights[:, :full].unflatten(1, (-1, _CDF_BLOCK)).sum(dim=-1, dtype=torch.float64)] if full else []
+    sums = [weights[:, :full].unflatten(1, (-1, _CDF_BLOCK)).sum(dim=-1)] if full else []  # (B, V // block)
     if full < v:  # the last, shorter block
-        sums.append(weights[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64))
-    cdf = torch.cat(sums, dim=1).cumsum(dim=-1)  # (B, nb) cumulative mass up to the end of each block
+        sums.append(weights[:, full:].sum(dim=-1, keepdim=True))
+    mass = torch.cat(sums, dim=1).double()  # (B, nb) each block's weight
+    cdf = mass.cumsum(dim=-1)  # (B, nb) cumulative weight up to the end of each block
     total = cdf[:, -1:]  # (B, 1)
     x = u.unsqueeze(1) * total  # (B, 1) the point to invert
-    # first block whose cumulative mass exceeds x; u * total can round up to total, so never step past the last
-    # block with positive mass (a block of zero mass never has cdf > x where its predecessor has cdf <= x)
+    # first block whose cumulative weight exceeds x; u * total can round up to total, so never step past the last
+    # block with positive weight (a block of zero weight never has cdf > x where its predecessor has cdf <= x)
     blk = torch.minimum(torch.searchsorted(cdf, x, right=True), (cdf < total).sum(dim=-1, keepdim=True))  # (B, 1)
-    x = x - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp(min=0)), 0.0)  # (B, 1) x inside the block
+    x = x - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp(min=0)), 0.0)  # (B, 1) >= 0: the point in the block
     cols = blk * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)  # (B, block) the block's token ids
     inside = weights.gather(1, cols.clamp(max=v - 1)).masked_fill(cols >= v, 0.0).double().cumsum(dim=-1)  # (B, blk)
-    # the same clamp inside the block: x can exceed the block's own running sum by round-off (other summation order)
+    x = x * (inside[:, -1:] / mass.gather(1, blk))  # (B, 1) onto the block's float64 running sum
+    # x can still land on or past the block's end by round-off: never past its last token of positive weight
     j = torch.minimum(torch.searchsorted(inside, x, right=True), (inside < inside[:, -1:]).sum(dim=-1, keepdim=True))
-    return (cols.gather(1, j)).squeeze(1), total.squeeze(1)  # (B,), (B,)
+    return cols.gather(1, j).squeeze(1), total.squeeze(1)  # (B,), (B,)
 
 
 def _nucleus(weights: torch.Tensor, total: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:

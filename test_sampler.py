@@ -621,9 +621,16 @@ def test_blocked_inverse_cdf_equals_the_flat_float64_inversion():
     rows = w.repeat_interleave(len(u), dim=0)  # (7 * U, V): every row against every u
     uu = u.repeat(len(w))  # (7 * U,)
     got, total = _inverse_cdf(rows, uu)
-    assert torch.equal(got, flat_inverse_cdf(rows, uu))
+    ref = flat_inverse_cdf(rows, uu)
+    # the block sums are float32 (round-off ~1e-7 of the row's weight): a point that close to an edge between two
+    # tokens may fall on the other side of it, nothing else differs
+    bad = (got != ref).nonzero().squeeze(1)
+    assert len(bad) <= 3, f"{len(bad)} of {len(got)} draws differ from the flat inversion"
+    cdf = rows[bad].double().cumsum(dim=-1)  # (D, V)
+    edge = cdf.gather(1, torch.minimum(got, ref)[bad].unsqueeze(1)).squeeze(1)  # (D,) the edge between them
+    assert ((uu[bad] * cdf[:, -1] - edge).abs() <= 1e-6 * cdf[:, -1]).all()
     assert (rows.gather(1, got.unsqueeze(1)) > 0).all(), "a zero-weight token was drawn"
-    assert torch.allclose(total, rows.double().sum(dim=-1), rtol=1e-12, atol=0)
+    assert torch.allclose(total, rows.double().sum(dim=-1), rtol=1e-6, atol=0)  # float32 block sums
     assert set(got[-len(u):].tolist()) == {w.shape[1] - 3}
 
 
