@@ -49,7 +49,9 @@
    CPU second of the process (the robust one on a shared machine), the rise of peak RSS over
    the call (VmHWM reset through /proc/self/clear_refs), prefill tokens and forward calls, rows identical; then
    the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
-   order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|. Models: the
+   order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|, and on the real
+   models how far each of the three is from the same log-probs computed with the model in float64 (the first
+   prompt's 8 rows), the float32 round-off that any two batch shapes differ by. Models: the
    committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
    Instruct and Gemma-3-270M (``gguf_models``, where installed; ``--real-only NAME``: one of them, ``--no-tiny``: no
    tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with
@@ -65,6 +67,7 @@
 """
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -666,8 +669,9 @@ def pf_logprobs(model, rows, responses, *, pad, share: bool):
     return out, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base
 
 
-def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int) -> None:
-    """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved."""
+def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int, float64_rows: int = 0) -> None:
+    """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved; then, for the
+    first float64_rows rows, how far each float32 path is from the same log-probs with the model in float64."""
     rows = [p for p in prompts for _ in range(PF_N)]  # row r = g * n + i, as Trainer.rollout builds them
     lens = [len(p) for p in prompts]
     print(f"{name}: {len(prompts)} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.0f}) x "
@@ -710,6 +714,19 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
           f"({w0:.2f} wall), peak RSS rise {lp[False][2] / 2**20:.1f} MiB; shared {c1:.2f} CPU s ({w1:.2f} wall), "
           f"{lp[True][2] / 2**20:.1f} MiB; time {c1 / c0:.2f}x CPU, {w1 / w0:.2f}x wall; max |shared - unshared| "
           f"{diff:.1e}, max |shared - sampler| {vs_sampler:.1e}")
+    if float64_rows:
+        from sampler import response_logprobs
+        # the yardstick for those differences: float32 round-off of the model itself, measured against float64
+        m64 = copy.deepcopy(model).double()
+        with torch.no_grad():
+            lp64, mask = response_logprobs(m64, rows[:float64_rows], responses[:float64_rows], pad_token_id=pad,
+                                           share_prefix=False)
+        del m64
+        ref = [lp64[j, : int(mask[j].sum())] for j in range(float64_rows)]
+        err = {k: max((a.double() - b).abs().max().item() for a, b in zip(v, ref)) for k, v in
+               (("unshared", lp[False][0]), ("shared", lp[True][0]), ("sampler", [r.logprobs for r in rolls]))}
+        print(f"  against the float64 model on the first {float64_rows} rows ({sum(len(r) for r in ref)} tokens): "
+              + ", ".join(f"max |{k} - float64| {e:.1e}" for k, e in err.items()))
 
 
 def pf_train(threads: int, steps: int = 3) -> None:
@@ -778,7 +795,7 @@ def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, rep
         ids = [encode_prompt(p, tok, template=Config.prompt_template, chat=False) for p in math]  # the paper's
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         pf_model(f"{name} ({len(math)} MATH-500 problems, the paper's instruction)", model, ids,
-                 eos=tok.eos_token_id, pad=pad, repeats=1)
+                 eos=tok.eos_token_id, pad=pad, repeats=1, float64_rows=PF_N)
         del model
 
 
