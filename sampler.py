@@ -677,8 +677,8 @@ def _row_seeds(n_rows: int, generator: torch.Generator | None, device: torch.dev
 
 
 # Block width of the two-level inversion in _inverse_cdf, and the candidates top-p looks at before sorting a row's
-# whole vocabulary (_nucleus). Both only set the cost; a row's token does not depend on them (up to float64
-# round-off at an interval's edge for the first, exactly for the second).
+# whole vocabulary (_nucleus). Both only set the cost; a row's token does not depend on them (up to float32
+# round-off of the block sums at an interval's edge for the first, exactly for the second).
 _CDF_BLOCK = 1024
 _TOP_P_CANDIDATES = 256
 
