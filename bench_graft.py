@@ -14,8 +14,8 @@ first and not timed.
 It prints the median step time of each, their ratio, and GRAFT's overhead phases (write, read +
 re-verify, exchange = selection + retokenisation + compatibility forward) as a fraction of the GRPO
 step. Needs the tiny preset's pre-trained models (`python tiny.py prepare RUN_DIR`, run here if absent).
-The offline path also re-verifies the peer's rewards (the stored-trajectory variant), a cost the online pair does not pay: it
-is reported on its own line.
+The offline path also re-verifies the peer's rewards (the stored-trajectory variant), a cost the online pair does
+not pay: it is reported on its own line.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def main(argv=None):
     med = lambda k, i: statistics.median(r[i].get(k, 0.0) for r in rows)
     step_grpo, step_graft = med("time/step", 0), med("time/step", 1)
     write, read, exch = med("time/write", 1), med("time/wait", 1), med("time/exchange", 1)
-    print(f"\nGRAFT vs GRPO, tiny models, {args.prompts_per_step} prompts x n={args.n}, median of {args.steps} interleaved steps")
+    print(f"\nGRAFT vs GRPO, tiny models, {args.prompts_per_step} prompts x n={args.n}, median of {args.steps} "
+          f"interleaved steps")
     print(f"{'phase':<34}{'GRPO s':>9}{'GRAFT s':>9}")
     for k in ("sample", "verify", "logprob", "write", "wait", "exchange", "update", "step"):
         print(f"{k:<34}{med('time/' + k, 0):>9.3f}{med('time/' + k, 1):>9.3f}")

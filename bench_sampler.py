@@ -669,9 +669,28 @@ def pf_logprobs(model, rows, responses, *, pad, share: bool):
     return out, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base
 
 
-def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int, float64_rows: int = 0) -> None:
+def pf_prefill_ceiling(model, prompts: list[list[int]], unshared_cpu_s: float) -> str:
+    """Amdahl's bound on what one prefill per prompt can give: the body's forward over each distinct prompt alone
+    (into a cache, as the sampler's prefill runs it; CPU seconds), times PF_N for the unshared rollout, of which
+    sharing removes (PF_N - 1) / PF_N. The sampler prefills left-padded batches, so this is an estimate."""
+    body = getattr(model, model.base_model_prefix)
+    c0 = time.process_time()
+    with torch.no_grad():
+        for p in prompts:
+            body(input_ids=torch.tensor([p]), use_cache=True)
+    prefill = (time.process_time() - c0) * PF_N
+    removable = prefill * (PF_N - 1) / PF_N
+    return (f"  prefill alone: {prefill / PF_N:.1f} CPU s per copy of the {len(prompts)} prompts, x {PF_N} = "
+            f"{prefill:.1f} of the unshared rollout's {unshared_cpu_s:.1f} CPU s ({prefill / unshared_cpu_s:.0%}); "
+            f"the most sharing can give: {unshared_cpu_s / (unshared_cpu_s - removable):.2f}x")
+
+
+def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int, float64_rows: int = 0,
+             flat: bool = False) -> None:
     """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved; then, for the
-    first float64_rows rows, how far each float32 path is from the same log-probs with the model in float64."""
+    first float64_rows rows, how far each float32 path is from the same log-probs with the model in float64.
+    flat: also the unshared rollout with section 7's flat_draw in place of sampler._draw (the decode step's draw
+    before the blocked inversion), and Amdahl's bound on sharing (pf_prefill_ceiling)."""
     rows = [p for p in prompts for _ in range(PF_N)]  # row r = g * n + i, as Trainer.rollout builds them
     lens = [len(p) for p in prompts]
     print(f"{name}: {len(prompts)} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.0f}) x "
@@ -681,12 +700,17 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
     for rep in range(repeats):
         for share in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate who goes first
             runs[share].append(pf_rollout(model, rows, eos=eos, pad=pad, share=share))
-    label = {False: "unshared", True: "shared"}
+    if flat:
+        import sampler as sampler_module
+        from unittest import mock
+        with mock.patch.object(sampler_module, "_draw", flat_draw):
+            runs["flat"] = [pf_rollout(model, rows, eos=eos, pad=pad, share=False)]
+    label = {False: "unshared", True: "shared", "flat": "unshared, flat draw"}
     # tokens per wall-clock second and per CPU second of this process (with one thread, the latter barely moves
     # when other jobs share the machine)
     tps = {(k, c): [sum(len(r.tokens) for r in v[0]) / v[1][c] for v in rs] for k, rs in runs.items() for c in (0, 1)}
     med = {key: statistics.median(v) for key, v in tps.items()}
-    for k in (False, True):
+    for k in runs:
         rolls, _, peak, stats = runs[k][-1]
         print(f"  rollout {label[k]:8s} tokens/s wall " + " ".join(f"{x:6.1f}" for x in tps[k, 0]) + ", CPU "
               + " ".join(f"{x:6.1f}" for x in tps[k, 1]) + f"; peak RSS rise {peak / 2**20:7.1f} MiB, prefill "
@@ -699,6 +723,12 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
           f"{med[True, 0] / med[False, 0]:.2f}x wall-clock (medians of {repeats}); peak RSS rise, "
           f"largest of each: shared {max(r[2] for r in runs[True]) / 2**20:.1f} MiB, unshared "
           f"{max(r[2] for r in runs[False]) / 2**20:.1f} MiB")
+    if flat:
+        same = sum(a.tokens == b.tokens for a, b in zip(runs[False][-1][0], runs["flat"][-1][0]))
+        print(f"  against the unshared rollout with the flat draw: shared {med[True, 1] / med['flat', 1]:.2f}x, "
+              f"unshared {med[False, 1] / med['flat', 1]:.2f}x tokens per CPU second; sampled tokens identical "
+              f"unshared vs unshared with the flat draw: {same}/{len(rows)} rows")
+        print(pf_prefill_ceiling(model, prompts, runs[False][-1][1][1]))
     rolls = runs[True][-1][0]
     responses = [r.tokens for r in rolls]
     lp, lp_times = {}, {False: [], True: []}
@@ -795,7 +825,7 @@ def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, rep
         ids = [encode_prompt(p, tok, template=Config.prompt_template, chat=False) for p in math]  # the paper's
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         pf_model(f"{name} ({len(math)} MATH-500 problems, the paper's instruction)", model, ids,
-                 eos=tok.eos_token_id, pad=pad, repeats=1, float64_rows=PF_N)
+                 eos=tok.eos_token_id, pad=pad, repeats=1, float64_rows=PF_N, flat=True)
         del model
 
 

@@ -591,8 +591,9 @@ class RunFiles:
             if self.dist.main:
                 print(f"--resume: {problem}; falling back to the previous checkpoint")
         if broken:
-            raise SystemExit(f"--resume: no checkpoint in {self.ckpt_dir} loads (tried {', '.join(p.name for p in broken)},"
-                             f" each reported above); start over with --force, or restore one of them")
+            tried = ", ".join(p.name for p in broken)
+            raise SystemExit(f"--resume: no checkpoint in {self.ckpt_dir} loads (tried {tried}, each reported "
+                             f"above); start over with --force, or restore one of them")
         return None, None
 
     def clean_partial_checkpoints(self) -> None:
@@ -652,7 +653,8 @@ class RunFiles:
             latest = self.latest_checkpoint()
             raise SystemExit(f"checkpoint {dest}: writing {tmp} failed ({describe_write_error(e, self.ckpt_dir)}); "
                              f"the partial folder is removed and the last complete checkpoint is "
-                             f"{latest or 'none yet'}: free space or fix the folder, then relaunch with --resume") from e
+                             f"{latest or 'none yet'}: free space or fix the folder, then relaunch with "
+                             f"--resume") from e
         old = dest.with_name(f".{dest.name}.old")
         if dest.exists():
             os.replace(dest, old)

@@ -199,7 +199,8 @@ def test_imports_of_counts_lazy_type_checking_and_by_path():
            "    s = importlib.util.spec_from_file_location('m', ROOT / 'data' / 'prepare.py')\n"
            "    from data import tiny_tasks\n")
     names = {"graft": "graft.py", "offline": "offline.py", "runtime": "runtime.py", "prepare": "data/prepare.py",
-             "data.prepare": "data/prepare.py", "tiny_tasks": "data/tiny_tasks.py", "data.tiny_tasks": "data/tiny_tasks.py"}
+             "data.prepare": "data/prepare.py", "tiny_tasks": "data/tiny_tasks.py",
+             "data.tiny_tasks": "data/tiny_tasks.py"}
     assert imports_of(src, "runtime.py", names) == {"graft.py": 4, "offline.py": 6, "data/prepare.py": 8,
                                                     "data/tiny_tasks.py": 9}
 
@@ -241,6 +242,14 @@ HISTORY = re.compile(r"\bissues?\s*#?\s*\d+|\b(?:this|last|previous|earlier|next
 def test_readme_is_short():
     n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}); move results to RESULTS.md"
+
+
+def test_lines_stay_within_120_characters():
+    """Every project module (tests and benchmarks included) keeps its lines within 120 characters, counted in code
+    points (a regex table of CJK answer cues counts each character once); each longer line is named."""
+    long = [f"{f.relative_to(ROOT)}:{i}: {len(line)}" for f in project_files()
+            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
+    assert not long, "lines over 120 characters:\n" + "\n".join(long)
 
 
 def test_no_history_in_docstrings_or_documents():

@@ -31,7 +31,8 @@ def pair_procs(tiny, tmp_path, ex, *extra, steps=2, names=("a", "b")):
     procs = []
     for name, peer, model in ((names[0], names[1], "ma"), (names[1], names[0], "mb")):
         args = [str(tiny / "planted.py"), "train", "--model", str(tiny / model), "--name", name, "--peer-name", peer,
-                "--out", str(tmp_path / name), "--peer-exchange", str(ex)] + common_flags(tiny, steps=steps) + list(extra)
+                "--out", str(tmp_path / name), "--peer-exchange", str(ex)]
+        args += common_flags(tiny, steps=steps) + list(extra)
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         procs.append(subprocess.Popen([sys.executable] + args, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

@@ -214,7 +214,8 @@ class TinyConfig:
 
     def digest(self, model: str) -> str:
         """Short hash of the fields that model ``model`` depends on: the shared ones and its own (MODELS).
-        A changed field invalidates that model's cached copy, and no other's: a change to C's mix keeps A and B valid."""
+        A changed field invalidates that model's cached copy, and no other's: a change to C's mix keeps A and B
+        valid."""
         own = {f for m in MODELS.values() for f in m.own}
         blob = {k: v for k, v in dataclasses.asdict(self).items() if k not in own or k in MODELS[model].own}
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
@@ -1521,7 +1522,8 @@ def plot(run_dir: str, pc: PresetConfig, runs: list[Run]) -> None:
     print(f"[tiny] plot -> {os.path.join(run_dir, 'accuracy.png')}")
 
 
-def preset_tables(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> list[tuple[str, str, str, list[str]]]:
+def preset_tables(run_dir: str, pc: PresetConfig, runs: list[Run],
+                  timing: dict) -> list[tuple[str, str, str, list[str]]]:
     """The preset's printed tables as (title, text, CSV file name, CSV rows): the panel, then the held-out
     tables (whichever ran), recomputed from the run's files. Both a finished run and `tiny.py report` print
     them from here."""

@@ -397,7 +397,8 @@ _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or
 # "The final answer is $12$. I hope it is correct.", "Answer: 42", "**Answer:** $\frac38$", "#### 18".
 _ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
                                r"答案\s*(?:是|为|為)?\s*[:：]?|(?<!\S)答\s*[:：]|"
-                               r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*[:：])\s*:?", re.IGNORECASE | re.MULTILINE)
+                               r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*[:：])\s*:?",
+                               re.IGNORECASE | re.MULTILINE)
 _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])",
                           re.IGNORECASE)
 _IS_VALUE_RE = re.compile(r"\s(?:is|are|equals|was|=)\s+(?!\s)(.+)$")
@@ -673,9 +674,10 @@ _UNIT_WORDS = frozenset((
 ))
 _REALS_RE = re.compile(r"\\mathbb\s*\{\s*R\s*\}|\\R(?![a-zA-Z])|ℝ")
 _EMPTY_RE = re.compile(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|∅")
-_PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:percentage|percent|per\s*cent|pct)\.?(?:\s*\})?"
-                              r"(?![A-Za-z])", re.IGNORECASE)
-_ORDINAL_RE = re.compile(r"^(\s*\d+)\s*(?:\^\s*)?(?:\{\s*)?(?:\\(?:text|mathrm)\s*\{\s*)?(?:st|nd|rd|th)\s*\}?\s*\}?\s*$")
+_PERCENT_WORD_RE = re.compile(r"(\d)\s*(?:\\(?:text|mbox|mathrm)\s*\{\s*)?"
+                              r"(?:percentage|percent|per\s*cent|pct)\.?(?:\s*\})?(?![A-Za-z])", re.IGNORECASE)
+_ORDINAL_RE = re.compile(r"^(\s*\d+)\s*(?:\^\s*)?(?:\{\s*)?(?:\\(?:text|mathrm)\s*\{\s*)?"
+                         r"(?:st|nd|rd|th)\s*\}?\s*\}?\s*$")
 _CURRENCY_RE = re.compile(r"[€£¥₹]")
 _CURRENCY_WORD_RE = re.compile(r"^\s*(?:USD|EUR|GBP|JPY|INR|CHF|US\s*\$|Rs\.?)\s*(?=[+-]?\d)")
 _SET_BUILDER_RE = re.compile(r"\\\{\s*([a-zA-Z])\s*(?:\\in\s*\(-\\infty,\\infty\)\s*)?(?:\||:)")

@@ -28,20 +28,25 @@ What it does
 Outputs and hub sources (dataset repos; file = first repo file matching a pattern, in order;
 several matching files of the same pattern are concatenated in sorted order)
 
-    | name       | rows  | hub repo                          | file pattern(s)          | field mapping (first present)                 |
-    |------------|-------|-----------------------------------|--------------------------|-----------------------------------------------|
-    | math_train | 7,500 | DigitalLearningGmbH/MATH-lighteval| data/train-*.parquet [1] | problem; answer = last boxed of solution;     |
-    |            |       |   (mirror of hendrycks MATH train)| (train-*.parquet)        | extras level, type; id = math-train-<row>     |
-    | math500    |   500 | HuggingFaceH4/MATH-500            | test.jsonl               | id = unique_id; problem; answer;              |
-    |            |       |                                   |                          | extras solution, subject, level               |
-    | aime2024   |    30 | HuggingFaceH4/aime_2024           | *.jsonl, else            | id = aime2024-<id>; problem; answer;          |
-    |            |       |                                   | data/train-*.parquet [1] | extras solution, url                          |
-    | aime2025   |    30 | opencompass/AIME2025              | aime2025-I*.jsonl (I, II)| problem = question; answer;                   |
-    |            |       |   (parts I then II)               |                          | id = aime2025-<row>                           |
-    | amc23      |    40 | math-ai/amc23                     | test*.jsonl, *.jsonl     | id = amc23-<id>; problem = question|problem;  |
-    |            |       |                                   |                          | answer (a float in the source); extra url     |
-    | minerva    |   272 | math-ai/minervamath               | test*.jsonl, *.jsonl     | problem = question|problem; answer, else last |
-    |            |       |                                   |                          | boxed of solution; id = minerva-<row>         |
+    | name       | rows  | hub repo                    | file pattern(s)          | field mapping (first present)  |
+    |------------|-------|-----------------------------|--------------------------|--------------------------------|
+    | math_train | 7,500 | DigitalLearningGmbH/        | data/train-*.parquet [1] | problem; answer = last boxed   |
+    |            |       |   MATH-lighteval (mirror of | (train-*.parquet)        | of solution; extras level,     |
+    |            |       |   hendrycks MATH train)     |                          | type; id = math-train-<row>    |
+    | math500    |   500 | HuggingFaceH4/MATH-500      | test.jsonl               | id = unique_id; problem;       |
+    |            |       |                             |                          | answer; extras solution,       |
+    |            |       |                             |                          | subject, level                 |
+    | aime2024   |    30 | HuggingFaceH4/aime_2024     | *.jsonl, else            | id = aime2024-<id>; problem;   |
+    |            |       |                             | data/train-*.parquet [1] | answer; extras solution, url   |
+    | aime2025   |    30 | opencompass/AIME2025        | aime2025-I*.jsonl (I, II)| problem = question; answer;    |
+    |            |       |   (parts I then II)         |                          | id = aime2025-<row>            |
+    | amc23      |    40 | math-ai/amc23               | test*.jsonl, *.jsonl     | id = amc23-<id>; problem =     |
+    |            |       |                             |                          | question|problem; answer (a    |
+    |            |       |                             |                          | float in the source); extra    |
+    |            |       |                             |                          | url                            |
+    | minerva    |   272 | math-ai/minervamath         | test*.jsonl, *.jsonl     | problem = question|problem;    |
+    |            |       |                             |                          | answer, else last boxed of     |
+    |            |       |                             |                          | solution; id = minerva-<row>   |
 
     [1] parquet: needs pyarrow. amc23, minerva and aime2025 also fall back to *.parquet.
     "problem" also accepts "question"/"Problem" and "answer" also accepts "Answer" in every source, so a
