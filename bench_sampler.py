@@ -51,7 +51,10 @@
    the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
    order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|, and on the real
    models how far each of the three is from the same log-probs computed with the model in float64 (the first
-   prompt's 8 rows), the float32 round-off that any two batch shapes differ by. Models: the
+   prompt's 8 rows), the float32 round-off that any two batch shapes differ by. On the real models also the
+   unshared rollout with section 7's flat draw in place of ``sampler._draw`` (the decode step's draw before its
+   blocked inversion), and Amdahl's bound on sharing: the body's prefill of each prompt alone, times n, against
+   the unshared rollout's CPU time (``pf_prefill_ceiling``). Models: the
    committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
    Instruct and Gemma-3-270M (``gguf_models``, where installed; ``--real-only NAME``: one of them, ``--no-tiny``: no
    tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with
