@@ -53,8 +53,9 @@
    models how far each of the three is from the same log-probs computed with the model in float64 (the first
    prompt's 8 rows), the float32 round-off that any two batch shapes differ by. On the real models also the
    unshared rollout with section 7's flat draw in place of ``sampler._draw`` (the decode step's draw before its
-   blocked inversion), and Amdahl's bound on sharing: the body's prefill of each prompt alone, times n, against
-   the unshared rollout's CPU time (``pf_prefill_ceiling``). Models: the
+   blocked inversion). Each rollout line gives the CPU seconds spent in the sampler's prefill forwards (its
+   ``_prefill``, timed by a wrapper): what sharing can remove, the rest being decode steps, draws and cache copies.
+   Models: the
    committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
    Instruct and Gemma-3-270M (``gguf_models``, where installed; ``--real-only NAME``: one of them, ``--no-tiny``: no
    tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with
@@ -647,13 +648,25 @@ def _status_kib(field: str) -> int:
 
 def pf_rollout(model, rows, *, eos, pad, share: bool, seed: int = 0):
     """One rollout as Trainer.rollout calls it: T=1, cap PF_CAP, PF_SLOTS rows in flight. -> (rollouts, (wall-clock
-    seconds, CPU seconds of this process), peak RSS rise in bytes, sample()'s stats)."""
-    stats = {}
+    seconds, CPU seconds of this process), peak RSS rise in bytes, sample()'s stats plus "prefill_cpu_s", the CPU
+    seconds spent in the sampler's prefill forwards)."""
+    import sampler as sampler_module
+    from unittest import mock
+    stats = {"prefill_cpu_s": 0.0}
+    prefill = sampler_module._prefill
+
+    def timed_prefill(*args, **kwargs):  # the prefill forwards alone (both paths run them through _prefill)
+        c = time.process_time()
+        out = prefill(*args, **kwargs)
+        stats["prefill_cpu_s"] += time.process_time() - c
+        return out
+
     base = rss_reset()
     t0, c0 = time.perf_counter(), time.process_time()
-    rolls = sample(model, rows, max_new_tokens=PF_CAP, temperature=1.0, eos_token_id=eos, pad_token_id=pad,
-                   generator=torch.Generator().manual_seed(seed), max_batch_size=PF_SLOTS, share_prefix=share,
-                   stats=stats)
+    with mock.patch.object(sampler_module, "_prefill", timed_prefill):
+        rolls = sample(model, rows, max_new_tokens=PF_CAP, temperature=1.0, eos_token_id=eos, pad_token_id=pad,
+                       generator=torch.Generator().manual_seed(seed), max_batch_size=PF_SLOTS, share_prefix=share,
+                       stats=stats)
     return rolls, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base, stats
 
 
@@ -672,28 +685,12 @@ def pf_logprobs(model, rows, responses, *, pad, share: bool):
     return out, (time.perf_counter() - t0, time.process_time() - c0), rss_peak() - base
 
 
-def pf_prefill_ceiling(model, prompts: list[list[int]], unshared_cpu_s: float) -> str:
-    """Amdahl's bound on what one prefill per prompt can give: the body's forward over each distinct prompt alone
-    (into a cache, as the sampler's prefill runs it; CPU seconds), times PF_N for the unshared rollout, of which
-    sharing removes (PF_N - 1) / PF_N. The sampler prefills left-padded batches, so this is an estimate."""
-    body = getattr(model, model.base_model_prefix)
-    c0 = time.process_time()
-    with torch.no_grad():
-        for p in prompts:
-            body(input_ids=torch.tensor([p]), use_cache=True)
-    prefill = (time.process_time() - c0) * PF_N
-    removable = prefill * (PF_N - 1) / PF_N
-    return (f"  prefill alone: {prefill / PF_N:.1f} CPU s per copy of the {len(prompts)} prompts, x {PF_N} = "
-            f"{prefill:.1f} of the unshared rollout's {unshared_cpu_s:.1f} CPU s ({prefill / unshared_cpu_s:.0%}); "
-            f"the most sharing can give: {unshared_cpu_s / (unshared_cpu_s - removable):.2f}x")
-
-
 def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int, float64_rows: int = 0,
              flat: bool = False) -> None:
     """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved; then, for the
     first float64_rows rows, how far each float32 path is from the same log-probs with the model in float64.
     flat: also the unshared rollout with section 7's flat_draw in place of sampler._draw (the decode step's draw
-    before the blocked inversion), and Amdahl's bound on sharing (pf_prefill_ceiling)."""
+    before the blocked inversion)."""
     rows = [p for p in prompts for _ in range(PF_N)]  # row r = g * n + i, as Trainer.rollout builds them
     lens = [len(p) for p in prompts]
     print(f"{name}: {len(prompts)} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.0f}) x "
@@ -713,11 +710,12 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
     # when other jobs share the machine)
     tps = {(k, c): [sum(len(r.tokens) for r in v[0]) / v[1][c] for v in rs] for k, rs in runs.items() for c in (0, 1)}
     med = {key: statistics.median(v) for key, v in tps.items()}
-    for k in runs:
-        rolls, _, peak, stats = runs[k][-1]
+    for k, rs in runs.items():
+        rolls, _, peak, stats = rs[-1]
         print(f"  rollout {label[k]:8s} tokens/s wall " + " ".join(f"{x:6.1f}" for x in tps[k, 0]) + ", CPU "
               + " ".join(f"{x:6.1f}" for x in tps[k, 1]) + f"; peak RSS rise {peak / 2**20:7.1f} MiB, prefill "
-              f"tokens {stats['prefill_tokens']:,}, forward calls {stats['forward_calls']:,}")
+              f"tokens {stats['prefill_tokens']:,}, forward calls {stats['forward_calls']:,}; CPU s "
+              f"{rs[-1][1][1]:.1f}, of which prefill forwards {stats['prefill_cpu_s']:.1f}")
     lengths = [len(r.tokens) for r in runs[True][-1][0]]
     same = sum(a.tokens == b.tokens for a, b in zip(runs[False][-1][0], runs[True][-1][0]))
     print(f"  response lengths {min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.1f}); sampled tokens "
@@ -731,7 +729,6 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
         print(f"  against the unshared rollout with the flat draw: shared {med[True, 1] / med['flat', 1]:.2f}x, "
               f"unshared {med[False, 1] / med['flat', 1]:.2f}x tokens per CPU second; sampled tokens identical "
               f"unshared vs unshared with the flat draw: {same}/{len(rows)} rows")
-        print(pf_prefill_ceiling(model, prompts, runs[False][-1][1][1]))
     rolls = runs[True][-1][0]
     responses = [r.tokens for r in rolls]
     lp, lp_times = {}, {False: [], True: []}
