@@ -50,8 +50,8 @@
    the call (VmHWM reset through /proc/self/clear_refs), prefill tokens and forward calls, rows identical; then
    the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
    order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|, and on the real
-   models how far each of the three is from the same log-probs computed with the model in float64 (the first
-   prompt's 8 rows), the float32 round-off that any two batch shapes differ by. On the real models also the
+   models how far each of the three is from the same log-probs computed with the model in float64 (on the 8 rows
+   where shared and unshared differ most), the float32 round-off that any two batch shapes differ by. On the real models also the
    unshared rollout with section 7's flat draw in place of ``sampler._draw`` (the decode step's draw before its
    blocked inversion). Each rollout line gives the CPU seconds spent in the sampler's prefill forwards (its
    ``_prefill``, timed by a wrapper): what sharing can remove, the rest being decode steps, draws and cache copies.
@@ -688,7 +688,7 @@ def pf_logprobs(model, rows, responses, *, pad, share: bool):
 def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int, float64_rows: int = 0,
              flat: bool = False) -> None:
     """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved; then, for the
-    first float64_rows rows, how far each float32 path is from the same log-probs with the model in float64.
+    float64_rows rows where the two differ most, how far each float32 path is from the model in float64.
     flat: also the unshared rollout with section 7's flat_draw in place of sampler._draw (the decode step's draw
     before the blocked inversion)."""
     rows = [p for p in prompts for _ in range(PF_N)]  # row r = g * n + i, as Trainer.rollout builds them
@@ -746,16 +746,21 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
           f"{diff:.1e}, max |shared - sampler| {vs_sampler:.1e}")
     if float64_rows:
         from sampler import response_logprobs
-        # the yardstick for those differences: float32 round-off of the model itself, measured against float64
+        # the yardstick for those differences: float32 round-off of the model itself, measured against float64 on
+        # the rows where shared and unshared differ most
+        row_diff = [(a - b).abs().max().item() for a, b in zip(lp[False][0], lp[True][0])]
+        worst = sorted(range(len(rows)), key=lambda r: -row_diff[r])[:float64_rows]
         m64 = copy.deepcopy(model).double()
         with torch.no_grad():
-            lp64, mask = response_logprobs(m64, rows[:float64_rows], responses[:float64_rows], pad_token_id=pad,
-                                           share_prefix=False)
+            lp64, mask = response_logprobs(m64, [rows[r] for r in worst], [responses[r] for r in worst],
+                                           pad_token_id=pad, share_prefix=False)
         del m64
-        ref = [lp64[j, : int(mask[j].sum())] for j in range(float64_rows)]
-        err = {k: max((a.double() - b).abs().max().item() for a, b in zip(v, ref)) for k, v in
+        ref = [lp64[j, : int(mask[j].sum())] for j in range(len(worst))]
+        err = {k: max((v[r].double() - b).abs().max().item() for r, b in zip(worst, ref)) for k, v in
                (("unshared", lp[False][0]), ("shared", lp[True][0]), ("sampler", [r.logprobs for r in rolls]))}
-        print(f"  against the float64 model on the first {float64_rows} rows ({sum(len(r) for r in ref)} tokens): "
+        print(f"  against the float64 model on the {len(worst)} rows where shared and unshared differ most "
+              f"({sum(len(r) for r in ref)} tokens, |shared - unshared| {row_diff[worst[-1]]:.1e} to "
+              f"{row_diff[worst[0]]:.1e}): "
               + ", ".join(f"max |{k} - float64| {e:.1e}" for k, e in err.items()))
 
 
