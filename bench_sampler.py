@@ -51,11 +51,11 @@
    the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
    order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|, and on the real
    models how far each of the three is from the same log-probs computed with the model in float64 (on the 8 rows
-   where shared and unshared differ most), the float32 round-off that any two batch shapes differ by. On the real models also the
-   unshared rollout with section 7's flat draw in place of ``sampler._draw`` (the decode step's draw before its
-   blocked inversion). Each rollout line gives the CPU seconds spent in the sampler's prefill forwards (its
-   ``_prefill``, timed by a wrapper): what sharing can remove, the rest being decode steps, draws and cache copies.
-   Models: the
+   where shared and unshared differ most), the float32 round-off that any two batch shapes differ by. On the real
+   models also the unshared rollout with section 7's flat draw in place of ``sampler._draw`` (the decode step's
+   draw before its blocked inversion). Each rollout line gives the CPU seconds spent in the sampler's prefill
+   forwards (its ``_prefill``, timed by a wrapper): what sharing can remove, the rest being decode steps, draws
+   and cache copies. Models: the
    committed tiny models A and B on 32 generated train problems (the tiny preset's template), then SmolLM2-135M-
    Instruct and Gemma-3-270M (``gguf_models``, where installed; ``--real-only NAME``: one of them, ``--no-tiny``: no
    tiny part) on the first ``--real-prompts`` (32) MATH-500 problems of ../shared/benchmarks/math500.jsonl with
