@@ -45,9 +45,9 @@
 6. One prefill per prompt (``--only prefill``; not in the default run; ``--no-real``: tiny models only, ``--quick``:
    8 prompts): one GRPO rollout of G prompts x n=8 as ``Trainer.rollout`` hands it to ``sample`` (row g * n + i,
    T=1, cap 128, 32 rows in flight, float32, ``--threads`` torch threads, default 1), ``share_prefix=False`` and
-   ``True`` interleaved (3 repeats on the tiny models, 1 on the real ones): tokens per wall-clock second and per
-   CPU second of the process (the robust one on a shared machine), the rise of peak RSS over
-   the call (VmHWM reset through /proc/self/clear_refs), prefill tokens and forward calls, rows identical; then
+   ``True`` interleaved (15 repeats on the tiny models after 3 untimed, 1 on the real ones): tokens per
+   wall-clock second and per CPU second of the process (the robust one on a shared machine), the rise of peak RSS
+   over the call (VmHWM reset through /proc/self/clear_refs), prefill tokens and forward calls, rows identical; then
    the behaviour log-probs of those rows as ``Trainer.behaviour_logprobs`` computes them (micro-batches of 16, in
    order), both ways: time, peak RSS rise, max |shared - unshared| and max |shared - sampler|, and on the real
    models how far each of the three is from the same log-probs computed with the model in float64 (on the 8 rows
@@ -686,16 +686,18 @@ def pf_logprobs(model, rows, responses, *, pad, share: bool):
 
 
 def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: int, float64_rows: int = 0,
-             flat: bool = False) -> None:
+             flat: bool = False, warmup: int = 0) -> None:
     """Rollout and behaviour log-probs of len(prompts) x PF_N rows, unshared and shared, interleaved; then, for the
     float64_rows rows where the two differ most, how far each float32 path is from the model in float64.
     flat: also the unshared rollout with section 7's flat_draw in place of sampler._draw (the decode step's draw
-    before the blocked inversion)."""
+    before the blocked inversion). warmup: untimed full rollouts of each path first."""
     rows = [p for p in prompts for _ in range(PF_N)]  # row r = g * n + i, as Trainer.rollout builds them
     lens = [len(p) for p in prompts]
     print(f"{name}: {len(prompts)} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.0f}) x "
           f"n={PF_N} = {len(rows)} rows, T=1, cap {PF_CAP}, {PF_SLOTS} rows in flight")
     pf_rollout(model, rows[: 2 * PF_N], eos=eos, pad=pad, share=True)  # warm-up (first-call overheads)
+    for _ in range(warmup):  # and the allocator's: the first full rollouts of a tiny model run up to 1.4x slower
+        pf_rollout(model, rows, eos=eos, pad=pad, share=False), pf_rollout(model, rows, eos=eos, pad=pad, share=True)
     runs = {False: [], True: []}
     for rep in range(repeats):
         for share in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate who goes first
@@ -809,7 +811,7 @@ def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, rep
         path = os.path.join(HERE, "data", "tiny_models", name)
         tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
         ids = [tok(r["problem"] + "\n")["input_ids"] for r in problems]  # the tiny preset's prompt template
-        pf_model(f"tiny {name}", model, ids, eos=tok.eos_token_id, pad=tok.pad_token_id, repeats=repeats)
+        pf_model(f"tiny {name}", model, ids, eos=tok.eos_token_id, pad=tok.pad_token_id, repeats=repeats, warmup=3)
     if tiny:
         pf_train(threads)
     if not real:
@@ -907,7 +909,7 @@ def main():
     ap.add_argument("--real-prompts", type=int, default=32, help="--only prefill: MATH-500 prompts (x 8 rows)")
     ap.add_argument("--no-real", action="store_true", help="--only prefill: the tiny models only")
     ap.add_argument("--no-tiny", action="store_true", help="--only prefill: the real models only")
-    ap.add_argument("--repeats", type=int, default=0, help="--only prefill: repeats on the tiny models (default 3)")
+    ap.add_argument("--repeats", type=int, default=0, help="--only prefill: repeats on the tiny models (default 15)")
     ap.add_argument("--real-only", default="", metavar="NAME",
                     help="--only prefill: only the real model whose name contains NAME")
     ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
@@ -938,7 +940,7 @@ def main():
         bench_tiny_eval()
     if args.only == "prefill":
         bench_prefill(args.threads, real=not args.no_real, prompts=8 if args.quick else 32,
-                      real_prompts=args.real_prompts, repeats=args.repeats or (2 if args.quick else 3),
+                      real_prompts=args.real_prompts, repeats=args.repeats or (2 if args.quick else 15),
                       tiny=not args.no_tiny,
                       real_only=args.real_only)
 
