@@ -69,7 +69,7 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
  10. The n copies of a prompt share one prefill in the sampler and one prompt forward in the log-prob
      passes (`--share-prefix`, default on; sampler.py departure 11), as vLLM's prefix cache does. Draws are
      the unshared path's up to float round-off of other batch shapes (at T = 1 a draw next to a boundary
-     can move: 62 of 64 rows identical on Gemma-3-270M in fp32); off under --fsdp with gradients on.
+     can move: 243 of 256 rows identical on Gemma-3-270M in fp32); off under --fsdp with gradients on.
 
 Our extensions beyond the paper (the paper's behaviour is unchanged when they are not used):
   * Three or more sides (`--peer-name b,c`): for each prompt a side fails on all n, the eligible
