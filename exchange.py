@@ -551,29 +551,37 @@ def leave_run(exchange: Path, name: str, *, dead_after: float = 60.0) -> None:
                                f"{(read_json(exchange / s / 'HEARTBEAT') or {}).get('pid')}): stop that pair first, "
                                f"or use a fresh --peer-exchange")
     shutil.rmtree(exchange / name, ignore_errors=True)
-    if record is None:
-        (exchange / "RUN").unlink(missing_ok=True)
+    if record is None:  # no record, or an unreadable one: remove the latter, never a run founded since the read
+        _retire_record(exchange, None)
         return
     rid = str(record.get("run_id"))
     if target and rid != target:
         return  # the folder already holds a new run (the peer's --force founded it): keep it
     if not target and any(alive(exchange, s, rid, None, dead_after) for s in sides if s != name):
         return  # this side never joined that run, which is alive: not this side's to delete
-    # Remove the record only if it is still that run: a peer may found a new one meanwhile.
+    if _retire_record(exchange, rid):
+        for p in attempts_dir(exchange).glob(f"{rid}.*"):
+            p.unlink(missing_ok=True)
+
+
+def _retire_record(exchange: Path, rid: str | None) -> bool:
+    """Remove the run record if it is still run `rid` (None: a record that cannot be read); True if it was.
+    The peer's --force may have founded a new run since this side read the record: the record is moved aside
+    first, and put back when it turns out to be another run's."""
     grave = exchange / f".RUN.removed.{os.getpid()}"
     try:
         os.replace(exchange / "RUN", grave)
     except FileNotFoundError:
-        return
-    if (read_json(grave) or {}).get("run_id") != rid:
+        return False
+    found = read_json(grave)
+    ours = found is None if rid is None else (found or {}).get("run_id") == rid
+    if not ours:
         try:
             os.link(grave, exchange / "RUN")  # a new run's record: put it back
         except FileExistsError:
             pass
-    else:
-        for p in attempts_dir(exchange).glob(f"{rid}.*"):
-            p.unlink(missing_ok=True)
     grave.unlink(missing_ok=True)
+    return ours
 
 
 class Heartbeat:

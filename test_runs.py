@@ -84,6 +84,27 @@ def test_join_run_founds_joins_and_refuses(tmp_path):
     assert graft.join_run(ex, "b") != rid  # a new run
 
 
+def test_force_keeps_a_run_the_peer_founded_after_it_looked(tmp_path, monkeypatch):
+    """Both sides relaunched with --force at once: b's leave_run reads the folder while a's has just moved the old
+    record away (no record), then a founds the new run before b acts on what it read. b must not delete a's new
+    record: the two sides would then run under two ids, each ignoring the other's files until the timeout."""
+    ex = tmp_path / "ex"
+    rid = graft.join_run(ex, "a", peers=["b"])  # a's new run, founded after b's read below
+    real, reads = exchange.read_json, []
+
+    def stale_first_read(path):  # the record as b saw it a moment earlier: absent
+        reads.append(Path(path).name)
+        return None if reads.count("RUN") == 1 and Path(path).name == "RUN" else real(path)
+
+    monkeypatch.setattr(exchange, "read_json", stale_first_read)
+    graft.leave_run(ex, "b")
+    monkeypatch.setattr(exchange, "read_json", real)
+    assert (exchange.read_json(ex / "RUN") or {}).get("run_id") == rid, "b's --force deleted a's new run record"
+    (ex / "RUN").write_text("{not json")  # an unreadable record is still removed by --force
+    graft.leave_run(ex, "b")
+    assert not (ex / "RUN").exists()
+
+
 def _one_group_file(exchange_dir, run_id):
     """Side b's step-0 rollout file (one group, n = 2) of run ``run_id``; returns its path."""
     n, G = 2, 1
