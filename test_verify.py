@@ -410,7 +410,8 @@ def test_whole_responses_in_other_shapes():
           ("So $\\boxed{1} \\quad \\text{and} \\quad \\boxed{4}$.", "1, 4"),
           ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 4")]
     bad = [("<think>\nperhaps \\boxed{9}? no.\n</think>\nThe answer is 8.", "9"),
-           ("Checking each case.\nFinal Answer: The least $n$ is 7.", "8"), ("综上，答案：C", "B"), ("Ответ: 7", "8"),
+           ("Checking each case.\nFinal Answer: The least $n$ is 7.", "8"), ("综上，答案：C", "B"),
+           ("Ответ: 7", "8"),
            ("5+3", "53"),
            ("5+3", "3"), ("$\\lim_{x \\to 0} \\frac{x}{x} = 1$", "0"),
            ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 5"),

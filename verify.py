@@ -397,7 +397,8 @@ _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or
 # "The final answer is $12$. I hope it is correct.", "Answer: 42", "**Answer:** $\frac38$", "#### 18".
 _ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
                                r"答案\s*(?:是|为|為)?\s*[:：]?|(?<!\S)答\s*[:：]|"
-                               r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*[:：])\s*:?",
+                               r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)"
+                               r"\s*[:：])\s*:?",
                                re.IGNORECASE | re.MULTILINE)
 _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])",
                           re.IGNORECASE)
@@ -712,7 +713,8 @@ _DOUBLED_CMD_RE = re.compile(r"\\\\(le|ge|leq|geq|neq|ne|lt|gt|leqslant|geqslant
                              r"pi|cup|cap|text|times|cdot|pm|left|right|emptyset|varnothing|mathbb|"
                              r"approx|circ|sin|cos|tan|ln|log|boxed|\{|\})(?![a-zA-Z])")
 _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ",
-            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-", "≈": "\\approx ",
+            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-",
+            "≈": "\\approx ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
             "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
 _REPEAT_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
