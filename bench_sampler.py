@@ -81,9 +81,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
+import sampler
 from sampler import sample, token_logprobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -650,10 +652,8 @@ def pf_rollout(model, rows, *, eos, pad, share: bool, seed: int = 0):
     """One rollout as Trainer.rollout calls it: T=1, cap PF_CAP, PF_SLOTS rows in flight. -> (rollouts, (wall-clock
     seconds, CPU seconds of this process), peak RSS rise in bytes, sample()'s stats plus "prefill_cpu_s", the CPU
     seconds spent in the sampler's prefill forwards)."""
-    import sampler as sampler_module
-    from unittest import mock
     stats = {"prefill_cpu_s": 0.0}
-    prefill = sampler_module._prefill
+    prefill = sampler._prefill
 
     def timed_prefill(*args, **kwargs):  # the prefill forwards alone (both paths run them through _prefill)
         c = time.process_time()
@@ -663,7 +663,7 @@ def pf_rollout(model, rows, *, eos, pad, share: bool, seed: int = 0):
 
     base = rss_reset()
     t0, c0 = time.perf_counter(), time.process_time()
-    with mock.patch.object(sampler_module, "_prefill", timed_prefill):
+    with mock.patch.object(sampler, "_prefill", timed_prefill):
         rolls = sample(model, rows, max_new_tokens=PF_CAP, temperature=1.0, eos_token_id=eos, pad_token_id=pad,
                        generator=torch.Generator().manual_seed(seed), max_batch_size=PF_SLOTS, share_prefix=share,
                        stats=stats)
@@ -703,9 +703,7 @@ def pf_model(name: str, model, prompts: list[list[int]], *, eos, pad, repeats: i
         for share in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate who goes first
             runs[share].append(pf_rollout(model, rows, eos=eos, pad=pad, share=share))
     if flat:
-        import sampler as sampler_module
-        from unittest import mock
-        with mock.patch.object(sampler_module, "_draw", flat_draw):
+        with mock.patch.object(sampler, "_draw", flat_draw):
             runs["flat"] = [pf_rollout(model, rows, eos=eos, pad=pad, share=False)]
     label = {False: "unshared", True: "shared", "flat": "unshared, flat draw"}
     # tokens per wall-clock second and per CPU second of this process (with one thread, the latter barely moves
