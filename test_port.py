@@ -1,4 +1,4 @@
-"""Tests of the copyable core as a porter uses it: graft.py's section 2 copied alone into a fresh module
+"""Tests of the copyable core as a porter uses it: core.py copied alone into a fresh module
 drives one GRAFT step's selection, weights and loss, equal to the trainer's own; swapped directions are
 a TypeError; the folded-weights identity that lets verl's vanilla loss run GRAFT (README "Porting").
 CPU, tiny random models.
@@ -20,29 +20,27 @@ from test_graft import ROOT, planted, tiny  # noqa: F401  (tiny: fixture)
 
 torch.set_num_threads(1)
 
-# The imports the section's header says a copy needs, and nothing else.
+# The imports core.py has, and nothing else.
 CORE_IMPORTS = "from __future__ import annotations\nimport hashlib\nfrom typing import NamedTuple\nimport torch\n"
 
 
 def core_source() -> str:
-    """The text of graft.py's section 2, from its rule to the rule of section 3, as a porter copies it."""
-    text = (ROOT / "graft.py").read_text(encoding="utf-8")
-    start = text.index("# 2. The copyable core")
-    start = text.rindex("\n# ----", 0, start)  # the rule above the section's title
-    end = text.index("# 3. Records")
-    end = text.rindex("\n# ----", 0, end)
-    return text[start:end]
+    """core.py below its imports (from its first section rule), as a porter's copy runs it after CORE_IMPORTS."""
+    text = (ROOT / "core.py").read_text(encoding="utf-8")
+    imports = "".join(line + "\n" for line in text.splitlines() if line.startswith(("import ", "from ")))
+    assert imports == CORE_IMPORTS, f"core.py's imports changed: {imports!r} (update CORE_IMPORTS and README)"
+    return text[text.index("\n# ----") :]
 
 
 def copied_core() -> types.ModuleType:
-    """Section 2 executed alone with its four imports: a module the way another trainer would hold it."""
+    """core.py executed alone with its four imports: a module the way another trainer would hold it."""
     mod = types.ModuleType("copied_core")
     exec(compile(CORE_IMPORTS + core_source(), "copied_core.py", "exec"), mod.__dict__)
     return mod
 
 
 # ------------------------------------------------------------------------------------------------
-# Section 2 stands alone
+# core.py stands alone
 # ------------------------------------------------------------------------------------------------
 
 
@@ -58,7 +56,7 @@ def test_section_two_uses_only_its_own_imports():
         elif isinstance(node, ast.arg):
             defined.add(node.arg)
     read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    assert not read - defined, f"section 2 reads names it does not define or import: {sorted(read - defined)}"
+    assert not read - defined, f"core.py reads names it does not define or import: {sorted(read - defined)}"
     core = copied_core()
     for name in ("success_counts", "group_advantages", "balanced_swap", "compatibility_weights", "policy_loss",
                  "minibatch_order", "metric_values", "retokenize"):
@@ -70,7 +68,7 @@ def test_no_core_docstring_leans_on_a_flag_or_a_departure_number():
     src = core_source()
     assert "departure" not in src.lower()
     flags = [line for line in src.splitlines() if " --" in line and "# ----" not in line]
-    assert not flags, f"section 2 names command-line flags: {flags}"
+    assert not flags, f"core.py names command-line flags: {flags}"
 
 
 def test_each_core_docstring_names_the_core_functions_it_calls():

@@ -1,0 +1,455 @@
+"""GRAFT's copyable core: pure functions on tensors (no globals, no device assumptions, nothing of ours).
+
+The method of Jang et al. (arXiv 2609.37868) as another trainer needs it: GRPO advantages, the
+selection of failed groups and the balanced swap (Eq. 4), the compatibility weight (Eqs. 6-8), the
+clipped token-level loss (Eqs. 9-10), the peer-last minibatch order, and the retokenisation of a
+peer's text. graft.py is this repository's trainer around these functions; README "The method,
+equation by equation" maps each equation to its function, "Porting to verl or TRL" says where each
+plugs in.
+
+Copy this file alone into another trainer: it imports only the standard library and torch
+(test_port.py runs a copy of it in a fresh module, and drives a planted GRAFT step with it).
+Which direction a tensor belongs to is never positional: every argument that could be swapped with a
+same-shape one of the other side is keyword-only (k_recv= / k_src=, k_a= / k_b=, lbar_recv= /
+lbar_src=, logp= / old_logp=), so a swapped call is a TypeError. "recv" is the side that receives a
+peer group, "src" the side that gives it; a_to_b always means "B receives A's group".
+Shape letters used throughout: G groups (prompts), n rollouts per prompt, B responses (rows) in a
+(mini)batch, T tokens (response positions), N flattened tokens, V vocabulary, H hidden size.
+
+Departures from the paper or vanilla GRPO that live here (numbered as in graft.py's full list, each also
+said on its line):
+  1. retokenize encodes the peer's response text on its own and appends it to the receiver's prompt
+     ids: a BPE merge across the prompt/response boundary is never formed.
+  2. sequence_mean_logprob(num_bytes=...) divides the summed log-prob by UTF-8 bytes, not tokens
+     (`--compat-norm byte`, not the default).
+  3. policy_loss(loss_denominator=...) takes the token count of the whole minibatch across
+     micro-batches and ranks, so accumulation and data parallelism give one big batch's gradient.
+  9. policy_loss(ratio_level="sequence") clamps the sequence's mean log-ratio at +-20, not each
+     token's log-ratio before the mean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+import torch
+
+# ------------------------------------------------------------------------------------------------
+# The functions, in the order of one GRAFT step (graft.py's map)
+# ------------------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
+    """GRPO advantages a_i = (r_i - mean(r)) / (std(r) + eps) within each group.
+
+    rewards: (G, n) float. Returns (G, n) float.
+    std is the unbiased (N-1) estimate, as in verl. Groups whose rewards are all equal (including
+    n = 1) get exactly 0, not 0 / eps noise. std_normalize=False gives Dr.GRPO's r - mean(r).
+    """
+    assert rewards.dim() == 2, f"rewards must be (G, n), got {tuple(rewards.shape)}"
+    rewards = rewards.float()
+    centered = rewards - rewards.mean(dim=1, keepdim=True)  # (G, n)
+    if std_normalize:
+        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
+        adv = centered / (std + eps)  # (G, n)
+    else:
+        adv = centered
+    constant = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (G, 1): zero variance
+    return torch.where(constant, torch.zeros_like(adv), adv)
+
+
+def success_counts(rewards: torch.Tensor, *, threshold: float = 0.5, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """k(q), the number of successful rollouts per prompt, which Eq. 4 is written in.
+
+    rewards: (G, n) float; mask: (G, n) bool or None, False on padding (groups of fewer than n
+    responses, e.g. a foreign log's). Returns (G,) int64.
+    A rollout succeeds when its reward is >= threshold. The default 0.5 gives the verifier's verdict
+    for 0/1 rewards and for -1/+1 rewards, and does not count a small format bonus (say 0.1 for a
+    well-formed but wrong answer) as a success: "all n failed" must mean no correct answer, since a
+    group of wrong answers teaches nothing whatever its format reward.
+    """
+    assert rewards.dim() == 2, f"rewards must be (G, n), got {tuple(rewards.shape)}"
+    ok = rewards >= threshold  # (G, n)
+    if mask is not None:
+        assert mask.shape == rewards.shape, f"mask {tuple(mask.shape)} must match rewards {tuple(rewards.shape)}"
+        ok = ok & mask.bool()
+    return ok.sum(dim=1)  # (G,) int64
+
+
+def graft_candidates(*, k_recv: torch.Tensor, k_src: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:
+    """Candidate prompts for transfer src -> recv (Eq. 4): the receiver failed all n, the source is mixed.
+
+    k_recv, k_src: (G,) int success counts (success_counts) of the receiver and the source.
+    n: the group size, an int or a (G,) int tensor when groups differ in size (a stored log's).
+    Returns (G,) bool. C = { q : k_recv(q) = 0 and 1 <= k_src(q) < n }. An all-pass source group is
+    excluded: its advantages are all 0, so it would teach nothing either.
+    """
+    assert k_recv.shape == k_src.shape and k_recv.dim() == 1, "k_recv and k_src must be (G,) and equal"
+    return (k_recv == 0) & (k_src >= 1) & (k_src < n)
+
+
+class Swap(NamedTuple):
+    """The two directions of one step's exchange, each a (G,) bool mask over the step's prompts."""
+
+    a_to_b: torch.Tensor  # (G,) B receives A's group on prompt q
+    b_to_a: torch.Tensor  # (G,) A receives B's group on prompt q
+
+
+def balanced_swap(*, k_a: torch.Tensor, k_b: torch.Tensor, n: int, balance: bool = True) -> Swap:
+    """GRAFT selection with the balanced swap (Eq. 4 and the paper's balanced swap).
+
+    k_a, k_b: (G,) int success counts of models A and B on the same G prompts.
+    Returns Swap(a_to_b, b_to_a), two (G,) bool masks: a_to_b[q] means B receives A's group for prompt q.
+    Calls graft_candidates and balance_directions (copy all three).
+
+    m = min(|C_{A->B}|, |C_{B->A}|). In each direction the candidates are sorted by the source's
+    success count, descending, with ties broken by prompt index; the first m are kept together with
+    every candidate tied with the m-th, so a direction may keep more than m. m = 0 selects nothing.
+    Because the sort is descending, "first m plus ties" is the same as "every candidate whose source
+    count is >= the m-th largest", which is what we compute; the result does not depend on the order
+    of equal counts, so both processes of a pair get the same masks from the same two files.
+    balance=False returns every candidate in both directions (the "w/o balancing" ablation).
+    """
+    a_to_b = graft_candidates(k_recv=k_b, k_src=k_a, n=n)  # (G,) B fails all, A mixed
+    b_to_a = graft_candidates(k_recv=k_a, k_src=k_b, n=n)  # (G,)
+    if not balance:
+        return Swap(a_to_b, b_to_a)
+    return balance_directions(a_to_b=a_to_b, b_to_a=b_to_a, k_a=k_a, k_b=k_b)
+
+
+def balance_directions(*, a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Tensor, k_b: torch.Tensor) -> Swap:
+    """The balancing rule of balanced_swap on given candidate masks: (G,) bool each in, a Swap out.
+
+    m = min(|a_to_b|, |b_to_a|); each direction keeps its first m candidates by the source's count
+    (k_a for a_to_b, k_b for b_to_a), descending, plus every candidate tied with the m-th.
+    """
+    m = int(min(a_to_b.sum().item(), b_to_a.sum().item()))
+
+    def keep_top(cand: torch.Tensor, k_src: torch.Tensor) -> torch.Tensor:
+        if m == 0:
+            return torch.zeros_like(cand)
+        idx = cand.nonzero().squeeze(1)  # (C,) ascending prompt index = the tie-break order
+        order = torch.sort(k_src[idx], descending=True, stable=True).indices  # (C,)
+        kth = k_src[idx[order[m - 1]]]  # source count of the m-th kept candidate
+        return cand & (k_src >= kth)
+
+    return Swap(keep_top(a_to_b, k_a), keep_top(b_to_a, k_b))
+
+
+def multi_peer_sources(k: torch.Tensor, n: int, *, balance: bool = True) -> torch.Tensor:
+    """Our extension to S >= 2 sides (the paper has two): whose group each side receives, per prompt.
+
+    k: (S, G) int success counts of S sides on the same G prompts, the sides in one order that every
+    process uses (this trainer: sorted by side name). Returns (S, G) long: src[r, q] is the side whose
+    whole group side r receives on prompt q, or -1. Calls balance_directions.
+
+    1. Candidates, Eq. 4 per receiver: side r failed all n on q and at least one other side is mixed
+       (1 <= k < n). Its source is the mixed side with the most successes (the group with the most
+       correct traces to imitate), ties to the lower side index: a fixed rule, so every process
+       computes the same assignment from the same files.
+    2. Balancing per pair of sides, as balanced_swap: between sides x and y, m_xy = min(|C_{x->y}|,
+       |C_{y->x}|) and each direction keeps its top m_xy by the source's count plus ties. A candidate
+       dropped by balancing is not offered to the next-best source (one rule, one pass).
+    With S = 2 this is exactly balanced_swap (tested). A receiver never is a source on the same prompt
+    (it failed all n), so no prompt moves both ways.
+    """
+    assert k.dim() == 2, f"k must be (S, G), got {tuple(k.shape)}"
+    S, G = k.shape
+    mixed = (k >= 1) & (k < n)  # (S, G)
+    score = torch.where(mixed, k, torch.full_like(k, -1))  # (S, G): only mixed sides can give
+    best = score.argmax(dim=0)  # (G,) first maximum = lowest side index on ties
+    any_mixed = score.max(dim=0).values >= 1  # (G,)
+    src = torch.where((k == 0) & any_mixed[None], best[None].expand(S, G), torch.full_like(k, -1))  # (S, G)
+    if balance:
+        for x in range(S):
+            for y in range(x + 1, S):
+                x_to_y, y_to_x = src[y] == x, src[x] == y  # (G,), (G,)
+                keep_xy, keep_yx = balance_directions(a_to_b=x_to_y, b_to_a=y_to_x, k_a=k[x], k_b=k[y])
+                src[y] = torch.where(x_to_y & ~keep_xy, -1, src[y])
+                src[x] = torch.where(y_to_x & ~keep_yx, -1, src[x])
+    return src
+
+
+def assignment_digest(src: torch.Tensor, prompt_ids: list[str]) -> str:
+    """A 12-hex-digit fingerprint of one step's whole exchange, to check that processes agree.
+
+    src: (S, G) long, multi_peer_sources' answer (sides in sorted order); prompt_ids: the G prompt ids
+    in the step's order. Every process of an online run logs it as the metrics key "assignment": equal
+    fingerprints on a step mean that every process computed the same assignment from the same files.
+    """
+    assert src.dim() == 2 and src.shape[1] == len(prompt_ids), f"src {tuple(src.shape)} vs {len(prompt_ids)} ids"
+    h = hashlib.blake2b(digest_size=6)
+    h.update("\n".join(prompt_ids).encode())
+    h.update(str(tuple(src.shape)).encode())
+    h.update(src.to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def received_groups(*, k_own: torch.Tensor, k_peer: torch.Tensor, n: int, own_is_a: bool,
+                    balance: bool = True) -> torch.Tensor:
+    """The prompts on which this side receives the peer's group: (G,) bool. Calls balanced_swap.
+
+    k_own, k_peer: (G,) int success counts of this side and of its peer on the same G prompts.
+    Each process of a pair calls this with its own counts as k_own. The balanced swap is symmetric but
+    its tie rule reads (k_a, k_b) in a fixed order, so both processes must agree on which side is A:
+    own_is_a is True on exactly one of them (this trainer: the side whose name sorts first). Then
+    the two calls compute the same balanced_swap and each reads its own direction out of it, so what
+    A receives is exactly what B sends and vice versa.
+    """
+    k_a, k_b = (k_own, k_peer) if own_is_a else (k_peer, k_own)
+    swap = balanced_swap(k_a=k_a, k_b=k_b, n=n, balance=balance)
+    return swap.b_to_a if own_is_a else swap.a_to_b
+
+
+def rescue_candidates(*, k_recv: torch.Tensor, k_src: torch.Tensor) -> torch.Tensor:
+    """SGT's rescue rule (arXiv 2605.07244): the receiver failed all n, the source solved at least one.
+
+    k_recv, k_src: (G,) int. Returns (G,) bool. Unlike Eq. 4 an all-pass source group counts too, and
+    nothing is balanced; this trainer's SGT baseline uses it with GRAFT's replacement, weights and update.
+    """
+    assert k_recv.shape == k_src.shape and k_recv.dim() == 1, "k_recv and k_src must be (G,) and equal"
+    return (k_recv == 0) & (k_src >= 1)
+
+
+def compatibility_scores(*, lbar_recv: torch.Tensor, lbar_src: torch.Tensor) -> torch.Tensor:
+    """s(o|q) = exp(lbar_recv - lbar_src) (Eq. 6): any shape -> same shape, float.
+
+    lbar_recv: the response's mean log-probability per token under the receiver's behaviour policy,
+    in the receiver's tokenisation; lbar_src: the same under the source model that sampled it, in its
+    own tokenisation (sequence_mean_logprob gives both; its per-byte variant is not the paper's).
+    """
+    return torch.exp(lbar_recv.float() - lbar_src.float())
+
+
+def compatibility_weights(*, lbar_recv: torch.Tensor, lbar_src: torch.Tensor, delta: float = 0.8) -> torch.Tensor:
+    """w = 1[s > delta] * min(s, 1) (Eqs. 6-8): any shape -> same shape, float. Calls compatibility_scores.
+
+    w = 0 means the response is removed before optimisation (it leaves the loss denominator too).
+    delta = 0 is the "no floor" ablation (every response kept, weighted by min(s, 1)).
+    """
+    s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=lbar_src)
+    return torch.where(s > delta, s.clamp(max=1.0), torch.zeros_like(s))
+
+
+def sequence_mean_logprob(*, logp: torch.Tensor, mask: torch.Tensor,
+                          num_bytes: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-response mean log-probability lbar (Eq. 6), the input of the compatibility score.
+
+    logp, mask: (B, T). num_bytes: (B,) or None. Returns (B,) float.
+    With num_bytes=None: summed log-prob / number of tokens (the paper). With num_bytes: summed
+    log-prob / UTF-8 bytes of the response text, our variant (not the paper's): a per-token mean
+    favours the tokenizer with more, shorter tokens, while bytes are the same for both models.
+    """
+    mask = mask.to(logp.dtype)
+    total = (logp * mask).sum(dim=1)  # (B,)
+    denom = mask.sum(dim=1) if num_bytes is None else num_bytes.to(logp.dtype)
+    return total / denom.clamp(min=1)
+
+
+class Mean(NamedTuple):
+    """A metric that is a mean, as its sum and its count (detached floats), e.g. clipped peer tokens
+    over peer tokens. Kept apart so that the trainer adds up sums and counts over micro-batches,
+    minibatches and ranks and divides once: a mean of part-means would weight each part wrongly."""
+
+    total: float
+    count: float
+
+    @property
+    def value(self) -> float:
+        """total / count; NaN when the count is 0 (a mean over nothing)."""
+        return self.total / self.count if self.count else float("nan")
+
+
+def add_metrics(into: dict, metrics: dict, *, prefix: str = "") -> None:
+    """Add one part's metrics into running sums, in place: a Mean's sum and count each add up, a float
+    (a loss part, a count) adds as it is. into[prefix + key] holds the running value. Uses Mean."""
+    for key, v in metrics.items():
+        k = prefix + key
+        if isinstance(v, Mean):
+            total, count = into.get(k, (0.0, 0.0))
+            into[k] = Mean(total + v.total, count + v.count)
+        else:
+            into[k] = into.get(k, 0.0) + v
+
+
+def metric_values(metrics: dict, *, drop_empty: bool = False) -> dict[str, float]:
+    """Plain floats for logging: each Mean becomes total / count, other values pass as they are.
+
+    A Mean over nothing (count 0: e.g. clipfrac_peer of a batch without peer tokens) is NaN, meaning
+    "no such tokens", not zero; drop_empty=True leaves those keys out instead. Sum first, convert once:
+    metric_values of add_metrics' running sums, never an average of per-part values. Uses Mean.
+    """
+    return {k: v.value if isinstance(v, Mean) else v for k, v in metrics.items()
+            if not (drop_empty and isinstance(v, Mean) and v.count == 0)}
+
+
+def policy_loss(
+    *,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    is_peer: torch.Tensor | None = None,
+    loss_denominator: float | None = None,
+    log_ratio_clamp: float = 20.0,
+):
+    """GRAFT's weighted clipped surrogate (Eqs. 9-10), token-mean over the retained tokens.
+
+    Every argument is keyword-only (verl's compute_policy_loss takes old_log_prob before log_prob;
+    a positional port would swap them silently).
+    logp:       (B, T) log pi_theta(o_t) of the current policy, with grad.
+    old_logp:   (B, T) log pi_old(o_t) of the receiver's behaviour policy (own and peer rows alike).
+    advantages: (B,)   one advantage per response (own group's, or the peer's held fixed).
+    mask:       (B, T) bool/float, 1 on response tokens.
+    weights:    (B,)   compatibility weights w (1 for own responses); w = 0 removes a response.
+    is_peer:    (B,)   bool, only for the separate own/peer metrics.
+    loss_denominator: total retained tokens of the whole minibatch when this call sees one
+        micro-batch (or one rank) of it, so that gradient accumulation and data parallelism give the
+        gradient of one big batch; None = the retained tokens of this call.
+    log_ratio_clamp: |log rho| is clamped before exp for numerical safety (as verl does); 20 never
+        binds in practice. With ratio_level="sequence" the sequence's mean log-ratio is clamped.
+
+    Loss = -(1 / sum_j |o_j|) sum_j w_j sum_t min(rho_t a_j, clip(rho_t, 1-eps_low, 1+eps_high) a_j),
+    the sum over retained responses (w_j > 0); retained peer responses count fully in the
+    denominator (Eq. 10). ratio_level="sequence" is the ablation with one ratio per response,
+    exp(mean_t log rho_t). dual_clip=c bounds the loss of a negative-advantage token at -c * a (verl).
+    Returns (loss, metrics), metrics detached: "loss" and the token counts ("tokens", "own_tokens",
+    "peer_tokens") are floats that add up over parts of a minibatch; every mean is a Mean(sum, count),
+    so that parts (micro-batches, ranks) add up exactly with add_metrics: clipfrac over all tokens
+    (verl's pg_clipfrac), clipfrac_own / clipfrac_peer over own / peer tokens, approx_kl (the k3
+    estimator, >= 0), approx_kl_k1 (mean of old_logp - logp, verl's ppo_kl) and ratio_mean over
+    tokens, mean_weight / peer_mean_weight over responses / peer responses. Only retained responses
+    count. metric_values(metrics) gives plain floats (NaN for a mean over nothing). Uses Mean.
+    """
+    assert logp.shape == old_logp.shape == mask.shape, "logp, old_logp and mask must all be (B, T)"
+    B = logp.shape[0]
+    assert advantages.shape == (B,), f"advantages must be (B,)=({B},), got {tuple(advantages.shape)}"
+    assert ratio_level in ("token", "sequence"), f"ratio_level must be token|sequence, got {ratio_level!r}"
+    weights = torch.ones(B, device=logp.device) if weights is None else weights.float()
+    is_peer = torch.zeros(B, dtype=torch.bool, device=logp.device) if is_peer is None else is_peer.bool()
+    retained = weights > 0  # (B,)
+    tok = mask.float() * retained[:, None].float()  # (B, T) tokens that enter loss and denominator
+
+    log_ratio = logp - old_logp.detach()  # (B, T)
+    if ratio_level == "sequence":
+        # Clamp the sequence's mean, not each token before the mean: a rare token's clamped log-ratio
+        # would bias the sequence value.
+        seq = (log_ratio * mask).sum(1) / mask.float().sum(1).clamp(min=1)  # (B,)
+        log_ratio = seq[:, None].expand_as(logp)  # (B, T): one ratio per response, on every token
+    log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages.float()[:, None]  # (B, 1)
+    surr = ratio * adv  # (B, T)
+    surr_clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv  # (B, T)
+    obj = torch.minimum(surr, surr_clipped)  # (B, T) Eq. 9, pessimistic bound
+    if dual_clip:
+        obj = torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)  # verl dual-clip
+    per_token = -obj * weights[:, None]  # (B, T) Eq. 10, w_j on each token of response j
+
+    n_tok = tok.sum()
+    denom = float(loss_denominator) if loss_denominator is not None else n_tok.clamp(min=1)
+    loss = (per_token * tok).sum() / denom
+
+    with torch.no_grad():
+        clipped = (surr_clipped < surr).float()  # (B, T) the clip bound is the active one: zero gradient
+        own_tok, peer_tok = tok * (~is_peer)[:, None], tok * is_peer[:, None]  # (B, T), (B, T)
+        kl = (ratio - 1) - log_ratio  # (B, T) k3 estimator of KL(pi_old || pi_theta), >= 0
+        peer_rows = (is_peer & retained).float()  # (B,)
+        w_kept = weights * retained.float()  # (B,)
+        sums = torch.stack([(clipped * own_tok).sum(), own_tok.sum(), (clipped * peer_tok).sum(), peer_tok.sum(),
+                            (kl * tok).sum(), (-log_ratio * tok).sum(), (ratio * tok).sum(), n_tok, w_kept.sum(),
+                            retained.float().sum(), (w_kept * peer_rows).sum(), peer_rows.sum()]).tolist()
+    c_own, own, c_peer, peer, kl_sum, k1_sum, ratio_sum, tokens, w_sum, rows, w_peer, peer_n = sums
+    metrics = {"clipfrac": Mean(c_own + c_peer, tokens), "clipfrac_own": Mean(c_own, own),
+               "clipfrac_peer": Mean(c_peer, peer), "approx_kl": Mean(kl_sum, tokens),
+               "approx_kl_k1": Mean(k1_sum, tokens), "ratio_mean": Mean(ratio_sum, tokens),
+               "mean_weight": Mean(w_sum, rows), "peer_mean_weight": Mean(w_peer, peer_n),
+               "tokens": tokens, "own_tokens": own, "peer_tokens": peer}
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
+
+
+def minibatch_order(is_peer_group: torch.Tensor, num_minibatches: int, *, order: str = "peer_last",
+                    generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Split a step's groups into minibatches and order them (the paper's peer-last rule).
+
+    is_peer_group: (G,) bool, True where the group was replaced by a peer group.
+    Returns a list of at most num_minibatches 1-D LongTensors of group indices, in update order.
+
+    peer_last (paper): own groups first, replaced groups after them, then cut into consecutive
+    minibatches; every minibatch holding a peer group is updated after all own-only minibatches, so by
+    then the policy has moved and the peer tokens' ratios differ from 1, which is what lets clipping
+    act on them. peer_first is the reverse; uniform shuffles all groups (needs no flag). Within each
+    class groups keep prompt order, or are shuffled when a generator is given. Empty minibatches
+    (G < num_minibatches) are dropped.
+    """
+    assert is_peer_group.dim() == 1, "is_peer_group must be (G,)"
+    assert order in ("peer_last", "peer_first", "uniform"), f"unknown order {order!r}"
+    G = is_peer_group.shape[0]
+    dev = is_peer_group.device
+
+    def perm(idx: torch.Tensor) -> torch.Tensor:
+        if generator is None:
+            return idx
+        return idx[torch.randperm(idx.numel(), generator=generator, device=generator.device).to(dev)]
+
+    own = perm(torch.nonzero(~is_peer_group).squeeze(1))
+    peer = perm(torch.nonzero(is_peer_group).squeeze(1))
+    if order == "peer_last":
+        seq = torch.cat([own, peer])
+    elif order == "peer_first":
+        seq = torch.cat([peer, own])
+    else:
+        seq = perm(torch.arange(G, device=dev))
+    return [chunk for chunk in torch.tensor_split(seq, num_minibatches) if chunk.numel() > 0]
+
+
+def seeded_generator(seed: int, step: int, stream: str, *, rank: int = 0,
+                     device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator for one purpose (stream) of one step: reproducible and independent.
+
+    The seed is a stable hash (BLAKE2b, not Python's per-process salted hash()) of (seed, step,
+    stream, rank), so every process of a pair that asks for the same stream gets the same draws,
+    different streams never share a sequence, and a resumed run redraws exactly what it would have.
+    Streams used by the trainer: "sample" (per rank), "select", "accept", "minibatch", "sgt", "eval".
+    """
+    key = f"{seed}/{step}/{stream}/{rank}".encode()
+    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return torch.Generator(device=device).manual_seed(value)
+
+
+def decode_response(tokens: list[int], tokenizer, *, eos_token_ids) -> tuple[str, bool]:
+    """The source side of retokenisation: response ids -> (text, ended_with_eos).
+
+    A trailing EOS is dropped, and the rest is decoded without special tokens and without the
+    tokenizer's clean-up of spaces (which would not round-trip, e.g. Llama-3's " ," rewrite).
+    """
+    eos = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
+    ended = len(tokens) > 0 and tokens[-1] in eos
+    body = tokens[:-1] if ended else tokens
+    text = tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return text, ended
+
+
+def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_tokens: int,
+               eos_token_id: int | None = None) -> list[int] | None:
+    """The receiver side of retokenisation: peer text -> receiver response ids, or None.
+
+    The text is encoded on its own with the receiver's tokenizer, without special tokens (no BOS: it
+    follows the receiver's own prompt ids, so a BPE merge across the prompt/response boundary is never
+    formed; real tokenizers round-trip benchmark text exactly); the receiver's EOS (eos_token_id, default the
+    tokenizer's) is appended only if the peer's response ended with EOS. Returns None when the result
+    is longer than max_response_tokens (the caller drops the response and counts it).
+    """
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if ended_with_eos:
+        eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        assert eos is not None, "the receiver's tokenizer has no eos_token_id"
+        ids = ids + [eos]
+    return ids if len(ids) <= max_response_tokens else None
