@@ -251,8 +251,9 @@ def test_outside_forms_with_near_misses():
             ("-3 \\bmod 4", "3", False),
             ("The total cost is 3,15 €.", "3.15", True), ("The total cost is 3,15 €.", "315", False),
             ("The area is 2,000.5 m².", "2000.5", True), ("The area is 2,000.5 m².", "2.0005", False),
-            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 5", True),
-            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 6", False),
+            # Prose between two boxes: the last box is the answer, never the pair (issue 40).
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 5", False),
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "5", True),
             ("((1,2),(3,4))", "(3,4), (1,2)", True), ("(1,2),(3,4)", "((3,4), (1,2))", True),
             ("((2,1),(3,4))", "(3,4), (1,2)", False), ("((1,2),(3,5))", "(3,4), (1,2)", False)])
 
@@ -408,13 +409,14 @@ def test_whole_responses_in_other_shapes():
           ("Donc $x$ vaut 4.\nRéponse : 8", "8"), ("5+3", "8"),
           ("$\\lim_{x \\to 0} \\frac{x}{x} = 1$", "1"),
           ("So $\\boxed{1} \\quad \\text{and} \\quad \\boxed{4}$.", "1, 4"),
-          ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 4")]
+          ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "4")]
     bad = [("<think>\nperhaps \\boxed{9}? no.\n</think>\nThe answer is 8.", "9"),
            ("Checking each case.\nFinal Answer: The least $n$ is 7.", "8"), ("综上，答案：C", "B"),
            ("Ответ: 7", "8"),
            ("5+3", "53"),
            ("5+3", "3"), ("$\\lim_{x \\to 0} \\frac{x}{x} = 1$", "0"),
            ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 5"),
+           ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 4"),
            ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1")]
     assert [r for r, g in ok if V.verify(r, g, strict=False) != 1.0] == []
     assert [r for r, g in bad if V.verify(r, g, strict=False) != 0.0] == []
@@ -669,3 +671,68 @@ def test_verify_batch_workers_match():
     two = V.verify_batch(responses, golds, workers=2)
     assert one == two
     assert len(one) == len(cases) and set(one) <= {0.0, 1.0}
+
+
+# ------------------------------------------------------------------------------------------------
+# One answer, one reward (the docstring's strictness rule): a response's answer is decided from the
+# response alone, so the golds it is paid for form one equivalence class. For every response and
+# answer pair of every case file, the candidate golds are every box, every join of its last boxes,
+# every math span and every number in it (and the case's gold); the ones paid must all be equivalent
+# to one another. The one named exception is percent (departure 4): '7\%' is paid for 7 and 0.07.
+
+RL = os.path.join(HERE, "data", "verify_rl.jsonl")
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _candidate_golds(text):
+    boxes = [c for _, _, c in (V._outer_boxes(text) or [])]
+    out = boxes + [", ".join(boxes[-k:]) for k in range(2, len(boxes) + 1)]
+    out += [c for _, _, c in V._math_spans(text)] + _NUMBER_RE.findall(text)
+    return [c for c in dict.fromkeys(x.strip() for x in out) if c and len(c) < 300][:16]
+
+
+def _percent_pair(text, a, b):
+    """The named exception: the answer has a percent sign and one gold is 100 times the other."""
+    return ("%" in text or "percent" in text) and (V.is_equivalent(f"100 \\cdot ({b})", a)
+                                                  or V.is_equivalent(f"100 \\cdot ({a})", b))
+
+
+def test_one_answer_one_reward_over_every_case_file():
+    hedges, n_paid = [], 0
+    for path in (CASES, FROZEN, OUTSIDE, HACKING, RL):
+        for c in _load(path):
+            text = c.get("response", c.get("pred"))
+            tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
+            golds = list(dict.fromkeys(_candidate_golds(text) + [c["gold"]]))
+            if "response" in c:
+                paid = [g for g in golds if V.verify(text, g, strict=False, rel_tol=tol) == 1.0]
+            else:
+                paid = [g for g in golds if V.is_equivalent(text, g, rel_tol=tol)]
+            n_paid += len(paid)
+            for k, a in enumerate(paid):
+                bad = [b for b in paid[k + 1:] if not (V.is_equivalent(a, b, rel_tol=tol) or V.is_equivalent(
+                    b, a, rel_tol=tol) or _percent_pair(text, a, b))]
+                if bad:
+                    hedges.append((os.path.basename(path), text[:120], a, bad[0]))
+                    break
+    assert n_paid > 2000, n_paid         # the check sees the suite's honest answers, not nothing
+    assert hedges == [], hedges
+
+
+def test_percent_is_the_one_dual_reading():
+    assert V.verify("So $\\boxed{7\\%}$.", "7") == 1.0 and V.verify("So $\\boxed{7\\%}$.", "0.07") == 1.0
+    assert _percent_pair("7\\%", "7", "0.07") and not _percent_pair("7", "7", "0.07")
+    assert V.verify("So $\\boxed{7}$.", "0.07") == 0.0
+
+
+def test_hedged_boxes_are_paid_for_one_gold_only():
+    resp = "Checking each case: $\\boxed{2}$ $\\boxed{4}$ $\\boxed{6}$"
+    assert [g for g in ("2", "4", "6", "4, 6", "2, 4, 6") if V.verify(resp, g)] == ["6"]
+    resp = "I tried $\\boxed{2}$; no, it is $\\boxed{9}$."
+    assert [g for g in ("2", "9", "2, 9") if V.verify(resp, g)] == ["9"]
+    resp = "The answers are $\\boxed{2}, \\boxed{4}, \\boxed{6}$."
+    assert [g for g in ("6", "4, 6", "2, 4, 6", "\\{2, 4, 6\\}") if V.verify(resp, g)] == ["2, 4, 6", "\\{2, 4, 6\\}"]
+    for resp in ("<think>\\boxed{12}</think>", "<think>so \\boxed{12}", "<think>12</think>\n",
+                 "<think>x</think> So $\\boxed{4}$ <think>\\boxed{12}</think>"):
+        assert V.verify(resp, "12", strict=False) == 0.0, resp
+    assert V.extract_answer("<think>x</think> So $\\boxed{4}$ <think>\\boxed{12}</think>") == "4"

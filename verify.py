@@ -474,6 +474,23 @@ def _last_boxes(text: str) -> list[str] | None:
     """Contents of the last box and of the boxes just before it that belong to the same answer.
 
     None when there is no box or the last one is unclosed (a truncated response has no answer)."""
+    group = _final_group(text)
+    if not group:
+        return None
+    contents = []
+    for _, _, c in group:
+        inner = _outer_boxes(c.strip()) if ("\\boxed" in c or "\\fbox" in c) and len(group) == 1 else None
+        whole = inner is not None and len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(c.strip())
+        contents.extend(_last_boxes(c.strip()) or [] if whole else [c])     # \\boxed{\\boxed{7}} is 7
+    return contents
+
+
+def _final_group(text: str) -> list | None:
+    """(start, end, content) of the boxes that make the answer: the last box and the boxes just before
+    it joined only by ',', ';', 'and', 'or' (departure 16). None when there is no box, the last one is
+    unclosed, or the group is not an answer: a box that is an operand ('\\boxed{7} + \\boxed{1}',
+    '-\\boxed{7}', '\\frac{\\boxed{7}}{2}'), disowned ('not \\boxed{7}', '\\boxed{7} (wrong)') or hedged right
+    after ('\\boxed{7} or 8'). Decided from the response alone: the gold is never looked at."""
     boxes = _outer_boxes(text)
     if not boxes:
         return None
@@ -483,12 +500,41 @@ def _last_boxes(text: str) -> list[str] | None:
         if len(out) >= _MAX_JOIN or len(gap) > _MAX_GAP or not _is_join_gap(gap):
             break
         out.insert(0, b)
-    contents = []
-    for _, _, c in out:
-        inner = _outer_boxes(c.strip()) if ("\\boxed" in c or "\\fbox" in c) and len(out) == 1 else None
-        whole = inner is not None and len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(c.strip())
-        contents.extend(_last_boxes(c.strip()) if whole else [c])     # \\boxed{\\boxed{7}} is 7
-    return contents
+    if any(_is_operand(text, a, b) for a, b, _ in out):
+        return None
+    after = _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 80])
+    before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
+    if _DISOWN_AFTER_RE.match(after) or _DISOWN_BEFORE_RE.search(before):
+        return None
+    return out
+
+
+# A box is an operand when an operator, a number or a command taking it as an argument stands right
+# before it, or an operator right after it ('^\\circ' after it is a degree sign, not an operator).
+_OPERAND_BEFORE_RE = re.compile(r"(?:[-+*/^_)\]|\d]|\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
+                                r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
+_OPERAND_AFTER_RE = re.compile(r"^\s*(?![\^_]\s*\{?\s*\\circ)(?:[-+*/^_=!(\d]|\}\s*\{|"
+                               r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|pi)(?![A-Za-z]))")
+_DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
+# A box disowned or hedged by the words right after it, or negated by the words right before it.
+_DISOWN_AFTER_RE = re.compile(r"^[\s,.;:]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
+                              r"(?:is|was|are)\s+)?(?:wrong|incorrect|false|not\s+(?:correct|right|the\s+answer)|"
+                              r"impossible|invalid|excluded|rejected|discarded)(?![A-Za-z])|"
+                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or|maybe|perhaps|possibly|probably)(?![A-Za-z])",
+                              re.IGNORECASE)
+_DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't)|"
+                               r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
+
+
+def _is_operand(text: str, start: int, end: int) -> bool:
+    """The box text[start:end] is part of a larger expression, not an answer of its own."""
+    before = text[max(0, start - 12):start]
+    if "$" in before:
+        before = before[before.rindex("$") + 1:]
+    after = text[end:end + 12]
+    if "$" in after:
+        after = after[:after.index("$")]
+    return _OPERAND_BEFORE_RE.search(before) is not None or _OPERAND_AFTER_RE.match(after) is not None
 
 
 def _is_join_gap(gap: str) -> bool:
@@ -524,6 +570,63 @@ def _end_of_turn(text: str) -> str:
         if m:
             return text[:m.start()]
     return text
+
+
+# Thinking, hidden content and digits of other scripts (departure 24).
+_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
+_HIDDEN_CMDS = ("phantom", "hphantom", "vphantom", "cancel", "bcancel", "xcancel", "sout", "st", "xout",
+                "cancelto", "iffalse")
+_HIDDEN_RE = re.compile(r"\\iffalse(?![A-Za-z]).*?(?:\\fi(?![A-Za-z])|$)|<!--.*?(?:-->|$)|^[ \t]*%.*$|"
+                        r"\\textcolor\s*\{\s*white\s*\}", re.DOTALL | re.MULTILINE)
+_HIDDEN_CMD_RE = re.compile(r"\\(?:" + "|".join(_HIDDEN_CMDS) + r")(?![A-Za-z])\s*(?=\{)")
+_DIGIT_FOLD = {**{0xFF10 + k: str(k) for k in range(10)}, **{0x0660 + k: str(k) for k in range(10)},
+               **{0x06F0 + k: str(k) for k in range(10)}, 0xFF0C: ",", 0xFF0E: ".", 0xFF1A: ":", 0xFF08: "(",
+               0xFF09: ")", 0xFF0B: "+", 0xFF0D: "-", 0xFF1D: "=", 0xFF0F: "/", 0x066B: ".", 0x066C: ","}
+
+
+def _fold_digits(text: str) -> str:
+    """Full-width and Arabic-Indic digits (and full-width signs) as ASCII: '４５' and '٤٥' are 45."""
+    return text.translate(_DIGIT_FOLD) if not text.isascii() else text
+
+
+def _after_thinking(text: str) -> str:
+    """Nothing inside <think> ever counts: closed <think>..</think> blocks go, then only what follows
+    the last '</think>' is kept, and an unclosed '<think>' hides everything after it."""
+    if "<think>" in text:
+        text = _THINK_RE.sub(" ", text)
+    head, sep, after = text.rpartition("</think>")
+    if sep:                 # a chat template that opens <think> in the prompt
+        text = after
+    k = text.find("<think>")
+    return text[:k] if k >= 0 else text
+
+
+def _visible(text: str) -> str:
+    """The text a reader sees: comments (a '%' line, <!-- -->, \\iffalse .. \\fi), white text and the
+    arguments of \\phantom, \\cancel, \\sout ... are removed, with any box inside them."""
+    if "\\" not in text and "<!--" not in text and "%" not in text:
+        return text
+    text = _HIDDEN_RE.sub(" ", text)
+    for _ in range(50):
+        m = _HIDDEN_CMD_RE.search(text)
+        if m is None:
+            break
+        end = _match_brace(text, m.end())
+        if m.group(0).startswith("\\cancelto") and end > 0:
+            end = _match_brace(text, end + 1) if text[end + 1:end + 2] == "{" else end
+        text = text[:m.start()] + " " + (text[end + 1:] if end > 0 else "")
+    return text
+
+
+def _answer_tag(text: str) -> str | None:
+    """Content of the last <answer>..</answer> (an unclosed last tag runs to the end)."""
+    if "<answer>" not in text:
+        return None
+    m = None
+    for m in _ANSWER_TAG_RE.finditer(text):
+        pass
+    return m.group(1).strip() if m else None
 
 
 def _math_spans(text: str) -> list[tuple[int, int, str]]:
@@ -598,13 +701,15 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
         return None
     if len(text) > MAX_RESPONSE_CHARS:
         text = text[-MAX_RESPONSE_CHARS:]
-    text = _end_of_turn(text)
-    head, sep, after = text.rpartition("</think>")
-    if sep and after.strip():
-        text = after        # a reasoning trace ends at </think>: the answer is what follows it
-    boxes = _last_boxes(text)
-    if boxes is not None or strict or _outer_boxes(text) is None:
-        return _join(boxes) if boxes else None      # an unclosed last box: a truncated response
+    text = _visible(_after_thinking(_end_of_turn(_fold_digits(text))))
+    if not text.strip():
+        return None
+    boxes, found = _last_boxes(text), _outer_boxes(text)
+    if boxes is not None or strict or found is None or found:
+        return _join(boxes) if boxes else None      # an unclosed last box, or one that is no answer
+    tag = _answer_tag(text)
+    if tag is not None:     # R1's '<answer>15</answer>': the last tag's content is the answer
+        return _tidy(tag) or None if _is_bare_answer(tag) else extract_answer(tag, last_number=last_number)
     tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
     if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
         return text.strip()   # a whole response '4+7' is its value 11, not its last number
@@ -1910,7 +2015,14 @@ def _is_name(e) -> bool:
     '2x' or 'x^2' is not a name: '2x = 10' is an equation, not the answer 10."""
     if not getattr(e, "free_symbols", None) or _PM in e.free_symbols:
         return False
-    return _symbols_only(e, 0)
+    return _symbols_only(e, 0) and len(e.atoms(sympy.Symbol)) == _count_symbols(e, 0)   # not 'x - x'
+
+
+def _count_symbols(e, depth: int) -> int:
+    """Occurrences of symbols in e, repeats counted."""
+    if e.is_Symbol:
+        return 1
+    return sum(_count_symbols(a, depth + 1) for a in e.args) if depth < 30 else 10 ** 6
 
 
 def _symbols_only(e, depth: int) -> bool:
@@ -2141,7 +2253,8 @@ def _ev(e, env: dict, budget: _Budget):
         if type(e) in _PERIODIC:
             budget.scale = max(budget.scale, abs(args[0]))
         try:
-            return _note_complex(_check_mp(fn(*args)), args, budget)
+            v = _check_mp(fn(*args))
+            return _note_complex(_tiny_check(v) if type(e) is sympy.exp else v, args, budget)
         except (ZeroDivisionError, ValueError):
             raise _Undefined() from None
     raise _ParseError(f"cannot evaluate {type(e).__name__}")
@@ -2190,7 +2303,20 @@ def _pow(b, x):
         raise _Undefined() from None
     if logmag > MAX_MAG_BITS:
         raise _Limit("power")
-    return _check_mp(_MP.power(bm, xm))
+    if isinstance(x, Fraction) and x.denominator > 1 and abs(x - round(x)) < _TINY:
+        raise _Limit("an exponent within 1e-40 of an integer")      # 7^{1 + 10^{-60}} is not 7
+    return _tiny_check(_check_mp(_MP.power(bm, xm)))
+
+
+_TINY = Fraction(1, 10 ** 40)
+
+
+def _tiny_check(v):
+    """A power or exponential below 1e-40 cannot be told from 0 beside other terms at 50 digits
+    ('7 + e^{-200}' would equal 7): a limit hit, never a value."""
+    if not isinstance(v, Fraction) and v != 0 and abs(v) < _MP.mpf(10) ** -40:
+        raise _Limit("a value below the working precision")
+    return v
 
 
 def _iroot(n: int, k: int) -> int | None:
@@ -2224,9 +2350,10 @@ def _close(a, b, tol: float, abs_tol=None, scale=None) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b)) + extra
 
 
-def _points(names: list[str], signed: bool = False) -> list[dict]:
+def _points(names: list[str], signed: bool = False, far: bool = False) -> list[dict]:
     """N_POINTS seeded rational points (positive, non-integer): the same on every run and seed.
-    signed=True flips signs (equations): the second point's every other variable, the third's all."""
+    signed=True flips signs (equations): the second point's every other variable, the third's all;
+    far=True (solution sets) adds two far points, about 97 and -89 times the first."""
     out = []
     for t in range(N_POINTS):
         rng = random.Random(7919 * (t + 1))
@@ -2235,6 +2362,10 @@ def _points(names: list[str], signed: bool = False) -> list[dict]:
     if signed:
         out = [{n: -v if t == 2 or (t == 1 and k % 2 == 0) else v for k, (n, v) in enumerate(p.items())}
                if t else p for t, p in enumerate(out)]
+    if far:     # Two far points of both signs: the others lie within 20 of 0, where '|x - 30| = 3' and
+        # '\\min(x, 30) = 30' would pass for 'x = 27' and 'x = 30'.
+        out += [{n: v * 97 + Fraction(1, 3) for n, v in out[0].items()},
+                {n: -v * 89 - Fraction(1, 5) for n, v in out[0].items()}]
     return out
 
 
@@ -2344,7 +2475,7 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     if bounds:
         points, signed = _integer_points(names, bounds), True
     else:
-        points = _points(names, signed) if names else [{}]
+        points = _points(names, signed, far=signed) if names else [{}]
     for va, sa in cands_a:
         for vb, sb in cands_b:
             if _agree(va, sa, vb, sb, points, use_tol, budget) and (
@@ -2375,7 +2506,7 @@ def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
 
 def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
     valid = 0
-    for p in points:
+    for k, p in enumerate(points):
         budget.scale = 0
         try:
             x = _ev(a.expr, {**p, **a.env}, budget)
@@ -2384,6 +2515,10 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
             if len(points) == 1:
                 return False
             continue
+        except _Limit:
+            if k < N_POINTS:
+                raise
+            continue        # a far point (solution sets) beyond the caps: e^{at} at a, t near 1900
         if sa != 1:
             x = x * sa if isinstance(x, Fraction) else x * _MP.mpf(sa.numerator) / sa.denominator
         if sb != 1:
@@ -2423,11 +2558,15 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
     if not names:
         return False
     ratios = []
-    for p in _points(names, signed=True):
+    for p in _points(names, signed=True, far=True):
+        budget.left_reals = False
         try:
             x = _ev(da.expr, {**p, **da.env}, budget)
             y = _ev(db.expr, {**p, **db.env}, budget)
-        except _Undefined:
+        except (_Undefined, _Limit):
+            continue        # (a far point may go beyond the caps)
+        if budget.left_reals:
+            budget.left_reals = False
             continue
         if _close(y, Fraction(0), EXACT_REL_TOL) or _close(x, Fraction(0), EXACT_REL_TOL):
             return False
@@ -2876,9 +3015,8 @@ def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
         return []       # '4 = 5', '0 = 1 = 2', '5 \\approx 5.1': a false chain states no value
     if const[k] and all(const[j] or (j == 0 and head_ok) for j in range(k)):
         out.append(parts[k])
-    if "~" in ops and const[-1] and (
-            (k == 0 and head_is_name) or tol > APPROX_GOLD_TOL or _has_decimal(gold)):
-        out.append(parts[-1])
+    if "~" in ops and const[-1] and k == 0 and head_is_name:
+        out.append(parts[-1])       # 't \\approx 9'; '\\frac17 \\approx 0.14' is 1/7 whatever the gold
     return out
 
 
@@ -3089,6 +3227,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 _DEC_COMMA_RE = re.compile(r"^([+-]?\d+)(?:,|\{,\})(\d{1,2}|\d{4,})(?=%?$)|^([+-]?0)(?:,|\{,\})(\d+)(?=%?$)")
 _UNPARSED_OPERATOR_RE = re.compile(r"\\(?:lim|int|iint|oint|partial|nabla|det|sum|prod|mathrm|frac|operatorname)"
                                    r"(?![a-zA-Z])")
+_TEXT_NAME_RE = re.compile(r"\s*(?:[A-Za-z](?:_\{?[A-Za-z0-9]{1,3}\}?)?\s*[:/]?\s*){1,6}")   # V_1 : V_2
 _LONE_DECIMAL_RE = re.compile(r"^[+-]?\d+\.\d+%?$")
 
 
@@ -3112,7 +3251,7 @@ def _named_text_equal(named: str, other: str) -> bool:
     time): equal as text after the name, when the name has no digit outside its subscripts."""
     tail = _right_of_last_equals(named)
     return tail is not None and _norm_text(tail) == _norm_text(other) and not _has_undefined(named) and \
-        not re.search(r"\d", re.sub(r"_\{?\w+\}?", "", named[:len(named) - len(tail)]))
+        _TEXT_NAME_RE.fullmatch(named[:len(named) - len(tail)].rstrip()[:-1]) is not None
 
 
 def _no_thousands(s: str) -> str:
@@ -3179,10 +3318,7 @@ def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> 
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     try:
-        if _compare(pred, gold, rel_tol):
-            return True
-        boxes = _boxes_for_list(pred, gold)     # the same reading of several boxes as verify()
-        return boxes is not None and boxes != pred and _compare(boxes, gold, rel_tol)
+        return _compare(pred, gold, rel_tol)
     except _Limit:
         _count("limit_hits")
     except (_ParseError, _Undefined):
@@ -3203,32 +3339,10 @@ def verify(response: str, gold: str, *, strict: bool = True,
         pred = extract_answer(response, strict=strict)
         if pred is None or "\\boxed" in pred or "\\fbox" in pred:
             return 0.0          # no answer, or a box inside a box beside other content
-        if is_equivalent(pred, gold, rel_tol=rel_tol):
-            return 1.0
-        boxes = _boxes_for_list(response, gold)
-        ok = boxes is not None and boxes != pred and is_equivalent(boxes, gold, rel_tol=rel_tol)
-        return 1.0 if ok else 0.0
+        return 1.0 if is_equivalent(pred, gold, rel_tol=rel_tol) else 0.0
     except Exception:
         _count("errors")
         return 0.0
-
-
-def _boxes_for_list(response: str, gold: str) -> str | None:
-    """Against a gold list of n answers, the last n boxes of the response joined, whatever prose
-    stands between them ('$\\boxed{3}$ and, checking the sign, also $\\boxed{-3}$'): departure 16."""
-    if not isinstance(response, str) or "\\boxed" not in response and "\\fbox" not in response:
-        return None
-    g = _unwrap_answer(gold) if len(gold) <= MAX_RESPONSE_CHARS else ""
-    try:
-        node = _parse(_clean(g), _Budget(), as_gold=True) if 0 < len(g) <= MAX_ANSWER_CHARS else None
-    except (_ParseError, _Limit, _Undefined, RecursionError):
-        return None
-    if not (isinstance(node, Seq) and node.open == "" and 2 <= len(node.items) <= _MAX_JOIN):
-        return None
-    boxes = _outer_boxes(_end_of_turn(response[-MAX_RESPONSE_CHARS:]))
-    if not boxes or len(boxes) < len(node.items):
-        return None
-    return _join([c for _, _, c in boxes[-len(node.items):]])
 
 
 def _verify_chunk(args):
