@@ -736,3 +736,57 @@ def test_hedged_boxes_are_paid_for_one_gold_only():
                  "<think>x</think> So $\\boxed{4}$ <think>\\boxed{12}</think>"):
         assert V.verify(resp, "12", strict=False) == 0.0, resp
     assert V.extract_answer("<think>x</think> So $\\boxed{4}$ <think>\\boxed{12}</think>") == "4"
+
+
+# ------------------------------------------------------------------------------------------------
+# The formats RL policies write and the kinds of issue 40 (data/verify_rl.jsonl, committed before
+# the verifier changed for them): hedged boxes, words after a number, units of another size, boxes
+# that are operands, hidden or disowned, left sides, numbers, answer cues in other scripts.
+
+_RL = _load(RL)
+
+
+def test_rl_file_shape():
+    kinds = {}
+    for c in _RL:
+        assert "response" in c and isinstance(c["label"], bool), c
+        kinds.setdefault(c["category"], set()).add(c["label"])
+    assert sum(not c["label"] for c in _RL) >= 150 and sum(c["label"] for c in _RL) >= 60
+    assert all(labels == {True, False} for labels in kinds.values()), kinds
+
+
+@pytest.mark.parametrize("k", range(len(_RL)))
+def test_rl_formats_and_kinds(k):
+    c = _RL[k]
+    assert _judge(c) is c["label"], c
+    boxed = "\\boxed" in c["response"] or "\\fbox" in c["response"]
+    assert V.verify(c["response"], c["gold"]) == float(c["label"] and boxed), c     # training: strict
+
+
+def test_units_are_dropped_only_against_none_or_the_same():
+    rows = [("5 \\text{ km}", "5", True), ("5 \\text{ km}", "5 \\text{ km}", True),
+            ("5 \\text{ km}", "5 \\text{ m}", False), ("5 \\text{ kilometers}", "5 \\text{ km}", True),
+            ("3 \\text{ hrs}", "3 \\text{ hours}", True), ("3 \\text{ min}", "3 \\text{ hours}", False),
+            ("7 \\text{ cents}", "\\$7", False), ("7 \\text{ dollars}", "\\$7", True), ("\\$7", "7", True),
+            ("30 \\text{ rad}", "30^\\circ", False), ("30 \\text{ degrees}", "30^\\circ", True),
+            ("9 \\text{ cm}^2", "9 \\text{ m}^2", False), ("9 \\text{ m}^2", "9 \\text{ m}^2", True),
+            ("7\\mathbb{N}", "7", False), ("7 \\text{ N}", "7", True), ("7 \\text{ thousand}", "7000", True),
+            ("7 \\text{ thousand}", "7", False), ("7 \\text{ doubled}", "7", False),
+            ("7 \\text{ onwards}", "7", False), ("7 \\text{ apples}", "7", True)]
+    _check(rows)
+    assert V._unit_of("5 \\text{ km}") == ("length", 1000.0) and V._unit_of("12 \\text{ apples}") is None
+    assert V._unit_of("9 \\text{ cm}^2") == ("length^2", 1e-4) and V._unit_of("x^2") is None
+
+
+def test_digits_and_marks_of_other_scripts():
+    rows = [("４５", "45", True), ("٤٥", "45", True), ("⅞", "\\frac78", True), ("⅞", "78", False),
+            ("2½", "\\frac52", True), ("10⁶", "10^6", True), ("10⁶", "106", False), ("1⁄2", "0.5", True),
+            ("1\u202f000", "1000", True), ("{3 \\over 4}", "0.75", True), ("\\textcolor{red}{7}", "7", True),
+            ("3.400,25", "3400.25", True), ("0.(3)", "\\frac13", True), ("0.(3)", "0", False),
+            ("x \\equiv 7 \\pmod 1", "7", False), ("x \\equiv 7 \\pmod{10}", "7", True), ("7 + 0i", "7", True),
+            ("7 = x", "7", True), ("x - x = 7", "7", False), ("7 + e^{-200}", "7", False)]
+    _check(rows)
+    assert V.extract_answer("所以他一共走了45公里。") == "45"
+    assert V.extract_answer("答案是 45 或 46。") is None and V.extract_answer("答案不是45。") is None
+    assert V.extract_answer("<think>7</think>\n<answer>15</answer>") == "15"
+    assert V.extract_answer("<answer>15</answer>", strict=True) is None      # training: boxes only

@@ -398,7 +398,8 @@ _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or
 _ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
                                r"答案\s*(?:是|为|為)?\s*[:：]?|(?<!\S)答\s*[:：]|"
                                r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)"
-                               r"\s*[:：])\s*:?",
+                               r"\s*[:：]|答え\s*は|"
+                               r"(?:所以|因此|因而|综上所述|综上)\s*[,，:：]?)\s*:?",
                                re.IGNORECASE | re.MULTILINE)
 _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])",
                           re.IGNORECASE)
@@ -407,7 +408,11 @@ _BARE_ARITHMETIC_RE = re.compile(r"^\s*[-+]?\d[\d\s.]*(?:[-+*/×·]\s*\(?\s*\d[\
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
 _HEDGE_WORDS_RE = re.compile(r"(?<![A-Za-z])(?:or|not|maybe|perhaps|possibly|probably|either|might|guess|unsure|"
                              r"not sure|could be)(?![A-Za-z])", re.IGNORECASE)
-_MAX_JOIN = 8               # at most this many boxes / spans are joined into one answer
+_CJK_RE = re.compile(r"[\u3000-\u30ff\u4e00-\u9fff\uff00-\uffef]")
+# Words of a Chinese or Japanese sentence that hedge, negate or bound its number ('or', 'maybe', 'not',
+# 'about', 'at least' ...): such a sentence after an answer cue gives no answer.
+_CJK_HEDGE_RE = re.compile(r"或|可能|大概|也许|不|约|左右|以上|以下|至少|至多|かも|ない|未満")
+_MAX_JOIN = 16              # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
 
 
@@ -497,8 +502,10 @@ def _final_group(text: str) -> list | None:
     out = [boxes[-1]]
     for b in reversed(boxes[:-1]):
         gap = text[b[1]:out[0][0]]
-        if len(out) >= _MAX_JOIN or len(gap) > _MAX_GAP or not _is_join_gap(gap):
+        if len(gap) > _MAX_GAP or not _is_join_gap(gap):
             break
+        if len(out) >= _MAX_JOIN:
+            return None     # more joined boxes than the cap: a suffix of them is no answer
         out.insert(0, b)
     if any(_is_operand(text, a, b) for a, b, _ in out):
         return None
@@ -577,9 +584,11 @@ _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _HIDDEN_CMDS = ("phantom", "hphantom", "vphantom", "cancel", "bcancel", "xcancel", "sout", "st", "xout",
                 "cancelto", "iffalse")
-_HIDDEN_RE = re.compile(r"\\iffalse(?![A-Za-z]).*?(?:\\fi(?![A-Za-z])|$)|<!--.*?(?:-->|$)|^[ \t]*%.*$|"
-                        r"\\textcolor\s*\{\s*white\s*\}", re.DOTALL | re.MULTILINE)
-_HIDDEN_CMD_RE = re.compile(r"\\(?:" + "|".join(_HIDDEN_CMDS) + r")(?![A-Za-z])\s*(?=\{)")
+_HIDDEN_RE = re.compile(r"\\iffalse(?![A-Za-z]).*?(?:\\fi(?![A-Za-z])|$)|<!--.*?(?:-->|$)|^[ \t]*%.*$",
+                        re.DOTALL | re.MULTILINE)
+_HIDDEN_CMD_RE = re.compile(r"(?:\\(?:" + "|".join(_HIDDEN_CMDS) + r")(?![A-Za-z])|"
+                            r"\\(?:textcolor|colorbox)\s*\{\s*white\s*\})\s*(?=\{)")
+_COLOR_RE = re.compile(r"\\(?:textcolor|colorbox)\s*\{[^{}]*\}\s*(?=\{)|\\color\s*\{[^{}]*\}")
 _DIGIT_FOLD = {**{0xFF10 + k: str(k) for k in range(10)}, **{0x0660 + k: str(k) for k in range(10)},
                **{0x06F0 + k: str(k) for k in range(10)}, 0xFF0C: ",", 0xFF0E: ".", 0xFF1A: ":", 0xFF08: "(",
                0xFF09: ")", 0xFF0B: "+", 0xFF0D: "-", 0xFF1D: "=", 0xFF0F: "/", 0x066B: ".", 0x066C: ","}
@@ -616,7 +625,7 @@ def _visible(text: str) -> str:
         if m.group(0).startswith("\\cancelto") and end > 0:
             end = _match_brace(text, end + 1) if text[end + 1:end + 2] == "{" else end
         text = text[:m.start()] + " " + (text[end + 1:] if end > 0 else "")
-    return text
+    return _COLOR_RE.sub("", text)      # '\\textcolor{red}{\\boxed{7}}' is the box
 
 
 def _answer_tag(text: str) -> str | None:
@@ -651,7 +660,8 @@ def _tidy(ans: str) -> str:
 
 
 def _after_phrase(text: str) -> str | None:
-    """The answer that follows the last 'answer is' / 'Answer:' / '####' of text, if any."""
+    """The answer that follows the last 'answer is' / 'Answer:' / '####' of text, if any ('' when a
+    cue in Chinese or Japanese is followed by a hedged or negated sentence: no answer at all)."""
     m = None
     for m in _ANSWER_PHRASE_RE.finditer(text):
         pass
@@ -667,6 +677,10 @@ def _after_phrase(text: str) -> str | None:
             joined.append(s)
         return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
     line = rest.split("\n", 1)[0]
+    if _CJK_RE.search(line):        # '所以他一共走了45公里。': the one number of the sentence
+        line = re.split(r"[。！？]", line, maxsplit=1)[0]
+        nums = _NUMBER_RE.findall(line)
+        return nums[0] if len(nums) == 1 and not _CJK_HEDGE_RE.search(line) else ""   # '' : cue, no answer
     line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$|[A-Z])|\s+(?:since|because|which|as)\s", line, maxsplit=1)[0]
     said = None
     for said in _IS_VALUE_RE.finditer(line):      # 'The smallest $k$ is 12': what follows the last 'is'
@@ -717,8 +731,8 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
         return _tidy(text)    # a whole response '\\{1, 3, 5, \\ldots\\}' or '3 or 4' is its answer
     for find in (_after_phrase, _last_math):
         ans = find(tail)
-        if ans:
-            return ans
+        if ans is not None:
+            return ans or None      # '' : an answer cue followed by no answer ('答案不是45')
     if not last_number or _HEDGE_WORDS_RE.search(tail.strip().rsplit("\n", 1)[-1]):
         return None         # 'It is either 4 or 5.': a hedge, not an answer to read a number from
     last = None
@@ -727,6 +741,9 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
     if last is None:
         return None
     num = last.group(0).rstrip(",")
+    unit = re.match(r"\s*([A-Za-z]+)", tail[last.end():])
+    if unit and unit.group(1) in _UNIT_DIMS and "," not in num:
+        return f"{num} \\text{{ {unit.group(1)}}}"
     if num.count(",") > 1 and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num):
         num = num.rsplit(",", 1)[1]     # '1,3,5' is a list whose last number is 5, not a number
     return num
@@ -737,7 +754,7 @@ def _is_bare_answer(text: str) -> bool:
     or without words (runs of two or more letters other than function names, 'or' and 'and',
     outside LaTeX commands and \\text{..})."""
     t = text.strip()
-    if not t or len(t) > 200 or "\n" in t:
+    if not t or len(t) > 200 or "\n" in t or _CJK_RE.search(t):
         return False
     if " " not in t or _PY_SYNTAX_RE.search(t) or any(m.group(1) not in _FUNCS for m in _CALL_RE.finditer(t)):
         return True         # one token ('abc0', 'Evelyn') or a line of code: judged whole, not its digits
@@ -798,7 +815,61 @@ _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.I
 _HEDGE_TEXT_RE = re.compile(r"[\d()\[\]=<>]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
                             r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|"
                             r"answer|guess|correct|incorrect|depending|about|around|approximately|roughly|to|"
-                            r"between|plus|minus|etc)(?![A-Za-z])", re.IGNORECASE)
+                            r"between|plus|minus|etc|doubled|halved|tripled|squared|cubed|factorial|onwards?|up|"
+                            r"above|below|under|over|inverse|reciprocal|times|mod|false|impossible|excluded|off|"
+                            r"invalid|rejected|negative|opposite|rounded|later|earlier|ago|before|after)(?![A-Za-z])",
+                            re.IGNORECASE)
+# Number words after a value multiply it: '7 \\text{ thousand}' is 7000.
+_MULTIPLIERS = {"hundred": 100, "thousand": 1000, "million": 10 ** 6, "billion": 10 ** 9, "trillion": 10 ** 12,
+                "dozen": 12}
+# Units by dimension, with their size in the dimension's base unit. A unit is dropped only when the
+# other side has none or the same one (departure 12): '5 km' is not '5 m', '7 cents' is not '$7'.
+_UNIT_DIMS = {}
+for _dim, _table in (
+        ("length", {1e-9: "nm", 1e-3: "mm millimeter millimeters millimetre millimetres", 1e-2:
+                    "cm centimeter centimeters centimetre centimetres", 1: "m meter meters metre metres",
+                    1e3: "km kilometer kilometers kilometre kilometres", 0.0254: "in inch inches",
+                    0.3048: "ft foot feet", 0.9144: "yd yard yards", 1609.344: "mi mile miles"}),
+        ("time", {1e-3: "ms millisecond milliseconds", 1: "s sec secs second seconds", 60: "min mins minute minutes",
+                  3600: "h hr hrs hour hours", 86400: "day days", 604800: "week weeks wk wks",
+                  2629800: "month months", 31557600: "yr yrs year years"}),
+        ("mass", {1e-3: "mg milligram milligrams", 1: "g gm gram grams", 1e3: "kg kilogram kilograms kilo kilos",
+                  453.59237: "lb lbs pound pounds", 28.349523: "oz ounce ounces", 1e6: "ton tons tonne tonnes"}),
+        ("volume", {1e-3: "ml mL milliliter milliliters millilitre millilitres", 1: "L l liter liters litre litres",
+                    3.785411784: "gal gallon gallons"}),
+        ("usd", {1: "dollar dollars USD", 0.01: "cent cents"}), ("eur", {1: "euro euros EUR"}),
+        ("gbp", {1: "GBP"}), ("angle", {1: "rad rads radian radians", math.pi / 180: "deg degree degrees"})):
+    for _size, _words in _table.items():
+        for _w in _words.split():
+            _UNIT_DIMS[_w] = (_dim, _size)
+_UNIT_TAIL_RE = re.compile(r"(?:\\(?:text|mbox|mathrm|textrm|rm)\s*\{\s*([A-Za-z]+)\.?\s*\}|"
+                           r"(?<![\\A-Za-z])([A-Za-z]+)\.?)"
+                           r"\s*(?:\^\s*\{?\s*([23])\s*\}?|([²³]))?\s*$")
+_MONEY_RE = re.compile(r"\\\$|US\s*\$|^\s*\$\s*[\d.]|[\d.]\s*\$\s*$")
+_ANGLE_RE = re.compile(r"\^\s*\{?\s*\\circ|°|\\degree(?![A-Za-z])")
+
+
+def _unit_of(s: str):
+    """(dimension, size) of the unit a value is written with ('5 \\text{ km}', '\\$7', '30^\\circ',
+    '9 \\text{ m}^2'), or None when it has no unit this file knows (lengths, times, masses, volumes,
+    money, angles; a square or cube of a length)."""
+    t = s.strip().rstrip(".").strip()
+    if len(t) > 200 or not re.search(r"\d", t):
+        return None
+    if _ANGLE_RE.search(t) and not re.search(r"\\?(?:sin|cos|tan|sec|csc|cot)", t):
+        return ("angle", math.pi / 180)
+    for sym, dim in (("€", "eur"), ("£", "gbp")):
+        if sym in t:
+            return (dim, 1)
+    m = _UNIT_TAIL_RE.search(t)
+    if m and re.search(r"[\d})]\s*$", t[:m.start()]):
+        unit = _UNIT_DIMS.get(m.group(1) or m.group(2))
+        power = int(m.group(3) or {"²": 2, "³": 3}.get(m.group(4) or "", 1))
+        if unit is not None:
+            return unit if power == 1 else (f"{unit[0]}^{power}", unit[1] ** power)
+    if _MONEY_RE.search(t):
+        return ("usd", 1)
+    return None
 _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-9]\}?|[\s{}/*·]|\\cdot|\\,)$")
 
 
@@ -821,7 +892,19 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-",
             "≈": "\\approx ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
-            "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
+            "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus ", "⁄": "/",
+            "⅛": "\\frac18 ", "⅜": "\\frac38 ", "⅝": "\\frac58 ", "⅞": "\\frac78 ", "⅕": "\\frac15 ",
+            "⅖": "\\frac25 ", "⅗": "\\frac35 ", "⅘": "\\frac45 ", "⅙": "\\frac16 ", "⅚": "\\frac56 ",
+            "⅐": "\\frac17 ", "⅑": "\\frac19 ", "⅒": "\\frac1{10} "}
+_SPACES = {0x00A0: " ", 0x2009: " ", 0x202F: " ", 0x2007: " ", 0x2008: " ", 0x200A: " ", 0x3000: " "}
+_SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺", "0123456789-+")
+_SUPERSCRIPT_RE = re.compile(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺]+")
+_OVER_RE = re.compile(r"(?<!\\)\{([^{}]*?)\\over(?![a-zA-Z])([^{}]*?)\}")
+_PMOD_ONE_RE = re.compile(r"\\pmod\s*\{?\s*1\s*\}?(?![\d.])|\(\s*\\?(?:bmod|mod)\s*1\s*\)")
+_MATHBB_SET_RE = re.compile(r"\\mathbb\s*\{\s*([NZQC])\s*\}|\\mathbb\s*([NZQC])(?![A-Za-z])")
+_NUMBER_SETS = {"N": "ℕ", "Z": "ℤ", "Q": "ℚ", "C": "ℂ"}
+_PAREN_REPEAT_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\((\d{1,30})\)")
+_EURO_NUMBER_RE = re.compile(r"[+-]?\d{1,3}(?:\.\d{3})+,\d+")
 _REPEAT_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
 _BASE_RE = re.compile(r"\d{1,2}|ten|two|eight|sixteen|b|d|h|o", re.IGNORECASE)     # 52_8, 12_{ten}
 _FN_VALUE_RE = re.compile(r"\((-?\d{1,6})\)(?![\d.])")     # the '(0)' of I(0)
@@ -917,6 +1000,19 @@ def _fn_name(m) -> str:
 
 
 def _clean(s: str) -> str:
+    if not s.isascii():
+        s = _fold_digits(s).translate(_SPACES)
+        s = _SUPERSCRIPT_RE.sub(lambda m: "^{" + m.group(0).translate(_SUPERSCRIPTS) + "}", s)
+    if "\\color" in s or "\\textcolor" in s or "\\colorbox" in s:
+        s = _COLOR_RE.sub("", s)                                  # '\\textcolor{red}{7}' is 7
+    if "\\over" in s:
+        s = _OVER_RE.sub(r"\\frac{\1}{\2}", s)                       # '{3 \\over 4}' is 3/4
+    if _PMOD_ONE_RE.search(s):
+        return "\\text{mod 1}"         # every integer is congruent mod 1: no residue is stated
+    s = _MATHBB_SET_RE.sub(lambda m: _NUMBER_SETS[m.group(1) or m.group(2)], s)     # 7\\mathbb{N} is no 7 N
+    s = _PAREN_REPEAT_RE.sub(_repeating_to_frac, s)                   # 0.(3) is 1/3
+    if _EURO_NUMBER_RE.fullmatch(s.strip().rstrip("€ ").strip()):
+        s = s.replace(".", "").replace(",", ".")                      # 3.400,25 € is 3400.25
     if _SYMPY_HINT_RE.search(s):
         s = _sympy_printed(s)
     if "\\\\" in s and "\\begin" not in s:     # a JSON-escaped gold: '-3 \\\\le x' is '-3 \\le x'
@@ -942,7 +1038,6 @@ def _clean(s: str) -> str:
     s = _PERCENT_WORD_RE.sub(r"\1%", s)
     s = _CURRENCY_RE.sub("", s)
     s = _CURRENCY_WORD_RE.sub("", s)                  # 'USD 1,250' (after the number: a unit word)
-    s = s.replace("²", "^2").replace("³", "^3")
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "")
     s = _NUMPY_RE.sub("", s)                          # np.arcsin(10/13), math.pi: the function itself
     for u, latex in _UNICODE.items():
@@ -978,6 +1073,12 @@ def _clean(s: str) -> str:
     for _ in range(3):
         m = _TRAILING_TEXT_RE.match(s)
         unit = m.group(2).strip() if m else ""
+        if m and unit.lower() in _MULTIPLIERS and re.fullmatch(r"[+-]?\d+(?:\.\d+)?", m.group(1).strip()):
+            s = f"{m.group(1).strip()} \\cdot {_MULTIPLIERS[unit.lower()]}"     # '7 \\text{ dozen}' is 84
+            break
+        if m and re.fullmatch(r"\(?\s*exactly\s*\)?", unit):
+            s = m.group(1).strip()
+            continue
         if not m or m.group(1).endswith(("_", "^", "{")) or (
                 len(unit) < 2 and unit not in _UNIT_WORDS) or _HEDGE_TEXT_RE.search(unit):
             break           # '4 \text{ or 5}', '12 \text{ (not sure)}': words about the value, not a unit
@@ -1020,6 +1121,8 @@ _PY_SYNTAX_RE = re.compile(
     r"|(?<![A-Za-z0-9)}\]'])'|'(?=[A-Za-z0-9_'\"])"      # a quote that is not a prime (f'(x), y'')
     r"|[A-Za-z_]{2,}\.[A-Za-z_]|[A-Za-z_]\.[A-Za-z_]{2,}|__"   # dotted names (os.path, x.real; not p.m.), dunders
     r"|(?<![\\A-Za-z])(?:import|lambda|return)(?![A-Za-z])")
+_NEGATED_RE = re.compile(r"\\text\s*\{\s*(?:not|no|never|wrong|false|incorrect|impossible)(?![A-Za-z])[^{}]*\}\s*\S",
+                         re.IGNORECASE)
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
 
 
@@ -1028,6 +1131,8 @@ def _check_math(s: str) -> None:
     or a call of a name that is not a known function (the parser adds _check_product)."""
     if _PY_SYNTAX_RE.search(s):
         raise _NotMath("program syntax")
+    if _NEGATED_RE.search(s):
+        raise _NotMath("words that negate what follows")     # '\\text{not } x = 7'
     for m in _CALL_RE.finditer(s):
         if m.group(1) not in _FUNCS:
             raise _NotMath(f"call of {m.group(1)}")
@@ -1043,7 +1148,7 @@ def _check_product(factors: list, zero_written: bool) -> None:
 
 def _numeric(e, depth: int) -> bool:
     """Built from numbers and constants alone (5, \\sqrt2, \\pi/180): no name and no function."""
-    if isinstance(e, sympy.Rational) or e in (S.Pi, S.Exp1):
+    if isinstance(e, sympy.Rational) or e in (S.Pi, S.Exp1, S.ImaginaryUnit):
         return True
     if depth < 20 and isinstance(e, (sympy.Add, sympy.Mul, sympy.Pow)):
         return all(_numeric(a, depth + 1) for a in e.args)
@@ -1495,7 +1600,8 @@ class _Parser:
                     continue
             else:
                 implicit = True
-            if implicit and (c.isdigit() or c == ".") and self.s[:self.i].rstrip()[-1:].isdigit():
+            if implicit and (c.isdigit() or c == ".") and self.s[:self.i].rstrip()[-1:].isdigit() and not (
+                    re.search(r"\^\s*\d\s*$", self.s[:self.i]) and re.match(r"\d+\s*\^", self.s[self.i:])):
                 raise _ParseError("numbers side by side")     # '7 0', '4 5': not a product (nor 10 000)
             start = self.i
             g = self.parse_factor()
@@ -2922,6 +3028,9 @@ def _sets_equal(x, y, tol: float) -> bool:
 def _readings(node, gold, tol: float, budget: _Budget) -> list:
     """The prediction and the other ways to read it: 'x+y = 9' -> 9, 't = 2+3+4 = 9' -> 9,
     '\\frac17 \\approx 0.14' -> 1/7 (and 0.14 when the gold is a decimal or the exact part is a name)."""
+    if isinstance(node, Eqn) and node.op == "=" and isinstance(node.rhs.expr, sympy.Symbol) and \
+            not _free_names(node.lhs.expr) and node.rhs.expr != _PM:
+        node = Eqn(node.rhs, node.lhs, "=")        # '7 = x' states x = 7
     out = [node]
     if isinstance(gold, (Eqn, Chain)) or (isinstance(gold, Seq) and any(
             isinstance(x, (Eqn, Chain)) for x in gold.items)):
@@ -3167,6 +3276,9 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     pred, gold = _unwrap_answer(pred), _unwrap_answer(gold)    # a worked solution -> its box
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
+    up, ug = _unit_of(pred), _unit_of(gold)
+    if up is not None and ug is not None and (up[0] != ug[0] or abs(up[1] / ug[1] - 1) > 1e-9):
+        return False        # '5 km' against '5 m': a unit is dropped only against none or the same one
     cp, cg = _clean(pred), _clean(gold)
     if not cp or not cg:
         return False
