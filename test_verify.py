@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import bench_verify as B
 import verify as V
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -251,7 +252,7 @@ def test_outside_forms_with_near_misses():
             ("-3 \\bmod 4", "3", False),
             ("The total cost is 3,15 €.", "3.15", True), ("The total cost is 3,15 €.", "315", False),
             ("The area is 2,000.5 m².", "2000.5", True), ("The area is 2,000.5 m².", "2.0005", False),
-            # Prose between two boxes: the last box is the answer, never the pair (issue 40).
+            # Prose between two boxes: the last box is the answer, never the pair.
             ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 5", False),
             ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "5", True),
             ("((1,2),(3,4))", "(3,4), (1,2)", True), ("(1,2),(3,4)", "((3,4), (1,2))", True),
@@ -578,7 +579,7 @@ def test_case_file_accuracy():
 def test_frozen_file_is_well_formed_and_safe():
     """The frozen file (written before the verifier was extended for it, never tuned against) has both
     kinds of cases and both labels; on it the verifier gives no exception and under 1% false positives.
-    Its accuracy is a benchmark figure (`python verify.py bench`), not a test threshold."""
+    Its accuracy is a benchmark figure (`python bench_verify.py`), not a test threshold."""
     cases = _load(FROZEN)
     assert len(cases) >= 400
     assert all(("pred" in c) != ("response" in c) and isinstance(c["label"], bool) for c in cases)
@@ -646,9 +647,9 @@ def test_reward_hacking(k):
 
 _DET_SCRIPT = r"""
 import json, sys
-import verify as V
+import bench_verify as B
 cases = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
-print("".join("1" if V._judge_ours(c) else "0" for c in cases))
+print("".join("1" if B.judge_ours(c) else "0" for c in cases))
 """
 
 
@@ -681,47 +682,35 @@ def test_verify_batch_workers_match():
 # to one another. The one named exception is percent (departure 4): '7\%' is paid for 7 and 0.07.
 
 RL = os.path.join(HERE, "data", "verify_rl.jsonl")
-_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def _candidate_golds(text):
-    boxes = [c for _, _, c in (V._outer_boxes(text) or [])]
-    out = boxes + [", ".join(boxes[-k:]) for k in range(2, len(boxes) + 1)]
-    out += [c for _, _, c in V._math_spans(text)] + _NUMBER_RE.findall(text)
-    return [c for c in dict.fromkeys(x.strip() for x in out) if c and len(c) < 300][:16]
-
-
-def _percent_pair(text, a, b):
-    """The named exception: the answer has a percent sign and one gold is 100 times the other."""
-    return ("%" in text or "percent" in text) and (V.is_equivalent(f"100 \\cdot ({b})", a)
-                                                  or V.is_equivalent(f"100 \\cdot ({a})", b))
 
 
 def test_one_answer_one_reward_over_every_case_file():
     hedges, n_paid = [], 0
     for path in (CASES, FROZEN, OUTSIDE, HACKING, RL):
         for c in _load(path):
-            text = c.get("response", c.get("pred"))
-            tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
-            golds = list(dict.fromkeys(_candidate_golds(text) + [c["gold"]]))
-            if "response" in c:
-                paid = [g for g in golds if V.verify(text, g, strict=False, rel_tol=tol) == 1.0]
-            else:
-                paid = [g for g in golds if V.is_equivalent(text, g, rel_tol=tol)]
-            n_paid += len(paid)
-            for k, a in enumerate(paid):
-                bad = [b for b in paid[k + 1:] if not (V.is_equivalent(a, b, rel_tol=tol) or V.is_equivalent(
-                    b, a, rel_tol=tol) or _percent_pair(text, a, b))]
-                if bad:
-                    hedges.append((os.path.basename(path), text[:120], a, bad[0]))
-                    break
-    assert n_paid > 2000, n_paid         # the check sees the suite's honest answers, not nothing
+            hedge = B.hedge_of(c, B.judge_ours)
+            if hedge is not None:
+                hedges.append((os.path.basename(path), c.get("response", c.get("pred"))[:120], *hedge))
+            n_paid += c["label"]
+    assert n_paid > 1000, n_paid
     assert hedges == [], hedges
+
+
+def test_the_hedge_check_finds_hedges():
+    """hedge_of itself, on a judge that pays a suffix of a list (a reading that depends on the gold)."""
+    def suffix_judge(c, gold=None):
+        gold = c["gold"] if gold is None else gold
+        boxes = [b for _, _, b in V._outer_boxes(c["response"])]
+        return any(V.is_equivalent(", ".join(boxes[-k:]), gold) for k in range(1, len(boxes) + 1))
+    c = {"response": "I tried $\\boxed{2}$; no, it is $\\boxed{9}$.", "gold": "9", "label": True}
+    assert B.hedge_of(c, suffix_judge) == ("9", "2, 9")
+    assert B.hedge_of(c, B.judge_ours) is None
+    assert B.candidate_golds(c["response"]) == ["2", "9", "2, 9", "\\boxed{2}", "\\boxed{9}"]
 
 
 def test_percent_is_the_one_dual_reading():
     assert V.verify("So $\\boxed{7\\%}$.", "7") == 1.0 and V.verify("So $\\boxed{7\\%}$.", "0.07") == 1.0
-    assert _percent_pair("7\\%", "7", "0.07") and not _percent_pair("7", "7", "0.07")
+    assert B.percent_pair("7\\%", "7", "0.07") and not B.percent_pair("7", "7", "0.07")
     assert V.verify("So $\\boxed{7}$.", "0.07") == 0.0
 
 
@@ -739,7 +728,7 @@ def test_hedged_boxes_are_paid_for_one_gold_only():
 
 
 # ------------------------------------------------------------------------------------------------
-# The formats RL policies write and the kinds of issue 40 (data/verify_rl.jsonl, committed before
+# The formats RL policies write and their near misses (data/verify_rl.jsonl, committed before
 # the verifier changed for them): hedged boxes, words after a number, units of another size, boxes
 # that are operands, hidden or disowned, left sides, numbers, answer cues in other scripts.
 

@@ -8,17 +8,22 @@ answer and decides whether it is mathematically the same as the gold. Used for t
 
 Public API
 ----------
-``extract_answer(text, *, strict=False) -> str | None``
-    The response is cut at its first end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``</s>``
-    ...) and before a next few-shot "Problem:" written after an answer. Then: content of the last
-    ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces allowed), joined with the boxes
-    just before it when only ``,`` / ``and`` / ``or`` / ``x =`` separate them (departure 16).
-    ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a response without a
-    box falls back to the math (or sentence) after the last "answer is" / "Answer:" / "####"
-    (Minerva's "Final Answer: The final answer is $X$. I hope it is correct."), then to the last
-    math span (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last
-    number (``last_number=True``). A whole response that is one short line without words is its
-    own answer. An unclosed last box is no answer in either mode (a truncated response).
+``extract_answer(text, *, strict=False, last_number=True) -> str | None``
+    The response's answer, decided from the response alone (the gold is never looked at). The
+    response is cut at its first end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``</s>`` ...)
+    and before a next few-shot "Problem:" written after an answer; nothing inside ``<think>`` counts
+    (departure 24); comments, ``\\phantom``, ``\\cancel``, ``\\sout`` and white text are not read.
+    Then: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces
+    allowed), joined with the boxes just before it when only ``,`` / ``;`` / ``and`` / ``or`` /
+    ``x =`` separate them (departure 16); a last box that is an operand, disowned or hedged gives no
+    answer at all. ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a
+    response without a box falls back to the last ``<answer>..</answer>``, then to the math (or
+    sentence) after the last "answer is" / "Answer:" / "####" / ``所以`` / ``答え:`` (Minerva's "Final
+    Answer: The final answer is $X$. I hope it is correct."), then to the last math span
+    (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last number
+    (``last_number=True``) with the unit word after it. A whole response that is one short line
+    without words is its own answer. An unclosed last box is no answer in either mode (a truncated
+    response).
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
     Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
     delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
@@ -33,6 +38,9 @@ Public API
     of start-up, so it pays off from a few thousand responses). As with any spawn pool, the calling
     script needs the usual ``if __name__ == "__main__":`` guard. If the pool fails, the remaining
     items are scored in-process.
+``last_boxed(text) -> str | None``
+    Content of the last outermost box of text, brace-matched, or None: the reader of golds
+    (data/prepare.py takes a worked solution's answer with it).
 ``stats() -> dict`` / ``reset_stats()``
     Module-level counters (calls, limit hits, parse failures, internal errors). The only global
     state in this file. ``verify_batch`` adds its workers' counters to the caller's.
@@ -60,6 +68,15 @@ How answers are compared
 What counts as an answer (the strictness rule)
 ----------------------------------------------
 Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
+
+One answer, one reward: what a response's answer is is decided from the response alone, before the
+gold is looked at (``extract_answer``), and only then compared (``is_equivalent``). So the golds one
+response is paid for form one equivalence class: a hedge (``\\boxed{2} \\boxed{4} \\boxed{6}``, "I tried
+\\boxed{2}; no, it is \\boxed{9}") is paid for its last answer only, never for a list of its boxes nor
+for a suffix of a list. The one dual reading kept is percent (departure 4: ``7\\%`` is paid for 7 and
+for 0.07). test_verify.py checks it over every case file: each response is judged against every
+box, join of boxes, math span and number in it.
+
 So a prediction is an answer only when it is written in the notation of the table below (numbers,
 names, operators, functions, relations, structures, plain words for a text answer). These are not
 answers, and each is unequal to every gold; ``_check_math`` and ``_check_product`` are the one place
@@ -74,8 +91,16 @@ that decides it, and no other reading or leniency is tried after it:
 
 Every leniency is bounded by what a policy could exploit with it:
 
-- text after a value is a unit only when it holds no digit, bracket or qualifying word
-  (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}`` are not units);
+- text after a value is a unit only when it holds no digit, bracket or word that changes, negates
+  or bounds it (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}``, ``\\text{ doubled}``,
+  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies); a unit is
+  dropped only when the other side has none or the same one (``_unit_of``: lengths, times, masses,
+  volumes, money, angles): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``, ``30 rad`` is not
+  ``30^\\circ``, and ``7\\mathbb{N}`` is no 7 newtons;
+- a box is no answer when it is an operand (``\\boxed{7} + \\boxed{1}``, ``-\\boxed{7}``,
+  ``\\frac{\\boxed{7}}{2}``), hidden or struck (``\\phantom``, ``\\cancel``, ``\\sout``, ``\\iffalse``, a
+  comment, white text), disowned (``\\boxed{7} (wrong)``, "the answer is not \\boxed{7}") or hedged
+  right after (``\\boxed{7} or 8``); ``\\text{not } x = 7`` is no answer;
 - a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
   approximation farther than half a unit in its last place from the value it follows
   (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
@@ -94,18 +119,22 @@ Every leniency is bounded by what a policy could exploit with it:
 - numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
   answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
 
-``data/verify_hacking.jsonl`` holds the forms a policy could try, by kind, each with honest controls.
+``data/verify_hacking.jsonl`` and ``data/verify_rl.jsonl`` hold the forms a policy could try, by kind,
+each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
 1. No ``sympify``/``parse_expr``/``eval``: the parser is ours and smaller; an answer it cannot parse
    is compared as normalised text only (so exotic LaTeX can give false negatives, never code runs).
+   (``_Parser``, ``_parse``)
 2. Symbolic equality is decided by evaluation at seeded rational points (Schwartz-Zippel style),
    not by ``simplify``: positive points first, then points of both signs at which neither side
    leaves the real numbers (a square root or logarithm of a negative value, found as a complex value
    from real arguments, skips the point). So ``\\sqrt{x^2}`` is ``|x|`` and not ``x``, while
    ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal. Equations are solution sets:
-   compared at points of both signs, so ``y = \\sqrt{x^2}`` is not ``y = x``.
+   compared at points of both signs and two far points (about 97 and -89 times the first), so
+   ``y = \\sqrt{x^2}`` is not ``y = x`` and ``|x - 10| = 3`` is not ``x = 7``.
+   (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_eqn_equal``)
 3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
    digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
@@ -113,42 +142,57 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    rounding of 100). Pass ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a
    ``rel_tol`` above 1e-3 treats integers as rounded too (``901.8`` equals ``900``) and drops the
    rounding check.
-4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted).
+   (``_agree``, ``_close``)
+4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted): the one dual reading
+   kept, so the one named exception to "one answer, one reward".
+   (``_val_equal``)
 5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``.
+   (``_clean (_DEGREE_RE)``)
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
+   (``_Parser.parse_postfix``)
 7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals
    a tuple with the same order. Bracket kinds of intervals must match (``[a,b)`` != ``(a,b)``).
    A column or row vector (``pmatrix``) equals a tuple with the same entries. A tuple of tuples
    against a bare list of tuples is unordered (``((1,2),(3,4))`` equals ``(3,4), (1,2)``).
+   (``_equal``, ``_unordered_equal``, ``_ordered_equal``)
 8. ``a \\pm b`` is the unordered pair ``{a+b, a-b}``.
+   (``_expand_pm``)
 9. ``x = 5`` equals ``5`` when the left side is a single symbol; two equations are equal when
    ``lhs - rhs`` of one is a non-zero constant multiple of the other's, or (several variables) when
    at sampled values of the others both are polynomials of degree <= ``MAX_ROOT_DEGREE`` in the last
    variable with the same real roots: ``x^3 = y^3`` equals ``x = y``, ``x^2 = y^2`` does not.
+   (``_readings``, ``_eqn_equal``, ``_same_real_roots``)
 10. ``e`` is Euler's number and ``i`` the imaginary unit everywhere. A run of three or more letters
     that is not a known function (``east``, ``SRMC``) is one symbol (or plain text when alone); one or
     two letters are a product of single-letter symbols. When the other answer uses all the letters of
     such a word as single symbols, the word is also read as their product (``abc`` equals ``ab \\cdot c``).
+    (``_Parser.parse_letters``, ``_word_products``)
 11. A number directly followed by an integer ``\\frac`` is a mixed number (``1\\frac{4}{5}`` = 9/5).
+    (``_Parser._try_mixed``)
 12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped; as a last try a
     known plain unit word (``cm``, ``inches``, ``m`` ...) after a number is dropped too.
+    (``_clean``, ``_unit_of``, ``_strip_plain_unit``)
 13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX.
+    (``_clean``)
 14. ``f(x) = ...`` and ``f(2) = ...`` as a whole answer are compared by the right side;
     ``0.\\overline{3}`` is 1/3.
+    (``_clean``, ``_repeating_to_frac``)
 15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
     call) make a call return "not equivalent" instead of working longer; hits are counted.
-16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or`` or a name ``y =``
-    stand between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``. Boxes
-    with other text between them are separate: the last one is the answer. A box repeated is one.
-    Against a gold list of n answers, the last n boxes are also tried joined, whatever prose stands
-    between them (``$\\boxed{3}$ and, checking, also $\\boxed{-3}$`` equals ``3, -3``).
+    (``_Budget``, ``_tiny_check``)
+16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or``, ``\\quad`` or a name
+    ``y =`` stand between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``.
+    Boxes with other text between them are separate: the last one is the answer, whatever the gold
+    (``$\\boxed{3}$ and, checking, also $\\boxed{-3}$`` is -3, never ``3, -3``), and a list is never
+    matched by a suffix of it. A box repeated is one; more than 16 joined boxes are no answer.
+    (``_final_group``, ``_is_join_gap``, ``_is_operand``)
 17. Named answers and chains (the prediction side only): a left side made of symbols and no number
     (``x``, ``AB``, ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6``
     and ``(a,b) = (4,1)`` equals ``(4,1)``; ``2x = 10`` is an equation, not 10. In ``t = 2+3+4 = 9``
     the last value is the answer (``= 10`` at the end is wrong whatever came before; constants in
     the chain must equal it: ``2 + 2 = 5`` states nothing). Before the first
-    ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``); the approximation
-    after it counts when the exact part is only a name (``t \\approx 9``) or the gold is a decimal.
+    ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``, not the gold
+    ``0.14``); the approximation after it counts only when the exact part is a name (``t \\approx 9``).
     When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``), and a chain
     that names the same variable states its value (``x = 5+5+1 = 11`` equals ``x = 11``). Assignments
     compared with a tuple are put in the order of their names (``b = 2, a = 1`` equals ``(1, 2)``).
@@ -158,6 +202,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     (``PQ = 6, RS = 2``) equals its values (``6, 2``) when the prediction states no relation. When the
     left side of an equality does not parse (a limit, an integral), the value after the last ``=``
     counts.
+    (``_readings``, ``_chain_value``, ``_chain_holds``, ``_named_values``, ``_as_assignment``)
 18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one
     variable that is linear in it or in its absolute value is solved (``-y > -2`` is ``y < 2``,
     ``2 \\le |w| \\le 3`` is ``[-3,-2] \\cup [2,3]``); chains are intersections; ``or`` between
@@ -173,6 +218,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``0 < g(x) < 2``). Relations in several variables are equal when ``lhs - rhs`` of one is a
     constant multiple of the other's, positive for an inequality (``4y < 8a`` is ``y - 2a < 0``).
     Sets ignore repeats (``\\{3, 5, 3\\}`` equals ``\\{3, 5\\}``).
+    (``_real_set``, ``_solve``, ``_sets_equal``)
 19. A decimal comma is read as a decimal point only where it cannot be a thousands separator and
     the other side is a single number: ``3,25`` and ``0,125`` are decimals, ``1,250`` stays 1250; in the
     gold only against a decimal written with a point (``3.25`` equals a gold ``3,25``, ``325`` does not).
@@ -182,11 +228,13 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     (``m/s^2``, ``m²``, ``km/h``, ``USD``, also count nouns such as ``integers``, ``marbles``) after a
     number is dropped on the last try (departure 12). A whole answer ``5^{\\text{th}}`` / ``21st`` is the
     number; ``\\langle 1, 2 \\rangle`` is the tuple ``(1, 2)``.
+    (``_decimal_comma_equal``)
 20. Degrees inside a trigonometric function are converted to radians (``\\sin 30^\\circ`` equals
     ``\\frac12``, ``\\cot(90^\\circ - x)`` equals ``\\tan x``); elsewhere departure 5 holds.
     ``{2, 7}`` with plain braces is a set, ``;`` separates list and tuple items, ``\\emptyset`` is
     the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is
     ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals the matrix with those rows.
+    (``_Parser.parse_function``)
 21. Named functions: ``\\gcd`` / ``\\operatorname{lcm}`` of integers, ``\\max`` / ``\\min`` of real numbers,
     ``a \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter
     before a parenthesised integer) are one symbol, the function's value, not ``f`` times 0;
@@ -194,6 +242,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it).
     ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
     is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
+    (``_ev_gcd``, ``_ev_extreme``, ``_clean (_PMOD_RE)``)
 22. ``m!`` and ``\\binom{m}{k}`` of a symbol are evaluated through the Gamma function at its sample
     points, so ``m (m-1)!`` equals ``m!`` and ``\\binom{m}{2}`` equals ``\\frac{m(m-1)}{2}``.
     ``\\sum`` / ``\\prod`` with integer bounds are expanded when evaluated (up to ``MAX_SUM_TERMS``
@@ -202,20 +251,35 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     a sum equals its closed form (``\\frac{m(m+1)}{2}``) and not a near miss (``\\frac{m(m-1)}{2}``).
     A prediction's bound counts only for a name it uses nowhere outside its sums, so a sum cannot
     make a real variable an integer (``\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor`` is not ``x``).
+    (``_gamma_of``, ``_ev_big_operator``, ``_bound_names``)
 23. Matrices: entrywise sums and differences, scalar multiples, negation and ``^T`` are computed;
     matrix products are not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4).
-24. Whole responses: after a ``</think>`` only what follows it counts (when anything does); a whole
+    (``_det``, ``_matrix_add``)
+24. Whole responses: nothing inside ``<think>..</think>`` counts, after a ``</think>`` only what
+    follows it, and an unclosed ``<think>`` hides the rest; R1's ``<answer>..</answer>`` is read
+    (``strict=False``); ``所以``, ``因此``, ``答え``, ``答えは`` are cues too, and a Chinese or Japanese
+    sentence after a cue gives its one number (none when it hedges: ``或``, ``不``, ``可能``); a whole
     response that is bare arithmetic (``4+7``) is its value; after an answer cue a sentence ``The
     smallest $k$ is 12.`` gives what follows its last "is"; ``答案``, ``答：``, ``Réponse :``,
     ``Respuesta:``, ``Antwort:``, ``Ответ:`` are answer cues.
+    (``extract_answer``, ``_after_thinking``, ``_answer_tag``, ``_after_phrase``)
 25. Implicit products: in a run of one or two letters every letter is a factor with its own
     postfix (``xy^2`` is ``x y^2``); outside an absolute value a ``|`` starts a factor (``|a||b|``,
     ``2|a|``). ``\\\\le`` (a doubled backslash, as JSON-escaped golds carry it) before a known command
     is ``\\le``. A list ending in ``\\ldots`` is compared as text only (never equal to a finite list).
+    (``_Parser.parse_term``)
 26. Answers as sympy prints them are rewritten as text into the forms above before parsing (nothing
     is evaluated): ``Interval.Ropen(0, 1)`` is ``[0, 1)``, ``FiniteSet(1, 2)``, ``EmptySet``, ``Reals``,
     ``Union(..)``, ``Eq(y, 2*x)``, ``Rational(1, 3)``, ``Abs``, ``ceiling``, ``binomial``, ``factorial``,
     ``log(x, 2)``; ``oo`` is infinity and ``**`` a power.
+    (``_sympy_printed``)
+27. Notations of other scripts and typesetting, read before parsing: full-width and Arabic-Indic
+    digits (``４５``, ``٤٥``), vulgar fractions (``⅞``, ``2½`` a mixed number), superscript digits
+    (``10⁶``), the fraction slash (``1⁄2``), no-break and thin spaces as thousands separators,
+    ``\\textcolor{..}{7}`` and ``\\color``, ``{3 \\over 4}``, repeating decimals ``0.(3)``, the
+    European ``3.400,25``, juxtaposed powers ``3^2 7^4``, ``7 + 0i``; ``x \\equiv 7 \\pmod 1`` states no
+    residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) is a limit hit, never 7.
+    (``_fold_digits``, ``_clean``, ``_pow``)
 
 What it accepts (each row: a form and examples that parse; the departures above say how they compare)
 ------------------------------------------------------------------------------------------------------
@@ -251,28 +315,15 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 
 Benchmark
 ---------
-``python verify.py bench [--cases FILE ...] [--show-errors]`` prints accuracy, false positives/
-negatives, exceptions, cases/s and p50/p99/max call time of this verifier and, when math-verify is
-installed, of math-verify side by side with the agreement rate, for each case file. By default the
-four files: ``data/verify_cases.jsonl`` (development cases, written alongside this file),
-``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed),
-``data/verify_outside.jsonl`` (329 cases by answer form, half of them near misses, labelled from
-other graders' documented behaviour and frozen before departures 21-26 existed) and
-``data/verify_hacking.jsonl`` (whole responses a policy under RL could find that must score 0, by
-kind, each kind with controls that must score 1; written before the strictness rule). The frozen
-files were never tuned against, so their figures measure generalisation. A case is ``{"pred"|"response",
-"gold", "label", "category", ["rel_tol"]}``: an answer pair goes to ``is_equivalent``, a whole
-response to ``verify(..., strict=False)``.
-``python verify.py golds [files...]`` checks every gold of the benchmark files against itself.
+``python bench_verify.py`` (its docstring says what it prints): accuracy, false positives, hedges and
+speed on the five case files of ``data/``, with math-verify beside it on the same cases;
+``python bench_verify.py golds`` checks every benchmark gold against itself.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -283,7 +334,7 @@ import sympy
 from sympy import S
 
 __all__ = [
-    "extract_answer", "is_equivalent", "verify", "verify_batch", "stats", "reset_stats",
+    "extract_answer", "is_equivalent", "verify", "verify_batch", "last_boxed", "stats", "reset_stats",
     "DEFAULT_REL_TOL", "MINERVA_REL_TOL",
 ]
 
@@ -322,16 +373,127 @@ _MP_ROOTS = mpmath.MPContext()      # roots of polynomials of degree 3 and 4 (so
 _MP_ROOTS.dps = 20
 
 # ------------------------------------------------------------------------------------------------
-# Counters (the only module-level mutable state).
+# Public API (the module docstring's contract). Everything below it serves these functions.
 
-_STATS_LOCK = threading.Lock()
-_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "not_math": 0, "errors": 0}
+def verify(response: str, gold: str, *, strict: bool = True,
+           rel_tol: float = DEFAULT_REL_TOL) -> float:
+    """Reward of one response: 1.0 when its final answer equals gold, else 0.0."""
+    try:
+        pred = extract_answer(response, strict=strict)
+        if pred is None or "\\boxed" in pred or "\\fbox" in pred:
+            return 0.0          # no answer, or a box inside a box beside other content
+        return 1.0 if is_equivalent(pred, gold, rel_tol=rel_tol) else 0.0
+    except Exception:
+        _count("errors")
+        return 0.0
 
 
-def _count(key: str, n: int = 1) -> None:
-    with _STATS_LOCK:
-        _STATS[key] = _STATS.get(key, 0) + n
+def verify_batch(responses: list, golds: list, *, workers: int = 0, strict: bool = True,
+                 rel_tol: float = DEFAULT_REL_TOL) -> list[float]:
+    """verify() over a batch, order kept. workers > 1 uses a spawn process pool for this call."""
+    responses, golds = list(responses), list(golds)
+    if len(responses) != len(golds):
+        raise ValueError(f"verify_batch: {len(responses)} responses but {len(golds)} golds")
+    if workers is None or workers <= 1 or len(responses) < 2:
+        return [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
+    import concurrent.futures
+    import multiprocessing
+    n_chunks = min(len(responses), workers * 4)
+    size = -(-len(responses) // n_chunks)
+    chunks = [(responses[k:k + size], golds[k:k + size], strict, rel_tol)
+              for k in range(0, len(responses), size)]
+    ctx = multiprocessing.get_context("spawn")
+    out: list[float] = []
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            for scores, delta in pool.map(_verify_chunk, chunks):
+                out.extend(scores)
+                for k, v in delta.items():
+                    _count(k, v)
+    except (OSError, RuntimeError, concurrent.futures.process.BrokenProcessPool):
+        # A pool that cannot start or lost a worker must not cost the training step: score the
+        # rest here (each call is bounded anyway).
+        _count("errors")
+        out.extend(verify(r, g, strict=strict, rel_tol=rel_tol)
+                   for r, g in zip(responses[len(out):], golds[len(out):]))
+    return out
 
+
+def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> bool:
+    """True when the answer string pred means the same as gold. Never raises; caps give False."""
+    _count("calls")
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        return False
+    try:
+        return _compare(pred, gold, rel_tol)
+    except _Limit:
+        _count("limit_hits")
+    except (_ParseError, _Undefined):
+        _count("parse_failures")
+    except _NotMath:
+        _count("not_math")
+    except RecursionError:
+        _count("limit_hits")
+    except Exception:           # a bug in this file must not crash a training step
+        _count("errors")
+    return False
+
+
+def extract_answer(text: str, *, strict: bool = False, last_number: bool = True) -> str | None:
+    """The final answer of a response (None when there is none).
+
+    The response ends at its first end-of-turn marker. Then: the last \\boxed/\\fbox content, joined
+    with the boxes just before it when only ', ' / 'and' / 'or' separate them. ``strict=True``
+    (training) stops there. Otherwise, without a box: the math (or the sentence) after the last
+    "answer is" / "Answer:" / "####"; else the last math span; else (``last_number``) the last number."""
+    if not isinstance(text, str) or not text:
+        return None
+    if len(text) > MAX_RESPONSE_CHARS:
+        text = text[-MAX_RESPONSE_CHARS:]
+    text = _visible(_after_thinking(_end_of_turn(_fold_digits(text))))
+    if not text.strip():
+        return None
+    boxes, found = _last_boxes(text), _outer_boxes(text)
+    if boxes is not None or strict or found is None or found:
+        return _join(boxes) if boxes else None      # an unclosed last box, or one that is no answer
+    tag = _answer_tag(text)
+    if tag is not None:     # R1's '<answer>15</answer>': the last tag's content is the answer
+        return _tidy(tag) or None if _is_bare_answer(tag) else extract_answer(tag, last_number=last_number)
+    tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
+    if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
+        return text.strip()   # a whole response '4+7' is its value 11, not its last number
+    if _is_bare_answer(text):
+        return _tidy(text)    # a whole response '\\{1, 3, 5, \\ldots\\}' or '3 or 4' is its answer
+    for find in (_after_phrase, _last_math):
+        ans = find(tail)
+        if ans is not None:
+            return ans or None      # '' : an answer cue followed by no answer ('答案不是45')
+    if not last_number or _HEDGE_WORDS_RE.search(tail.strip().rsplit("\n", 1)[-1]):
+        return None         # 'It is either 4 or 5.': a hedge, not an answer to read a number from
+    last = None
+    for last in _NUMBER_RE.finditer(tail):
+        pass
+    if last is None:
+        return None
+    num = last.group(0).rstrip(",")
+    unit = re.match(r"\s*([A-Za-z]+)", tail[last.end():])
+    if unit and unit.group(1) in _UNIT_DIMS and "," not in num:
+        return f"{num} \\text{{ {unit.group(1)}}}"
+    if num.count(",") > 1 and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num):
+        num = num.rsplit(",", 1)[1]     # '1,3,5' is a list whose last number is 5, not a number
+    return num
+
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last outermost \\boxed{...} / \\fbox{...} of text, brace-matched (escaped braces are
+    literal; '\\boxed 5' gives the next token); None when there is none or a box is unclosed. The reader
+    of golds (data/prepare.py takes a worked solution's answer with it): unlike extract_answer it joins
+    nothing, hides nothing and judges nothing."""
+    if not isinstance(text, str):
+        return None
+    boxes = _outer_boxes(text)
+    return boxes[-1][2] if boxes else None
 
 def stats() -> dict:
     """A copy of the counters: calls, limit_hits, parse_failures, not_math (predictions refused by the
@@ -344,6 +506,26 @@ def reset_stats() -> None:
     with _STATS_LOCK:
         for k in _STATS:
             _STATS[k] = 0
+
+
+def _verify_chunk(args):
+    responses, golds, strict, rel_tol = args
+    before = stats()
+    scores = [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
+    after = stats()
+    return scores, {k: after[k] - before.get(k, 0) for k in after}
+
+
+# ------------------------------------------------------------------------------------------------
+# Counters (the only module-level mutable state).
+
+_STATS_LOCK = threading.Lock()
+_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "not_math": 0, "errors": 0}
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _STATS_LOCK:
+        _STATS[key] = _STATS.get(key, 0) + n
 
 
 class _Limit(Exception):
@@ -702,51 +884,6 @@ def _last_math(text: str) -> str | None:
             break
         out.insert(0, s)
     return _tidy(_join([_tidy(c) for _, _, c in out])) or None
-
-
-def extract_answer(text: str, *, strict: bool = False, last_number: bool = True) -> str | None:
-    """The final answer of a response (None when there is none).
-
-    The response ends at its first end-of-turn marker. Then: the last \\boxed/\\fbox content, joined
-    with the boxes just before it when only ', ' / 'and' / 'or' separate them. ``strict=True``
-    (training) stops there. Otherwise, without a box: the math (or the sentence) after the last
-    "answer is" / "Answer:" / "####"; else the last math span; else (``last_number``) the last number."""
-    if not isinstance(text, str) or not text:
-        return None
-    if len(text) > MAX_RESPONSE_CHARS:
-        text = text[-MAX_RESPONSE_CHARS:]
-    text = _visible(_after_thinking(_end_of_turn(_fold_digits(text))))
-    if not text.strip():
-        return None
-    boxes, found = _last_boxes(text), _outer_boxes(text)
-    if boxes is not None or strict or found is None or found:
-        return _join(boxes) if boxes else None      # an unclosed last box, or one that is no answer
-    tag = _answer_tag(text)
-    if tag is not None:     # R1's '<answer>15</answer>': the last tag's content is the answer
-        return _tidy(tag) or None if _is_bare_answer(tag) else extract_answer(tag, last_number=last_number)
-    tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
-    if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
-        return text.strip()   # a whole response '4+7' is its value 11, not its last number
-    if _is_bare_answer(text):
-        return _tidy(text)    # a whole response '\\{1, 3, 5, \\ldots\\}' or '3 or 4' is its answer
-    for find in (_after_phrase, _last_math):
-        ans = find(tail)
-        if ans is not None:
-            return ans or None      # '' : an answer cue followed by no answer ('答案不是45')
-    if not last_number or _HEDGE_WORDS_RE.search(tail.strip().rsplit("\n", 1)[-1]):
-        return None         # 'It is either 4 or 5.': a hedge, not an answer to read a number from
-    last = None
-    for last in _NUMBER_RE.finditer(tail):
-        pass
-    if last is None:
-        return None
-    num = last.group(0).rstrip(",")
-    unit = re.match(r"\s*([A-Za-z]+)", tail[last.end():])
-    if unit and unit.group(1) in _UNIT_DIMS and "," not in num:
-        return f"{num} \\text{{ {unit.group(1)}}}"
-    if num.count(",") > 1 and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num):
-        num = num.rsplit(",", 1)[1]     # '1,3,5' is a list whose last number is 5, not a number
-    return num
 
 
 def _is_bare_answer(text: str) -> bool:
@@ -3267,7 +3404,7 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# Public API
+# Comparison of two answer strings (is_equivalent's work): unwrap, units, clean, parse, compare.
 
 def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     budget = _Budget()
@@ -3424,238 +3561,3 @@ def _has_undefined(s: str) -> bool:
     return bool(re.search(r"(?<![A-Za-z])(?:nan|zoo|NaN)(?![A-Za-z])", s))
 
 
-def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> bool:
-    """True when the answer string pred means the same as gold. Never raises; caps give False."""
-    _count("calls")
-    if not isinstance(pred, str) or not isinstance(gold, str):
-        return False
-    try:
-        return _compare(pred, gold, rel_tol)
-    except _Limit:
-        _count("limit_hits")
-    except (_ParseError, _Undefined):
-        _count("parse_failures")
-    except _NotMath:
-        _count("not_math")
-    except RecursionError:
-        _count("limit_hits")
-    except Exception:           # a bug in this file must not crash a training step
-        _count("errors")
-    return False
-
-
-def verify(response: str, gold: str, *, strict: bool = True,
-           rel_tol: float = DEFAULT_REL_TOL) -> float:
-    """Reward of one response: 1.0 when its final answer equals gold, else 0.0."""
-    try:
-        pred = extract_answer(response, strict=strict)
-        if pred is None or "\\boxed" in pred or "\\fbox" in pred:
-            return 0.0          # no answer, or a box inside a box beside other content
-        return 1.0 if is_equivalent(pred, gold, rel_tol=rel_tol) else 0.0
-    except Exception:
-        _count("errors")
-        return 0.0
-
-
-def _verify_chunk(args):
-    responses, golds, strict, rel_tol = args
-    before = stats()
-    scores = [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
-    after = stats()
-    return scores, {k: after[k] - before.get(k, 0) for k in after}
-
-
-def verify_batch(responses: list, golds: list, *, workers: int = 0, strict: bool = True,
-                 rel_tol: float = DEFAULT_REL_TOL) -> list[float]:
-    """verify() over a batch, order kept. workers > 1 uses a spawn process pool for this call."""
-    responses, golds = list(responses), list(golds)
-    if len(responses) != len(golds):
-        raise ValueError(f"verify_batch: {len(responses)} responses but {len(golds)} golds")
-    if workers is None or workers <= 1 or len(responses) < 2:
-        return [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
-    import concurrent.futures
-    import multiprocessing
-    n_chunks = min(len(responses), workers * 4)
-    size = -(-len(responses) // n_chunks)
-    chunks = [(responses[k:k + size], golds[k:k + size], strict, rel_tol)
-              for k in range(0, len(responses), size)]
-    ctx = multiprocessing.get_context("spawn")
-    out: list[float] = []
-    try:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            for scores, delta in pool.map(_verify_chunk, chunks):
-                out.extend(scores)
-                for k, v in delta.items():
-                    _count(k, v)
-    except (OSError, RuntimeError, concurrent.futures.process.BrokenProcessPool):
-        # A pool that cannot start or lost a worker must not cost the training step: score the
-        # rest here (each call is bounded anyway).
-        _count("errors")
-        out.extend(verify(r, g, strict=strict, rel_tol=rel_tol)
-                   for r, g in zip(responses[len(out):], golds[len(out):]))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Benchmark and gold self-check (CLI)
-
-def _load_cases(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _run_cases(cases, judge) -> dict:
-    lat, fp, fn, correct, exc, verdicts = [], 0, 0, 0, 0, []
-    t0 = time.perf_counter()
-    for c in cases:
-        s = time.perf_counter()
-        try:
-            v = bool(judge(c))
-        except Exception:
-            v = False
-            exc += 1
-        lat.append(time.perf_counter() - s)
-        verdicts.append(v)
-        if v == c["label"]:
-            correct += 1
-        elif v:
-            fp += 1
-        else:
-            fn += 1
-    total = time.perf_counter() - t0
-    lat.sort()
-    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1000  # noqa: E731
-    return {"acc": correct / len(cases), "fp": fp, "fn": fn, "exc": exc, "rate": len(cases) / total,
-            "p50": q(0.50), "p99": q(0.99), "max": lat[-1] * 1000, "verdicts": verdicts}
-
-
-def _judge_ours(c: dict) -> bool:
-    """A case is an answer pair ('pred') judged by is_equivalent, or a whole model response
-    ('response') judged by verify(strict=False)."""
-    tol = c.get("rel_tol", DEFAULT_REL_TOL)
-    if "response" in c:
-        return verify(c["response"], c["gold"], strict=False, rel_tol=tol) == 1.0
-    return is_equivalent(c["pred"], c["gold"], rel_tol=tol)
-
-
-def _judge_math_verify(mv):
-    """math-verify on the same cases: a bare answer is boxed for its parser (what it extracts best),
-    a string that already has a box or math delimiters and a whole response are passed as they are."""
-    def wrap(s: str) -> str:
-        return s if any(t in s for t in ("\\boxed", "$", "\\(", "\\[")) else "\\boxed{" + s + "}"
-
-    def judge(c: dict) -> bool:
-        gold = mv.parse(wrap(c["gold"]))
-        pred = mv.parse(c["response"]) if "response" in c else mv.parse(wrap(c["pred"]))
-        return mv.verify(gold, pred)
-    return judge
-
-
-def _bench(argv: list[str]) -> int:
-    import argparse
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-    ap = argparse.ArgumentParser(prog="verify.py bench")
-    ap.add_argument("--cases", action="append", default=None,
-                    help="labelled case file (repeatable); default: data/verify_cases.jsonl (development, "
-                         "written alongside this file), data/verify_test.jsonl and data/verify_outside.jsonl "
-                         "(frozen before the verifier was extended for them, never tuned against), "
-                         "data/verify_hacking.jsonl (reward-hacking forms that must score 0, with controls)")
-    ap.add_argument("--no-math-verify", action="store_true")
-    ap.add_argument("--show-errors", action="store_true", help="print the cases verify.py gets wrong")
-    args = ap.parse_args(argv)
-    files = args.cases or [os.path.join(here, name) for name in
-                           ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl")]
-    mv = None
-    if not args.no_math_verify:
-        try:
-            import math_verify  # noqa: F401  (optional, only for this comparison)
-            mv = math_verify
-        except ImportError:
-            print("(math-verify not installed: `pip install math-verify` to compare)")
-    is_equivalent("1", "1")     # warm-up outside the timing
-    for path in files:
-        cases = _load_cases(path)
-        for k, c in enumerate(cases):
-            if ("pred" in c) == ("response" in c) or "gold" not in c or not isinstance(c.get("label"), bool):
-                raise ValueError(f"{path}:{k + 1}: a case needs 'pred' or 'response', 'gold' and a bool 'label'")
-        reset_stats()
-        rows = [("verify.py", _run_cases(cases, _judge_ours))]
-        counters = stats()
-        if mv is not None:
-            judge = _judge_math_verify(mv)
-            judge(cases[0])
-            rows.append(("math-verify", _run_cases(cases, judge)))
-        n = len(cases)
-        n_pos = sum(1 for c in cases if c["label"])
-        n_resp = sum(1 for c in cases if "response" in c)
-        print(f"\n{os.path.relpath(path)}: {n} cases ({n_pos} equivalent, {n - n_pos} not; "
-              f"{n_resp} whole responses)")
-        print(f"{'verifier':<12} {'accuracy':>9} {'FP':>5} {'FP%':>6} {'FN':>5} {'exc':>4} {'cases/s':>9} "
-              f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-        for name, r in rows:
-            print(f"{name:<12} {r['acc']:>9.2%} {r['fp']:>5} {r['fp'] / n:>6.2%} {r['fn']:>5} {r['exc']:>4} "
-                  f"{r['rate']:>9.1f} {r['p50']:>8.2f} {r['p99']:>8.2f} {r['max']:>8.1f}")
-        if mv is not None:
-            a, b = rows[0][1]["verdicts"], rows[1][1]["verdicts"]
-            agree = sum(x == y for x, y in zip(a, b)) / n
-            print(f"agreement verify.py vs math-verify: {agree:.2%}; "
-                  f"throughput ratio {rows[0][1]['rate'] / rows[1][1]['rate']:.1f}x")
-        by_cat: dict = {}
-        for c, v in zip(cases, rows[0][1]["verdicts"]):
-            t = by_cat.setdefault(c.get("category", "?"), [0, 0])
-            t[0] += 1
-            t[1] += v == c["label"]
-        print("per category (verify.py):", ", ".join(
-            f"{k} {ok}/{tot}" for k, (tot, ok) in sorted(by_cat.items())))
-        print("counters (verify.py):", counters)
-        if args.show_errors:
-            for c, v in zip(cases, rows[0][1]["verdicts"]):
-                if v != c["label"]:
-                    print(f"  {'FP' if v else 'FN'} [{c.get('category')}] {c.get('pred', c.get('response'))!r}"
-                          f" vs {c['gold']!r}")
-    return 0
-
-
-def _golds(argv: list[str]) -> int:
-    import glob
-    files = argv or sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "..", "shared", "benchmarks", "*.jsonl")))
-    bad_total = 0
-    for path in files:
-        rows = _load_cases(path)
-        n_parse = n_self = n_box = n_empty = 0
-        bad = []
-        for r in rows:
-            g = r.get("answer", "")
-            if not g:
-                n_empty += 1
-                continue
-            try:
-                _parse(_clean(g), _Budget(), as_gold=True)
-                n_parse += 1
-            except Exception:
-                pass
-            ok1 = is_equivalent(g, g)
-            ok2 = verify("so \\boxed{" + g + "}", g) == 1.0
-            n_self += ok1
-            n_box += ok2
-            if not (ok1 and ok2):
-                bad.append(g)
-        bad_total += len(bad)
-        print(f"{os.path.basename(path)}: {len(rows)} golds ({n_empty} empty), parse {n_parse}, "
-              f"self-equal {n_self}, "
-              f"boxed-equal {n_box}" + (f"; failing: {bad[:10]}" if bad else ""))
-    return 1 if bad_total else 0
-
-
-def main(argv: list[str]) -> int:
-    if argv and argv[0] == "bench":
-        return _bench(argv[1:])
-    if argv and argv[0] == "golds":
-        return _golds(argv[1:])
-    print("usage: python verify.py bench [--cases FILE] | golds [FILES...]")
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
