@@ -779,3 +779,20 @@ def test_digits_and_marks_of_other_scripts():
     assert V.extract_answer("答案是 45 或 46。") is None and V.extract_answer("答案不是45。") is None
     assert V.extract_answer("<think>7</think>\n<answer>15</answer>") == "15"
     assert V.extract_answer("<answer>15</answer>", strict=True) is None      # training: boxes only
+
+
+def test_an_answer_hedged_or_disowned_after_its_cue_or_box_is_none():
+    none = ["The answer is $7$ or maybe $8$.", "The answer is $7$ (wrong).", "所以 $x = 45$ 或 $46$。",
+            "So $\\boxed{7}$ or 8.", "So $\\boxed{7}$ (or 8).", "It is not $\\boxed{7}$.", "$x \\ne \\boxed{7}$",
+            "So $\\boxed{7} + \\boxed{1}$.", "So $2\\boxed{7}$.", "So $\\frac{\\boxed{7}}{2}$."]
+    assert [r for r in none if V.extract_answer(r) is not None] == []
+    some = [("The answer is $7$, since 3+4=7.", "7"), ("The answer is \\boxed{5}!", "5"),
+            ("So $\\boxed{30}^\\circ$.", "30"), ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
+            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8")]
+    assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
+
+
+def test_odd_powers_of_a_negation():
+    _check([("(b - t)^{7}", "(t - b)^{7}", False), ("-(b - t)^{7}", "(t - b)^{7}", True),
+            ("(b - t)^{8}", "(t - b)^{8}", True), ("\\frac{3}{(b-t)^7}", "\\frac{3}{(t-b)^7}", False),
+            ("y = (b-t)^7", "y = (t-b)^7", False), ("0.5(b-t)^7", "0.5(t-b)^7", False)])

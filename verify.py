@@ -702,7 +702,7 @@ def _final_group(text: str) -> list | None:
 # before it, or an operator right after it ('^\\circ' after it is a degree sign, not an operator).
 _OPERAND_BEFORE_RE = re.compile(r"(?:[-+*/^_)\]|\d]|\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
                                 r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
-_OPERAND_AFTER_RE = re.compile(r"^\s*(?![\^_]\s*\{?\s*\\circ)(?:[-+*/^_=!(\d]|\}\s*\{|"
+_OPERAND_AFTER_RE = re.compile(r"^\s*(?![\^_]\s*\{?\s*\\circ)(?:[-+*/^_=(\d]|\}\s*\{|"
                                r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|pi)(?![A-Za-z]))")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
 # A box disowned or hedged by the words right after it, or negated by the words right before it.
@@ -842,8 +842,8 @@ def _tidy(ans: str) -> str:
 
 
 def _after_phrase(text: str) -> str | None:
-    """The answer that follows the last 'answer is' / 'Answer:' / '####' of text, if any ('' when a
-    cue in Chinese or Japanese is followed by a hedged or negated sentence: no answer at all)."""
+    """The answer that follows the last 'answer is' / 'Answer:' / '####' of text, if any ('' when the
+    answer after the cue is hedged or negated: no answer at all)."""
     m = None
     for m in _ANSWER_PHRASE_RE.finditer(text):
         pass
@@ -857,6 +857,10 @@ def _after_phrase(text: str) -> str | None:
             if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
                 break
             joined.append(s)
+        after = rest[joined[-1][1]:joined[-1][1] + 80]
+        if _DISOWN_AFTER_RE.match(_DELIMS_RE.sub(" ", after)) or (
+                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])):
+            return ""       # 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$': hedged, no answer
         return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
     line = rest.split("\n", 1)[0]
     if _CJK_RE.search(line):        # '所以他一共走了45公里。': the one number of the sentence
