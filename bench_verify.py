@@ -99,14 +99,14 @@ def candidate_golds(text: str) -> list[str]:
     return [c for c in dict.fromkeys(x.strip() for x in out) if c and len(c) < 300][:16]
 
 
-def percent_pair(text: str, a: str, b: str) -> bool:
+def percent_pair(text: str, a: str, b: str, equal=V.is_equivalent) -> bool:
     """The one named exception: the answer has a percent sign and one gold is 100 times the other."""
-    return ("%" in text or "percent" in text) and (V.is_equivalent(f"100 \\cdot ({b})", a)
-                                                  or V.is_equivalent(f"100 \\cdot ({a})", b))
+    return ("%" in text or "percent" in text) and (equal(f"100 \\cdot ({b})", a) or equal(f"100 \\cdot ({a})", b))
 
 
-def hedge_of(c: dict, judge) -> tuple[str, str] | None:
-    """Two golds the case's response is paid for that are not equivalent (percent excepted), or None."""
+def hedge_of(c: dict, judge, equal=V.is_equivalent) -> tuple[str, str] | None:
+    """Two golds the case's response is paid for that equal(a, b, rel_tol=) holds different both ways
+    (percent excepted), or None. judge(case, gold) is the verifier under test."""
     text = c.get("response", c.get("pred"))
     tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
     paid = []
@@ -119,8 +119,7 @@ def hedge_of(c: dict, judge) -> tuple[str, str] | None:
             paid.append(g)
     for k, a in enumerate(paid):
         for b in paid[k + 1:]:
-            if not (V.is_equivalent(a, b, rel_tol=tol) or V.is_equivalent(b, a, rel_tol=tol)
-                    or percent_pair(text, a, b)):
+            if not (equal(a, b, rel_tol=tol) or equal(b, a, rel_tol=tol) or percent_pair(text, a, b, equal)):
                 return a, b
     return None
 
