@@ -95,12 +95,14 @@ Every leniency is bounded by what a policy could exploit with it:
   or bounds it (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}``, ``\\text{ doubled}``,
   ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies); a unit is
   dropped only when the other side has none or the same one (``_unit_of``: lengths, times, masses,
-  volumes, money, angles): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``, ``30 rad`` is not
-  ``30^\\circ``, and ``7\\mathbb{N}`` is no 7 newtons;
+  volumes, speeds, money, angles, temperatures): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``,
+  ``30 rad`` is not ``30^\\circ``, ``5^\\circ C`` is not ``5^\\circ F``, and ``7\\mathbb{N}`` is no 7 newtons;
 - a box is no answer when it is an operand (``\\boxed{7} + \\boxed{1}``, ``-\\boxed{7}``,
   ``\\frac{\\boxed{7}}{2}``), hidden or struck (``\\phantom``, ``\\cancel``, ``\\sout``, ``\\iffalse``, a
-  comment, white text), disowned (``\\boxed{7} (wrong)``, "the answer is not \\boxed{7}") or hedged
-  right after (``\\boxed{7} or 8``); ``\\text{not } x = 7`` is no answer;
+  comment, white text, ``~~struck~~``), disowned (``\\boxed{7} (wrong)``, ``\\boxed{7} ✗``, "the answer is
+  not \\boxed{7}"), bounded (``at least \\boxed{7}``, ``\\boxed{7} or more``), changed (``\\boxed{7}
+  squared``) or hedged (``\\boxed{7} or 8``) by the words right around it; ``\\text{not } x = 7`` is no
+  answer;
 - a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
   approximation farther than half a unit in its last place from the value it follows
   (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
@@ -278,7 +280,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     (``10⁶``), the fraction slash (``1⁄2``), no-break and thin spaces as thousands separators,
     ``\\textcolor{..}{7}`` and ``\\color``, ``{3 \\over 4}``, repeating decimals ``0.(3)``, the
     European ``3.400,25``, juxtaposed powers ``3^2 7^4``, ``7 + 0i``; ``x \\equiv 7 \\pmod 1`` states no
-    residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) is a limit hit, never 7.
+    residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) or a root of an exact value
+    within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7.
     (``_fold_digits``, ``_clean``, ``_pow``)
 
 What it accepts (each row: a form and examples that parse; the departures above say how they compare)
@@ -706,12 +709,17 @@ _OPERAND_AFTER_RE = re.compile(r"^\s*(?![\^_]\s*\{?\s*\\circ)(?:[-+*/^_=(\d]|\}\
                                r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|pi)(?![A-Za-z]))")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
 # A box disowned or hedged by the words right after it, or negated by the words right before it.
-_DISOWN_AFTER_RE = re.compile(r"^[\s,.;:]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
-                              r"(?:is|was|are)\s+)?(?:wrong|incorrect|false|not\s+(?:correct|right|the\s+answer)|"
-                              r"impossible|invalid|excluded|rejected|discarded)(?![A-Za-z])|"
-                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or|maybe|perhaps|possibly|probably)(?![A-Za-z])",
+_DISOWN_AFTER_RE = re.compile(r"^[\s,.;:}_^{]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
+                              r"(?:is|was|are)\s+)?(?:wrong|incorrect|false|"
+                              r"(?:is\s+)?not\s+(?:correct|right|the\s+answer)|"
+                              r"impossible|invalid|excluded|rejected|discarded)(?![A-Za-z])|[\s}]*[✗✘❌]|"
+                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or|maybe|perhaps|possibly|probably|doubled|halved|"
+                              r"tripled|squared|cubed|factorial|plus|minus|times|divided|onwards?|"
+                              r"and\s+(?:up|above|beyond|over)|"
+                              r"at\s+(?:least|most)|or\s+(?:more|less|fewer|greater))(?![A-Za-z])",
                               re.IGNORECASE)
-_DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't)|"
+_DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't|at\s+(?:least|most)|"
+                               r"(?:more|less|fewer|greater|other)\s+than)|"
                                r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
 
 
@@ -766,7 +774,8 @@ _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _HIDDEN_CMDS = ("phantom", "hphantom", "vphantom", "cancel", "bcancel", "xcancel", "sout", "st", "xout",
                 "cancelto", "iffalse")
-_HIDDEN_RE = re.compile(r"\\iffalse(?![A-Za-z]).*?(?:\\fi(?![A-Za-z])|$)|<!--.*?(?:-->|$)|^[ \t]*%.*$",
+_HIDDEN_RE = re.compile(r"\\iffalse(?![A-Za-z]).*?(?:\\fi(?![A-Za-z])|$)|<!--.*?(?:-->|$)|^[ \t]*%.*$|~~[^~\n]*~~|"
+                        r"\{\s*\\color\s*\{\s*white\s*\}[^{}]*(?:\{[^{}]*\}[^{}]*)*\}",
                         re.DOTALL | re.MULTILINE)
 _HIDDEN_CMD_RE = re.compile(r"(?:\\(?:" + "|".join(_HIDDEN_CMDS) + r")(?![A-Za-z])|"
                             r"\\(?:textcolor|colorbox)\s*\{\s*white\s*\})\s*(?=\{)")
@@ -910,7 +919,8 @@ def _is_bare_answer(text: str) -> bool:
 _FONT_CMDS = ("mathrm", "mathbf", "mathit", "mathsf", "mathtt", "mathcal", "mathbb", "boldsymbol",
               "bm", "operatorname", "textup", "emph")
 _TEXT_CMDS = ("textbf", "textrm", "textit", "textsf", "texttt", "textnormal", "mbox", "hbox")
-_SPACING_RE = re.compile(r"(?<!\\)\\(?:[!,;: ]|(?:quad|qquad|displaystyle|textstyle|limits|nolimits|"
+_SPACING_RE = re.compile(r"(?<!\\)\\(?:[!,;: ]|(?:quad|qquad|displaystyle|textstyle|limits|nolimits|tiny|scriptsize|"
+                         r"footnotesize|small|normalsize|large|Large|LARGE|huge|Huge|"
                          r"big|Big|bigg|Bigg|bigl|bigr|Bigl|Bigr|biggl|biggr)(?![a-zA-Z]))")
 _LEFTRIGHT_RE = re.compile(r"\\(?:left|right)(?![a-zA-Z])\s*(\.)?")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}|\\circ|°|"
@@ -930,7 +940,7 @@ _UNIT_WORDS = frozenset((
     "minutes", "minute", "hours", "hour", "hrs", "h", "days", "day", "weeks", "years", "kg", "g",
     "grams", "gram", "lb", "lbs", "pounds", "mph", "kph", "J", "K", "N", "W", "Hz", "eV", "keV",
     "MeV", "GeV", "nm", "um", "AU", "pc", "kpc", "Mpc", "ly", "V", "A", "Pa", "atm", "mol", "L",
-    "ml", "mL", "people", "ways", "students", "times", "percent", "points", "USD", "EUR", "GBP", "euros",
+    "ml", "mL", "C", "F", "people", "ways", "students", "times", "percent", "points", "USD", "EUR", "GBP", "euros",
     "euro", "hr", "ms", "cm2", "liters", "litres", "gallons", "ounces", "oz", "tons", "mi", "km2",
     "integers", "digits", "numbers", "edges", "faces", "vertices", "multiples", "terms", "gm", "apples", "coins",
     "marbles", "cards", "balls", "books", "pages", "boxes", "pieces", "games", "rows", "seats", "chairs",
@@ -958,10 +968,15 @@ _HEDGE_TEXT_RE = re.compile(r"[\d()\[\]=<>]|(?<![A-Za-z])(?:or|and|not|no|maybe|
                             r"answer|guess|correct|incorrect|depending|about|around|approximately|roughly|to|"
                             r"between|plus|minus|etc|doubled|halved|tripled|squared|cubed|factorial|onwards?|up|"
                             r"above|below|under|over|inverse|reciprocal|times|mod|false|impossible|excluded|off|"
-                            r"invalid|rejected|negative|opposite|rounded|later|earlier|ago|before|after)(?![A-Za-z])",
+                            r"invalid|rejected|negative|opposite|rounded|later|earlier|ago|before|after|greater|beyond|"
+                            r"minimum|maximum|upwards?|downwards?|negated|inverted|halves|thirds|quarters|fourths|"
+                            r"fifths|"
+                            r"tenths|hundredths)(?![A-Za-z])",
                             re.IGNORECASE)
 # Number words after a value multiply it: '7 \\text{ thousand}' is 7000.
-_MULTIPLIERS = {"hundred": 100, "thousand": 1000, "million": 10 ** 6, "billion": 10 ** 9, "trillion": 10 ** 12,
+_MULTIPLIERS = {"halves": "\\frac12", "thirds": "\\frac13", "quarters": "\\frac14", "fourths": "\\frac14",
+                "fifths": "\\frac15", "tenths": "\\frac1{10}", "hundredths": "\\frac1{100}",
+                "hundred": 100, "thousand": 1000, "million": 10 ** 6, "billion": 10 ** 9, "trillion": 10 ** 12,
                 "dozen": 12}
 # Units by dimension, with their size in the dimension's base unit. A unit is dropped only when the
 # other side has none or the same one (departure 12): '5 km' is not '5 m', '7 cents' is not '$7'.
@@ -979,14 +994,17 @@ for _dim, _table in (
         ("volume", {1e-3: "ml mL milliliter milliliters millilitre millilitres", 1: "L l liter liters litre litres",
                     3.785411784: "gal gallon gallons"}),
         ("usd", {1: "dollar dollars USD", 0.01: "cent cents"}), ("eur", {1: "euro euros EUR"}),
-        ("gbp", {1: "GBP"}), ("angle", {1: "rad rads radian radians", math.pi / 180: "deg degree degrees"})):
+        ("gbp", {1: "GBP"}), ("angle", {1: "rad rads radian radians", math.pi / 180: "deg degree degrees"}),
+        ("speed", {0.44704: "mph mi/h", 1 / 3.6: "kph kmh km/h", 1: "m/s", 0.3048: "ft/s"})):
     for _size, _words in _table.items():
         for _w in _words.split():
             _UNIT_DIMS[_w] = (_dim, _size)
-_UNIT_TAIL_RE = re.compile(r"(?:\\(?:text|mbox|mathrm|textrm|rm)\s*\{\s*([A-Za-z]+)\.?\s*\}|"
-                           r"(?<![\\A-Za-z])([A-Za-z]+)\.?)"
+_UNIT_TAIL_RE = re.compile(r"(?:\\(?:text|mbox|mathrm|textrm|rm)\s*\{\s*([A-Za-z]+(?:\s*/\s*[A-Za-z]+)?)\.?\s*\}|"
+                           r"(?<![\\A-Za-z])([A-Za-z]+(?:/[A-Za-z]+)?)\.?)"
                            r"\s*(?:\^\s*\{?\s*([23])\s*\}?|([²³]))?\s*$")
 _MONEY_RE = re.compile(r"\\\$|US\s*\$|^\s*\$\s*[\d.]|[\d.]\s*\$\s*$")
+_TEMPERATURE_RE = re.compile(r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)\s*(?:\\(?:text|mathrm)\s*\{\s*)?"
+                             r"([CFK])\s*\}?\s*$|(?<=[\d}\s])(?:\\(?:text|mathrm)\s*\{\s*)?(K)\s*\}?\s*$")
 _ANGLE_RE = re.compile(r"\^\s*\{?\s*\\circ|°|\\degree(?![A-Za-z])")
 
 
@@ -997,6 +1015,9 @@ def _unit_of(s: str):
     t = s.strip().rstrip(".").strip()
     if len(t) > 200 or not re.search(r"\d", t):
         return None
+    m = _TEMPERATURE_RE.search(t)
+    if m:
+        return ("temperature " + (m.group(1) or m.group(2)), 1)     # 5 °C, 5 °F, 5 K: three temperatures
     if _ANGLE_RE.search(t) and not re.search(r"\\?(?:sin|cos|tan|sec|csc|cot)", t):
         return ("angle", math.pi / 180)
     for sym, dim in (("€", "eur"), ("£", "gbp")):
@@ -1004,7 +1025,7 @@ def _unit_of(s: str):
             return (dim, 1)
     m = _UNIT_TAIL_RE.search(t)
     if m and re.search(r"[\d})]\s*$", t[:m.start()]):
-        unit = _UNIT_DIMS.get(m.group(1) or m.group(2))
+        unit = _UNIT_DIMS.get(re.sub(r"\s+", "", m.group(1) or m.group(2)))
         power = int(m.group(3) or {"²": 2, "³": 3}.get(m.group(4) or "", 1))
         if unit is not None:
             return unit if power == 1 else (f"{unit[0]}^{power}", unit[1] ** power)
@@ -1033,7 +1054,7 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-",
             "≈": "\\approx ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
-            "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus ", "⁄": "/",
+            "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus ", "⁄": "/", "∕": "/",
             "⅛": "\\frac18 ", "⅜": "\\frac38 ", "⅝": "\\frac58 ", "⅞": "\\frac78 ", "⅕": "\\frac15 ",
             "⅖": "\\frac25 ", "⅗": "\\frac35 ", "⅘": "\\frac45 ", "⅙": "\\frac16 ", "⅚": "\\frac56 ",
             "⅐": "\\frac17 ", "⅑": "\\frac19 ", "⅒": "\\frac1{10} "}
@@ -2552,7 +2573,12 @@ def _pow(b, x):
         raise _Limit("power")
     if isinstance(x, Fraction) and x.denominator > 1 and abs(x - round(x)) < _TINY:
         raise _Limit("an exponent within 1e-40 of an integer")      # 7^{1 + 10^{-60}} is not 7
-    return _tiny_check(_check_mp(_MP.power(bm, xm)))
+    v = _tiny_check(_check_mp(_MP.power(bm, xm)))
+    if isinstance(b, Fraction) and isinstance(x, Fraction) and _is_real(v) and v != 0:
+        near = Fraction(str(_MP.nstr(_to_mp(v).real, 45))).limit_denominator(1000)
+        if near and abs(_to_mp(v).real / _to_mp(near) - 1) < _MP.mpf(10) ** -40:
+            raise _Limit("a root within 1e-40 of a rational it is not")   # \\sqrt{49 + 10^{-100}} is not 7
+    return v
 
 
 _TINY = Fraction(1, 10 ** 40)
