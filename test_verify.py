@@ -788,8 +788,13 @@ def test_an_answer_hedged_or_disowned_after_its_cue_or_box_is_none():
     assert [r for r in none if V.extract_answer(r) is not None] == []
     some = [("The answer is $7$, since 3+4=7.", "7"), ("The answer is \\boxed{5}!", "5"),
             ("So $\\boxed{30}^\\circ$.", "30"), ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
-            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8")]
+            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"),
+            # markdown, prose brackets and dashes, and an 'or' that restates the value are no hedge
+            ("**Final Answer:** **\\boxed{7}**", "7"), ("The answer is \\boxed{7} (from step 3).", "7"),
+            ("Answer: \\boxed{7} - Alice has 7 apples.", "7"), ("\\boxed{\\frac12}, or 0.5.", "\\frac12")]
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
+    assert [r for r in ("\\boxed{\\frac12} or 0.6", "2*\\boxed{7}", "\\boxed{7}-1", "\\boxed{7} - x", "\\boxed{7}(2)")
+            if V.extract_answer(r) is not None] == []
 
 
 def test_odd_powers_of_a_negation():

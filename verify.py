@@ -694,9 +694,9 @@ def _final_group(text: str) -> list | None:
         out.insert(0, b)
     if any(_is_operand(text, a, b) for a, b, _ in out):
         return None
-    after = _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 80])
+    after = _MARKDOWN_AFTER_RE.sub("", _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 80]).lstrip(" "))
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
-    if _DISOWN_AFTER_RE.match(after) or _DISOWN_BEFORE_RE.search(before):
+    if _DISOWN_AFTER_RE.match(after) and not _restates(after, out[-1][2]) or _DISOWN_BEFORE_RE.search(before):
         return None
     return out
 
@@ -705,8 +705,15 @@ def _final_group(text: str) -> list | None:
 # before it, or an operator right after it ('^\\circ' after it is a degree sign, not an operator).
 _OPERAND_BEFORE_RE = re.compile(r"(?:[-+*/^_)\]|\d]|\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
                                 r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
-_OPERAND_AFTER_RE = re.compile(r"^\s*(?![\^_]\s*\{?\s*\\circ)(?:[-+*/^_=(\d]|\}\s*\{|"
-                               r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|pi)(?![A-Za-z]))")
+_OPERAND_AFTER_RE = re.compile(r"^(?:[(\d]|\s*(?![\^_]\s*\{?\s*\\circ)(?:[*/^_=]|\}\s*\{|"
+                               r"[-+]\s*(?:[\d\\(]|[A-Za-z](?![A-Za-z]))|"
+                               r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|pi)(?![A-Za-z])))")
+# Markdown around a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
+_MARKDOWN_BEFORE_RE = re.compile(r"(?:(?:^|(?<=[\s:(A-Za-z]))(?:\*+|__+)\s*)+$")
+_MARKDOWN_AFTER_RE = re.compile(r"^(?:\*+|__+)(?=\s|$|[.,;:!?)])")
+# '\\boxed{\\frac12}, or 0.5': an 'or' that restates the boxed value is no hedge.
+_OR_VALUE_RE = re.compile(r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*or\s+(?:equivalently\s+|in\s+decimal\s+form\s+|"
+                          r"as\s+a\s+decimal\s+|about\s+|approximately\s+|,\s*)*\$?\s*([^\s$,;()]+)\$?\s*\)?[\s.,;]*$")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
 # A box disowned or hedged by the words right after it, or negated by the words right before it.
 _DISOWN_AFTER_RE = re.compile(r"^[\s,.;:}_^{]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
@@ -723,6 +730,17 @@ _DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\
                                r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
 
 
+def _restates(after: str, content: str) -> bool:
+    """The words after a box are 'or' and the same value again ('\\boxed{\\frac12}, or 0.5.')."""
+    m = _OR_VALUE_RE.match(after.split("\n", 1)[0])
+    if m is None:
+        return False
+    try:
+        return _compare(m.group(1), content, DEFAULT_REL_TOL) and _compare(content, m.group(1), DEFAULT_REL_TOL)
+    except Exception:       # (_Limit, _ParseError, ...): not shown to be the same value
+        return False
+
+
 def _is_operand(text: str, start: int, end: int) -> bool:
     """The box text[start:end] is part of a larger expression, not an answer of its own."""
     before = text[max(0, start - 12):start]
@@ -731,6 +749,7 @@ def _is_operand(text: str, start: int, end: int) -> bool:
     after = text[end:end + 12]
     if "$" in after:
         after = after[:after.index("$")]
+    before, after = _MARKDOWN_BEFORE_RE.sub("", before), _MARKDOWN_AFTER_RE.sub("", after)
     return _OPERAND_BEFORE_RE.search(before) is not None or _OPERAND_AFTER_RE.match(after) is not None
 
 
