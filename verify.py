@@ -672,7 +672,17 @@ def _last_boxes(text: str) -> list[str] | None:
         inner = _outer_boxes(c.strip()) if ("\\boxed" in c or "\\fbox" in c) and len(group) == 1 else None
         whole = inner is not None and len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(c.strip())
         contents.extend(_last_boxes(c.strip()) or [] if whole else [c])     # \\boxed{\\boxed{7}} is 7
+    if 1 < len(contents) <= 4 and len(set(contents)) > 1 and all(_same_value(c, contents[-1]) for c in contents):
+        return contents[-1:]    # '\\boxed{15\\frac{39}{40}}, or \\boxed{\\frac{639}{40}}': one value written twice
     return contents
+
+
+def _same_value(a: str, b: str) -> bool:
+    """a and b are the same answer read either way round (False when either cannot be compared)."""
+    try:
+        return _compare(a, b, DEFAULT_REL_TOL) and _compare(b, a, DEFAULT_REL_TOL)
+    except Exception:       # (_Limit, _ParseError, _NotMath ...): not shown to be the same
+        return False
 
 
 def _final_group(text: str) -> list | None:
@@ -694,7 +704,7 @@ def _final_group(text: str) -> list | None:
         out.insert(0, b)
     if any(_is_operand(text, a, b) for a, b, _ in out):
         return None
-    after = _MARKDOWN_AFTER_RE.sub("", _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 80]).lstrip(" "))
+    after = _MARKDOWN_AFTER_RE.sub("", _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 240]).lstrip(" "))
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
     if _DISOWN_AFTER_RE.match(after) and not _restates(after, out[-1][2]) or _DISOWN_BEFORE_RE.search(before):
         return None
@@ -703,29 +713,35 @@ def _final_group(text: str) -> list | None:
 
 # A box is an operand when an operator, a number or a command taking it as an argument stands right
 # before it, or an operator right after it ('^\\circ' after it is a degree sign, not an operator).
-_OPERAND_BEFORE_RE = re.compile(r"(?:[-+*/^_)\]|\d]|\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
+_OPERAND_BEFORE_RE = re.compile(r"(?:[-*/^_)\]|\d]|(?<![=(,&\s])\s*\+|"
+                                r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
                                 r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
-_OPERAND_AFTER_RE = re.compile(r"^(?:[(\d]|\s*(?![\^_]\s*\{?\s*\\circ)(?:[*/^_=]|\}\s*\{|"
+_OPERAND_AFTER_RE = re.compile(r"^(?:[(\d]|\s*(?![\^_]\s*\{?\s*\\(?:circ|prime))(?![/=]\s*\\(?:mathrm|text))"
+                               r"(?:[*^_]|/(?=\s*[\d(A-Za-z\\])|=(?!\s*[A-Za-z](?![A-Za-z(]))|\}\s*\{|"
                                r"[-+]\s*(?:[\d\\(]|[A-Za-z](?![A-Za-z]))|"
-                               r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|pi)(?![A-Za-z])))")
+                               r"\\(?:cdot|times|div|sqrt|frac|dfrac|pi)(?![A-Za-z])))")
 # Markdown around a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
 _MARKDOWN_BEFORE_RE = re.compile(r"(?:(?:^|(?<=[\s:(A-Za-z]))(?:\*+|__+)\s*)+$")
 _MARKDOWN_AFTER_RE = re.compile(r"^(?:\*+|__+)(?=\s|$|[.,;:!?)])")
 # '\\boxed{\\frac12}, or 0.5': an 'or' that restates the boxed value is no hedge.
-_OR_VALUE_RE = re.compile(r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*or\s+(?:equivalently\s+|in\s+decimal\s+form\s+|"
-                          r"as\s+a\s+decimal\s+|about\s+|approximately\s+|,\s*)*\$?\s*([^\s$,;()]+)\$?\s*\)?[\s.,;]*$")
+_OR_VALUE_RE = re.compile(r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*or\s*\}?\s+(?:equivalently\s+|in\s+decimal\s+form\s+|"
+                          r"as\s+a\s+decimal\s+|about\s+|approximately\s+|,\s*)*(.+?)\)?[\s.,;]*$")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
 # A box disowned or hedged by the words right after it, or negated by the words right before it.
 _DISOWN_AFTER_RE = re.compile(r"^[\s,.;:}_^{]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
                               r"(?:is|was|are)\s+)?(?:wrong|incorrect|false|"
                               r"(?:is\s+)?not\s+(?:correct|right|the\s+answer)|"
                               r"impossible|invalid|excluded|rejected|discarded)(?![A-Za-z])|[\s}]*[✗✘❌]|"
-                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or|maybe|perhaps|possibly|probably|doubled|halved|"
-                              r"tripled|squared|cubed|factorial|plus|minus|times|divided|onwards?|"
+                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or(?=\s*\}?\s*(?:[\d$\\(+\-.]|[A-Za-z](?![A-Za-z])|"
+                              r"maybe|perhaps|possibly|probably|more|less|fewer|greater|higher|lower|above|below))|"
+                              r"maybe|perhaps|possibly|probably|doubled|halved|"
+                              r"tripled|squared|cubed|factorial|plus|minus|times\s+(?:\d|two|three|four|five|ten)|"
+                              r"divided|onwards?|"
                               r"and\s+(?:up|above|beyond|over)|"
                               r"at\s+(?:least|most)|or\s+(?:more|less|fewer|greater))(?![A-Za-z])",
                               re.IGNORECASE)
-_DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't|at\s+(?:least|most)|"
+_DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't|"
+                               r"(?:answer|result)\s+(?:is\s+)?at\s+(?:least|most)|"
                                r"(?:more|less|fewer|greater|other)\s+than)|"
                                r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
 
@@ -735,10 +751,7 @@ def _restates(after: str, content: str) -> bool:
     m = _OR_VALUE_RE.match(after.split("\n", 1)[0])
     if m is None:
         return False
-    try:
-        return _compare(m.group(1), content, DEFAULT_REL_TOL) and _compare(content, m.group(1), DEFAULT_REL_TOL)
-    except Exception:       # (_Limit, _ParseError, ...): not shown to be the same value
-        return False
+    return _same_value(m.group(1), content)
 
 
 def _is_operand(text: str, start: int, end: int) -> bool:
