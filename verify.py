@@ -100,9 +100,11 @@ Every leniency is bounded by what a policy could exploit with it:
 - a box is no answer when it is an operand (``\\boxed{7} + \\boxed{1}``, ``-\\boxed{7}``,
   ``\\frac{\\boxed{7}}{2}``), hidden or struck (``\\phantom``, ``\\cancel``, ``\\sout``, ``\\iffalse``, a
   comment, white text, ``~~struck~~``), disowned (``\\boxed{7} (wrong)``, ``\\boxed{7} ✗``, "the answer is
-  not \\boxed{7}"), bounded (``at least \\boxed{7}``, ``\\boxed{7} or more``), changed (``\\boxed{7}
-  squared``) or hedged (``\\boxed{7} or 8``) by the words right around it; ``\\text{not } x = 7`` is no
-  answer;
+  not \\boxed{7}"), bounded ("the answer is at least \\boxed{7}", ``\\boxed{7} or more``), changed
+  (``\\boxed{7} squared``) or hedged (``\\boxed{7} or 8``, not ``\\boxed{\\frac12}, or 0.5``) by the words
+  right around it; ``\\text{not } x = 7`` is no answer. Worked solutions stay answers: "at most
+  \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
+  MATH-500's and Minerva's solutions as responses);
 - a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
   approximation farther than half a unit in its last place from the value it follows
   (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
@@ -186,7 +188,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``y =`` stand between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``.
     Boxes with other text between them are separate: the last one is the answer, whatever the gold
     (``$\\boxed{3}$ and, checking, also $\\boxed{-3}$`` is -3, never ``3, -3``), and a list is never
-    matched by a suffix of it. A box repeated is one; more than 16 joined boxes are no answer.
+    matched by a suffix of it. A box repeated, or written again as the same value, is one; more
+    than 16 joined boxes are no answer.
     (``_final_group``, ``_is_join_gap``, ``_is_operand``)
 17. Named answers and chains (the prediction side only): a left side made of symbols and no number
     (``x``, ``AB``, ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6``
