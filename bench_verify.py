@@ -19,9 +19,9 @@ answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=
 - ``verify_hacking.jsonl``: whole responses a policy under RL could find that must score 0, by kind, each kind
   with controls that must score 1; written before the strictness rule.
 - ``verify_rl.jsonl``: the forms an RL policy writes and their near misses (hedged boxes, words after a
-  number, units of another size, boxes that are operands, hidden or disowned, left sides, numbers, answer
-  cues and digits of other scripts), 187 that must score 0 and 87 controls; committed before verify.py
-  changed for them.
+  number or around a box, units of another size, boxes that are operands, hidden or disowned, left sides,
+  numbers, answer cues and digits of other scripts), 239 that must score 0 and 115 controls; committed in two
+  parts, each before verify.py changed for it.
 
 Every figure of one file comes from one run: for each verifier, accuracy, false positives and negatives,
 exceptions, cases/s on one thread, p50/p99/max call time; for whole responses, how many that must score 0 are
