@@ -506,6 +506,10 @@ HOSTILE = [
     "\\boxed{x^{" + "x^{" * 300 + "2" + "}" * 301 + "}",
     "\\boxed{" + "3,15 € " * 200 + "}",
     "\\boxed{e^{\\pi\\sqrt{163}}}",
+    # the readers of answer tags, hidden text, markdown and answer cues in other scripts
+    "<answer>" * 30000, "<answer>" + "</answer><answer>" * 20000 + "7</answer>", "<!--" * 50000,
+    "\\iffalse " * 20000, "{\\color{white} " * 20000 + "\\boxed{7}", "~~" * 100000, "**" * 100000 + "\\boxed{7}",
+    "\\phantom{" * 30000, "所以" * 50000 + "45", "\\boxed{7}" + " or equivalently " * 10000, "<think>" * 30000,
 ]
 
 

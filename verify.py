@@ -861,7 +861,7 @@ def _answer_tag(text: str) -> str | None:
     m = None
     for m in _ANSWER_TAG_RE.finditer(text):
         pass
-    return m.group(1).strip() if m else None
+    return m.group(1).replace("<answer>", " ").replace("</answer>", " ").strip() if m else None
 
 
 def _math_spans(text: str) -> list[tuple[int, int, str]]:
