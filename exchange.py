@@ -627,16 +627,3 @@ class Heartbeat:
 def write_failed(exchange: Path, name: str, run_id: str, error: str, *, attempt: int = 0) -> None:
     """The marker a dying side leaves so that its peer stops at once (read by wait_for_file)."""
     write_json(Path(exchange) / name / "FAILED", {"run_id": run_id, "attempt": attempt, "error": error})
-
-
-def batch_indices(num_prompts: int, step: int, prompts_per_step: int, data_seed: int) -> list[int]:
-    """Dataset rows of a step: a stream of seeded per-epoch permutations, cut into consecutive batches.
-
-    A pure function of (step, seed), so both sides of a pair and a resumed run see the same prompts.
-    """
-    start, out = step * prompts_per_step, []
-    while len(out) < prompts_per_step:
-        epoch, pos = divmod(start + len(out), num_prompts)
-        perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(data_seed * 100003 + epoch))
-        out.extend(perm[pos: pos + prompts_per_step - len(out)].tolist())
-    return out

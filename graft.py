@@ -102,9 +102,7 @@ Launch lines:
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -118,25 +116,18 @@ from typing import Callable, NamedTuple
 
 import torch
 
-# The satellites, imported here once; the copyable core (core.py) uses none of them. Imports run one way:
-# graft.py -> offline.py -> runtime.py -> exchange.py; config.py, core.py, sampler.py and verify.py stand alone.
 import offline  # the stored peer at start (--peer-log) and `graft.py complement`
-from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, Heartbeat, StepRollouts, atomic_write,  # noqa: F401
-                      batch_indices, join_run, leave_run, load_rollouts, new_run_id, read_json, rollout_path,
-                      save_rollouts, wait_for_file, write_failed, write_json)  # the rollout file, run identity
-from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt,  # noqa: F401
-                     full_state_dicts, gather_lists, gathered, load_full_optimizer_state, load_policy,
-                     load_prompt_file, setup_distributed, shard, shard_policy, timed,
-                     unshard)  # ranks, precision, loading, FSDP2, the run's files: plumbing, not the method
-from config import Config  # noqa: F401  (the one dataclass; its field docstrings are the CLI's help)
-from core import (Mean, Swap, add_metrics, assignment_digest, balance_directions, balanced_swap,  # noqa: F401
-                  compatibility_scores, compatibility_weights, decode_response, graft_candidates, group_advantages,
-                  metric_values, minibatch_order, multi_peer_sources, policy_loss, received_groups, rescue_candidates,
-                  retokenize, seeded_generator, sequence_mean_logprob, success_counts)  # the copyable core
-from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: F401  (the sampler and kernel)
-
-# Sections 1 and 2 are files of their own, imported above: 1. Config is config.py (every field's docstring is also
-# its --help line, section 7), 2. the copyable core is core.py (pure functions on tensors).
+from config import Config, build_parser, config_from_args, validate_config  # the one dataclass, its checks, the CLI
+from core import (Mean, add_metrics, assignment_digest, batch_indices, decode_response, graft_candidates,
+                  group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss, received_groups,
+                  rescue_candidates, retokenize, score_received, seeded_generator, success_counts)  # the copyable core
+from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
+                      wait_for_file)  # the rollout file
+from reward import check_golds, load_reward, rewards  # the reward seam: --reward, called in one place
+from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt, gather_lists,
+                     gathered, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed, shard,
+                     shard_policy, timed, unshard)  # ranks, precision, loading, FSDP2, the run's files: plumbing
+from sampler import Rollout, response_logprobs, sample  # the sampler and the chunked log-prob kernel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,76 +185,6 @@ LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs
 # ------------------------------------------------------------------------------------------------
 # 4. The trainer: one side of GRAFT (or plain GRPO), its step in the order of the map above
 # ------------------------------------------------------------------------------------------------
-
-
-def unreadable_golds(rows: list[dict], *, workers: int = 0) -> list[str]:
-    """Ids of the prompts whose gold answer verify.py cannot read: the response "\\boxed{<gold>}"
-    does not match the gold itself (an unbalanced brace, say), so every response to them scores 0."""
-    from verify import verify_batch
-    scores = verify_batch([f"\\boxed{{{r['answer']}}}" for r in rows], [r["answer"] for r in rows], workers=workers)
-    return [r["id"] for r, score in zip(rows, scores) if score <= 0]
-
-
-def check_golds(rows: list[dict], cfg: Config, *, main: bool = True) -> None:
-    """Warn about the prompts of --prompts that always score 0 (unreadable_golds), or stop with --strict."""
-    bad = unreadable_golds(rows, workers=cfg.verify_workers)
-    if not bad:
-        return
-    msg = (f"--prompts {cfg.prompts}: {len(bad)} of {len(rows)} gold answers cannot be read by verify.py "
-           f"(\\boxed{{gold}} does not match the gold), so those prompts always score 0; first ids: "
-           f"{', '.join(bad[:5])}")
-    if cfg.strict:
-        raise SystemExit(f"{msg} (--strict)")
-    if main:
-        print(f"WARNING: {msg} (fix or drop them; --strict makes this an error)", file=sys.stderr, flush=True)
-
-
-class Received(NamedTuple):
-    """score_received's answer for R peer responses, of which R' survived the length limit."""
-
-    index: list[int]  # (R',) positions in the input of the responses kept (the others were too long)
-    ids: list[list[int]]  # (R',) the receiver's token ids of each kept response (EOS appended if it ended)
-    logprobs: list[torch.Tensor]  # (R',) the receiver's behaviour log-probs, one (len(ids),) tensor each
-    lbar_recv: torch.Tensor  # (R',) Eq. 6 under the receiver, in --compat-norm
-    lbar_src: torch.Tensor  # (R',) the source's lbar of the same responses
-    s: torch.Tensor  # (R',) compatibility scores (Eq. 6)
-    w: torch.Tensor  # (R',) weights (Eqs. 7-8; 1 each with compat_weight=False)
-
-
-def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, prompts: list[list[int]], *,
-                   tokenizer, eos_token_id: int, logprobs: Callable, max_response_tokens: int,
-                   compat_norm: str = "token", delta: float = 0.8, compat_weight: bool = True) -> Received:
-    """Retokenise R peer responses for the receiver and score them under it (Eqs. 6-8).
-
-    texts, eos: the peer's decoded responses and whether each ended with EOS; lbar_src: (R,) the
-    source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprobs(prompts,
-    responses) returns the receiver's behaviour log-probs, one (len,) tensor per response (the trainer's
-    sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
-    dropped: it is not in the answer's index. Trainer.score_peer runs it on the received groups,
-    `graft.py preflight` on every sampled response, so the two cannot drift.
-    """
-    assert len(texts) == len(eos) == len(prompts) == lbar_src.numel(), "one text, EOS flag, lbar and prompt each"
-    index, ids = [], []
-    for j, (text, ended) in enumerate(zip(texts, eos)):
-        r = retokenize(text, ended, tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
-        if r:  # None: too long; []: nothing left to score
-            index.append(j)
-            ids.append(r)
-    if not index:
-        empty = torch.zeros(0)
-        return Received([], [], [], empty, empty, empty, empty)
-    lps = logprobs([prompts[j] for j in index], ids)
-    lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',)
-    if compat_norm == "byte":  # departure 2
-        denom = [max(1, len(texts[j].encode("utf-8"))) for j in index]
-    else:  # Eq. 6: mean log-prob per receiver token
-        denom = [len(x) for x in ids]
-    lbar_recv = lp_sum / torch.tensor(denom, dtype=torch.float32)  # (R',)
-    src = lbar_src.float()[torch.tensor(index)]  # (R',)
-    s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=src)  # (R',) Eq. 6
-    w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight
-         else torch.ones_like(s))  # (R',) Eqs. 7-8
-    return Received(index, ids, lps, lbar_recv, src, s, w)
 
 
 # What each line of metrics.jsonl holds (README "Metrics"; metrics_markdown prints the table). <kind> is a
@@ -373,9 +294,6 @@ class LiveReport:
             self.run.log(values, step=int(m["step"]))
 
 
-REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-
-
 def _raise_on_signal(signum, frame):
     raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
 
@@ -391,6 +309,7 @@ class Trainer(RunFiles):
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
+        load_reward(cfg.reward)  # ValueError naming --reward, before anything loads
         self.cfg = cfg
         self.dist = setup_distributed(cfg)
         if cfg.threads:
@@ -486,7 +405,6 @@ class Trainer(RunFiles):
     def rollout(self, step: int, rows: list[int]) -> tuple[StepRollouts, dict]:
         """Sample n responses per prompt (this rank's share), verify, score: the whole batch on every
         rank. Returns the step's rollouts (G prompts x n) and the phase timings in seconds."""
-        from verify import verify_batch
         cfg, n, G = self.cfg, self.cfg.n, len(rows)
         timings: dict[str, float] = {}
         flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
@@ -503,13 +421,14 @@ class Trainer(RunFiles):
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
-            rewards = verify_batch(texts, [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
+            scores = rewards(cfg.reward, texts, [self.data[rows[r // n]]["answer"] for r in mine],
+                             workers=cfg.verify_workers)
         with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
             old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
         scored = [SampledResponse(o.tokens, lp, txt, o.ended_with_eos, rw)
-                  for o, lp, txt, rw in zip(outs, old, texts, rewards)]
+                  for o, lp, txt, rw in zip(outs, old, texts, scores)]
         every = unshard(gather_lists(scored, self.dist), G * n, self.dist)  # G * n, response r = g * n + i
         rewards_t = torch.tensor([x.reward for x in every], dtype=torch.float32).view(G, n)  # (G, n)
         return StepRollouts(
@@ -570,9 +489,8 @@ class Trainer(RunFiles):
         peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.peer_log_run)
         # Stored logs are re-verified with our verifier and their advantages recomputed from that
         # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
-        from verify import verify_batch
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        peer.rewards = torch.tensor(verify_batch(peer.texts, golds, workers=cfg.verify_workers),
+        peer.rewards = torch.tensor(rewards(cfg.reward, peer.texts, golds, workers=cfg.verify_workers),
                                     dtype=torch.float32).view_as(peer.rewards)  # (G, n)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return {"log": peer}
@@ -1121,7 +1039,6 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
     Returns one dict per problem, in order: id, answer, correct (list of 0/1), and the responses
     when cfg.save_responses.
     """
-    from verify import verify_batch
     k = cfg.eval_samples
     jobs = [(p, j) for p in range(len(problems)) for j in range(k)]
     mine = shard(jobs, dist_info)
@@ -1138,7 +1055,7 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
     texts = [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
-    scores = verify_batch(texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
+    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
     results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
     out = []
     for p, prob in enumerate(problems):
@@ -1209,165 +1126,8 @@ def run_eval(cfg: Config) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
+# 7. CLI: config.build_parser's flags (field names with dashes, help = field docstrings), dispatched
 # ------------------------------------------------------------------------------------------------
-
-VARIANTS = ("graft", "hacpo", "sgt", "luffy")
-CHOICES = {
-    "variant": VARIANTS,
-    "order": ("peer_last", "peer_first", "uniform"),
-    "ratio_level": ("token", "sequence"),
-    "compat_norm": ("token", "byte"),
-    "selection": ("graft", "random", "sgt"),
-    "acceptance": ("gate", "random"),
-    "peer_advantages": ("source", "pooled"),
-    "transfer": ("all", "success"),
-    "device": ("auto", "cpu", "cuda"),
-    "dtype": ("auto", "float32", "bfloat16"),
-    "report_to": ("none", "tensorboard", "wandb"),
-}
-
-
-def validate_config(cfg: Config) -> None:
-    """Raise ValueError naming the flag for any bad value (bad user input fails early)."""
-    def bad(flag, msg):
-        raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
-    for f, allowed in CHOICES.items():
-        if getattr(cfg, f) not in allowed:
-            bad(f, f"{getattr(cfg, f)!r} is not one of {', '.join(allowed)}")
-    if not cfg.model:
-        bad("model", "is required (a hub id or a local folder)")
-    if cfg.n < 2:
-        bad("n", f"GRPO needs at least 2 rollouts per prompt (got {cfg.n}: every advantage would be 0)")
-    positive_ints = ("steps", "prompts_per_step", "max_prompt_tokens", "max_response_tokens", "gen_batch_size",
-                     "micro_batch_size", "logprob_chunk", "save_every", "keep_checkpoints", "eval_samples")
-    for f in positive_ints:
-        if getattr(cfg, f) < 1:
-            bad(f, f"must be >= 1, got {getattr(cfg, f)}")
-    for f in ("threads", "verify_workers", "eval_every", "eval_max_problems", "eval_max_tokens", "sgt_coef"):
-        if getattr(cfg, f) < 0:
-            bad(f, f"must be >= 0, got {getattr(cfg, f)}")
-    for f in ("lr", "grad_clip", "exchange_timeout", "peer_dead_after", "heartbeat_interval", "join_timeout",
-              "luffy_gamma"):
-        if not getattr(cfg, f) > 0:
-            bad(f, f"must be > 0, got {getattr(cfg, f)}")
-    if not 0 <= cfg.delta <= 1:
-        bad("delta", f"must be in [0, 1] (w = min(s, 1), so a floor above 1 rejects every peer response), "
-                     f"got {cfg.delta}")
-    if cfg.weight_decay < 0:
-        bad("weight_decay", f"must be >= 0, got {cfg.weight_decay}")
-    if cfg.heartbeat_interval * 3 > cfg.peer_dead_after:
-        bad("heartbeat_interval", f"must be at most a third of --peer-dead-after ({cfg.peer_dead_after}), "
-                                  f"or a slow disk makes a live peer look dead")
-    if cfg.resume and cfg.force:
-        bad("force", "--force starts over and --resume continues: choose one")
-    if cfg.minibatches < 1 or cfg.minibatches > cfg.prompts_per_step:
-        bad("minibatches", f"must be in [1, prompts_per_step={cfg.prompts_per_step}]")
-    if not (0 <= cfg.eps_low < 1 and cfg.eps_high >= 0):
-        bad("eps_low", "needs 0 <= eps_low < 1 and eps_high >= 0")
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        bad("dual_clip", "verl's dual-clip constant must be > 1 (or 0 = off)")
-    if cfg.temperature < 0 or not (0 < cfg.top_p <= 1):
-        bad("temperature", "needs temperature >= 0 and 0 < top_p <= 1")
-    if cfg.peer_exchange and cfg.peer_log:
-        bad("peer_log", "choose one peer: --peer-exchange (online) or --peer-log (stored), not both")
-    peers = cfg.peer_name.split(",")
-    if cfg.peer_exchange and cfg.name in peers:
-        bad("peer_name", f"the peers' names must differ from --name ({cfg.name!r})")
-    if len(set(peers)) != len(peers):
-        bad("peer_name", f"{cfg.peer_name!r} names a peer twice")
-    for flag, v in [("name", cfg.name)] + [("peer_name", p) for p in peers]:
-        if not v or "/" in v or v.startswith(".") or v == "RUN":
-            bad(flag, f"{v!r} must be a plain folder name (not RUN, which the exchange dir uses)")
-    if len(peers) > 1:
-        if not cfg.peer_exchange:
-            bad("peer_name", "several peers need an online exchange (--peer-exchange)")
-        if cfg.variant in ("hacpo", "sgt") or cfg.selection != "graft":
-            bad("peer_name", "with several peers only GRAFT's own selection runs (variant graft or luffy, "
-                             "--selection graft)")
-    if cfg.peer_model and not Path(cfg.peer_log).is_file():
-        bad("peer_model", "scores a JSONL --peer-log of foreign trajectories; give that file as --peer-log")
-    if cfg.variant == "hacpo" and Path(cfg.peer_log).is_file():
-        bad("variant", "hacpo pools n own with n peer rollouts per prompt; a JSONL --peer-log has groups of any size")
-    if "{problem}" not in cfg.prompt_template:
-        bad("prompt_template", "must contain '{problem}'")
-    if cfg.report_to != "none":
-        import importlib.util
-        package = REPORT_PACKAGES[cfg.report_to]
-        if importlib.util.find_spec(package) is None:
-            bad("report_to", f"{cfg.report_to} needs the optional package {package!r}: pip install {package}")
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The one-line string under each dataclass field (attribute docstrings), read from the source.
-
-    The docstrings are the documentation of the config and of the CLI at the same time.
-    """
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).strip()
-    return docs
-
-
-
-EVAL_ALIASES = {"samples": "eval_samples", "temperature": "eval_temperature", "top_p": "eval_top_p"}
-# torchrun's own parser reads "--n" as an ambiguous abbreviation of its flags (Python argparse
-# classifies every "--x" before the script's arguments), so --n has a long spelling too.
-FLAG_ALIASES = {"n": "--rollouts"}
-
-
-def build_parser():
-    import argparse
-    docs = field_docs(Config)
-    parser = argparse.ArgumentParser(prog="graft.py", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("complement", add_help=False,
-                   help="how complementary candidate models are, before a pair run (graft.py complement -h)")
-    sub.add_parser("preflight", add_help=False,
-                   help="sample two models and report what a pair of them would exchange (graft.py preflight -h)")
-    sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
-    for command in ("train", "eval"):
-        help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
-        p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        aliases = {v: k for k, v in EVAL_ALIASES.items()} if command == "eval" else {}
-        for f in dataclasses.fields(Config):
-            if command == "eval" and f.name in EVAL_ALIASES:
-                continue  # in eval, --temperature etc. mean the evaluation settings
-            flags = [f"--{f.name.replace('_', '-')}"]
-            flags += [f"--{aliases[f.name].replace('_', '-')}"] if f.name in aliases else []
-            flags += [FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else []
-            help_ = docs.get(f.name, "").replace("%", "%%")
-            help_ += f" choices: {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
-            if isinstance(f.default, bool):
-                p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=help_)
-            else:
-                p.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default, help=help_)
-    return parser
-
-
-def flags_markdown() -> str:
-    """The flag table of FLAGS.md, generated from Config."""
-    docs = field_docs(Config)
-    lines = ["| flag | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(Config):
-        default = repr(f.default)
-        default = default if len(default) <= 30 else default[:27] + "..."
-        text = docs.get(f.name, "") + (f" Choices: {', '.join(CHOICES[f.name])}." if f.name in CHOICES else "")
-        lines.append(f"| `--{f.name.replace('_', '-')}` | `{default}` | {text.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
-
-
-def flags_document() -> str:
-    """FLAGS.md, whole (a test keeps the file equal to it):
-    python -c "import graft; print(graft.flags_document(), end='')" > FLAGS.md"""
-    return ("# Flags of `python graft.py train`\n\n"
-            "Generated from `graft.Config`, the one config dataclass, whose field docstrings are the help lines\n"
-            "(`python graft.py train --help` prints the same). Regenerate after changing a field:\n"
-            "`python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md`.\n\n" + flags_markdown())
 
 
 def main(argv=None):
@@ -1375,15 +1135,16 @@ def main(argv=None):
     if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
         return offline.main_complement(argv[1:])
     if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
-        import preflight  # it never imports graft.py: it is handed this module, the trainer's functions
-        return preflight.main(argv[1:], core=sys.modules[__name__])
+        import preflight  # it imports what it runs from where it lives (core.py, reward.py, ...), never graft.py
+        return preflight.main(argv[1:])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         import plot  # matplotlib only there
         return plot.main(argv[1:])
     args = build_parser().parse_args(argv)
-    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
+    cfg = config_from_args(args)
     try:
         validate_config(cfg)
+        load_reward(cfg.reward)  # the user's reward imports and has the signature, before anything loads
     except ValueError as e:
         raise SystemExit(f"graft.py {args.command}: {e}")
     if args.command == "train":

@@ -98,6 +98,9 @@ from typing import Callable
 
 import torch
 
+from core import masked_group_advantages  # GRPO advantages within groups of any size (choice 4)
+from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
+
 # ------------------------------------------------------------------------------------------------
 # Complementarity: the core (pure functions on tensors)
 #
@@ -559,34 +562,6 @@ def match_records(records: list[ForeignRecord], prompts: list[dict]) -> tuple[li
 
 
 # ------------------------------------------------------------------------------------------------
-# Foreign trajectories: advantages within groups of any size
-# ------------------------------------------------------------------------------------------------
-
-
-def masked_group_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6,
-                            std_normalize: bool = True) -> torch.Tensor:
-    """GRPO advantages a_i = (r_i - mean(r)) / (std(r) + eps) within each group of any size (choice 4).
-
-    rewards: (P, M) float; mask: (P, M) bool, True on the first size_p slots of row p (left-aligned).
-    Returns (P, M) float, 0 on masked-out slots. The same formula as graft.group_advantages (unbiased
-    std; a group of equal rewards, or of one, gets exactly 0), applied to each row's first size_p
-    entries: on full rows it equals group_advantages.
-    """
-    assert rewards.shape == mask.shape and rewards.dim() == 2, "rewards and mask must be (P, M) and equal"
-    m = mask.float()  # (P, M)
-    size = m.sum(dim=1, keepdim=True)  # (P, 1)
-    mean = (rewards.float() * m).sum(dim=1, keepdim=True) / size.clamp(min=1)  # (P, 1)
-    centered = (rewards.float() - mean) * m  # (P, M)
-    if std_normalize:
-        std = ((centered ** 2).sum(dim=1, keepdim=True) / (size - 1).clamp(min=1)).sqrt()  # (P, 1) unbiased
-        adv = centered / (std + eps)  # (P, M)
-    else:
-        adv = centered
-    constant = ((rewards == rewards[:, :1]) | ~mask).all(dim=1, keepdim=True)  # (P, 1): zero variance
-    return torch.where(constant | ~mask, torch.zeros_like(adv), adv)
-
-
-# ------------------------------------------------------------------------------------------------
 # Foreign trajectories: the loaded log and its per-step view for the trainer
 # ------------------------------------------------------------------------------------------------
 
@@ -735,7 +710,7 @@ class ForeignLog:
 
 
 def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normalize: bool = True,
-                     verify_workers: int = 0, rel_tol: float | None = None,
+                     reward: str = DEFAULT_REWARD, verify_workers: int = 0, rel_tol: float | None = None,
                      max_response_chars: int | None = None) -> ForeignLog:
     """Read, match, group, re-verify and score a foreign JSONL file against the run's prompts.
 
@@ -743,11 +718,10 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     returns). Responses over max_response_chars characters (None = no bound), repeats of an earlier
     record (same prompt, same response text), unmatched records and single-record prompts are counted
     (ForeignLog.report) and left out, in that order (choice 7), before anything is verified or scored.
-    Rewards of the kept records are verify.verify_batch(response, gold) (strict: a boxed answer);
-    verify_workers and rel_tol are passed to it. Raises ValueError (FILE:LINE) on a bad record, and when
-    nothing usable is left.
+    Rewards of the kept records are the reward's (reward.rewards: --reward, verify.py's by default, which
+    reads a boxed answer); verify_workers and rel_tol are passed to it. Raises ValueError (FILE:LINE) on a
+    bad record, and when nothing usable is left.
     """
-    from verify import verify_batch
     path = Path(path)
     records = read_foreign_records(path)
     if not records:
@@ -785,12 +759,12 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]
     texts = [log.texts[p][i] for p, i in flat]
     golds = [gold[log.prompt_ids[p]] for p, _ in flat]
-    scores = verify_batch(texts, golds, workers=verify_workers, **({} if rel_tol is None else {"rel_tol": rel_tol}))
-    rewards = torch.zeros(log.mask.shape)  # (P, M)
+    scores = rewards(reward, texts, golds, workers=verify_workers, **({} if rel_tol is None else {"rel_tol": rel_tol}))
+    table = torch.zeros(log.mask.shape)  # (P, M)
     if flat:
         rows, cols = zip(*flat)
-        rewards[list(rows), list(cols)] = torch.tensor(scores, dtype=torch.float32)
-    log.set_rewards(rewards)
+        table[list(rows), list(cols)] = torch.tensor(scores, dtype=torch.float32)
+    log.set_rewards(table)
     given = log.mask & ~log.source_reward.isnan()  # (P, M)
     log.counts["reward_disagreements"] = int(((log.source_reward > 0.5) != (log.rewards > 0.5))[given].sum())
     return log
@@ -922,7 +896,7 @@ def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:
     grouped per prompt, re-verified; lbar computed once by --peer-model where the records lack it."""
     from runtime import compute_context, encode_prompt, load_policy
     try:
-        log = load_foreign_log(cfg.peer_log, data, std_normalize=cfg.std_normalize,
+        log = load_foreign_log(cfg.peer_log, data, std_normalize=cfg.std_normalize, reward=cfg.reward,
                                verify_workers=cfg.verify_workers,
                                max_response_chars=response_char_bound(cfg.max_response_tokens))
     except ValueError as e:  # names the file and line

@@ -239,6 +239,45 @@ def test_copyable_modules_import_nothing_of_ours():
     assert not ours, f"these modules import project modules, so they no longer copy alone: {ours}"
 
 
+# Calls that take a module object by nature: reflection, and a test's patching of a module's attribute.
+MODULE_TAKING = {"getattr", "hasattr", "setattr", "delattr", "dir", "vars", "object"}
+
+
+def modules_passed_as_arguments(source: str, rel: str) -> list[str]:
+    """Calls in `source` that pass a module object (a name bound by a module-level `import x`, or
+    sys.modules[...]) as an argument: a dependency that the import graph does not show."""
+    tree = ast.parse(source, filename=rel)
+    modules = {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import)
+               for a in node.names}
+    hits = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) in MODULE_TAKING:
+            continue
+        for v in list(node.args) + [k.value for k in node.keywords]:
+            if (isinstance(v, ast.Name) and v.id in modules) or (
+                    isinstance(v, ast.Subscript) and ast.unparse(v.value) == "sys.modules"):
+                hits.append(f"{rel}:{node.lineno}: {ast.unparse(v)} passed to {ast.unparse(func)}")
+    return hits
+
+
+def test_module_helper_finds_a_passed_module():
+    """A hand-written module: one module passed by name, one through sys.modules; reflection is allowed."""
+    src = ("import sys\nimport graft\nimport preflight\ndef f():\n    preflight.main([], core=graft)\n"
+           "    preflight.run(sys.modules[__name__])\n    getattr(graft, 'x')\n    graft.main([])\n")
+    assert modules_passed_as_arguments(src, "m.py") == ["m.py:5: graft passed to preflight.main",
+                                                        "m.py:6: sys.modules[__name__] passed to preflight.run"]
+
+
+def test_no_module_object_is_passed_as_an_argument():
+    """Every dependency between our modules is an import: no function receives a module, so the import graph
+    is the whole dependency graph."""
+    hits = [h for f in project_files() for h in modules_passed_as_arguments(f.read_text(encoding="utf-8"),
+                                                                            f.relative_to(ROOT).as_posix())]
+    assert not hits, "modules passed as arguments (import what is needed from where it lives):\n" + "\n".join(hits)
+
 # ------------------------------------------------------------------------------------------------
 # The documents
 # ------------------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ import torch
 import graft
 import plot
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+from config import Config, validate_config
+from core import batch_indices
+from exchange import StepRollouts, rollout_path, save_rollouts
 
 torch.set_num_threads(1)
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -34,11 +37,11 @@ needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
 PEER_GROUPS = (5, 6, 7)  # replaced groups: under peer-last they fill the last minibatches
 
 
-def planted_config(tiny, out, **kw) -> graft.Config:
+def planted_config(tiny, out, **kw) -> Config:
     base = dict(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(out), steps=1, prompts_per_step=8, n=4,
                 minibatches=3, micro_batch_size=3, max_response_tokens=16, prompt_template="{problem}=", lr=1e-3,
                 threads=1, device="cpu")
-    return graft.Config(**(base | kw))
+    return Config(**(base | kw))
 
 
 def planted_rows(tr: graft.Trainer, *, peer_groups=PEER_GROUPS) -> tuple[list[graft.Row], torch.Tensor]:
@@ -47,7 +50,7 @@ def planted_rows(tr: graft.Trainer, *, peer_groups=PEER_GROUPS) -> tuple[list[gr
     in the denominator). Behaviour log-probs are the current policy's plus noise (std 0.3), so that
     ratios fall on both sides of the clip range. Returns (rows, (G,) replaced mask)."""
     g = torch.Generator().manual_seed(0)
-    idx = graft.batch_indices(len(tr.data), 0, 8, 0)
+    idx = batch_indices(len(tr.data), 0, 8, 0)
     rows = []
     for q in range(8):
         for i in range(4):
@@ -279,7 +282,7 @@ def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch
     for kind in ("wandb", "tensorboard"):
         with pytest.raises(ValueError, match=rf"--report-to: {kind} needs the optional package '{kind}': "
                                              rf"pip install {kind}"):
-            graft.validate_config(planted_config(tiny, tmp_path, report_to=kind))
+            validate_config(planted_config(tiny, tmp_path, report_to=kind))
 
 
 def test_metric_series_gate_and_run_labels():
@@ -344,11 +347,11 @@ def planted_panel(run_dir: Path, *, seeds=2, steps=3, n=2) -> dict:
                 ex = run_dir / "panel" / f"seed{s}" / method / (m if method == "grpo" else "") / "exchange"
                 for t in range(steps):
                     r = torch.tensor([[planted_reward(s, method, m, t, g, i) for i in range(n)] for g in range(4)])
-                    ro = graft.StepRollouts(prompt_ids=[f"p{g}" for g in range(4)], tokens=[[1]] * 4 * n,
-                                            logprobs=[torch.zeros(1)] * 4 * n, texts=["x"] * 4 * n,
-                                            eos=torch.ones(4, n, dtype=torch.bool), rewards=r,
-                                            advantages=torch.zeros(4, n))
-                    graft.save_rollouts(graft.rollout_path(ex, m.lower(), t), ro, {"run_id": "planted"})
+                    ro = StepRollouts(prompt_ids=[f"p{g}" for g in range(4)], tokens=[[1]] * 4 * n,
+                                      logprobs=[torch.zeros(1)] * 4 * n, texts=["x"] * 4 * n,
+                                      eos=torch.ones(4, n, dtype=torch.bool), rewards=r,
+                                      advantages=torch.zeros(4, n))
+                    save_rollouts(rollout_path(ex, m.lower(), t), ro, {"run_id": "planted"})
     return halves
 
 

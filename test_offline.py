@@ -18,10 +18,11 @@ import torch
 
 import offline
 from exchange import StepRollouts, save_rollouts
-from graft import compatibility_scores, graft_candidates, group_advantages, success_counts
 from offline import (align, complement_rows, complementarity, load_foreign_log, main_complement,
                      masked_group_advantages, match_records, normalise_problem, pair_complementarity,
                      prob_all_fail, prob_all_pass, read_eval_results, read_foreign_records, read_rollout_folder)
+from config import Config
+from core import compatibility_scores, graft_candidates, group_advantages, success_counts
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent
@@ -426,12 +427,12 @@ def test_the_trainer_applies_its_response_bound_when_it_opens_a_foreign_log(tmp_
     path = write_jsonl(tmp_path / "f.jsonl", [
         {"id": "p1", "response": boxed("2"), "lbar": -0.5}, {"id": "p1", "response": "y" * 300, "lbar": -0.5},
         {"id": "p1", "response": boxed("5"), "lbar": -0.5}])
-    cfg = graft.Config(model="unused", peer_log=str(path), max_response_tokens=2)
+    cfg = Config(model="unused", peer_log=str(path), max_response_tokens=2)
     run_id, log = offline.open_peer_log(cfg, PROMPTS, DistInfo(), start_step=0)
     assert run_id is None and log.counts["too_long"] == 1 and log.counts["too_long_lines"] == [2]
     assert "dropped 1 longer than 256 characters" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--peer-log 'nowhere': no such folder of rollout files or JSONL file"):
-        offline.open_peer_log(graft.Config(model="unused", peer_log="nowhere"), PROMPTS, DistInfo(), start_step=0)
+        offline.open_peer_log(Config(model="unused", peer_log="nowhere"), PROMPTS, DistInfo(), start_step=0)
 
 
 def test_require_lbar_names_the_line(tmp_path):

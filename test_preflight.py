@@ -24,6 +24,8 @@ import graft
 import preflight
 import verify
 from runtime import DistInfo
+from config import Config
+from core import graft_candidates, success_counts
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent
@@ -71,8 +73,8 @@ def run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(verify, "verify_batch", planted_batch)
     try:
-        args = preflight.build_parser(graft).parse_args(args_for(tmp, prompts))
-        report, sides = preflight.preflight(args, graft)
+        args = preflight.build_parser().parse_args(args_for(tmp, prompts))
+        report, sides = preflight.preflight(args)
     finally:
         mp.undo()
     written = json.loads(json.dumps(report))  # what the JSON file holds
@@ -211,7 +213,7 @@ def test_cross_scores_match_a_plain_forward(run):
 def receiver_trainer(side, peer_name: str, **cfg_changes):
     """A Trainer of one side with its model, tokenizer and prompts, for select/build_rows (no run directory)."""
     tr = graft.Trainer.__new__(graft.Trainer)
-    tr.cfg = graft.Config(**{**side.cfg.__dict__, "peer_exchange": "unused", "peer_name": peer_name, **cfg_changes})
+    tr.cfg = Config(**{**side.cfg.__dict__, "peer_exchange": "unused", "peer_name": peer_name, **cfg_changes})
     tr.mode, tr.peers, tr.dist, tr.policy = "online", [peer_name], DistInfo(), None
     tr.model, tr.tok, tr.stop_ids, tr.eos_id = side.model, side.tok, side.stop_ids, side.eos_id
     tr.prompt_ids, tr.amp = side.prompt_ids, nullcontext
@@ -229,8 +231,8 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         part = d["received"] if balance else d["no_balance"]
         into = tr.select(0, recv.rollouts, {src.name: src.rollouts})[src.name]
         groups = d["received_groups"] if balance else [g for g in range(G) if g in set(
-            torch.nonzero(graft.graft_candidates(k_recv=graft.success_counts(recv.rollouts.rewards),
-                                                 k_src=graft.success_counts(src.rollouts.rewards), n=N)).view(-1)
+            torch.nonzero(graft_candidates(k_recv=success_counts(recv.rollouts.rewards),
+                                           k_src=success_counts(src.rollouts.rewards), n=N)).view(-1)
             .tolist())]
         assert torch.nonzero(into).view(-1).tolist() == groups
         out, replaced, m = tr.build_rows(0, rows, recv.rollouts, {src.name: src.rollouts})
@@ -271,7 +273,7 @@ def test_bad_input_messages(tmp_path):
     (tmp_path / "empty_model").mkdir()
     with pytest.raises(SystemExit, match=r"--model '.*empty_model': a folder without config.json"):
         graft.main(["preflight", *args_for(tmp_path, prompts)[:2], "--model-b", str(tmp_path / "empty_model"),
-                    *args_for(tmp_path, prompts)[4:]])
+              *args_for(tmp_path, prompts)[4:]])
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x", "problem": "1+1", "answer": "\\frac{1"}) + "\n")
     with pytest.raises(SystemExit, match=r"bad\.jsonl: no usable problem among 1 \(1 gold answers verify\.py cannot"):
