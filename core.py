@@ -1,11 +1,12 @@
 """GRAFT's copyable core: pure functions on tensors (no globals, no device assumptions, nothing of ours).
 
-The method of Jang et al. (arXiv 2609.37868) as another trainer needs it: GRPO advantages, the
-selection of failed groups and the balanced swap (Eq. 4), the compatibility weight (Eqs. 6-8), the
-clipped token-level loss (Eqs. 9-10), the peer-last minibatch order, and the retokenisation of a
-peer's text. graft.py is this repository's trainer around these functions; README "The method,
-equation by equation" maps each equation to its function, "Porting to verl or TRL" says where each
-plugs in.
+The method of Jang et al. (arXiv 2609.37868) as another trainer needs it: the prompt order both sides
+of a pair share (batch_indices), GRPO advantages (also within groups of any size), the selection of
+failed groups and the balanced swap (Eq. 4), the retokenisation of a peer's text and its scoring under
+the receiver (score_received), the compatibility weight (Eqs. 6-8), the clipped token-level loss
+(Eqs. 9-10) and the peer-last minibatch order. graft.py is this repository's trainer around these
+functions; README "The method, equation by equation" maps each equation to its function, "Porting to
+verl or TRL" says where each plugs in.
 
 Copy this file alone into another trainer: it imports only the standard library and torch
 (test_port.py runs a copy of it in a fresh module, and drives a planted GRAFT step with it).

@@ -38,6 +38,7 @@ same files.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -330,6 +331,16 @@ def left_behind(exchange: Path, peer: str, run_id: str | None, theirs: int, mine
 # ------------------------------------------------------------------------------------------------
 # Run identity and liveness: a pair never mistakes another run's files for its own
 # ------------------------------------------------------------------------------------------------
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks (the prompts file of a run: --resume refuses a changed
+    one; a foreign log: its lbar cache is keyed on it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_json(path: Path) -> dict | None:

@@ -11,7 +11,7 @@ Trainer.score_peer) and compatibility_weights at --delta and at other deltas. It
 writes the same figures, plus every response's cross-score, to a JSON file (atomically).
 
 Per direction src -> recv (the receiver learns from the source's groups) it reports:
-  * complementarity (the table `graft.py complement` prints, from the same code: offline.complement_rows):
+  * complementarity (the table `graft.py complement` prints, from the same code: complement.complement_rows):
     the receiver's all-fail prompts, the share of them that the source solves at least once, and the
     share on which the source's group is mixed (Eq. 4's candidates);
   * candidates on the sample and per step at --prompts-per-step, and what the balanced swap keeps (m);
@@ -31,7 +31,7 @@ Our choices (numbered so that reviews can cite them):
      the sample is exactly the pair's first batch; sampling uses the trainer's step-0 generator.
   2. The sample is one batch: selection runs on its G prompts as a step of those prompts would. Per-step
      figures at --prompts-per-step P scale the sample's counts by P / G; for the swap's m that is an upper
-     estimate (the mean of a per-step min is at most the min of the means; offline.py choice 3).
+     estimate (the mean of a per-step min is at most the min of the means; complement.py choice 3).
   3. The received figures are the cross-scores restricted to the received groups: score_received on all
      responses gives per response what Trainer.score_peer gives on those groups (test_preflight.py drives
      the trainer on the same samples and compares).
@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-import offline
+import complement
 from config import Config, add_config_flags, validate_config
 from core import (Received, batch_indices, compatibility_weights, decode_response, graft_candidates,
                   group_advantages, received_groups, score_received, seeded_generator, success_counts)
@@ -219,7 +219,7 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
     k_src, k_recv = success_counts(ro.rewards), success_counts(recv.rollouts.rewards)  # (G,) each
     cand = graft_candidates(k_recv=k_recv, k_src=k_src, n=n)  # (G,) Eq. 4
     assert torch.equal(cand, unbalanced), "--no-balance receives exactly the candidates"
-    comp = offline.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
+    comp = complement.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
     src_len = [len(t) for t in ro.tokens]
     src_eos = ro.eos.view(-1).tolist()
     kw = dict(cross=cross, src_len=src_len, src_eos=src_eos, delta=cfg.delta, deltas=deltas,
@@ -460,11 +460,11 @@ def preflight(args) -> tuple[dict, list[Side]]:
     directions = {f"{src.name}_to_{recv.name}": direction_report(
         src, recv, cross=cross[f"{src.name}_to_{recv.name}"], received=into[recv.name][args.balance],
         unbalanced=into[recv.name][False], deltas=deltas, m=m) for src, recv in ((a, b), (b, a))}
-    sources = [offline.SourceCounts(s.cfg.model, "preflight", {pid: (int(k), n) for pid, k in
+    sources = [complement.SourceCounts(s.cfg.model, "preflight", {pid: (int(k), n) for pid, k in
                                                                 zip(s.rollouts.prompt_ids, ks.tolist())},
                                     note=f"sampled now, n={n}")
                for s, ks in ((a, k_a), (b, k_b))]
-    comp_rows = offline.complement_rows(sources, n=n, batch_size=args.prompts_per_step)
+    comp_rows = complement.complement_rows(sources, n=n, batch_size=args.prompts_per_step)
     report = {
         "settings": {"prompts": args.prompts, **train, "deltas": list(deltas)},
         "problems": len(sample_rows), "problem_ids": [r["id"] for r in sample_rows], "skipped": ", ".join(skipped),
@@ -472,8 +472,8 @@ def preflight(args) -> tuple[dict, list[Side]]:
                             "successes": ks.tolist(),
                             "speed": speed(s, prompts_per_step=args.prompts_per_step)}
                    for s, ks in ((a, k_a), (b, k_b))},
-        "complement": offline.complement_json(sources, comp_rows, n=n, batch_size=args.prompts_per_step),
-        "complement_table": offline.format_complement_table(sources, comp_rows, n=n,
+        "complement": complement.complement_json(sources, comp_rows, n=n, batch_size=args.prompts_per_step),
+        "complement_table": complement.format_complement_table(sources, comp_rows, n=n,
                                                             batch_size=args.prompts_per_step),
         "directions": directions, "cross_score_s": cross_s,
         "responses": {key: per_response(src, cross[key]) for key, src in (("a_to_b", a), ("b_to_a", b))},

@@ -1,7 +1,7 @@
 """The reward seam: `--reward` names the function that scores responses, and `rewards` is the one place that calls it.
 
 Training (Trainer.rollout and the stored peer's re-verification), evaluation, `graft.py preflight`, the
-foreign-log loader (offline.py) and the gold check at start all score through `rewards`, so that swapping
+foreign-log loader (foreign.py) and the gold check at start all score through `rewards`, so that swapping
 the reward (another verifier, math-verify, a code runner, a format bonus) is one flag:
     --reward module:function               a module on the import path (the default: verify:verify_batch)
     --reward path/to/my_reward.py:function a file, loaded by path

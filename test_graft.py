@@ -670,17 +670,17 @@ MIXED = {0, 3, 4, 6}  # groups where the planted peer is mixed (1 <= k < n)
 
 def planted(tiny, tmp_path, monkeypatch, **overrides):
     """A trainer in offline mode against a hand-made peer log; the receiver fails everything.
-    Returns (trainer, batch rows, own rollouts, {"log": peer rollouts})."""
+    Returns (trainer, the batch's dataset indices, own rollouts, {"log": peer rollouts})."""
     import verify
     from transformers import AutoTokenizer
     monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0, **kw: [1.0 if "y" in r else 0.0 for r in rs])
     n, G = 4, 8
-    rows = batch_indices(16, 0, G, 0)
+    batch = batch_indices(16, 0, G, 0)
     texts = [("y=" if PATTERN[g][i] else "n=") + str(g) + str(i) for g in range(G) for i in range(n)]
     tok_b = AutoTokenizer.from_pretrained(tiny / "mb")
     tokens = [tok_b.encode(t, add_special_tokens=False) + [1] for t in texts]
     gen = torch.Generator().manual_seed(0)
-    peer = StepRollouts(prompt_ids=[f"p{i}" for i in rows], tokens=tokens,
+    peer = StepRollouts(prompt_ids=[f"p{i}" for i in batch], tokens=tokens,
                         logprobs=[-3.0 - torch.rand(len(t), generator=gen) * 1.5 for t in tokens], texts=texts,
                         eos=torch.ones(G, n, dtype=torch.bool),
                         rewards=torch.tensor(PATTERN, dtype=torch.float32), advantages=torch.zeros(G, n))
@@ -691,15 +691,24 @@ def planted(tiny, tmp_path, monkeypatch, **overrides):
               lr=1e-3, delta=0.0)
     kw.update(overrides)
     tr = graft.Trainer(Config(**kw))
-    own, _ = tr.rollout(0, rows)
+    own, _ = tr.rollout(0, batch)
     own.rewards.zero_()
     own.advantages.zero_()
-    return tr, rows, own, tr.peer_rollouts(0, own)
+    return tr, batch, own, tr.wait_for_peers(0, own)
+
+
+def exchange_phases(tr, step, batch, own, peers):
+    """Trainer.step's exchange phases, select -> score -> build_rows: the rows, the (G,) replaced mask and the
+    three phases' metrics merged."""
+    received, m_select = tr.select(step, own, peers)
+    scored, m_score = tr.score(step, batch, peers, received)
+    rows, replaced, m_rows = tr.build_rows(batch, own, peers, received, scored)
+    return rows, replaced, m_select | m_score | m_rows
 
 
 def test_sgt_nll_only_on_rescue_prompts_one_response_each(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="sgt")
-    out, replaced, m = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, variant="sgt")
+    out, replaced, m = exchange_phases(tr, 0, batch, own, peer)
     nll = [r for r in out if r.kind == "nll"]
     # rescue prompts: receiver 0/n and peer >= 1 success: groups 0, 1 (all-pass counts too), 3, 4, 6
     assert sorted(r.group for r in nll) == [0, 1, 3, 4, 6]  # exactly one response per rescue prompt
@@ -733,14 +742,14 @@ def test_luffy_gradient_is_the_analytic_derivative_of_f():
 
 
 def test_luffy_variant_routes_peer_rows(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="luffy")
-    out, replaced, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, variant="luffy")
+    out, replaced, _ = exchange_phases(tr, 0, batch, own, peer)
     assert {r.kind for r in out if r.is_peer} == {"luffy"} and {r.kind for r in out if not r.is_peer} == {"pg"}
 
 
 def test_pooled_advantages_are_over_2n(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, peer_advantages="pooled")
-    out, _, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, peer_advantages="pooled")
+    out, _, _ = exchange_phases(tr, 0, batch, own, peer)
     # group 0: own 0,0,0,0 + peer 1,0,0,0 -> 8 rewards, mean 1/8, unbiased std sqrt((49/64 + 7/64) / 7)
     mu, sd = 1 / 8, math.sqrt((49 / 64 + 7 * 1 / 64) / 7)
     own0 = [r.adv for r in out if r.group == 0 and not r.is_peer]
@@ -750,24 +759,24 @@ def test_pooled_advantages_are_over_2n(tiny, tmp_path, monkeypatch):
 
 
 def test_success_only_transfer_and_no_weight(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, transfer="success", compat_weight=False, delta=0.8)
-    out, _, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, transfer="success", compat_weight=False, delta=0.8)
+    out, _, _ = exchange_phases(tr, 0, batch, own, peer)
     peer_rows = [r for r in out if r.is_peer]
     assert len(peer_rows) == sum(sum(PATTERN[g]) for g in MIXED)  # only the correct ones
     assert all(r.adv > 0 and r.weight == 1.0 for r in peer_rows)  # w = 1, no gate
 
 
 def test_random_acceptance_keeps_the_rate(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
-    _, _, m_gate = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    _, _, m_gate = exchange_phases(tr, 0, batch, own, peer)
     tr.cfg.acceptance = "random"
-    _, _, m_rand = tr.build_rows(0, rows, own, peer)
+    _, _, m_rand = exchange_phases(tr, 0, batch, own, peer)
     assert m_rand["accepted"] == m_gate["accepted"] and m_rand["selected"] == m_gate["selected"] == 4
 
 
 def test_sgt_selection_rule_with_grafts_update(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, selection="sgt")
-    out, replaced, m = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, selection="sgt")
+    out, replaced, m = exchange_phases(tr, 0, batch, own, peer)
     # SGT's rescue rule: every group where the peer solved at least once, the all-pass group 1 included
     assert m["selected"] == 5 and m["peer_responses"] == 20
     peer_groups = {r.group for r in out if r.is_peer}
@@ -778,14 +787,14 @@ def test_sgt_selection_rule_with_grafts_update(tiny, tmp_path, monkeypatch):
 
 
 def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch)
-    base = tr.select(0, own, peer)["log"]
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch)
+    base = tr.select(0, own, peer)[0]["log"]
     own.rewards[3] = 1.0  # make group 3 not a candidate; random selection may still draw it (peer is mixed)
     own.rewards[3, 0] = 0.0
     tr.cfg.selection = "random"
     counts = set()
     for step in range(20):
-        sel = tr.select(step, own, peer)["log"]
+        sel = tr.select(step, own, peer)[0]["log"]
         k_peer = success_counts(peer["log"].rewards)
         k_own = success_counts(own.rewards)
         assert int(sel.sum()) == int(graft_candidates(k_recv=k_own, k_src=k_peer, n=4).sum())
@@ -800,8 +809,8 @@ def test_hacpo_advantages_hand_computed_and_rows(tiny, tmp_path, monkeypatch):
                                      capability_ratio=2.0)
     torch.testing.assert_close(a_own, torch.tensor([[1 / 6, -5 / 6]]) / (0.5 + 1e-6))
     torch.testing.assert_close(a_peer, torch.tensor([[1 / 6, 1 / 6]]) / (0.5 + 1e-6))
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
-    out, _, m = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
+    out, _, m = exchange_phases(tr, 0, batch, own, peer)
     assert m["capability_ratio"] == 10.0  # own success rate 0 -> the clamp's ceiling
     assert {r.group for r in out if r.is_peer} == set(range(8))  # no failure gating: every prompt pools
     assert all(r.kind == "hacpo_peer" and r.weight == 10.0 for r in out if r.is_peer)
@@ -813,12 +822,12 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
     """A hand-made peer log with a known reward pattern: the receiver (planted to fail everything)
     must receive exactly the mixed peer groups, with the peer's advantages and w from Eqs. 6-8."""
     from transformers import AutoTokenizer
-    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    tr, batch, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8)
     peer = peers["log"]
     rewards = torch.tensor(PATTERN, dtype=torch.float32)
     torch.testing.assert_close(peer.rewards, rewards)  # re-verified with the (planted) verifier
     expected_adv = group_advantages(rewards)
-    train_rows, replaced, m = tr.build_rows(0, rows, own, peers)
+    train_rows, replaced, m = exchange_phases(tr, 0, batch, own, peers)
     assert m["selected"] == 4 and m["candidates_in"] == 4
     assert 0 < m["accepted"] < 16, "the planted log-probs should put some s on each side of delta"
     assert m["accepted"] + m["rejected"] + m["dropped_length"] == 16
@@ -830,7 +839,7 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
         i = next(i for i in range(n)
                  if retokenize(peer.texts[g * n + i], True, tok_a, max_response_tokens=16) == r.response)
         assert r.adv == pytest.approx(expected_adv[g, i].item())  # the peer's advantage, held fixed
-        lp, mask = response_logprobs(tr.model, [tr.prompt_ids[rows[g]]], [r.response], pad_token_id=0)
+        lp, mask = response_logprobs(tr.model, [tr.prompt_ids[batch[g]]], [r.response], pad_token_id=0)
         s = math.exp(lp.sum().item() / len(r.response) - peer.logprobs[g * n + i].mean().item())
         assert s > 0.8 and r.weight == pytest.approx(min(s, 1.0), rel=1e-4)
     # replaced groups lost their own rows

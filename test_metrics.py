@@ -19,6 +19,7 @@ import graft
 import plot
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 from config import Config, validate_config
+from metrics import metric_doc, metrics_markdown, report_values
 from core import batch_indices
 from exchange import StepRollouts, rollout_path, save_rollouts
 
@@ -199,9 +200,9 @@ def two_runs(tiny, tmp_path, monkeypatch):
 def test_every_logged_key_is_in_the_metrics_table(two_runs):
     for run in two_runs[:2]:
         for line in read_metrics(run / "metrics.jsonl"):
-            undocumented = [k for k in line if graft.metric_doc(k) is None]
-            assert not undocumented, f"add these keys to graft.METRICS: {undocumented}"
-    table = graft.metrics_markdown()
+            undocumented = [k for k in line if metric_doc(k) is None]
+            assert not undocumented, f"add these keys to metrics.METRICS: {undocumented}"
+    table = metrics_markdown()
     assert "| `<kind>/clipfrac_peer` | Clipped peer tokens over peer tokens through the loss" in table
 
 
@@ -215,8 +216,8 @@ def test_report_to_tensorboard_logs_the_same_keys(two_runs):
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert tags == set(graft.report_values(m)), tags ^ set(graft.report_values(m))
-    for k, v in graft.report_values(m).items():
+    assert tags == set(report_values(m)), tags ^ set(report_values(m))
+    for k, v in report_values(m).items():
         (event,) = acc.Scalars(k)
         assert event.step == 1 and event.value == pytest.approx(v, rel=1e-6), k
 
@@ -266,7 +267,7 @@ def test_report_to_wandb_offline_logs_the_same_keys(two_runs, monkeypatch, tmp_p
     assert config["model"] == tr.cfg.model and config["report_to"] == "wandb"  # the Config, as run.json keeps it
     (history,) = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                   for r in records["history"]]  # a key with "/" (pg/clipfrac_own) is kept as its parts
-    logged, want = {k: v for k, v in history.items() if not k.startswith("_")}, graft.report_values(m)
+    logged, want = {k: v for k, v in history.items() if not k.startswith("_")}, report_values(m)
     assert history["_step"] == 1 and set(logged) == set(want), set(logged) ^ set(want)
     for k, v in want.items():
         assert logged[k] == pytest.approx(v, rel=1e-12), k
@@ -274,7 +275,7 @@ def test_report_to_wandb_offline_logs_the_same_keys(two_runs, monkeypatch, tmp_p
 
 def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch):
     m = {"step": 3, "reward": 0.5, "accepted": 4, "mean_s": float("nan"), "assignment": "ab12", "flag": True}
-    assert graft.report_values(m) == {"reward": 0.5, "accepted": 4.0}  # numbers only, NaN and step left out
+    assert report_values(m) == {"reward": 0.5, "accepted": 4.0}  # numbers only, NaN and step left out
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")

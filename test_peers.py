@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import graft
-from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+from test_graft import ROOT, common_flags, exchange_phases, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 from config import Config
 from core import assignment_digest, balanced_swap, batch_indices, group_advantages, multi_peer_sources, success_counts
 from exchange import StepRollouts, load_rollouts, rollout_path, save_rollouts
@@ -152,12 +152,12 @@ def test_foreign_log_groups_of_any_size_enter_the_update(tiny, tmp_path, monkeyp
         records += [{"id": p["id"], "response": t, "lbar": -0.5} if j % 2 else
                     {"problem": p["problem"], "response": t, "lbar": -0.5} for t in texts]
     tr = foreign_trainer(tiny, tmp_path, monkeypatch, records)
-    rows = batch_indices(len(tr.data), 0, 8, 0)
-    own, _ = tr.rollout(0, rows)
+    batch = batch_indices(len(tr.data), 0, 8, 0)
+    own, _ = tr.rollout(0, batch)
     own.rewards.zero_()  # the receiver failed every prompt: every mixed foreign group is a candidate
     own.advantages.zero_()
-    peers = tr.peer_rollouts(0, own)
-    out, replaced, m = tr.build_rows(0, rows, own, peers)
+    peers = tr.wait_for_peers(0, own)
+    out, replaced, m = exchange_phases(tr, 0, batch, own, peers)
     assert m["selected"] == 8 and replaced.all() and not any(not r.is_peer for r in out)
     assert m["peer_responses"] == sum(len(groups[own.prompt_ids[g]]) for g in range(8))  # padding never offered
     for g in range(8):
@@ -176,9 +176,9 @@ def test_foreign_log_without_lbar_needs_a_peer_model(tiny, tmp_path, monkeypatch
         foreign_trainer(tiny, tmp_path, monkeypatch, records)
     tr = foreign_trainer(tiny, tmp_path, monkeypatch, records, peer_model=str(tiny / "mb"), out=str(tmp_path / "r2"))
     assert list(tmp_path.glob(".foreign.jsonl.lbar-*.json")), "the computed lbar is cached beside the file"
-    rows = batch_indices(len(tr.data), 0, 8, 0)
-    own, _ = tr.rollout(0, rows)
-    lbar = tr.peer_rollouts(0, own)["log"].lbar("token")  # (G, M)
+    batch = batch_indices(len(tr.data), 0, 8, 0)
+    own, _ = tr.rollout(0, batch)
+    lbar = tr.wait_for_peers(0, own)["log"].lbar("token")  # (G, M)
     assert torch.isfinite(lbar).all() and (lbar < 0).any()
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import graft
-from test_graft import ROOT, planted, tiny  # noqa: F401  (tiny: fixture)
+from test_graft import ROOT, exchange_phases, planted, tiny  # noqa: F401  (tiny: fixture)
 from core import (Mean, add_metrics, balance_directions, balanced_swap, compatibility_scores, compatibility_weights,
                   graft_candidates, metric_values, policy_loss, received_groups, rescue_candidates,
                   sequence_mean_logprob, success_counts)
@@ -204,10 +204,11 @@ def test_folded_weights_identity_against_a_plain_token_mean_loss():
 
 def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, monkeypatch):
     """Selection (Eq. 4), retokenisation, compatibility weights (Eqs. 6-8), peer-last order and the loss
-    (Eqs. 9-10) of one planted step, computed with the copied module and only the trainer's forward, equal
-    Trainer.build_rows and Trainer.update (optimizer step disabled, so every minibatch sees one policy)."""
+    (Eqs. 9-10) of one planted step, computed with the copied module and only the trainer's forward, equal to
+    the Trainer's select, score and build_rows, and Trainer.update (optimizer step disabled, so every
+    minibatch sees one policy)."""
     core = copied_core()
-    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8, minibatches=3)
+    tr, batch, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8, minibatches=3)
     peer = peers["log"]
     cfg, n = tr.cfg, tr.cfg.n
 
@@ -225,7 +226,7 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
                                   max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
             if ids:
                 cand.append((g, r, ids))
-    prompts = [tr.prompt_ids[rows[g]] for g, _, _ in cand]
+    prompts = [tr.prompt_ids[batch[g]] for g, _, _ in cand]
     lp, mask = tr.logprobs(prompts, [ids for _, _, ids in cand])  # (C, T) the trainer's forward, no grad needed
     lp, mask = lp.detach(), mask
     lbar_recv = core.sequence_mean_logprob(logp=lp, mask=mask)  # (C,)
@@ -234,7 +235,7 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
     assert (w > 0).any() and (w == 0).any(), "the planted step must both accept and reject (delta 0.8)"
 
     # The trainer's rows of the same step.
-    train_rows, replaced, m = tr.build_rows(0, rows, own, peers)
+    train_rows, replaced, m = exchange_phases(tr, 0, batch, own, peers)
     assert torch.equal(replaced, chosen)
     mine = {(g, tuple(ids)): float(wi) for (g, _, ids), wi in zip(cand, w) if wi > 0}
     theirs = {(r.group, tuple(r.response)): r.weight for r in train_rows if r.is_peer}

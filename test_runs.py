@@ -18,7 +18,8 @@ import torch
 
 import exchange
 import graft
-from test_graft import ROOT, common_flags, planted, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+from test_graft import (ROOT, common_flags, exchange_phases, planted, read_metrics, run_py,  # noqa: F401
+                        tiny)  # (tiny: fixture)
 from core import assignment_digest, balanced_swap, success_counts
 from exchange import (Heartbeat, StepRollouts, join_run, leave_run, load_rollouts, rollout_path, save_rollouts,
                       wait_for_file, write_failed, write_json)
@@ -239,8 +240,8 @@ def test_non_finite_rollout_fields_are_refused(tmp_path):
 
 
 def test_non_finite_loss_or_gradient_stops_before_the_optimizer_step(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.0)
-    out, replaced, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.0)
+    out, replaced, _ = exchange_phases(tr, 0, batch, own, peer)
     before = [p.detach().clone() for p in tr.model.parameters()]
     huge = [graft.Row(r.group, r.prompt, r.response, r.old_logp, 1e30 if r.is_peer else r.adv, r.weight, r.is_peer)
             for r in out]
