@@ -16,7 +16,7 @@ import dataclasses
 import importlib.util
 import inspect
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -84,6 +84,8 @@ class Config:
     """Longest prompt in tokens; a longer prompt is an error (departure 5)."""
     max_response_tokens: int = 4096
     """Response cap; retokenised peer responses longer than this are dropped and counted."""
+    stop: list[str] = field(default_factory=list)
+    """Stop string, repeatable (--stop $'\\n\\n' --stop 'Q:'): a response ends at the token that completes one."""
     eps_low: float = 0.2
     """Lower PPO clip: ratio floor 1 - eps_low (paper 0.2)."""
     eps_high: float = 0.28
@@ -230,6 +232,8 @@ def validate_config(cfg: Config) -> None:
                      f"got {cfg.delta}")
     if cfg.weight_decay < 0:
         bad("weight_decay", f"must be >= 0, got {cfg.weight_decay}")
+    if "" in cfg.stop:
+        bad("stop", "an empty stop string would end every response at its first token")
     if cfg.heartbeat_interval * 3 > cfg.peer_dead_after:
         bad("heartbeat_interval", f"must be at most a third of --peer-dead-after ({cfg.peer_dead_after}), "
                                   f"or a slow disk makes a live peer look dead")
@@ -313,6 +317,9 @@ def add_config_flags(parser: argparse.ArgumentParser, names: list[str], *,
         if isinstance(f.default, bool):
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=help_)
+        elif f.default is dataclasses.MISSING:  # a list field (--stop): repeat the flag for each item
+            parser.add_argument(*flags, dest=name, action="append", default=f.default_factory(), metavar="STR",
+                                help=help_)
         else:
             parser.add_argument(*flags, dest=name, type=type(f.default), default=f.default, help=help_)
 
@@ -347,7 +354,7 @@ def flags_markdown() -> str:
     docs = field_docs(Config)
     lines = ["| flag | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(Config):
-        default = repr(f.default)
+        default = repr(f.default_factory() if f.default is dataclasses.MISSING else f.default)
         default = default if len(default) <= 30 else default[:27] + "..."
         text = docs.get(f.name, "") + (f" Choices: {', '.join(CHOICES[f.name])}." if f.name in CHOICES else "")
         lines.append(f"| `--{f.name.replace('_', '-')}` | `{default}` | {text.replace('|', '/')} |")

@@ -73,6 +73,14 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
      passes (`--share-prefix`, default on; sampler.py departure 11), as vLLM's prefix cache does. Draws are
      the unshared path's up to float round-off of other batch shapes (at T = 1 a draw next to a boundary
      can move: 243 of 256 rows identical on Gemma-3-270M in fp32); off under --fsdp with gradients on.
+ 11. Stop strings (`--stop`, repeatable; none by default, as in the paper; sampler.py departure 12). A
+     response ends after the token whose text completes one (rollouts, eval, preflight): its tokens keep that
+     token, so the update's log-probs cover exactly what was sampled and the policy learns to stop. The
+     text that is stored and sent to a peer runs through the first stop string (the token's text past it
+     is dropped; core.decode_response), the verifier reads it cut before the string (core.verifier_text),
+     and its eos flag is False: a receiver retokenises the text, stop string included, without appending
+     its EOS, so it learns to end where the peer ended, by writing the stop string. A foreign --peer-log
+     response is cut the same way (foreign.py choice 5).
 
 Our extensions beyond the paper (the paper's behaviour is unchanged when they are not used):
   * Three or more sides (`--peer-name b,c`): for each prompt a side fails on all n, the eligible
@@ -120,7 +128,8 @@ import torch
 from config import CHOICES, Config, build_parser, config_from_args, validate_config  # the config, its checks, CLI
 from core import (Mean, add_metrics, assignment_digest, batch_indices, decode_response, graft_candidates,
                   group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss, rescue_candidates,
-                  retokenize, score_received, seeded_generator, success_counts)  # the copyable core
+                  retokenize, score_received, seeded_generator, success_counts,
+                  verifier_text)  # the copyable core
 from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, checked at start
 from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
                       wait_for_file)  # the rollout file
@@ -325,11 +334,13 @@ class Trainer(RunFiles):
                 self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
                 max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, share_prefix=cfg.share_prefix,
+                stop_strings=cfg.stop, tokenizer=self.tok,
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
-            texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
-            scores = rewards(cfg.reward, texts, [self.data[batch[r // n]]["answer"] for r in mine],
-                             workers=cfg.verify_workers)
+            # stored text: through the first stop string; the verifier reads it cut before (departure 11)
+            texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
+            scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
+                             [self.data[batch[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
         with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
@@ -374,8 +385,8 @@ class Trainer(RunFiles):
         # Stored logs are re-scored with our reward and their advantages recomputed from that
         # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        peer.rewards = torch.tensor(rewards(cfg.reward, peer.texts, golds, workers=cfg.verify_workers),
-                                    dtype=torch.float32).view_as(peer.rewards)  # (G, n)
+        peer.rewards = torch.tensor(rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds,
+                                            workers=cfg.verify_workers), dtype=torch.float32).view_as(peer.rewards)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return {"log": peer}
 
@@ -1057,8 +1068,10 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
         print(f"[eval] {desc}: {len(problems)} problems x {k} samples", file=sys.stderr, flush=True)
     outs = sample(model, prompts, max_new_tokens=max_new, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                   eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen,
-                  max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, progress=progress and dist_info.main)
-    texts = [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
+                  max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
+                  tokenizer=tokenizer, progress=progress and dist_info.main)
+    texts = [verifier_text(decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids, stop=cfg.stop)[0], cfg.stop)
+             for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
     scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)

@@ -63,7 +63,8 @@ import torch
 import complement
 from config import Config, add_config_flags, validate_config
 from core import (Received, batch_indices, compatibility_weights, decode_response, graft_candidates,
-                  group_advantages, received_groups, score_received, seeded_generator, success_counts)
+                  group_advantages, received_groups, score_received, seeded_generator, success_counts,
+                  verifier_text)
 from exchange import StepRollouts, atomic_write
 from reward import load_reward, rewards, unreadable_golds
 from runtime import DistInfo, compute_context, encode_prompt, load_policy, load_prompt_file, setup_distributed
@@ -73,7 +74,7 @@ from sampler import response_logprobs, sample
 TRAINING_FLAGS = ("reward", "prompt_template", "chat_template", "trust_remote_code", "n", "prompts_per_step",
                   "temperature", "top_p", "max_prompt_tokens", "max_response_tokens", "delta", "compat_norm",
                   "compat_weight", "balance", "std_normalize", "seed", "data_seed", "device", "dtype", "gen_batch_size",
-                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers")
+                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "stop")
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_PASSES = 3.0  # choice 4: an update ~ one forward and one backward ~ three log-prob passes
 
@@ -131,11 +132,13 @@ def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
     with torch.no_grad(), compute_context(cfg, dist):
         outs = sample(side.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                       top_p=cfg.top_p, eos_token_id=side.stop_ids, pad_token_id=side.tok.pad_token_id, generator=gen,
-                      max_batch_size=cfg.gen_batch_size, static=cfg.static_decode,
-                      progress=sys.stderr.isatty())
+                      max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
+                      tokenizer=side.tok, progress=sys.stderr.isatty())
     side.sample_s = time.time() - t0
-    texts = [decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids)[0] for o in outs]
-    scores = rewards(cfg.reward, texts, [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
+    # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
+    texts = [decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
+    scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
+                     [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
     t0 = time.time()
     old = side.logprobs(prompts, [o.tokens for o in outs])
     side.logprob_s = time.time() - t0

@@ -7,8 +7,8 @@ the reward (another verifier, math-verify, a code runner, a format bonus) is one
     --reward path/to/my_reward.py:function a file, loaded by path
 The function's contract (README "The reward"):
     def reward(responses: list[str], golds: list[str], *, workers: int = 0, **options) -> list[float]
-  * responses: the decoded responses (special tokens skipped, a final EOS dropped); golds: the "answer" field
-    of each response's prompt, one per response.
+  * responses: the decoded responses (special tokens skipped, a final EOS dropped, cut before a --stop
+    string: core.verifier_text); golds: the "answer" field of each response's prompt, one per response.
   * workers: --verify-workers, the processes the function may use (it may ignore it).
   * options: rel_tol=verify.MINERVA_REL_TOL when the eval scores Minerva, whose golds carry three significant
     figures; passed only to a function that takes it (a rel_tol parameter or **options).
