@@ -816,15 +816,15 @@ def preset_runs(methods: list[str], models: list[str]) -> list[Run]:
 def exchange_view(exchange: str, sides: list[str], steps: int, *,
                   balance: bool = True) -> tuple[dict[str, dict[str, str]], list[str]]:
     """Recompute a finished exchange run's assignment from its rollout files, as the trainer computes it
-    (graft.multi_peer_sources over the sides sorted by name; with two sides it is exactly the paper's
+    (core.multi_peer_sources over the sides sorted by name; with two sides it is exactly the paper's
     balanced swap).
 
     Returns ({side: {prompt id: source side}} for the groups each side received, in order of first
-    receipt, and the fingerprint of every step's assignment (graft.assignment_digest), which each
+    receipt, and the fingerprint of every step's assignment (core.assignment_digest), which each
     process of the run logged as the metrics key "assignment". A received group may still have lost
     responses to the compatibility gate: the files do not say which, so this is the set of selected groups.
     """
-    from graft import assignment_digest
+    from core import assignment_digest
 
     sides = sorted(sides)
     received: dict[str, dict[str, str]] = {s: {} for s in sides}
@@ -839,10 +839,10 @@ def exchange_view(exchange: str, sides: list[str], steps: int, *,
 
 def step_sources(exchange: str, sides: list[str], steps: int, *, balance: bool = True):
     """Yield (prompt ids, src) for every step of a finished exchange run, recomputed from its rollout files
-    with graft.multi_peer_sources: src (S, G) long, the side (index into ``sides``, which must be sorted as
+    with core.multi_peer_sources: src (S, G) long, the side (index into ``sides``, which must be sorted as
     the trainer sorts them) whose group each side received on each prompt, or -1."""
     from exchange import load_rollouts, rollout_path
-    from graft import multi_peer_sources, success_counts
+    from core import multi_peer_sources, success_counts
     from pathlib import Path
 
     assert list(sides) == sorted(sides), f"sides {sides} must be in the trainer's (sorted) order"
@@ -1384,7 +1384,7 @@ def panel_report(run_dir: str, pc: PresetConfig) -> tuple[str, list[str]]:
     panel's files: rewards and received groups from the rollout files, accepted responses and clip fractions
     from metrics.jsonl. Also checks that both processes of every GRAFT run logged the assignment recomputed
     from the files."""
-    from graft import assignment_digest
+    from core import assignment_digest
 
     pdir = _panel_dir(run_dir)
     with open(os.path.join(pdir, "set.json")) as f:
@@ -1655,7 +1655,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("run", help="the preset: GRPO vs GRAFT (and variants) from the same checkpoints, a table",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from graft import field_docs
+    from config import field_docs
     docs = field_docs(PresetConfig)
     for f in dataclasses.fields(PresetConfig):
         if f.name == "eval_file":
