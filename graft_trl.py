@@ -1,0 +1,275 @@
+"""GRAFT inside TRL: a GRPOTrainer that grafts a stored peer's groups into every generation batch.
+
+The stored-trajectory variant of GRAFT (README "Porting to verl or TRL") for users of TRL's GRPOTrainer
+(tested with TRL 1.16; TRL is optional, like W&B: `pip install trl==1.16.0`). Per generation batch, after
+TRL sampled and scored the receiver's own groups: for each prompt whose n own rollouts all fail and whose
+logged peer group is mixed (Eq. 4, one way: nothing to balance), the group's rows become the peer's
+responses, retokenised, scored by the same reward functions, with the peer's group advantages; one
+no-grad forward gives the receiver's log-probs of them (lbar_recv, Eq. 6, and their old log-probs),
+w = 1[s > delta] min(s, 1) (Eqs. 7-8) is folded into the advantage with the w = 0 rows masked out, the
+replaced groups go last (peer-last), and each optimizer step's loss is divided by that step's retained
+tokens, so TRL's own loss is Eq. 10 exactly (test_trl.py: value and gradient, in every layout below).
+
+Layouts (S = steps_per_generation, A = gradient_accumulation_steps; S / A optimizer steps per batch):
+loss_type="dapo" (TRL's default) is exact in every one, through num_items_in_batch set per optimizer
+step; "bnpo" only with A = 1. The rest is refused at construction with a ValueError naming the setting.
+Where this departs from stock TRL:
+  1. Minibatches are not shuffled: own groups first, replaced groups last (core.peer_last_rows).
+  2. Own advantages are recomputed with core.group_advantages (std + 1e-6, exactly 0 on equal rewards)
+     so that own and peer groups share one formula; TRL adds 1e-4 to the std.
+  3. The peer log is read once at start: the project's JSONL format (core.read_peer_records) or a folder
+     of this project's rollout files (a prompt met at several steps: its latest group).
+
+Launch line (one process; the dataset is --prompts' JSONL, the reward verify.py's verdict):
+    python graft_trl.py --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
+        --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
+From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
+the dataset with a column naming each prompt's id in the log (GraftConfig.id_column).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
+
+from core import (PeerGroup, compatibility_weights, fold_weights, group_advantages, graft_candidates,
+                  peer_last_rows, read_peer_records, retokenize_group, seeded_generator, sequence_mean_logprob,
+                  success_counts)
+
+
+@dataclass
+class GraftConfig(GRPOConfig):
+    """TRL's GRPOConfig plus GRAFT's settings; epsilon_high defaults to the paper's 0.28 (TRL's: epsilon)."""
+
+    peer_log: str = field(default="", metadata={"help": "The stored peer: a JSONL log or a folder of rollout files."})
+    graft_delta: float = field(default=0.8, metadata={"help": "GRAFT's floor on s (Eq. 7); not TRL's `delta`."})
+    id_column: str = field(default="id", metadata={"help": "Dataset column holding each prompt's id in the log."})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip epsilon (paper: 0.28)."})
+
+
+def check_args(args: GraftConfig) -> None:
+    """Raise ValueError, naming the setting, for each layout or option in which TRL's loss is not Eq. 10."""
+    S, A = args.steps_per_generation, args.gradient_accumulation_steps
+    rules = [
+        (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
+                                             f"step (Eq. 10); use loss_type='dapo'"),
+        (args.loss_type != "bnpo" or A == 1, f"loss_type='bnpo' with gradient_accumulation_steps={A} divides each "
+                                             f"micro-batch by its own tokens; use loss_type='dapo'"),
+        (args.world_size == 1, f"{args.world_size} processes: groups would straddle ranks and peer-last would hold "
+                               f"per rank only; run one process"),
+        (S % A == 0, f"steps_per_generation={S} is not a multiple of gradient_accumulation_steps={A}: an "
+                     f"optimizer step would mix two generation batches"),
+        (args.per_device_train_batch_size * A % args.num_generations == 0,
+         f"per_device_train_batch_size * gradient_accumulation_steps = {args.per_device_train_batch_size * A} is "
+         f"not a multiple of num_generations={args.num_generations}: a group would straddle optimizer steps"),
+        (args.num_iterations == 1, f"num_iterations={args.num_iterations} replays own minibatches after the peer "
+                                   f"ones, so peer-last cannot hold; set num_iterations=1"),
+        (args.delta is None, f"delta={args.delta} is TRL's cap on the ratio, not GRAFT's floor (graft_delta)"),
+        (args.beta == 0.0, f"beta={args.beta}: a KL term is not part of Eq. 10"),
+        (args.importance_sampling_level == "token", "importance_sampling_level must be 'token' (Eq. 9)"),
+        (not (args.use_vllm and args.vllm_importance_sampling_correction),
+         "vllm_importance_sampling_correction=True would weight peer rows by a ratio of tokens no longer in the "
+         "batch; set it to False"),
+        (args.off_policy_mask_threshold is None and args.top_entropy_quantile == 1.0 and args.entropy_coef == 0.0
+         and not args.use_adaptive_entropy, "off_policy_mask_threshold, top_entropy_quantile, entropy_coef and "
+                                            "use_adaptive_entropy must stay off: they change Eq. 10"),
+        (args.scale_rewards in ("group", "none") and args.multi_objective_aggregation == "sum_then_normalize",
+         "scale_rewards must be 'group' or 'none' and multi_objective_aggregation 'sum_then_normalize'"),
+        (bool(args.peer_log), "peer_log is empty: name the stored peer's JSONL log or rollout folder"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise ValueError(f"GraftConfig: {message}")
+
+
+def load_peer_log(path: str) -> dict[str, PeerGroup]:
+    """{prompt id: PeerGroup} from a JSONL log (core.read_peer_records) or a folder of rollout files."""
+    p = Path(path)
+    if p.is_dir():
+        from exchange import load_rollouts
+        groups = {}
+        for f in sorted(p.glob("step_*.safetensors")):  # the step index is zero-padded: file order is step order
+            r, _ = load_rollouts(f)
+            lbar = r.lbar("token")  # (G, n) Eq. 6 under the source, from its stored behaviour log-probs
+            for g, pid in enumerate(r.prompt_ids):
+                groups[pid] = PeerGroup(r.texts[g * r.n: (g + 1) * r.n], r.eos[g], lbar[g])
+    elif p.is_file():
+        records = []
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                records += [(i, json.loads(line))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{i}: not JSON ({e.msg})") from None
+        groups = read_peer_records(records, where=str(p))
+    else:
+        raise ValueError(f"GraftConfig.peer_log {path!r}: no such JSONL file or folder of rollout files")
+    if not groups:
+        raise ValueError(f"GraftConfig.peer_log {path!r}: holds no peer responses")
+    no_lbar = [pid for pid, g in groups.items() if bool(g.lbar.isnan().any())]
+    if no_lbar:
+        raise ValueError(f"GraftConfig.peer_log {path!r}: {len(no_lbar)} prompts have records without 'lbar' (first "
+                         f"{no_lbar[0]!r}); compute it with the model that wrote them (offline.fill_lbar)")
+    return groups
+
+
+class GraftGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with GRAFT's stored-trajectory step. Every argument is GRPOTrainer's; args is a GraftConfig.
+
+    Overrides three of TRL's private methods (TRL has no public hook for this): _calculate_rewards keeps the
+    own rewards (TRL keeps only advantages), _generate_and_score_completions grafts the peer groups, and
+    _prepare_inputs cuts the batch peer-last with one token count per optimizer step. Batch keys added:
+    graft_is_peer (B,) bool, graft_weight (B,) float (w; 1 for own rows, 0 for removed and empty ones).
+    """
+
+    def __init__(self, *a, args: GraftConfig, **kw):
+        check_args(args)  # before the model loads
+        self.peer = load_peer_log(args.peer_log)
+        widest = max(len(g.texts) for g in self.peer.values())
+        if widest > args.num_generations:
+            raise ValueError(f"GraftConfig.peer_log {args.peer_log!r} holds a group of {widest} responses: set "
+                             f"num_generations >= {widest} so that a replaced group fits in its rows")
+        super().__init__(*a, args=args, **kw)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        self.own_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self.own_rewards
+
+    def rewards(self, per_func: torch.Tensor) -> torch.Tensor:
+        """(R, F) rewards per reward function -> (R,) weighted sums, as TRL forms them; a row no function
+        scored (all NaN) is an error: Eq. 4 needs a verdict for every response."""
+        if bool(per_func.isnan().all(dim=1).any()):
+            raise ValueError("a completion got no reward from any reward function: GRAFT needs a verdict for each")
+        return (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return out  # evaluation: the receiver alone
+        if "tool_mask" in out:
+            raise ValueError("tools mask completion tokens per turn; GRAFT's rows have no turns (use no tools)")
+        out.pop("sampling_per_token_logps", None)  # only the refused vLLM correction reads it
+        n, dev = self.num_generations, out["completion_ids"].device
+        B, G = out["completion_ids"].shape[0], out["completion_ids"].shape[0] // n
+        rewards = self.rewards(self.own_rewards).view(G, n)  # (G, n)
+        adv = group_advantages(rewards, std_normalize=self.scale_rewards != "none").view(-1).to(dev)  # (B,)
+        k_own = success_counts(rewards)  # (G,)
+        ids = [str(inputs[g * n][self.args.id_column]) for g in range(G)]
+        logged = [g for g in range(G) if k_own[g] == 0 and len(self.peer.get(ids[g], ((),))[0]) > 1]
+        # The receiver's verdict on the logged groups of its all-fail prompts (Eq. 4 counts them).
+        texts = [t for g in logged for t in self.peer[ids[g]].texts]
+        eos = [bool(e) for g in logged for e in self.peer[ids[g]].eos]
+        tok = self._tokenizer  # TRL's: the processing class, or its tokenizer
+        c_ids, c_mask = retokenize_group(texts, eos, tok, max_response_tokens=self.max_completion_length,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=self.eos_token_ids[0])  # (R, T)
+        rep = [inputs[g * n] for g in logged for _ in self.peer[ids[g]].texts]
+        peer_r = (self.rewards(GRPOTrainer._calculate_rewards(
+            self, rep, [x["prompt"] for x in rep], texts, [r[m].tolist() for r, m in zip(c_ids, c_mask)])).cpu()
+            if texts else torch.zeros(0))  # (R,)
+        sizes = [len(self.peer[ids[g]].texts) for g in logged]
+        chosen, start = [], 0
+        for g, m in zip(logged, sizes):
+            k_src = success_counts(peer_r[start: start + m][None])  # (1,)
+            if graft_candidates(k_recv=k_own[g: g + 1], k_src=k_src, n=m).item():  # Eq. 4: the peer is mixed
+                chosen.append((g, start, m))
+            start += m
+        weight, is_peer = torch.ones(B, device=dev), torch.zeros(B, dtype=torch.bool, device=dev)  # (B,), (B,)
+        T = max(out["completion_ids"].shape[1], c_ids.shape[1])
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, T - t.shape[1]), value=v)  # noqa: E731  (B, T)
+        c_ids_out, c_mask_out = pad(out["completion_ids"], tok.pad_token_id), pad(out["completion_mask"], 0)
+        old = pad(out["old_per_token_logps"], 0.0) if out.get("old_per_token_logps") is not None else None
+        if chosen:
+            rows = torch.cat([torch.arange(s, s + m) for _, s, m in chosen])  # (R',) peer rows received
+            slots = torch.cat([torch.arange(g * n, g * n + m) for g, _, m in chosen]).to(dev)  # (R',) their places
+            p_ids, p_mask = out["prompt_ids"][slots], out["prompt_mask"][slots]  # (R', P) the group's prompt
+            r_ids, r_mask = c_ids[rows].to(dev), c_mask[rows].to(dev)  # (R', T_r)
+            with torch.no_grad():  # the receiver's behaviour log-probs of the peer tokens: its own forward
+                lp, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask.long()], 1), r_ids.shape[1],
+                    batch_size=self.args.per_device_train_batch_size)  # (R', T_r)
+            lbar_recv = sequence_mean_logprob(logp=lp.float(), mask=r_mask)  # (R',) Eq. 6
+            lbar_src = torch.cat([self.peer[ids[g]].lbar for g, _, _ in chosen]).to(dev)  # (R',)
+            w = compatibility_weights(lbar_recv=lbar_recv, lbar_src=lbar_src, delta=self.args.graft_delta)  # (R',)
+            w = w * r_mask.any(dim=1)  # a response too long after retokenisation is dropped
+            for g, s, m in chosen:  # the rows of a received group: its m responses, then empty rows
+                adv[g * n: g * n + n] = 0.0
+                adv[g * n: g * n + m] = group_advantages(peer_r[s: s + m][None],
+                                                         std_normalize=self.scale_rewards != "none")[0].to(dev)
+                is_peer[g * n: g * n + n], weight[g * n: g * n + n] = True, 0.0
+                c_mask_out[g * n: g * n + n] = 0
+            c_ids_out[slots], c_mask_out[slots] = pad(r_ids, tok.pad_token_id), pad(r_mask.long(), 0)
+            weight[slots] = w
+            if old is not None:  # TRL's old log-probs are of its own sampled tokens: splice in the peer's
+                old[slots] = pad(lp, 0.0)
+        adv, c_mask_out = fold_weights(advantages=adv, weights=weight, mask=c_mask_out)  # Eq. 10 as a vanilla loss
+        out |= {"completion_ids": c_ids_out, "completion_mask": c_mask_out, "advantages": adv,
+                "num_items_in_batch": c_mask_out.sum(), "graft_is_peer": is_peer, "graft_weight": weight}
+        if old is not None:
+            out["old_per_token_logps"] = old
+        accepted = int((is_peer & (weight > 0)).sum())
+        for key, v in {"candidates": len(logged), "selected": len(chosen), "accepted": accepted,
+                       "rejected": sum(m for _, _, m in chosen) - accepted}.items():
+            self._metrics["train"][f"graft/{key}"].append(float(v))
+        return out
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        S, A = self.args.steps_per_generation, self.args.gradient_accumulation_steps
+        if self._step % S == 0 or self._buffered_inputs is None:
+            self._buffered_inputs = self.peer_last_minibatches(self._generate_and_score_completions(generation_batch))
+        return self._buffered_inputs[self._step % S]
+
+    def peer_last_minibatches(self, batch: dict) -> list[dict]:
+        """One generation batch -> its S micro-batches: own groups first, replaced groups last, no shuffle,
+        and num_items_in_batch = that optimizer step's retained tokens x S / A, which TRL's dapo divides
+        back by S / A: each optimizer step is one token-mean over its own retained tokens (Eq. 10)."""
+        S, A, n = self.args.steps_per_generation, self.args.gradient_accumulation_steps, self.num_generations
+        gen = seeded_generator(self.args.seed, self._step // S, "minibatch")  # as this project's trainer draws it
+        order = peer_last_rows(batch["graft_is_peer"].view(-1, n)[:, 0].cpu(), n, generator=gen)  # (B,)
+        batch = {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() else
+                 [v[i] for i in order.tolist()] if isinstance(v, list) else v for k, v in batch.items()}
+        micro = split_tensor_dict(batch, S)
+        for k in range(0, S, A):
+            tokens = sum(mb["completion_mask"].sum() for mb in micro[k: k + A])
+            for mb in micro[k: k + A]:
+                mb["num_items_in_batch"] = tokens * (S // A)
+        return micro
+
+
+# ------------------------------------------------------------------------------------------------
+# The launch line: --prompts' JSONL as the dataset, verify.py's verdict as the reward
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Script:
+    model: str = field(metadata={"help": "The receiver: a causal LM path or hub name."})
+    prompts: str = field(metadata={"help": "Prompt JSONL (id, problem, answer), as graft.py --prompts."})
+    prompt_template: str = field(default="{problem}", metadata={"help": "Prompt text around {problem}."})
+
+
+def verified_reward(completions: list[str], answer: list[str], **_) -> list[float]:
+    """verify.py's verdict (1.0 / 0.0) of each completion against its prompt's gold answer."""
+    from verify import verify_batch
+    return [float(x) for x in verify_batch(completions, answer)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from datasets import Dataset
+    from transformers import HfArgumentParser
+
+    from runtime import load_prompt_file
+    script, args = HfArgumentParser((Script, GraftConfig)).parse_args_into_dataclasses(argv)
+    rows = load_prompt_file(script.prompts)
+    data = Dataset.from_list([{"id": r["id"], "prompt": script.prompt_template.format(problem=r["problem"]),
+                               "answer": r["answer"]} for r in rows])
+    GraftGRPOTrainer(model=script.model, reward_funcs=[verified_reward], args=args, train_dataset=data).train()
+
+
+if __name__ == "__main__":
+    main()

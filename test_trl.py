@@ -1,0 +1,265 @@
+"""Tests of graft_trl.py against TRL itself: TRL's own _compute_loss on the micro-batches our _prepare_inputs
+cuts equals core.policy_loss (Eq. 10) in value and gradient in every layout it accepts, and every layout it
+refuses is one where stock TRL is off; peer-last survives TRL's minibatching; two GRAFT steps run end to end
+on a tiny receiver with the real Qwen3 tokenizer, reading a peer log that this project's trainer wrote with
+SmolLM3's, and on a planted step its rows, weights and loss equal this project's Trainer.build_rows and update.
+Also the porting helpers of core.py. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
+
+Run: python -m pytest -q test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import core
+from test_graft import SHARED, make_tiny_model, write_prompts
+
+torch.set_num_threads(1)
+
+# ------------------------------------------------------------------------------------------------
+# core.py's porting helpers (no TRL needed)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fold_weights_is_policy_loss_through_a_plain_token_mean():
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 5
+    mask = torch.arange(T)[None] < torch.tensor([5, 3, 4, 2, 5, 1])[:, None]  # (B, T)
+    old = -torch.rand(B, T, generator=g) * 2
+    new = (old + 0.4 * torch.randn(B, T, generator=g)).requires_grad_(True)
+    adv, w = torch.randn(B, generator=g), torch.tensor([1.0, 0.0, 0.9, 1.0, 0.0, 0.85])
+    loss, _ = core.policy_loss(logp=new, old_logp=old, advantages=adv, mask=mask, weights=w)
+    a, m = core.fold_weights(advantages=adv, weights=w, mask=mask.long())
+    assert m.dtype == torch.long and m[1].sum() == 0 and m[4].sum() == 0 and torch.equal(m[0], mask[0].long())
+    ratio = torch.exp(new - old)
+    per_tok = -torch.minimum(ratio * a[:, None], ratio.clamp(0.8, 1.28) * a[:, None])
+    plain = (per_tok * m).sum() / m.sum()
+    torch.testing.assert_close(plain, loss)
+    torch.testing.assert_close(torch.autograd.grad(plain, new)[0], torch.autograd.grad(loss, new)[0])
+
+
+def test_peer_last_rows_expands_minibatch_order():
+    is_peer = torch.tensor([False, True, False, True, False, False])
+    for gen in (None, torch.Generator().manual_seed(3)):
+        state = None if gen is None else gen.get_state()
+        rows = core.peer_last_rows(is_peer, 3, generator=gen)
+        if gen is not None:
+            gen.set_state(state)
+        mbs = core.minibatch_order(is_peer, 2, generator=gen)
+        assert rows.tolist() == [g * 3 + i for mb in mbs for g in mb.tolist() for i in range(3)]
+        assert sorted(rows.tolist()) == list(range(18))
+        assert all(not is_peer[r // 3] for r in rows[:12]) and all(is_peer[r // 3] for r in rows[12:])
+
+
+def test_retokenize_group_pads_and_drops_long_rows(tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
+    ids, mask = core.retokenize_group(["1+2", "12345678", "", "9"], [True, False, False, False], tok,
+                                      max_response_tokens=5, pad_token_id=0)
+    assert ids.shape == mask.shape == (4, 4)
+    assert ids[0].tolist() == core.retokenize("1+2", True, tok, max_response_tokens=5) and mask[0].all()
+    assert not mask[1].any() and not mask[2].any() and (ids[1] == 0).all()  # too long; empty
+    assert mask[3].tolist() == [True, False, False, False]
+
+
+def test_read_peer_records_groups_dedups_and_names_the_line():
+    recs = [(1, {"problem_id": "a", "response": "x", "lbar": -1.0}), (2, {"id": 7, "completion": "y", "eos": False}),
+            (4, {"problem_id": "a", "response": "z", "mean_logprob": -2.5}), (5, {"problem_id": "a", "response": "x"})]
+    groups = core.read_peer_records(recs)
+    assert list(groups) == ["a", "7"]
+    assert groups["a"].texts == ["x", "z"] and groups["a"].lbar.tolist() == [-1.0, -2.5]  # line 5 repeats line 1
+    assert groups["7"].eos.tolist() == [False] and math.isnan(groups["7"].lbar.item())
+    for bad, msg in [({"response": "x"}, "needs a prompt id"), ({"id": "a", "response": 3}, "'response'"),
+                     ({"id": "a", "response": "x", "lbar": -100.0}, "'lbar'"),
+                     ({"id": "a", "response": "x", "eos": "yes"}, "'eos'"), ([1], "JSON object")]:
+        with pytest.raises(ValueError, match=f"f.jsonl:9: .*{msg}"):
+            core.read_peer_records([(9, bad)], where="f.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL's own loss in every layout
+# ------------------------------------------------------------------------------------------------
+
+try:
+    import trl
+
+    import graft_trl
+except ImportError:  # TRL is optional, like W&B: only the tests below need it
+    trl = graft_trl = None
+needs_trl = pytest.mark.skipif(trl is None, reason="TRL is not installed (pip install trl==1.16.0; .ci/run installs it)")
+
+N, G, PROMPT, T = 4, 4, 3, 6  # rollouts per prompt, prompts per generation batch, prompt and completion lengths
+PEER_GROUPS = (1, 3)  # the replaced groups of the planted batch
+
+
+@pytest.fixture(scope="module")
+def recv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trl")
+    make_tiny_model(d / "m", "llama", 0, 1)
+    write_prompts(d / "p.jsonl", 4)
+    (d / "log.jsonl").write_text(json.dumps({"id": "p0", "response": "1", "lbar": -1.0}) + "\n")
+    return d
+
+
+def config(d: Path, **kw):
+    base = dict(output_dir=str(d / "out"), peer_log=str(d / "log.jsonl"), num_generations=N, bf16=False, use_cpu=True,
+                report_to="none", save_strategy="no", max_completion_length=T, per_device_train_batch_size=G * N)
+    return graft_trl.GraftConfig(**(base | kw))
+
+
+def make_trainer(d: Path, **kw):
+    from datasets import Dataset
+    data = Dataset.from_list([{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(4)])
+    return graft_trl.GraftGRPOTrainer(model=str(d / "m"), reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                                      args=config(d, **kw), train_dataset=data)
+
+
+def planted_batch(tr) -> tuple[dict, dict]:
+    """A generation batch as _generate_and_score_completions leaves it (w folded in), and the unfolded rows."""
+    g = torch.Generator().manual_seed(1)
+    B = G * N
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()  # (B, T)
+    ids = torch.randint(2, 40, (B, T), generator=g) * mask
+    prompt = torch.randint(2, 40, (B, PROMPT), generator=g)
+    is_peer = torch.tensor([r // N in PEER_GROUPS for r in range(B)])
+    w = torch.where(is_peer, torch.tensor([0.9, 0.0, 1.0, 0.85] * G), torch.ones(B))  # (B,) two rows removed
+    adv = torch.randn(B, generator=g)
+    with torch.no_grad():
+        lp = logprobs(tr.model, prompt, ids, mask)
+    old = lp + 0.3 * torch.randn(B, T, generator=g)  # ratios on both sides of the clip
+    a, m = core.fold_weights(advantages=adv, weights=w, mask=mask)
+    batch = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": ids, "completion_mask": m,
+             "advantages": a, "old_per_token_logps": old, "num_items_in_batch": mask.sum(), "graft_is_peer": is_peer,
+             "graft_weight": w, "row": torch.arange(B)}
+    return batch, {"mask": mask.bool(), "adv": adv, "w": w, "old": old, "ids": ids, "prompt": prompt}
+
+
+def logprobs(model, prompt, ids, mask):
+    """Plain per-token log-probs of the completions: one forward, no padding on the left."""
+    logits = model(input_ids=torch.cat([prompt, ids], 1), attention_mask=torch.cat([torch.ones_like(prompt), mask], 1)).logits
+    logits = logits[:, prompt.shape[1] - 1: -1].float()  # (B, T) positions that predict the completion
+    return torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def trl_micro_batches(tr, batch, monkeypatch) -> list[dict]:
+    """TRL's buffering path (_prepare_inputs over S training steps) with the planted generation batch."""
+    monkeypatch.setattr(tr, "_generate_and_score_completions", lambda inputs: dict(batch))
+    tr.model.train()
+    tr._buffered_inputs = None
+    out = []
+    for step in range(tr.args.steps_per_generation):
+        tr._step = step
+        out.append(tr._prepare_inputs([{}]))
+    return out
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2)]  # (steps_per_generation, gradient_accumulation_steps)
+
+
+@needs_trl
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+@pytest.mark.parametrize("S,A", LAYOUTS)
+def test_trl_compute_loss_is_eq10_in_every_layout(recv, monkeypatch, S, A, loss_type):
+    kw = dict(steps_per_generation=S, gradient_accumulation_steps=A, per_device_train_batch_size=G * N // S,
+              loss_type=loss_type)
+    if loss_type == "bnpo" and A > 1:
+        with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=2"):
+            graft_trl.check_args(config(recv, **kw))
+        kw["loss_type"] = "dapo"  # built as dapo, then run as stock TRL's bnpo: off, which is why it is refused
+    tr = make_trainer(recv, **kw)
+    tr.loss_type = loss_type
+    batch, ref = planted_batch(tr)
+    micro = trl_micro_batches(tr, batch, monkeypatch)
+    tr.current_gradient_accumulation_steps = A  # what transformers' loop sets for each accumulation window
+    peer_steps, worst = [], 0.0
+    for k in range(S // A):
+        tr.model.zero_grad()
+        loss = sum(tr._compute_loss(tr.model, mb) for mb in micro[k * A: (k + 1) * A])
+        loss.backward()
+        got_loss, got_grad = float(loss), grads(tr.model)
+        rows = torch.cat([mb["row"] for mb in micro[k * A: (k + 1) * A]])  # (A * bs,) this optimizer step's rows
+        tr.model.zero_grad()
+        lp = logprobs(tr.model, ref["prompt"][rows], ref["ids"][rows], ref["mask"][rows].long())
+        want, _ = core.policy_loss(logp=lp, old_logp=ref["old"][rows], advantages=ref["adv"][rows],
+                                   mask=ref["mask"][rows], weights=ref["w"][rows], eps_low=0.2, eps_high=0.28)
+        want.backward()
+        want_grad = grads(tr.model)
+        worst = max(worst, abs(got_loss - float(want)) / abs(float(want)),
+                    float((got_grad - want_grad).norm() / want_grad.norm()))
+        peer_steps.append(bool(batch["graft_is_peer"][rows].any()))
+        groups = set((rows // N).tolist())
+        assert all(set(range(g * N, g * N + N)) <= set(rows.tolist()) for g in groups), "a group straddles steps"
+    if loss_type == "bnpo" and A > 1:
+        assert worst > 1e-3  # stock bnpo divides each micro-batch by its own tokens
+        return
+    assert worst < 1e-5, f"S={S} A={A} {loss_type}: relative difference {worst:.2e}"
+    # Peer-last: every optimizer step holding a peer row comes after every own-only one.
+    assert peer_steps == sorted(peer_steps) and peer_steps[-1]
+
+
+@needs_trl
+def test_stock_trl_shuffle_spreads_peer_rows_which_ours_keeps_last(recv, monkeypatch):
+    tr = make_trainer(recv, steps_per_generation=2, per_device_train_batch_size=G * N // 2)
+    batch, _ = planted_batch(tr)
+    monkeypatch.setattr(tr, "_generate_and_score_completions", lambda inputs: dict(batch))
+    tr.model.train()
+    torch.manual_seed(0)
+    spread = []
+    for step in range(2):  # TRL's own _prepare_inputs: shuffle, then split
+        tr._step, tr._buffered_inputs = step, None if step == 0 else tr._buffered_inputs
+        spread.append(int(trl.GRPOTrainer._prepare_inputs(tr, [{}])["graft_is_peer"].sum()))
+    assert all(s > 0 for s in spread)  # peer rows in both minibatches: peer-last lost
+    ours = [int(mb["graft_is_peer"].sum()) for mb in trl_micro_batches(tr, batch, monkeypatch)]
+    assert ours == [0, 2 * N]
+
+
+@needs_trl
+@pytest.mark.parametrize("setting,msg", [
+    (dict(loss_type="grpo"), "loss_type='grpo'"), (dict(delta=2.0), "delta=2.0 is TRL's cap"),
+    (dict(beta=0.04), "beta=0.04"), (dict(num_iterations=2), "num_iterations=2"),
+    (dict(steps_per_generation=1, gradient_accumulation_steps=2, per_device_train_batch_size=8),
+     "steps_per_generation=1 is not a multiple"),
+    (dict(per_device_train_batch_size=2, steps_per_generation=8), "would straddle optimizer steps"),
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"), (dict(scale_rewards="batch"), "scale_rewards"),
+    (dict(peer_log=""), "peer_log is empty"),
+])
+def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
+    with pytest.raises(ValueError, match=msg):
+        graft_trl.check_args(config(recv, **setting))
+
+
+@needs_trl
+def test_vllm_correction_is_refused(recv):
+    args = config(recv)
+    args.use_vllm, args.vllm_importance_sampling_correction = True, True  # set after: vLLM is not installed
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
+        graft_trl.check_args(args)
+
+
+@needs_trl
+def test_peer_log_errors_name_the_file(recv, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "p0", "response": "1", "lbar": -1}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        graft_trl.load_peer_log(str(bad))
+    bad.write_text('{"id": "p0", "response": "1"}\n')
+    with pytest.raises(ValueError, match="without 'lbar'"):
+        graft_trl.load_peer_log(str(bad))
+    with pytest.raises(ValueError, match="no such JSONL file"):
+        graft_trl.load_peer_log(str(tmp_path / "missing"))
+    wide = tmp_path / "wide.jsonl"
+    wide.write_text("".join(json.dumps({"id": "p0", "response": str(i), "lbar": -1.0}) + "\n" for i in range(N + 1)))
+    with pytest.raises(ValueError, match=f"set num_generations >= {N + 1}"):
+        make_trainer(recv, peer_log=str(wide))
