@@ -263,3 +263,155 @@ def test_peer_log_errors_name_the_file(recv, tmp_path):
     wide.write_text("".join(json.dumps({"id": "p0", "response": str(i), "lbar": -1.0}) + "\n" for i in range(N + 1)))
     with pytest.raises(ValueError, match=f"set num_generations >= {N + 1}"):
         make_trainer(recv, peer_log=str(wide))
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: a tiny Qwen3-tokenizer receiver in TRL, a peer log this project's trainer wrote with SmolLM3's
+# ------------------------------------------------------------------------------------------------
+
+needs_shared = pytest.mark.skipif(not (SHARED / "tokenizers" / "smollm3").is_dir(),
+                                  reason="needs ../shared/tokenizers (the real Qwen3 and SmolLM3 tokenizers)")
+
+
+def tiny_with_real_tokenizer(path: Path, name: str, seed: int) -> Path:
+    """A one-layer random causal LM over a real tokenizer's whole vocabulary, saved with the tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / name)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, head_dim=8,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """This project's trainer as the peer (SmolLM3 tokenizer): one step, its rollout file is the peer log."""
+    import graft
+    d = tmp_path_factory.mktemp("pair")
+    write_prompts(d / "p.jsonl", G)
+    tiny_with_real_tokenizer(d / "peer", "smollm3", 1)
+    tiny_with_real_tokenizer(d / "recv", "qwen3", 0)
+    graft.Trainer(graft.Config(model=str(d / "peer"), name="b", prompts=str(d / "p.jsonl"), out=str(d / "peer_run"),
+                               steps=1, prompts_per_step=G, n=N, minibatches=1, max_response_tokens=6,
+                               prompt_template="{problem}=", lr=1e-3, threads=1)).fit()
+    log = d / "peer_run" / "exchange" / "b"
+    peer, _ = graft.load_rollouts(log / "step_000000.safetensors")
+    # The verdict: two of the peer's groups are mixed (Eq. 4), two fail; nothing the receiver samples passes.
+    mixed = {peer.prompt_ids[0]: [0, 2], peer.prompt_ids[2]: [1]}
+    passing = {peer.texts[g * N + i] for g, pid in enumerate(peer.prompt_ids) for i in mixed.get(pid, [])}
+    return d, log, peer, passing, set(mixed)
+
+
+def fake_verify(passing):
+    return lambda responses, golds, workers=0, **kw: [1.0 if r in passing else 0.0 for r in responses]
+
+
+def dataset(d: Path):
+    from datasets import Dataset
+    rows = [json.loads(s) for s in (d / "p.jsonl").read_text().splitlines()]
+    return rows, Dataset.from_list([{"id": r["id"], "prompt": r["problem"] + "=", "answer": r["answer"]} for r in rows])
+
+
+def recv_trainer(d: Path, log: Path, **kw):
+    args = graft_trl.GraftConfig(**dict(output_dir=str(d / "trl"), peer_log=str(log), num_generations=N, bf16=False,
+                                        use_cpu=True, report_to="none", save_strategy="no", per_device_train_batch_size=8,
+                                        steps_per_generation=2, max_completion_length=16, learning_rate=1e-3, seed=0,
+                                        logging_steps=1) | kw)
+    return graft_trl.GraftGRPOTrainer(model=str(d / "recv"), reward_funcs=[graft_trl.verified_reward], args=args,
+                                      train_dataset=dataset(d)[1])
+
+
+@needs_trl
+@needs_shared
+def test_two_graft_steps_in_trl_end_to_end_peer_last(pair, monkeypatch):
+    import verify
+    d, log, peer, passing, mixed = pair
+    monkeypatch.setattr(verify, "verify_batch", fake_verify(passing))
+    tr = recv_trainer(d, log, max_steps=4)  # 2 generation batches x 2 optimizer steps
+    seen = []
+    compute = tr._compute_loss
+    monkeypatch.setattr(tr, "_compute_loss", lambda model, mb: seen.append(mb["graft_is_peer"].view(-1, N)[:, 0]) or
+                        compute(model, mb))
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.train()
+    # Peer-last through TRL's loop: each generation batch's second minibatch holds exactly the two grafted groups.
+    assert [mb.tolist() for mb in seen] == [[False, False], [True, True]] * 2
+    logs = [x for x in tr.state.log_history if "graft/selected" in x]
+    assert [x["graft/selected"] for x in logs] == [2.0] * 2 and all(x["graft/candidates"] == 4.0 for x in logs)
+    assert all(x["graft/accepted"] + x["graft/rejected"] == 2 * N for x in logs)
+    assert all(math.isfinite(x["loss"]) for x in tr.state.log_history if "loss" in x)
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))  # the optimizer moved it
+
+
+@needs_trl
+@needs_shared
+def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch, tmp_path):
+    """One planted step (the project's own rollouts fed to TRL): received groups, peer rows, weights, folded
+    advantages, the receiver's old log-probs of the peer tokens, and the step's token-mean loss equal
+    Trainer.build_rows and Trainer.update (optimizer step disabled, so every minibatch sees one policy)."""
+    import graft
+    import verify
+    d, log, peer, passing, mixed = pair
+    monkeypatch.setattr(verify, "verify_batch", fake_verify(passing))
+    from transformers import AutoTokenizer
+    qwen = AutoTokenizer.from_pretrained(d / "recv")
+    longest = max(len(qwen.encode(peer.texts[g * N + i], add_special_tokens=False)) + int(peer.eos[g, i])
+                  for g, pid in enumerate(peer.prompt_ids) if pid in mixed for i in range(N))
+    limit = longest - 1  # the longest received response no longer fits: dropped by both
+    ours = graft.Trainer(graft.Config(model=str(d / "recv"), prompts=str(d / "p.jsonl"), out=str(tmp_path / "run"),
+                                      peer_log=str(log), steps=1, prompts_per_step=G, n=N, minibatches=2,
+                                      max_response_tokens=limit, prompt_template="{problem}=", lr=1e-3, threads=1))
+    rows = graft.batch_indices(G, 0, G, 0)
+    own, _ = ours.rollout(0, rows)
+    peers = ours.peer_rollouts(0, own)
+    train_rows, replaced, m = ours.build_rows(0, rows, own, peers)
+    assert m["dropped_length"] >= 1
+
+    tr = recv_trainer(d, log, max_completion_length=limit)
+    by_text = {r["problem"] + "=": g for g, r in ((g, dataset(d)[0][i]) for g, i in enumerate(rows))}
+
+    def planted_generate(prompts):  # the project's own rollouts in place of TRL's sampling
+        prompt_ids = tr._tokenize_prompts(prompts)[0]
+        flat = [by_text[p] * N + i % N for i, p in enumerate(prompts)]
+        return prompt_ids, [own.tokens[r] for r in flat], None, [own.texts[r] for r in flat], None, {}, None, None
+
+    monkeypatch.setattr(tr, "_generate", planted_generate)
+    tr.model.train()
+    tr._step = 0
+    inputs = [dataset(d)[0][i] | {"prompt": dataset(d)[0][i]["problem"] + "="} for i in rows for _ in range(N)]
+    out = tr._generate_and_score_completions(inputs)
+    assert [tr._tokenize_prompts([x["prompt"]])[0][0] for x in inputs[::N]] == [ours.prompt_ids[i] for i in rows]
+
+    is_peer = out["graft_is_peer"].view(G, N)[:, 0]
+    assert torch.equal(is_peer, replaced) and int(replaced.sum()) == 2
+    lengths = out["completion_mask"].sum(1)
+    trl_rows = {(b // N, tuple(out["completion_ids"][b, : lengths[b]].tolist())): b
+                for b in range(G * N) if out["graft_is_peer"][b] and out["graft_weight"][b] > 0}
+    proj_rows = {(r.group, tuple(r.response)): r for r in train_rows if r.is_peer}
+    assert trl_rows.keys() == proj_rows.keys() and m["accepted"] == len(trl_rows) > 0
+    for key, b in trl_rows.items():
+        r = proj_rows[key]
+        assert float(out["graft_weight"][b]) == pytest.approx(r.weight, rel=1e-5)
+        assert float(out["advantages"][b]) == pytest.approx(r.adv * r.weight, rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(out["old_per_token_logps"][b, : lengths[b]], r.old_logp, rtol=1e-5, atol=1e-5)
+
+    ours.opt.step = lambda *a, **k: None  # every minibatch sees the same policy, as below
+    live: dict[int, set] = {}  # the trainer's minibatches: groups of the rows it runs forward (a != 0)
+    minibatch_loss = ours.minibatch_loss
+    monkeypatch.setattr(ours, "minibatch_loss", lambda rows_, d_, k: live.setdefault(k, set()).update(
+        r.group for r in rows_) or minibatch_loss(rows_, d_, k))
+    want = ours.update(0, train_rows, replaced)
+    tr.current_gradient_accumulation_steps = 1
+    micro = tr.peer_last_minibatches(out | {"row": torch.arange(G * N)})
+    assert live == {k: set((mb["row"][mb["advantages"] != 0] // N).tolist()) for k, mb in enumerate(micro)
+                    if bool((mb["advantages"] != 0).any())}
+    with torch.no_grad():
+        parts = [(float(tr._compute_loss(tr.model, mb)), float(mb["completion_mask"].sum())) for mb in micro]
+    got = sum(loss * tokens for loss, tokens in parts) / sum(tokens for _, tokens in parts)
+    assert got == pytest.approx(want["pg/loss"], rel=1e-5) and want["pg/loss"] != 0
+    assert want["peer_minibatches"] == sum(bool(mb["graft_is_peer"].any()) for mb in micro) == 1
