@@ -259,7 +259,8 @@ def verified_reward(completions: list[str], answer: list[str], **_) -> list[floa
     return [float(x) for x in verify_batch(completions, answer)]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
+    """The launch line: parse Script's and GraftConfig's flags, build the dataset, train; returns the trainer."""
     from datasets import Dataset
     from transformers import HfArgumentParser
 
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_prompt_file(script.prompts)
     data = Dataset.from_list([{"id": r["id"], "prompt": script.prompt_template.format(problem=r["problem"]),
                                "answer": r["answer"]} for r in rows])
-    GraftGRPOTrainer(model=script.model, reward_funcs=[verified_reward], args=args, train_dataset=data).train()
+    trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[verified_reward], args=args, train_dataset=data)
+    trainer.train()
+    return trainer
 
 
 if __name__ == "__main__":

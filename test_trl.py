@@ -92,7 +92,8 @@ try:
     import graft_trl
 except ImportError:  # TRL is optional, like W&B: only the tests below need it
     trl = graft_trl = None
-needs_trl = pytest.mark.skipif(trl is None, reason="TRL is not installed (pip install trl==1.16.0; .ci/run installs it)")
+needs_trl = pytest.mark.skipif(trl is None,
+                               reason="TRL is not installed (pip install trl==1.16.0; .ci/run installs it)")
 
 N, G, PROMPT, T = 4, 4, 3, 6  # rollouts per prompt, prompts per generation batch, prompt and completion lengths
 PEER_GROUPS = (1, 3)  # the replaced groups of the planted batch
@@ -116,8 +117,8 @@ def config(d: Path, **kw):
 def make_trainer(d: Path, **kw):
     from datasets import Dataset
     data = Dataset.from_list([{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(4)])
-    return graft_trl.GraftGRPOTrainer(model=str(d / "m"), reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
-                                      args=config(d, **kw), train_dataset=data)
+    zero = lambda completions, **_: [0.0] * len(completions)  # noqa: E731  (the planted batches carry their own)
+    return graft_trl.GraftGRPOTrainer(model=str(d / "m"), reward_funcs=[zero], args=config(d, **kw), train_dataset=data)
 
 
 def planted_batch(tr) -> tuple[dict, dict]:
@@ -143,7 +144,8 @@ def planted_batch(tr) -> tuple[dict, dict]:
 
 def logprobs(model, prompt, ids, mask):
     """Plain per-token log-probs of the completions: one forward, no padding on the left."""
-    logits = model(input_ids=torch.cat([prompt, ids], 1), attention_mask=torch.cat([torch.ones_like(prompt), mask], 1)).logits
+    attention = torch.cat([torch.ones_like(prompt), mask], 1)  # (B, P + T)
+    logits = model(input_ids=torch.cat([prompt, ids], 1), attention_mask=attention).logits
     logits = logits[:, prompt.shape[1] - 1: -1].float()  # (B, T) positions that predict the completion
     return torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
 
@@ -278,8 +280,9 @@ def tiny_with_real_tokenizer(path: Path, name: str, seed: int) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
     tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / name)
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, head_dim=8,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -318,10 +321,10 @@ def dataset(d: Path):
 
 
 def recv_trainer(d: Path, log: Path, **kw):
-    args = graft_trl.GraftConfig(**dict(output_dir=str(d / "trl"), peer_log=str(log), num_generations=N, bf16=False,
-                                        use_cpu=True, report_to="none", save_strategy="no", per_device_train_batch_size=8,
-                                        steps_per_generation=2, max_completion_length=16, learning_rate=1e-3, seed=0,
-                                        logging_steps=1) | kw)
+    base = dict(output_dir=str(d / "trl"), peer_log=str(log), num_generations=N, bf16=False, use_cpu=True,
+                report_to="none", save_strategy="no", per_device_train_batch_size=8, steps_per_generation=2,
+                max_completion_length=16, learning_rate=1e-3, seed=0, logging_steps=1)
+    args = graft_trl.GraftConfig(**(base | kw))
     return graft_trl.GraftGRPOTrainer(model=str(d / "recv"), reward_funcs=[graft_trl.verified_reward], args=args,
                                       train_dataset=dataset(d)[1])
 
@@ -415,3 +418,14 @@ def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch
     got = sum(loss * tokens for loss, tokens in parts) / sum(tokens for _, tokens in parts)
     assert got == pytest.approx(want["pg/loss"], rel=1e-5) and want["pg/loss"] != 0
     assert want["peer_minibatches"] == sum(bool(mb["graft_is_peer"].any()) for mb in micro) == 1
+
+
+@needs_trl
+def test_launch_line_trains_a_step(recv, tmp_path):
+    """graft_trl.py's command line: --prompts' JSONL as the dataset, verify.py as the reward, one optimizer step."""
+    out = tmp_path / "run"
+    tr = graft_trl.main(["--model", str(recv / "m"), "--prompts", str(recv / "p.jsonl"), "--peer_log", str(recv / "log.jsonl"),
+                    "--prompt_template", "{problem}=", "--output_dir", str(out), "--num_generations", "4",
+                    "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1",
+                    "--use_cpu", "--bf16", "False", "--report_to", "none", "--save_strategy", "no"])
+    assert tr.state.global_step == 1 and tr.state.log_history[-1]["graft/candidates"] == 0.0  # no mixed group
