@@ -424,7 +424,8 @@ def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch
 def test_launch_line_trains_a_step(recv, tmp_path):
     """graft_trl.py's command line: --prompts' JSONL as the dataset, verify.py as the reward, one optimizer step."""
     out = tmp_path / "run"
-    tr = graft_trl.main(["--model", str(recv / "m"), "--prompts", str(recv / "p.jsonl"), "--peer_log", str(recv / "log.jsonl"),
+    tr = graft_trl.main(["--model", str(recv / "m"), "--prompts", str(recv / "p.jsonl"),
+                         "--peer_log", str(recv / "log.jsonl"),
                     "--prompt_template", "{problem}=", "--output_dir", str(out), "--num_generations", "4",
                     "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1",
                     "--use_cpu", "--bf16", "False", "--report_to", "none", "--save_strategy", "no"])
