@@ -137,82 +137,81 @@ class GraftGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self.own_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        return self.own_rewards
+        return self.own_rewards  # (B, F): TRL keeps only the advantages, Eq. 4 needs the rewards
 
     def rewards(self, per_func: torch.Tensor) -> torch.Tensor:
-        """(R, F) rewards per reward function -> (R,) weighted sums, as TRL forms them; a row no function
+        """(R, F) rewards per reward function -> (R,) weighted sums, as TRL forms them; a row that no function
         scored (all NaN) is an error: Eq. 4 needs a verdict for every response."""
         if bool(per_func.isnan().all(dim=1).any()):
             raise ValueError("a completion got no reward from any reward function: GRAFT needs a verdict for each")
-        return (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
+        return (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1).cpu()
+
+    def received(self, inputs: list[dict], k_own: torch.Tensor) -> list[tuple[int, PeerGroup, torch.Tensor]]:
+        """Eq. 4, one way: (g, the logged group, its (m,) rewards) for each group g of the batch whose n own
+        rollouts all fail and whose logged group is mixed under this trainer's own reward functions."""
+        n, pid = self.num_generations, [str(x[self.args.id_column]) for x in inputs[:: self.num_generations]]
+        logged = [(g, self.peer[p]) for g, p in enumerate(pid)
+                  if k_own[g] == 0 and p in self.peer and len(self.peer[p].texts) > 1]  # a group of one is never mixed
+        rows = [(inputs[g * n], text) for g, grp in logged for text in grp.texts]
+        if not rows:
+            return []
+        ids = [self._tokenizer.encode(text, add_special_tokens=False) for _, text in rows]
+        scores = self.rewards(GRPOTrainer._calculate_rewards(self, [x for x, _ in rows], [x["prompt"] for x, _ in rows],
+                                                             [text for _, text in rows], ids))  # (R,)
+        out, start = [], 0
+        for g, grp in logged:
+            r = scores[start: start + len(grp.texts)]  # (m,)
+            start += len(grp.texts)
+            if graft_candidates(k_recv=k_own[g: g + 1], k_src=success_counts(r[None]), n=len(r)).item():
+                out.append((g, grp, r))
+        return out
 
     def _generate_and_score_completions(self, inputs):
+        """TRL's sampling and scoring of the own groups, then GRAFT's step on the generation batch."""
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out  # evaluation: the receiver alone
         if "tool_mask" in out:
             raise ValueError("tools mask completion tokens per turn; GRAFT's rows have no turns (use no tools)")
-        out.pop("sampling_per_token_logps", None)  # only the refused vLLM correction reads it
-        n, dev = self.num_generations, out["completion_ids"].device
-        B, G = out["completion_ids"].shape[0], out["completion_ids"].shape[0] // n
-        rewards = self.rewards(self.own_rewards).view(G, n)  # (G, n)
-        adv = group_advantages(rewards, std_normalize=self.scale_rewards != "none").view(-1).to(dev)  # (B,)
-        k_own = success_counts(rewards)  # (G,)
-        ids = [str(inputs[g * n][self.args.id_column]) for g in range(G)]
-        logged = [g for g in range(G) if k_own[g] == 0 and len(self.peer.get(ids[g], ((),))[0]) > 1]
-        # The receiver's verdict on the logged groups of its all-fail prompts (Eq. 4 counts them).
-        texts = [t for g in logged for t in self.peer[ids[g]].texts]
-        eos = [bool(e) for g in logged for e in self.peer[ids[g]].eos]
-        tok = self._tokenizer  # TRL's: the processing class, or its tokenizer
-        c_ids, c_mask = retokenize_group(texts, eos, tok, max_response_tokens=self.max_completion_length,
-                                         pad_token_id=tok.pad_token_id, eos_token_id=self.eos_token_ids[0])  # (R, T)
-        rep = [inputs[g * n] for g in logged for _ in self.peer[ids[g]].texts]
-        peer_r = (self.rewards(GRPOTrainer._calculate_rewards(
-            self, rep, [x["prompt"] for x in rep], texts, [r[m].tolist() for r, m in zip(c_ids, c_mask)])).cpu()
-            if texts else torch.zeros(0))  # (R,)
-        sizes = [len(self.peer[ids[g]].texts) for g in logged]
-        chosen, start = [], 0
-        for g, m in zip(logged, sizes):
-            k_src = success_counts(peer_r[start: start + m][None])  # (1,)
-            if graft_candidates(k_recv=k_own[g: g + 1], k_src=k_src, n=m).item():  # Eq. 4: the peer is mixed
-                chosen.append((g, start, m))
-            start += m
-        weight, is_peer = torch.ones(B, device=dev), torch.zeros(B, dtype=torch.bool, device=dev)  # (B,), (B,)
-        T = max(out["completion_ids"].shape[1], c_ids.shape[1])
-        pad = lambda t, v: torch.nn.functional.pad(t, (0, T - t.shape[1]), value=v)  # noqa: E731  (B, T)
-        c_ids_out, c_mask_out = pad(out["completion_ids"], tok.pad_token_id), pad(out["completion_mask"], 0)
-        old = pad(out["old_per_token_logps"], 0.0) if out.get("old_per_token_logps") is not None else None
-        if chosen:
-            rows = torch.cat([torch.arange(s, s + m) for _, s, m in chosen])  # (R',) peer rows received
-            slots = torch.cat([torch.arange(g * n, g * n + m) for g, _, m in chosen]).to(dev)  # (R',) their places
-            p_ids, p_mask = out["prompt_ids"][slots], out["prompt_mask"][slots]  # (R', P) the group's prompt
-            r_ids, r_mask = c_ids[rows].to(dev), c_mask[rows].to(dev)  # (R', T_r)
-            with torch.no_grad():  # the receiver's behaviour log-probs of the peer tokens: its own forward
-                lp, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask.long()], 1), r_ids.shape[1],
-                    batch_size=self.args.per_device_train_batch_size)  # (R', T_r)
-            lbar_recv = sequence_mean_logprob(logp=lp.float(), mask=r_mask)  # (R',) Eq. 6
-            lbar_src = torch.cat([self.peer[ids[g]].lbar for g, _, _ in chosen]).to(dev)  # (R',)
-            w = compatibility_weights(lbar_recv=lbar_recv, lbar_src=lbar_src, delta=self.args.graft_delta)  # (R',)
-            w = w * r_mask.any(dim=1)  # a response too long after retokenisation is dropped
-            for g, s, m in chosen:  # the rows of a received group: its m responses, then empty rows
-                adv[g * n: g * n + n] = 0.0
-                adv[g * n: g * n + m] = group_advantages(peer_r[s: s + m][None],
-                                                         std_normalize=self.scale_rewards != "none")[0].to(dev)
-                is_peer[g * n: g * n + n], weight[g * n: g * n + n] = True, 0.0
-                c_mask_out[g * n: g * n + n] = 0
-            c_ids_out[slots], c_mask_out[slots] = pad(r_ids, tok.pad_token_id), pad(r_mask.long(), 0)
-            weight[slots] = w
-            if old is not None:  # TRL's old log-probs are of its own sampled tokens: splice in the peer's
-                old[slots] = pad(lp, 0.0)
-        adv, c_mask_out = fold_weights(advantages=adv, weights=weight, mask=c_mask_out)  # Eq. 10 as a vanilla loss
-        out |= {"completion_ids": c_ids_out, "completion_mask": c_mask_out, "advantages": adv,
-                "num_items_in_batch": c_mask_out.sum(), "graft_is_peer": is_peer, "graft_weight": weight}
+        out.pop("sampling_per_token_logps", None)  # read only by the refused vLLM correction
+        n, dev, tok = self.num_generations, out["advantages"].device, self._tokenizer
+        std = self.scale_rewards != "none"
+        rewards = self.rewards(self.own_rewards).view(-1, n)  # (G, n)
+        adv = group_advantages(rewards, std_normalize=std).view(-1).to(dev)  # (B,) departure 2
+        weight, is_peer = torch.ones_like(adv), torch.zeros_like(adv, dtype=torch.bool)  # (B,), (B,)
+        received = self.received(inputs, success_counts(rewards))
+        for g, _, r in received:  # a received group's rows: its m responses with their advantages, then empty ones
+            adv[g * n: g * n + n], weight[g * n: g * n + n], is_peer[g * n: g * n + n] = 0.0, 0.0, True
+            adv[g * n: g * n + len(r)] = group_advantages(r[None], std_normalize=std)[0].to(dev)
+        c_ids, old = out["completion_ids"], out.get("old_per_token_logps")
+        c_mask = out["completion_mask"] * ~is_peer[:, None]  # (B, T) a received group's rows are all replaced
+        if received:
+            slots = torch.tensor([g * n + i for g, grp, _ in received for i in range(len(grp.texts))], device=dev)
+            ids, mask = retokenize_group([t for _, grp, _ in received for t in grp.texts],
+                                         [bool(e) for _, grp, _ in received for e in grp.eos], tok,
+                                         max_response_tokens=self.max_completion_length, pad_token_id=tok.pad_token_id,
+                                         eos_token_id=self.eos_token_ids[0])  # (R, T_r)
+            ids, mask = ids.to(dev), mask.to(dev)
+            with torch.no_grad():  # the receiver's behaviour log-probs of the peer tokens (TRL's are of its samples)
+                lp = self._get_per_token_logps_and_entropies(
+                    self.model, torch.cat([out["prompt_ids"][slots], ids], 1),
+                    torch.cat([out["prompt_mask"][slots], mask.long()], 1), ids.shape[1],
+                    batch_size=self.args.per_device_train_batch_size)[0].float()  # (R, T_r)
+            lbar_src = torch.cat([grp.lbar for _, grp, _ in received]).to(dev)  # (R,)
+            w = compatibility_weights(lbar_recv=sequence_mean_logprob(logp=lp, mask=mask), lbar_src=lbar_src,
+                                      delta=self.args.graft_delta)  # (R,) Eqs. 6-8
+            weight[slots] = w * mask.any(dim=1)  # a response too long after retokenisation is dropped
+            c_ids, c_mask = splice(c_ids, slots, ids, tok.pad_token_id), splice(c_mask, slots, mask.long(), 0)
+            old = None if old is None else splice(old, slots, lp, 0.0)
+        adv, c_mask = fold_weights(advantages=adv, weights=weight, mask=c_mask)  # Eq. 10 through TRL's own loss
+        out |= {"completion_ids": c_ids, "completion_mask": c_mask, "advantages": adv,
+                "num_items_in_batch": c_mask.sum(), "graft_is_peer": is_peer, "graft_weight": weight}
         if old is not None:
             out["old_per_token_logps"] = old
         accepted = int((is_peer & (weight > 0)).sum())
-        for key, v in {"candidates": len(logged), "selected": len(chosen), "accepted": accepted,
-                       "rejected": sum(m for _, _, m in chosen) - accepted}.items():
+        metrics = {"all_fail": int((success_counts(rewards) == 0).sum()), "selected": len(received),
+                   "accepted": accepted, "rejected": sum(len(grp.texts) for _, grp, _ in received) - accepted}
+        for key, v in metrics.items():
             self._metrics["train"][f"graft/{key}"].append(float(v))
         return out
 
@@ -239,6 +238,14 @@ class GraftGRPOTrainer(GRPOTrainer):
             for mb in micro[k: k + A]:
                 mb["num_items_in_batch"] = tokens * (S // A)
         return micro
+
+
+def splice(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, pad_value) -> torch.Tensor:
+    """t (B, T) with rows replaced by values (R, T'), both padded on the right to max(T, T'): (B, max(T, T'))."""
+    width = max(t.shape[1], values.shape[1])
+    t = torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad_value)  # (B, width)
+    t[rows] = torch.nn.functional.pad(values.to(t.dtype), (0, width - values.shape[1]), value=pad_value)
+    return t
 
 
 # ------------------------------------------------------------------------------------------------

@@ -345,7 +345,7 @@ def test_two_graft_steps_in_trl_end_to_end_peer_last(pair, monkeypatch):
     # Peer-last through TRL's loop: each generation batch's second minibatch holds exactly the two grafted groups.
     assert [mb.tolist() for mb in seen] == [[False, False], [True, True]] * 2
     logs = [x for x in tr.state.log_history if "graft/selected" in x]
-    assert [x["graft/selected"] for x in logs] == [2.0] * 2 and all(x["graft/candidates"] == 4.0 for x in logs)
+    assert [x["graft/selected"] for x in logs] == [2.0] * 2 and all(x["graft/all_fail"] == 4.0 for x in logs)
     assert all(x["graft/accepted"] + x["graft/rejected"] == 2 * N for x in logs)
     assert all(math.isfinite(x["loss"]) for x in tr.state.log_history if "loss" in x)
     assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))  # the optimizer moved it
@@ -429,4 +429,4 @@ def test_launch_line_trains_a_step(recv, tmp_path):
                     "--prompt_template", "{problem}=", "--output_dir", str(out), "--num_generations", "4",
                     "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1",
                     "--use_cpu", "--bf16", "False", "--report_to", "none", "--save_strategy", "no"])
-    assert tr.state.global_step == 1 and tr.state.log_history[-1]["graft/candidates"] == 0.0  # no mixed group
+    assert tr.state.global_step == 1 and tr.state.log_history[-1]["graft/selected"] == 0.0  # no mixed group
