@@ -18,7 +18,11 @@ Where this departs from stock TRL:
   2. Own advantages are recomputed with core.group_advantages (std + 1e-6, exactly 0 on equal rewards)
      so that own and peer groups share one formula; TRL adds 1e-4 to the std.
   3. The peer log is read once at start: the project's JSONL format (core.read_peer_records) or a folder
-     of this project's rollout files (a prompt met at several steps: its latest group).
+     of this project's rollout files (a prompt met at several steps: its latest group). The peer's texts
+     are scored by this trainer's reward functions (as graft.py re-verifies a stored log); lbar_src must
+     be in the log (Eq. 6 per token).
+  4. A logged group of m < n responses fills m of its prompt's n rows; the other n - m rows are empty
+     (masked, w = 0), so TRL's batch keeps its shape.
 
 Launch line (one process; the dataset is --prompts' JSONL, the reward verify.py's verdict):
     python graft_trl.py --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\

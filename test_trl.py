@@ -430,3 +430,40 @@ def test_launch_line_trains_a_step(recv, tmp_path):
                     "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1",
                     "--use_cpu", "--bf16", "False", "--report_to", "none", "--save_strategy", "no"])
     assert tr.state.global_step == 1 and tr.state.log_history[-1]["graft/selected"] == 0.0  # no mixed group
+
+
+@needs_trl
+def test_a_smaller_jsonl_group_fills_its_rows_and_leaves_the_rest_empty(recv, tmp_path, monkeypatch):
+    """A logged group of 3 < n responses (JSONL): 3 peer rows with its advantages x w, one empty row (w = 0,
+    masked), w from the receiver's own forward (checked against a plain one); other groups untouched."""
+    tr = make_trainer(recv, max_completion_length=4)
+    texts, eos = ["1+2", "3", "2+1"], [True, False, True]  # p1's logged group; two pass: it is mixed
+    tok = tr.processing_class
+    ids = [core.retokenize(t, e, tok, max_response_tokens=4) for t, e in zip(texts, eos)]
+    with torch.no_grad():
+        prompt = torch.tensor([tok("1+2=")["input_ids"]])
+        lbar = torch.tensor([float(logprobs(tr.model, prompt, torch.tensor([x]), torch.ones(1, len(x)).long()).mean())
+                             for x in ids])  # (3,) the receiver's Eq. 6
+    lbar_src = lbar + torch.tensor([-0.5, 1.0, 0.1])  # s = e^0.5 (w = 1), e^-1 (removed), e^-0.1 (w = 0.905)
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"id": "p1", "response": t, "lbar": float(lb), "eos": e}) + "\n"
+                           for t, lb, e in zip(texts, lbar_src, eos)))
+    tr.peer = graft_trl.load_peer_log(str(log))
+    tr.reward_funcs[0] = lambda completions, **_: [1.0 if c in ("1+2", "2+1") else 0.0 for c in completions]
+    own = [[5, 6, 1]] * (G * N)  # every own completion: two tokens and EOS, failing
+    monkeypatch.setattr(tr, "_generate", lambda prompts: (tr._tokenize_prompts(prompts)[0], own, None,
+                                                          ["xy"] * len(prompts), None, {}, None, None))
+    inputs = [{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(G) for _ in range(N)]
+    tr.model.train()
+    out = tr._generate_and_score_completions(inputs)
+    assert torch.nonzero(out["graft_is_peer"]).squeeze(1).tolist() == [4, 5, 6, 7]  # group 1 only
+    w = core.compatibility_weights(lbar_recv=lbar, lbar_src=lbar_src)  # (3,)
+    assert w[0] == 1 and w[1] == 0 and 0.8 < w[2] < 1
+    a = core.group_advantages(torch.tensor([[1.0, 0.0, 1.0]]))[0]  # the logged group's own advantages
+    torch.testing.assert_close(out["graft_weight"][4:8], torch.cat([w, torch.zeros(1)]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["advantages"][4:8], torch.cat([a * w, torch.zeros(1)]), rtol=1e-5, atol=1e-6)
+    for j, x in enumerate(ids):
+        assert out["completion_ids"][4 + j, : len(x)].tolist() == x
+        assert int(out["completion_mask"][4 + j].sum()) == (len(x) if w[j] > 0 else 0)
+    assert out["completion_mask"][7].sum() == 0 and out["num_items_in_batch"] == out["completion_mask"].sum()
+    assert (out["completion_mask"][:4].sum(1) == 3).all() and (out["graft_weight"][:4] == 1).all()
