@@ -41,6 +41,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
+from config import Config
 from core import (PeerGroup, compatibility_weights, fold_weights, group_advantages, graft_candidates,
                   peer_last_rows, read_peer_records, retokenize_group, seeded_generator, sequence_mean_logprob,
                   success_counts)
@@ -222,7 +223,7 @@ class GraftGRPOTrainer(GRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        S, A = self.args.steps_per_generation, self.args.gradient_accumulation_steps
+        S = self.args.steps_per_generation  # micro-batches per generation batch (num_iterations is 1)
         if self._step % S == 0 or self._buffered_inputs is None:
             self._buffered_inputs = self.peer_last_minibatches(self._generate_and_score_completions(generation_batch))
         return self._buffered_inputs[self._step % S]
@@ -259,9 +260,11 @@ def splice(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, pad_value)
 
 @dataclass
 class Script:
+    """The launch line's own flags (the rest are GraftConfig's, i.e. TRL's GRPOConfig's plus GRAFT's)."""
+
     model: str = field(metadata={"help": "The receiver: a causal LM path or hub name."})
     prompts: str = field(metadata={"help": "Prompt JSONL (id, problem, answer), as graft.py --prompts."})
-    prompt_template: str = field(default="{problem}", metadata={"help": "Prompt text around {problem}."})
+    prompt_template: str = field(default=Config.prompt_template, metadata={"help": "Prompt text around {problem}."})
 
 
 def verified_reward(completions: list[str], answer: list[str], **_) -> list[float]:
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
     from runtime import load_prompt_file
     script, args = HfArgumentParser((Script, GraftConfig)).parse_args_into_dataclasses(argv)
     rows = load_prompt_file(script.prompts)
-    data = Dataset.from_list([{"id": r["id"], "prompt": script.prompt_template.format(problem=r["problem"]),
+    data = Dataset.from_list([{"id": r["id"], "prompt": script.prompt_template.replace("{problem}", r["problem"]),
                                "answer": r["answer"]} for r in rows])
     trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[verified_reward], args=args, train_dataset=data)
     trainer.train()

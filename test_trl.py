@@ -190,6 +190,9 @@ def test_trl_compute_loss_is_eq10_in_every_layout(recv, monkeypatch, S, A, loss_
         loss = sum(tr._compute_loss(tr.model, mb) for mb in micro[k * A: (k + 1) * A])
         loss.backward()
         got_loss, got_grad = float(loss), grads(tr.model)
+        with torch.no_grad():  # stock TRL's count: the whole batch's tokens, counted before the w = 0 rows left
+            stock = float(sum(tr._compute_loss(tr.model, mb | {"num_items_in_batch": ref["mask"].sum()})
+                              for mb in micro[k * A: (k + 1) * A]))
         rows = torch.cat([mb["row"] for mb in micro[k * A: (k + 1) * A]])  # (A * bs,) this optimizer step's rows
         tr.model.zero_grad()
         lp = logprobs(tr.model, ref["prompt"][rows], ref["ids"][rows], ref["mask"][rows].long())
@@ -199,6 +202,8 @@ def test_trl_compute_loss_is_eq10_in_every_layout(recv, monkeypatch, S, A, loss_
         want_grad = grads(tr.model)
         worst = max(worst, abs(got_loss - float(want)) / abs(float(want)),
                     float((got_grad - want_grad).norm() / want_grad.norm()))
+        if tr.loss_type == "dapo":
+            assert abs(stock - float(want)) > 1e-3 * abs(float(want)), "stock TRL's token count would do"
         peer_steps.append(bool(batch["graft_is_peer"][rows].any()))
         groups = set((rows // N).tolist())
         assert all(set(range(g * N, g * N + N)) <= set(rows.tolist()) for g in groups), "a group straddles steps"
