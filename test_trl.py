@@ -248,10 +248,14 @@ def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
 
 
 @needs_trl
-def test_vllm_correction_is_refused(recv):
+def test_vllm_correction_and_more_processes_are_refused(recv, monkeypatch):
     args = config(recv)
     args.use_vllm, args.vllm_importance_sampling_correction = True, True  # set after: vLLM is not installed
     with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
+        graft_trl.check_args(args)
+    args = config(recv)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as under a 2-process launch
+    with pytest.raises(ValueError, match="2 processes: groups would straddle ranks"):
         graft_trl.check_args(args)
 
 
