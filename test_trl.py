@@ -173,6 +173,8 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2)]  # (steps_per_generation, gradient_ac
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
 @pytest.mark.parametrize("S,A", LAYOUTS)
 def test_trl_compute_loss_is_eq10_in_every_layout(recv, monkeypatch, S, A, loss_type):
+    """Per optimizer step: the sum of TRL's _compute_loss over its A micro-batches (cut by our _prepare_inputs)
+    equals core.policy_loss over the same rows with w unfolded, in value and gradient, fp32, clip active."""
     kw = dict(steps_per_generation=S, gradient_accumulation_steps=A, per_device_train_batch_size=G * N // S,
               loss_type=loss_type)
     if loss_type == "bnpo" and A > 1:
