@@ -85,6 +85,8 @@ def check_args(args: GraftConfig) -> None:
                                             "use_adaptive_entropy must stay off: they change Eq. 10"),
         (args.scale_rewards in ("group", "none") and args.multi_objective_aggregation == "sum_then_normalize",
          "scale_rewards must be 'group' or 'none' and multi_objective_aggregation 'sum_then_normalize'"),
+        (args.max_completion_length is not None, "max_completion_length=None: it bounds the peer's retokenised "
+                                                 "responses as it bounds the own ones; set it"),
         (bool(args.peer_log), "peer_log is empty: name the stored peer's JSONL log or rollout folder"),
     ]
     for ok, message in rules:

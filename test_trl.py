@@ -242,7 +242,7 @@ def test_stock_trl_shuffle_spreads_peer_rows_which_ours_keeps_last(recv, monkeyp
     (dict(per_device_train_batch_size=2, steps_per_generation=8), "would straddle optimizer steps"),
     (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
     (dict(top_entropy_quantile=0.5), "top_entropy_quantile"), (dict(scale_rewards="batch"), "scale_rewards"),
-    (dict(peer_log=""), "peer_log is empty"),
+    (dict(peer_log=""), "peer_log is empty"), (dict(max_completion_length=None), "max_completion_length=None"),
 ])
 def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
     with pytest.raises(ValueError, match=msg):
