@@ -562,3 +562,107 @@ def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_token
         assert eos is not None, "the receiver's tokenizer has no eos_token_id"
         ids = ids + [eos]
     return ids if len(ids) <= max_response_tokens else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Porting helpers: what a trainer built around a flat batch of rows (TRL, verl) needs around the above
+# (graft_trl.py uses them inside TRL's GRPOTrainer; README "Porting to verl or TRL")
+# ------------------------------------------------------------------------------------------------
+
+
+def fold_weights(*, advantages: torch.Tensor, weights: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 10 through a vanilla clipped loss: a * w as the advantage, and the w = 0 rows masked out.
+
+    advantages: (B,) float; weights: (B,) float, w (1 for own rows); mask: (B, T) bool or int, 1 on
+    response tokens. Returns (advantages * weights (B,) float, mask with the w = 0 rows zeroed (B, T),
+    mask's dtype). A token-mean loss over the returned mask with the returned advantage equals
+    policy_loss(weights=w) in value and gradient, provided its denominator is that mask's token count
+    over the whole optimizer step (the removed rows are not in it, Eq. 10).
+    """
+    assert advantages.shape == weights.shape == mask.shape[:1], "advantages and weights must be (B,), mask (B, T)"
+    kept = (weights > 0)[:, None]  # (B, 1)
+    return advantages.float() * weights.float(), mask * kept.to(mask.dtype)  # (B,), (B, T)
+
+
+def peer_last_rows(is_peer_group: torch.Tensor, group_size: int, *,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """The peer-last order for a batch of G groups of group_size consecutive rows (row r = g * n + i).
+
+    is_peer_group: (G,) bool, True where the group was replaced by a peer group. Returns a (G * n,)
+    long permutation of the rows: own groups first, replaced groups after them, each group's rows
+    together and in order. Cut the permuted batch into consecutive equal minibatches (no shuffling
+    after this): with G divisible by their number they hold the groups of
+    minibatch_order(is_peer_group, num_minibatches, generator=generator), which draws the same
+    permutation within each class. Calls minibatch_order.
+    """
+    (seq,) = minibatch_order(is_peer_group, 1, order="peer_last", generator=generator)  # (G,) group order
+    return (seq[:, None] * group_size + torch.arange(group_size, device=seq.device)).reshape(-1)  # (G * n,)
+
+
+def retokenize_group(texts: list[str], eos: list[bool], tokenizer, *, max_response_tokens: int,
+                     pad_token_id: int, eos_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """retokenize for R responses at once, padded on the right: (ids (R, T) long, mask (R, T) bool).
+
+    texts, eos: R peer response texts (decode_response's) and whether each ended with EOS. A row whose
+    ids would be longer than max_response_tokens, or empty, is all padding with an all-False mask row:
+    the caller drops it (weight 0) and counts it. T is the longest kept row (at least 1). Calls retokenize.
+    """
+    assert len(texts) == len(eos), "one EOS flag per text"
+    rows = [retokenize(t, bool(e), tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
+            or [] for t, e in zip(texts, eos)]
+    T = max([len(r) for r in rows] + [1])
+    ids = torch.full((len(rows), T), pad_token_id, dtype=torch.long)  # (R, T)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool)  # (R, T)
+    for j, r in enumerate(rows):
+        ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[j, : len(r)] = True
+    return ids, mask
+
+
+class PeerGroup(NamedTuple):
+    """One prompt's stored peer responses, in log order (m responses)."""
+
+    texts: list[str]  # (m,) response texts
+    eos: torch.Tensor  # (m,) bool, ended with EOS
+    lbar: torch.Tensor  # (m,) float32, the source's mean log-prob per token (Eq. 6); NaN where not given
+
+
+LBAR_FLOOR = -88.0  # exp(-88) is finite in float32: a lower lbar_src could overflow s = exp(lbar_recv - lbar_src)
+
+
+def read_peer_records(records, *, where: str = "log") -> dict[str, PeerGroup]:
+    """The stored-peer log format, read: one group per prompt id, records in log order.
+
+    records: an iterable of (line number, object) pairs, each object one parsed JSON line:
+        {"problem_id" or "id": str or int, "response" or "completion": str,
+         "lbar" or "mean_logprob": float in [-88, 0] (optional), "eos": bool (optional, default true)}
+    e.g. ((i, json.loads(s)) for i, s in enumerate(open(path), 1) if s.strip()). Returns {prompt id:
+    PeerGroup}. A record that repeats an earlier one (same id, same response) is left out: it would
+    count one response twice in its group's advantages. A bad record raises ValueError("where:LINE:
+    ..."). Rewards are not read: the receiver scores the texts with its own verifier. Uses PeerGroup.
+    """
+    groups: dict[str, list[tuple[str, bool, float]]] = {}
+    for line, obj in records:
+        at = f"{where}:{line}"
+        if not isinstance(obj, dict):
+            raise ValueError(f"{at}: each line must be a JSON object, got {type(obj).__name__}")
+        pid = obj.get("problem_id", obj.get("id"))
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)) or pid == "":
+            raise ValueError(f"{at}: needs a prompt id, 'problem_id' or 'id' (a non-empty string or an integer)")
+        text = obj.get("response", obj.get("completion"))
+        if not isinstance(text, str):
+            raise ValueError(f"{at}: 'response' (or 'completion') must be a string, got {text!r}")
+        lbar = obj.get("lbar", obj.get("mean_logprob"))
+        if lbar is not None and (isinstance(lbar, bool) or not isinstance(lbar, (int, float))
+                                 or not LBAR_FLOOR <= lbar <= 0):  # NaN fails the comparison too
+            raise ValueError(f"{at}: 'lbar' must be a mean log-probability per token in [{LBAR_FLOOR:g}, 0], "
+                             f"got {lbar!r}")
+        eos = obj.get("eos", True)
+        if not isinstance(eos, bool):
+            raise ValueError(f"{at}: 'eos' must be true or false, got {eos!r}")
+        group = groups.setdefault(str(pid), [])
+        if all(t != text for t, _, _ in group):
+            group.append((text, eos, float("nan") if lbar is None else float(lbar)))
+    return {pid: PeerGroup([t for t, _, _ in g], torch.tensor([e for _, e, _ in g], dtype=torch.bool),
+                           torch.tensor([lb for _, _, lb in g], dtype=torch.float32)) for pid, g in groups.items()}

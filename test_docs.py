@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent
-README_MAX_LINES = 260
+README_MAX_LINES = 300  # grew by the reward seam (--reward) and the TRL integration; results still go to RESULTS.md
 
 # ------------------------------------------------------------------------------------------------
 # Helpers: the project's modules and their imports

@@ -1,0 +1,484 @@
+"""Tests of graft_trl.py against TRL itself: TRL's own _compute_loss on the micro-batches our _prepare_inputs
+cuts equals core.policy_loss (Eq. 10) in value and gradient in every layout it accepts, and every layout it
+refuses is one where stock TRL is off; peer-last survives TRL's minibatching; two GRAFT steps run end to end
+on a tiny receiver with the real Qwen3 tokenizer, reading a peer log that this project's trainer wrote with
+SmolLM3's, and on a planted step its rows, weights and loss equal this project's Trainer.build_rows and update.
+Also the porting helpers of core.py. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
+
+Run: python -m pytest -q test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import core
+from test_graft import SHARED, make_tiny_model, write_prompts
+
+torch.set_num_threads(1)
+
+# ------------------------------------------------------------------------------------------------
+# core.py's porting helpers (no TRL needed)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fold_weights_is_policy_loss_through_a_plain_token_mean():
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 5
+    mask = torch.arange(T)[None] < torch.tensor([5, 3, 4, 2, 5, 1])[:, None]  # (B, T)
+    old = -torch.rand(B, T, generator=g) * 2
+    new = (old + 0.4 * torch.randn(B, T, generator=g)).requires_grad_(True)
+    adv, w = torch.randn(B, generator=g), torch.tensor([1.0, 0.0, 0.9, 1.0, 0.0, 0.85])
+    loss, _ = core.policy_loss(logp=new, old_logp=old, advantages=adv, mask=mask, weights=w)
+    a, m = core.fold_weights(advantages=adv, weights=w, mask=mask.long())
+    assert m.dtype == torch.long and m[1].sum() == 0 and m[4].sum() == 0 and torch.equal(m[0], mask[0].long())
+    ratio = torch.exp(new - old)
+    per_tok = -torch.minimum(ratio * a[:, None], ratio.clamp(0.8, 1.28) * a[:, None])
+    plain = (per_tok * m).sum() / m.sum()
+    torch.testing.assert_close(plain, loss)
+    torch.testing.assert_close(torch.autograd.grad(plain, new)[0], torch.autograd.grad(loss, new)[0])
+
+
+def test_peer_last_rows_expands_minibatch_order():
+    is_peer = torch.tensor([False, True, False, True, False, False])
+    for gen in (None, torch.Generator().manual_seed(3)):
+        state = None if gen is None else gen.get_state()
+        rows = core.peer_last_rows(is_peer, 3, generator=gen)
+        if gen is not None:
+            gen.set_state(state)
+        mbs = core.minibatch_order(is_peer, 2, generator=gen)
+        assert rows.tolist() == [g * 3 + i for mb in mbs for g in mb.tolist() for i in range(3)]
+        assert sorted(rows.tolist()) == list(range(18))
+        assert all(not is_peer[r // 3] for r in rows[:12]) and all(is_peer[r // 3] for r in rows[12:])
+
+
+def test_retokenize_group_pads_and_drops_long_rows(tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
+    ids, mask = core.retokenize_group(["1+2", "12345678", "", "9"], [True, False, False, False], tok,
+                                      max_response_tokens=5, pad_token_id=0)
+    assert ids.shape == mask.shape == (4, 4)
+    assert ids[0].tolist() == core.retokenize("1+2", True, tok, max_response_tokens=5) and mask[0].all()
+    assert not mask[1].any() and not mask[2].any() and (ids[1] == 0).all()  # too long; empty
+    assert mask[3].tolist() == [True, False, False, False]
+
+
+def test_read_peer_records_groups_dedups_and_names_the_line():
+    recs = [(1, {"problem_id": "a", "response": "x", "lbar": -1.0}), (2, {"id": 7, "completion": "y", "eos": False}),
+            (4, {"problem_id": "a", "response": "z", "mean_logprob": -2.5}), (5, {"problem_id": "a", "response": "x"})]
+    groups = core.read_peer_records(recs)
+    assert list(groups) == ["a", "7"]
+    assert groups["a"].texts == ["x", "z"] and groups["a"].lbar.tolist() == [-1.0, -2.5]  # line 5 repeats line 1
+    assert groups["7"].eos.tolist() == [False] and math.isnan(groups["7"].lbar.item())
+    for bad, msg in [({"response": "x"}, "needs a prompt id"), ({"id": "a", "response": 3}, "'response'"),
+                     ({"id": "a", "response": "x", "lbar": -100.0}, "'lbar'"),
+                     ({"id": "a", "response": "x", "eos": "yes"}, "'eos'"), ([1], "JSON object")]:
+        with pytest.raises(ValueError, match=f"f.jsonl:9: .*{msg}"):
+            core.read_peer_records([(9, bad)], where="f.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL's own loss in every layout
+# ------------------------------------------------------------------------------------------------
+
+try:
+    import trl
+
+    import graft_trl
+except ImportError:  # TRL is optional, like W&B: only the tests below need it
+    trl = graft_trl = None
+needs_trl = pytest.mark.skipif(trl is None,
+                               reason="TRL is not installed (pip install trl==1.16.0; .ci/run installs it)")
+
+N, G, PROMPT, T = 4, 4, 3, 6  # rollouts per prompt, prompts per generation batch, prompt and completion lengths
+PEER_GROUPS = (1, 3)  # the replaced groups of the planted batch
+
+
+@pytest.fixture(scope="module")
+def recv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trl")
+    make_tiny_model(d / "m", "llama", 0, 1)
+    write_prompts(d / "p.jsonl", 4)
+    (d / "log.jsonl").write_text(json.dumps({"id": "p0", "response": "1", "lbar": -1.0}) + "\n")
+    return d
+
+
+def config(d: Path, **kw):
+    base = dict(output_dir=str(d / "out"), peer_log=str(d / "log.jsonl"), num_generations=N, bf16=False, use_cpu=True,
+                report_to="none", save_strategy="no", max_completion_length=T, per_device_train_batch_size=G * N)
+    return graft_trl.GraftConfig(**(base | kw))
+
+
+def make_trainer(d: Path, **kw):
+    from datasets import Dataset
+    data = Dataset.from_list([{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(4)])
+    zero = lambda completions, **_: [0.0] * len(completions)  # noqa: E731  (the planted batches carry their own)
+    return graft_trl.GraftGRPOTrainer(model=str(d / "m"), reward_funcs=[zero], args=config(d, **kw), train_dataset=data)
+
+
+def planted_batch(tr) -> tuple[dict, dict]:
+    """A generation batch as _generate_and_score_completions leaves it (w folded in), and the unfolded rows."""
+    g = torch.Generator().manual_seed(1)
+    B = G * N
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()  # (B, T)
+    ids = torch.randint(2, 40, (B, T), generator=g) * mask
+    prompt = torch.randint(2, 40, (B, PROMPT), generator=g)
+    is_peer = torch.tensor([r // N in PEER_GROUPS for r in range(B)])
+    w = torch.where(is_peer, torch.tensor([0.9, 0.0, 1.0, 0.85] * G), torch.ones(B))  # (B,) two rows removed
+    adv = torch.randn(B, generator=g)
+    with torch.no_grad():
+        lp = logprobs(tr.model, prompt, ids, mask)
+    old = lp + 0.3 * torch.randn(B, T, generator=g)  # ratios on both sides of the clip
+    a, m = core.fold_weights(advantages=adv, weights=w, mask=mask)
+    batch = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": ids, "completion_mask": m,
+             "advantages": a, "old_per_token_logps": old, "num_items_in_batch": mask.sum(), "graft_is_peer": is_peer,
+             "graft_weight": w, "row": torch.arange(B)}
+    return batch, {"mask": mask.bool(), "adv": adv, "w": w, "old": old, "ids": ids, "prompt": prompt}
+
+
+def logprobs(model, prompt, ids, mask):
+    """Plain per-token log-probs of the completions: one forward, no padding on the left."""
+    attention = torch.cat([torch.ones_like(prompt), mask], 1)  # (B, P + T)
+    logits = model(input_ids=torch.cat([prompt, ids], 1), attention_mask=attention).logits
+    logits = logits[:, prompt.shape[1] - 1: -1].float()  # (B, T) positions that predict the completion
+    return torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def trl_micro_batches(tr, batch, monkeypatch) -> list[dict]:
+    """TRL's buffering path (_prepare_inputs over S training steps) with the planted generation batch."""
+    monkeypatch.setattr(tr, "_generate_and_score_completions", lambda inputs: dict(batch))
+    tr.model.train()
+    tr._buffered_inputs = None
+    out = []
+    for step in range(tr.args.steps_per_generation):
+        tr._step = step
+        out.append(tr._prepare_inputs([{}]))
+    return out
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2)]  # (steps_per_generation, gradient_accumulation_steps)
+
+
+@needs_trl
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+@pytest.mark.parametrize("S,A", LAYOUTS)
+def test_trl_compute_loss_is_eq10_in_every_layout(recv, monkeypatch, S, A, loss_type):
+    """Per optimizer step: the sum of TRL's _compute_loss over its A micro-batches (cut by our _prepare_inputs)
+    equals core.policy_loss over the same rows with w unfolded, in value and gradient, fp32, clip active."""
+    kw = dict(steps_per_generation=S, gradient_accumulation_steps=A, per_device_train_batch_size=G * N // S,
+              loss_type=loss_type)
+    if loss_type == "bnpo" and A > 1:
+        with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=2"):
+            graft_trl.check_args(config(recv, **kw))
+        kw["loss_type"] = "dapo"  # built as dapo, then run as stock TRL's bnpo: off, which is why it is refused
+    tr = make_trainer(recv, **kw)
+    tr.loss_type = loss_type
+    batch, ref = planted_batch(tr)
+    micro = trl_micro_batches(tr, batch, monkeypatch)
+    tr.current_gradient_accumulation_steps = A  # what transformers' loop sets for each accumulation window
+    peer_steps, worst = [], 0.0
+    for k in range(S // A):
+        tr.model.zero_grad()
+        loss = sum(tr._compute_loss(tr.model, mb) for mb in micro[k * A: (k + 1) * A])
+        loss.backward()
+        got_loss, got_grad = float(loss), grads(tr.model)
+        with torch.no_grad():  # stock TRL's count: the whole batch's tokens, counted before the w = 0 rows left
+            stock = float(sum(tr._compute_loss(tr.model, mb | {"num_items_in_batch": ref["mask"].sum()})
+                              for mb in micro[k * A: (k + 1) * A]))
+        rows = torch.cat([mb["row"] for mb in micro[k * A: (k + 1) * A]])  # (A * bs,) this optimizer step's rows
+        tr.model.zero_grad()
+        lp = logprobs(tr.model, ref["prompt"][rows], ref["ids"][rows], ref["mask"][rows].long())
+        want, _ = core.policy_loss(logp=lp, old_logp=ref["old"][rows], advantages=ref["adv"][rows],
+                                   mask=ref["mask"][rows], weights=ref["w"][rows], eps_low=0.2, eps_high=0.28)
+        want.backward()
+        want_grad = grads(tr.model)
+        worst = max(worst, abs(got_loss - float(want)) / abs(float(want)),
+                    float((got_grad - want_grad).norm() / want_grad.norm()))
+        if tr.loss_type == "dapo":
+            assert abs(stock - float(want)) > 1e-3 * abs(float(want)), "stock TRL's token count would do"
+        peer_steps.append(bool(batch["graft_is_peer"][rows].any()))
+        groups = set((rows // N).tolist())
+        assert all(set(range(g * N, g * N + N)) <= set(rows.tolist()) for g in groups), "a group straddles steps"
+    if loss_type == "bnpo" and A > 1:
+        assert worst > 1e-3  # stock bnpo divides each micro-batch by its own tokens
+        return
+    assert worst < 1e-5, f"S={S} A={A} {loss_type}: relative difference {worst:.2e}"
+    # Peer-last: every optimizer step holding a peer row comes after every own-only one.
+    assert peer_steps == sorted(peer_steps) and peer_steps[-1]
+
+
+@needs_trl
+def test_stock_trl_shuffle_spreads_peer_rows_which_ours_keeps_last(recv, monkeypatch):
+    tr = make_trainer(recv, steps_per_generation=2, per_device_train_batch_size=G * N // 2)
+    batch, _ = planted_batch(tr)
+    monkeypatch.setattr(tr, "_generate_and_score_completions", lambda inputs: dict(batch))
+    tr.model.train()
+    torch.manual_seed(0)
+    spread = []
+    for step in range(2):  # TRL's own _prepare_inputs: shuffle, then split
+        tr._step, tr._buffered_inputs = step, None if step == 0 else tr._buffered_inputs
+        spread.append(int(trl.GRPOTrainer._prepare_inputs(tr, [{}])["graft_is_peer"].sum()))
+    assert all(s > 0 for s in spread)  # peer rows in both minibatches: peer-last lost
+    ours = [int(mb["graft_is_peer"].sum()) for mb in trl_micro_batches(tr, batch, monkeypatch)]
+    assert ours == [0, 2 * N]
+
+
+@needs_trl
+@pytest.mark.parametrize("setting,msg", [
+    (dict(loss_type="grpo"), "loss_type='grpo'"), (dict(delta=2.0), "delta=2.0 is TRL's cap"),
+    (dict(beta=0.04), "beta=0.04"), (dict(num_iterations=2), "num_iterations=2"),
+    (dict(steps_per_generation=1, gradient_accumulation_steps=2, per_device_train_batch_size=8),
+     "steps_per_generation=1 is not a multiple"),
+    (dict(per_device_train_batch_size=2, steps_per_generation=8), "would straddle optimizer steps"),
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"), (dict(scale_rewards="batch"), "scale_rewards"),
+    (dict(peer_log=""), "peer_log is empty"), (dict(max_completion_length=None), "max_completion_length=None"),
+])
+def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
+    with pytest.raises(ValueError, match=msg):
+        graft_trl.check_args(config(recv, **setting))
+
+
+@needs_trl
+def test_vllm_correction_and_more_processes_are_refused(recv, monkeypatch):
+    args = config(recv)
+    args.use_vllm, args.vllm_importance_sampling_correction = True, True  # set after: vLLM is not installed
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
+        graft_trl.check_args(args)
+    args = config(recv)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as under a 2-process launch
+    with pytest.raises(ValueError, match="2 processes: groups would straddle ranks"):
+        graft_trl.check_args(args)
+
+
+@needs_trl
+def test_peer_log_errors_name_the_file(recv, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "p0", "response": "1", "lbar": -1}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        graft_trl.load_peer_log(str(bad))
+    bad.write_text('{"id": "p0", "response": "1"}\n')
+    with pytest.raises(ValueError, match="without 'lbar'"):
+        graft_trl.load_peer_log(str(bad))
+    with pytest.raises(ValueError, match="no such JSONL file"):
+        graft_trl.load_peer_log(str(tmp_path / "missing"))
+    wide = tmp_path / "wide.jsonl"
+    wide.write_text("".join(json.dumps({"id": "p0", "response": str(i), "lbar": -1.0}) + "\n" for i in range(N + 1)))
+    with pytest.raises(ValueError, match=f"set num_generations >= {N + 1}"):
+        make_trainer(recv, peer_log=str(wide))
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: a tiny Qwen3-tokenizer receiver in TRL, a peer log this project's trainer wrote with SmolLM3's
+# ------------------------------------------------------------------------------------------------
+
+needs_shared = pytest.mark.skipif(not (SHARED / "tokenizers" / "smollm3").is_dir(),
+                                  reason="needs ../shared/tokenizers (the real Qwen3 and SmolLM3 tokenizers)")
+
+
+def tiny_with_real_tokenizer(path: Path, name: str, seed: int) -> Path:
+    """A one-layer random causal LM over a real tokenizer's whole vocabulary, saved with the tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / name)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, head_dim=8,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """This project's trainer as the peer (SmolLM3 tokenizer): one step, its rollout file is the peer log."""
+    import graft
+    d = tmp_path_factory.mktemp("pair")
+    write_prompts(d / "p.jsonl", G)
+    tiny_with_real_tokenizer(d / "peer", "smollm3", 1)
+    tiny_with_real_tokenizer(d / "recv", "qwen3", 0)
+    graft.Trainer(graft.Config(model=str(d / "peer"), name="b", prompts=str(d / "p.jsonl"), out=str(d / "peer_run"),
+                               steps=1, prompts_per_step=G, n=N, minibatches=1, max_response_tokens=6,
+                               prompt_template="{problem}=", lr=1e-3, threads=1)).fit()
+    log = d / "peer_run" / "exchange" / "b"
+    peer, _ = graft.load_rollouts(log / "step_000000.safetensors")
+    # The verdict: two of the peer's groups are mixed (Eq. 4), two fail; nothing the receiver samples passes.
+    mixed = {peer.prompt_ids[0]: [0, 2], peer.prompt_ids[2]: [1]}
+    passing = {peer.texts[g * N + i] for g, pid in enumerate(peer.prompt_ids) for i in mixed.get(pid, [])}
+    return d, log, peer, passing, set(mixed)
+
+
+def fake_verify(passing):
+    return lambda responses, golds, workers=0, **kw: [1.0 if r in passing else 0.0 for r in responses]
+
+
+def dataset(d: Path):
+    from datasets import Dataset
+    rows = [json.loads(s) for s in (d / "p.jsonl").read_text().splitlines()]
+    return rows, Dataset.from_list([{"id": r["id"], "prompt": r["problem"] + "=", "answer": r["answer"]} for r in rows])
+
+
+def recv_trainer(d: Path, log: Path, **kw):
+    base = dict(output_dir=str(d / "trl"), peer_log=str(log), num_generations=N, bf16=False, use_cpu=True,
+                report_to="none", save_strategy="no", per_device_train_batch_size=8, steps_per_generation=2,
+                max_completion_length=16, learning_rate=1e-3, seed=0, logging_steps=1)
+    args = graft_trl.GraftConfig(**(base | kw))
+    reward = graft_trl.reward_function("verify:verify_batch")  # the planted verdicts replace verify_batch
+    return graft_trl.GraftGRPOTrainer(model=str(d / "recv"), reward_funcs=[reward], args=args,
+                                      train_dataset=dataset(d)[1])
+
+
+@needs_trl
+@needs_shared
+def test_two_graft_steps_in_trl_end_to_end_peer_last(pair, monkeypatch):
+    import verify
+    d, log, peer, passing, mixed = pair
+    monkeypatch.setattr(verify, "verify_batch", fake_verify(passing))
+    tr = recv_trainer(d, log, max_steps=4)  # 2 generation batches x 2 optimizer steps
+    seen = []
+    compute = tr._compute_loss
+    monkeypatch.setattr(tr, "_compute_loss", lambda model, mb: seen.append(mb["graft_is_peer"].view(-1, N)[:, 0]) or
+                        compute(model, mb))
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.train()
+    # Peer-last through TRL's loop: each generation batch's second minibatch holds exactly the two grafted groups.
+    assert [mb.tolist() for mb in seen] == [[False, False], [True, True]] * 2
+    logs = [x for x in tr.state.log_history if "graft/selected" in x]
+    assert [x["graft/selected"] for x in logs] == [2.0] * 2 and all(x["graft/all_fail"] == 4.0 for x in logs)
+    assert all(x["graft/accepted"] + x["graft/rejected"] == 2 * N for x in logs)
+    assert all(math.isfinite(x["loss"]) for x in tr.state.log_history if "loss" in x)
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))  # the optimizer moved it
+
+
+@needs_trl
+@needs_shared
+def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch, tmp_path):
+    """One planted step (the project's own rollouts fed to TRL): received groups, peer rows, weights, folded
+    advantages, the receiver's old log-probs of the peer tokens, and the step's token-mean loss equal
+    Trainer.build_rows and Trainer.update (optimizer step disabled, so every minibatch sees one policy)."""
+    import graft
+    import verify
+    d, log, peer, passing, mixed = pair
+    monkeypatch.setattr(verify, "verify_batch", fake_verify(passing))
+    from transformers import AutoTokenizer
+    qwen = AutoTokenizer.from_pretrained(d / "recv")
+    longest = max(len(qwen.encode(peer.texts[g * N + i], add_special_tokens=False)) + int(peer.eos[g, i])
+                  for g, pid in enumerate(peer.prompt_ids) if pid in mixed for i in range(N))
+    limit = longest - 1  # the longest received response no longer fits: dropped by both
+    ours = graft.Trainer(graft.Config(model=str(d / "recv"), prompts=str(d / "p.jsonl"), out=str(tmp_path / "run"),
+                                      peer_log=str(log), steps=1, prompts_per_step=G, n=N, minibatches=2,
+                                      max_response_tokens=limit, prompt_template="{problem}=", lr=1e-3, threads=1))
+    rows = graft.batch_indices(G, 0, G, 0)
+    own, _ = ours.rollout(0, rows)
+    peers = ours.wait_for_peers(0, own)  # the trainer's phases of step 0, in its order
+    received, m = ours.select(0, own, peers)
+    scored, m_score = ours.score(0, rows, peers, received)
+    train_rows, replaced, m_rows = ours.build_rows(rows, own, peers, received, scored)
+    m |= m_score | m_rows
+    assert m["dropped_length"] >= 1
+
+    tr = recv_trainer(d, log, max_completion_length=limit)
+    by_text = {r["problem"] + "=": g for g, r in ((g, dataset(d)[0][i]) for g, i in enumerate(rows))}
+
+    def planted_generate(prompts):  # the project's own rollouts in place of TRL's sampling
+        prompt_ids = tr._tokenize_prompts(prompts)[0]
+        flat = [by_text[p] * N + i % N for i, p in enumerate(prompts)]
+        return prompt_ids, [own.tokens[r] for r in flat], None, [own.texts[r] for r in flat], None, {}, None, None
+
+    monkeypatch.setattr(tr, "_generate", planted_generate)
+    tr.model.train()
+    tr._step = 0
+    inputs = [dataset(d)[0][i] | {"prompt": dataset(d)[0][i]["problem"] + "="} for i in rows for _ in range(N)]
+    out = tr._generate_and_score_completions(inputs)
+    assert [tr._tokenize_prompts([x["prompt"]])[0][0] for x in inputs[::N]] == [ours.prompt_ids[i] for i in rows]
+
+    is_peer = out["graft_is_peer"].view(G, N)[:, 0]
+    assert torch.equal(is_peer, replaced) and int(replaced.sum()) == 2
+    lengths = out["completion_mask"].sum(1)
+    trl_rows = {(b // N, tuple(out["completion_ids"][b, : lengths[b]].tolist())): b
+                for b in range(G * N) if out["graft_is_peer"][b] and out["graft_weight"][b] > 0}
+    proj_rows = {(r.group, tuple(r.response)): r for r in train_rows if r.is_peer}
+    assert trl_rows.keys() == proj_rows.keys() and m["accepted"] == len(trl_rows) > 0
+    for key, b in trl_rows.items():
+        r = proj_rows[key]
+        assert float(out["graft_weight"][b]) == pytest.approx(r.weight, rel=1e-5)
+        assert float(out["advantages"][b]) == pytest.approx(r.adv * r.weight, rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(out["old_per_token_logps"][b, : lengths[b]], r.old_logp, rtol=1e-5, atol=1e-5)
+
+    ours.opt.step = lambda *a, **k: None  # every minibatch sees the same policy, as below
+    live: dict[int, set] = {}  # the trainer's minibatches: groups of the rows it runs forward (a != 0)
+    minibatch_loss = ours.minibatch_loss
+    monkeypatch.setattr(ours, "minibatch_loss", lambda rows_, d_, k: live.setdefault(k, set()).update(
+        r.group for r in rows_) or minibatch_loss(rows_, d_, k))
+    want = ours.update(0, train_rows, replaced)
+    tr.current_gradient_accumulation_steps = 1
+    micro = tr.peer_last_minibatches(out | {"row": torch.arange(G * N)})
+    assert live == {k: set((mb["row"][mb["advantages"] != 0] // N).tolist()) for k, mb in enumerate(micro)
+                    if bool((mb["advantages"] != 0).any())}
+    with torch.no_grad():
+        parts = [(float(tr._compute_loss(tr.model, mb)), float(mb["completion_mask"].sum())) for mb in micro]
+    got = sum(loss * tokens for loss, tokens in parts) / sum(tokens for _, tokens in parts)
+    assert got == pytest.approx(want["pg/loss"], rel=1e-5) and want["pg/loss"] != 0
+    assert want["peer_minibatches"] == sum(bool(mb["graft_is_peer"].any()) for mb in micro) == 1
+
+
+@needs_trl
+def test_launch_line_trains_a_step(recv, tmp_path):
+    """graft_trl.py's command line: --prompts' JSONL as the dataset, --reward's default as the reward, one step."""
+    out = tmp_path / "run"
+    tr = graft_trl.main(["--model", str(recv / "m"), "--prompts", str(recv / "p.jsonl"),
+                         "--peer_log", str(recv / "log.jsonl"),
+                    "--prompt_template", "{problem}=", "--output_dir", str(out), "--num_generations", "4",
+                    "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1",
+                    "--use_cpu", "--bf16", "False", "--report_to", "none", "--save_strategy", "no"])
+    assert tr.state.global_step == 1 and tr.state.log_history[-1]["graft/selected"] == 0.0  # no mixed group
+
+
+@needs_trl
+def test_a_smaller_jsonl_group_fills_its_rows_and_leaves_the_rest_empty(recv, tmp_path, monkeypatch):
+    """A logged group of 3 < n responses (JSONL): 3 peer rows with its advantages x w, one empty row (w = 0,
+    masked), w from the receiver's own forward (checked against a plain one); other groups untouched."""
+    tr = make_trainer(recv, max_completion_length=4)
+    texts, eos = ["1+2", "3", "2+1"], [True, False, True]  # p1's logged group; two pass: it is mixed
+    tok = tr.processing_class
+    ids = [core.retokenize(t, e, tok, max_response_tokens=4) for t, e in zip(texts, eos)]
+    with torch.no_grad():
+        prompt = torch.tensor([tok("1+2=")["input_ids"]])
+        lbar = torch.tensor([float(logprobs(tr.model, prompt, torch.tensor([x]), torch.ones(1, len(x)).long()).mean())
+                             for x in ids])  # (3,) the receiver's Eq. 6
+    lbar_src = lbar + torch.tensor([-0.5, 1.0, 0.1])  # s = e^0.5 (w = 1), e^-1 (removed), e^-0.1 (w = 0.905)
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"id": "p1", "response": t, "lbar": float(lb), "eos": e}) + "\n"
+                           for t, lb, e in zip(texts, lbar_src, eos)))
+    tr.peer = graft_trl.load_peer_log(str(log))
+    tr.reward_funcs[0] = lambda completions, **_: [1.0 if c in ("1+2", "2+1") else 0.0 for c in completions]
+    own = [[5, 6, 1]] * (G * N)  # every own completion: two tokens and EOS, failing
+    monkeypatch.setattr(tr, "_generate", lambda prompts: (tr._tokenize_prompts(prompts)[0], own, None,
+                                                          ["xy"] * len(prompts), None, {}, None, None))
+    inputs = [{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(G) for _ in range(N)]
+    tr.model.train()
+    out = tr._generate_and_score_completions(inputs)
+    assert torch.nonzero(out["graft_is_peer"]).squeeze(1).tolist() == [4, 5, 6, 7]  # group 1 only
+    w = core.compatibility_weights(lbar_recv=lbar, lbar_src=lbar_src)  # (3,)
+    assert w[0] == 1 and w[1] == 0 and 0.8 < w[2] < 1
+    a = core.group_advantages(torch.tensor([[1.0, 0.0, 1.0]]))[0]  # the logged group's own advantages
+    torch.testing.assert_close(out["graft_weight"][4:8], torch.cat([w, torch.zeros(1)]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["advantages"][4:8], torch.cat([a * w, torch.zeros(1)]), rtol=1e-5, atol=1e-6)
+    for j, x in enumerate(ids):
+        assert out["completion_ids"][4 + j, : len(x)].tolist() == x
+        assert int(out["completion_mask"][4 + j].sum()) == (len(x) if w[j] > 0 else 0)
+    assert out["completion_mask"][7].sum() == 0 and out["num_items_in_batch"] == out["completion_mask"].sum()
+    assert (out["completion_mask"][:4].sum(1) == 3).all() and (out["graft_weight"][:4] == 1).all()
