@@ -1328,6 +1328,8 @@ def build_parser():
                    help="how complementary candidate models are, before a pair run (graft.py complement -h)")
     sub.add_parser("preflight", add_help=False,
                    help="sample two models and report what a pair of them would exchange (graft.py preflight -h)")
+    sub.add_parser("panel", add_help=False,
+                   help="the mechanism panel: GRPO vs GRAFT on the prompts each model fails (graft.py panel -h)")
     sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
@@ -1377,6 +1379,9 @@ def main(argv=None):
     if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
         import preflight  # it never imports graft.py: it is handed this module, the trainer's functions
         return preflight.main(argv[1:], core=sys.modules[__name__])
+    if argv[:1] == ["panel"]:  # its own flags (panel.py: two models, a pool, --half, --steps) + the training flags
+        import panel  # like preflight, it is handed this module and never imports graft.py
+        return panel.main(argv[1:], core=sys.modules[__name__])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         import plot  # matplotlib only there
         return plot.main(argv[1:])
