@@ -205,9 +205,9 @@ def tiny_panel(tmp_path_factory):
     out = root / "out"
     cmd = [sys.executable, os.path.join(HERE, "graft.py"), "panel", "--model-a", os.path.join(models, "A"),
            "--model-b", os.path.join(models, "B"), "--prompts", str(root / "pool.jsonl"), "--held-out",
-           str(root / "held.jsonl"), "--out", str(out), "--half", "2", "--pool", "1500", "--chunk", "500",
+           str(root / "held.jsonl"), "--out", str(out), "--half", "2", "--pool", "1500", "--chunk", "150",
            "--steps", str(STEPS), "--windows", "2", "--deltas", "0", "--eval-samples", "2",
-           "--eval-flags", "--static-decode",
+           "--eval-flags=--static-decode",
            # the training flags
            "--n", "8", "--lr", "1e-4", "--minibatches", "2", "--max-response-tokens", "68", "--prompt-template",
            "{problem}\n", "--threads", "1", "--save-every", str(STEPS), "--gen-batch-size", "1024"]
@@ -262,7 +262,8 @@ def test_tiny_panel_every_printed_figure_comes_from_the_files(tiny_panel):
         assert float(diff0) == pytest.approx(got["graft_d0"] - got["grpo"], abs=0.051)
     # the exchange lines: the balanced swap by hand from the rollout files, the rest from metrics.jsonl
     ex = re.findall(r"^  (graft|graft_d0) -> (A|B)  steps\s+(\S+):\s+(\S+) groups received of\s+(\S+) candidates,"
-                    r"\s+(\S+) responses accepted; s (\S+)/(\S+)/(\S+); clip fraction peer (\S+), own (\S+)$", text, re.M)
+                    r"\s+(\S+) responses accepted; s (\S+)/(\S+)/(\S+); clip fraction peer (\S+), own (\S+)$",
+                    text, re.M)
     assert len(ex) == 2 * 2 * STEPS
     moved = 0
     for arm, m, label, recv, cand, acc, s10, s50, s90, clip_peer, clip_own in ex:

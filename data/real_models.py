@@ -14,6 +14,10 @@ What it does
     ``config.json`` is kept unless --force; each folder is written to a temporary sibling and renamed, so an
     interrupted run never leaves a folder that a later run would keep.
 
+    For the real pair's mechanism panel (`bash run_pair.sh real`, panel.py) it writes ``<out>/real_pool.jsonl``
+    (REAL_POOL problems of the kinds REAL_PANEL_KINDS), ``<out>/real_held_out.jsonl`` (REAL_HELD_OUT more
+    of the same kinds, none in the pool) and ``<out>/real_prompt.txt`` (REAL_PROMPT, the few-shot template).
+
     It also writes two prompt files for a rehearsal with these small models (README "Before a GPU pair"):
     ``<out>/arith24.jsonl``, 24 arithmetic problems in words that they can sometimes solve (sums,
     differences, products and one-step linear equations, drawn from a fixed seed; the answer is an
@@ -134,6 +138,14 @@ box and cuts a next "Question:" that a base model writes after its answer (verif
 the first answer's even without a stop string; --max-response-tokens bounds the rest."""
 
 
+REAL_PANEL_KINDS = ("add1", "mul1", "tens")
+"""The kinds of the panel's pool: those on which both models solve some samples under REAL_PROMPT (preflight of
+48 problems x 8, RESULTS.md "A real pair"); on add2, sub1 and double Gemma-3 solved 0 of 64 samples each."""
+REAL_POOL, REAL_HELD_OUT, REAL_SEED = 120, 24, 1
+"""The pool (40 per kind) the panel's pick draws from, the held-out set (8 per kind, no problem shared with
+the pool) and their seed."""
+
+
 def real_problem(kind: str, rng: random.Random) -> tuple[str, int]:
     """One problem of ``kind`` (REAL_KINDS): (the expression, its value)."""
     if kind == "add1":
@@ -201,6 +213,13 @@ def main(argv=None):
         print(f"skipped: {reason}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     write_jsonl(os.path.join(args.out, "arith24.jsonl"), arithmetic_rows())
+    pool = real_rows(REAL_POOL, seed=REAL_SEED, kinds=REAL_PANEL_KINDS)  # the real panel's pool and held-out set
+    write_jsonl(os.path.join(args.out, "real_pool.jsonl"), pool)
+    write_jsonl(os.path.join(args.out, "real_held_out.jsonl"),
+                real_rows(REAL_HELD_OUT, seed=REAL_SEED + 1, kinds=REAL_PANEL_KINDS, prefix="held",
+                          exclude={r["problem"] for r in pool}))
+    with open(os.path.join(args.out, "real_prompt.txt"), "w", encoding="utf-8") as f:
+        f.write(REAL_PROMPT)
     if os.path.isfile(args.math):
         write_jsonl(os.path.join(args.out, "math_l1_24.jsonl"), math_level1_rows(args.math))
     else:
