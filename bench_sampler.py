@@ -4,6 +4,7 @@
     python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
     python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill,draw}
     python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
+    python bench_sampler.py --only stop --baseline OTHER/sampler.py       # rollouts without stop strings, before/after
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
    gradient, temperature 1:
@@ -68,6 +69,15 @@
    vocabulary and, for top-p, a sort of every row. CPU ms per draw (one thread, interleaved, medians) and whether
    both drew the same tokens for the same uniforms; the head matmul ``h @ W.T`` of the same shape is timed beside
    them, the decode step's other vocabulary-sized cost.
+8. Stop strings (``--only stop --baseline OLD/sampler.py``; not in the default run): rollouts WITHOUT stop strings
+   through this sampler.py against OLD, a copy from before stop strings existed (``mkdir -p /tmp/before && git show
+   dacae3a:sampler.py > /tmp/before/sampler.py``), side by side: the tiny preset's rollout on the committed tiny
+   models A and B (32 generated train problems x n=8 = 256 rows, T=1, cap 128, 32 rows in flight, one thread), the
+   default path and ``static=True``, interleaved (3 untimed rollouts of each, then ``--repeats``, default 15),
+   tokens per CPU second of the process (medians; wall-clock beside them) and rows identical; target >= 0.97x.
+   Then what a stop-string check costs when it never fires (``["Q:", "\n\n"]``, strings these models never
+   write: the same rows, every step decoded) and when it does (the commonest two-character string of each model's
+   responses), against no stop strings, through this sampler.py.
 """
 
 import argparse
@@ -132,6 +142,7 @@ def load_baseline(path):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     _baseline["fn"] = module.token_logprobs
+    _baseline["module"] = module
 
 
 def baseline_path(hidden, weight, targets):
@@ -893,6 +904,82 @@ def bench_draw(repeats: int = 5, rows: int = 32) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# 8. stop strings: rollouts without them, this sampler.py against a copy from before them (--only stop)
+# ------------------------------------------------------------------------------------------------
+
+
+def stop_rollout(fn, model, rows, *, eos, pad, static: bool, **kw):
+    """One rollout as Trainer.rollout calls it (T=1, cap PF_CAP, PF_SLOTS rows in flight) through `fn` (a copy's
+    ``sample``) -> (rollouts, (wall-clock seconds, CPU seconds of this process))."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    rolls = fn(model, rows, max_new_tokens=PF_CAP, temperature=1.0, eos_token_id=eos, pad_token_id=pad,
+               generator=torch.Generator().manual_seed(0), max_batch_size=PF_SLOTS, static=static, **kw)
+    return rolls, (time.perf_counter() - t0, time.process_time() - c0)
+
+
+def stop_compare(label: str, runs: dict, repeats: int) -> dict:
+    """Interleave the named zero-argument rollouts `runs` (the order rotates each repeat); print tokens per CPU and
+    per wall-clock second, medians, and each one's ratio to the first; return {name: median tokens per CPU s}."""
+    names = list(runs)
+    out = {k: [] for k in names}
+    for rep in range(repeats):
+        for k in names[rep % len(names):] + names[: rep % len(names)]:
+            out[k].append(runs[k]())
+    tokens = {k: sum(len(r.tokens) for r in v[-1][0]) for k, v in out.items()}
+    cpu = {k: statistics.median(tokens[k] / t[1][1] for t in v) for k, v in out.items()}
+    wall = {k: statistics.median(tokens[k] / t[1][0] for t in v) for k, v in out.items()}
+    ref = names[0]
+    same = {k: sum(a.tokens == b.tokens for a, b in zip(out[ref][-1][0], v[-1][0])) for k, v in out.items()}
+    print(f"  {label}:")
+    for k in names:
+        ratio = "" if k == ref else (f"; {k} / {ref} = {cpu[k] / cpu[ref]:.3f}x per CPU second, "
+                                     f"{wall[k] / wall[ref]:.3f}x wall-clock")
+        print(f"    {k:26s} tokens/s CPU {cpu[k]:7.0f}, wall {wall[k]:7.0f} (medians of {repeats}); "
+              f"{tokens[k]:,} tokens, rows identical to {ref}: {same[k]}/{len(out[ref][-1][0])}{ratio}")
+    return cpu
+
+
+def bench_stop(repeats: int, prompts: int = 32) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if "module" not in _baseline:
+        raise SystemExit("bench_sampler.py --only stop needs --baseline OLD/sampler.py, a copy from before stop "
+                         "strings (mkdir -p /tmp/before && git show dacae3a:sampler.py > /tmp/before/sampler.py)")
+    old = _baseline["module"].sample
+    torch.set_num_threads(1)
+    sys.path.insert(0, os.path.join(HERE, "data"))
+    import tiny_tasks
+    problems, _ = tiny_tasks.generate(0, prompts, 0)
+    print(f"\n== stop strings: rollouts without them, this sampler.py ('after') against {BASELINE_FILE} ('before'), "
+          f"interleaved, float32 CPU, 1 thread (load average {os.getloadavg()[0]:.1f} at the start)")
+    for name in ("A", "B"):
+        path = os.path.join(HERE, "data", "tiny_models", name)
+        tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+        rows = [tok(r["problem"] + "\n")["input_ids"] for r in problems for _ in range(PF_N)]
+        kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id)
+        print(f"tiny {name}: {prompts} prompts x n={PF_N} = {len(rows)} rows, T=1, cap {PF_CAP}, {PF_SLOTS} in flight")
+        for static in (False, True):
+            runs = {"before": lambda: stop_rollout(old, model, rows, static=static, **kw),
+                    "after": lambda: stop_rollout(sample, model, rows, static=static, **kw)}
+            for _ in range(3):  # untimed: first-call overheads and the allocator's warm-up
+                runs["before"](), runs["after"]()
+            stop_compare(f"no stop strings, {'static=True' if static else 'default path'}", runs, repeats)
+        free = stop_rollout(sample, model, rows, static=False, **kw)[0]
+        pairs = {}
+        for r in free:
+            text = tok.decode(r.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            for j in range(len(text) - 1):
+                pairs[text[j : j + 2]] = pairs.get(text[j : j + 2], 0) + 1
+        common = max(sorted(pairs), key=pairs.get)
+        never = [s for s in ("Q:", "\n\n") if s not in pairs]
+        runs = {"no stop strings": lambda: stop_rollout(sample, model, rows, static=False, **kw),
+                f"stop {never!r} (never fires)": lambda: stop_rollout(sample, model, rows, static=False,
+                                                                       stop_strings=never, tokenizer=tok, **kw),
+                f"stop {[common]!r} (fires)": lambda: stop_rollout(sample, model, rows, static=False,
+                                                                   stop_strings=[common], tokenizer=tok, **kw)}
+        stop_compare("the cost of a stop-string check, this sampler.py, default path", runs, max(3, repeats // 3))
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -901,16 +988,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about a minute)")
     ap.add_argument("--only", choices=["logprobs", "autocast", "sampler", "long-tail", "real-weights", "tiny-eval",
-                                       "prefill", "draw"],
-                    help="run one benchmark (real-weights, tiny-eval, prefill: only when asked for)")
+                                       "prefill", "draw", "stop"],
+                    help="run one benchmark (real-weights, tiny-eval, prefill, stop: only when asked for)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of --only prefill (the others use 1)")
     ap.add_argument("--real-prompts", type=int, default=32, help="--only prefill: MATH-500 prompts (x 8 rows)")
     ap.add_argument("--no-real", action="store_true", help="--only prefill: the tiny models only")
     ap.add_argument("--no-tiny", action="store_true", help="--only prefill: the real models only")
-    ap.add_argument("--repeats", type=int, default=0, help="--only prefill: repeats on the tiny models (default 15)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="--only prefill, stop: timed repeats on the tiny models (default 15)")
     ap.add_argument("--real-only", default="", metavar="NAME",
                     help="--only prefill: only the real model whose name contains NAME")
-    ap.add_argument("--baseline", metavar="FILE", help="another copy of sampler.py to run beside ours (logprobs)")
+    ap.add_argument("--baseline", metavar="FILE",
+                    help="another copy of sampler.py to run beside ours (logprobs, stop)")
     ap.add_argument("--memory-child", nargs=4, metavar=("PATH", "N", "H", "V"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.baseline:
@@ -936,6 +1025,8 @@ def main():
         bench_real_weights()
     if args.only == "tiny-eval":
         bench_tiny_eval()
+    if args.only == "stop":
+        bench_stop(repeats=args.repeats or (3 if args.quick else 15), prompts=8 if args.quick else 32)
     if args.only == "prefill":
         bench_prefill(args.threads, real=not args.no_real, prompts=8 if args.quick else 32,
                       real_prompts=args.real_prompts, repeats=args.repeats or (2 if args.quick else 15),

@@ -25,13 +25,16 @@ API
 -> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
     responses[i][:t]), 0 where mask is False. Differentiable w.r.t. the model's parameters when grad is enabled.
-``Rollout(tokens, logprobs, ended_with_eos)``
-    one sampled response: token ids (EOS included when it stopped at EOS), (len(tokens),) float32 CPU log-probs.
+``Rollout(tokens, logprobs, ended_with_eos, stop=None)``
+    one sampled response: token ids (EOS included when it stopped at EOS; the token that completed the stop string
+    when it stopped on one), (len(tokens),) float32 CPU log-probs; ``finish`` says how it ended: "eos", "stop" or
+    "length".
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
-         generator=None, max_batch_size=None, min_refill=None, static=False, share_prefix=True, progress=False,
-         stats=None)``
+         generator=None, max_batch_size=None, min_refill=None, static=False, share_prefix=True, stop_strings=None,
+         tokenizer=None, progress=False, stats=None)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
-    most ``max_batch_size`` rows in flight; rows that finish leave the batch and waiting prompts take their places.
+    most ``max_batch_size`` rows in flight; rows that finish (EOS, a stop string, the cap) leave the batch and
+    waiting prompts take their places.
 
 Departures and shortcuts (read these before copying)
 ----------------------------------------------------
@@ -112,6 +115,22 @@ Departures and shortcuts (read these before copying)
    other kinds of cache layers (departure 6), and ``response_logprobs`` under gradient checkpointing with grad
    enabled (transformers' checkpointed layers drop the cache). The saving is prompt compute and activations: the
    KV cache of every row still holds its prompt (a copy, not a shared block as in vLLM's paged cache).
+12. Stop strings (``stop_strings``, decoded with ``tokenizer``). A row ends at the first token after which its
+   decoded response contains one of the strings, also when the string spans several tokens or ends inside the
+   token; the row counts as ended, like EOS (it leaves the batch, a refill takes its slot), and its tokens keep
+   that token (with any text it carries past the string), so the log-probs and an update cover exactly what was
+   sampled and a policy learns to stop. ``Rollout.stop`` names the string (the one starting first in the text when
+   two complete at once); the caller cuts the text its verifier reads before it. The text is the response alone,
+   decoded as a trainer decodes it (special tokens skipped, no clean-up of spaces): a string is never matched
+   across the prompt, as in vLLM, where ``generate``'s ``StopStringCriteria`` also matches one that starts in the
+   prompt's last tokens (and in special tokens' text). The check is incremental and cheap: each step decodes, in
+   one ``batch_decode``, only each running row's last k tokens that carry text, k = the longest string's UTF-8
+   length + 1 (every such token adds at least one byte, so the window holds the whole of any string the new token
+   completes, and an earlier occurrence would have stopped the row earlier); special tokens that the decode skips
+   are left out of the window. It needs the drawn tokens on the host every step: one transfer, which replaces the
+   step's ``done.any()`` sync. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
+   (tested on the architecture sweep with the real Qwen3, SmolLM3 and Llama-3.2 tokenizers). Without stop strings
+   none of this runs (``bench_sampler.py --only stop``).
 
 Benchmark
 ---------
@@ -120,6 +139,8 @@ full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against 
 long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
 Benchmarks). ``python bench_sampler.py --only prefill`` measures departure 11: a GRPO rollout (G prompts x 8) and
 its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
+``python bench_sampler.py --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
+strings against the copy before stop strings existed, side by side, and what a stop-string check costs per step.
 """
 
 from __future__ import annotations
@@ -775,15 +796,72 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tenso
 class Rollout:
     """One sampled response.
 
-    tokens: response token ids, including the EOS token when the row stopped at EOS.
+    tokens: response token ids, including the EOS token when the row stopped at EOS, and the token that completed
+        a stop string when it stopped on one (departure 12).
     logprobs: (len(tokens),) float32 on CPU, log-probs of the sampled tokens under softmax(logits / temperature) over
         the full vocabulary (top-p not applied; temperature-1 log-probs for greedy), as ``response_logprobs`` computes.
-    ended_with_eos: True when the row stopped at EOS, False when it hit max_new_tokens.
+    ended_with_eos: True when the row stopped at EOS, False otherwise (a stop string, or max_new_tokens).
+    stop: the stop string that ended the row, None otherwise.
     """
 
     tokens: list[int]
     logprobs: torch.Tensor
     ended_with_eos: bool
+    stop: str | None = None
+
+    @property
+    def finish(self) -> str:
+        """How the row ended: "eos", "stop" (a stop string; EOS wins when the same token is both) or "length"."""
+        return "eos" if self.ended_with_eos else "stop" if self.stop is not None else "length"
+
+
+class _StopStrings:
+    """Stop-string detection for the rows of one ``sample`` call (departure 12).
+
+    Each row keeps the ids of its last k tokens that carry text (k = the longest string's UTF-8 length + 1); a step
+    appends each running row's new token and decodes all the windows in one ``batch_decode``. A row has stopped when
+    its window's text contains a string: an occurrence that ended before the new token would have been found at the
+    step of the token it ended in, whose window held it whole too."""
+
+    def __init__(self, strings: tuple[str, ...], tokenizer):
+        self.strings, self.tokenizer = strings, tokenizer
+        self.k = max(len(s.encode("utf-8")) for s in strings) + 1
+        self.windows: dict[int, list[int]] = {}  # row -> its last k token ids with text
+        self._silent: dict[int, bool] = {}  # token id -> decodes to nothing once special tokens are skipped
+
+    def _decode(self, ids: list[list[int]], skip: bool = True) -> list[str]:
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+    def silent(self, token: int) -> bool:
+        """A special token the decode skips (it adds no text, so it must not take a place in the window)."""
+        if token not in self._silent:
+            kept, shown = self._decode([[token]], True)[0], self._decode([[token]], False)[0]
+            self._silent[token] = kept == "" and shown != ""
+        return self._silent[token]
+
+    def scan(self, rows: list[int], tokens: list[int], skip: list[bool]) -> list[str | None]:
+        """Per running row (host lists, one entry each; skip: rows that end anyway, e.g. at EOS), the stop string
+        its new token completed, or None. When two complete at once, the one that starts first in the text."""
+        hits: list[str | None] = [None] * len(rows)
+        at, windows = [], []
+        for i, (r, t, s) in enumerate(zip(rows, tokens, skip)):
+            if s or self.silent(t):
+                continue
+            window = self.windows.setdefault(r, [])
+            window.append(t)
+            if len(window) > self.k:
+                del window[0]
+            at.append(i)
+            windows.append(window)
+        if windows:
+            for i, text in zip(at, self._decode(windows)):
+                found = [(text.find(s), j) for j, s in enumerate(self.strings) if s in text]
+                if found:
+                    hits[i] = self.strings[min(found)[1]]
+        return hits
+
+    def forget(self, row: int) -> None:
+        self.windows.pop(row, None)
 
 
 @dataclass
@@ -803,11 +881,13 @@ class _Run:
     capacity: int  # rows in flight at most
     min_refill: int  # free slots that trigger a refill while rows are still running
     keys: list[int] | None = None  # per row, the first row with the same prompt ids (departure 11); None: no sharing
+    stops: _StopStrings | None = None  # stop strings (departure 12); None: EOS and the cap only
     bar: object = None
     queue: list[int] | None = None  # prompt indices not started yet, in order (consumed from the front)
     draws: list | None = None
     out_len: list[int] | None = None
     ended: list[bool] | None = None
+    stopped: list | None = None  # per row, the stop string that ended it (None: EOS or the cap)
     forward_calls: int = 0  # prefill + decode calls of the model body (the benchmark's GPU cost proxy)
     prefill_tokens: int = 0  # prompt tokens (padding excluded) fed to the model body
     pending: dict | None = None  # prompt key -> its rows not taken yet (sharing only)
@@ -822,6 +902,7 @@ class _Run:
                 self.pending[k] = self.pending.get(k, 0) + 1
         self.queue = order[::-1]  # reversed: pop() takes the next prompt in order
         self.draws, self.out_len, self.ended = [], [0] * len(self.prompts), [False] * len(self.prompts)
+        self.stopped = [None] * len(self.prompts)
 
     def share(self, rows: list[int]) -> list[int]:
         """The prompt keys of the rows just taken (departure 11); each key's count of rows still queued drops."""
@@ -850,16 +931,28 @@ class _Run:
         is_eos = tokens == self.eos[0] if len(self.eos) == 1 else torch.isin(tokens, self.eos)  # (A,)
         return tokens, (is_eos | (n_out + 1 >= self.max_new_tokens)) if may_cap else is_eos, is_eos
 
-    def finish(self, rows: list[int], n_out: list[int], done: torch.Tensor, is_eos: torch.Tensor) -> list[bool]:
-        """Record the rows that just finished. rows, n_out: host lists (A,); done, is_eos (A,) bool on the device,
-        brought over in one transfer. Returns done as a host list."""
-        flags = torch.stack([done, is_eos]).tolist()  # [[done] * A, [is_eos] * A]
-        for r, n, d, e in zip(rows, n_out, *flags):
+    def finish(self, rows: list[int], n_out: list[int], tokens: torch.Tensor, done: torch.Tensor,
+               is_eos: torch.Tensor) -> list[bool] | None:
+        """Record the rows that just finished. rows, n_out: host lists (A,); tokens (A,), done, is_eos (A,) bool on
+        the device. Called when done.any(), or on every step with stop strings. Returns which rows finished as a
+        host list, or None when none did (with stop strings only)."""
+        if self.stops is None:
+            done_h, eos_h = torch.stack([done, is_eos]).tolist()  # one transfer
+            hits = [None] * len(rows)
+        else:  # departure 12: the tokens come over on every step (one transfer, in place of the done.any() sync)
+            toks, done_h, eos_h = torch.stack([tokens, done.long(), is_eos.long()]).tolist()
+            hits = self.stops.scan(rows, toks, eos_h)
+            done_h = [bool(d) or h is not None for d, h in zip(done_h, hits)]
+            if not any(done_h):
+                return None
+        for r, n, d, e, h in zip(rows, n_out, done_h, eos_h, hits):
             if d:
-                self.out_len[r], self.ended[r] = n + 1, e
+                self.out_len[r], self.ended[r], self.stopped[r] = n + 1, bool(e), h
+                if self.stops is not None:
+                    self.stops.forget(r)
         if self.bar is not None:
-            self.bar.update(sum(flags[0]))
-        return flags[0]
+            self.bar.update(sum(done_h))
+        return done_h
 
     def rollouts(self, device) -> list[Rollout]:
         n_rows = len(self.prompts)
@@ -872,9 +965,24 @@ class _Run:
         out = []
         for i in range(n_rows):
             n = self.out_len[i]
-            assert 0 < n <= self.max_new_tokens and (self.ended[i] or n == self.max_new_tokens), f"row {i}: {n} tokens"
-            out.append(Rollout(tokens_cpu[i, :n].tolist(), logp_cpu[i, :n].clone(), self.ended[i]))
+            assert 0 < n <= self.max_new_tokens and (self.ended[i] or self.stopped[i] is not None
+                                                     or n == self.max_new_tokens), f"row {i}: {n} tokens"
+            out.append(Rollout(tokens_cpu[i, :n].tolist(), logp_cpu[i, :n].clone(), self.ended[i], self.stopped[i]))
         return out
+
+
+def _stop_strings(stop_strings, tokenizer) -> _StopStrings | None:
+    """sample()'s stop_strings argument checked: None when there are none, else the detector (departure 12)."""
+    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
+    if not strings:
+        return None
+    bad = [s for s in strings if not isinstance(s, str) or s == ""]
+    if bad:
+        raise ValueError(f"sampler.py sample(): stop_strings must be non-empty strings, got {bad!r}")
+    if tokenizer is None or not hasattr(tokenizer, "batch_decode"):
+        raise ValueError("sampler.py sample(): stop_strings need the model's tokenizer (tokenizer=, with "
+                         "batch_decode) to decode the responses")
+    return _StopStrings(tuple(dict.fromkeys(strings)), tokenizer)
 
 
 def sample(
@@ -891,6 +999,8 @@ def sample(
     min_refill: int | None = None,
     static: bool = False,
     share_prefix: bool = True,
+    stop_strings: str | list[str] | None = None,
+    tokenizer=None,
     progress: bool = False,
     stats: dict | None = None,
 ) -> list[Rollout]:
@@ -915,6 +1025,9 @@ def sample(
             step, captured as a CUDA graph on CUDA. Same results as the default path up to float round-off.
         share_prefix: rows with the same prompt ids share one prefill (departure 11); same results as False up to
             float round-off. Only for models whose layers all use full or sliding-window attention.
+        stop_strings: a string or a list of them (departure 12): a row ends at the first token after which its
+            decoded response contains one (that token kept; ``Rollout.stop`` names the string). None or [] for none.
+        tokenizer: the model's transformers tokenizer (``batch_decode``); needed with stop_strings.
         progress: show a tqdm bar over finished rows.
         stats: if a dict is given, ``stats["forward_calls"]`` receives the number of model-body calls (prefills and
             decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost;
@@ -933,6 +1046,7 @@ def sample(
     assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"sampler.py sample(): max_batch_size must be >= 1 or None, got {max_batch_size}")
+    stops = _stop_strings(stop_strings, tokenizer)
     head = _head(model)
     device = head.weight.device
     _check_ids(prompts, head.weight.shape[0], "prompts")
@@ -958,7 +1072,7 @@ def sample(
         prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
         capacity, max(1, capacity // 8) if min_refill is None else max(1, int(min_refill)),
-        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None,
+        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None, stops=stops,
     )
     base = _base_model(model)
     was_training = model.training
@@ -1144,8 +1258,12 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
     while batch is not None:
         may_cap = step - min(batch.starts) + 1 >= run.max_new_tokens  # the oldest row is at its last token
         tokens, done, is_eos = run.draw(batch.hidden, batch.rows, batch.n_out, may_cap)  # (B,) each
-        if done.any():  # one host sync per step: the batch shape of the next step depends on it
-            flags = run.finish(batch.rows_host, [step - s for s in batch.starts], done, is_eos)
+        # one host sync per step (the batch shape of the next step depends on it): done.any(), or with stop strings
+        # the tokens themselves (departure 12)
+        flags = None
+        if run.stops is not None or done.any():
+            flags = run.finish(batch.rows_host, [step - s for s in batch.starts], tokens, done, is_eos)
+        if flags is not None:
             keep = [i for i, d in enumerate(flags) if not d]
             batch, tokens = (_keep(batch, keep, windows), tokens[keep]) if keep else (None, None)
         step += 1
@@ -1342,8 +1460,11 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
         act = torch.tensor(active, dtype=torch.long, device=device)  # (A,)
         may_cap = step - min(start_of[s] for s in active) + 1 >= run.max_new_tokens
         tokens, done, is_eos = run.draw(hidden[act], slot_row[act], n_out[act], may_cap)  # (A,) each
-        if done.any():  # host sync, as in the default path
-            flags = run.finish([row_of[s] for s in active], [step - start_of[s] for s in active], done, is_eos)
+        flags = None
+        if run.stops is not None or done.any():  # host sync, as in the default path
+            flags = run.finish([row_of[s] for s in active], [step - start_of[s] for s in active], tokens, done,
+                               is_eos)
+        if flags is not None:
             free.extend(sorted((s for s, d in zip(active, flags) if d), reverse=True))
             active = [s for s, d in zip(active, flags) if not d]
         decode.tokens.index_copy_(0, act, tokens.unsqueeze(1))

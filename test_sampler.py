@@ -11,6 +11,10 @@ Tolerances (stated once here, used below):
   sliding-window layers): greedy tokens identical to generate's, with and without refills; response_logprobs and the
   sampler's log-probs vs the log-softmax of the model's own float32 logits: |err| < 1e-5; gradients through a
   transformed head vs autograd of transformers' forward: |err| / |grad| < 1e-4, as for plain heads.
+* stop strings (departure 12): greedy rows token-identical to generate(stop_strings=..., tokenizer=...) and to the
+  naive reference (the first prefix whose decoded text holds a string) on every architecture, each with one of the
+  real Qwen3 / SmolLM3 / Llama-3.2 tokenizers of ../shared (skipped where absent), whole batch, refills, shared
+  prompts and the static path; one string inside a first token and one split across two tokens.
 * sampling frequencies vs softmax(logits / T): total variation < 0.03 over 20,000 draws of a 16-token vocabulary
   (the expected TV from sampling noise alone is about 0.01).
 * bf16 autocast (CPU autocast emulates the GPU trainer: forward under autocast, backward outside it): the errors of
@@ -22,10 +26,14 @@ Tolerances (stated once here, used below):
   bf16 log-probs are themselves up to 0.5 nats from float32).
 """
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+import sampler
 from sampler import Rollout, response_logprobs, sample, token_logprobs
 
 torch.set_num_threads(1)  # the CI box is shared; one thread is also the fastest for these tiny shapes
@@ -706,13 +714,13 @@ def test_continuous_batching_under_bf16_autocast(static):
 ARCH_VOCAB = 96
 
 
-def arch_config(arch):
+def arch_config(arch, vocab=ARCH_VOCAB):
     """A tiny config (hidden 32, 2-3 layers) of the named architecture. Windows of 4 tokens are shorter than every
     prompt + response below; the head transforms are set away from 1 so that ignoring them would show. Untied heads:
     a tiny Gemma with its (sqrt(hidden)-scaled) embedding as its head only ever repeats its input token."""
     import transformers as tf
 
-    common = dict(vocab_size=ARCH_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
                   bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
     mixed = dict(num_hidden_layers=3, sliding_window=4,
@@ -741,7 +749,7 @@ def arch_config(arch):
         "cohere2": lambda: tf.Cohere2Config(logit_scale=0.25, **{**common, **mixed}),
         "stablelm": lambda: tf.StableLmConfig(**common),
         "gpt_neox": lambda: tf.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"}),
-        "gpt2": lambda: tf.GPT2Config(vocab_size=ARCH_VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+        "gpt2": lambda: tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                       pad_token_id=0, bos_token_id=None, eos_token_id=None),
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(head_dim=8, num_experts=4, num_experts_per_tok=2,
                                                moe_intermediate_size=32, **common),
@@ -756,10 +764,10 @@ ARCH_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [3], [40, 41, 42,
                 [1, 2, 3, 4, 5, 6, 7], [60]]
 
 
-def arch_model(arch, seed=0):
+def arch_model(arch, seed=0, vocab=ARCH_VOCAB):
     """A tiny random model of the architecture, its matrices drawn wide (std 0.2) as in tiny_model."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(arch_config(arch))
+    model = AutoModelForCausalLM.from_config(arch_config(arch, vocab))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -985,3 +993,187 @@ def test_shared_prefix_falls_back_under_gradient_checkpointing():
     with torch.no_grad():
         want, _ = response_logprobs(model, prompts, responses, pad_token_id=0, share_prefix=False)
     assert (shared[mask].detach() - want[mask]).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# stop strings (departure 12): the architecture sweep against generate(stop_strings=..., tokenizer=...) with the
+# real tokenizers of ../shared/tokenizers
+# ------------------------------------------------------------------------------------------------
+
+SHARED_TOKENIZERS = Path(__file__).resolve().parent.parent / "shared" / "tokenizers"
+REAL_TOKENIZERS = ["qwen3", "smollm3", "llama3_2"]
+# A tiny model over the first 512 ids of a real byte-level vocabulary: its 256 single bytes (printable characters,
+# "\n", " ", and UTF-8 fragments that decode to U+FFFD alone) and the first merges ("in", " t", "\n\n", " the", ...),
+# so that tokens carry one or several characters
+STOP_VOCAB = 512
+NEVER = 10**6  # an EOS id no model here produces: rows end on a stop string or at the cap
+
+
+@functools.lru_cache(maxsize=None)
+def real_tokenizer(name):
+    if not (SHARED_TOKENIZERS / name).is_dir():
+        pytest.skip(f"the real tokenizers are not at {SHARED_TOKENIZERS} (../shared from the checkout)")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(SHARED_TOKENIZERS / name))
+
+
+def text_of(tok, ids):
+    """A response's text as the trainer decodes it."""
+    return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def first_stop(tok, ids, stops):
+    """The naive reference: the first j whose response text tokens[:j + 1] contains a stop string, or None."""
+    return next((j for j in range(len(ids)) if any(s in text_of(tok, ids[: j + 1]) for s in stops)), None)
+
+
+def pick_stops(tok, prompts, free, pad):
+    """Two stop strings read off the EOS-free greedy rows `free`: one inside some row's first token, one across a
+    token boundary of another row, chosen (the first pair in a fixed order) so that together they stop some row at
+    its first token, some row on a string split across tokens, and leave some row to the cap, and so that no
+    string is first completed across the prompt (where generate matches and we do not; tested on its own below)."""
+    def pieces(ids):
+        return [text_of(tok, [t]) for t in ids]
+
+    def clean(s):
+        return s and "\ufffd" not in s and s.isprintable() or s in ("\n", "\n\n", " \n")
+    firsts, splits = [], []
+    for r in free:
+        p = pieces(r.tokens)
+        if clean(p[0]):
+            firsts.append(p[0][:2])  # the token's text, or its first two characters (the token runs past it)
+        splits += [p[j - 1][-1:] + p[j][:1] for j in range(1, len(p)) if clean(p[j - 1][-1:] + p[j][:1])]
+    for a in dict.fromkeys(firsts):
+        for b in dict.fromkeys(splits):
+            stops = [a, b]
+            ends = [first_stop(tok, r.tokens, stops) for r in free]
+            with_prompt = [first_stop(tok, [pad] * (max(map(len, prompts)) - len(p)) + p + r.tokens, stops)
+                           for p, r in zip(prompts, free)]
+            if any(w is not None and (e is None or w < e + max(map(len, prompts)))
+                   for w, e in zip(with_prompt, ends)):
+                continue  # generate would stop some row on a string that starts in the prompt
+            split = any(e is not None and e > 0 and not any(s in pieces(r.tokens)[e] for s in stops)
+                        for e, r in zip(ends, free))
+            if 0 in ends and None in ends and split:
+                return stops, ends
+    pytest.fail("no pair of stop strings covers a first-token stop, a split stop and an unstopped row")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_stop_strings_match_generate(arch):
+    # Greedy rows with two stop strings (one inside a first token, one split across two tokens) against
+    # transformers' generate(stop_strings=..., tokenizer=...) and the naive reference (the first prefix whose text
+    # holds a string), each architecture with one of the three real tokenizers: the whole batch, 3 rows in flight
+    # with refills, two copies of every prompt (one prefill per prompt), and the static decode where the model
+    # allows it. The stopping token is kept; finish says "stop" / "length" and names the string.
+    tok = real_tokenizer(REAL_TOKENIZERS[ARCHS.index(arch) % len(REAL_TOKENIZERS)])
+    model = arch_model(arch, vocab=STOP_VOCAB)
+    cap = 12
+    free = sample(model, ARCH_PROMPTS, max_new_tokens=cap, temperature=0, eos_token_id=NEVER)
+    pad = next(t for t in range(STOP_VOCAB) if all(t not in r.tokens for r in free))  # never a real token here
+    stops, ends = pick_stops(tok, ARCH_PROMPTS, free, pad)
+    want = [r.tokens if e is None else r.tokens[: e + 1] for r, e in zip(free, ends)]
+    ids, mask = left_pad(ARCH_PROMPTS, pad)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=cap, do_sample=False, eos_token_id=NEVER,
+                         pad_token_id=pad, stop_strings=stops, tokenizer=tok)[:, ids.shape[1]:].tolist()
+    theirs = [[t for t in row if t != pad] for row in out]  # a stopped row is padded after its last token
+    assert theirs == want, f"generate against the naive reference, stops {stops!r}"
+    windows = sampler._layer_windows(model.config)
+    runs = {"whole": dict(), "3 in flight": dict(max_batch_size=3, min_refill=1)}
+    if all(w is None for w in windows):
+        runs["static"] = dict(static=True, max_batch_size=3, min_refill=1)
+    for name, kw in runs.items():
+        ours = sample(model, ARCH_PROMPTS, max_new_tokens=cap, temperature=0, eos_token_id=NEVER,
+                      stop_strings=stops, tokenizer=tok, **kw)
+        assert [r.tokens for r in ours] == theirs, f"{name}, stops {stops!r}"
+        for r, e in zip(ours, ends):
+            assert (r.finish, r.ended_with_eos) == (("length", False) if e is None else ("stop", False)), name
+            assert r.stop is None or r.stop in text_of(tok, r.tokens) and r.stop in stops
+        assert all(torch.allclose(a.logprobs, b.logprobs[: len(a.tokens)], atol=1e-5) for a, b in zip(ours, free))
+    shared = sample(model, copies(ARCH_PROMPTS, 2), max_new_tokens=cap, temperature=0, eos_token_id=NEVER,
+                    stop_strings=stops, tokenizer=tok, max_batch_size=5, min_refill=1)
+    assert [r.tokens for r in shared] == copies(theirs, 2), "one prefill per prompt"
+
+
+def test_stop_strings_end_rows_like_eos_when_sampling():
+    # T = 1 with refills: every row equals the same row sampled without stop strings, cut at its first token whose
+    # text holds a string (the random stream is per row and step, departure 7), EOS winning over a string that the
+    # EOS token cannot complete anyway; the log-probs are the uncut row's (up to round-off of other batch shapes)
+    tok = real_tokenizer("qwen3")
+    model = arch_model("llama", seed=2, vocab=STOP_VOCAB)
+    prompts = copies(ARCH_PROMPTS, 2)
+    run = lambda eos, **kw: sample(model, prompts, max_new_tokens=16, temperature=1.0, eos_token_id=eos,
+                                   generator=torch.Generator().manual_seed(0), max_batch_size=4, min_refill=1, **kw)
+    eos = varied_eos(run(NEVER), 16)  # EOS ids that end some rows early (a row's draws do not depend on them)
+    free = run(eos)
+    counts = {}
+    for r in free:
+        for j in range(1, len(r.tokens) - 1):
+            s = text_of(tok, r.tokens[j : j + 2])
+            if "\ufffd" not in s and len(s) >= 2:
+                counts[s[:2]] = counts.get(s[:2], 0) + 1
+    stops = sorted(counts, key=lambda s: (-counts[s], s))[:3]  # the commonest two-character strings
+    ours = run(eos, stop_strings=stops, tokenizer=tok)
+    finishes = []
+    for a, b in zip(ours, free):
+        e = first_stop(tok, b.tokens[:-1] if b.ended_with_eos else b.tokens, stops)
+        want = b.tokens if e is None else b.tokens[: e + 1]
+        assert a.tokens == want and torch.allclose(a.logprobs, b.logprobs[: len(want)], atol=1e-5)
+        finishes.append(a.finish)
+        assert a.finish == ("stop" if e is not None else b.finish)
+    assert {"stop", "eos"} <= set(finishes), f"want rows that end both ways, got {finishes}"
+
+
+def test_stop_strings_are_matched_in_the_response_only():
+    # A string that starts in the prompt's last token and ends in the response's first: generate stops there (its
+    # StopStringCriteria looks at the sequence's last tokens, prompt included); the sampler matches the response's
+    # own text, as vLLM does, and stops only where the string lies wholly in the response (departure 12)
+    tok = real_tokenizer("llama3_2")
+    model = arch_model("qwen3", vocab=STOP_VOCAB)
+    prompt = [12, 34, 56]
+    free = sample(model, [prompt], max_new_tokens=10, temperature=0, eos_token_id=NEVER)[0].tokens
+    stop = text_of(tok, [prompt[-1]])[-1] + text_of(tok, free[:1])[:1]  # prompt's last character + response's first
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=NEVER,
+                            pad_token_id=0, stop_strings=[stop], tokenizer=tok)[0, len(prompt):].tolist()
+    assert theirs == free[:1], "generate stops at the first token, on the string that straddles the prompt"
+    ours = sample(model, [prompt], max_new_tokens=10, temperature=0, eos_token_id=NEVER, stop_strings=[stop],
+                  tokenizer=tok)[0]
+    e = first_stop(tok, free, [stop])
+    assert ours.tokens == (free if e is None else free[: e + 1]) and len(ours.tokens) > 1
+
+
+def test_stop_string_window_is_incremental_and_skips_special_tokens():
+    # The detector alone, row by row against the naive reference: strings spanning 1-4 tokens, multi-byte
+    # characters split over byte tokens, a special token inside the string's span (skipped by the decode, so it
+    # takes no place in the window), two strings completing at the same token (the one starting first wins)
+    tok = real_tokenizer("qwen3")
+    texts = ["abc 12\n\nQ: 7", "é ü 😀 x😀y", "Answer: 42. Q: next", "no stop here at all"]
+    stops = ("\n\n", "😀y", "Q:", ". Q")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = [tok.encode(t, add_special_tokens=False) for t in texts]
+    rows[3] = rows[3][:2] + [im_end] + rows[3][2:]
+    rows.append(tok.encode("x\n", add_special_tokens=False) + [im_end] + tok.encode("\nQ", add_special_tokens=False))
+    det = sampler._StopStrings(stops, tok)
+    hit_at = {}
+    for step in range(max(map(len, rows))):
+        live = [i for i, r in enumerate(rows) if step < len(r) and i not in hit_at]
+        hits = det.scan(live, [rows[i][step] for i in live], [False] * len(live))
+        for i, h in zip(live, hits):
+            if h is not None:
+                hit_at[i] = (step, h)
+                det.forget(i)
+    want = {i: first_stop(tok, r, stops) for i, r in enumerate(rows)}
+    assert {i: s for i, (s, _) in hit_at.items()} == {i: j for i, j in want.items() if j is not None}
+    assert hit_at[0][1] == "\n\n" and hit_at[1][1] == "😀y" and hit_at[2][1] == ". Q" and 3 not in hit_at
+    assert hit_at[4][1] == "\n\n" and rows[4][hit_at[4][0] - 1] == im_end
+
+
+def test_stop_strings_bad_input():
+    model = arch_model("llama", vocab=STOP_VOCAB)
+    with pytest.raises(ValueError, match="tokenizer"):
+        sample(model, [[5]], max_new_tokens=2, eos_token_id=NEVER, stop_strings=["x"])
+    with pytest.raises(ValueError, match="non-empty strings"):
+        sample(model, [[5]], max_new_tokens=2, eos_token_id=NEVER, stop_strings=["x", ""], tokenizer=object())
+    # no stop strings, or an empty list: the EOS-and-cap path, whatever the tokenizer
+    a = sample(model, [[5]], max_new_tokens=4, temperature=0, eos_token_id=NEVER, stop_strings=[])
+    assert a[0].finish == "length" and a[0].stop is None and len(a[0].tokens) == 4
