@@ -1077,6 +1077,12 @@ def panel_training(pc: PresetConfig, max_new: int) -> dict:
     return panel.training_settings(flags, graft)
 
 
+def panel_curves(run_dir: str, pc: PresetConfig) -> dict[str, dict[str, list[list[float]]]]:
+    """The panel's "own" rows step by step (panel.own_half_curves): {model: {"GRPO" | "GRAFT": per seed, per step,
+    the train reward (%) on the model's own all-fail half}}, from the rollout files."""
+    return panel.own_half_curves(panel_config(run_dir, pc))
+
+
 def figure(run_dir: str, out: str) -> str:
     """README's figure from a finished run's files: per model, the reward on its own all-fail half by step under
     GRPO and GRAFT (the mechanism panel's curves; mean and +- std band over seeds). Returns the PNG's path."""
@@ -1084,7 +1090,7 @@ def figure(run_dir: str, out: str) -> str:
     info, pc = saved_preset(run_dir, "figure")
     if not pc.panel:
         raise SystemExit(f"tiny.py figure: {run_dir} ran without the mechanism panel (--no-panel)")
-    curves = panel.own_half_curves(panel_config(run_dir, pc))
+    curves = panel_curves(run_dir, pc)
     panels = {f"model {m}: the {pc.panel_half} problems it fails 0/{pc.n} before RL": c for m, c in curves.items()}
     path = plot.draw_curves(panels, out, xlabel="RL step", ylabel="train reward on them (%)", command="tiny.py figure",
                             title=f"tiny preset, mechanism panel: each model's own all-fail half, GRPO vs GRAFT "
