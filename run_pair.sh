@@ -266,10 +266,10 @@ real_pair() {
     return 2
   fi
   local half=${REAL_HALF:-4} steps=${REAL_STEPS:-6} seeds=${REAL_SEEDS:-1} held=$models/real_held_out.jsonl
-  local problems=${REAL_PREFLIGHT:-48}
+  local problems=${REAL_PREFLIGHT:-48} pool=120
   mkdir -p "$out"
   if [ "${REAL_SMOKE:-0}" = 1 ]; then
-    half=1 steps=2 seeds=1 problems=6
+    half=1 steps=2 seeds=1 problems=6 pool=60
     head -n 3 "$models/real_held_out.jsonl" > "$out/held_smoke.jsonl"; held=$out/held_smoke.jsonl
   fi
   # No stop string yet: a base model goes on after its boxed answer until the cap, and the verifier reads the
@@ -281,7 +281,7 @@ real_pair() {
     --problems "$problems" --prompts-per-step $((2 * half)) --prompt-template "$template" --n 8 \
     --max-response-tokens "${REAL_CAP_B:-18}" --threads 1 --out "$out/preflight.json"
   run $PYTHON graft.py panel --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
-    --held-out "$held" --out "$out/panel" --half "$half" --peer 1-7 --pool 120 --chunk 120 --steps "$steps" \
+    --held-out "$held" --out "$out/panel" --half "$half" --peer 1-7 --pool "$pool" --chunk "$pool" --steps "$steps" \
     --seeds "$seeds" --deltas "${REAL_DELTAS:-}" --eval-samples 4 --flags-a="$caps_a" --flags-b="$caps_b" \
     --prompt-template "$template" --n 8 --threads 1 --lr "${REAL_LR:-3e-5}" --minibatches 2 \
     --micro-batch-size 16 --save-every 2 --keep-checkpoints 1 --exchange-timeout 7200 "$@"

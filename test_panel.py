@@ -335,7 +335,8 @@ def test_real_pair_smoke(tmp_path):
     panel of 2 x 1 problems for 2 steps with a held-out file; exit 0 and the panel printed."""
     r = subprocess.run(["bash", os.path.join(HERE, "run_pair.sh"), "real"], capture_output=True, text=True,
                        timeout=6000, env=dict(ENV, RUNS=str(tmp_path), REAL_SMOKE="1",
-                                              REAL_MODELS=os.environ.get("REAL_MODELS", str(tmp_path / "models"))))
+                                              REAL_MODELS=os.environ.get("REAL_MODELS",
+                                                                         os.path.join(HERE, "runs", "real_models"))))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "mechanism panel (in-sample)" in r.stdout and "held-out:" in r.stdout
     assert re.search(r"graft -> A  steps\s+\S+:\s+\S+ groups received", r.stdout)
