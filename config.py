@@ -7,7 +7,7 @@ need more than one field, or the file system, are graft.validate_config's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -67,6 +67,8 @@ class Config:
     """Longest prompt in tokens; a longer prompt is an error (departure 5)."""
     max_response_tokens: int = 4096
     """Response cap; retokenised peer responses longer than this are dropped and counted."""
+    stop: list[str] = field(default_factory=list)
+    """Stop string, repeatable (--stop $'\\n\\n' --stop 'Q:'): a response ends at the token that completes one."""
     eps_low: float = 0.2
     """Lower PPO clip: ratio floor 1 - eps_low (paper 0.2)."""
     eps_high: float = 0.28

@@ -26,6 +26,8 @@ said on its line):
      micro-batches and ranks, so accumulation and data parallelism give one big batch's gradient.
   9. policy_loss(ratio_level="sequence") clamps the sequence's mean log-ratio at +-20, not each
      token's log-ratio before the mean.
+ 11. Stop strings: decode_response(stop=...) keeps a response's text through its first stop string
+     (the text that is stored and retokenised, ended_with_eos False), verifier_text cuts it before.
 """
 
 from __future__ import annotations
@@ -424,17 +426,36 @@ def seeded_generator(seed: int, step: int, stream: str, *, rank: int = 0,
     return torch.Generator(device=device).manual_seed(value)
 
 
-def decode_response(tokens: list[int], tokenizer, *, eos_token_ids) -> tuple[str, bool]:
+def first_stop(text: str, stop) -> tuple[int, str] | None:
+    """Where the first stop string of `stop` (a sequence of strings) starts in text, and which one:
+    (index, string) for the occurrence that starts first (the earlier-listed string on a tie), or None."""
+    hits = [(text.find(s), j) for j, s in enumerate(stop) if s in text]
+    return None if not hits else (min(hits)[0], stop[min(hits)[1]])
+
+
+def decode_response(tokens: list[int], tokenizer, *, eos_token_ids, stop=()) -> tuple[str, bool]:
     """The source side of retokenisation: response ids -> (text, ended_with_eos).
 
     A trailing EOS is dropped, and the rest is decoded without special tokens and without the
     tokenizer's clean-up of spaces (which would not round-trip, e.g. Llama-3's " ," rewrite).
+    With stop strings, the text ends with its first stop string (first_stop): a sampler that stopped
+    on one kept the token that completed it, whose text past the string is dropped here. That text is
+    what is stored and what a receiver retokenises (without EOS: ended_with_eos is False whenever the
+    text holds a stop string), so the receiver learns to write the stop string too; verifier_text cuts
+    it off for the verifier.
     """
     eos = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
     ended = len(tokens) > 0 and tokens[-1] in eos
     body = tokens[:-1] if ended else tokens
     text = tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    return text, ended
+    hit = first_stop(text, stop) if stop else None
+    return (text, ended) if hit is None else (text[: hit[0] + len(hit[1])], False)  # a stop string ends it
+
+
+def verifier_text(text: str, stop) -> str:
+    """The text a verifier reads: cut before the first stop string of `stop` (first_stop); unchanged without one."""
+    hit = first_stop(text, stop) if stop else None
+    return text if hit is None else text[: hit[0]]
 
 
 def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_tokens: int,

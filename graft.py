@@ -71,6 +71,14 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
      passes (`--share-prefix`, default on; sampler.py departure 11), as vLLM's prefix cache does. Draws are
      the unshared path's up to float round-off of other batch shapes (at T = 1 a draw next to a boundary
      can move: 243 of 256 rows identical on Gemma-3-270M in fp32); off under --fsdp with gradients on.
+ 11. Stop strings (`--stop`, repeatable; none by default, as in the paper; sampler.py departure 12). A
+     response ends after the token whose text completes one (rollouts, eval, preflight): its tokens keep that
+     token, so the update's log-probs cover exactly what was sampled and the policy learns to stop. The
+     text that is stored and sent to a peer runs through the first stop string (the token's text past it
+     is dropped; core.decode_response), the verifier reads it cut before the string (core.verifier_text),
+     and its eos flag is False: a receiver retokenises the text, stop string included, without appending
+     its EOS, so it learns to end where the peer ended, by writing the stop string. A foreign --peer-log
+     response is cut the same way (offline.py choice 8).
 
 Our extensions beyond the paper (the paper's behaviour is unchanged when they are not used):
   * Three or more sides (`--peer-name b,c`): for each prompt a side fails on all n, the eligible
@@ -132,7 +140,7 @@ from config import Config  # noqa: F401  (the one dataclass; its field docstring
 from core import (Mean, Swap, add_metrics, assignment_digest, balance_directions, balanced_swap,  # noqa: F401
                   compatibility_scores, compatibility_weights, decode_response, graft_candidates, group_advantages,
                   metric_values, minibatch_order, multi_peer_sources, policy_loss, received_groups, rescue_candidates,
-                  retokenize, seeded_generator, sequence_mean_logprob, success_counts)  # the copyable core
+                  retokenize, seeded_generator, sequence_mean_logprob, success_counts, verifier_text)  # the core
 from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: F401  (the sampler and kernel)
 
 # Sections 1 and 2 are files of their own, imported above: 1. Config is config.py (every field's docstring is also
@@ -500,10 +508,13 @@ class Trainer(RunFiles):
                 self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
                 max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, share_prefix=cfg.share_prefix,
+                stop_strings=cfg.stop, tokenizer=self.tok,
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
-            texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids)[0] for o in outs]
-            rewards = verify_batch(texts, [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
+            # stored text: through the first stop string; the verifier reads it cut before (departure 11)
+            texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
+            rewards = verify_batch([verifier_text(t, cfg.stop) for t in texts],
+                                   [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
         with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
@@ -572,7 +583,8 @@ class Trainer(RunFiles):
         # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
         from verify import verify_batch
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        peer.rewards = torch.tensor(verify_batch(peer.texts, golds, workers=cfg.verify_workers),
+        peer.rewards = torch.tensor(verify_batch([verifier_text(t, cfg.stop) for t in peer.texts], golds,
+                                                 workers=cfg.verify_workers),
                                     dtype=torch.float32).view_as(peer.rewards)  # (G, n)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return {"log": peer}
@@ -1134,8 +1146,10 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
         print(f"[eval] {desc}: {len(problems)} problems x {k} samples", file=sys.stderr, flush=True)
     outs = sample(model, prompts, max_new_tokens=max_new, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                   eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen,
-                  max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, progress=progress and dist_info.main)
-    texts = [decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids)[0] for o in outs]
+                  max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
+                  tokenizer=tokenizer, progress=progress and dist_info.main)
+    texts = [verifier_text(decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids, stop=cfg.stop)[0], cfg.stop)
+             for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
     scores = verify_batch(texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
@@ -1256,6 +1270,8 @@ def validate_config(cfg: Config) -> None:
                      f"got {cfg.delta}")
     if cfg.weight_decay < 0:
         bad("weight_decay", f"must be >= 0, got {cfg.weight_decay}")
+    if "" in cfg.stop:
+        bad("stop", "an empty stop string would end every response at its first token")
     if cfg.heartbeat_interval * 3 > cfg.peer_dead_after:
         bad("heartbeat_interval", f"must be at most a third of --peer-dead-after ({cfg.peer_dead_after}), "
                                   f"or a slow disk makes a live peer look dead")
@@ -1346,6 +1362,9 @@ def build_parser():
             if isinstance(f.default, bool):
                 p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_)
+            elif f.default is dataclasses.MISSING:  # a list field (--stop): repeat the flag for each item
+                p.add_argument(*flags, dest=f.name, action="append", default=f.default_factory(), metavar="STR",
+                               help=help_)
             else:
                 p.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default, help=help_)
     return parser
@@ -1356,7 +1375,7 @@ def flags_markdown() -> str:
     docs = field_docs(Config)
     lines = ["| flag | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(Config):
-        default = repr(f.default)
+        default = repr(f.default_factory() if f.default is dataclasses.MISSING else f.default)
         default = default if len(default) <= 30 else default[:27] + "..."
         text = docs.get(f.name, "") + (f" Choices: {', '.join(CHOICES[f.name])}." if f.name in CHOICES else "")
         lines.append(f"| `--{f.name.replace('_', '-')}` | `{default}` | {text.replace('|', '/')} |")

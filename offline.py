@@ -76,6 +76,11 @@ Our choices, where the paper is silent (numbered so that reviews can cite them):
      response_char_bound(--max-response-tokens)) is removed and counted before verification or any
      --peer-model forward: the trainer would drop it for length anyway, and one 10 MB response would
      otherwise ask for a forward over millions of tokens.
+  8. Stop strings (`--stop`, graft.py departure 11): a response that holds one is cut as the trainer
+     cuts its own rollouts (core.decode_response): its text runs through the first stop string, its eos
+     becomes false (a receiver retokenises it, stop string included, without EOS), and the verifier reads
+     it cut before the string. A given lbar or num_tokens then described text that is gone, so it is
+     dropped (NaN / -1) and --peer-model recomputes it; the cut records are counted ("stop_cut").
 
 Launch lines:
     python graft.py complement runs/grpo_a/exchange/a runs/grpo_b/exchange/b --n 8 --batch-size 128
@@ -86,6 +91,7 @@ Launch lines:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -724,7 +730,8 @@ class ForeignLog:
                  f"{c['id_conflicts']})" + (f", first on lines {c['unmatched_lines']}" if c["unmatched_lines"] else ""),
                  f"[foreign] dropped {c.get('too_long', 0)} longer than {c.get('max_response_chars')} characters"
                  f"{first('too_long_lines')} and {c.get('duplicates', 0)} repeats of an earlier record (same prompt "
-                 f"and response){first('duplicate_lines')}",
+                 f"and response){first('duplicate_lines')}"
+                 + (f"; cut {c['stop_cut']} at a stop string (choice 8)" if c.get("stop_cut") else ""),
                  f"[foreign] {len(self.prompt_ids)} prompt groups (sizes {int(sizes.min())}-{self.width}, "
                  f"mean {float(sizes.float().mean()):.1f}); dropped "
                  f"{c['singletons']} single-record prompts; {mixed} groups mixed",
@@ -736,7 +743,7 @@ class ForeignLog:
 
 def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normalize: bool = True,
                      verify_workers: int = 0, rel_tol: float | None = None,
-                     max_response_chars: int | None = None) -> ForeignLog:
+                     max_response_chars: int | None = None, stop: tuple[str, ...] | list[str] = ()) -> ForeignLog:
     """Read, match, group, re-verify and score a foreign JSONL file against the run's prompts.
 
     prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prepare.py load_prompts
@@ -744,14 +751,22 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     record (same prompt, same response text), unmatched records and single-record prompts are counted
     (ForeignLog.report) and left out, in that order (choice 7), before anything is verified or scored.
     Rewards of the kept records are verify.verify_batch(response, gold) (strict: a boxed answer);
-    verify_workers and rel_tol are passed to it. Raises ValueError (FILE:LINE) on a bad record, and when
-    nothing usable is left.
+    verify_workers and rel_tol are passed to it. Responses are first cut at a stop string of `stop`
+    (choice 8). Raises ValueError (FILE:LINE) on a bad record, and when nothing usable is left.
     """
+    from core import first_stop, verifier_text
     from verify import verify_batch
     path = Path(path)
     records = read_foreign_records(path)
     if not records:
         raise ValueError(f"{path}: no records")
+    stop_cut = 0
+    for i, rec in enumerate(records):  # choice 8: as core.decode_response cuts the trainer's own rollouts
+        hit = first_stop(rec.response, tuple(stop)) if stop else None
+        if hit is not None:
+            records[i] = dataclasses.replace(rec, response=rec.response[: hit[0] + len(hit[1])], eos=False,
+                                             lbar=float("nan"), num_tokens=-1)
+            stop_cut += 1
     n_read, long_lines = len(records), []
     if max_response_chars is not None:  # before matching: nothing is computed for them (choice 7)
         long_lines = [r.line for r in records if len(r.response) > max_response_chars]
@@ -775,7 +790,7 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
         raise ValueError(f"{path}: no prompt of the run has two or more matched records ({n_read} records, "
                          f"{mc.unmatched} unmatched, {len(repeat_lines)} repeats, {len(long_lines)} too long, "
                          f"{len(singletons)} single-record prompts); check ids/problem text against --prompts")
-    counts = {"records": n_read, "too_long": len(long_lines),
+    counts = {"records": n_read, "stop_cut": stop_cut, "too_long": len(long_lines),
               "too_long_lines": long_lines[:5], "max_response_chars": max_response_chars,
               "duplicates": len(repeat_lines), "duplicate_lines": repeat_lines[:5], "by_id": mc.by_id,
               "by_text": mc.by_text, "unmatched": mc.unmatched, "ambiguous": mc.ambiguous,
@@ -783,7 +798,7 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     log = ForeignLog(path, groups, counts, std_normalize=std_normalize)
     gold = {p["id"]: p["answer"] for p in prompts}
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]
-    texts = [log.texts[p][i] for p, i in flat]
+    texts = [verifier_text(log.texts[p][i], tuple(stop)) for p, i in flat]  # cut before a stop string
     golds = [gold[log.prompt_ids[p]] for p, _ in flat]
     scores = verify_batch(texts, golds, workers=verify_workers, **({} if rel_tol is None else {"rel_tol": rel_tol}))
     rewards = torch.zeros(log.mask.shape)  # (P, M)
@@ -924,7 +939,7 @@ def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:
     try:
         log = load_foreign_log(cfg.peer_log, data, std_normalize=cfg.std_normalize,
                                verify_workers=cfg.verify_workers,
-                               max_response_chars=response_char_bound(cfg.max_response_tokens))
+                               max_response_chars=response_char_bound(cfg.max_response_tokens), stop=cfg.stop)
     except ValueError as e:  # names the file and line
         raise SystemExit(f"--peer-log: {e}") from None
     if dist.main:
@@ -936,7 +951,8 @@ def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:
                 log, model, tok, model_path=cfg.peer_model, eos_token_id=stop[0],
                 encode_prompt=lambda q: encode_prompt(q, tok, template=cfg.prompt_template, chat=cfg.chat_template),
                 problems={r["id"]: r["problem"] for r in data},
-                cache_key=f"{cfg.prompt_template}\0{cfg.chat_template}", batch_size=cfg.micro_batch_size,
+                cache_key=f"{cfg.prompt_template}\0{cfg.chat_template}" + (f"\0{cfg.stop!r}" if cfg.stop else ""),
+                batch_size=cfg.micro_batch_size,
                 chunk_size=cfg.logprob_chunk)
         if dist.main:
             print(f"[graft] lbar by --peer-model {cfg.peer_model}: {info['computed']} computed, "

@@ -70,7 +70,7 @@ from sampler import response_logprobs, sample
 TRAINING_FLAGS = ("prompt_template", "chat_template", "trust_remote_code", "n", "prompts_per_step", "temperature",
                   "top_p", "max_prompt_tokens", "max_response_tokens", "delta", "compat_norm", "compat_weight",
                   "balance", "std_normalize", "seed", "data_seed", "device", "dtype", "gen_batch_size",
-                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers")
+                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "stop")
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_PASSES = 3.0  # choice 4: an update ~ one forward and one backward ~ three log-prob passes
 
@@ -129,11 +129,13 @@ def roll_out(side: Side, core, rows: list[dict], dist: DistInfo) -> None:
     with torch.no_grad(), compute_context(cfg, dist):
         outs = sample(side.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                       top_p=cfg.top_p, eos_token_id=side.stop_ids, pad_token_id=side.tok.pad_token_id, generator=gen,
-                      max_batch_size=cfg.gen_batch_size, static=cfg.static_decode,
-                      progress=sys.stderr.isatty())
+                      max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
+                      tokenizer=side.tok, progress=sys.stderr.isatty())
     side.sample_s = time.time() - t0
-    texts = [core.decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids)[0] for o in outs]
-    rewards = verify_batch(texts, [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
+    # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
+    texts = [core.decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
+    rewards = verify_batch([core.verifier_text(t, cfg.stop) for t in texts],
+                           [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
     t0 = time.time()
     old = side.logprobs(prompts, [o.tokens for o in outs])
     side.logprob_s = time.time() - t0
@@ -387,6 +389,9 @@ def build_parser(core) -> argparse.ArgumentParser:
         help_ = docs.get(name, "").replace("%", "%%")
         if isinstance(f.default, bool):
             p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        elif f.default is dataclasses.MISSING:  # a list field (--stop): repeat the flag for each item
+            p.add_argument(*flags, dest=name, action="append", default=f.default_factory(), metavar="STR",
+                           help=help_)
         else:
             p.add_argument(*flags, dest=name, type=type(f.default), default=f.default, help=help_)
     return p

@@ -873,3 +873,79 @@ def test_flag_document_is_the_config():
     assert (ROOT / "FLAGS.md").read_text(encoding="utf-8") == graft.flags_document(), (
         "FLAGS.md is stale: python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md")
     assert "[FLAGS.md](FLAGS.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------
+# Stop strings (departure 11): the trainer's rollout and evaluation, the stored text, retokenisation, the flag
+# ------------------------------------------------------------------------------------------------
+
+
+def test_stop_strings_in_rollout_eval_and_retokenisation(tiny, tmp_path, monkeypatch):
+    # The same step sampled without and with a stop string (the draws are a function of the seed, so the stopped
+    # rows are the free ones cut): a row that holds the string keeps its tokens through the token that completes
+    # it, its stored text ends with the string, its eos is False and the verifier reads the text cut before it; a
+    # receiver retokenises that text, stop string included, with no EOS. Evaluation passes the strings too.
+    import verify
+    from transformers import AutoTokenizer
+    read = []
+    monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0, **kw: read.extend(rs) or [0.0] * len(rs))
+    cfg = graft.Config(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"), steps=1,
+                       prompts_per_step=8, n=4, max_response_tokens=16, prompt_template="{problem}=",
+                       save_responses=True, eval_max_tokens=16)
+    tr = graft.Trainer(cfg)
+    rows = graft.batch_indices(16, 0, 8, 0)
+    free, _ = tr.rollout(0, rows)
+    stop = commonest_pair(free.texts)  # one token a character here: the string spans two tokens
+    tr.cfg.stop = [stop]
+    read.clear()
+    own, _ = tr.rollout(0, rows)
+    stopped = 0
+    for r, (ft, t) in enumerate(zip(free.texts, own.texts)):
+        k = ft.find(stop)
+        if k < 0:
+            assert (t, own.tokens[r], bool(own.eos.view(-1)[r])) == (ft, free.tokens[r], bool(free.eos.view(-1)[r]))
+            assert read[r] == ft
+            continue
+        stopped += 1
+        assert t == ft[: k + len(stop)] and own.tokens[r] == free.tokens[r][: k + len(stop)]  # one token a character
+        assert not own.eos.view(-1)[r] and read[r] == ft[:k]
+        assert torch.allclose(own.logprobs[r], free.logprobs[r][: len(own.tokens[r])], atol=1e-5)
+        ids = graft.retokenize(t, False, AutoTokenizer.from_pretrained(tiny / "mb"), max_response_tokens=16)
+        assert ids[-1] != 1 and AutoTokenizer.from_pretrained(tiny / "mb").decode(ids) == t  # no EOS appended
+    assert 0 < stopped < len(own.texts), f"want rows that stop on {stop!r} and rows that do not, got {stopped}"
+    problems = tr.data[:4]
+    tr.cfg.stop = []
+    plain = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, graft.DistInfo(), progress=False)
+    plain = [x for p in plain for x in p["responses"]]
+    tr.cfg.stop = [commonest_pair(plain)]
+    cut = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, graft.DistInfo(), progress=False)
+    got = [x for p in cut for x in p["responses"]]
+    assert got == [graft.verifier_text(x, tr.cfg.stop) for x in plain] and got != plain
+
+
+def commonest_pair(texts):
+    """The commonest two-character string of the texts (ties: the first in sorted order)."""
+    pairs = {}
+    for t in texts:
+        for j in range(len(t) - 1):
+            pairs[t[j : j + 2]] = pairs.get(t[j : j + 2], 0) + 1
+    return max(sorted(pairs), key=pairs.get)
+
+
+def test_stop_flag_is_repeatable_and_checked():
+    args = graft.build_parser().parse_args(["train", "--model", "m", "--stop", "\n\n", "--stop", "Q:"])
+    assert args.stop == ["\n\n", "Q:"] and graft.build_parser().parse_args(["train", "--model", "m"]).stop == []
+    with pytest.raises(ValueError, match="--stop"):
+        graft.validate_config(graft.Config(model="m", stop=["Q:", ""]))
+    import preflight
+    pre = preflight.build_parser(graft).parse_args(["--model-a", "a", "--model-b", "b", "--prompts", "p",
+                                                    "--stop", "Q:"])
+    assert pre.stop == ["Q:"]
+    # the text of a stopped row: through the first stop string (the token's overhang dropped), eos False; the
+    # verifier's text is cut before it; an EOS row without a stop string is untouched
+    class Chars:
+        def decode(self, ids, **kw):
+            return "".join(chr(i) for i in ids)
+    text, eos = graft.decode_response([ord(c) for c in " 12\n\nQ"], Chars(), eos_token_ids=0, stop=["Q:", "\n\n"])
+    assert (text, eos, graft.verifier_text(text, ["Q:", "\n\n"])) == (" 12\n\n", False, " 12")
+    assert graft.decode_response([ord("7"), 0], Chars(), eos_token_ids=0, stop=["Q:"]) == ("7", True)

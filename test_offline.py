@@ -519,3 +519,23 @@ def test_bench_foreign_planted_file_counts(tmp_path):
     # 20 groups of 5: groups 9 and 19 are not in the run; odd groups by text, even by id; 1 in 3 wrong
     assert "100 records; matched 50 by id, 40 by problem text; unmatched 10" in text
     assert "18 prompt groups (sizes 5-5" in text and "0 differ from the file's reward" in text
+
+
+def test_foreign_responses_are_cut_at_stop_strings(tmp_path):
+    # --stop (offline.py choice 8): a response that holds a stop string keeps its text through the first one
+    # (eos false, its given lbar dropped: it described text that is gone), the verifier reads it cut before the
+    # string; responses without one are untouched. Without stop strings the same file reads as before.
+    path = write_jsonl(tmp_path / "f.jsonl", [
+        {"id": "p1", "response": boxed("2") + "\n\nQ: " + boxed("5"), "lbar": -0.5},  # cut: verified on "\boxed{2}"
+        {"id": "p1", "response": boxed("5") + " Q: no", "lbar": -0.2},                # cut at "Q:", earlier than \n\n
+        {"id": "p1", "response": boxed("2"), "lbar": -0.7},                            # no stop string: kept whole
+    ])
+    log = load_foreign_log(path, PROMPTS, stop=["\n\n", "Q:"])
+    assert log.texts[0][:3] == [boxed("2") + "\n\n", boxed("5") + " Q:", boxed("2")]
+    assert log.eos[0, :3].tolist() == [False, False, True]
+    assert log.rewards[0, :3].tolist() == [1, 0, 1]
+    assert math.isnan(log.mean_logprob[0, 0]) and math.isnan(log.mean_logprob[0, 1])
+    assert log.mean_logprob[0, 2].item() == pytest.approx(-0.7)
+    assert log.counts["stop_cut"] == 2 and "cut 2 at a stop string" in log.report()
+    plain = load_foreign_log(path, PROMPTS)
+    assert plain.rewards[0, :3].tolist() == [0, 0, 1] and plain.eos[0, :3].tolist() == [True] * 3
