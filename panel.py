@@ -116,11 +116,11 @@ class PanelConfig:
     slots: int = 2
     """graft.py processes at once (a GRAFT pair takes two)."""
     flags_a: str = ""
-    """Training flags for model A only (shell-quoted), e.g. '--chat-template'."""
+    """Training flags for model A only, shell-quoted, given with '=': --flags-a='--chat-template'."""
     flags_b: str = ""
-    """Training flags for model B only (shell-quoted)."""
+    """Training flags for model B only, shell-quoted, given with '=': --flags-b='--max-response-tokens 24'."""
     eval_flags: str = ""
-    """Flags for the evaluations only (shell-quoted), e.g. '--static-decode --gen-batch-size 1024'."""
+    """Flags for the evaluations only, given with '=': --eval-flags='--static-decode --gen-batch-size 1024'."""
 
 
 # The flags the panel sets for each process itself; given among the training flags, they are refused.
@@ -576,6 +576,25 @@ def describe_set(pc: PanelConfig, meta: dict) -> list[str]:
     for m in MODELS:
         mix = ", ".join(f"{f} {sum(family[q] == f for q in halves[m])}" for f in kinds)
         out.append(f"  {m} fails: {mix} ({meta['in_pool'][m]} such problems among the {meta['pool']})")
+    rates = pick_rates(pc, meta)
+    for m in MODELS:
+        out.append(f"  {m} before RL, pass@1 (%) on the pick's problems by kind: "
+                   + ", ".join(f"{f} {100 * v:.1f}" for f, v in rates[m].items()))
+    return out
+
+
+def pick_rates(pc: PanelConfig, meta: dict) -> dict[str, dict[str, float]]:
+    """{model: {kind: mean correctness of the pick's samples on the evaluated problems of that kind, and "all"}}."""
+    family = {r["id"]: r.get("family", "-") for r in pool_rows(load_jsonl(pc.prompts), meta["pool"], meta["seed"])}
+    out = {}
+    for m in MODELS:
+        k = {}
+        for c in range(meta["chunks"]):
+            k.update(load_eval(pick_files(pc.out, c, m)[1])[f"pool_{c:02d}"])
+        out[m] = {}
+        for f in sorted(set(family[q] for q in k)) + ["all"]:
+            ids = [q for q in k if f == "all" or family[q] == f]
+            out[m][f] = sum(sum(k[q]) / len(k[q]) for q in ids) / len(ids)
     return out
 
 

@@ -239,6 +239,14 @@ def test_tiny_panel_every_printed_figure_comes_from_the_files(tiny_panel):
         kind = [q for q in pool_ids if sum(pick[own][q]) == 0 and lo <= sum(pick[peer][q]) <= hi]
         assert halves[own] == kind[:2]
         assert f"  {own} fails: " in text and f"({len(kind)} such problems among the {meta['pool']})" in text
+    # each model's pass@1 by kind before RL, from the pick's samples
+    fam = {x["id"]: x["family"] for x in map(json.loads, (out.parent / "pool.jsonl").read_text().splitlines())}
+    for m in "AB":
+        line = re.search(rf"^  {m} before RL, pass@1 \(%\) on the pick's problems by kind: (.*)$", text, re.M).group(1)
+        for kind, value in (x.rsplit(" ", 1) for x in line.split(", ")):
+            ids = [q for q in pick[m] if kind == "all" or fam[q] == kind]
+            assert float(value) == pytest.approx(100 * sum(sum(pick[m][q]) / n for q in ids) / len(ids), abs=0.051)
+        assert line.endswith(f"all {100 * sum(map(sum, pick[m].values())) / (n * len(pick[m])):.1f}")
     # train reward per half and window, per arm, and the differences to GRPO
     arms = {"grpo": None, "graft": out / "seed0" / "graft" / "exchange",
             "graft_d0": out / "seed0" / "graft_d0" / "exchange"}
