@@ -598,14 +598,28 @@ def pick_rates(pc: PanelConfig, meta: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def panel_report(pc: PanelConfig, train: dict) -> tuple[str, list[str]]:
+def steps_done(pc: PanelConfig) -> int:
+    """Steps that every run of the panel has finished (lines of its metrics.jsonl, written at a step's end):
+    a running panel is reported over these."""
+    done = []
+    for s in range(pc.seeds):
+        for arm in arms_of(pc.deltas):
+            for m in MODELS:
+                path = os.path.join(run_folder(pc, s, arm, m), "metrics.jsonl")
+                done.append(len(read_metrics(path)) if os.path.exists(path) else 0)
+    return min(done)
+
+
+def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> tuple[str, list[str]]:
     """The panel's print-ready text and its CSV rows (seed, arm, model, half, steps, value), all from the
     panel's files: rewards and received groups from the rollout files, candidates, accepted responses, s and
     clip fractions from metrics.jsonl, pass@1 from the evaluations. Also checks that both processes of every
-    GRAFT run logged the assignment recomputed from the files."""
+    GRAFT run logged the assignment recomputed from the files. ``steps``: report the first steps only (a
+    running panel: steps_done); the held-out table then waits for the runs' end."""
     with open(os.path.join(pc.out, "set.json")) as f:
         meta = json.load(f)
-    halves, steps, balance = meta["halves"], pc.steps, train["balance"]
+    partial = steps is not None and steps < pc.steps
+    halves, steps, balance = meta["halves"], pc.steps if steps is None else steps, train["balance"]
     arms = arms_of(pc.deltas)
     pairs = [a for a in arms if not a.single]
     wins = windows(steps, pc.windows)
@@ -617,6 +631,8 @@ def panel_report(pc: PanelConfig, train: dict) -> tuple[str, list[str]]:
                + ", ".join(f"{a.label}: delta {delta[a.label]:g}" for a in pairs)
                + f") from the same checkpoints, {steps} steps x {len(halves['A']) + len(halves['B'])} prompts (the "
                f"whole set) x n={train['n']}, lr {train['lr']:g}; {pc.seeds} seed(s)")
+    if partial:
+        out.append(f"PARTIAL: the runs are still going; the first {steps} of {pc.steps} steps, finished by every run")
     out.append("train reward (%) from the rollout files: mean over the half's prompts, their rollouts and the "
                "window's steps; mean+-std over seeds; GRAFT-GRPO paired by seed")
     head = f"{'model':<7}{'half':<17}{'steps':>7}{'GRPO':>12}"
@@ -685,7 +701,9 @@ def panel_report(pc: PanelConfig, train: dict) -> tuple[str, list[str]]:
                            f"own {num(clip_own, '.4f')}")
         out += empty_directions(arm, {m: [x for s in range(pc.seeds) for x in received[(s, m)]] for m in MODELS},
                                 balance)
-    if pc.held_out:
+    if pc.held_out and partial:
+        out.append("held-out: evaluated after the runs' last step")
+    elif pc.held_out:
         text, rows = held_out_report(pc, arms)
         out += text
         csv += rows
@@ -841,14 +859,16 @@ def run_panel(pc: PanelConfig, train: dict, *, tag: str = "panel", command: str 
     os.makedirs(pc.out, exist_ok=True)
     timing_file = os.path.join(pc.out, "timing.json")  # wall seconds per job, kept across resumed invocations
     timing: dict[str, float] = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
-    cached = run_jobs(prepare(pc, train, timing, timing_file, tag=tag), pc.slots, timing, timing_file, tag=tag)
+    info = {"command": command, "panel": dataclasses.asdict(pc), "train_flags": train["flags"], "finished": None}
+    jobs = prepare(pc, train, timing, timing_file, tag=tag)
+    write_lines(os.path.join(pc.out, "run.json"), [json.dumps(info, indent=1)])  # `panel report` reads it meanwhile
+    cached = run_jobs(jobs, pc.slots, timing, timing_file, tag=tag)
     text, csv = panel_report(pc, train)
     write_lines(os.path.join(pc.out, "panel.csv"), csv)
     write_lines(os.path.join(pc.out, "panel.txt"), [text])
-    info = {"command": command, "panel": dataclasses.asdict(pc), "train_flags": train["flags"],
-            "wall_s": time.time() - t0, "cached_jobs": len(cached), "timing": timing, "cpus": os.cpu_count(),
-            "load_start": list(load_start), "load_end": list(os.getloadavg()), "torch": torch.__version__,
-            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info |= {"wall_s": time.time() - t0, "cached_jobs": len(cached), "timing": timing, "cpus": os.cpu_count(),
+             "load_start": list(load_start), "load_end": list(os.getloadavg()), "torch": torch.__version__,
+             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     write_lines(os.path.join(pc.out, "run.json"), [json.dumps(info, indent=1)])
     return text
 
@@ -875,15 +895,18 @@ def main(argv: list[str], *, core) -> int:
     `panel` command, so this file never imports graft.py)."""
     if argv[:1] == ["report"]:
         if len(argv) != 2:
-            raise SystemExit("usage: graft.py panel report OUT (a finished panel's --out)")
+            raise SystemExit("usage: graft.py panel report OUT (the --out of a panel, finished or running)")
         path = os.path.join(argv[1], "run.json")
         if not os.path.exists(path):
-            raise SystemExit(f"panel report: {path} not found; is {argv[1]} the --out of a finished panel?")
+            raise SystemExit(f"panel report: {path} not found; is {argv[1]} the --out of a panel past its pick?")
         with open(path) as f:
             info = json.load(f)
         pc = PanelConfig(**info["panel"])
         pc.out = argv[1]
-        print(panel_report(pc, training_settings(info["train_flags"], core))[0])
+        done = pc.steps if info["finished"] else steps_done(pc)
+        if done == 0:
+            raise SystemExit(f"panel report: {argv[1]}: no run has finished a step yet")
+        print(panel_report(pc, training_settings(info["train_flags"], core), steps=done)[0])
         return 0
     args, rest = build_parser(core).parse_known_args(argv)
     pc = PanelConfig(**vars(args))

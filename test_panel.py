@@ -330,6 +330,32 @@ def test_tiny_panel_report_reprints_and_a_rerun_is_cached(tiny_panel):
     assert csv[0] == "seed,arm,model,half,steps,value" and any(",graft_d0,A,received," in x for x in csv)
 
 
+def test_a_running_panel_is_reported_over_the_steps_every_run_finished(tiny_panel, tmp_path):
+    """`panel report` on a panel whose runs are still going: the steps every run finished (one run's metrics cut
+    to its first line here), labelled PARTIAL, the first window's rows as the whole run printed them, no
+    held-out table yet; before any step it says so."""
+    import shutil
+    out, r, _ = tiny_panel
+    run = tmp_path / "out"
+    shutil.copytree(out, run)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps(info | {"finished": None}))
+    metrics = run / "seed0" / "grpo" / "B" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines()[0] + "\n")
+    rep = subprocess.run([sys.executable, os.path.join(HERE, "graft.py"), "panel", "report", str(run)],
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert f"PARTIAL: the runs are still going; the first 1 of {STEPS} steps" in rep.stdout
+    assert "held-out: evaluated after the runs' last step" in rep.stdout and "before RL" in rep.stdout
+    first = [x for x in r.stdout.splitlines() if re.match(r"^(A|B)\s+(own|other) .*\s1\s", x)]
+    got = [x for x in rep.stdout.splitlines() if re.match(r"^(A|B)\s+(own|other) ", x)]
+    assert len(first) == 4 and got == first  # one window: step 1, as the finished run printed it
+    metrics.write_text("")
+    rep = subprocess.run([sys.executable, os.path.join(HERE, "graft.py"), "panel", "report", str(run)],
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert rep.returncode != 0 and "no run has finished a step yet" in rep.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # The real pair (not in CI: GRAFT_REAL_SMOKE=1)
 # ------------------------------------------------------------------------------------------------
