@@ -281,7 +281,8 @@ real_pair() {
   template=$(cat "$models/real_prompt.txt")
   sampling=(--prompt-template "$template" --n 8 --stop $'\n' --max-response-tokens "${REAL_CAP:-20}" --threads 1)
   run $PYTHON graft.py preflight --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
-    --problems "$problems" --prompts-per-step $((2 * half)) "${sampling[@]}" --out "$out/preflight.json"
+    --problems "$problems" --prompts-per-step $((2 * half > 4 ? 2 * half : 4)) "${sampling[@]}" \
+    --out "$out/preflight.json"  # at least 4 prompts per step: the default --minibatches 4 must fit
   run $PYTHON graft.py panel --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
     --held-out "$held" --out "$out/panel" --half "$half" --peer 1-7 --pool "$pool" --chunk "$pool" --steps "$steps" \
     --seeds "$seeds" --windows 2 --slots 3 --deltas "${REAL_DELTAS-0.5}" --eval-samples 4 "${sampling[@]}" \
