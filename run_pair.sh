@@ -257,7 +257,9 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
 # overridden, e.g. REAL_STEPS=12 REAL_SEEDS=2 bash run_pair.sh real. Besides the paper's delta 0.8 a second
 # GRAFT arm runs at delta 0.5 (REAL_DELTAS, '' for none): at 0.8 the gate takes almost nothing into Gemma-3
 # (s about 0.56-0.72), at 0.5 the preflight accepts 84%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (test_panel.py).
-# Three processes at once (--slots 3): a Gemma-3 trainer holds ~5.4 GB, a SmolLM2 one ~4 GB.
+# Three processes at once (--slots 3): a Gemma-3 trainer holds ~5.4 GB, a SmolLM2 one ~4 GB. Learning rates by
+# calibration (GRPO alone on the panel's set): SmolLM2 5e-5 (REAL_LR_A), Gemma-3 1e-5 (REAL_LR_B: it collapses
+# at 2e-5 and 5e-5).
 real_pair() {
   local models=${REAL_MODELS:-$RUNS/real_models} out=${REAL_OUT:-$RUNS/real}
   local smol=$models/smollm2-135m-instruct gemma=$models/gemma3-270m
@@ -286,7 +288,7 @@ real_pair() {
   run $PYTHON graft.py panel --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
     --held-out "$held" --out "$out/panel" --half "$half" --peer 1-7 --pool "$pool" --chunk "$pool" --steps "$steps" \
     --seeds "$seeds" --windows 2 --slots 3 --deltas "${REAL_DELTAS-0.5}" --eval-samples 4 "${sampling[@]}" \
-    --lr "${REAL_LR:-5e-5}" --minibatches 2 \
+    --lr "${REAL_LR_A:-5e-5}" --flags-b="--lr ${REAL_LR_B:-1e-5}" --minibatches 2 \
     --micro-batch-size 16 --save-every 2 --keep-checkpoints 1 --exchange-timeout 7200 "$@"
 }
 
