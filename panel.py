@@ -46,7 +46,7 @@ Our choices (numbered so that reviews can cite them):
 Launch lines:
     python graft.py panel --model-a A --model-b B --prompts pool.jsonl --held-out held.jsonl \\
         --out runs/panel --half 24 --steps 30 [training flags: --lr 1e-5 --n 8 --max-response-tokens 16 ...]
-    python graft.py panel report runs/panel                                  # re-print from the files
+    python graft.py panel report runs/panel      # re-print from the files; a running panel: the steps done
     bash run_pair.sh real                                                    # the real pair (README)
 """
 
