@@ -12,8 +12,9 @@ puts exactly those prompts in front of both methods and reads what they did from
   2. The runs. From the same checkpoints and with the same flags: GRPO for each model alone and the GRAFT
      pair, each training on the whole fixed set every step (--steps steps, 2 x --half prompts per step),
      one run per seed; with --deltas, one more GRAFT pair per extra compatibility floor (arm
-     "graft_d<delta>", labelled in every table). Every process is `graft.py train`, so the reward, the
-     swap, the gate and the update are the trainer's own (the reward through its --reward seam).
+     "graft_d<delta>", labelled in every table). Every process is `graft.py train` (and `graft.py eval`),
+     so the reward, the swap, the gate and the update are the trainer's own: a reward flag among the
+     training flags reaches every process.
   3. The held-out set (--held-out, problems of the same kinds, never trained on): each model before RL and
      each arm's final checkpoint of each model evaluated by `graft.py eval` with --eval-samples k at the
      training temperature: pass@1 (avg@k) before and after, overall and per kind ("family" of the rows).
