@@ -631,7 +631,8 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
     out.append(f"GRPO for each model alone and the GRAFT pair ({'balanced swap' if balance else '--no-balance'}, "
                + ", ".join(f"{a.label}: delta {delta[a.label]:g}" for a in pairs)
                + f") from the same checkpoints, {steps} steps x {len(halves['A']) + len(halves['B'])} prompts (the "
-               f"whole set) x n={train['n']}, lr {train['lr']:g}; {pc.seeds} seed(s)")
+               f"whole set) x n={train['n']}, lr {train['lr']:g}; {pc.seeds} seed(s)"
+               + "".join(f"; {m}'s own flags: {f}" for m, f in (("A", pc.flags_a), ("B", pc.flags_b)) if f))
     if partial:
         out.append(f"PARTIAL: the runs are still going; the first {steps} of {pc.steps} steps, finished by every run")
     out.append("train reward (%) from the rollout files: mean over the half's prompts, their rollouts and the "
