@@ -703,8 +703,10 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                            f"own {num(clip_own, '.4f')}")
         out += empty_directions(arm, {m: [x for s in range(pc.seeds) for x in received[(s, m)]] for m in MODELS},
                                 balance)
-    if pc.held_out and partial:
-        out.append("held-out: evaluated after the runs' last step")
+    evals = [os.path.join(pc.out, "eval", f"before_{m}.json") for m in MODELS] + [
+        os.path.join(run_folder(pc, s, a, m), "held_out.json") for s in range(pc.seeds) for a in arms for m in MODELS]
+    if pc.held_out and (partial or not all(os.path.exists(p) for p in evals)):
+        out.append("held-out: evaluated after the runs' last step" + ("" if partial else " (not all done yet)"))
     elif pc.held_out:
         text, rows = held_out_report(pc, arms)
         out += text
