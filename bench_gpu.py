@@ -44,6 +44,9 @@ import zlib
 from pathlib import Path
 
 import torch
+from config import Config
+from core import batch_indices
+from exchange import rollout_path, save_rollouts
 
 ROOT = Path(__file__).resolve().parent
 
@@ -296,7 +299,7 @@ def bench_pair_step(sz: dict, toks: dict, device: torch.device, tiny: bool, rows
     models = {"a": random_model("smollm3", toks["a"], tiny=tiny, dtype=torch.float32, device=device, seed=3),
               "b": random_model("qwen3", toks["b"], tiny=tiny, dtype=torch.float32, device=device, seed=4)}
     graft.load_policy = lambda path, cfg, dist_info, **kw: (models[Path(path).name], toks[Path(path).name],
-                                                            [toks[Path(path).name].eos_token_id])
+                                                      [toks[Path(path).name].eos_token_id])
     runtime.load_policy = graft.load_policy
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -311,18 +314,18 @@ def bench_pair_step(sz: dict, toks: dict, device: torch.device, tiny: bool, rows
                       device=device.type, save_every=10**6)
         reset_peak(device)
         with contextlib.redirect_stdout(io.StringIO()):
-            side_b = graft.Trainer(graft.Config(model=str(tmp / "b"), name="b", out=str(tmp / "run_b"), **common))
+            side_b = graft.Trainer(Config(model=str(tmp / "b"), name="b", out=str(tmp / "run_b"), **common))
             t0 = time.perf_counter()
-            rows_b = graft.batch_indices(len(side_b.data), 0, sz["prompts"], 0)
+            rows_b = batch_indices(len(side_b.data), 0, sz["prompts"], 0)
             own_b, t_b = side_b.rollout(0, rows_b)
-            graft.save_rollouts(graft.rollout_path(tmp / "run_b" / "exchange", "b", 0), own_b,
-                                {"run_id": side_b.run_id, "step": 0})
+            save_rollouts(rollout_path(tmp / "run_b" / "exchange", "b", 0), own_b,
+                          {"run_id": side_b.run_id, "step": 0})
             t_b["total"] = time.perf_counter() - t0
             side_b.model.to("cpu")  # the peer's weights leave the GPU; A trains next
             if tiny:  # the toy A tokenizer is character-level: B's text re-encodes ~4x longer
                 common["max_response_tokens"] *= 4
-            side_a = graft.Trainer(graft.Config(model=str(tmp / "a"), name="a", out=str(tmp / "run_a"),
-                                                peer_log=str(tmp / "run_b" / "exchange" / "b"), delta=0.0, **common))
+            side_a = graft.Trainer(Config(model=str(tmp / "a"), name="a", out=str(tmp / "run_a"),
+                                    peer_log=str(tmp / "run_b" / "exchange" / "b"), delta=0.0, **common))
             m = side_a.step(0)
     rows.append(("GRAFT step, B = Qwen3-1.7B shape: its rollouts",
                  ", ".join(f"{k} {v:.1f} s" for k, v in t_b.items()) + f" ({sz['prompts']} prompts x n={sz['n']}, "

@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 
 import graft
+from config import Config
 
 
 def trainer(run_dir: Path, side: str, out: Path, args, **kw) -> graft.Trainer:
-    cfg = graft.Config(model=str(run_dir / side), name=side.lower(), prompts=str(run_dir / "data" / "train.jsonl"),
-                       out=str(out), steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
-                       minibatches=4, max_response_tokens=args.max_response_tokens, prompt_template="{problem}\n",
-                       lr=args.lr, threads=1, micro_batch_size=64, gen_batch_size=512, seed=args.seed, **kw)
+    cfg = Config(model=str(run_dir / side), name=side.lower(), prompts=str(run_dir / "data" / "train.jsonl"),
+                 out=str(out), steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
+                 minibatches=4, max_response_tokens=args.max_response_tokens, prompt_template="{problem}\n",
+                 lr=args.lr, threads=1, micro_batch_size=64, gen_batch_size=512, seed=args.seed, **kw)
     with contextlib.redirect_stdout(io.StringIO()):
         return graft.Trainer(cfg)
 

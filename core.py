@@ -1,11 +1,12 @@
 """GRAFT's copyable core: pure functions on tensors (no globals, no device assumptions, nothing of ours).
 
-The method of Jang et al. (arXiv 2609.37868) as another trainer needs it: GRPO advantages, the
-selection of failed groups and the balanced swap (Eq. 4), the compatibility weight (Eqs. 6-8), the
-clipped token-level loss (Eqs. 9-10), the peer-last minibatch order, and the retokenisation of a
-peer's text. graft.py is this repository's trainer around these functions; README "The method,
-equation by equation" maps each equation to its function, "Porting to verl or TRL" says where each
-plugs in.
+The method of Jang et al. (arXiv 2609.37868) as another trainer needs it: the prompt order both sides
+of a pair share (batch_indices), GRPO advantages (also within groups of any size), the selection of
+failed groups and the balanced swap (Eq. 4), the retokenisation of a peer's text and its scoring under
+the receiver (score_received), the compatibility weight (Eqs. 6-8), the clipped token-level loss
+(Eqs. 9-10) and the peer-last minibatch order. graft.py is this repository's trainer around these
+functions; README "The method, equation by equation" maps each equation to its function, "Porting to
+verl or TRL" says where each plugs in.
 
 Copy this file alone into another trainer: it imports only the standard library and torch
 (test_port.py runs a copy of it in a fresh module, and drives a planted GRAFT step with it).
@@ -33,13 +34,28 @@ said on its line):
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 # ------------------------------------------------------------------------------------------------
 # The functions, in the order of one GRAFT step (graft.py's map)
 # ------------------------------------------------------------------------------------------------
+
+
+def batch_indices(num_prompts: int, step: int, prompts_per_step: int, data_seed: int) -> list[int]:
+    """The step's G = prompts_per_step dataset indices: a stream of seeded per-epoch permutations, cut into
+    consecutive batches. Returns a list of G ints in [0, num_prompts).
+
+    A pure function of (step, seed), so both sides of a pair and a resumed run see the same prompts, in the
+    same order: the order that every per-prompt tensor of the step (rewards (G, n), ...) follows.
+    """
+    start, out = step * prompts_per_step, []
+    while len(out) < prompts_per_step:
+        epoch, pos = divmod(start + len(out), num_prompts)
+        perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(data_seed * 100003 + epoch))
+        out.extend(perm[pos: pos + prompts_per_step - len(out)].tolist())
+    return out
 
 
 def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
@@ -59,6 +75,29 @@ def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6, std_normalize:
         adv = centered
     constant = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (G, 1): zero variance
     return torch.where(constant, torch.zeros_like(adv), adv)
+
+
+def masked_group_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6,
+                            std_normalize: bool = True) -> torch.Tensor:
+    """GRPO advantages a_i = (r_i - mean(r)) / (std(r) + eps) within each group of any size (ragged groups).
+
+    rewards: (P, M) float; mask: (P, M) bool, True on the first size_p slots of row p (left-aligned).
+    Returns (P, M) float, 0 on masked-out slots. The same formula as group_advantages (unbiased
+    std; a group of equal rewards, or of one, gets exactly 0), applied to each row's first size_p
+    entries: on full rows it equals group_advantages.
+    """
+    assert rewards.shape == mask.shape and rewards.dim() == 2, "rewards and mask must be (P, M) and equal"
+    m = mask.float()  # (P, M)
+    size = m.sum(dim=1, keepdim=True)  # (P, 1)
+    mean = (rewards.float() * m).sum(dim=1, keepdim=True) / size.clamp(min=1)  # (P, 1)
+    centered = (rewards.float() - mean) * m  # (P, M)
+    if std_normalize:
+        std = ((centered ** 2).sum(dim=1, keepdim=True) / (size - 1).clamp(min=1)).sqrt()  # (P, 1) unbiased
+        adv = centered / (std + eps)  # (P, M)
+    else:
+        adv = centered
+    constant = ((rewards == rewards[:, :1]) | ~mask).all(dim=1, keepdim=True)  # (P, 1): zero variance
+    return torch.where(constant | ~mask, torch.zeros_like(adv), adv)
 
 
 def success_counts(rewards: torch.Tensor, *, threshold: float = 0.5, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,6 +286,55 @@ def sequence_mean_logprob(*, logp: torch.Tensor, mask: torch.Tensor,
     total = (logp * mask).sum(dim=1)  # (B,)
     denom = mask.sum(dim=1) if num_bytes is None else num_bytes.to(logp.dtype)
     return total / denom.clamp(min=1)
+
+
+class Received(NamedTuple):
+    """score_received's answer for R peer responses, of which R' survived the length limit."""
+
+    index: list[int]  # (R',) positions in the input of the responses kept (the others were too long)
+    ids: list[list[int]]  # (R',) the receiver's token ids of each kept response (EOS appended if it ended)
+    logprobs: list[torch.Tensor]  # (R',) the receiver's behaviour log-probs, one (len(ids),) tensor each
+    lbar_recv: torch.Tensor  # (R',) Eq. 6 under the receiver, in compat_norm
+    lbar_src: torch.Tensor  # (R',) the source's lbar of the same responses
+    s: torch.Tensor  # (R',) compatibility scores (Eq. 6)
+    w: torch.Tensor  # (R',) weights (Eqs. 7-8; 1 each with compat_weight=False)
+
+
+def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, prompts: list[list[int]], *,
+                   tokenizer, eos_token_id: int, logprobs: Callable, max_response_tokens: int,
+                   compat_norm: str = "token", delta: float = 0.8, compat_weight: bool = True) -> Received:
+    """Retokenise R peer responses for the receiver and score them under it (Eqs. 6-8).
+
+    texts, eos: the peer's decoded responses and whether each ended with EOS; lbar_src: (R,) the
+    source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprobs(prompts,
+    responses) returns the receiver's behaviour log-probs, one (len,) tensor per response (the trainer's
+    sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
+    dropped: it is not in the answer's index. graft.py's Trainer.score_peer runs it on the received groups,
+    `graft.py preflight` on every sampled response, so the two cannot drift. Returns a Received; calls retokenize,
+    compatibility_scores and compatibility_weights.
+    """
+    assert len(texts) == len(eos) == len(prompts) == lbar_src.numel(), "one text, EOS flag, lbar and prompt each"
+    index, ids = [], []
+    for j, (text, ended) in enumerate(zip(texts, eos)):
+        r = retokenize(text, ended, tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
+        if r:  # None: too long; []: nothing left to score
+            index.append(j)
+            ids.append(r)
+    if not index:
+        empty = torch.zeros(0)
+        return Received([], [], [], empty, empty, empty, empty)
+    lps = logprobs([prompts[j] for j in index], ids)
+    lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',)
+    if compat_norm == "byte":  # not the paper's: the summed log-prob per UTF-8 byte
+        denom = [max(1, len(texts[j].encode("utf-8"))) for j in index]
+    else:  # Eq. 6: mean log-prob per receiver token
+        denom = [len(x) for x in ids]
+    lbar_recv = lp_sum / torch.tensor(denom, dtype=torch.float32)  # (R',)
+    src = lbar_src.float()[torch.tensor(index)]  # (R',)
+    s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=src)  # (R',) Eq. 6
+    w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight
+         else torch.ones_like(s))  # (R',) Eqs. 7-8
+    return Received(index, ids, lps, lbar_recv, src, s, w)
 
 
 class Mean(NamedTuple):

@@ -38,6 +38,7 @@ same files.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -330,6 +331,16 @@ def left_behind(exchange: Path, peer: str, run_id: str | None, theirs: int, mine
 # ------------------------------------------------------------------------------------------------
 # Run identity and liveness: a pair never mistakes another run's files for its own
 # ------------------------------------------------------------------------------------------------
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks (the prompts file of a run: --resume refuses a changed
+    one; a foreign log: its lbar cache is keyed on it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_json(path: Path) -> dict | None:
@@ -627,16 +638,3 @@ class Heartbeat:
 def write_failed(exchange: Path, name: str, run_id: str, error: str, *, attempt: int = 0) -> None:
     """The marker a dying side leaves so that its peer stops at once (read by wait_for_file)."""
     write_json(Path(exchange) / name / "FAILED", {"run_id": run_id, "attempt": attempt, "error": error})
-
-
-def batch_indices(num_prompts: int, step: int, prompts_per_step: int, data_seed: int) -> list[int]:
-    """Dataset rows of a step: a stream of seeded per-epoch permutations, cut into consecutive batches.
-
-    A pure function of (step, seed), so both sides of a pair and a resumed run see the same prompts.
-    """
-    start, out = step * prompts_per_step, []
-    while len(out) < prompts_per_step:
-        epoch, pos = divmod(start + len(out), num_prompts)
-        perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(data_seed * 100003 + epoch))
-        out.extend(perm[pos: pos + prompts_per_step - len(out)].tolist())
-    return out

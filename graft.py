@@ -13,29 +13,31 @@ behaviour policy carries the rest (Eqs. 9-10). Minibatches holding peer groups a
 that their ratios differ from 1 and clipping acts. A stored-trajectory variant reads a finished
 run's rollout files instead of a live peer.
 
-One GRAFT step, in call order (Trainer.step; each side of the pair runs the same code):
-    1. batch_indices            the step's G prompts, a pure function of (--data-seed, step)   exchange.py
-    2. Trainer.rollout          sample n per prompt, verify_batch -> rewards (G, n),
-                                group_advantages, behaviour log-probs by one forward
-    3. save_rollouts / load_rollouts   write this side's file, wait for and read the peer's     exchange.py
-    4. Trainer.select           received_groups -> balanced_swap -> graft_candidates (Eq. 4)
-    5. Trainer.score_peer       score_received: retokenize -> receiver log-probs ->
-                                compatibility_weights (Eqs. 6-8); `graft.py preflight` runs it too
-    6. Trainer.build_rows       own groups + the peer's retained responses with the peer's
-                                advantages and w: one Row per response
-    7. Trainer.update           minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
-                                -> policy_loss (Eqs. 9-10) -> one AdamW step
-    8. Trainer.log / save_checkpoint   one log line, a JSON metrics line (keys: METRICS; --report-to
-                                tensorboard|wandb also live), atomic checkpoints
-The copyable core (section 2, core.py) is everything a port to another trainer needs; sections 3-4 are
-this repository's trainer around it; the baselines (section 5) sit apart and never on GRAFT's path.
+One GRAFT step (Trainer.step, one call per phase; each side of the pair runs the same code):
+    core.batch_indices     the step's G prompts, a pure function of (--data-seed, step)
+    Trainer.rollout        sample n per prompt -> reward.rewards (--reward) -> rewards (G, n),
+                           group_advantages, behaviour log-probs by one forward
+    Trainer.publish        write this side's rollout file (exchange.save_rollouts)
+    Trainer.wait_for_peers wait for and read each peer's file (exchange.load_rollouts), or the stored log
+    Trainer.select         graft_select: graft_candidates (Eq. 4) -> the balanced swap, computed once
+    Trainer.score          graft_score: Trainer.score_peer -> core.score_received: retokenize ->
+                           receiver log-probs -> compatibility_weights (Eqs. 6-8); `graft.py preflight` too
+    Trainer.build_rows     graft_rows: own groups + the peer's retained responses with the peer's
+                           advantages and w: one Row per response
+    Trainer.update         minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
+                           -> policy_loss (Eqs. 9-10) -> one AdamW step
+then Trainer.fit logs the step (Trainer.log: one line, a JSON metrics line, keys metrics.METRICS; --report-to
+tensorboard|wandb also live) and keeps atomic checkpoints. select, score and build_rows run the variant's
+three functions (VARIANTS, section 4): GRAFT's rule is section 3, each ablation a small function it calls where
+its flag says so; HACPO, SGT and LUFFY are entries of the same registry, apart from GRAFT's path.
 
-File order: 1 Config (config.py) -> 2 the copyable core (core.py) -> 3 records -> 4 the trainer -> 5
-baselines -> 6 evaluation -> 7 CLI (`graft.py plot` is plot.py). The satellites are imported once at the
-top and run one way: graft.py -> offline.py (the stored peer) -> runtime.py (ranks, precision, loading,
-the run's files) -> exchange.py (the rollout file); config.py, core.py, sampler.py (the sampler and the
-chunked log-prob kernel) and verify.py (the reward) import nothing of ours, so each can be copied alone
-(test_docs.py checks it).
+File order: 1 records and metrics -> 2 the trainer -> 3 GRAFT's rule -> 4 baselines and VARIANTS -> 5
+evaluation -> 6 CLI. Every dependency is an import, and imports run one way: graft.py -> foreign.py (the
+stored peer) -> reward.py (the reward seam), runtime.py (ranks, precision, loading, the run's files) ->
+exchange.py (the rollout file); metrics.py holds the metrics table; preflight.py, complement.py and plot.py
+are imported by their commands. config.py (the Config, its checks, the CLI), core.py (the copyable core: pure
+functions on tensors), sampler.py (the sampler and the chunked log-prob kernel) and verify.py (the default
+reward) import nothing of ours, so each can be copied alone (test_docs.py checks it).
 The Trainer keeps its file keeping as the mixin runtime.RunFiles rather than a self.files object:
 those methods read a dozen of the trainer's fields (cfg, dist, model, opt, best_score, ...), and
 handing them over on every call would add plumbing to the step without making it easier to read.
@@ -78,7 +80,7 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
      is dropped; core.decode_response), the verifier reads it cut before the string (core.verifier_text),
      and its eos flag is False: a receiver retokenises the text, stop string included, without appending
      its EOS, so it learns to end where the peer ended, by writing the stop string. A foreign --peer-log
-     response is cut the same way (offline.py choice 8).
+     response is cut the same way (foreign.py choice 5).
 
 Our extensions beyond the paper (the paper's behaviour is unchanged when they are not used):
   * Three or more sides (`--peer-name b,c`): for each prompt a side fails on all n, the eligible
@@ -90,9 +92,9 @@ Our extensions beyond the paper (the paper's behaviour is unchanged when they ar
     whole assignment (metrics key "assignment", assignment_digest), so that agreement can be checked.
   * Foreign trajectories: `--peer-log FILE.jsonl` takes any collection of (problem, response)
     records as the stored peer, matched by id or problem text, re-verified, with advantages within
-    each prompt's group of any size (offline.py); `--peer-model` supplies a missing lbar.
+    each prompt's group of any size (foreign.py); `--peer-model` supplies a missing lbar.
   * `graft.py complement`: the paper's complementarity statistics for candidate models before a
-    pair run (offline.py); `graft.py preflight` samples two models and runs a step's selection and
+    pair run (complement.py); `graft.py preflight` samples two models and runs a step's selection and
     gate on the samples (preflight.py).
 
 Launch lines:
@@ -110,9 +112,6 @@ Launch lines:
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import inspect
 import json
 import math
 import os
@@ -126,29 +125,24 @@ from typing import Callable, NamedTuple
 
 import torch
 
-# The satellites, imported here once; the copyable core (core.py) uses none of them. Imports run one way:
-# graft.py -> offline.py -> runtime.py -> exchange.py; config.py, core.py, sampler.py and verify.py stand alone.
-import offline  # the stored peer at start (--peer-log) and `graft.py complement`
-from exchange import (ROLLOUT_FORMAT, ROLLOUT_VERSION, Heartbeat, StepRollouts, atomic_write,  # noqa: F401
-                      batch_indices, join_run, leave_run, load_rollouts, new_run_id, read_json, rollout_path,
-                      save_rollouts, wait_for_file, write_failed, write_json)  # the rollout file, run identity
-from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt,  # noqa: F401
-                     full_state_dicts, gather_lists, gathered, load_full_optimizer_state, load_policy,
-                     load_prompt_file, setup_distributed, shard, shard_policy, timed,
-                     unshard)  # ranks, precision, loading, FSDP2, the run's files: plumbing, not the method
-from config import Config  # noqa: F401  (the one dataclass; its field docstrings are the CLI's help)
-from core import (Mean, Swap, add_metrics, assignment_digest, balance_directions, balanced_swap,  # noqa: F401
-                  compatibility_scores, compatibility_weights, decode_response, graft_candidates, group_advantages,
-                  metric_values, minibatch_order, multi_peer_sources, policy_loss, received_groups, rescue_candidates,
-                  retokenize, seeded_generator, sequence_mean_logprob, success_counts, verifier_text)  # the core
-from sampler import Rollout, response_logprobs, sample, token_logprobs  # noqa: F401  (the sampler and kernel)
-
-# Sections 1 and 2 are files of their own, imported above: 1. Config is config.py (every field's docstring is also
-# its --help line, section 7), 2. the copyable core is core.py (pure functions on tensors).
+from config import CHOICES, Config, build_parser, config_from_args, validate_config  # the config, its checks, CLI
+from core import (Mean, add_metrics, assignment_digest, batch_indices, decode_response, graft_candidates,
+                  group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss, rescue_candidates,
+                  retokenize, score_received, seeded_generator, success_counts,
+                  verifier_text)  # the copyable core
+from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, checked at start
+from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
+                      wait_for_file)  # the rollout file
+from metrics import LiveReport  # --report-to
+from reward import check_golds, load_reward, rewards  # the reward seam: --reward, called in one place
+from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt, gather_lists,
+                     gathered, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed, shard,
+                     shard_policy, timed, unshard)  # ranks, precision, loading, FSDP2, the run's files: plumbing
+from sampler import Rollout, response_logprobs, sample  # the sampler and the chunked log-prob kernel
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. Records: what flows between the trainer's phases (plumbing: runtime.py)
+# 1. Records and metrics: what flows between the trainer's phases, and what each step logs
 # ------------------------------------------------------------------------------------------------
 
 
@@ -163,7 +157,7 @@ class Row:
     adv: float
     weight: float = 1.0
     is_peer: bool = False
-    kind: str = "pg"  # pg = Eqs. 9-10 (GRPO, GRAFT and its ablations); other kinds: section 5
+    kind: str = "pg"  # pg = Eqs. 9-10 (GRPO, GRAFT and its ablations); other kinds: section 4
 
 
 class SampledResponse(NamedTuple):
@@ -196,192 +190,27 @@ class LossKind:
     uses_advantage: bool = True  # True: rows with a = 0 give exactly zero gradient and skip the forward
 
 
-LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs in section 5
+LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs in section 4
 
 
-# ------------------------------------------------------------------------------------------------
-# 4. The trainer: one side of GRAFT (or plain GRPO), its step in the order of the map above
-# ------------------------------------------------------------------------------------------------
+class RowBatch(NamedTuple):
+    """One row kind's slice of a micro-batch, as the baselines' loss functions take it."""
+
+    logp: torch.Tensor  # (B, T) current-policy log-probs, with grad
+    old_logp: torch.Tensor  # (B, T) behaviour log-probs
+    advantages: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T) bool, response tokens
+    weights: torch.Tensor  # (B,)
+    is_peer: torch.Tensor  # (B,) bool
 
 
-def unreadable_golds(rows: list[dict], *, workers: int = 0) -> list[str]:
-    """Ids of the prompts whose gold answer verify.py cannot read: the response "\\boxed{<gold>}"
-    does not match the gold itself (an unbalanced brace, say), so every response to them scores 0."""
-    from verify import verify_batch
-    scores = verify_batch([f"\\boxed{{{r['answer']}}}" for r in rows], [r["answer"] for r in rows], workers=workers)
-    return [r["id"] for r, score in zip(rows, scores) if score <= 0]
-
-
-def check_golds(rows: list[dict], cfg: Config, *, main: bool = True) -> None:
-    """Warn about the prompts of --prompts that always score 0 (unreadable_golds), or stop with --strict."""
-    bad = unreadable_golds(rows, workers=cfg.verify_workers)
-    if not bad:
-        return
-    msg = (f"--prompts {cfg.prompts}: {len(bad)} of {len(rows)} gold answers cannot be read by verify.py "
-           f"(\\boxed{{gold}} does not match the gold), so those prompts always score 0; first ids: "
-           f"{', '.join(bad[:5])}")
-    if cfg.strict:
-        raise SystemExit(f"{msg} (--strict)")
-    if main:
-        print(f"WARNING: {msg} (fix or drop them; --strict makes this an error)", file=sys.stderr, flush=True)
-
-
-class Received(NamedTuple):
-    """score_received's answer for R peer responses, of which R' survived the length limit."""
-
-    index: list[int]  # (R',) positions in the input of the responses kept (the others were too long)
-    ids: list[list[int]]  # (R',) the receiver's token ids of each kept response (EOS appended if it ended)
-    logprobs: list[torch.Tensor]  # (R',) the receiver's behaviour log-probs, one (len(ids),) tensor each
-    lbar_recv: torch.Tensor  # (R',) Eq. 6 under the receiver, in --compat-norm
-    lbar_src: torch.Tensor  # (R',) the source's lbar of the same responses
-    s: torch.Tensor  # (R',) compatibility scores (Eq. 6)
-    w: torch.Tensor  # (R',) weights (Eqs. 7-8; 1 each with compat_weight=False)
-
-
-def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, prompts: list[list[int]], *,
-                   tokenizer, eos_token_id: int, logprobs: Callable, max_response_tokens: int,
-                   compat_norm: str = "token", delta: float = 0.8, compat_weight: bool = True) -> Received:
-    """Retokenise R peer responses for the receiver and score them under it (Eqs. 6-8).
-
-    texts, eos: the peer's decoded responses and whether each ended with EOS; lbar_src: (R,) the
-    source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprobs(prompts,
-    responses) returns the receiver's behaviour log-probs, one (len,) tensor per response (the trainer's
-    sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
-    dropped: it is not in the answer's index. Trainer.score_peer runs it on the received groups,
-    `graft.py preflight` on every sampled response, so the two cannot drift.
-    """
-    assert len(texts) == len(eos) == len(prompts) == lbar_src.numel(), "one text, EOS flag, lbar and prompt each"
-    index, ids = [], []
-    for j, (text, ended) in enumerate(zip(texts, eos)):
-        r = retokenize(text, ended, tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
-        if r:  # None: too long; []: nothing left to score
-            index.append(j)
-            ids.append(r)
-    if not index:
-        empty = torch.zeros(0)
-        return Received([], [], [], empty, empty, empty, empty)
-    lps = logprobs([prompts[j] for j in index], ids)
-    lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',)
-    if compat_norm == "byte":  # departure 2
-        denom = [max(1, len(texts[j].encode("utf-8"))) for j in index]
-    else:  # Eq. 6: mean log-prob per receiver token
-        denom = [len(x) for x in ids]
-    lbar_recv = lp_sum / torch.tensor(denom, dtype=torch.float32)  # (R',)
-    src = lbar_src.float()[torch.tensor(index)]  # (R',)
-    s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=src)  # (R',) Eq. 6
-    w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight
-         else torch.ones_like(s))  # (R',) Eqs. 7-8
-    return Received(index, ids, lps, lbar_recv, src, s, w)
-
-
-# What each line of metrics.jsonl holds (README "Metrics"; metrics_markdown prints the table). <kind> is a
-# row kind of LOSS_KINDS with the policy_loss keys (pg; HACPO's hacpo_own and hacpo_peer). "Through the
-# loss" = the tokens or responses of retained rows (w > 0) with a != 0: rows with a = 0 give exactly zero
-# gradient and skip the forward (their tokens stay in the loss denominator). Loss metrics are over the
-# whole step: sums and counts added over micro-batches, minibatches and ranks, divided once (graft.Mean);
-# a mean over nothing is left out of that step's line.
-METRICS: dict[str, str] = {
-    "step": "RL step, from 0.",
-    "reward": "Mean reward of this side's G x n rollouts.",
-    "response_len": "Mean length in tokens of this side's G x n rollouts.",
-    "eos_frac": "Share of this side's G x n rollouts that ended with EOS.",
-    "all_fail": "Share of the G prompts on which all n own rollouts fail.",
-    "all_pass": "Share of the G prompts on which all n own rollouts pass.",
-    "candidates_in": "Prompts where this side fails all n and a peer is mixed (Eq. 4, before balancing).",
-    "candidates_out": "Prompts where a peer fails all n and this side is mixed.",
-    "peer_reward": "Mean reward of every peer response of the step (re-verified for a stored peer).",
-    "assignment": "Fingerprint of the step's whole exchange (online, --selection graft): equal on every process.",
-    "selected": "Peer groups this side received (after balancing).",
-    "selected/<peer>": "Groups received from one peer (three or more sides).",
-    "accepted/<peer>": "Responses accepted from one peer (three or more sides).",
-    "peer_responses": "Responses in the received groups.",
-    "dropped_length": "Received responses longer than --max-response-tokens after retokenisation (dropped).",
-    "accepted": "Received responses with w > 0 (they enter the update).",
-    "rejected": "Received responses with w = 0 (s <= delta: removed).",
-    "mean_s": "Mean s over every scored received response (accepted and rejected); NaN when none.",
-    "mean_w": "Mean w over the accepted responses; NaN when none.",
-    "capability_ratio": "HACPO: the capability ratio c of this step.",
-    "grad_norm": "Gradient norm before clipping, mean over the step's optimizer steps.",
-    "zero_adv_frac": "Share of the step's rows with advantage 0 (all-fail and all-pass groups).",
-    "minibatches": "Minibatches (optimizer steps) of the step.",
-    "peer_minibatches": "Minibatches holding a peer row.",
-    "<kind>/loss": "The step's token-mean of the surrogate (Eq. 10): summed over every minibatch, over the "
-                   "retained tokens of every minibatch.",
-    "<kind>/clipfrac": "Clipped tokens over all tokens through the loss (verl's pg_clipfrac).",
-    "<kind>/clipfrac_own": "Clipped own tokens over own tokens through the loss.",
-    "<kind>/clipfrac_peer": "Clipped peer tokens over peer tokens through the loss; absent when the step has none.",
-    "<kind>/approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean over the tokens through the loss.",
-    "<kind>/approx_kl_k1": "k1 estimate, mean of log pi_old - log pi_theta over the tokens through the loss "
-                           "(verl's ppo_kl).",
-    "<kind>/ratio_mean": "Mean ratio pi_theta / pi_old over the tokens through the loss.",
-    "<kind>/mean_weight": "Mean w over the responses through the loss (own responses w = 1).",
-    "<kind>/peer_mean_weight": "Mean w over the peer responses through the loss; absent when none.",
-    "<kind>/tokens": "Tokens through the loss.",
-    "<kind>/own_tokens": "Own tokens through the loss.",
-    "<kind>/peer_tokens": "Peer tokens through the loss.",
-    "luffy/loss": "LUFFY's peer-token term: its share of the step's token-mean.",
-    "luffy/peer_prob_mean": "LUFFY: mean pi_theta over its peer tokens.",
-    "luffy/peer_tokens": "LUFFY: peer tokens through its term.",
-    "nll/loss": "SGT's NLL term, coefficient included: the step's token-mean over its own tokens.",
-    "nll/nll": "SGT: mean negative log-likelihood per token of the rescue responses.",
-    "nll/nll_tokens": "SGT: tokens of the rescue responses.",
-    "time/<phase>": "Seconds of the step in sample, verify, logprob, write, wait, exchange, update; "
-                    "time/step: the whole step.",
-    "eval/<benchmark>": "--eval-every: pass@1 (avg@k) on one benchmark.",
-    "eval/mean": "--eval-every: unweighted mean of the benchmarks' pass@1.",
-}
-
-
-def metric_doc(key: str) -> str | None:
-    """METRICS' line for a logged key, matching <...> placeholders as one path part; None if unknown."""
-    if key in METRICS:
-        return METRICS[key]
-    parts = key.split("/")
-    for pattern, doc in METRICS.items():
-        pp = pattern.split("/")
-        if len(pp) == len(parts) and all(a == b or a.startswith("<") for a, b in zip(pp, parts)):
-            return doc
-    return None
-
-
-def metrics_markdown() -> str:
-    """README's metrics table, generated from METRICS."""
-    escaped = {k: v.replace("|", "\\|") for k, v in METRICS.items()}  # a | inside a cell ends it
-    return "| key | what it is, and what it is a mean over |\n|---|---|\n" + "".join(
-        f"| `{k}` | {v} |\n" for k, v in escaped.items())
-
-
-def report_values(m: dict) -> dict[str, float]:
-    """The numeric, finite entries of one metrics line, for a live dashboard (step is the x axis)."""
-    return {k: float(v) for k, v in m.items() if k != "step" and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
-
-
-class LiveReport:
-    """--report-to: each metrics line also goes to TensorBoard (<out>/tensorboard) or Weights & Biases,
-    same keys, step as the x axis; rank 0 only. Both packages are optional (validate_config checks)."""
-
-    def __init__(self, kind: str, out: Path, cfg: Config):
-        self.kind = kind
-        if kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
-        else:  # wandb: WANDB_PROJECT / WANDB_MODE etc. from the environment, as wandb reads them
-            import wandb
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "graft"), name=f"{out.name}-{cfg.name}",
-                                  dir=str(out), config=dataclasses.asdict(cfg))
-
-    def log(self, m: dict) -> None:
-        values = report_values(m)
-        if self.kind == "tensorboard":
-            for k, v in values.items():
-                self.writer.add_scalar(k, v, global_step=int(m["step"]))
-            self.writer.flush()  # a killed run keeps every logged step
-        else:
-            self.run.log(values, step=int(m["step"]))
-
-
-REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+def rollout_metrics(own: StepRollouts) -> dict[str, float]:
+    """The metrics of this side's own G x n rollouts of a step (metrics.METRICS: reward ... all_pass)."""
+    n = own.rewards.shape[1]
+    k_own = success_counts(own.rewards)  # (G,)
+    return {"reward": float(own.rewards.mean()), "response_len": sum(len(t) for t in own.tokens) / len(own.tokens),
+            "eos_frac": float(own.eos.float().mean()), "all_fail": float((k_own == 0).float().mean()),
+            "all_pass": float((k_own == n).float().mean())}
 
 
 def _raise_on_signal(signum, frame):
@@ -399,6 +228,7 @@ class Trainer(RunFiles):
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
+        load_reward(cfg.reward)  # ValueError naming --reward, before anything loads
         self.cfg = cfg
         self.dist = setup_distributed(cfg)
         if cfg.threads:
@@ -409,7 +239,9 @@ class Trainer(RunFiles):
         self.mode = "online" if cfg.peer_exchange else "offline" if cfg.peer_log else "none"
         self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
         self.peers = cfg.peer_name.split(",") if self.mode == "online" else ["log"] if self.mode == "offline" else []
-        self.foreign = None  # a JSONL --peer-log: offline.ForeignLog
+        # The method's select, score and rows phases (section 4's registry); without a peer each is plain GRPO's.
+        self.variant = VARIANTS[cfg.variant] if self.mode != "none" else VARIANTS["graft"]
+        self.foreign: ForeignLog | None = None  # a JSONL --peer-log of foreign trajectories
         self.start_step, self.best_score = 0, -1.0
         self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)
         self.heartbeat: Heartbeat | None = None
@@ -433,7 +265,7 @@ class Trainer(RunFiles):
                              f"{cfg.prompts_per_step}")
         check_golds(self.data, cfg, main=self.dist.main)
         if self.mode == "offline":  # a rollout folder's run id, or a JSONL of foreign trajectories loaded once
-            self.peer_log_run, self.foreign = offline.open_peer_log(cfg, self.data, self.dist,
+            self.peer_log_run, self.foreign = open_peer_log(cfg, self.data, self.dist,
                                                                     start_step=self.start_step)
         else:
             self.peer_log_run = None
@@ -464,42 +296,36 @@ class Trainer(RunFiles):
         if self.dist.main:
             self.print_derived()
 
-    # -- the step, in the map's order -------------------------------------------------------------
+    # -- the step: one call per phase of the map -------------------------------------------------
 
     def step(self, step: int) -> dict:
-        """One RL step: rollouts -> exchange -> selection and scoring -> rows -> peer-last update."""
-        cfg = self.cfg
+        """One RL step, the map's phases in order (module docstring); each returns what the next takes."""
         t_start = time.time()
-        rows = batch_indices(len(self.data), step, cfg.prompts_per_step, cfg.data_seed)  # (G,) dataset rows
-        own, timings = self.rollout(step, rows)
-        if self.dist.main:
-            with timed(timings, "write"):
-                save_rollouts(rollout_path(self.exchange, cfg.name, step), own,
-                              {"model": cfg.model, "tokenizer": getattr(self.tok, "name_or_path", ""), "step": step,
-                               "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed,
-                               "run_id": self.run_id})
+        batch = batch_indices(len(self.data), step, self.cfg.prompts_per_step, self.cfg.data_seed)  # (G,) indices
+        own, timings = self.rollout(step, batch)
+        with timed(timings, "write"):
+            self.publish(step, own)
         with timed(timings, "wait"):
-            peers = self.peer_rollouts(step, own)
+            peers = self.wait_for_peers(step, own)
         with timed(timings, "exchange"):  # selection, retokenisation, compatibility scoring
-            train_rows, replaced, m = self.build_rows(step, rows, own, peers)
+            received, m_select = self.select(step, own, peers)
+            scored, m_score = self.score(step, batch, peers, received)
+            rows, replaced, m_rows = self.build_rows(batch, own, peers, received, scored)
         with timed(timings, "update"):
-            m |= self.update(step, train_rows, replaced)
-        m |= {"step": step, "reward": float(own.rewards.mean()),
-              "response_len": sum(len(t) for t in own.tokens) / len(own.tokens),
-              "eos_frac": float(own.eos.float().mean())}
-        m |= {f"time/{k}": v for k, v in timings.items()}
-        m["time/step"] = time.time() - t_start
-        return m
+            m_update = self.update(step, rows, replaced)
+        timings["step"] = time.time() - t_start
+        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update
+                | {f"time/{k}": v for k, v in timings.items()})
 
-    def rollout(self, step: int, rows: list[int]) -> tuple[StepRollouts, dict]:
-        """Sample n responses per prompt (this rank's share), verify, score: the whole batch on every
-        rank. Returns the step's rollouts (G prompts x n) and the phase timings in seconds."""
-        from verify import verify_batch
-        cfg, n, G = self.cfg, self.cfg.n, len(rows)
+    def rollout(self, step: int, batch: list[int]) -> tuple[StepRollouts, dict]:
+        """Sample n responses per prompt (this rank's share), score them with the reward, recompute their
+        behaviour log-probs: the whole batch on every rank. batch: the step's G dataset indices.
+        Returns the step's rollouts (G prompts x n) and the phase timings in seconds."""
+        cfg, n, G = self.cfg, self.cfg.n, len(batch)
         timings: dict[str, float] = {}
         flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
         mine = shard(flat, self.dist)
-        prompts = [self.prompt_ids[rows[r // n]] for r in mine]
+        prompts = [self.prompt_ids[batch[r // n]] for r in mine]
         gen = seeded_generator(cfg.seed, step, "sample", rank=self.dist.rank, device=self.dist.device)
         with gathered(self.policy), timed(timings, "sample"), self.amp():
             # One call for the whole share: at most --gen-batch-size rows in flight, a finished row's slot
@@ -513,21 +339,77 @@ class Trainer(RunFiles):
         with timed(timings, "verify"):
             # stored text: through the first stop string; the verifier reads it cut before (departure 11)
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
-            rewards = verify_batch([verifier_text(t, cfg.stop) for t in texts],
-                                   [self.data[rows[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
+            scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
+                             [self.data[batch[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
         with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
             old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
         scored = [SampledResponse(o.tokens, lp, txt, o.ended_with_eos, rw)
-                  for o, lp, txt, rw in zip(outs, old, texts, rewards)]
+                  for o, lp, txt, rw in zip(outs, old, texts, scores)]
         every = unshard(gather_lists(scored, self.dist), G * n, self.dist)  # G * n, response r = g * n + i
         rewards_t = torch.tensor([x.reward for x in every], dtype=torch.float32).view(G, n)  # (G, n)
         return StepRollouts(
-            prompt_ids=[self.data[i]["id"] for i in rows], tokens=[x.tokens for x in every],
+            prompt_ids=[self.data[i]["id"] for i in batch], tokens=[x.tokens for x in every],
             logprobs=[x.logprobs for x in every], texts=[x.text for x in every],
             eos=torch.tensor([x.ended_with_eos for x in every]).view(G, n), rewards=rewards_t,
             advantages=group_advantages(rewards_t, std_normalize=cfg.std_normalize)), timings
+
+    def publish(self, step: int, own: StepRollouts) -> None:
+        """Write this side's rollout file of the step (rank 0; atomic): what the peers read, and the stored log."""
+        cfg = self.cfg
+        if self.dist.main:
+            save_rollouts(rollout_path(self.exchange, cfg.name, step), own,
+                          {"model": cfg.model, "tokenizer": getattr(self.tok, "name_or_path", ""), "step": step,
+                           "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed,
+                           "run_id": self.run_id})
+
+    def wait_for_peers(self, step: int, own: StepRollouts) -> dict[str, StepRollouts]:
+        """The peers' rollouts of this step, by side name: each live peer's file (online, waited for), a
+        stored run's file or a foreign log's groups (offline, under the name "log"), or none (GRPO)."""
+        cfg = self.cfg
+        if self.mode == "none":
+            return {}
+        if self.foreign is not None:  # matched, re-verified and given advantages once, at start
+            return {"log": self.foreign.step(own.prompt_ids)}
+        if self.mode == "online":
+            out = {}
+            for name in self.peers:
+                path = rollout_path(self.exchange, name, step)
+                wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, attempt=self.attempt,
+                              join_by=self.join_by, me=cfg.name, dead_after=cfg.peer_dead_after)
+                out[name], _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.run_id)
+            return out
+        path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
+        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.peer_log_run)
+        # Stored logs are re-scored with our reward and their advantages recomputed from that
+        # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
+        golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
+        peer.rewards = torch.tensor(rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds,
+                                            workers=cfg.verify_workers), dtype=torch.float32).view_as(peer.rewards)
+        peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
+        return {"log": peer}
+
+    def select(self, step: int, own: StepRollouts,
+               peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
+        """Which groups this side receives: {peer: (G,) bool}, and metrics. The variant's rule (VARIANTS):
+        GRAFT's Eq. 4 and balanced swap (graft_select), or a baseline's."""
+        return self.variant.select(self, step, own, peers)
+
+    def score(self, step: int, batch: list[int], peers: dict[str, StepRollouts],
+              received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+        """The received groups' responses retokenised for this side and scored: {peer: [PeerResponse]}, and
+        metrics. GRAFT: Eqs. 6-8 (graft_score)."""
+        return self.variant.score(self, step, batch, peers, received)
+
+    def build_rows(self, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
+                   received: dict[str, torch.Tensor],
+                   scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
+        """The step's update rows, the (G,) bool mask of groups that came from a peer, and metrics.
+        GRAFT: its replacement rule (graft_rows)."""
+        return self.variant.rows(self, batch, own, peers, received, scored)
+
+    # -- what the phases call ----------------------------------------------------------------------
 
     def behaviour_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
         """Receiver log-probs (no grad) of the given responses, through the chunked path, micro-batched.
@@ -561,74 +443,13 @@ class Trainer(RunFiles):
             return self.policy(prompts, responses, **kw)
         return response_logprobs(self.model, prompts, responses, **kw)
 
-    def peer_rollouts(self, step: int, own: StepRollouts) -> dict[str, StepRollouts]:
-        """The peers' rollouts of this step, by side name: each live peer's file (online), a stored
-        run's file or a foreign log's groups (offline, under the name "log"), or none (GRPO)."""
-        cfg = self.cfg
-        if self.mode == "none":
-            return {}
-        if self.foreign is not None:  # matched, re-verified and given advantages once, at start
-            return {"log": self.foreign.step(own.prompt_ids)}
-        if self.mode == "online":
-            out = {}
-            for name in self.peers:
-                path = rollout_path(self.exchange, name, step)
-                wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, attempt=self.attempt,
-                              join_by=self.join_by, me=cfg.name, dead_after=cfg.peer_dead_after)
-                out[name], _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.run_id)
-            return out
-        path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
-        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.peer_log_run)
-        # Stored logs are re-verified with our verifier and their advantages recomputed from that
-        # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
-        from verify import verify_batch
-        golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        peer.rewards = torch.tensor(verify_batch([verifier_text(t, cfg.stop) for t in peer.texts], golds,
-                                                 workers=cfg.verify_workers),
-                                    dtype=torch.float32).view_as(peer.rewards)  # (G, n)
-        peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
-        return {"log": peer}
-
-    def select(self, step: int, own: StepRollouts, peers: dict[str, StepRollouts]) -> dict[str, torch.Tensor]:
-        """For each peer, a (G,) bool mask of the prompts whose group this side receives from it."""
-        cfg, n = self.cfg, self.cfg.n
-        k_own = success_counts(own.rewards)  # (G,)
-        k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
-        self.assignment = None
-        if self.mode == "online" and cfg.selection == "graft":
-            # The whole step's assignment, every side's row, as each process computes it: its fingerprint
-            # goes to the metrics, so that agreement between the processes can be checked afterwards.
-            sides = sorted([cfg.name, *peers])
-            src = multi_peer_sources(torch.stack([k_own if s_ == cfg.name else k[s_] for s_ in sides]), n,
-                                     balance=cfg.balance)  # (S, G)
-            self.assignment = assignment_digest(src, own.prompt_ids)
-            me = sides.index(cfg.name)
-            if len(peers) > 1:  # three or more sides: multi_peer_sources, our extension
-                return {name: src[me] == sides.index(name) for name in peers}
-        (name, peer), = peers.items()
-        if cfg.selection == "sgt":
-            return {name: rescue_candidates(k_recv=k_own, k_src=k[name])}  # ablation: SGT's rule, no balancing
-        if self.mode == "offline":  # one-way transfer: nothing to balance against
-            into_me = graft_candidates(k_recv=k_own, k_src=k[name], n=peer.sizes)
-        else:
-            into_me = received_groups(k_own=k_own, k_peer=k[name], n=n, own_is_a=cfg.name < name, balance=cfg.balance)
-            if self.assignment is not None:  # the pair's rule, read through multi_peer_sources (tested equal)
-                assert torch.equal(into_me, src[me] == sides.index(name)), f"step {step}: swap and assignment differ"
-        if cfg.selection == "random":
-            # Ablation: as many prompts as GRAFT would take, drawn among those where the peer is mixed.
-            pool = torch.nonzero((k[name] >= 1) & (k[name] < peer.sizes)).squeeze(1)
-            g = seeded_generator(cfg.seed, step, "select")
-            pick = pool[torch.randperm(pool.numel(), generator=g)[: int(into_me.sum())]]
-            into_me = torch.zeros_like(into_me)
-            into_me[pick] = True
-        return {name: into_me}
-
-    def score_peer(self, step: int, peer: StepRollouts, groups: list[int], rows: list[int], *,
+    def score_peer(self, step: int, peer: StepRollouts, groups: list[int], batch: list[int], *,
                    only_correct: bool = False) -> tuple[list[PeerResponse], int]:
         """Retokenise the peer's responses of the given groups and score them under the receiver.
 
         Returns a PeerResponse (receiver ids, receiver behaviour log-probs, w, s) for every response
-        that survived the length limit, and the number dropped by it (score_received does both).
+        that survived the length limit, and the number dropped by it (core.score_received does both).
+        only_correct: the peer's correct responses only (--transfer success).
         """
         cfg, n = self.cfg, peer.n  # the stride of r = g * n + i (a foreign log's widest group)
         picked = [(g, i) for g in groups for i in range(n)
@@ -636,95 +457,19 @@ class Trainer(RunFiles):
         lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, n); a foreign log may lack it unused
         sc = score_received([peer.texts[g * n + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
                             torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
-                            [self.prompt_ids[rows[g]] for g, _ in picked], tokenizer=self.tok,
+                            [self.prompt_ids[batch[g]] for g, _ in picked], tokenizer=self.tok,
                             eos_token_id=self.eos_id, logprobs=self.sharded_logprobs,
                             max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
                             delta=cfg.delta, compat_weight=cfg.compat_weight)
-        s, w = sc.s, sc.w
-        if cfg.acceptance == "random" and sc.index:
-            # Ablation: keep the gate's acceptance rate but draw the accepted responses at random;
-            # they keep min(s, 1) as weight, so only *which* responses pass changes.
-            k = int((w > 0).sum())
-            g_ = seeded_generator(cfg.seed, step, "accept")
-            pick = torch.randperm(len(sc.index), generator=g_)[:k]
-            w = torch.zeros_like(s)
-            w[pick] = s[pick].clamp(max=1.0) if cfg.compat_weight else 1.0
+        w = sc.w  # (R',)
+        if cfg.acceptance == "random" and sc.index:  # ablation
+            w = random_acceptance(sc.s, w, compat_weight=cfg.compat_weight,
+                                  generator=seeded_generator(cfg.seed, step, "accept"))
         out = []
-        for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), s.tolist()):
+        for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
             g, i = picked[j]
             out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
         return out, len(picked) - len(sc.index)
-
-    def build_rows(self, step: int, rows: list[int], own: StepRollouts,
-                   peers: dict[str, StepRollouts]) -> tuple[list[Row], torch.Tensor, dict]:
-        """The step's update rows, the (G,) bool mask of groups that came from a peer, and metrics.
-
-        GRAFT: the receiver's own groups, except those it receives, whose rows are the peer's retained
-        responses with the peer's advantages (computed on the peer's full group) and weights w.
-        peers: {side name: rollouts}, empty for plain GRPO.
-        """
-        cfg, n, G = self.cfg, self.cfg.n, len(rows)
-        k_own = success_counts(own.rewards)  # (G,)
-        m = {"all_fail": float((k_own == 0).float().mean()), "all_pass": float((k_own == n).float().mean())}
-        replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
-        own_adv = own.advantages.clone()  # (G, n)
-
-        def own_rows(g: int) -> list[Row]:
-            return [Row(g, self.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i],
-                        float(own_adv[g, i])) for i in range(n)]
-
-        if not peers:  # plain GRPO
-            return [r for g in range(G) for r in own_rows(g)], replaced, m
-        cand_in, cand_out = torch.zeros(G, dtype=torch.bool), torch.zeros(G, dtype=torch.bool)
-        for p in peers.values():
-            k_p = success_counts(p.rewards, mask=p.mask)  # (G,)
-            cand_in |= graft_candidates(k_recv=k_own, k_src=k_p, n=p.sizes)  # (G,) Eq. 4, this side receiving
-            cand_out |= graft_candidates(k_recv=k_p, k_src=k_own, n=n) & (p.sizes > 0)  # (G,) this side giving
-        m |= {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
-              "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
-        if cfg.variant in BASELINE_ROWS:  # HACPO and SGT build their rows their own way (section 5)
-            (peer,) = peers.values()
-            out, replaced, mb = BASELINE_ROWS[cfg.variant](self, step, rows, own, peer)
-            return out, replaced, m | mb
-
-        received = self.select(step, own, peers)  # {peer: (G,) bool}
-        if self.assignment is not None:
-            m["assignment"] = self.assignment
-        scored, kept, peer_adv = [], [], {}
-        dropped_len = offered = 0
-        for name, peer in peers.items():
-            groups = torch.nonzero(received[name]).squeeze(1).tolist()
-            got, dropped = self.score_peer(step, peer, groups, rows, only_correct=cfg.transfer == "success")
-            mine = [x for x in got if x.weight > 0]  # w = 0: removed before optimisation (departure 4)
-            scored += got
-            kept += [(name, x) for x in mine]
-            dropped_len += dropped
-            offered += int(peer.sizes[groups].sum()) if groups else 0
-            for g in groups:
-                peer_adv[g] = peer.advantages[g]  # the peer's, held fixed
-                if cfg.peer_advantages == "pooled":
-                    # Ablation: merge the receiver's (all-failed) group with the peer's; advantages over both.
-                    pooled = group_advantages(torch.cat([own.rewards[g], peer.rewards[g][peer.mask[g]]])[None],
-                                              std_normalize=cfg.std_normalize)[0]  # (n + size,)
-                    own_adv[g] = pooled[:n]
-                    peer_adv[g] = torch.zeros(peer.n).masked_scatter(peer.mask[g], pooled[n:])  # (peer.n,)
-            if len(peers) > 1:
-                m |= {f"selected/{name}": len(groups), f"accepted/{name}": len(mine)}
-        m |= {"selected": len(peer_adv), "peer_responses": offered, "dropped_length": dropped_len,
-              "accepted": len(kept), "rejected": len(scored) - len(kept),
-              "mean_s": float(torch.tensor([x.score for x in scored]).mean()) if scored else float("nan"),
-              "mean_w": float(torch.tensor([x.weight for _, x in kept]).mean()) if kept else float("nan")}
-        out = []
-        for g in range(G):
-            if g not in peer_adv or cfg.peer_advantages == "pooled":
-                out += own_rows(g)  # a received group replaces the receiver's own (all-failed) group
-        kind = "luffy" if cfg.variant == "luffy" else "pg"  # LUFFY: GRAFT's rows, its own peer-token loss
-        for name, x in kept:
-            adv = float(peer_adv[x.group][x.index % peers[name].n])
-            out.append(Row(x.group, self.prompt_ids[rows[x.group]], x.ids, x.old_logp, adv, weight=x.weight,
-                           is_peer=True, kind=kind))
-            replaced[x.group] = True
-        return out, replaced, m
 
     def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
         """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel.
@@ -749,7 +494,7 @@ class Trainer(RunFiles):
         self.model.train()
         # The optimizer's own parameters: under FSDP, module.parameters() can be the gathered copies.
         params = [p for group in self.opt.param_groups for p in group["params"]]
-        for k, mb in enumerate(mbs):
+        for mb_index, mb in enumerate(mbs):
             mb_rows = [r for g in mb.tolist() for r in by_group.get(g, [])]
             peer_mb.append(any(r.is_peer for r in mb_rows))
             # One token-mean denominator per pool, over the whole minibatch (departure 3); removed
@@ -778,12 +523,12 @@ class Trainer(RunFiles):
             mb_sums: dict[str, float | Mean] = {}  # this rank's sums over the minibatch's micro-batches
             for chunk in chunks:
                 with self.amp():
-                    loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, k)
+                    loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, mb_index)
                 if chunk is None:
                     loss, per_kind = loss * 0.0, {}
                 value = float(loss.detach())
                 if not math.isfinite(value):
-                    raise FloatingPointError(f"step {step}, minibatch {k}: the loss is {value}; stopped before "
+                    raise FloatingPointError(f"step {step}, minibatch {mb_index}: the loss is {value}; stopped before "
                                              f"the optimizer step ({self.resume_hint()})")
                 loss.backward()
                 for kind, mt in per_kind.items():
@@ -809,8 +554,8 @@ class Trainer(RunFiles):
             norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if self.policy is None
                          else clip_sharded_grad_norm_(params, cfg.grad_clip))
             if not math.isfinite(norm):
-                raise FloatingPointError(f"step {step}, minibatch {k}: the gradient norm is {norm}; stopped before "
-                                         f"the optimizer step ({self.resume_hint()})")
+                raise FloatingPointError(f"step {step}, minibatch {mb_index}: the gradient norm is {norm}; stopped "
+                                         f"before the optimizer step ({self.resume_hint()})")
             norms.append(norm)
             self.opt.step()
         m: dict = metric_values(step_sums, drop_empty=True)  # a mean over nothing is not logged
@@ -845,7 +590,7 @@ class Trainer(RunFiles):
                                        weights=w[sel], eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                                        dual_clip=cfg.dual_clip or None, ratio_level=cfg.ratio_level,
                                        is_peer=is_peer[sel], loss_denominator=denom)
-            else:  # a baseline's surrogate (section 5)
+            else:  # a baseline's surrogate (section 4)
                 part, mt = spec.fn(RowBatch(lp[sel], old[sel], adv[sel], mask[sel], w[sel], is_peer[sel]), cfg=cfg,
                                    denominator=denom, minibatch=mb_index)
             loss = loss + part
@@ -938,20 +683,145 @@ class Trainer(RunFiles):
             self.save_checkpoint(step, dest=self.ckpt_dir / "best")
         return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
 
-class RowBatch(NamedTuple):
-    """One row kind's slice of a micro-batch, as the baselines' loss functions take it."""
+# ------------------------------------------------------------------------------------------------
+# 3. GRAFT's rule: the select, score and rows phases of its step (VARIANTS["graft"]), and its ablations,
+#    each a small function that the rule calls where its flag says so
+# ------------------------------------------------------------------------------------------------
 
-    logp: torch.Tensor  # (B, T) current-policy log-probs, with grad
-    old_logp: torch.Tensor  # (B, T) behaviour log-probs
-    advantages: torch.Tensor  # (B,)
-    mask: torch.Tensor  # (B, T) bool, response tokens
-    weights: torch.Tensor  # (B,)
-    is_peer: torch.Tensor  # (B,) bool
+
+def exchange_counts(own: StepRollouts, peers: dict[str, StepRollouts],
+                    n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+    """Success counts of this side (G,) and of each peer (G,) on the step's prompts, and the metrics every
+    variant logs: the candidates of Eq. 4 both ways (before balancing) and the peers' mean reward."""
+    k_own = success_counts(own.rewards)  # (G,)
+    k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
+    cand_in, cand_out = torch.zeros_like(k_own, dtype=torch.bool), torch.zeros_like(k_own, dtype=torch.bool)
+    for name, p in peers.items():
+        cand_in |= graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes)  # (G,) Eq. 4, this side receiving
+        cand_out |= graft_candidates(k_recv=k[name], k_src=k_own, n=n) & (p.sizes > 0)  # (G,) this side giving
+    m = {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
+         "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
+    return k_own, k, m
+
+
+def graft_select(tr: Trainer, step: int, own: StepRollouts,
+                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Eq. 4 and the balanced swap: for each peer, the (G,) bool mask of the prompts whose group this side
+    receives. Online, the swap over every side's counts is computed once, by multi_peer_sources (with two
+    sides exactly the paper's balanced_swap; test_peers.py), and its fingerprint logged; from a stored
+    peer the transfer is one-way, with nothing to balance against."""
+    if not peers:  # plain GRPO
+        return {}, {}
+    cfg = tr.cfg
+    k_own, k, m = exchange_counts(own, peers, cfg.n)
+    if cfg.selection == "sgt":  # ablation: SGT's rescue rule, no balancing
+        return {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}, m
+    if tr.mode == "offline":
+        received = {name: graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes) for name, p in peers.items()}
+    else:
+        sides = sorted([cfg.name, *peers])  # one order on every process of the run
+        src = multi_peer_sources(torch.stack([k_own if s == cfg.name else k[s] for s in sides]), cfg.n,
+                                 balance=cfg.balance)  # (S, G) whose group each side receives, or -1
+        received = {name: src[sides.index(cfg.name)] == sides.index(name) for name in peers}
+        if cfg.selection == "graft":  # the fingerprint of the whole step's exchange: equal on every process
+            m["assignment"] = assignment_digest(src, own.prompt_ids)
+    if cfg.selection == "random":  # ablation (one peer: config.validate_config)
+        received = {name: random_selection(received[name], k_src=k[name], sizes=p.sizes,
+                                            generator=seeded_generator(cfg.seed, step, "select"))
+                    for name, p in peers.items()}
+    return received, m
+
+
+def graft_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
+                received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+    """Every response of the received groups retokenised and scored under the receiver (Eqs. 6-8), each with
+    its s and w (w = 0: rejected; it leaves before the update). --transfer success keeps only the peer's
+    correct responses (ablation)."""
+    if not peers:  # plain GRPO
+        return {}, {}
+    scored: dict[str, list[PeerResponse]] = {}
+    m: dict = {}
+    selected = offered = dropped_len = 0
+    for name, peer in peers.items():
+        groups = torch.nonzero(received[name]).squeeze(1).tolist()
+        scored[name], dropped = tr.score_peer(step, peer, groups, batch, only_correct=tr.cfg.transfer == "success")
+        selected, dropped_len = selected + len(groups), dropped_len + dropped
+        offered += int(peer.sizes[groups].sum()) if groups else 0
+        if len(peers) > 1:
+            m |= {f"selected/{name}": len(groups), f"accepted/{name}": sum(x.weight > 0 for x in scored[name])}
+    every = [x for got in scored.values() for x in got]
+    kept = [x for x in every if x.weight > 0]
+    return scored, m | {
+        "selected": selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
+        "rejected": len(every) - len(kept),
+        "mean_s": float(torch.tensor([x.score for x in every]).mean()) if every else float("nan"),
+        "mean_w": float(torch.tensor([x.weight for x in kept]).mean()) if kept else float("nan")}
+
+
+def graft_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
+               received: dict[str, torch.Tensor],
+               scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
+    """GRAFT's replacement: the receiver's own groups, except each group it receives, whose rows are the
+    peer's retained responses (w > 0, departure 4) with the peer's advantages, computed on the peer's full
+    group and held fixed, and weight w. Returns the rows, the (G,) bool mask of groups that reached the
+    update from a peer, and no metrics."""
+    cfg, n, G = tr.cfg, tr.cfg.n, len(batch)
+    own_adv = own.advantages.clone()  # (G, n)
+    peer_adv: dict[int, torch.Tensor] = {}  # group -> (peer.n,) advantages of the peer's group
+    for name, peer in peers.items():
+        for g in torch.nonzero(received[name]).squeeze(1).tolist():
+            peer_adv[g] = peer.advantages[g]
+            if cfg.peer_advantages == "pooled":  # ablation: the two groups merged, the own rows kept
+                own_adv[g], peer_adv[g] = pooled_advantages(own.rewards[g], peer.rewards[g], peer.mask[g],
+                                                            std_normalize=cfg.std_normalize)
+    rows = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own_adv[g, i]))
+            for g in range(G) if g not in peer_adv or cfg.peer_advantages == "pooled" for i in range(n)]
+    replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
+    for name, got in scored.items():
+        for x in got:
+            if x.weight > 0:  # w = 0: removed before optimisation
+                rows.append(Row(x.group, tr.prompt_ids[batch[x.group]], x.ids, x.old_logp,
+                                float(peer_adv[x.group][x.index % peers[name].n]), weight=x.weight, is_peer=True,
+                                kind=tr.variant.peer_kind))
+                replaced[x.group] = True
+    return rows, replaced, {}
+
+
+def random_selection(received: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
+                     generator: torch.Generator) -> torch.Tensor:
+    """Ablation --selection random: as many prompts as the rule selected ((G,) bool), drawn uniformly among
+    those where the source is mixed (k_src, sizes: (G,)). Returns (G,) bool."""
+    pool = torch.nonzero((k_src >= 1) & (k_src < sizes)).squeeze(1)  # (P,)
+    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(received.sum())]]
+    out = torch.zeros_like(received)  # (G,)
+    out[pick] = True
+    return out
+
+
+def random_acceptance(s: torch.Tensor, w: torch.Tensor, *, compat_weight: bool,
+                      generator: torch.Generator) -> torch.Tensor:
+    """Ablation --acceptance random: the gate's acceptance count, the accepted responses drawn at random.
+    s, w: (R,) scores and the gate's weights. They keep min(s, 1) as weight (1 without the compatibility
+    weight), so only which responses pass changes. Returns (R,) weights."""
+    pick = torch.randperm(s.numel(), generator=generator)[: int((w > 0).sum())]
+    out = torch.zeros_like(s)  # (R,)
+    out[pick] = s[pick].clamp(max=1.0) if compat_weight else 1.0
+    return out
+
+
+def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, peer_mask: torch.Tensor, *,
+                      std_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ablation --peer-advantages pooled: the receiver's group (n,) and the peer's (M,), masked, merged into
+    one group; GRPO advantages over both. Returns (n,) own and (M,) peer advantages (0 on padding)."""
+    n = own_rewards.numel()
+    pooled = group_advantages(torch.cat([own_rewards, peer_rewards[peer_mask]])[None],
+                              std_normalize=std_normalize)[0]  # (n + size,)
+    return pooled[:n], torch.zeros(peer_mask.numel()).masked_scatter(peer_mask, pooled[n:])
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. Baselines (README "Baselines and ablations"), apart from GRAFT's path: their losses, their row
-#    builders (BASELINE_ROWS, called by Trainer.build_rows) and their row kinds (LOSS_KINDS)
+# 4. Baselines (README "Baselines and ablations"), apart from GRAFT's path: their losses, their select,
+#    score and rows phases, their row kinds (LOSS_KINDS), and VARIANTS, the one registry of every method
 #
 # Choices the cited papers leave open are ours:
 #  * HACPO (arXiv 2603.02604): every prompt pools both models' n rollouts (no failure gating). The
@@ -969,7 +839,8 @@ class RowBatch(NamedTuple):
 #  * LUFFY-style: GRAFT's selection and weights; peer tokens use -w f(pi) a with f(pi) = pi / (pi + 0.1),
 #    behaviour probability 1, no clip, in the same token-mean as the own tokens.
 # The ablations of GRAFT itself (random selection/acceptance, pooled advantages, success-only, SGT's
-# selection rule, orders, no balancing, no weight, sequence ratio) are flags on GRAFT's own path.
+# selection rule, orders, no balancing, no weight, sequence ratio) are flags on GRAFT's own path (section 3).
+# --variant sgt is the SGT baseline (its NLL loss); --selection sgt only borrows its rescue rule for GRAFT.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -1007,51 +878,48 @@ def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
 def hacpo_advantages(*, r_own: torch.Tensor, r_peer: torch.Tensor, capability_ratio: float, eps: float = 1e-6):
     """HACPO's pooled advantages for one receiver (arXiv 2603.02604 as the GRAFT paper ran it).
 
-    r_own: (G, n) own rewards; r_peer: (G, m) the peer's rewards on the same prompts.
+    r_own: (G, n) own rewards; r_peer: (G, M) the peer's rewards on the same prompts.
     capability_ratio c = peer success rate / own success rate (rolling, clamped by the caller).
     The baseline is the capability-weighted mean of the pooled group, (sum r_own + c sum r_peer) /
-    (n + c m), and the scale is the unbiased std of the pooled 2n rewards. Returns (adv_own (G, n),
-    adv_peer (G, m)); groups whose pooled rewards are constant get 0.
+    (n + c M), and the scale is the unbiased std of the pooled 2n rewards. Returns (adv_own (G, n),
+    adv_peer (G, M)); groups whose pooled rewards are constant get 0.
     """
-    n, m = r_own.shape[1], r_peer.shape[1]
+    n, M = r_own.shape[1], r_peer.shape[1]
     r_own, r_peer = r_own.float(), r_peer.float()
     base = ((r_own.sum(1, keepdim=True) + capability_ratio * r_peer.sum(1, keepdim=True))
-            / (n + capability_ratio * m))  # (G, 1)
-    pooled = torch.cat([r_own, r_peer], dim=1)  # (G, n + m)
+            / (n + capability_ratio * M))  # (G, 1)
+    pooled = torch.cat([r_own, r_peer], dim=1)  # (G, n + M)
     std = pooled.std(dim=1, keepdim=True)  # (G, 1)
     constant = (pooled == pooled[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
-    adv = torch.where(constant, torch.zeros_like(pooled), (pooled - base) / (std + eps))  # (G, n + m)
+    adv = torch.where(constant, torch.zeros_like(pooled), (pooled - base) / (std + eps))  # (G, n + M)
     return adv[:, :n], adv[:, n:]
 
 
-def sgt_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
-             peer: StepRollouts) -> tuple[list[Row], torch.Tensor, dict]:
-    """SGT: plain GRPO rows plus, on each rescue prompt (receiver 0/n, peer >= 1), one correct peer
-    response drawn uniformly, trained with an NLL term (no weighting, no balancing)."""
-    cfg, n, G = tr.cfg, tr.cfg.n, len(rows)
-    out = [Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own.advantages[g, i]))
-           for g in range(G) for i in range(n)]
-    rescue = rescue_candidates(k_recv=success_counts(own.rewards), k_src=success_counts(peer.rewards, mask=peer.mask))
-    rescue = torch.nonzero(rescue).squeeze(1).tolist()
-    gen = seeded_generator(cfg.seed, step, "sgt")
-    picked = 0
-    for g in rescue:
-        correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
-        i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
-        ids = retokenize(peer.texts[g * peer.n + i], bool(peer.eos[g, i]), tr.tok,
-                         max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
-        if ids:
-            out.append(Row(g, tr.prompt_ids[rows[g]], ids, torch.zeros(len(ids)), 0.0, is_peer=True, kind="nll"))
-            picked += 1
-    return out, torch.zeros(G, dtype=torch.bool), {"selected": len(rescue), "accepted": picked}
+def hacpo_select(tr: Trainer, step: int, own: StepRollouts,
+                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
+    """HACPO: every prompt, no failure gating."""
+    _, _, m = exchange_counts(own, peers, tr.cfg.n)
+    G = own.rewards.shape[0]
+    return {name: torch.ones(G, dtype=torch.bool) for name in peers}, m | {"selected": G}
 
 
-def hacpo_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
-               peer: StepRollouts) -> tuple[list[Row], torch.Tensor, dict]:
-    """HACPO: every prompt pools both models' rollouts (no failure gating); capability-weighted
-    baseline, pooled std; own rows with a tight sequence-level clip, peer rows with the
-    cross-tokenizer sequence ratio and the capability coefficient (see hacpo_advantages)."""
-    cfg, n, G = tr.cfg, tr.cfg.n, len(rows)
+def hacpo_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
+                received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+    """HACPO: every peer response retokenised and scored under the receiver (hacpo_rows uses its
+    retokenisation and the source's lbar, not w)."""
+    (name, peer), = peers.items()
+    got, dropped_len = tr.score_peer(step, peer, torch.nonzero(received[name]).squeeze(1).tolist(), batch)
+    return {name: got}, {"accepted": len(got), "dropped_length": dropped_len}
+
+
+def hacpo_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
+               received: dict[str, torch.Tensor],
+               scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
+    """HACPO: both models' rollouts pooled on every prompt; capability-weighted baseline, pooled std;
+    own rows with a tight sequence-level clip, peer rows with the cross-tokenizer sequence ratio and the
+    capability coefficient (see hacpo_advantages)."""
+    cfg, n, G = tr.cfg, tr.cfg.n, len(batch)
+    (name, peer), = peers.items()
     history = tr.baseline_state.setdefault("hacpo_history", [])  # (own, peer) success rate per step
     history.append((float(own.rewards.mean()), float(peer.rewards.mean())))
     recent = history[-5:]  # rolling success rates, window 5 steps
@@ -1059,18 +927,54 @@ def hacpo_rows(tr: Trainer, step: int, rows: list[int], own: StepRollouts,
     peer_rate = sum(h[1] for h in recent) / len(recent)
     c = min(10.0, max(0.1, peer_rate / own_rate)) if own_rate > 0 else 10.0
     adv_own, adv_peer = hacpo_advantages(r_own=own.rewards, r_peer=peer.rewards, capability_ratio=c)  # (G, n), (G, n)
-    out = [Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]),
+    out = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]),
                kind="hacpo_own") for g in range(G) for i in range(n)]
-    scored, dropped_len = tr.score_peer(step, peer, list(range(G)), rows)
     lbar_src = peer.lbar(cfg.compat_norm).view(-1)  # (G * n,)
-    for p in scored:
+    for p in scored[name]:
         # The peer's "old" log-prob per token is its own per-token mean: the sequence ratio is then
         # exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), the cross-tokenizer ratio.
         old = torch.full((len(p.ids),), float(lbar_src[p.index]))  # (T,)
-        out.append(Row(p.group, tr.prompt_ids[rows[p.group]], p.ids, old,
+        out.append(Row(p.group, tr.prompt_ids[batch[p.group]], p.ids, old,
                        float(adv_peer[p.group, p.index % n]), weight=c, is_peer=True, kind="hacpo_peer"))
-    m = {"selected": G, "accepted": len(scored), "dropped_length": dropped_len, "capability_ratio": c}
-    return out, torch.zeros(G, dtype=torch.bool), m
+    return out, torch.zeros(G, dtype=torch.bool), {"capability_ratio": c}
+
+
+def sgt_select(tr: Trainer, step: int, own: StepRollouts,
+               peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
+    """SGT's rescue rule: the receiver failed all n and the peer solved at least once (all-pass included)."""
+    k_own, k, m = exchange_counts(own, peers, tr.cfg.n)
+    received = {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}
+    return received, m | {"selected": sum(int(r.sum()) for r in received.values())}
+
+
+def sgt_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
+              received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+    """SGT: on each rescue prompt one correct peer response drawn uniformly (seeded per step) and
+    retokenised; nothing is scored under the receiver (the NLL term needs no behaviour log-probs)."""
+    cfg = tr.cfg
+    (name, peer), = peers.items()
+    gen = seeded_generator(cfg.seed, step, "sgt")
+    picked = []
+    for g in torch.nonzero(received[name]).squeeze(1).tolist():
+        correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
+        i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
+        ids = retokenize(peer.texts[g * peer.n + i], bool(peer.eos[g, i]), tr.tok,
+                         max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
+        if ids:  # s is not computed: NaN
+            picked.append(PeerResponse(g, g * peer.n + i, ids, torch.zeros(len(ids)), 1.0, float("nan")))
+    return {name: picked}, {"accepted": len(picked)}
+
+
+def sgt_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
+             received: dict[str, torch.Tensor],
+             scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
+    """SGT: plain GRPO rows plus one NLL row per picked rescue response (no weighting, no replacement)."""
+    n, G = tr.cfg.n, len(batch)
+    out = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i],
+               float(own.advantages[g, i])) for g in range(G) for i in range(n)]
+    out += [Row(x.group, tr.prompt_ids[batch[x.group]], x.ids, x.old_logp, 0.0, is_peer=True, kind="nll")
+            for got in scored.values() for x in got]
+    return out, torch.zeros(G, dtype=torch.bool), {}
 
 
 def _luffy(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
@@ -1094,7 +998,6 @@ def _sgt_nll(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
     return nll_loss(b.logp, b.mask, coef=cfg.sgt_coef, loss_denominator=denominator)
 
 
-BASELINE_ROWS: dict[str, Callable] = {"hacpo": hacpo_rows, "sgt": sgt_rows}
 LOSS_KINDS.update({
     "luffy": LossKind(fn=_luffy),
     "hacpo_own": LossKind(fn=_hacpo_own),
@@ -1103,8 +1006,28 @@ LOSS_KINDS.update({
 })
 
 
+class Variant(NamedTuple):
+    """One method as the three phases of Trainer.step that differ between methods: which groups a side
+    receives (select), which of their responses it keeps, retokenised and scored (score), and the update
+    rows they become (rows). Adding a variant is one entry of VARIANTS and one value of config.Config.variant."""
+
+    select: Callable  # (trainer, step, own, peers) -> ({peer: (G,) bool}, metrics)
+    score: Callable  # (trainer, step, batch, peers, received) -> ({peer: [PeerResponse]}, metrics)
+    rows: Callable  # (trainer, batch, own, peers, received, scored) -> (rows, (G,) bool from a peer, metrics)
+    peer_kind: str = "pg"  # the Row.kind of received responses in graft_rows (LUFFY: its peer-token loss)
+
+
+VARIANTS: dict[str, Variant] = {
+    "graft": Variant(graft_select, graft_score, graft_rows),  # section 3
+    "luffy": Variant(graft_select, graft_score, graft_rows, peer_kind="luffy"),  # GRAFT's rows, LUFFY's loss
+    "hacpo": Variant(hacpo_select, hacpo_score, hacpo_rows),
+    "sgt": Variant(sgt_select, sgt_score, sgt_rows),
+}
+assert set(VARIANTS) == set(CHOICES["variant"]), "config.Config.variant must list exactly the entries of VARIANTS"
+
+
 # ------------------------------------------------------------------------------------------------
-# 6. Evaluation: avg@k = pass@1 with the training prompt and verifier (paper: T = 0.6, top-p 0.95, k = 8)
+# 5. Evaluation: avg@k = pass@1 with the training prompt and verifier (paper: T = 0.6, top-p 0.95, k = 8)
 # ------------------------------------------------------------------------------------------------
 
 BENCHMARKS = {"math500": "math500.jsonl", "aime2024": "aime2024.jsonl", "aime2025": "aime2025.jsonl",
@@ -1133,7 +1056,6 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
     Returns one dict per problem, in order: id, answer, correct (list of 0/1), and the responses
     when cfg.save_responses.
     """
-    from verify import verify_batch
     k = cfg.eval_samples
     jobs = [(p, j) for p in range(len(problems)) for j in range(k)]
     mine = shard(jobs, dist_info)
@@ -1152,7 +1074,7 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
              for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
-    scores = verify_batch(texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
+    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
     results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
     out = []
     for p, prob in enumerate(problems):
@@ -1223,191 +1145,29 @@ def run_eval(cfg: Config) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. CLI: built from the Config dataclass (flags = field names with dashes, help = field docstrings)
+# 6. CLI: config.build_parser's flags (field names with dashes, help = field docstrings), dispatched
 # ------------------------------------------------------------------------------------------------
-
-VARIANTS = ("graft", "hacpo", "sgt", "luffy")
-CHOICES = {
-    "variant": VARIANTS,
-    "order": ("peer_last", "peer_first", "uniform"),
-    "ratio_level": ("token", "sequence"),
-    "compat_norm": ("token", "byte"),
-    "selection": ("graft", "random", "sgt"),
-    "acceptance": ("gate", "random"),
-    "peer_advantages": ("source", "pooled"),
-    "transfer": ("all", "success"),
-    "device": ("auto", "cpu", "cuda"),
-    "dtype": ("auto", "float32", "bfloat16"),
-    "report_to": ("none", "tensorboard", "wandb"),
-}
-
-
-def validate_config(cfg: Config) -> None:
-    """Raise ValueError naming the flag for any bad value (bad user input fails early)."""
-    def bad(flag, msg):
-        raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
-    for f, allowed in CHOICES.items():
-        if getattr(cfg, f) not in allowed:
-            bad(f, f"{getattr(cfg, f)!r} is not one of {', '.join(allowed)}")
-    if not cfg.model:
-        bad("model", "is required (a hub id or a local folder)")
-    if cfg.n < 2:
-        bad("n", f"GRPO needs at least 2 rollouts per prompt (got {cfg.n}: every advantage would be 0)")
-    positive_ints = ("steps", "prompts_per_step", "max_prompt_tokens", "max_response_tokens", "gen_batch_size",
-                     "micro_batch_size", "logprob_chunk", "save_every", "keep_checkpoints", "eval_samples")
-    for f in positive_ints:
-        if getattr(cfg, f) < 1:
-            bad(f, f"must be >= 1, got {getattr(cfg, f)}")
-    for f in ("threads", "verify_workers", "eval_every", "eval_max_problems", "eval_max_tokens", "sgt_coef"):
-        if getattr(cfg, f) < 0:
-            bad(f, f"must be >= 0, got {getattr(cfg, f)}")
-    for f in ("lr", "grad_clip", "exchange_timeout", "peer_dead_after", "heartbeat_interval", "join_timeout",
-              "luffy_gamma"):
-        if not getattr(cfg, f) > 0:
-            bad(f, f"must be > 0, got {getattr(cfg, f)}")
-    if not 0 <= cfg.delta <= 1:
-        bad("delta", f"must be in [0, 1] (w = min(s, 1), so a floor above 1 rejects every peer response), "
-                     f"got {cfg.delta}")
-    if cfg.weight_decay < 0:
-        bad("weight_decay", f"must be >= 0, got {cfg.weight_decay}")
-    if "" in cfg.stop:
-        bad("stop", "an empty stop string would end every response at its first token")
-    if cfg.heartbeat_interval * 3 > cfg.peer_dead_after:
-        bad("heartbeat_interval", f"must be at most a third of --peer-dead-after ({cfg.peer_dead_after}), "
-                                  f"or a slow disk makes a live peer look dead")
-    if cfg.resume and cfg.force:
-        bad("force", "--force starts over and --resume continues: choose one")
-    if cfg.minibatches < 1 or cfg.minibatches > cfg.prompts_per_step:
-        bad("minibatches", f"must be in [1, prompts_per_step={cfg.prompts_per_step}]")
-    if not (0 <= cfg.eps_low < 1 and cfg.eps_high >= 0):
-        bad("eps_low", "needs 0 <= eps_low < 1 and eps_high >= 0")
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        bad("dual_clip", "verl's dual-clip constant must be > 1 (or 0 = off)")
-    if cfg.temperature < 0 or not (0 < cfg.top_p <= 1):
-        bad("temperature", "needs temperature >= 0 and 0 < top_p <= 1")
-    if cfg.peer_exchange and cfg.peer_log:
-        bad("peer_log", "choose one peer: --peer-exchange (online) or --peer-log (stored), not both")
-    peers = cfg.peer_name.split(",")
-    if cfg.peer_exchange and cfg.name in peers:
-        bad("peer_name", f"the peers' names must differ from --name ({cfg.name!r})")
-    if len(set(peers)) != len(peers):
-        bad("peer_name", f"{cfg.peer_name!r} names a peer twice")
-    for flag, v in [("name", cfg.name)] + [("peer_name", p) for p in peers]:
-        if not v or "/" in v or v.startswith(".") or v == "RUN":
-            bad(flag, f"{v!r} must be a plain folder name (not RUN, which the exchange dir uses)")
-    if len(peers) > 1:
-        if not cfg.peer_exchange:
-            bad("peer_name", "several peers need an online exchange (--peer-exchange)")
-        if cfg.variant in ("hacpo", "sgt") or cfg.selection != "graft":
-            bad("peer_name", "with several peers only GRAFT's own selection runs (variant graft or luffy, "
-                             "--selection graft)")
-    if cfg.peer_model and not Path(cfg.peer_log).is_file():
-        bad("peer_model", "scores a JSONL --peer-log of foreign trajectories; give that file as --peer-log")
-    if cfg.variant == "hacpo" and Path(cfg.peer_log).is_file():
-        bad("variant", "hacpo pools n own with n peer rollouts per prompt; a JSONL --peer-log has groups of any size")
-    if "{problem}" not in cfg.prompt_template:
-        bad("prompt_template", "must contain '{problem}'")
-    if cfg.report_to != "none":
-        import importlib.util
-        package = REPORT_PACKAGES[cfg.report_to]
-        if importlib.util.find_spec(package) is None:
-            bad("report_to", f"{cfg.report_to} needs the optional package {package!r}: pip install {package}")
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The one-line string under each dataclass field (attribute docstrings), read from the source.
-
-    The docstrings are the documentation of the config and of the CLI at the same time.
-    """
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).strip()
-    return docs
-
-
-
-EVAL_ALIASES = {"samples": "eval_samples", "temperature": "eval_temperature", "top_p": "eval_top_p"}
-# torchrun's own parser reads "--n" as an ambiguous abbreviation of its flags (Python argparse
-# classifies every "--x" before the script's arguments), so --n has a long spelling too.
-FLAG_ALIASES = {"n": "--rollouts"}
-
-
-def build_parser():
-    import argparse
-    docs = field_docs(Config)
-    parser = argparse.ArgumentParser(prog="graft.py", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("complement", add_help=False,
-                   help="how complementary candidate models are, before a pair run (graft.py complement -h)")
-    sub.add_parser("preflight", add_help=False,
-                   help="sample two models and report what a pair of them would exchange (graft.py preflight -h)")
-    sub.add_parser("panel", add_help=False,
-                   help="the mechanism panel: GRPO vs GRAFT on the prompts each model fails (graft.py panel -h)")
-    sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
-    for command in ("train", "eval"):
-        help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
-        p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        aliases = {v: k for k, v in EVAL_ALIASES.items()} if command == "eval" else {}
-        for f in dataclasses.fields(Config):
-            if command == "eval" and f.name in EVAL_ALIASES:
-                continue  # in eval, --temperature etc. mean the evaluation settings
-            flags = [f"--{f.name.replace('_', '-')}"]
-            flags += [f"--{aliases[f.name].replace('_', '-')}"] if f.name in aliases else []
-            flags += [FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else []
-            help_ = docs.get(f.name, "").replace("%", "%%")
-            help_ += f" choices: {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
-            if isinstance(f.default, bool):
-                p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=help_)
-            elif f.default is dataclasses.MISSING:  # a list field (--stop): repeat the flag for each item
-                p.add_argument(*flags, dest=f.name, action="append", default=f.default_factory(), metavar="STR",
-                               help=help_)
-            else:
-                p.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default, help=help_)
-    return parser
-
-
-def flags_markdown() -> str:
-    """The flag table of FLAGS.md, generated from Config."""
-    docs = field_docs(Config)
-    lines = ["| flag | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(Config):
-        default = repr(f.default_factory() if f.default is dataclasses.MISSING else f.default)
-        default = default if len(default) <= 30 else default[:27] + "..."
-        text = docs.get(f.name, "") + (f" Choices: {', '.join(CHOICES[f.name])}." if f.name in CHOICES else "")
-        lines.append(f"| `--{f.name.replace('_', '-')}` | `{default}` | {text.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
-
-
-def flags_document() -> str:
-    """FLAGS.md, whole (a test keeps the file equal to it):
-    python -c "import graft; print(graft.flags_document(), end='')" > FLAGS.md"""
-    return ("# Flags of `python graft.py train`\n\n"
-            "Generated from `graft.Config`, the one config dataclass, whose field docstrings are the help lines\n"
-            "(`python graft.py train --help` prints the same). Regenerate after changing a field:\n"
-            "`python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md`.\n\n" + flags_markdown())
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["complement"]:  # its own flags (offline.py): sources, --n, --batch-size
-        return offline.main_complement(argv[1:])
+    if argv[:1] == ["complement"]:  # its own flags (complement.py): sources, --n, --batch-size
+        import complement
+        return complement.main(argv[1:])
     if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
-        import preflight  # it never imports graft.py: it is handed this module, the trainer's functions
-        return preflight.main(argv[1:], core=sys.modules[__name__])
+        import preflight  # it imports what it runs from where it lives (core.py, reward.py, ...), never graft.py
+        return preflight.main(argv[1:])
     if argv[:1] == ["panel"]:  # its own flags (panel.py: two models, a pool, --half, --steps) + the training flags
-        import panel  # like preflight, it is handed this module and never imports graft.py
-        return panel.main(argv[1:], core=sys.modules[__name__])
+        import panel  # it runs graft.py's processes and reads their files, never imports graft.py
+        return panel.main(argv[1:])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         import plot  # matplotlib only there
         return plot.main(argv[1:])
     args = build_parser().parse_args(argv)
-    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
+    cfg = config_from_args(args)
     try:
         validate_config(cfg)
+        load_reward(cfg.reward)  # the user's reward imports and has the signature, before anything loads
     except ValueError as e:
         raise SystemExit(f"graft.py {args.command}: {e}")
     if args.command == "train":

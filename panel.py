@@ -68,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from config import build_parser as graft_parser, field_docs
 from core import assignment_digest, multi_peer_sources, success_counts
 from exchange import load_rollouts, rollout_path
 
@@ -782,14 +783,14 @@ def own_half_curves(pc: PanelConfig) -> dict[str, dict[str, list[list[float]]]]:
 # ------------------------------------------------------------------------------------------------
 
 
-def training_settings(flags: list[str], core) -> dict:
+def training_settings(flags: list[str]) -> dict:
     """The training flags, checked by graft.py's own parser: {"flags": the flags as given, and the settings the
     panel reads: n, temperature, top_p, delta, balance, lr}. A flag the panel sets itself is refused."""
     own = [f for f in flags if f.split("=")[0] in OWN_FLAGS]
     if own:
         raise SystemExit(f"panel: {', '.join(own)} is set by the panel for each process (see `panel -h`)")
     try:
-        args = core.build_parser().parse_args(["train", "--model", "-", "--prompts", "-"] + flags)
+        args = graft_parser().parse_args(["train", "--model", "-", "--prompts", "-"] + flags)
     except SystemExit:
         raise SystemExit(f"panel: the training flags {shlex.join(flags)!r} are not graft.py train's (above)") from None
     return {"flags": list(flags), **{k: getattr(args, k) for k in ("n", "temperature", "top_p", "delta", "balance",
@@ -877,10 +878,10 @@ def run_panel(pc: PanelConfig, train: dict, *, tag: str = "panel", command: str 
     return text
 
 
-def build_parser(core) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """PanelConfig's fields as flags (their docstrings are the help); the rest of the command line is the
     training flags (graft.py train's), given to every process."""
-    docs = core.field_docs(PanelConfig)
+    docs = field_docs(PanelConfig)
     # allow_abbrev=False: a training flag must never be read as an abbreviation of a panel flag (--delta is
     # a prefix of --deltas, --seed of --seeds)
     p = argparse.ArgumentParser(prog="graft.py panel", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -893,10 +894,10 @@ def build_parser(core) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str], *, core) -> int:
-    """`graft.py panel [panel flags] [training flags]`, or `graft.py panel report OUT` to print a finished
-    panel again. core: the graft module, as preflight.main takes it (graft.py imports this file for its
-    `panel` command, so this file never imports graft.py)."""
+def main(argv: list[str]) -> int:
+    """`graft.py panel [panel flags] [training flags]`, or `graft.py panel report OUT` to print a panel again
+    (a running one: the steps done). graft.py imports this file for its `panel` command, so this file never
+    imports graft.py: it runs graft.py's processes and reads their files."""
     if argv[:1] == ["report"]:
         if len(argv) != 2:
             raise SystemExit("usage: graft.py panel report OUT (the --out of a panel, finished or running)")
@@ -910,11 +911,11 @@ def main(argv: list[str], *, core) -> int:
         done = pc.steps if info["finished"] else steps_done(pc)
         if done == 0:
             raise SystemExit(f"panel report: {argv[1]}: no run has finished a step yet")
-        print(panel_report(pc, training_settings(info["train_flags"], core), steps=done)[0])
+        print(panel_report(pc, training_settings(info["train_flags"]), steps=done)[0])
         return 0
-    args, rest = build_parser(core).parse_known_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
     pc = PanelConfig(**vars(args))
-    train = training_settings(rest, core)
+    train = training_settings(rest)
     print(run_panel(pc, train, command="python graft.py panel " + shlex.join(argv)))
     return 0
 

@@ -1,6 +1,6 @@
 """Curves of GRAFT runs: `python graft.py plot RUN_DIR [RUN_DIR ...] [--out DIR] [--smooth K]`.
 
-Reads each run's metrics.jsonl (one JSON line per step, keys in graft.METRICS) and writes one PNG per
+Reads each run's metrics.jsonl (one JSON line per step, keys in metrics.METRICS) and writes one PNG per
 metric group of PLOT_GROUPS, one panel per key, one line per run, so the two sides of a pair or GRAFT
 next to GRPO share the axes. draw_curves is the same drawing for curves computed elsewhere (the tiny
 preset's mechanism panel, README's figure: `python tiny.py figure`). matplotlib is an optional

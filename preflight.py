@@ -11,7 +11,7 @@ Trainer.score_peer) and compatibility_weights at --delta and at other deltas. It
 writes the same figures, plus every response's cross-score, to a JSON file (atomically).
 
 Per direction src -> recv (the receiver learns from the source's groups) it reports:
-  * complementarity (the table `graft.py complement` prints, from the same code: offline.complement_rows):
+  * complementarity (the table `graft.py complement` prints, from the same code: complement.complement_rows):
     the receiver's all-fail prompts, the share of them that the source solves at least once, and the
     share on which the source's group is mixed (Eq. 4's candidates);
   * candidates on the sample and per step at --prompts-per-step, and what the balanced swap keeps (m);
@@ -31,7 +31,7 @@ Our choices (numbered so that reviews can cite them):
      the sample is exactly the pair's first batch; sampling uses the trainer's step-0 generator.
   2. The sample is one batch: selection runs on its G prompts as a step of those prompts would. Per-step
      figures at --prompts-per-step P scale the sample's counts by P / G; for the swap's m that is an upper
-     estimate (the mean of a per-step min is at most the min of the means; offline.py choice 3).
+     estimate (the mean of a per-step min is at most the min of the means; complement.py choice 3).
   3. The received figures are the cross-scores restricted to the received groups: score_received on all
      responses gives per response what Trainer.score_peer gives on those groups (test_preflight.py drives
      the trainer on the same samples and compares).
@@ -39,9 +39,9 @@ Our choices (numbered so that reviews can cite them):
      of the sample's mean length at the measured tokens/s, plus the behaviour log-prob pass scaled to
      P x n responses, plus an update estimated as 3 such passes (forward and backward). Each side on its
      own device; the preflight samples G x n rows, so at P x n rows on a GPU throughput is higher.
-  5. This file never imports graft.py (graft.py imports it for its `preflight` command; test_docs.py keeps
-     the import graph acyclic): graft.py hands its own module as `core`, so every function of a step that
-     the preflight calls is the trainer's, by object.
+  5. Every function of a step that the preflight runs is the trainer's own, imported from where it lives
+     (core.py, reward.py, runtime.py); this file never imports graft.py, which imports it for its
+     `preflight` command (test_docs.py keeps the import graph acyclic).
 
 Launch line:
     python graft.py preflight --model-a HuggingFaceTB/SmolLM3-3B-Base --model-b Qwen/Qwen3-1.7B-Base \\
@@ -51,7 +51,6 @@ Launch line:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -61,15 +60,20 @@ from pathlib import Path
 
 import torch
 
-import offline
-from exchange import StepRollouts, atomic_write, batch_indices
-from runtime import DistInfo, compute_context, encode_prompt, load_policy, load_prompt_file
+import complement
+from config import Config, add_config_flags, validate_config
+from core import (Received, batch_indices, compatibility_weights, decode_response, graft_candidates,
+                  group_advantages, received_groups, score_received, seeded_generator, success_counts,
+                  verifier_text)
+from exchange import StepRollouts, atomic_write
+from reward import load_reward, rewards, unreadable_golds
+from runtime import DistInfo, compute_context, encode_prompt, load_policy, load_prompt_file, setup_distributed
 from sampler import response_logprobs, sample
 
 # The training settings that a preflight shares with `graft.py train` (same flags, defaults and help).
-TRAINING_FLAGS = ("prompt_template", "chat_template", "trust_remote_code", "n", "prompts_per_step", "temperature",
-                  "top_p", "max_prompt_tokens", "max_response_tokens", "delta", "compat_norm", "compat_weight",
-                  "balance", "std_normalize", "seed", "data_seed", "device", "dtype", "gen_batch_size",
+TRAINING_FLAGS = ("reward", "prompt_template", "chat_template", "trust_remote_code", "n", "prompts_per_step",
+                  "temperature", "top_p", "max_prompt_tokens", "max_response_tokens", "delta", "compat_norm",
+                  "compat_weight", "balance", "std_normalize", "seed", "data_seed", "device", "dtype", "gen_batch_size",
                   "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "stop")
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_PASSES = 3.0  # choice 4: an update ~ one forward and one backward ~ three log-prob passes
@@ -84,7 +88,7 @@ class Side:
     """One model of the pair and its samples."""
 
     name: str
-    cfg: object  # graft.Config of this side
+    cfg: Config  # this side's
     model: object = None
     tok: object = None
     stop_ids: list = field(default_factory=list)
@@ -119,12 +123,11 @@ def load_side(side: Side, dist: DistInfo) -> None:
     side.load_s = time.time() - t0
 
 
-def roll_out(side: Side, core, rows: list[dict], dist: DistInfo) -> None:
+def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
     """Sample n per problem, verify, recompute behaviour log-probs: side.rollouts, as a step's rollout file."""
-    from verify import verify_batch
     cfg, n, G = side.cfg, side.cfg.n, len(rows)
     prompts = [side.prompt_ids[g] for g in range(G) for _ in range(n)]  # response r = g * n + i
-    gen = core.seeded_generator(cfg.seed, 0, "sample", rank=0, device=dist.device)
+    gen = seeded_generator(cfg.seed, 0, "sample", rank=0, device=dist.device)
     t0 = time.time()
     with torch.no_grad(), compute_context(cfg, dist):
         outs = sample(side.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
@@ -133,24 +136,24 @@ def roll_out(side: Side, core, rows: list[dict], dist: DistInfo) -> None:
                       tokenizer=side.tok, progress=sys.stderr.isatty())
     side.sample_s = time.time() - t0
     # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
-    texts = [core.decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
-    rewards = verify_batch([core.verifier_text(t, cfg.stop) for t in texts],
-                           [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
+    texts = [decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
+    scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
+                     [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
     t0 = time.time()
     old = side.logprobs(prompts, [o.tokens for o in outs])
     side.logprob_s = time.time() - t0
-    rewards_t = torch.tensor(rewards, dtype=torch.float32).view(G, n)  # (G, n)
+    rewards_t = torch.tensor(scores, dtype=torch.float32).view(G, n)  # (G, n)
     side.rollouts = StepRollouts(
         prompt_ids=[r["id"] for r in rows], tokens=[o.tokens for o in outs], logprobs=old, texts=texts,
         eos=torch.tensor([o.ended_with_eos for o in outs]).view(G, n), rewards=rewards_t,
-        advantages=core.group_advantages(rewards_t, std_normalize=cfg.std_normalize))
+        advantages=group_advantages(rewards_t, std_normalize=cfg.std_normalize))
 
 
-def cross_scores(src: Side, recv: Side, core):
-    """score_received of every response of src under recv (choice 3): graft.Received over the G x n responses."""
+def cross_scores(src: Side, recv: Side) -> Received:
+    """score_received of every response of src under recv (choice 3): core.Received over the G x n responses."""
     ro, cfg = src.rollouts, recv.cfg
     G, n = ro.rewards.shape
-    return core.score_received(ro.texts, ro.eos.view(-1).tolist(), ro.lbar(cfg.compat_norm).view(-1),
+    return score_received(ro.texts, ro.eos.view(-1).tolist(), ro.lbar(cfg.compat_norm).view(-1),
                                [recv.prompt_ids[r // n] for r in range(G * n)], tokenizer=recv.tok,
                                eos_token_id=recv.eos_id, logprobs=recv.logprobs,
                                max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
@@ -163,7 +166,7 @@ def cross_scores(src: Side, recv: Side, core):
 
 
 def response_stats(rs: list[int], *, cross, src_len: list[int], src_eos: list[bool], delta: float,
-                   deltas: tuple[float, ...], core, compat_weight: bool, n: int, scale: float) -> dict:
+                   deltas: tuple[float, ...], compat_weight: bool, n: int, scale: float) -> dict:
     """Figures over a set of the source's responses (flat indices r = g * n + i) as the receiver would see them.
 
     cross: score_received over all G x n source responses; src_len, src_eos: (G x n,) source lengths in
@@ -185,7 +188,7 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_eos: list[bo
     def accepted_at(d: float) -> int:
         if not compat_weight:  # every retained response passes: w = 1
             return len(kept)
-        return int((core.compatibility_weights(lbar_recv=lr, lbar_src=ls, delta=d) > 0).sum()) if kept else 0
+        return int((compatibility_weights(lbar_recv=lr, lbar_src=ls, delta=d) > 0).sum()) if kept else 0
 
     eos_kept = [x for x, r in zip(s.tolist(), kept) if src_eos[r]]
     cut_kept = [x for x, r in zip(s.tolist(), kept) if not src_eos[r]]
@@ -209,20 +212,20 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_eos: list[bo
 
 
 def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, unbalanced: torch.Tensor,
-                     core, deltas: tuple[float, ...], m: int) -> dict:
+                     deltas: tuple[float, ...], m: int) -> dict:
     """Every figure of the direction src -> recv. received / unbalanced: (G,) bool, the groups recv gets with and
     without the balanced swap (received_groups); m: the swap's min(|C_a->b|, |C_b->a|) on the sample."""
     cfg, ro = recv.cfg, src.rollouts
     G, n = ro.rewards.shape
     P = cfg.prompts_per_step
     scale = P / G
-    k_src, k_recv = core.success_counts(ro.rewards), core.success_counts(recv.rollouts.rewards)  # (G,) each
-    cand = core.graft_candidates(k_recv=k_recv, k_src=k_src, n=n)  # (G,) Eq. 4
+    k_src, k_recv = success_counts(ro.rewards), success_counts(recv.rollouts.rewards)  # (G,) each
+    cand = graft_candidates(k_recv=k_recv, k_src=k_src, n=n)  # (G,) Eq. 4
     assert torch.equal(cand, unbalanced), "--no-balance receives exactly the candidates"
-    comp = offline.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
+    comp = complement.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
     src_len = [len(t) for t in ro.tokens]
     src_eos = ro.eos.view(-1).tolist()
-    kw = dict(cross=cross, src_len=src_len, src_eos=src_eos, delta=cfg.delta, deltas=deltas, core=core,
+    kw = dict(cross=cross, src_len=src_len, src_eos=src_eos, delta=cfg.delta, deltas=deltas,
               compat_weight=cfg.compat_weight, n=n, scale=scale)
     flat = lambda mask: [g * n + i for g in torch.nonzero(mask).view(-1).tolist() for i in range(n)]  # noqa: E731
     return {
@@ -366,9 +369,8 @@ def notes(report: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def build_parser(core) -> argparse.ArgumentParser:
-    """The training flags from graft.Config (same names, defaults, help), plus the preflight's own."""
-    docs = core.field_docs(core.Config)
+def build_parser() -> argparse.ArgumentParser:
+    """The training flags from config.Config (same names, defaults, help), plus the preflight's own."""
     p = argparse.ArgumentParser(prog="graft.py preflight", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description="Sample two models on the same prompts with the training settings and "
                                 "report what a GRAFT pair of them would exchange (preflight.py).")
@@ -382,25 +384,14 @@ def build_parser(core) -> argparse.ArgumentParser:
                    help="side B's --chat-template (default: --chat-template)")
     p.add_argument("--deltas", default="0,0.5,0.6,0.7,0.9", help="other compatibility floors to report")
     p.add_argument("--out", default="runs/preflight.json", help="the report as JSON (written atomically)")
-    fields = {f.name: f for f in dataclasses.fields(core.Config)}
-    for name in TRAINING_FLAGS:
-        f = fields[name]
-        flags = [f"--{name.replace('_', '-')}"] + ([core.FLAG_ALIASES[name]] if name in core.FLAG_ALIASES else [])
-        help_ = docs.get(name, "").replace("%", "%%")
-        if isinstance(f.default, bool):
-            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        elif f.default is dataclasses.MISSING:  # a list field (--stop): repeat the flag for each item
-            p.add_argument(*flags, dest=name, action="append", default=f.default_factory(), metavar="STR",
-                           help=help_)
-        else:
-            p.add_argument(*flags, dest=name, type=type(f.default), default=f.default, help=help_)
+    add_config_flags(p, list(TRAINING_FLAGS))
     return p
 
 
-def usable_rows(rows: list[dict], sides: list[Side], core, *, prompts: str, problems: int,
+def usable_rows(rows: list[dict], sides: list[Side], *, prompts: str, problems: int,
                 data_seed: int) -> tuple[list[dict], list[str]]:
     """The first `problems` rows of the trainer's order (choice 1) that are usable, and why others were skipped."""
-    bad_gold = set(core.unreadable_golds(rows, workers=sides[0].cfg.verify_workers))
+    bad_gold = set(unreadable_golds(rows, reward=sides[0].cfg.reward, workers=sides[0].cfg.verify_workers))
     order = batch_indices(len(rows), 0, len(rows), data_seed)  # the trainer's step-0 order of the whole file
     out, skipped = [], {"unreadable gold": 0, "prompt too long": 0}
     for i in order:
@@ -425,15 +416,16 @@ def usable_rows(rows: list[dict], sides: list[Side], core, *, prompts: str, prob
     return out, [f"{v} {k}" for k, v in skipped.items() if v]
 
 
-def preflight(args, core) -> tuple[dict, list[Side]]:
+def preflight(args) -> tuple[dict, list[Side]]:
     """Load, sample, verify and score both sides: the report as a dict (JSON-ready), and the two sides."""
     train = {name: getattr(args, name) for name in TRAINING_FLAGS}
     sides = []
     for name, path, chat in (("a", args.model_a, args.chat_template_a), ("b", args.model_b, args.chat_template_b)):
-        cfg = core.Config(model=path, name=name, prompts=args.prompts,
-                          **(train | {"chat_template": train["chat_template"] if chat is None else chat}))
+        cfg = Config(model=path, name=name, prompts=args.prompts,
+                     **(train | {"chat_template": train["chat_template"] if chat is None else chat}))
         try:
-            core.validate_config(cfg)
+            validate_config(cfg)
+            load_reward(cfg.reward)
         except ValueError as e:
             raise SystemExit(f"graft.py preflight: {e}")
         sides.append(Side(name, cfg))
@@ -446,36 +438,36 @@ def preflight(args, core) -> tuple[dict, list[Side]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = load_prompt_file(args.prompts)  # SystemExit names the file and line
-    dist = core.setup_distributed(sides[0].cfg)
+    dist = setup_distributed(sides[0].cfg)
     for s in sides:
         load_side(s, dist)
-    sample_rows, skipped = usable_rows(rows, sides, core, prompts=args.prompts, problems=args.problems,
+    sample_rows, skipped = usable_rows(rows, sides, prompts=args.prompts, problems=args.problems,
                                        data_seed=args.data_seed)
     for s in sides:
         print(f"[preflight] sampling {s.name.upper()} ({s.cfg.model}): {len(sample_rows)} problems x {s.cfg.n}",
               file=sys.stderr, flush=True)
-        roll_out(s, core, sample_rows, dist)
+        roll_out(s, sample_rows, dist)
     a, b = sides
     t0 = time.time()
-    cross = {"a_to_b": cross_scores(a, b, core), "b_to_a": cross_scores(b, a, core)}
+    cross = {"a_to_b": cross_scores(a, b), "b_to_a": cross_scores(b, a)}
     cross_s = time.time() - t0
     n = args.n
-    k_a, k_b = core.success_counts(a.rollouts.rewards), core.success_counts(b.rollouts.rewards)  # (G,) each
+    k_a, k_b = success_counts(a.rollouts.rewards), success_counts(b.rollouts.rewards)  # (G,) each
     # What each side receives, as Trainer.select calls it for a pair (own counts first; A's name sorts first)
     into = {}
     for own, peer, k_own, k_peer in ((a, b, k_a, k_b), (b, a, k_b, k_a)):
-        into[own.name] = {bal: core.received_groups(k_own=k_own, k_peer=k_peer, n=n, own_is_a=own.name < peer.name,
+        into[own.name] = {bal: received_groups(k_own=k_own, k_peer=k_peer, n=n, own_is_a=own.name < peer.name,
                                                     balance=bal) for bal in (True, False)}
-    m = min(int(core.graft_candidates(k_recv=k_b, k_src=k_a, n=n).sum()),
-            int(core.graft_candidates(k_recv=k_a, k_src=k_b, n=n).sum()))
+    m = min(int(graft_candidates(k_recv=k_b, k_src=k_a, n=n).sum()),
+            int(graft_candidates(k_recv=k_a, k_src=k_b, n=n).sum()))
     directions = {f"{src.name}_to_{recv.name}": direction_report(
         src, recv, cross=cross[f"{src.name}_to_{recv.name}"], received=into[recv.name][args.balance],
-        unbalanced=into[recv.name][False], core=core, deltas=deltas, m=m) for src, recv in ((a, b), (b, a))}
-    sources = [offline.SourceCounts(s.cfg.model, "preflight", {pid: (int(k), n) for pid, k in
+        unbalanced=into[recv.name][False], deltas=deltas, m=m) for src, recv in ((a, b), (b, a))}
+    sources = [complement.SourceCounts(s.cfg.model, "preflight", {pid: (int(k), n) for pid, k in
                                                                 zip(s.rollouts.prompt_ids, ks.tolist())},
                                     note=f"sampled now, n={n}")
                for s, ks in ((a, k_a), (b, k_b))]
-    comp_rows = offline.complement_rows(sources, n=n, batch_size=args.prompts_per_step)
+    comp_rows = complement.complement_rows(sources, n=n, batch_size=args.prompts_per_step)
     report = {
         "settings": {"prompts": args.prompts, **train, "deltas": list(deltas)},
         "problems": len(sample_rows), "problem_ids": [r["id"] for r in sample_rows], "skipped": ", ".join(skipped),
@@ -483,8 +475,8 @@ def preflight(args, core) -> tuple[dict, list[Side]]:
                             "successes": ks.tolist(),
                             "speed": speed(s, prompts_per_step=args.prompts_per_step)}
                    for s, ks in ((a, k_a), (b, k_b))},
-        "complement": offline.complement_json(sources, comp_rows, n=n, batch_size=args.prompts_per_step),
-        "complement_table": offline.format_complement_table(sources, comp_rows, n=n,
+        "complement": complement.complement_json(sources, comp_rows, n=n, batch_size=args.prompts_per_step),
+        "complement_table": complement.format_complement_table(sources, comp_rows, n=n,
                                                             batch_size=args.prompts_per_step),
         "directions": directions, "cross_score_s": cross_s,
         "responses": {key: per_response(src, cross[key]) for key, src in (("a_to_b", a), ("b_to_a", b))},
@@ -511,11 +503,11 @@ def per_response(src: Side, cross) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None, *, core) -> int:
-    """`graft.py preflight`: the report on screen and in --out. core: the graft module (choice 5)."""
-    args = build_parser(core).parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    """`graft.py preflight`: the report on screen and in --out."""
+    args = build_parser().parse_args(argv)
     t0 = time.time()
-    report, _ = preflight(args, core)
+    report, _ = preflight(args)
     report["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

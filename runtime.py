@@ -1,9 +1,9 @@
 """Runtime plumbing under the GRAFT trainer: ranks and devices, precision, model and prompt loading.
 
 None of this is the method; graft.py imports it so that the trainer reads as the GRAFT step. Each
-function takes the trainer's Config (any object with the named attributes) and imports nothing of
-ours but exchange.py (the run files) and data/prepare.py's prompt reader: the project's imports run
-graft.py -> offline.py -> runtime.py -> exchange.py, never back.
+function takes the trainer's config.Config (any object with the named attributes) and imports nothing
+of ours but config.py (that type), exchange.py (the run files) and data/prepare.py's prompt reader: the
+project's imports run graft.py -> foreign.py -> runtime.py -> exchange.py, never back.
 
     setup_distributed   torchrun's RANK / WORLD_SIZE -> process group (NCCL on GPU, gloo on CPU), on one
                         node or several (README "Past one node")
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -37,16 +36,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from exchange import (Heartbeat, atomic_write, describe_write_error, join_attempt, join_run, leave_run,
-                      new_run_id, read_json, write_failed, write_json)
+from config import Config  # the functions read its fields (tests may pass any object that has them)
+from exchange import (Heartbeat, atomic_write, describe_write_error, file_sha256, join_attempt, join_run,
+                      leave_run, new_run_id, read_json, write_failed, write_json)
 
-# The trainer's Config (graft.Config), or any object with the fields a function reads: this file
-# never imports graft.py, so that the project's imports run one way (README "Files").
-Config = Any
 
 
 @dataclass
@@ -212,15 +208,6 @@ def check_weight_files(folder: Path) -> str | None:
         if not files and not any(folder.glob("*.bin")):
             return f"{folder}: no weight file (model.safetensors)"
     return next((p for p in map(safetensors_problem, files) if p), None)
-
-
-def file_digest(path: str) -> str:
-    """sha256 of a file's bytes (the prompts file: --resume refuses a changed one)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -396,7 +383,7 @@ def run_settings(cfg: Config, mode: str) -> dict:
     """Every Config field, the pair mode and a digest of the prompts file's content (run.json)."""
     out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     out["mode"] = mode
-    out["prompts_sha256"] = file_digest(cfg.prompts) if Path(cfg.prompts).is_file() else ""
+    out["prompts_sha256"] = file_sha256(cfg.prompts) if Path(cfg.prompts).is_file() else ""
     return out
 
 

@@ -218,7 +218,7 @@ def test_github_slug_rules():
 
 
 def test_project_import_graph_has_no_cycle():
-    """Imports among the project's modules run one way (house style: graft -> offline -> runtime -> ...)."""
+    """Imports among the project's modules run one way (house style: graft -> foreign -> runtime -> ...)."""
     graph = import_graph()
     assert "graft.py" in graph and graph["graft.py"], "the parser found no imports in graft.py"
     comps = strongly_connected(graph)
@@ -238,6 +238,81 @@ def test_copyable_modules_import_nothing_of_ours():
     ours = {f: sorted(graph[f]) for f in ("config.py", "core.py", "sampler.py", "verify.py") if graph[f]}
     assert not ours, f"these modules import project modules, so they no longer copy alone: {ours}"
 
+
+# Calls that take a module object by nature: reflection, and a test's patching of a module's attribute.
+MODULE_TAKING = {"getattr", "hasattr", "setattr", "delattr", "dir", "vars", "object"}
+
+
+def modules_passed_as_arguments(source: str, rel: str) -> list[str]:
+    """Calls in `source` that pass a module object (a name bound by a module-level `import x`, or
+    sys.modules[...]) as an argument: a dependency that the import graph does not show."""
+    tree = ast.parse(source, filename=rel)
+    modules = {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import)
+               for a in node.names}
+    hits = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) in MODULE_TAKING:
+            continue
+        for v in list(node.args) + [k.value for k in node.keywords]:
+            if (isinstance(v, ast.Name) and v.id in modules) or (
+                    isinstance(v, ast.Subscript) and ast.unparse(v.value) == "sys.modules"):
+                hits.append(f"{rel}:{node.lineno}: {ast.unparse(v)} passed to {ast.unparse(func)}")
+    return hits
+
+
+def test_module_helper_finds_a_passed_module():
+    """A hand-written module: one module passed by name, one through sys.modules; reflection is allowed."""
+    src = ("import sys\nimport graft\nimport preflight\ndef f():\n    preflight.main([], core=graft)\n"
+           "    preflight.run(sys.modules[__name__])\n    getattr(graft, 'x')\n    graft.main([])\n")
+    assert modules_passed_as_arguments(src, "m.py") == ["m.py:5: graft passed to preflight.main",
+                                                        "m.py:6: sys.modules[__name__] passed to preflight.run"]
+
+
+def test_no_module_object_is_passed_as_an_argument():
+    """Every dependency between our modules is an import: no function receives a module, so the import graph
+    is the whole dependency graph."""
+    hits = [h for f in project_files() for h in modules_passed_as_arguments(f.read_text(encoding="utf-8"),
+                                                                            f.relative_to(ROOT).as_posix())]
+    assert not hits, "modules passed as arguments (import what is needed from where it lives):\n" + "\n".join(hits)
+
+
+def test_the_reward_is_called_from_one_place():
+    """No module but verify.py itself reads verify_batch: training, eval, preflight and the foreign-log loader
+    score through reward.rewards (--reward), whose one call of the loaded function is the seam."""
+    readers = []
+    for f in project_files():
+        rel = f.relative_to(ROOT).as_posix()
+        if rel == "verify.py" or Path(rel).name.startswith("test_"):
+            continue
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name == "verify_batch" and isinstance(node.ctx, ast.Load):
+                readers.append(f"{rel}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and node.module == "verify" and any(
+                    a.name == "verify_batch" for a in node.names):
+                readers.append(f"{rel}:{node.lineno}")
+    assert not readers, f"verify_batch read outside the reward seam (use reward.rewards): {readers}"
+    calls = [n for n in ast.walk(ast.parse((ROOT / "reward.py").read_text(encoding="utf-8")))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "fn"]
+    assert len(calls) == 1, "reward.py calls the loaded reward function in exactly one place"
+
+
+def test_the_trainer_step_reads_as_its_phases():
+    """Trainer.step is short and calls one method per phase of graft.py's map, in the map's order; graft.py
+    stays within 1,200 lines (the trainer, not a bag of everything)."""
+    source = (ROOT / "graft.py").read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= 1200, f"graft.py has {len(source.splitlines())} lines (at most 1,200)"
+    trainer = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    step = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    assert step.end_lineno - step.lineno + 1 <= 40, f"Trainer.step has {step.end_lineno - step.lineno + 1} lines"
+    calls = sorted((c.lineno, c.col_offset, c.func.attr) for c in ast.walk(step) if isinstance(c, ast.Call)
+                   and isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
+                   and c.func.value.id == "self")
+    phases = ["rollout", "publish", "wait_for_peers", "select", "score", "build_rows", "update"]
+    assert [name for _, _, name in calls if name in phases] == phases, calls
 
 # ------------------------------------------------------------------------------------------------
 # The documents

@@ -90,12 +90,14 @@ sys.path.insert(0, {root!r})
 import torch, verify
 verify.verify_batch = lambda rs, gs, workers=0, **kw: [float(len(r) % 3 == 0) for r in rs]
 import graft
+from config import Config
+from core import batch_indices
 from test_gpu_path import update_grads
-cfg = graft.Config(model={model!r}, prompts={prompts!r}, out=sys.argv[1], steps=1, prompts_per_step=8, n=4,
-                   minibatches=1, max_response_tokens=16, prompt_template="{{problem}}=", lr=1e-3, threads=1,
-                   micro_batch_size=3, fsdp=sys.argv[2] == "fsdp", device="cpu")
+cfg = Config(model={model!r}, prompts={prompts!r}, out=sys.argv[1], steps=1, prompts_per_step=8, n=4,
+             minibatches=1, max_response_tokens=16, prompt_template="{{problem}}=", lr=1e-3, threads=1,
+             micro_batch_size=3, fsdp=sys.argv[2] == "fsdp", device="cpu")
 tr = graft.Trainer(cfg)
-rows_idx = graft.batch_indices(len(tr.data), 0, 8, 0)
+rows_idx = batch_indices(len(tr.data), 0, 8, 0)
 g = torch.Generator().manual_seed(0)
 rows = []
 for j, q in enumerate(rows_idx):  # fixed responses, the same on every rank and in every run

@@ -13,9 +13,15 @@ import pytest
 import torch
 
 import graft
-from graft import (balanced_swap, compatibility_weights, decode_response, graft_candidates, group_advantages,
-                   minibatch_order, policy_loss, received_groups, rescue_candidates, retokenize, seeded_generator,
-                   sequence_mean_logprob, success_counts)
+from config import Config, build_parser, flags_document, validate_config
+from core import (Mean, balanced_swap, batch_indices, compatibility_weights, decode_response, graft_candidates,
+                  group_advantages, minibatch_order, policy_loss, received_groups, rescue_candidates, retokenize,
+                  seeded_generator, sequence_mean_logprob, success_counts, verifier_text)
+from exchange import (ROLLOUT_FORMAT, StepRollouts, load_rollouts, rollout_path, save_rollouts, wait_for_file,
+                      write_failed)
+from reward import unreadable_golds
+from runtime import DistInfo
+from sampler import response_logprobs
 
 torch.set_num_threads(1)
 SHARED = Path(__file__).resolve().parent.parent / "shared"
@@ -244,7 +250,7 @@ def test_policy_loss_matches_naive_loop_values_and_grads(dual_clip):
     assert metrics["tokens"] == float((mask[[0, 1, 3, 4, 5]]).sum())  # w = 0 row left the denominator
     assert isinstance(metrics["loss"], float)
     for k in ("clipfrac_own", "clipfrac_peer", "approx_kl", "ratio_mean", "mean_weight", "peer_mean_weight"):
-        assert isinstance(metrics[k], graft.Mean) and isinstance(metrics[k].total, float), k
+        assert isinstance(metrics[k], Mean) and isinstance(metrics[k].total, float), k
     # each mean over its own subset: peer tokens of retained rows (3, 4), own tokens, peer rows
     assert metrics["clipfrac_peer"].count == metrics["peer_tokens"] == float(mask[[3, 4]].sum())
     assert metrics["clipfrac_own"].count == metrics["own_tokens"] == float(mask[[0, 1, 5]].sum())
@@ -437,8 +443,8 @@ def write_prompts(path: Path, n: int = 16):
     return path
 
 
-import subprocess
-import sys
+import subprocess  # noqa: E402  (the end-to-end tests' helpers)
+import sys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 PLANTED = '''
@@ -495,8 +501,8 @@ def test_pair_two_processes_mirror_selection(tiny, tmp_path):
     assert len(ma) == len(mb) == 2
     moved = 0
     for step in range(2):
-        ra, _ = graft.load_rollouts(graft.rollout_path(ex, "a", step), n=4)
-        rb, _ = graft.load_rollouts(graft.rollout_path(ex, "b", step), n=4)
+        ra, _ = load_rollouts(rollout_path(ex, "a", step), n=4)
+        rb, _ = load_rollouts(rollout_path(ex, "b", step), n=4)
         assert ra.prompt_ids == rb.prompt_ids  # same prompt batches on both sides
         a_to_b, b_to_a = balanced_swap(k_a=success_counts(ra.rewards), k_b=success_counts(rb.rewards), n=4,
                                        balance=False)
@@ -509,6 +515,68 @@ def test_pair_two_processes_mirror_selection(tiny, tmp_path):
             assert m["accepted"] + m["rejected"] + m["dropped_length"] == 4 * m["selected"]
     assert moved > 0, "the planted rewards should make some groups move"
 
+
+USER_REWARD = """
+import zlib
+def crc_third(responses, golds, *, workers=0):
+    # a reward that is not verify.py's: about one response in three scores 1, decided by the response and gold
+    return [1.0 if zlib.crc32((r + "|" + g).encode()) % 3 == 0 else 0.0 for r, g in zip(responses, golds)]
+"""
+
+
+def test_pair_trains_with_a_user_reward_from_a_file(tiny, tmp_path):
+    """--reward path.py:function: both sides of a pair score with the user's function (README "The reward")."""
+    (tmp_path / "my_reward.py").write_text(USER_REWARD)
+    spec = f"{tmp_path / 'my_reward.py'}:crc_third"
+    ex, procs = tmp_path / "ex", []
+    for name, peer, model in (("a", "b", "ma"), ("b", "a", "mb")):
+        args = [str(ROOT / "graft.py"), "train", "--model", str(tiny / model), "--name", name, "--peer-name", peer,
+                "--out", str(tmp_path / name), "--peer-exchange", str(ex), "--delta", "0", "--reward", spec]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        procs.append(subprocess.Popen([sys.executable] + args + common_flags(tiny), env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    gold = {r["id"]: r["answer"] for r in map(json.loads, (tiny / "p.jsonl").read_text().splitlines())}
+    scorer = {}
+    exec(USER_REWARD, scorer)
+    moved = 0
+    for name in "ab":
+        metrics = read_metrics(tmp_path / name / "metrics.jsonl")
+        for step, m in enumerate(metrics):
+            ro, _ = load_rollouts(rollout_path(ex, name, step), n=4)
+            want = scorer["crc_third"](ro.texts, [gold[p] for p in ro.prompt_ids for _ in range(4)])
+            assert ro.rewards.view(-1).tolist() == want  # every reward of the step is the user's function's
+            assert m["reward"] == pytest.approx(sum(want) / len(want))
+            moved += m["selected"]
+    assert moved > 0, "the user's rewards should make some groups move between the sides"
+
+
+def test_reward_flag_errors_name_the_flag(tmp_path, capsys):
+    """A bad --reward stops at start with a message naming the flag; options reach only functions that take them."""
+    from reward import load_reward, rewards
+    (tmp_path / "r.py").write_text(
+        "def one_arg(responses):\n    return [0.0] * len(responses)\n"
+        "def short(responses, golds, *, workers=0):\n    return [1.0]\n"
+        "def nan(responses, golds, *, workers=0):\n    return [float('nan')] * len(responses)\n"
+        "def text(responses, golds, *, workers=0):\n    return ['yes'] * len(responses)\n"
+        "def tol(responses, golds, *, workers=0, rel_tol=None):\n    return [float(rel_tol or 0)] * len(responses)\n"
+        "def plain(responses, golds, *, workers=0):\n    return [float(workers)] * len(responses)\n")
+    (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
+    for spec, msg in ((f"{tmp_path / 'none.py'}:f", "no such file"), (f"{tmp_path / 'r.py'}:missing", "no function"),
+                      (f"{tmp_path / 'r.py'}:one_arg", "cannot be called as reward"),
+                      (f"{tmp_path / 'broken.py'}:f", "importing .* failed .*boom"),
+                      ("no_such_module_anywhere:f", "importing no_such_module_anywhere failed"),
+                      ("nocolon", "module:function")):
+        with pytest.raises(ValueError, match=f"--reward .*{msg}"):
+            load_reward(spec)
+    for name, msg in (("short", "returned 1 rewards for 2 responses"), ("nan", "finite"), ("text", "list of numbers")):
+        with pytest.raises(ValueError, match=f"--reward .*{msg}"):
+            rewards(f"{tmp_path / 'r.py'}:{name}", ["x", "y"], ["1", "2"])
+    assert rewards(f"{tmp_path / 'r.py'}:tol", ["x"], ["1"], rel_tol=0.25) == [0.25]  # taken: passed
+    assert rewards(f"{tmp_path / 'r.py'}:plain", ["x"], ["1"], workers=3, rel_tol=0.25) == [3.0]  # not taken: left out
+    with pytest.raises(SystemExit, match=r"graft.py train: --reward .*one_arg.* cannot be called as reward"):
+        graft.main(["train", "--model", "m", "--reward", f"{tmp_path / 'r.py'}:one_arg"])
 
 def test_resume_equals_uninterrupted(tiny, tmp_path):
     base = [str(tiny / "planted.py"), "train", "--model", str(tiny / "ma")] + common_flags(tiny, steps=4)
@@ -534,38 +602,38 @@ def test_torchrun_two_gloo_ranks_runs_a_step(tiny, tmp_path):
     r = run_py(args, tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("step    1/1") == 1  # one log line, from rank 0
-    ro, _ = graft.load_rollouts(graft.rollout_path(tmp_path / "ddp" / "exchange", "a", 0), n=4)
+    ro, _ = load_rollouts(rollout_path(tmp_path / "ddp" / "exchange", "a", 0), n=4)
     assert len(ro.prompt_ids) == 8 and len(ro.tokens) == 32  # the file holds the whole batch of both ranks
 
 
 def test_exchange_errors_name_the_problem(tiny, tmp_path):
     n, G = 2, 2
-    r = graft.StepRollouts(prompt_ids=["x", "y"], tokens=[[1], [2, 1], [], [3]],
-                           logprobs=[torch.zeros(1), torch.zeros(2), torch.zeros(0), torch.zeros(1)],
-                           texts=["a", "bb", "", "c"], eos=torch.tensor([[True, True], [False, False]]),
-                           rewards=torch.tensor([[1.0, 0.0], [0.0, 0.0]]), advantages=torch.zeros(G, n))
+    r = StepRollouts(prompt_ids=["x", "y"], tokens=[[1], [2, 1], [], [3]],
+                     logprobs=[torch.zeros(1), torch.zeros(2), torch.zeros(0), torch.zeros(1)],
+                     texts=["a", "bb", "", "c"], eos=torch.tensor([[True, True], [False, False]]),
+                     rewards=torch.tensor([[1.0, 0.0], [0.0, 0.0]]), advantages=torch.zeros(G, n))
     p = tmp_path / "ok.safetensors"
-    graft.save_rollouts(p, r, {"model": "m"})
-    back, meta = graft.load_rollouts(p, n=2, prompt_ids=["x", "y"])
+    save_rollouts(p, r, {"model": "m"})
+    back, meta = load_rollouts(p, n=2, prompt_ids=["x", "y"])
     assert back.texts == r.texts and back.tokens == r.tokens and torch.equal(back.eos, r.eos)
     with pytest.raises(ValueError, match="n=2 rollouts per prompt, this run uses n=4"):
-        graft.load_rollouts(p, n=4)
+        load_rollouts(p, n=4)
     with pytest.raises(ValueError, match="prompt ids differ"):
-        graft.load_rollouts(p, n=2, prompt_ids=["x", "z"])
+        load_rollouts(p, n=2, prompt_ids=["x", "z"])
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(p.read_bytes()[:50])
     with pytest.raises(ValueError, match="bad.safetensors: not a readable rollout file"):
-        graft.load_rollouts(bad)
+        load_rollouts(bad)
     from safetensors.torch import save_file
     v2 = tmp_path / "v2.safetensors"
-    save_file({"rewards": torch.zeros(1, 1)}, str(v2), metadata={"format": graft.ROLLOUT_FORMAT, "version": "99"})
+    save_file({"rewards": torch.zeros(1, 1)}, str(v2), metadata={"format": ROLLOUT_FORMAT, "version": "99"})
     with pytest.raises(ValueError, match="format version '99'"):
-        graft.load_rollouts(v2)
+        load_rollouts(v2)
     with pytest.raises(TimeoutError, match="step_000003.safetensors"):
-        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 3), timeout=0.3)
-    graft.write_failed(tmp_path, "b", "run1", "RuntimeError: out of memory")
+        wait_for_file(rollout_path(tmp_path, "b", 3), timeout=0.3)
+    write_failed(tmp_path, "b", "run1", "RuntimeError: out of memory")
     with pytest.raises(RuntimeError, match="peer failed.*out of memory"):
-        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 3), timeout=5, run_id="run1")
+        wait_for_file(rollout_path(tmp_path, "b", 3), timeout=5, run_id="run1")
 
 
 def test_cli_bad_input_names_the_flag(tiny, tmp_path):
@@ -581,13 +649,13 @@ def test_unreadable_golds_are_listed_at_start_or_stop_with_strict(tiny, tmp_path
     rows[3]["answer"], rows[9]["answer"] = "\\boxed{", "\\frac{1}{2"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert graft.unreadable_golds(rows) == ["p3", "p9"]
+    assert unreadable_golds(rows) == ["p3", "p9"]
     kw = dict(model=str(tiny / "ma"), prompts=str(prompts), steps=1, prompts_per_step=8, n=4, minibatches=2,
               max_response_tokens=16, prompt_template="{problem}=", lr=1e-3)
     with pytest.raises(SystemExit, match=r"p\.jsonl: 2 of 16 gold answers cannot be read by verify\.py.*"
                                          r"first ids: p3, p9 \(--strict\)"):
-        graft.Trainer(graft.Config(out=str(tmp_path / "strict"), strict=True, **kw))
-    graft.Trainer(graft.Config(out=str(tmp_path / "warn"), **kw))
+        graft.Trainer(Config(out=str(tmp_path / "strict"), strict=True, **kw))
+    graft.Trainer(Config(out=str(tmp_path / "warn"), **kw))
     err = capsys.readouterr().err
     assert "WARNING: --prompts" in err and "2 of 16 gold answers" in err and "first ids: p3, p9" in err
 
@@ -603,36 +671,45 @@ MIXED = {0, 3, 4, 6}  # groups where the planted peer is mixed (1 <= k < n)
 
 def planted(tiny, tmp_path, monkeypatch, **overrides):
     """A trainer in offline mode against a hand-made peer log; the receiver fails everything.
-    Returns (trainer, batch rows, own rollouts, {"log": peer rollouts})."""
+    Returns (trainer, the batch's dataset indices, own rollouts, {"log": peer rollouts})."""
     import verify
     from transformers import AutoTokenizer
     monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0, **kw: [1.0 if "y" in r else 0.0 for r in rs])
     n, G = 4, 8
-    rows = graft.batch_indices(16, 0, G, 0)
+    batch = batch_indices(16, 0, G, 0)
     texts = [("y=" if PATTERN[g][i] else "n=") + str(g) + str(i) for g in range(G) for i in range(n)]
     tok_b = AutoTokenizer.from_pretrained(tiny / "mb")
     tokens = [tok_b.encode(t, add_special_tokens=False) + [1] for t in texts]
     gen = torch.Generator().manual_seed(0)
-    peer = graft.StepRollouts(prompt_ids=[f"p{i}" for i in rows], tokens=tokens,
-                              logprobs=[-3.0 - torch.rand(len(t), generator=gen) * 1.5 for t in tokens], texts=texts,
-                              eos=torch.ones(G, n, dtype=torch.bool),
-                              rewards=torch.tensor(PATTERN, dtype=torch.float32), advantages=torch.zeros(G, n))
+    peer = StepRollouts(prompt_ids=[f"p{i}" for i in batch], tokens=tokens,
+                        logprobs=[-3.0 - torch.rand(len(t), generator=gen) * 1.5 for t in tokens], texts=texts,
+                        eos=torch.ones(G, n, dtype=torch.bool),
+                        rewards=torch.tensor(PATTERN, dtype=torch.float32), advantages=torch.zeros(G, n))
     log = tmp_path / "log"
-    graft.save_rollouts(graft.rollout_path(log, "b", 0), peer, {"model": "mb"})
+    save_rollouts(rollout_path(log, "b", 0), peer, {"model": "mb"})
     kw = dict(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"), peer_log=str(log / "b"),
               steps=1, prompts_per_step=G, n=n, minibatches=2, max_response_tokens=16, prompt_template="{problem}=",
               lr=1e-3, delta=0.0)
     kw.update(overrides)
-    tr = graft.Trainer(graft.Config(**kw))
-    own, _ = tr.rollout(0, rows)
+    tr = graft.Trainer(Config(**kw))
+    own, _ = tr.rollout(0, batch)
     own.rewards.zero_()
     own.advantages.zero_()
-    return tr, rows, own, tr.peer_rollouts(0, own)
+    return tr, batch, own, tr.wait_for_peers(0, own)
+
+
+def exchange_phases(tr, step, batch, own, peers):
+    """Trainer.step's exchange phases, select -> score -> build_rows: the rows, the (G,) replaced mask and the
+    three phases' metrics merged."""
+    received, m_select = tr.select(step, own, peers)
+    scored, m_score = tr.score(step, batch, peers, received)
+    rows, replaced, m_rows = tr.build_rows(batch, own, peers, received, scored)
+    return rows, replaced, m_select | m_score | m_rows
 
 
 def test_sgt_nll_only_on_rescue_prompts_one_response_each(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="sgt")
-    out, replaced, m = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, variant="sgt")
+    out, replaced, m = exchange_phases(tr, 0, batch, own, peer)
     nll = [r for r in out if r.kind == "nll"]
     # rescue prompts: receiver 0/n and peer >= 1 success: groups 0, 1 (all-pass counts too), 3, 4, 6
     assert sorted(r.group for r in nll) == [0, 1, 3, 4, 6]  # exactly one response per rescue prompt
@@ -666,14 +743,14 @@ def test_luffy_gradient_is_the_analytic_derivative_of_f():
 
 
 def test_luffy_variant_routes_peer_rows(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="luffy")
-    out, replaced, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, variant="luffy")
+    out, replaced, _ = exchange_phases(tr, 0, batch, own, peer)
     assert {r.kind for r in out if r.is_peer} == {"luffy"} and {r.kind for r in out if not r.is_peer} == {"pg"}
 
 
 def test_pooled_advantages_are_over_2n(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, peer_advantages="pooled")
-    out, _, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, peer_advantages="pooled")
+    out, _, _ = exchange_phases(tr, 0, batch, own, peer)
     # group 0: own 0,0,0,0 + peer 1,0,0,0 -> 8 rewards, mean 1/8, unbiased std sqrt((49/64 + 7/64) / 7)
     mu, sd = 1 / 8, math.sqrt((49 / 64 + 7 * 1 / 64) / 7)
     own0 = [r.adv for r in out if r.group == 0 and not r.is_peer]
@@ -683,24 +760,24 @@ def test_pooled_advantages_are_over_2n(tiny, tmp_path, monkeypatch):
 
 
 def test_success_only_transfer_and_no_weight(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, transfer="success", compat_weight=False, delta=0.8)
-    out, _, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, transfer="success", compat_weight=False, delta=0.8)
+    out, _, _ = exchange_phases(tr, 0, batch, own, peer)
     peer_rows = [r for r in out if r.is_peer]
     assert len(peer_rows) == sum(sum(PATTERN[g]) for g in MIXED)  # only the correct ones
     assert all(r.adv > 0 and r.weight == 1.0 for r in peer_rows)  # w = 1, no gate
 
 
 def test_random_acceptance_keeps_the_rate(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
-    _, _, m_gate = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    _, _, m_gate = exchange_phases(tr, 0, batch, own, peer)
     tr.cfg.acceptance = "random"
-    _, _, m_rand = tr.build_rows(0, rows, own, peer)
+    _, _, m_rand = exchange_phases(tr, 0, batch, own, peer)
     assert m_rand["accepted"] == m_gate["accepted"] and m_rand["selected"] == m_gate["selected"] == 4
 
 
 def test_sgt_selection_rule_with_grafts_update(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, selection="sgt")
-    out, replaced, m = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, selection="sgt")
+    out, replaced, m = exchange_phases(tr, 0, batch, own, peer)
     # SGT's rescue rule: every group where the peer solved at least once, the all-pass group 1 included
     assert m["selected"] == 5 and m["peer_responses"] == 20
     peer_groups = {r.group for r in out if r.is_peer}
@@ -711,17 +788,17 @@ def test_sgt_selection_rule_with_grafts_update(tiny, tmp_path, monkeypatch):
 
 
 def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch)
-    base = tr.select(0, own, peer)["log"]
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch)
+    base = tr.select(0, own, peer)[0]["log"]
     own.rewards[3] = 1.0  # make group 3 not a candidate; random selection may still draw it (peer is mixed)
     own.rewards[3, 0] = 0.0
     tr.cfg.selection = "random"
     counts = set()
     for step in range(20):
-        sel = tr.select(step, own, peer)["log"]
-        k_peer = graft.success_counts(peer["log"].rewards)
-        k_own = graft.success_counts(own.rewards)
-        assert int(sel.sum()) == int(graft.graft_candidates(k_recv=k_own, k_src=k_peer, n=4).sum())
+        sel = tr.select(step, own, peer)[0]["log"]
+        k_peer = success_counts(peer["log"].rewards)
+        k_own = success_counts(own.rewards)
+        assert int(sel.sum()) == int(graft_candidates(k_recv=k_own, k_src=k_peer, n=4).sum())
         assert set(torch.nonzero(sel).flatten().tolist()) <= MIXED
         counts.add(tuple(sel.tolist()))
     assert int(base.sum()) == 4 and len(counts) > 1  # really random across steps
@@ -730,11 +807,11 @@ def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
 def test_hacpo_advantages_hand_computed_and_rows(tiny, tmp_path, monkeypatch):
     # own (1, 0), peer (1, 1), c = 2: baseline (1 + 2 * 2) / (2 + 2 * 2) = 5/6; pooled std of (1,0,1,1) = 0.5
     a_own, a_peer = graft.hacpo_advantages(r_own=torch.tensor([[1.0, 0.0]]), r_peer=torch.tensor([[1.0, 1.0]]),
-                                           capability_ratio=2.0)
+                                     capability_ratio=2.0)
     torch.testing.assert_close(a_own, torch.tensor([[1 / 6, -5 / 6]]) / (0.5 + 1e-6))
     torch.testing.assert_close(a_peer, torch.tensor([[1 / 6, 1 / 6]]) / (0.5 + 1e-6))
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
-    out, _, m = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
+    out, _, m = exchange_phases(tr, 0, batch, own, peer)
     assert m["capability_ratio"] == 10.0  # own success rate 0 -> the clamp's ceiling
     assert {r.group for r in out if r.is_peer} == set(range(8))  # no failure gating: every prompt pools
     assert all(r.kind == "hacpo_peer" and r.weight == 10.0 for r in out if r.is_peer)
@@ -746,12 +823,12 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
     """A hand-made peer log with a known reward pattern: the receiver (planted to fail everything)
     must receive exactly the mixed peer groups, with the peer's advantages and w from Eqs. 6-8."""
     from transformers import AutoTokenizer
-    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8)
+    tr, batch, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8)
     peer = peers["log"]
     rewards = torch.tensor(PATTERN, dtype=torch.float32)
     torch.testing.assert_close(peer.rewards, rewards)  # re-verified with the (planted) verifier
     expected_adv = group_advantages(rewards)
-    train_rows, replaced, m = tr.build_rows(0, rows, own, peers)
+    train_rows, replaced, m = exchange_phases(tr, 0, batch, own, peers)
     assert m["selected"] == 4 and m["candidates_in"] == 4
     assert 0 < m["accepted"] < 16, "the planted log-probs should put some s on each side of delta"
     assert m["accepted"] + m["rejected"] + m["dropped_length"] == 16
@@ -761,9 +838,9 @@ def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch)
     for r in peer_rows:  # w by hand: receiver's mean log-prob of the retokenised text vs the file's
         g = r.group
         i = next(i for i in range(n)
-                 if graft.retokenize(peer.texts[g * n + i], True, tok_a, max_response_tokens=16) == r.response)
+                 if retokenize(peer.texts[g * n + i], True, tok_a, max_response_tokens=16) == r.response)
         assert r.adv == pytest.approx(expected_adv[g, i].item())  # the peer's advantage, held fixed
-        lp, mask = graft.response_logprobs(tr.model, [tr.prompt_ids[rows[g]]], [r.response], pad_token_id=0)
+        lp, mask = response_logprobs(tr.model, [tr.prompt_ids[batch[g]]], [r.response], pad_token_id=0)
         s = math.exp(lp.sum().item() / len(r.response) - peer.logprobs[g * n + i].mean().item())
         assert s > 0.8 and r.weight == pytest.approx(min(s, 1.0), rel=1e-4)
     # replaced groups lost their own rows
@@ -782,7 +859,9 @@ PLANTED_EVAL = '''
 import json, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
+import torch
 import graft
+from sampler import Rollout
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained({model!r})
 golds = {{}}
@@ -797,7 +876,7 @@ def planted_sample(model, prompts, *, eos_token_id, **kw):
         i, gold = golds[problem]
         text = "\\\\boxed{{" + (gold if i % 2 == 0 else "-12345") + "}}"  # even rows right, odd rows wrong
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-        out.append(graft.Rollout(tokens=ids, logprobs=graft.torch.zeros(len(ids)), ended_with_eos=True))
+        out.append(Rollout(tokens=ids, logprobs=torch.zeros(len(ids)), ended_with_eos=True))
     return out
 graft.sample = planted_sample
 graft.main(sys.argv[1:])
@@ -846,7 +925,7 @@ def test_zero_advantage_rows_have_exactly_zero_gradient():
     mask = torch.ones(3, 5, dtype=torch.bool)
     for kw in ({}, {"dual_clip": 3.0}, {"ratio_level": "sequence"}):
         lp.grad = None
-        graft.policy_loss(logp=lp, old_logp=old, advantages=adv, mask=mask, **kw)[0].backward()
+        policy_loss(logp=lp, old_logp=old, advantages=adv, mask=mask, **kw)[0].backward()
         assert torch.equal(lp.grad[0], torch.zeros(5)) and torch.equal(lp.grad[2], torch.zeros(5))
         assert lp.grad[1].abs().sum() > 0
     lp.grad = None
@@ -869,9 +948,9 @@ def test_periodic_validation_keeps_the_best_checkpoint(tiny, tmp_path):
 
 
 def test_flag_document_is_the_config():
-    """FLAGS.md is generated from Config (graft.flags_document); a changed flag must show there."""
-    assert (ROOT / "FLAGS.md").read_text(encoding="utf-8") == graft.flags_document(), (
-        "FLAGS.md is stale: python -c \"import graft; print(graft.flags_document(), end='')\" > FLAGS.md")
+    """FLAGS.md is generated from Config (config.flags_document); a changed flag must show there."""
+    assert (ROOT / "FLAGS.md").read_text(encoding="utf-8") == flags_document(), (
+        "FLAGS.md is stale: python -c \"import config; print(config.flags_document(), end='')\" > FLAGS.md")
     assert "[FLAGS.md](FLAGS.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
@@ -889,11 +968,11 @@ def test_stop_strings_in_rollout_eval_and_retokenisation(tiny, tmp_path, monkeyp
     from transformers import AutoTokenizer
     read = []
     monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0, **kw: read.extend(rs) or [0.0] * len(rs))
-    cfg = graft.Config(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"), steps=1,
-                       prompts_per_step=8, n=4, max_response_tokens=16, prompt_template="{problem}=",
-                       save_responses=True, eval_max_tokens=16)
+    cfg = Config(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"), steps=1,
+             prompts_per_step=8, n=4, max_response_tokens=16, prompt_template="{problem}=",
+             save_responses=True, eval_max_tokens=16)
     tr = graft.Trainer(cfg)
-    rows = graft.batch_indices(16, 0, 8, 0)
+    rows = batch_indices(16, 0, 8, 0)
     free, _ = tr.rollout(0, rows)
     stop = commonest_pair(free.texts)  # one token a character here: the string spans two tokens
     tr.cfg.stop = [stop]
@@ -910,17 +989,17 @@ def test_stop_strings_in_rollout_eval_and_retokenisation(tiny, tmp_path, monkeyp
         assert t == ft[: k + len(stop)] and own.tokens[r] == free.tokens[r][: k + len(stop)]  # one token a character
         assert not own.eos.view(-1)[r] and read[r] == ft[:k]
         assert torch.allclose(own.logprobs[r], free.logprobs[r][: len(own.tokens[r])], atol=1e-5)
-        ids = graft.retokenize(t, False, AutoTokenizer.from_pretrained(tiny / "mb"), max_response_tokens=16)
+        ids = retokenize(t, False, AutoTokenizer.from_pretrained(tiny / "mb"), max_response_tokens=16)
         assert ids[-1] != 1 and AutoTokenizer.from_pretrained(tiny / "mb").decode(ids) == t  # no EOS appended
     assert 0 < stopped < len(own.texts), f"want rows that stop on {stop!r} and rows that do not, got {stopped}"
     problems = tr.data[:4]
     tr.cfg.stop = []
-    plain = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, graft.DistInfo(), progress=False)
+    plain = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, DistInfo(), progress=False)
     plain = [x for p in plain for x in p["responses"]]
     tr.cfg.stop = [commonest_pair(plain)]
-    cut = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, graft.DistInfo(), progress=False)
+    cut = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, DistInfo(), progress=False)
     got = [x for p in cut for x in p["responses"]]
-    assert got == [graft.verifier_text(x, tr.cfg.stop) for x in plain] and got != plain
+    assert got == [verifier_text(x, tr.cfg.stop) for x in plain] and got != plain
 
 
 def commonest_pair(texts):
@@ -933,19 +1012,18 @@ def commonest_pair(texts):
 
 
 def test_stop_flag_is_repeatable_and_checked():
-    args = graft.build_parser().parse_args(["train", "--model", "m", "--stop", "\n\n", "--stop", "Q:"])
-    assert args.stop == ["\n\n", "Q:"] and graft.build_parser().parse_args(["train", "--model", "m"]).stop == []
+    args = build_parser().parse_args(["train", "--model", "m", "--stop", "\n\n", "--stop", "Q:"])
+    assert args.stop == ["\n\n", "Q:"] and build_parser().parse_args(["train", "--model", "m"]).stop == []
     with pytest.raises(ValueError, match="--stop"):
-        graft.validate_config(graft.Config(model="m", stop=["Q:", ""]))
+        validate_config(Config(model="m", stop=["Q:", ""]))
     import preflight
-    pre = preflight.build_parser(graft).parse_args(["--model-a", "a", "--model-b", "b", "--prompts", "p",
-                                                    "--stop", "Q:"])
+    pre = preflight.build_parser().parse_args(["--model-a", "a", "--model-b", "b", "--prompts", "p", "--stop", "Q:"])
     assert pre.stop == ["Q:"]
     # the text of a stopped row: through the first stop string (the token's overhang dropped), eos False; the
     # verifier's text is cut before it; an EOS row without a stop string is untouched
     class Chars:
         def decode(self, ids, **kw):
             return "".join(chr(i) for i in ids)
-    text, eos = graft.decode_response([ord(c) for c in " 12\n\nQ"], Chars(), eos_token_ids=0, stop=["Q:", "\n\n"])
-    assert (text, eos, graft.verifier_text(text, ["Q:", "\n\n"])) == (" 12\n\n", False, " 12")
-    assert graft.decode_response([ord("7"), 0], Chars(), eos_token_ids=0, stop=["Q:"]) == ("7", True)
+    text, eos = decode_response([ord(c) for c in " 12\n\nQ"], Chars(), eos_token_ids=0, stop=["Q:", "\n\n"])
+    assert (text, eos, verifier_text(text, ["Q:", "\n\n"])) == (" 12\n\n", False, " 12")
+    assert decode_response([ord("7"), 0], Chars(), eos_token_ids=0, stop=["Q:"]) == ("7", True)

@@ -18,6 +18,10 @@ import torch
 import graft
 import plot
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+from config import Config, validate_config
+from metrics import metric_doc, metrics_markdown, report_values
+from core import batch_indices
+from exchange import StepRollouts, rollout_path, save_rollouts
 
 torch.set_num_threads(1)
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -34,11 +38,11 @@ needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
 PEER_GROUPS = (5, 6, 7)  # replaced groups: under peer-last they fill the last minibatches
 
 
-def planted_config(tiny, out, **kw) -> graft.Config:
+def planted_config(tiny, out, **kw) -> Config:
     base = dict(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(out), steps=1, prompts_per_step=8, n=4,
                 minibatches=3, micro_batch_size=3, max_response_tokens=16, prompt_template="{problem}=", lr=1e-3,
                 threads=1, device="cpu")
-    return graft.Config(**(base | kw))
+    return Config(**(base | kw))
 
 
 def planted_rows(tr: graft.Trainer, *, peer_groups=PEER_GROUPS) -> tuple[list[graft.Row], torch.Tensor]:
@@ -47,7 +51,7 @@ def planted_rows(tr: graft.Trainer, *, peer_groups=PEER_GROUPS) -> tuple[list[gr
     in the denominator). Behaviour log-probs are the current policy's plus noise (std 0.3), so that
     ratios fall on both sides of the clip range. Returns (rows, (G,) replaced mask)."""
     g = torch.Generator().manual_seed(0)
-    idx = graft.batch_indices(len(tr.data), 0, 8, 0)
+    idx = batch_indices(len(tr.data), 0, 8, 0)
     rows = []
     for q in range(8):
         for i in range(4):
@@ -196,9 +200,9 @@ def two_runs(tiny, tmp_path, monkeypatch):
 def test_every_logged_key_is_in_the_metrics_table(two_runs):
     for run in two_runs[:2]:
         for line in read_metrics(run / "metrics.jsonl"):
-            undocumented = [k for k in line if graft.metric_doc(k) is None]
-            assert not undocumented, f"add these keys to graft.METRICS: {undocumented}"
-    table = graft.metrics_markdown()
+            undocumented = [k for k in line if metric_doc(k) is None]
+            assert not undocumented, f"add these keys to metrics.METRICS: {undocumented}"
+    table = metrics_markdown()
     assert "| `<kind>/clipfrac_peer` | Clipped peer tokens over peer tokens through the loss" in table
 
 
@@ -212,8 +216,8 @@ def test_report_to_tensorboard_logs_the_same_keys(two_runs):
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert tags == set(graft.report_values(m)), tags ^ set(graft.report_values(m))
-    for k, v in graft.report_values(m).items():
+    assert tags == set(report_values(m)), tags ^ set(report_values(m))
+    for k, v in report_values(m).items():
         (event,) = acc.Scalars(k)
         assert event.step == 1 and event.value == pytest.approx(v, rel=1e-6), k
 
@@ -263,7 +267,7 @@ def test_report_to_wandb_offline_logs_the_same_keys(two_runs, monkeypatch, tmp_p
     assert config["model"] == tr.cfg.model and config["report_to"] == "wandb"  # the Config, as run.json keeps it
     (history,) = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                   for r in records["history"]]  # a key with "/" (pg/clipfrac_own) is kept as its parts
-    logged, want = {k: v for k, v in history.items() if not k.startswith("_")}, graft.report_values(m)
+    logged, want = {k: v for k, v in history.items() if not k.startswith("_")}, report_values(m)
     assert history["_step"] == 1 and set(logged) == set(want), set(logged) ^ set(want)
     for k, v in want.items():
         assert logged[k] == pytest.approx(v, rel=1e-12), k
@@ -271,7 +275,7 @@ def test_report_to_wandb_offline_logs_the_same_keys(two_runs, monkeypatch, tmp_p
 
 def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch):
     m = {"step": 3, "reward": 0.5, "accepted": 4, "mean_s": float("nan"), "assignment": "ab12", "flag": True}
-    assert graft.report_values(m) == {"reward": 0.5, "accepted": 4.0}  # numbers only, NaN and step left out
+    assert report_values(m) == {"reward": 0.5, "accepted": 4.0}  # numbers only, NaN and step left out
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")
@@ -279,7 +283,7 @@ def test_report_values_and_the_missing_package_error(tiny, tmp_path, monkeypatch
     for kind in ("wandb", "tensorboard"):
         with pytest.raises(ValueError, match=rf"--report-to: {kind} needs the optional package '{kind}': "
                                              rf"pip install {kind}"):
-            graft.validate_config(planted_config(tiny, tmp_path, report_to=kind))
+            validate_config(planted_config(tiny, tmp_path, report_to=kind))
 
 
 def test_metric_series_gate_and_run_labels():
@@ -344,11 +348,11 @@ def planted_panel(run_dir: Path, *, seeds=2, steps=3, n=2) -> dict:
                 ex = run_dir / "panel" / f"seed{s}" / method / (m if method == "grpo" else "") / "exchange"
                 for t in range(steps):
                     r = torch.tensor([[planted_reward(s, method, m, t, g, i) for i in range(n)] for g in range(4)])
-                    ro = graft.StepRollouts(prompt_ids=[f"p{g}" for g in range(4)], tokens=[[1]] * 4 * n,
-                                            logprobs=[torch.zeros(1)] * 4 * n, texts=["x"] * 4 * n,
-                                            eos=torch.ones(4, n, dtype=torch.bool), rewards=r,
-                                            advantages=torch.zeros(4, n))
-                    graft.save_rollouts(graft.rollout_path(ex, m.lower(), t), ro, {"run_id": "planted"})
+                    ro = StepRollouts(prompt_ids=[f"p{g}" for g in range(4)], tokens=[[1]] * 4 * n,
+                                      logprobs=[torch.zeros(1)] * 4 * n, texts=["x"] * 4 * n,
+                                      eos=torch.ones(4, n, dtype=torch.bool), rewards=r,
+                                      advantages=torch.zeros(4, n))
+                    save_rollouts(rollout_path(ex, m.lower(), t), ro, {"run_id": "planted"})
     return halves
 
 

@@ -1,7 +1,7 @@
-"""Tests of offline.py: complementarity against hand-computed tables and subset enumeration on planted
-rollout files and eval results; foreign trajectories on planted JSONL files (matching, grouping,
-re-verification, advantages against graft.group_advantages, the per-step view, lbar by a tiny model
-against a naive forward, and its cache).
+"""Tests of the tools beside the online pair: complement.py (complementarity against hand-computed tables and
+subset enumeration on planted rollout files and eval results) and foreign.py (foreign trajectories on planted
+JSONL files: matching, grouping, re-verification, core.masked_group_advantages against group_advantages, the
+per-step view, lbar by a tiny model against a naive forward, and its cache).
 
 Run: python -m pytest -q test_offline.py
 """
@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import offline
-from exchange import StepRollouts, save_rollouts
-from graft import compatibility_scores, graft_candidates, group_advantages, success_counts
-from offline import (align, complement_rows, complementarity, load_foreign_log, main_complement,
-                     masked_group_advantages, match_records, normalise_problem, pair_complementarity,
-                     prob_all_fail, prob_all_pass, read_eval_results, read_foreign_records, read_rollout_folder)
+import complement
+import foreign
+from exchange import StepRollouts, file_sha256, save_rollouts
+from complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail, prob_all_pass,
+                        read_eval_results, read_rollout_folder)
+from foreign import load_foreign_log, match_records, normalise_problem, read_foreign_records
+from config import Config
+from core import compatibility_scores, graft_candidates, group_advantages, masked_group_advantages, success_counts
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent
@@ -133,7 +135,7 @@ def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
     from exchange import load_rollouts
     a, _ = planted_pair(tmp_path)
     f = a / "step_000001.safetensors"
-    ids, rewards, meta = offline.read_step_rewards(f)
+    ids, rewards, meta = complement.read_step_rewards(f)
     full, _ = load_rollouts(f)
     assert ids == full.prompt_ids == ["p0", "p5", "p6", "p7", "p8"] and torch.equal(rewards, full.rewards)
     assert meta["n"] == "4"
@@ -146,7 +148,7 @@ def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
     save_file({"rewards": torch.zeros(1, 2), "prompt_ids": torch.zeros(1, dtype=torch.uint8),
                "prompt_id_offsets": torch.tensor([0, 1])}, str(bad), metadata={"format": "other"})
     with pytest.raises(ValueError, match="not a GRAFT rollout file"):
-        offline.read_step_rewards(bad)
+        complement.read_step_rewards(bad)
 
 
 def test_complement_table_on_planted_folders(tmp_path, capsys):
@@ -156,7 +158,7 @@ def test_complement_table_on_planted_folders(tmp_path, capsys):
     # A -> B (B receives): B all-fail on p1, p2, p5, p8 (4); A there 2, 4, 3, 1: mixed 3/4, solves 4/4;
     #   candidates 3 of 9 prompts, x 18 = 6 per step.
     # B -> A: A all-fail on p4, p6, p7 (3); B there 3, 2, 4: mixed 2/3, solves 3/3; 2 of 9 x 18 = 4. m = 4.
-    main_complement([str(a), str(b), "--n", "4", "--batch-size", "18", "--aggregate", "latest"])
+    complement.main([str(a), str(b), "--n", "4", "--batch-size", "18", "--aggregate", "latest"])
     out = capsys.readouterr().out
     line_ab = next(x for x in out.splitlines() if x.startswith("S1 -> S2"))
     line_ba = next(x for x in out.splitlines() if x.startswith("S2 -> S1"))
@@ -208,7 +210,7 @@ def test_rollout_folder_against_eval_file_and_no_common_prompts(tmp_path, capsys
     a, _ = planted_pair(tmp_path)
     ev = tmp_path / "e.json"
     ev.write_text(json.dumps(eval_payload({"train": [("zz", [1, 0, 0, 0])]})))
-    main_complement([str(a), str(ev), "--n", "4"])
+    complement.main([str(a), str(ev), "--n", "4"])
     out = capsys.readouterr().out
     assert "S1 -> S2                    0   no prompt in common" in out
 
@@ -228,7 +230,7 @@ def test_eval_file_errors_name_the_file(tmp_path):
                                          r"some: .*run/exchange/a$"):
         read_rollout_folder(tmp_path / "run")
     with pytest.raises(SystemExit, match="at least two sources"):
-        main_complement([str(dup)])
+        complement.main([str(dup)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -380,7 +382,7 @@ def test_step_view_layout_and_candidates(tmp_path):
 
 def test_lbar_at_the_floor_gives_a_finite_score():
     s = compatibility_scores(lbar_recv=torch.tensor([0.0]),
-                             lbar_src=torch.tensor([offline.LBAR_MIN]))
+                             lbar_src=torch.tensor([foreign.LBAR_MIN]))
     assert bool(torch.isfinite(s).all())
 
 
@@ -409,8 +411,8 @@ def test_overlong_responses_are_dropped_before_verification_and_scoring(tmp_path
     path = write_jsonl(tmp_path / "f.jsonl", [
         {"id": "p1", "response": boxed("2")}, {"id": "p1", "response": huge}, {"id": "p1", "response": boxed("5")},
         {"id": "p2", "response": boxed("9")}, {"id": "p2", "response": "no box"}])
-    log = load_foreign_log(path, PROMPTS, max_response_chars=offline.response_char_bound(64, max_token_chars=4))
-    assert offline.response_char_bound(64, max_token_chars=4) == 256
+    log = load_foreign_log(path, PROMPTS, max_response_chars=foreign.response_char_bound(64, max_token_chars=4))
+    assert foreign.response_char_bound(64, max_token_chars=4) == 256
     assert log.counts["too_long"] == 1 and log.counts["too_long_lines"] == [2]
     assert huge not in seen and len(seen) == 4
     assert log.missing_lbar("token") == [1, 3, 4, 5]  # what --peer-model would score: not line 2
@@ -421,17 +423,16 @@ def test_overlong_responses_are_dropped_before_verification_and_scoring(tmp_path
 def test_the_trainer_applies_its_response_bound_when_it_opens_a_foreign_log(tmp_path, capsys):
     """open_peer_log (what the trainer calls at start) passes response_char_bound(--max-response-tokens):
     with --max-response-tokens 2 the bound is 256 characters, so the 300-character response is dropped."""
-    import graft
     from runtime import DistInfo
     path = write_jsonl(tmp_path / "f.jsonl", [
         {"id": "p1", "response": boxed("2"), "lbar": -0.5}, {"id": "p1", "response": "y" * 300, "lbar": -0.5},
         {"id": "p1", "response": boxed("5"), "lbar": -0.5}])
-    cfg = graft.Config(model="unused", peer_log=str(path), max_response_tokens=2)
-    run_id, log = offline.open_peer_log(cfg, PROMPTS, DistInfo(), start_step=0)
+    cfg = Config(model="unused", peer_log=str(path), max_response_tokens=2)
+    run_id, log = foreign.open_peer_log(cfg, PROMPTS, DistInfo(), start_step=0)
     assert run_id is None and log.counts["too_long"] == 1 and log.counts["too_long_lines"] == [2]
     assert "dropped 1 longer than 256 characters" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--peer-log 'nowhere': no such folder of rollout files or JSONL file"):
-        offline.open_peer_log(graft.Config(model="unused", peer_log="nowhere"), PROMPTS, DistInfo(), start_step=0)
+        foreign.open_peer_log(Config(model="unused", peer_log="nowhere"), PROMPTS, DistInfo(), start_step=0)
 
 
 def test_require_lbar_names_the_line(tmp_path):
@@ -466,7 +467,7 @@ def test_fill_lbar_matches_naive_forward_and_caches(tmp_path):
     problems = {p["id"]: p["problem"] for p in prompts}
 
     log = load_foreign_log(path, prompts)
-    info = offline.fill_lbar(log, model, tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
+    info = foreign.fill_lbar(log, model, tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
                              cache_key="tmpl", batch_size=2)
     assert info["computed"] == 3 and info["cached"] == 0 and Path(info["cache"]).parent == tmp_path
     # naive: one full forward per record, log-softmax at T = 1, mean over the response tokens (+ EOS if eos)
@@ -488,23 +489,23 @@ def test_fill_lbar_matches_naive_forward_and_caches(tmp_path):
         def forward(self, *a, **k):
             raise AssertionError("the cache should have answered")
     log2 = load_foreign_log(path, prompts)
-    info2 = offline.fill_lbar(log2, Boom(), tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
+    info2 = foreign.fill_lbar(log2, Boom(), tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
                               cache_key="tmpl")
     assert info2 == {"computed": 0, "cached": 3, "cache": info["cache"]}
     torch.testing.assert_close(log2.mean_logprob, log.mean_logprob)
     # a damaged cache is recomputed, not trusted
     Path(info["cache"]).write_text("{not json")
     log4 = load_foreign_log(path, prompts)
-    info4 = offline.fill_lbar(log4, model, tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
+    info4 = foreign.fill_lbar(log4, model, tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
                               cache_key="tmpl")
     assert info4["computed"] == 3
     torch.testing.assert_close(log4.mean_logprob, log.mean_logprob)
     # another model path or an edited file is another cache
-    other = offline.lbar_cache_path(path, file_hash=offline.file_sha256(path), model_path="other", cache_key="tmpl")
+    other = foreign.lbar_cache_path(path, file_hash=file_sha256(path), model_path="other", cache_key="tmpl")
     assert other != Path(info["cache"])
     write_jsonl(path, recs + [{"id": "b", "response": "\\boxed{42}"}])
     log3 = load_foreign_log(path, prompts)
-    info3 = offline.fill_lbar(log3, model, tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
+    info3 = foreign.fill_lbar(log3, model, tok, model_path=str(TINY_A), encode_prompt=encode, problems=problems,
                               cache_key="tmpl")
     assert info3["computed"] == 4 and info3["cache"] != info["cache"]
 
@@ -514,7 +515,7 @@ def test_bench_foreign_planted_file_counts(tmp_path):
                for i in range(50)]
     out = io.StringIO()
     with redirect_stdout(out):
-        offline.bench_foreign(prompts, records=100, group=5, folder=tmp_path)
+        foreign.bench_foreign(prompts, records=100, group=5, folder=tmp_path)
     text = out.getvalue()
     # 20 groups of 5: groups 9 and 19 are not in the run; odd groups by text, even by id; 1 in 3 wrong
     assert "100 records; matched 50 by id, 40 by problem text; unmatched 10" in text
@@ -522,7 +523,7 @@ def test_bench_foreign_planted_file_counts(tmp_path):
 
 
 def test_foreign_responses_are_cut_at_stop_strings(tmp_path):
-    # --stop (offline.py choice 8): a response that holds a stop string keeps its text through the first one
+    # --stop (foreign.py choice 5): a response that holds a stop string keeps its text through the first one
     # (eos false, its given lbar dropped: it described text that is gone), the verifier reads it cut before the
     # string; responses without one are untouched. Without stop strings the same file reads as before.
     path = write_jsonl(tmp_path / "f.jsonl", [

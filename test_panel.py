@@ -18,7 +18,6 @@ import sys
 import pytest
 import torch
 
-import graft
 import panel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,20 +83,20 @@ def test_an_empty_direction_is_named_with_what_to_do():
 def test_training_flags_go_to_graft_and_own_flags_are_refused():
     """The rest of the command line is graft.py train's: --delta stays a training flag (not --deltas), --seed is
     refused (the panel sets each run's), a flag graft.py does not know stops with its name."""
-    pc_args, rest = panel.build_parser(graft).parse_known_args(
+    pc_args, rest = panel.build_parser().parse_known_args(
         ["--model-a", "a", "--model-b", "b", "--prompts", "p.jsonl", "--deltas", "0.5", "--delta", "0.6", "--n", "4",
          "--no-balance", "--lr", "3e-5"])
     assert pc_args.deltas == "0.5" and rest == ["--delta", "0.6", "--n", "4", "--no-balance", "--lr", "3e-5"]
-    train = panel.training_settings(rest, graft)
+    train = panel.training_settings(rest)
     assert (train["delta"], train["n"], train["balance"], train["lr"]) == (0.6, 4, False, 3e-5)
     assert [a.label for a in panel.arms_of("0.5, 0.7")] == ["grpo", "graft", "graft_d0.5", "graft_d0.7"]
     assert panel.arms_of("0.5")[2].flags == ("--delta", "0.5")
     with pytest.raises(SystemExit, match="--deltas"):
         panel.arms_of("x")
     with pytest.raises(SystemExit, match="--seed is set by the panel"):
-        panel.training_settings(["--seed", "3"], graft)
+        panel.training_settings(["--seed", "3"])
     with pytest.raises(SystemExit, match="not graft.py train's"):
-        panel.training_settings(["--no-such-flag"], graft)
+        panel.training_settings(["--no-such-flag"])
 
 
 def test_held_out_sharing_a_problem_with_the_pool_is_refused(tmp_path):
@@ -107,7 +106,7 @@ def test_held_out_sharing_a_problem_with_the_pool_is_refused(tmp_path):
     panel.write_jsonl(str(tmp_path / "held.jsonl"), held)
     pc = panel.PanelConfig(model_a="a", model_b="b", prompts=str(tmp_path / "pool.jsonl"), pool=10, half=2,
                            held_out=str(tmp_path / "held.jsonl"))
-    train = panel.training_settings([], graft)
+    train = panel.training_settings([])
     with pytest.raises(SystemExit, match=r"--held-out: 1 of its 2 problems are in --prompts too \(e.g. h0\)"):
         panel.validate(pc, train)
     pc.held_out = str(tmp_path / "missing.jsonl")
@@ -149,7 +148,7 @@ def test_a_short_pick_says_raise_the_pool_and_raising_it_continues(tmp_path, mon
                                           "B": lambda i: 3 if i % 6 == 0 else 0 if i % 6 == 1 else 8})
     pc = panel.PanelConfig(model_a="m/A", model_b="m/B", prompts=str(tmp_path / "pool.jsonl"),
                            out=str(tmp_path / "out"), half=2, chunk=4, pool=4)
-    train = panel.training_settings([], graft)
+    train = panel.training_settings([])
     with pytest.raises(SystemExit, match=r"raise --pool \(the chunks evaluated so far are kept\).*--no-balance"):
         panel.prepare(pc, train, {}, str(tmp_path / "timing.json"))
     assert ran == ["pick 1"] and not (tmp_path / "out" / "set.json").exists()
@@ -177,9 +176,9 @@ def test_a_one_sided_pool_runs_under_no_balance(tmp_path, monkeypatch):
     pc = panel.PanelConfig(model_a="m/A", model_b="m/B", prompts=str(tmp_path / "pool.jsonl"),
                            out=str(tmp_path / "out"), half=3, chunk=12, pool=12)
     with pytest.raises(SystemExit, match=r"only \{'B': 0\} problems of a half"):
-        panel.prepare(pc, panel.training_settings([], graft), {}, str(tmp_path / "t.json"))
+        panel.prepare(pc, panel.training_settings([]), {}, str(tmp_path / "t.json"))
     pc.out = str(tmp_path / "out2")
-    panel.prepare(pc, panel.training_settings(["--no-balance"], graft), {}, str(tmp_path / "t.json"))
+    panel.prepare(pc, panel.training_settings(["--no-balance"]), {}, str(tmp_path / "t.json"))
     meta = json.loads((tmp_path / "out2" / "set.json").read_text())
     order = [json.loads(x)["id"] for x in (tmp_path / "out2" / "pool_00.jsonl").read_text().splitlines()]
     assert sorted(order) == [r["id"] for r in rows] and order != sorted(order)  # the seeded shuffle

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import graft
-from graft import assignment_digest, balanced_swap, group_advantages, multi_peer_sources, success_counts
-from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+from test_graft import ROOT, common_flags, exchange_phases, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+from config import Config
+from core import assignment_digest, balanced_swap, batch_indices, group_advantages, multi_peer_sources, success_counts
+from exchange import StepRollouts, load_rollouts, rollout_path, save_rollouts
 
 # ------------------------------------------------------------------------------------------------
 # multi_peer_sources: the assignment rule
@@ -79,7 +81,7 @@ def test_three_processes_agree_on_every_assignment(tiny, tmp_path):
     metrics = {s: read_metrics(tmp_path / s / "metrics.jsonl") for s in "abc"}
     moved = 0
     for step in range(2):
-        files = {s: graft.load_rollouts(graft.rollout_path(ex, s, step), n=4)[0] for s in "abc"}
+        files = {s: load_rollouts(rollout_path(ex, s, step), n=4)[0] for s in "abc"}
         assert files["a"].prompt_ids == files["b"].prompt_ids == files["c"].prompt_ids
         src = multi_peer_sources(torch.stack([success_counts(files[s].rewards) for s in "abc"]), 4)  # (3, G)
         for r, recv in enumerate("abc"):
@@ -98,7 +100,7 @@ def test_a_dead_peer_among_three_stops_the_others(tiny, tmp_path):
     ex = tmp_path / "ex"
     a, b, c = three_procs(tiny, tmp_path, ex, "--peer-dead-after", "3", "--heartbeat-interval", "1", steps=200)
     deadline = time.time() + 120
-    while not graft.rollout_path(ex, "c", 1).exists():
+    while not rollout_path(ex, "c", 1).exists():
         assert time.time() < deadline and c.poll() is None, c.communicate()[0][-2000:]
         time.sleep(0.1)
     c.send_signal(signal.SIGKILL)
@@ -136,7 +138,7 @@ def foreign_trainer(tiny, tmp_path, monkeypatch, records, **overrides):
               steps=1, prompts_per_step=8, n=4, minibatches=2, max_response_tokens=16, prompt_template="{problem}=",
               lr=1e-3, delta=0.0)
     kw.update(overrides)
-    return graft.Trainer(graft.Config(**kw))
+    return graft.Trainer(Config(**kw))
 
 
 def test_foreign_log_groups_of_any_size_enter_the_update(tiny, tmp_path, monkeypatch):
@@ -150,12 +152,12 @@ def test_foreign_log_groups_of_any_size_enter_the_update(tiny, tmp_path, monkeyp
         records += [{"id": p["id"], "response": t, "lbar": -0.5} if j % 2 else
                     {"problem": p["problem"], "response": t, "lbar": -0.5} for t in texts]
     tr = foreign_trainer(tiny, tmp_path, monkeypatch, records)
-    rows = graft.batch_indices(len(tr.data), 0, 8, 0)
-    own, _ = tr.rollout(0, rows)
+    batch = batch_indices(len(tr.data), 0, 8, 0)
+    own, _ = tr.rollout(0, batch)
     own.rewards.zero_()  # the receiver failed every prompt: every mixed foreign group is a candidate
     own.advantages.zero_()
-    peers = tr.peer_rollouts(0, own)
-    out, replaced, m = tr.build_rows(0, rows, own, peers)
+    peers = tr.wait_for_peers(0, own)
+    out, replaced, m = exchange_phases(tr, 0, batch, own, peers)
     assert m["selected"] == 8 and replaced.all() and not any(not r.is_peer for r in out)
     assert m["peer_responses"] == sum(len(groups[own.prompt_ids[g]]) for g in range(8))  # padding never offered
     for g in range(8):
@@ -174,9 +176,9 @@ def test_foreign_log_without_lbar_needs_a_peer_model(tiny, tmp_path, monkeypatch
         foreign_trainer(tiny, tmp_path, monkeypatch, records)
     tr = foreign_trainer(tiny, tmp_path, monkeypatch, records, peer_model=str(tiny / "mb"), out=str(tmp_path / "r2"))
     assert list(tmp_path.glob(".foreign.jsonl.lbar-*.json")), "the computed lbar is cached beside the file"
-    rows = graft.batch_indices(len(tr.data), 0, 8, 0)
-    own, _ = tr.rollout(0, rows)
-    lbar = tr.peer_rollouts(0, own)["log"].lbar("token")  # (G, M)
+    batch = batch_indices(len(tr.data), 0, 8, 0)
+    own, _ = tr.rollout(0, batch)
+    lbar = tr.wait_for_peers(0, own)["log"].lbar("token")  # (G, M)
     assert torch.isfinite(lbar).all() and (lbar < 0).any()
 
 
@@ -191,10 +193,10 @@ def test_complement_through_graft_cli(tmp_path):
 
     def write(side, ks):
         rewards = torch.tensor([[1.0] * k + [0.0] * (n - k) for k in ks])
-        r = graft.StepRollouts(prompt_ids=ids, tokens=[[1]] * 24, logprobs=[torch.zeros(1)] * 24, texts=["x"] * 24,
-                               eos=torch.ones(6, n, dtype=torch.bool), rewards=rewards,
-                               advantages=group_advantages(rewards))
-        graft.save_rollouts(graft.rollout_path(tmp_path, side, 0), r, {"run_id": side})
+        r = StepRollouts(prompt_ids=ids, tokens=[[1]] * 24, logprobs=[torch.zeros(1)] * 24, texts=["x"] * 24,
+                         eos=torch.ones(6, n, dtype=torch.bool), rewards=rewards,
+                         advantages=group_advantages(rewards))
+        save_rollouts(rollout_path(tmp_path, side, 0), r, {"run_id": side})
 
     write("a", k_a)
     write("b", k_b)

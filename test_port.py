@@ -16,12 +16,16 @@ import pytest
 import torch
 
 import graft
-from test_graft import ROOT, planted, tiny  # noqa: F401  (tiny: fixture)
+from test_graft import ROOT, exchange_phases, planted, tiny  # noqa: F401  (tiny: fixture)
+from core import (Mean, add_metrics, balance_directions, balanced_swap, compatibility_scores, compatibility_weights,
+                  graft_candidates, metric_values, policy_loss, received_groups, rescue_candidates,
+                  sequence_mean_logprob, success_counts)
 
 torch.set_num_threads(1)
 
 # The imports core.py has, and nothing else.
-CORE_IMPORTS = "from __future__ import annotations\nimport hashlib\nfrom typing import NamedTuple\nimport torch\n"
+CORE_IMPORTS = ("from __future__ import annotations\nimport hashlib\nfrom typing import Callable, NamedTuple\n"
+                "import torch\n")
 
 
 def core_source() -> str:
@@ -47,7 +51,7 @@ def copied_core() -> types.ModuleType:
 def test_section_two_uses_only_its_own_imports():
     """Every name the section reads is defined in it, imported by CORE_IMPORTS, or a builtin."""
     tree = ast.parse(CORE_IMPORTS + core_source())
-    defined = {"annotations", "hashlib", "NamedTuple", "torch"} | set(dir(builtins))
+    defined = {"annotations", "hashlib", "Callable", "NamedTuple", "torch"} | set(dir(builtins))
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             defined.add(node.name)
@@ -90,15 +94,15 @@ def test_each_core_docstring_names_the_core_functions_it_calls():
 
 
 @pytest.mark.parametrize("call", [
-    lambda k, x: graft.graft_candidates(k, k, 4),
-    lambda k, x: graft.balanced_swap(k, k, 4),
-    lambda k, x: graft.balance_directions(k > 0, k > 0, k, k),
-    lambda k, x: graft.received_groups(k, k, 4, own_is_a=True),
-    lambda k, x: graft.rescue_candidates(k, k),
-    lambda k, x: graft.compatibility_scores(x, x),
-    lambda k, x: graft.compatibility_weights(x, x),
-    lambda k, x: graft.sequence_mean_logprob(x[None], torch.ones(1, 3)),
-    lambda k, x: graft.policy_loss(x[None], x[None], torch.ones(1), torch.ones(1, 3)),
+    lambda k, x: graft_candidates(k, k, 4),
+    lambda k, x: balanced_swap(k, k, 4),
+    lambda k, x: balance_directions(k > 0, k > 0, k, k),
+    lambda k, x: received_groups(k, k, 4, own_is_a=True),
+    lambda k, x: rescue_candidates(k, k),
+    lambda k, x: compatibility_scores(x, x),
+    lambda k, x: compatibility_weights(x, x),
+    lambda k, x: sequence_mean_logprob(x[None], torch.ones(1, 3)),
+    lambda k, x: policy_loss(x[None], x[None], torch.ones(1), torch.ones(1, 3)),
     lambda k, x: graft.hacpo_advantages(x[None], x[None], capability_ratio=1.0),
 ], ids=["graft_candidates", "balanced_swap", "balance_directions", "received_groups", "rescue_candidates",
         "compatibility_scores", "compatibility_weights", "sequence_mean_logprob", "policy_loss", "hacpo_advantages"])
@@ -109,7 +113,7 @@ def test_positional_direction_arguments_are_a_type_error(call):
 
 def test_swap_names_its_directions():
     k_a, k_b = torch.tensor([2, 0, 0]), torch.tensor([0, 3, 0])
-    swap = graft.balanced_swap(k_a=k_a, k_b=k_b, n=4)
+    swap = balanced_swap(k_a=k_a, k_b=k_b, n=4)
     assert swap.a_to_b.tolist() == [True, False, False]  # B fails q0, A is mixed: B receives A's group
     assert swap.b_to_a.tolist() == [False, True, False]
     a_to_b, b_to_a = swap  # still unpacks as a pair
@@ -123,27 +127,27 @@ def test_swap_names_its_directions():
 
 def test_success_counts_binary_signed_bonus_and_padding():
     binary = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
-    assert graft.success_counts(binary).tolist() == binary.sum(1).long().tolist() == [2, 0]
+    assert success_counts(binary).tolist() == binary.sum(1).long().tolist() == [2, 0]
     signed = torch.tensor([[1.0, -1.0, -1.0]])  # a -1/+1 verifier
-    assert graft.success_counts(signed).tolist() == [1]
+    assert success_counts(signed).tolist() == [1]
     bonus = torch.tensor([[0.1, 0.1, 1.1], [0.1, 0.1, 0.1]])  # 0.1 for a well-formed wrong answer
-    assert graft.success_counts(bonus).tolist() == [1, 0]  # a group of wrong answers is all-fail
+    assert success_counts(bonus).tolist() == [1, 0]  # a group of wrong answers is all-fail
     padded = torch.tensor([[1.0, 1.0, 1.0]])
-    assert graft.success_counts(padded, mask=torch.tensor([[True, True, False]])).tolist() == [2]
-    assert graft.success_counts(torch.tensor([[0.3, 0.7]]), threshold=0.25).tolist() == [2]
-    assert graft.success_counts(binary).dtype == torch.int64
+    assert success_counts(padded, mask=torch.tensor([[True, True, False]])).tolist() == [2]
+    assert success_counts(torch.tensor([[0.3, 0.7]]), threshold=0.25).tolist() == [2]
+    assert success_counts(binary).dtype == torch.int64
 
 
 def test_metric_values_divides_once_and_nan_means_nothing():
-    parts = [{"clipfrac": graft.Mean(1.0, 4.0), "tokens": 4.0, "clipfrac_peer": graft.Mean(0.0, 0.0)},
-             {"clipfrac": graft.Mean(3.0, 4.0), "tokens": 4.0, "clipfrac_peer": graft.Mean(0.0, 0.0)}]
+    parts = [{"clipfrac": Mean(1.0, 4.0), "tokens": 4.0, "clipfrac_peer": Mean(0.0, 0.0)},
+             {"clipfrac": Mean(3.0, 4.0), "tokens": 4.0, "clipfrac_peer": Mean(0.0, 0.0)}]
     sums: dict = {}
     for p in parts:
-        graft.add_metrics(sums, p)
-    v = graft.metric_values(sums)
+        add_metrics(sums, p)
+    v = metric_values(sums)
     assert v["clipfrac"] == 0.5 and v["tokens"] == 8.0  # (1 + 3) / (4 + 4), not a mean of 0.25 and 0.75
     assert math.isnan(v["clipfrac_peer"])  # a mean over no peer tokens
-    assert "clipfrac_peer" not in graft.metric_values(sums, drop_empty=True)
+    assert "clipfrac_peer" not in metric_values(sums, drop_empty=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,7 +179,7 @@ def test_folded_weights_identity_against_a_plain_token_mean_loss():
     w = torch.tensor([1.0, 1.0, 0.9, 0.0, 0.85, 1.0, 0.0])  # (B,) own rows 1, peer rows gated; 0 = removed
     is_peer = torch.tensor([False, False, True, True, True, False, True])
 
-    loss, metrics = graft.policy_loss(logp=new, old_logp=old, advantages=adv, mask=mask, weights=w, is_peer=is_peer)
+    loss, metrics = policy_loss(logp=new, old_logp=old, advantages=adv, mask=mask, weights=w, is_peer=is_peer)
     grad = torch.autograd.grad(loss, new)[0]
 
     new2 = new.detach().clone().requires_grad_(True)
@@ -186,7 +190,7 @@ def test_folded_weights_identity_against_a_plain_token_mean_loss():
 
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-8)
-    assert graft.metric_values(metrics)["clipfrac"] == pytest.approx(float(ref_clipfrac), abs=1e-7)
+    assert metric_values(metrics)["clipfrac"] == pytest.approx(float(ref_clipfrac), abs=1e-7)
     assert 0 < float(ref_clipfrac) < 1  # the clip is active on some tokens, so the check means something
     # Without the mask the identity fails: the removed rows' tokens would stay in the denominator.
     unmasked, _ = vanilla_token_mean_loss(old, new.detach(), folded, mask)
@@ -200,10 +204,11 @@ def test_folded_weights_identity_against_a_plain_token_mean_loss():
 
 def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, monkeypatch):
     """Selection (Eq. 4), retokenisation, compatibility weights (Eqs. 6-8), peer-last order and the loss
-    (Eqs. 9-10) of one planted step, computed with the copied module and only the trainer's forward, equal
-    Trainer.build_rows and Trainer.update (optimizer step disabled, so every minibatch sees one policy)."""
+    (Eqs. 9-10) of one planted step, computed with the copied module and only the trainer's forward, equal to
+    the Trainer's select, score and build_rows, and Trainer.update (optimizer step disabled, so every
+    minibatch sees one policy)."""
     core = copied_core()
-    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8, minibatches=3)
+    tr, batch, own, peers = planted(tiny, tmp_path, monkeypatch, delta=0.8, minibatches=3)
     peer = peers["log"]
     cfg, n = tr.cfg, tr.cfg.n
 
@@ -221,7 +226,7 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
                                   max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
             if ids:
                 cand.append((g, r, ids))
-    prompts = [tr.prompt_ids[rows[g]] for g, _, _ in cand]
+    prompts = [tr.prompt_ids[batch[g]] for g, _, _ in cand]
     lp, mask = tr.logprobs(prompts, [ids for _, _, ids in cand])  # (C, T) the trainer's forward, no grad needed
     lp, mask = lp.detach(), mask
     lbar_recv = core.sequence_mean_logprob(logp=lp, mask=mask)  # (C,)
@@ -230,7 +235,7 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
     assert (w > 0).any() and (w == 0).any(), "the planted step must both accept and reject (delta 0.8)"
 
     # The trainer's rows of the same step.
-    train_rows, replaced, m = tr.build_rows(0, rows, own, peers)
+    train_rows, replaced, m = exchange_phases(tr, 0, batch, own, peers)
     assert torch.equal(replaced, chosen)
     mine = {(g, tuple(ids)): float(wi) for (g, _, ids), wi in zip(cand, w) if wi > 0}
     theirs = {(r.group, tuple(r.response)): r.weight for r in train_rows if r.is_peer}

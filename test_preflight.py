@@ -24,6 +24,9 @@ import graft
 import preflight
 import verify
 from runtime import DistInfo
+from config import Config
+from core import graft_candidates, success_counts
+from test_graft import exchange_phases
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent
@@ -71,8 +74,8 @@ def run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(verify, "verify_batch", planted_batch)
     try:
-        args = preflight.build_parser(graft).parse_args(args_for(tmp, prompts))
-        report, sides = preflight.preflight(args, graft)
+        args = preflight.build_parser().parse_args(args_for(tmp, prompts))
+        report, sides = preflight.preflight(args)
     finally:
         mp.undo()
     written = json.loads(json.dumps(report))  # what the JSON file holds
@@ -209,12 +212,12 @@ def test_cross_scores_match_a_plain_forward(run):
 
 
 def receiver_trainer(side, peer_name: str, **cfg_changes):
-    """A Trainer of one side with its model, tokenizer and prompts, for select/build_rows (no run directory)."""
+    """A Trainer of one side with its model, tokenizer and prompts, for its exchange phases (no run directory)."""
     tr = graft.Trainer.__new__(graft.Trainer)
-    tr.cfg = graft.Config(**{**side.cfg.__dict__, "peer_exchange": "unused", "peer_name": peer_name, **cfg_changes})
+    tr.cfg = Config(**{**side.cfg.__dict__, "peer_exchange": "unused", "peer_name": peer_name, **cfg_changes})
     tr.mode, tr.peers, tr.dist, tr.policy = "online", [peer_name], DistInfo(), None
     tr.model, tr.tok, tr.stop_ids, tr.eos_id = side.model, side.tok, side.stop_ids, side.eos_id
-    tr.prompt_ids, tr.amp = side.prompt_ids, nullcontext
+    tr.prompt_ids, tr.amp, tr.variant = side.prompt_ids, nullcontext, graft.VARIANTS["graft"]
     return tr
 
 
@@ -222,18 +225,18 @@ def receiver_trainer(side, peer_name: str, **cfg_changes):
 def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
     report, sides, _ = run
     a, b = sides
-    rows = list(range(G))
+    batch = list(range(G))
     for recv, src, key in ((b, a, "a_to_b"), (a, b, "b_to_a")):
         tr = receiver_trainer(recv, src.name, balance=balance)
         d = report["directions"][key]
         part = d["received"] if balance else d["no_balance"]
-        into = tr.select(0, recv.rollouts, {src.name: src.rollouts})[src.name]
+        into = tr.select(0, recv.rollouts, {src.name: src.rollouts})[0][src.name]
         groups = d["received_groups"] if balance else [g for g in range(G) if g in set(
-            torch.nonzero(graft.graft_candidates(k_recv=graft.success_counts(recv.rollouts.rewards),
-                                                 k_src=graft.success_counts(src.rollouts.rewards), n=N)).view(-1)
+            torch.nonzero(graft_candidates(k_recv=success_counts(recv.rollouts.rewards),
+                                           k_src=success_counts(src.rollouts.rewards), n=N)).view(-1)
             .tolist())]
         assert torch.nonzero(into).view(-1).tolist() == groups
-        out, replaced, m = tr.build_rows(0, rows, recv.rollouts, {src.name: src.rollouts})
+        out, replaced, m = exchange_phases(tr, 0, batch, recv.rollouts, {src.name: src.rollouts})
         assert m["selected"] == len(groups) and m["peer_responses"] == part["responses"]
         assert m["dropped_length"] == part["dropped_length"] and m["accepted"] == part["accepted"]
         assert m["rejected"] == part["retokenised"] - part["accepted"]
@@ -244,7 +247,7 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         if part["accepted"]:
             assert m["mean_w"] == pytest.approx(part["mean_w"], rel=1e-5)
         # and per response: the step's s of every scored response is the preflight's cross-score
-        got, dropped = tr.score_peer(0, src.rollouts, groups, rows)
+        got, dropped = tr.score_peer(0, src.rollouts, groups, batch)
         recs = report["responses"][key]
         assert dropped == part["dropped_length"]
         for x in got:
@@ -271,7 +274,7 @@ def test_bad_input_messages(tmp_path):
     (tmp_path / "empty_model").mkdir()
     with pytest.raises(SystemExit, match=r"--model '.*empty_model': a folder without config.json"):
         graft.main(["preflight", *args_for(tmp_path, prompts)[:2], "--model-b", str(tmp_path / "empty_model"),
-                    *args_for(tmp_path, prompts)[4:]])
+              *args_for(tmp_path, prompts)[4:]])
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x", "problem": "1+1", "answer": "\\frac{1"}) + "\n")
     with pytest.raises(SystemExit, match=r"bad\.jsonl: no usable problem among 1 \(1 gold answers verify\.py cannot"):
@@ -284,7 +287,7 @@ def test_bad_input_messages(tmp_path):
 
 def test_complement_json_is_the_printed_table(tmp_path, capsys):
     """`graft.py complement --json` writes the rows of the table it prints (the report preflight embeds)."""
-    import offline
+    import complement
     corrects = {"a": [[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8], "b": [[1, 1, 0, 0, 0, 0, 0, 0], [0] * 8, [0] * 8]}
     paths = []
     for name, rows in corrects.items():
@@ -301,4 +304,4 @@ def test_complement_json_is_the_printed_table(tmp_path, capsys):
     assert rows[(0, 1)]["candidates_per_step"] == pytest.approx(10.0) and rows[(0, 1)]["m"] == pytest.approx(10.0)
     assert out["n"] == 8 and out["batch_size"] == 30 and [s["path"] for s in out["sources"]] == paths
     assert f"{10.0:>10.2f}" in capsys.readouterr().out
-    assert offline.complement_json([], [{"x": float("nan")}], n=8, batch_size=1)["rows"] == [{"x": None}]
+    assert complement.complement_json([], [{"x": float("nan")}], n=8, batch_size=1)["rows"] == [{"x": None}]

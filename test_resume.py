@@ -22,6 +22,9 @@ import graft
 import runtime
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 from test_runs import pair_procs, train
+from config import Config
+from exchange import (Heartbeat, atomic_write, join_run, leave_run, load_rollouts, rollout_path, wait_for_file,
+                      write_failed)
 
 FAST = ["--peer-dead-after", "3", "--heartbeat-interval", "1", "--save-every", "1"]
 
@@ -85,39 +88,39 @@ def survivor_name(victim: str) -> str:
 
 def test_attempts_ignore_earlier_markers_and_honour_current_ones(tmp_path, capsys):
     ex = tmp_path / "ex"
-    rid = graft.join_run(ex, "a", peers=["b"])
-    beat_a = graft.Heartbeat(ex, "a", rid, interval=0.2)
-    assert graft.join_run(ex, "b", peers=["a"]) == rid
-    graft.write_failed(ex, "b", rid, "KeyboardInterrupt", attempt=0)  # attempt 0 ends: b failed ...
+    rid = join_run(ex, "a", peers=["b"])
+    beat_a = Heartbeat(ex, "a", rid, interval=0.2)
+    assert join_run(ex, "b", peers=["a"]) == rid
+    write_failed(ex, "b", rid, "KeyboardInterrupt", attempt=0)  # attempt 0 ends: b failed ...
     beat_a.stop("failed")  # ... and a stopped on it
-    graft.write_failed(ex, "a", rid, "RuntimeError: the peer failed", attempt=0)
+    write_failed(ex, "a", rid, "RuntimeError: the peer failed", attempt=0)
     # Both relaunched with --resume: the first (a) founds attempt 1 ...
-    assert graft.join_run(ex, "a", peers=["b"], previous=rid) == rid
+    assert join_run(ex, "a", peers=["b"], previous=rid) == rid
     assert exchange.join_attempt(ex, "a", rid, dead_after=5) == 1
-    beats = [graft.Heartbeat(ex, "a", rid, attempt=1, interval=0.2)]
-    step1 = graft.rollout_path(ex, "b", 1)
+    beats = [Heartbeat(ex, "a", rid, attempt=1, interval=0.2)]
+    step1 = rollout_path(ex, "b", 1)
     with pytest.raises(TimeoutError):  # b's attempt-0 marker does not stop a's attempt 1
-        graft.wait_for_file(step1, timeout=0.6, run_id=rid, attempt=1)
+        wait_for_file(step1, timeout=0.6, run_id=rid, attempt=1)
     assert "belongs to attempt 0 of this run, not attempt 1" in capsys.readouterr().err
     # ... the second (b) joins it and clears its own marker of the earlier attempt
     assert exchange.join_attempt(ex, "b", rid, dead_after=5) == 1
     assert not (ex / "b" / "FAILED").exists()
-    beats.append(graft.Heartbeat(ex, "b", rid, attempt=1, interval=0.2))
-    graft.write_failed(ex, "b", rid, "RuntimeError: out of memory", attempt=1)  # a marker of the current attempt
+    beats.append(Heartbeat(ex, "b", rid, attempt=1, interval=0.2))
+    write_failed(ex, "b", rid, "RuntimeError: out of memory", attempt=1)  # a marker of the current attempt
     t0 = time.time()
     with pytest.raises(RuntimeError, match="the peer failed .* out of memory"):
-        graft.wait_for_file(step1, timeout=30, run_id=rid, attempt=1)
+        wait_for_file(step1, timeout=30, run_id=rid, attempt=1)
     assert time.time() - t0 < 5
     # b relaunched again while a still runs attempt 1: a is left behind and says what to do
     beats[1].stop("failed")
     assert exchange.join_attempt(ex, "b", rid, dead_after=5) == 2
-    beats.append(graft.Heartbeat(ex, "b", rid, attempt=2, interval=0.2))
+    beats.append(Heartbeat(ex, "b", rid, attempt=2, interval=0.2))
     with pytest.raises(RuntimeError, match="side 'b' runs attempt 2 .* relaunch this side with --resume"):
-        graft.wait_for_file(step1, timeout=30, run_id=rid, attempt=1)
+        wait_for_file(step1, timeout=30, run_id=rid, attempt=1)
     # a newer process of this very side: the old one stops
     assert exchange.join_attempt(ex, "a", rid, dead_after=5) == 2
     with pytest.raises(RuntimeError, match="side 'a' was relaunched"):
-        graft.wait_for_file(graft.rollout_path(ex, "b", 2), timeout=30, run_id=rid, attempt=1, me="a")
+        wait_for_file(rollout_path(ex, "b", 2), timeout=30, run_id=rid, attempt=1, me="a")
     assert beats[0].left_behind()
     for beat in beats:
         beat.stop("finished")
@@ -158,7 +161,7 @@ def resume_cfg(tiny, out, prompts, **kw):
                 minibatches=2, max_response_tokens=16, prompt_template="{problem}=", lr=1e-3, threads=1,
                 exchange_timeout=120, micro_batch_size=8, save_every=1, resume=True)
     base.update(kw)
-    return graft.Config(**base)
+    return Config(**base)
 
 
 def test_resume_refuses_changed_settings_before_loading(tiny, finished_run, monkeypatch):
@@ -226,7 +229,7 @@ def test_truncated_model_file_is_named_by_eval(tiny, tmp_path):
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(SystemExit, match=f"{weights}: truncated"):
-        graft.run_eval(graft.Config(model=str(model), benchmarks=str(tiny / "p.jsonl")))
+        graft.run_eval(Config(model=str(model), benchmarks=str(tiny / "p.jsonl")))
 
 
 def test_full_disk_while_checkpointing(tiny, finished_run, monkeypatch):
@@ -254,7 +257,7 @@ def test_full_disk_while_checkpointing(tiny, finished_run, monkeypatch):
         Path(tmp).write_text("{")
         raise OSError(errno.ENOSPC, "No space left on device")
     with pytest.raises(OSError, match=f"{target}: cannot write \\(No space left on device"):
-        graft.atomic_write(target, cut)
+        atomic_write(target, cut)
     assert list(target.parent.iterdir()) == []
 
 
@@ -276,7 +279,7 @@ def test_force_refuses_while_the_run_is_live(tiny, tmp_path):
     ex = tmp_path / "ex"
     first = pair_procs(tiny, tmp_path, ex, *FAST, steps=200)
     try:
-        wait_until(lambda: graft.rollout_path(ex, "b", 0).exists(), first, "the first pair's step 0")
+        wait_until(lambda: rollout_path(ex, "b", 0).exists(), first, "the first pair's step 0")
         second = pair_procs(tiny, tmp_path / "second", ex, *FAST, "--force", steps=3)
         for p in second:
             out = p.communicate(timeout=120)[0]
@@ -326,33 +329,33 @@ def test_two_pairs_started_at_once_never_cross(tiny, tmp_path):
     assert "--data-seed 0 there, 1 here" in said or "--data-seed 1 there, 0 here" in said, said[-3000:]
     m = {s: read_metrics(tmp_path / tag / s / "metrics.jsonl") for s in "ab"}
     assert m["a"][0]["assignment"] == m["b"][0]["assignment"]
-    assert graft.load_rollouts(graft.rollout_path(ex, "a", 0))[1]["data_seed"] == seeds[tag]
+    assert load_rollouts(rollout_path(ex, "a", 0))[1]["data_seed"] == seeds[tag]
 
 
 def test_join_run_checks_the_founders_peers_and_pair_settings(tmp_path):
     ex = tmp_path / "ex"
     pair = {"n": 4, "data_seed": 0}
-    rid = graft.join_run(ex, "a", peers=["b"], pair=pair)
-    beat = graft.Heartbeat(ex, "a", rid, interval=0.2)
+    rid = join_run(ex, "a", peers=["b"], pair=pair)
+    beat = Heartbeat(ex, "a", rid, interval=0.2)
     try:
         with pytest.raises(RuntimeError, match="side 'a' already took part"):
-            graft.join_run(ex, "a", peers=["b"], pair=pair)  # a second process named a
+            join_run(ex, "a", peers=["b"], pair=pair)  # a second process named a
         (ex / "a" / "RUN_ID").unlink()  # ... even in the instant before the founder records its part
         (ex / ".attempts" / f"{rid}.000000.a").unlink()
         with pytest.raises(RuntimeError, match="founded by another process as side 'a'"):
-            graft.join_run(ex, "a", peers=["b"], pair=pair)
+            join_run(ex, "a", peers=["b"], pair=pair)
         with pytest.raises(RuntimeError, match=r"founded by side 'a' for sides \['a', 'b'\]"):
-            graft.join_run(ex, "c", peers=["a"], pair=pair)  # a is not c's peer's founder for c
+            join_run(ex, "c", peers=["a"], pair=pair)  # a is not c's peer's founder for c
         with pytest.raises(RuntimeError, match="--data-seed 0 there, 1 here"):
-            graft.join_run(ex, "b", peers=["a"], pair={"n": 4, "data_seed": 1})  # another pair's settings
-        assert graft.join_run(ex, "b", peers=["a"], pair=pair) == rid
+            join_run(ex, "b", peers=["a"], pair={"n": 4, "data_seed": 1})  # another pair's settings
+        assert join_run(ex, "b", peers=["a"], pair=pair) == rid
         with pytest.raises(RuntimeError, match="--force would delete .* side 'a' of it is running"):
-            graft.leave_run(ex, "b")  # --force of a second pair in this folder
-        graft.leave_run(ex, "c")  # --force of a side that never joined: its own folder only, never the live run
+            leave_run(ex, "b")  # --force of a second pair in this folder
+        leave_run(ex, "c")  # --force of a side that never joined: its own folder only, never the live run
         assert json.loads((ex / "RUN").read_text())["run_id"] == rid
         (ex / "b" / "RUN_ID").unlink()  # a second process as b, even before the first wrote its RUN_ID
         with pytest.raises(RuntimeError, match="side 'b' already took part in run"):
-            graft.join_run(ex, "b", peers=["a"], pair=pair)
+            join_run(ex, "b", peers=["a"], pair=pair)
     finally:
         beat.stop("finished")
 

@@ -18,7 +18,11 @@ import torch
 
 import exchange
 import graft
-from test_graft import ROOT, common_flags, planted, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
+from test_graft import (ROOT, common_flags, exchange_phases, planted, read_metrics, run_py,  # noqa: F401
+                        tiny)  # (tiny: fixture)
+from core import assignment_digest, balanced_swap, success_counts
+from exchange import (Heartbeat, StepRollouts, join_run, leave_run, load_rollouts, rollout_path, save_rollouts,
+                      wait_for_file, write_failed, write_json)
 
 
 def train(tiny, out, *extra, steps=1, script=None):
@@ -66,22 +70,22 @@ def test_existing_out_needs_resume_or_force(tiny, tmp_path):
 
 def test_join_run_founds_joins_and_refuses(tmp_path):
     ex = tmp_path / "ex"
-    rid = graft.join_run(ex, "a")
-    beat = graft.Heartbeat(ex, "a", rid, interval=0.2)
+    rid = join_run(ex, "a")
+    beat = Heartbeat(ex, "a", rid, interval=0.2)
     try:
-        assert graft.join_run(ex, "b") == rid  # the founder is alive: b adopts its identity
+        assert join_run(ex, "b") == rid  # the founder is alive: b adopts its identity
         with pytest.raises(RuntimeError, match="side 'a' already took part in run"):
-            graft.join_run(ex, "a")  # a fresh start of a in the same folder
-        assert graft.join_run(ex, "a", previous=rid) == rid  # --resume keeps the identity
+            join_run(ex, "a")  # a fresh start of a in the same folder
+        assert join_run(ex, "a", previous=rid) == rid  # --resume keeps the identity
         with pytest.raises(RuntimeError, match="belongs to run"):
-            graft.join_run(ex, "a", previous="another")
+            join_run(ex, "a", previous="another")
     finally:
         beat.stop("finished")
     with pytest.raises(RuntimeError, match="started by side 'a', which is not running"):
-        graft.join_run(ex, "c")  # a dead run's leftovers are not joined
-    graft.leave_run(ex, "a")  # --force on a: nobody of that run is alive, so the record goes too
-    graft.leave_run(ex, "b")
-    assert graft.join_run(ex, "b") != rid  # a new run
+        join_run(ex, "c")  # a dead run's leftovers are not joined
+    leave_run(ex, "a")  # --force on a: nobody of that run is alive, so the record goes too
+    leave_run(ex, "b")
+    assert join_run(ex, "b") != rid  # a new run
 
 
 def test_force_keeps_a_run_the_peer_founded_after_it_looked(tmp_path, monkeypatch):
@@ -89,7 +93,7 @@ def test_force_keeps_a_run_the_peer_founded_after_it_looked(tmp_path, monkeypatc
     record away (no record), then a founds the new run before b acts on what it read. b must not delete a's new
     record: the two sides would then run under two ids, each ignoring the other's files until the timeout."""
     ex = tmp_path / "ex"
-    rid = graft.join_run(ex, "a", peers=["b"])  # a's new run, founded after b's read below
+    rid = join_run(ex, "a", peers=["b"])  # a's new run, founded after b's read below
     real, reads = exchange.read_json, []
 
     def stale_first_read(path):  # the record as b saw it a moment earlier: absent
@@ -97,37 +101,37 @@ def test_force_keeps_a_run_the_peer_founded_after_it_looked(tmp_path, monkeypatc
         return None if reads.count("RUN") == 1 and Path(path).name == "RUN" else real(path)
 
     monkeypatch.setattr(exchange, "read_json", stale_first_read)
-    graft.leave_run(ex, "b")
+    leave_run(ex, "b")
     monkeypatch.setattr(exchange, "read_json", real)
     assert (exchange.read_json(ex / "RUN") or {}).get("run_id") == rid, "b's --force deleted a's new run record"
     (ex / "RUN").write_text("{not json")  # an unreadable record is still removed by --force
-    graft.leave_run(ex, "b")
+    leave_run(ex, "b")
     assert not (ex / "RUN").exists()
 
 
 def _one_group_file(exchange_dir, run_id):
     """Side b's step-0 rollout file (one group, n = 2) of run ``run_id``; returns its path."""
     n, G = 2, 1
-    r = graft.StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
-                           texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
-                           rewards=torch.tensor([[1.0, 0.0]]), advantages=torch.zeros(G, n))
-    path = graft.rollout_path(exchange_dir, "b", 0)
-    graft.save_rollouts(path, r, {"run_id": run_id})
+    r = StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
+                     texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
+                     rewards=torch.tensor([[1.0, 0.0]]), advantages=torch.zeros(G, n))
+    path = rollout_path(exchange_dir, "b", 0)
+    save_rollouts(path, r, {"run_id": run_id})
     return path
 
 
 def test_files_and_markers_of_another_run(tmp_path, capsys):
     path = _one_group_file(tmp_path, "old")
     with pytest.raises(ValueError, match="step_000000.safetensors: written by run 'old', this pair is run 'new'"):
-        graft.load_rollouts(path, n=2, run_id="new")
+        load_rollouts(path, n=2, run_id="new")
     t0 = time.time()
     with pytest.raises(TimeoutError):  # another run's step file is not this run's: keep waiting
-        graft.wait_for_file(path, timeout=0.5, run_id="new")
+        wait_for_file(path, timeout=0.5, run_id="new")
     assert time.time() - t0 >= 0.5
-    assert graft.wait_for_file(path, timeout=0.5, run_id="old") < 0.5  # the right run's file is taken at once
-    graft.write_failed(tmp_path, "b", "old", "RuntimeError: a crash of the earlier run")
+    assert wait_for_file(path, timeout=0.5, run_id="old") < 0.5  # the right run's file is taken at once
+    write_failed(tmp_path, "b", "old", "RuntimeError: a crash of the earlier run")
     with pytest.raises(TimeoutError):  # the stale marker does not stop this run; only the timeout does
-        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 1), timeout=0.5, run_id="new")
+        wait_for_file(rollout_path(tmp_path, "b", 1), timeout=0.5, run_id="new")
     err = capsys.readouterr().err
     assert "ignoring" in err and "belongs to run 'old', not this run 'new'" in err, err  # said, once
 
@@ -165,13 +169,13 @@ def test_relaunch_in_an_old_exchange_folder_is_refused(tiny, tmp_path):
     for side in "ab":
         assert [m["step"] for m in read_metrics(tmp_path / side / "metrics.jsonl")] == [0, 1]
         for step in range(2):
-            assert graft.load_rollouts(graft.rollout_path(ex, side, step), run_id=new_run)[1]["run_id"] == new_run
+            assert load_rollouts(rollout_path(ex, side, step), run_id=new_run)[1]["run_id"] == new_run
     for step in range(2):  # both sides log the same fingerprint of the step's swap, recomputed here from the files
-        a, b = (graft.load_rollouts(graft.rollout_path(ex, s, step), run_id=new_run)[0] for s in "ab")
-        a_to_b, b_to_a = graft.balanced_swap(k_a=graft.success_counts(a.rewards),
-                                             k_b=graft.success_counts(b.rewards), n=a.n)
+        a, b = (load_rollouts(rollout_path(ex, s, step), run_id=new_run)[0] for s in "ab")
+        a_to_b, b_to_a = balanced_swap(k_a=success_counts(a.rewards),
+                                       k_b=success_counts(b.rewards), n=a.n)
         src = torch.stack([torch.where(b_to_a, 1, -1), torch.where(a_to_b, 0, -1)])  # (2, G)
-        want = graft.assignment_digest(src, a.prompt_ids)
+        want = assignment_digest(src, a.prompt_ids)
         assert [read_metrics(tmp_path / s / "metrics.jsonl")[step]["assignment"] for s in "ab"] == [want, want]
 
 
@@ -181,15 +185,15 @@ def test_relaunch_in_an_old_exchange_folder_is_refused(tiny, tmp_path):
 
 
 def test_stale_heartbeat_means_a_dead_peer(tmp_path):
-    graft.write_json(tmp_path / "b" / "HEARTBEAT", {"run_id": "r", "pid": 1, "step": 4, "time": time.time() - 100,
-                                                    "state": "running"})
+    write_json(tmp_path / "b" / "HEARTBEAT", {"run_id": "r", "pid": 1, "step": 4, "time": time.time() - 100,
+                                              "state": "running"})
     t0 = time.time()
     with pytest.raises(RuntimeError, match="the peer is dead: no heartbeat .* for 10[0-9]s"):
-        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 5), timeout=30, run_id="r", dead_after=60)
+        wait_for_file(rollout_path(tmp_path, "b", 5), timeout=30, run_id="r", dead_after=60)
     assert time.time() - t0 < 5
-    graft.write_json(tmp_path / "b" / "HEARTBEAT", {"run_id": "r", "step": 4, "time": time.time(), "state": "finished"})
+    write_json(tmp_path / "b" / "HEARTBEAT", {"run_id": "r", "step": 4, "time": time.time(), "state": "finished"})
     with pytest.raises(RuntimeError, match="the peer finished"):
-        graft.wait_for_file(graft.rollout_path(tmp_path, "b", 5), timeout=30, run_id="r")
+        wait_for_file(rollout_path(tmp_path, "b", 5), timeout=30, run_id="r")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -197,7 +201,7 @@ def test_killed_peer_is_reported_by_the_survivor(tiny, tmp_path, sig):
     ex = tmp_path / "ex"
     a, b = pair_procs(tiny, tmp_path, ex, "--peer-dead-after", "3", "--heartbeat-interval", "1", steps=200)
     deadline = time.time() + 120
-    while not graft.rollout_path(ex, "b", 1).exists():  # b is past its start-up and training
+    while not rollout_path(ex, "b", 1).exists():  # b is past its start-up and training
         assert time.time() < deadline and b.poll() is None, b.communicate()[0][-2000:]
         time.sleep(0.1)
     b.send_signal(sig)
@@ -222,22 +226,22 @@ def test_killed_peer_is_reported_by_the_survivor(tiny, tmp_path, sig):
 def test_non_finite_rollout_fields_are_refused(tmp_path):
     n, G = 2, 1
     for field, value in (("advantages", float("nan")), ("rewards", float("inf")), ("logprobs", float("nan"))):
-        r = graft.StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
-                               texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
-                               rewards=torch.tensor([[1.0, 0.0]]), advantages=torch.zeros(G, n))
+        r = StepRollouts(prompt_ids=["x"], tokens=[[1], [2]], logprobs=[torch.zeros(1), torch.zeros(1)],
+                         texts=["a", "b"], eos=torch.ones(G, n, dtype=torch.bool),
+                         rewards=torch.tensor([[1.0, 0.0]]), advantages=torch.zeros(G, n))
         if field == "logprobs":
             r.logprobs[0][0] = value
         else:
             getattr(r, field)[0, 0] = value
         path = tmp_path / f"{field}.safetensors"
-        graft.save_rollouts(path, r, {})
+        save_rollouts(path, r, {})
         with pytest.raises(ValueError, match=f"{field}.safetensors: field '{field}' holds 1 non-finite"):
-            graft.load_rollouts(path, n=2)
+            load_rollouts(path, n=2)
 
 
 def test_non_finite_loss_or_gradient_stops_before_the_optimizer_step(tiny, tmp_path, monkeypatch):
-    tr, rows, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.0)
-    out, replaced, _ = tr.build_rows(0, rows, own, peer)
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.0)
+    out, replaced, _ = exchange_phases(tr, 0, batch, own, peer)
     before = [p.detach().clone() for p in tr.model.parameters()]
     huge = [graft.Row(r.group, r.prompt, r.response, r.old_logp, 1e30 if r.is_peer else r.adv, r.weight, r.is_peer)
             for r in out]
@@ -246,7 +250,7 @@ def test_non_finite_loss_or_gradient_stops_before_the_optimizer_step(tiny, tmp_p
         tr.update(0, huge, replaced)
     assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))  # no optimizer step
     nan_old = [graft.Row(r.group, r.prompt, r.response, torch.full_like(r.old_logp, float("nan")), r.adv, r.weight,
-                         r.is_peer) for r in out]
+                   r.is_peer) for r in out]
     with pytest.raises(FloatingPointError, match="the loss is nan"):
         tr.update(0, nan_old, replaced)
 

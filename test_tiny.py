@@ -15,6 +15,7 @@ import graft  # noqa: E402
 import tiny  # noqa: E402
 import verify  # noqa: E402
 import tiny_tasks  # noqa: E402
+from core import assignment_digest
 
 # ------------------------------------------------------------------------------------------------
 # Generator
@@ -304,7 +305,7 @@ def test_three_sides_received_sources_and_fingerprints(tmp_path):
     got, _ = tiny.exchange_view(str(tmp_path), ["a", "b", "c"], 1, balance=False)
     assert got == {"a": {"p0": "c", "p3": "c"}, "b": {"p1": "a", "p3": "c"}, "c": {"p2": "b"}}
     src = torch.tensor([[-1, -1, -1, -1], [-1, -1, -1, 2], [-1, -1, 1, -1]])  # (S, G), sides a, b, c
-    assert prints == [graft.assignment_digest(src, ["p0", "p1", "p2", "p3"])]
+    assert prints == [assignment_digest(src, ["p0", "p1", "p2", "p3"])]
     # every process logged that fingerprint: 1 step agreed; one process with another: the preset stops
     for side, fp in (("a", prints[0]), ("b", prints[0]), ("c", prints[0])):
         (tmp_path / f"{side}.jsonl").write_text(json.dumps({"step": 0, "assignment": fp}) + "\n")

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import bench_verify as B
 import verify as V
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -251,8 +252,9 @@ def test_outside_forms_with_near_misses():
             ("-3 \\bmod 4", "3", False),
             ("The total cost is 3,15 €.", "3.15", True), ("The total cost is 3,15 €.", "315", False),
             ("The area is 2,000.5 m².", "2000.5", True), ("The area is 2,000.5 m².", "2.0005", False),
-            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 5", True),
-            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 6", False),
+            # Prose between two boxes: the last box is the answer, never the pair.
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "2, 5", False),
+            ("The roots are $\\boxed{2}$ and, after checking, $\\boxed{5}$.", "5", True),
             ("((1,2),(3,4))", "(3,4), (1,2)", True), ("(1,2),(3,4)", "((3,4), (1,2))", True),
             ("((2,1),(3,4))", "(3,4), (1,2)", False), ("((1,2),(3,5))", "(3,4), (1,2)", False)])
 
@@ -408,13 +410,14 @@ def test_whole_responses_in_other_shapes():
           ("Donc $x$ vaut 4.\nRéponse : 8", "8"), ("5+3", "8"),
           ("$\\lim_{x \\to 0} \\frac{x}{x} = 1$", "1"),
           ("So $\\boxed{1} \\quad \\text{and} \\quad \\boxed{4}$.", "1, 4"),
-          ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 4")]
+          ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "4")]
     bad = [("<think>\nperhaps \\boxed{9}? no.\n</think>\nThe answer is 8.", "9"),
            ("Checking each case.\nFinal Answer: The least $n$ is 7.", "8"), ("综上，答案：C", "B"),
            ("Ответ: 7", "8"),
            ("5+3", "53"),
            ("5+3", "3"), ("$\\lim_{x \\to 0} \\frac{x}{x} = 1$", "0"),
            ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 5"),
+           ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1, 4"),
            ("One root is $\\boxed{1}$; the other, after the check, is $\\boxed{4}$.", "1")]
     assert [r for r, g in ok if V.verify(r, g, strict=False) != 1.0] == []
     assert [r for r, g in bad if V.verify(r, g, strict=False) != 0.0] == []
@@ -503,6 +506,10 @@ HOSTILE = [
     "\\boxed{x^{" + "x^{" * 300 + "2" + "}" * 301 + "}",
     "\\boxed{" + "3,15 € " * 200 + "}",
     "\\boxed{e^{\\pi\\sqrt{163}}}",
+    # the readers of answer tags, hidden text, markdown and answer cues in other scripts
+    "<answer>" * 30000, "<answer>" + "</answer><answer>" * 20000 + "7</answer>", "<!--" * 50000,
+    "\\iffalse " * 20000, "{\\color{white} " * 20000 + "\\boxed{7}", "~~" * 100000, "**" * 100000 + "\\boxed{7}",
+    "\\phantom{" * 30000, "所以" * 50000 + "45", "\\boxed{7}" + " or equivalently " * 10000, "<think>" * 30000,
 ]
 
 
@@ -576,7 +583,7 @@ def test_case_file_accuracy():
 def test_frozen_file_is_well_formed_and_safe():
     """The frozen file (written before the verifier was extended for it, never tuned against) has both
     kinds of cases and both labels; on it the verifier gives no exception and under 1% false positives.
-    Its accuracy is a benchmark figure (`python verify.py bench`), not a test threshold."""
+    Its accuracy is a benchmark figure (`python bench_verify.py`), not a test threshold."""
     cases = _load(FROZEN)
     assert len(cases) >= 400
     assert all(("pred" in c) != ("response" in c) and isinstance(c["label"], bool) for c in cases)
@@ -644,9 +651,9 @@ def test_reward_hacking(k):
 
 _DET_SCRIPT = r"""
 import json, sys
-import verify as V
+import bench_verify as B
 cases = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
-print("".join("1" if V._judge_ours(c) else "0" for c in cases))
+print("".join("1" if B.judge_ours(c) else "0" for c in cases))
 """
 
 
@@ -669,3 +676,147 @@ def test_verify_batch_workers_match():
     two = V.verify_batch(responses, golds, workers=2)
     assert one == two
     assert len(one) == len(cases) and set(one) <= {0.0, 1.0}
+
+
+# ------------------------------------------------------------------------------------------------
+# One answer, one reward (the docstring's strictness rule): a response's answer is decided from the
+# response alone, so the golds it is paid for form one equivalence class. For every response and
+# answer pair of every case file, the candidate golds are every box, every join of its last boxes,
+# every math span and every number in it (and the case's gold); the ones paid must all be equivalent
+# to one another. The one named exception is percent (departure 4): '7\%' is paid for 7 and 0.07.
+
+RL = os.path.join(HERE, "data", "verify_rl.jsonl")
+
+
+def test_one_answer_one_reward_over_every_case_file():
+    hedges, n_paid = [], 0
+    for path in (CASES, FROZEN, OUTSIDE, HACKING, RL):
+        for c in _load(path):
+            hedge = B.hedge_of(c, B.judge_ours)
+            if hedge is not None:
+                hedges.append((os.path.basename(path), c.get("response", c.get("pred"))[:120], *hedge))
+            n_paid += c["label"]
+    assert n_paid > 1000, n_paid
+    assert hedges == [], hedges
+
+
+def test_the_hedge_check_finds_hedges():
+    """hedge_of itself, on a judge that pays a suffix of a list (a reading that depends on the gold)."""
+    def suffix_judge(c, gold=None):
+        gold = c["gold"] if gold is None else gold
+        boxes = [b for _, _, b in V._outer_boxes(c["response"])]
+        return any(V.is_equivalent(", ".join(boxes[-k:]), gold) for k in range(1, len(boxes) + 1))
+    c = {"response": "I tried $\\boxed{2}$; no, it is $\\boxed{9}$.", "gold": "9", "label": True}
+    assert B.hedge_of(c, suffix_judge) == ("9", "2, 9")
+    assert B.hedge_of(c, B.judge_ours) is None
+    assert B.candidate_golds(c["response"]) == ["2", "9", "2, 9", "\\boxed{2}", "\\boxed{9}"]
+
+
+def test_percent_is_the_one_dual_reading():
+    assert V.verify("So $\\boxed{7\\%}$.", "7") == 1.0 and V.verify("So $\\boxed{7\\%}$.", "0.07") == 1.0
+    assert B.percent_pair("7\\%", "7", "0.07") and not B.percent_pair("7", "7", "0.07")
+    assert V.verify("So $\\boxed{7}$.", "0.07") == 0.0
+
+
+def test_hedged_boxes_are_paid_for_one_gold_only():
+    resp = "Checking each case: $\\boxed{2}$ $\\boxed{4}$ $\\boxed{6}$"
+    assert [g for g in ("2", "4", "6", "4, 6", "2, 4, 6") if V.verify(resp, g)] == ["6"]
+    resp = "I tried $\\boxed{2}$; no, it is $\\boxed{9}$."
+    assert [g for g in ("2", "9", "2, 9") if V.verify(resp, g)] == ["9"]
+    resp = "The answers are $\\boxed{2}, \\boxed{4}, \\boxed{6}$."
+    assert [g for g in ("6", "4, 6", "2, 4, 6", "\\{2, 4, 6\\}") if V.verify(resp, g)] == ["2, 4, 6", "\\{2, 4, 6\\}"]
+    for resp in ("<think>\\boxed{12}</think>", "<think>so \\boxed{12}", "<think>12</think>\n",
+                 "<think>x</think> So $\\boxed{4}$ <think>\\boxed{12}</think>"):
+        assert V.verify(resp, "12", strict=False) == 0.0, resp
+    assert V.extract_answer("<think>x</think> So $\\boxed{4}$ <think>\\boxed{12}</think>") == "4"
+
+
+# ------------------------------------------------------------------------------------------------
+# The formats RL policies write and their near misses (data/verify_rl.jsonl, committed before
+# the verifier changed for them): hedged boxes, words after a number, units of another size, boxes
+# that are operands, hidden or disowned, left sides, numbers, answer cues in other scripts.
+
+_RL = _load(RL)
+
+
+def test_rl_file_shape():
+    kinds = {}
+    for c in _RL:
+        assert "response" in c and isinstance(c["label"], bool), c
+        kinds.setdefault(c["category"], set()).add(c["label"])
+    assert sum(not c["label"] for c in _RL) >= 150 and sum(c["label"] for c in _RL) >= 60
+    assert all(labels == {True, False} for labels in kinds.values()), kinds
+
+
+@pytest.mark.parametrize("k", range(len(_RL)))
+def test_rl_formats_and_kinds(k):
+    c = _RL[k]
+    assert _judge(c) is c["label"], c
+    boxed = "\\boxed" in c["response"] or "\\fbox" in c["response"]
+    assert V.verify(c["response"], c["gold"]) == float(c["label"] and boxed), c     # training: strict
+
+
+def test_units_are_dropped_only_against_none_or_the_same():
+    rows = [("5 \\text{ km}", "5", True), ("5 \\text{ km}", "5 \\text{ km}", True),
+            ("5 \\text{ km}", "5 \\text{ m}", False), ("5 \\text{ kilometers}", "5 \\text{ km}", True),
+            ("3 \\text{ hrs}", "3 \\text{ hours}", True), ("3 \\text{ min}", "3 \\text{ hours}", False),
+            ("7 \\text{ cents}", "\\$7", False), ("7 \\text{ dollars}", "\\$7", True), ("\\$7", "7", True),
+            ("30 \\text{ rad}", "30^\\circ", False), ("30 \\text{ degrees}", "30^\\circ", True),
+            ("9 \\text{ cm}^2", "9 \\text{ m}^2", False), ("9 \\text{ m}^2", "9 \\text{ m}^2", True),
+            ("7\\mathbb{N}", "7", False), ("7 \\text{ N}", "7", True), ("7 \\text{ thousand}", "7000", True),
+            ("7 \\text{ thousand}", "7", False), ("7 \\text{ doubled}", "7", False),
+            ("7 \\text{ onwards}", "7", False), ("7 \\text{ apples}", "7", True)]
+    _check(rows)
+    assert V._unit_of("5 \\text{ km}") == ("length", 1000.0) and V._unit_of("12 \\text{ apples}") is None
+    assert V._unit_of("9 \\text{ cm}^2") == ("length^2", 1e-4) and V._unit_of("x^2") is None
+
+
+def test_digits_and_marks_of_other_scripts():
+    rows = [("４５", "45", True), ("٤٥", "45", True), ("⅞", "\\frac78", True), ("⅞", "78", False),
+            ("2½", "\\frac52", True), ("10⁶", "10^6", True), ("10⁶", "106", False), ("1⁄2", "0.5", True),
+            ("1\u202f000", "1000", True), ("{3 \\over 4}", "0.75", True), ("\\textcolor{red}{7}", "7", True),
+            ("3.400,25", "3400.25", True), ("0.(3)", "\\frac13", True), ("0.(3)", "0", False),
+            ("x \\equiv 7 \\pmod 1", "7", False), ("x \\equiv 7 \\pmod{10}", "7", True), ("7 + 0i", "7", True),
+            ("7 = x", "7", True), ("x - x = 7", "7", False), ("7 + e^{-200}", "7", False)]
+    _check(rows)
+    assert V.extract_answer("所以他一共走了45公里。") == "45"
+    assert V.extract_answer("答案是 45 或 46。") is None and V.extract_answer("答案不是45。") is None
+    assert V.extract_answer("<think>7</think>\n<answer>15</answer>") == "15"
+    assert V.extract_answer("<answer>15</answer>", strict=True) is None      # training: boxes only
+
+
+def test_an_answer_hedged_or_disowned_after_its_cue_or_box_is_none():
+    none = ["The answer is $7$ or maybe $8$.", "The answer is $7$ (wrong).", "所以 $x = 45$ 或 $46$。",
+            "So $\\boxed{7}$ or 8.", "So $\\boxed{7}$ (or 8).", "It is not $\\boxed{7}$.", "$x \\ne \\boxed{7}$",
+            "So $\\boxed{7} + \\boxed{1}$.", "So $2\\boxed{7}$.", "So $\\frac{\\boxed{7}}{2}$."]
+    assert [r for r in none if V.extract_answer(r) is not None] == []
+    some = [("The answer is $7$, since 3+4=7.", "7"), ("The answer is \\boxed{5}!", "5"),
+            ("So $\\boxed{30}^\\circ$.", "30"), ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
+            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"),
+            # markdown, prose brackets and dashes, and an 'or' that restates the value are no hedge
+            ("**Final Answer:** **\\boxed{7}**", "7"), ("The answer is \\boxed{7} (from step 3).", "7"),
+            ("Answer: \\boxed{7} - Alice has 7 apples.", "7"), ("\\boxed{\\frac12}, or 0.5.", "\\frac12")]
+    assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
+    assert [r for r in ("\\boxed{\\frac12} or 0.6", "2*\\boxed{7}", "\\boxed{7}-1", "\\boxed{7} - x", "\\boxed{7}(2)")
+            if V.extract_answer(r) is not None] == []
+
+
+def test_odd_powers_of_a_negation():
+    _check([("(b - t)^{7}", "(t - b)^{7}", False), ("-(b - t)^{7}", "(t - b)^{7}", True),
+            ("(b - t)^{8}", "(t - b)^{8}", True), ("\\frac{3}{(b-t)^7}", "\\frac{3}{(t-b)^7}", False),
+            ("y = (b-t)^7", "y = (t-b)^7", False), ("0.5(b-t)^7", "0.5(t-b)^7", False)])
+
+
+SHARED = os.path.join(HERE, "..", "shared", "benchmarks")
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED), reason="needs ../shared/benchmarks (MATH-500 and Minerva solutions)")
+def test_worked_solutions_pay_their_own_gold():
+    """Real worked solutions, read as responses, are paid for their own gold: the rules about words, units
+    and boxes around an answer leave human-written text alone. The one miss is named: Minerva's
+    '\\\\boxed{I \\\\dot\\\\omega + 2B\\\\omega = T} or <the same equation divided by I>', where I reads as the
+    imaginary unit, so the 'or' restates nothing this verifier can show equal and is read as a hedge."""
+    for name, tol, most_missed in (("math500", V.DEFAULT_REL_TOL, 0), ("minerva_math", V.MINERVA_REL_TOL, 1)):
+        rows = [json.loads(line) for line in open(os.path.join(SHARED, name + ".jsonl"), encoding="utf-8")]
+        missed = [r["id"] for r in rows if V.verify(r["solution"], r["answer"], rel_tol=tol) != 1.0]
+        assert len(rows) > 250 and len(missed) <= most_missed, (name, missed)

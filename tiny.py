@@ -732,7 +732,7 @@ def exchange_view(exchange: str, sides: list[str], steps: int, *,
     process of the run logged as the metrics key "assignment". A received group may still have lost
     responses to the compatibility gate: the files do not say which, so this is the set of selected groups.
     """
-    from graft import assignment_digest
+    from core import assignment_digest
 
     sides = sorted(sides)
     received: dict[str, dict[str, str]] = {s: {} for s in sides}
@@ -1069,12 +1069,11 @@ def panel_config(run_dir: str, pc: PresetConfig) -> panel.PanelConfig:
 def panel_training(pc: PresetConfig, max_new: int) -> dict:
     """The panel runs' training flags (the preset's; panel.py adds the set, the steps and the seeds) as
     panel.training_settings reads them."""
-    import graft
     flags = ["--n", str(pc.n), "--minibatches", str(pc.minibatches), "--lr", str(pc.lr), "--max-response-tokens",
              str(max_new), "--prompt-template", PROMPT_TEMPLATE, "--threads", "1", "--save-every",
              str(max(1, pc.panel_steps // 4)), "--micro-batch-size", "64", "--gen-batch-size", "1024",
              "--exchange-timeout", "1800", "--compat-norm", pc.compat_norm]
-    return panel.training_settings(flags, graft)
+    return panel.training_settings(flags)
 
 
 def panel_curves(run_dir: str, pc: PresetConfig) -> dict[str, dict[str, list[list[float]]]]:
@@ -1250,7 +1249,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("run", help="the preset: GRPO vs GRAFT (and variants) from the same checkpoints, a table",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from graft import field_docs
+    from config import field_docs
     docs = field_docs(PresetConfig)
     for f in dataclasses.fields(PresetConfig):
         if f.name == "eval_file":

@@ -8,17 +8,22 @@ answer and decides whether it is mathematically the same as the gold. Used for t
 
 Public API
 ----------
-``extract_answer(text, *, strict=False) -> str | None``
-    The response is cut at its first end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``</s>``
-    ...) and before a next few-shot "Problem:" written after an answer. Then: content of the last
-    ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces allowed), joined with the boxes
-    just before it when only ``,`` / ``and`` / ``or`` / ``x =`` separate them (departure 16).
-    ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a response without a
-    box falls back to the math (or sentence) after the last "answer is" / "Answer:" / "####"
-    (Minerva's "Final Answer: The final answer is $X$. I hope it is correct."), then to the last
-    math span (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last
-    number (``last_number=True``). A whole response that is one short line without words is its
-    own answer. An unclosed last box is no answer in either mode (a truncated response).
+``extract_answer(text, *, strict=False, last_number=True) -> str | None``
+    The response's answer, decided from the response alone (the gold is never looked at). The
+    response is cut at its first end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``</s>`` ...)
+    and before a next few-shot "Problem:" written after an answer; nothing inside ``<think>`` counts
+    (departure 24); comments, ``\\phantom``, ``\\cancel``, ``\\sout`` and white text are not read.
+    Then: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces
+    allowed), joined with the boxes just before it when only ``,`` / ``;`` / ``and`` / ``or`` /
+    ``x =`` separate them (departure 16); a last box that is an operand, disowned or hedged gives no
+    answer at all. ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a
+    response without a box falls back to the last ``<answer>..</answer>``, then to the math (or
+    sentence) after the last "answer is" / "Answer:" / "####" / ``所以`` / ``答え:`` (Minerva's "Final
+    Answer: The final answer is $X$. I hope it is correct."), then to the last math span
+    (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last number
+    (``last_number=True``) with the unit word after it. A whole response that is one short line
+    without words is its own answer. An unclosed last box is no answer in either mode (a truncated
+    response).
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
     Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
     delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
@@ -33,6 +38,9 @@ Public API
     of start-up, so it pays off from a few thousand responses). As with any spawn pool, the calling
     script needs the usual ``if __name__ == "__main__":`` guard. If the pool fails, the remaining
     items are scored in-process.
+``last_boxed(text) -> str | None``
+    Content of the last outermost box of text, brace-matched, or None: the reader of golds
+    (data/prepare.py takes a worked solution's answer with it).
 ``stats() -> dict`` / ``reset_stats()``
     Module-level counters (calls, limit hits, parse failures, internal errors). The only global
     state in this file. ``verify_batch`` adds its workers' counters to the caller's.
@@ -60,6 +68,15 @@ How answers are compared
 What counts as an answer (the strictness rule)
 ----------------------------------------------
 Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
+
+One answer, one reward: what a response's answer is is decided from the response alone, before the
+gold is looked at (``extract_answer``), and only then compared (``is_equivalent``). So the golds one
+response is paid for form one equivalence class: a hedge (``\\boxed{2} \\boxed{4} \\boxed{6}``, "I tried
+\\boxed{2}; no, it is \\boxed{9}") is paid for its last answer only, never for a list of its boxes nor
+for a suffix of a list. The one dual reading kept is percent (departure 4: ``7\\%`` is paid for 7 and
+for 0.07). test_verify.py checks it over every case file: each response is judged against every
+box, join of boxes, math span and number in it.
+
 So a prediction is an answer only when it is written in the notation of the table below (numbers,
 names, operators, functions, relations, structures, plain words for a text answer). These are not
 answers, and each is unequal to every gold; ``_check_math`` and ``_check_product`` are the one place
@@ -74,8 +91,20 @@ that decides it, and no other reading or leniency is tried after it:
 
 Every leniency is bounded by what a policy could exploit with it:
 
-- text after a value is a unit only when it holds no digit, bracket or qualifying word
-  (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}`` are not units);
+- text after a value is a unit only when it holds no digit, bracket or word that changes, negates
+  or bounds it (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}``, ``\\text{ doubled}``,
+  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies); a unit is
+  dropped only when the other side has none or the same one (``_unit_of``: lengths, times, masses,
+  volumes, speeds, money, angles, temperatures): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``,
+  ``30 rad`` is not ``30^\\circ``, ``5^\\circ C`` is not ``5^\\circ F``, and ``7\\mathbb{N}`` is no 7 newtons;
+- a box is no answer when it is an operand (``\\boxed{7} + \\boxed{1}``, ``-\\boxed{7}``,
+  ``\\frac{\\boxed{7}}{2}``), hidden or struck (``\\phantom``, ``\\cancel``, ``\\sout``, ``\\iffalse``, a
+  comment, white text, ``~~struck~~``), disowned (``\\boxed{7} (wrong)``, ``\\boxed{7} ✗``, "the answer is
+  not \\boxed{7}"), bounded ("the answer is at least \\boxed{7}", ``\\boxed{7} or more``), changed
+  (``\\boxed{7} squared``) or hedged (``\\boxed{7} or 8``, not ``\\boxed{\\frac12}, or 0.5``) by the words
+  right around it; ``\\text{not } x = 7`` is no answer. Worked solutions stay answers: "at most
+  \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
+  MATH-500's and Minerva's solutions as responses);
 - a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
   approximation farther than half a unit in its last place from the value it follows
   (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
@@ -94,18 +123,22 @@ Every leniency is bounded by what a policy could exploit with it:
 - numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
   answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
 
-``data/verify_hacking.jsonl`` holds the forms a policy could try, by kind, each with honest controls.
+``data/verify_hacking.jsonl`` and ``data/verify_rl.jsonl`` hold the forms a policy could try, by kind,
+each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
 1. No ``sympify``/``parse_expr``/``eval``: the parser is ours and smaller; an answer it cannot parse
    is compared as normalised text only (so exotic LaTeX can give false negatives, never code runs).
+   (``_Parser``, ``_parse``)
 2. Symbolic equality is decided by evaluation at seeded rational points (Schwartz-Zippel style),
    not by ``simplify``: positive points first, then points of both signs at which neither side
    leaves the real numbers (a square root or logarithm of a negative value, found as a complex value
    from real arguments, skips the point). So ``\\sqrt{x^2}`` is ``|x|`` and not ``x``, while
    ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal. Equations are solution sets:
-   compared at points of both signs, so ``y = \\sqrt{x^2}`` is not ``y = x``.
+   compared at points of both signs and two far points (about 97 and -89 times the first), so
+   ``y = \\sqrt{x^2}`` is not ``y = x`` and ``|x - 10| = 3`` is not ``x = 7``.
+   (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_eqn_equal``)
 3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
    digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
@@ -113,42 +146,58 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    rounding of 100). Pass ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a
    ``rel_tol`` above 1e-3 treats integers as rounded too (``901.8`` equals ``900``) and drops the
    rounding check.
-4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted).
+   (``_agree``, ``_close``)
+4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted): the one dual reading
+   kept, so the one named exception to "one answer, one reward".
+   (``_val_equal``)
 5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``.
+   (``_clean (_DEGREE_RE)``)
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
+   (``_Parser.parse_postfix``)
 7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals
    a tuple with the same order. Bracket kinds of intervals must match (``[a,b)`` != ``(a,b)``).
    A column or row vector (``pmatrix``) equals a tuple with the same entries. A tuple of tuples
    against a bare list of tuples is unordered (``((1,2),(3,4))`` equals ``(3,4), (1,2)``).
+   (``_equal``, ``_unordered_equal``, ``_ordered_equal``)
 8. ``a \\pm b`` is the unordered pair ``{a+b, a-b}``.
+   (``_expand_pm``)
 9. ``x = 5`` equals ``5`` when the left side is a single symbol; two equations are equal when
    ``lhs - rhs`` of one is a non-zero constant multiple of the other's, or (several variables) when
    at sampled values of the others both are polynomials of degree <= ``MAX_ROOT_DEGREE`` in the last
    variable with the same real roots: ``x^3 = y^3`` equals ``x = y``, ``x^2 = y^2`` does not.
+   (``_readings``, ``_eqn_equal``, ``_same_real_roots``)
 10. ``e`` is Euler's number and ``i`` the imaginary unit everywhere. A run of three or more letters
     that is not a known function (``east``, ``SRMC``) is one symbol (or plain text when alone); one or
     two letters are a product of single-letter symbols. When the other answer uses all the letters of
     such a word as single symbols, the word is also read as their product (``abc`` equals ``ab \\cdot c``).
+    (``_Parser.parse_letters``, ``_word_products``)
 11. A number directly followed by an integer ``\\frac`` is a mixed number (``1\\frac{4}{5}`` = 9/5).
+    (``_Parser._try_mixed``)
 12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped; as a last try a
     known plain unit word (``cm``, ``inches``, ``m`` ...) after a number is dropped too.
+    (``_clean``, ``_unit_of``, ``_strip_plain_unit``)
 13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX.
+    (``_clean``)
 14. ``f(x) = ...`` and ``f(2) = ...`` as a whole answer are compared by the right side;
     ``0.\\overline{3}`` is 1/3.
+    (``_clean``, ``_repeating_to_frac``)
 15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
     call) make a call return "not equivalent" instead of working longer; hits are counted.
-16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or`` or a name ``y =``
-    stand between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``. Boxes
-    with other text between them are separate: the last one is the answer. A box repeated is one.
-    Against a gold list of n answers, the last n boxes are also tried joined, whatever prose stands
-    between them (``$\\boxed{3}$ and, checking, also $\\boxed{-3}$`` equals ``3, -3``).
+    (``_Budget``, ``_tiny_check``)
+16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or``, ``\\quad`` or a name
+    ``y =`` stand between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``.
+    Boxes with other text between them are separate: the last one is the answer, whatever the gold
+    (``$\\boxed{3}$ and, checking, also $\\boxed{-3}$`` is -3, never ``3, -3``), and a list is never
+    matched by a suffix of it. A box repeated, or written again as the same value, is one; more
+    than 16 joined boxes are no answer.
+    (``_final_group``, ``_is_join_gap``, ``_is_operand``)
 17. Named answers and chains (the prediction side only): a left side made of symbols and no number
     (``x``, ``AB``, ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6``
     and ``(a,b) = (4,1)`` equals ``(4,1)``; ``2x = 10`` is an equation, not 10. In ``t = 2+3+4 = 9``
     the last value is the answer (``= 10`` at the end is wrong whatever came before; constants in
     the chain must equal it: ``2 + 2 = 5`` states nothing). Before the first
-    ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``); the approximation
-    after it counts when the exact part is only a name (``t \\approx 9``) or the gold is a decimal.
+    ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``, not the gold
+    ``0.14``); the approximation after it counts only when the exact part is a name (``t \\approx 9``).
     When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``), and a chain
     that names the same variable states its value (``x = 5+5+1 = 11`` equals ``x = 11``). Assignments
     compared with a tuple are put in the order of their names (``b = 2, a = 1`` equals ``(1, 2)``).
@@ -158,6 +207,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     (``PQ = 6, RS = 2``) equals its values (``6, 2``) when the prediction states no relation. When the
     left side of an equality does not parse (a limit, an integral), the value after the last ``=``
     counts.
+    (``_readings``, ``_chain_value``, ``_chain_holds``, ``_named_values``, ``_as_assignment``)
 18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one
     variable that is linear in it or in its absolute value is solved (``-y > -2`` is ``y < 2``,
     ``2 \\le |w| \\le 3`` is ``[-3,-2] \\cup [2,3]``); chains are intersections; ``or`` between
@@ -173,6 +223,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``0 < g(x) < 2``). Relations in several variables are equal when ``lhs - rhs`` of one is a
     constant multiple of the other's, positive for an inequality (``4y < 8a`` is ``y - 2a < 0``).
     Sets ignore repeats (``\\{3, 5, 3\\}`` equals ``\\{3, 5\\}``).
+    (``_real_set``, ``_solve``, ``_sets_equal``)
 19. A decimal comma is read as a decimal point only where it cannot be a thousands separator and
     the other side is a single number: ``3,25`` and ``0,125`` are decimals, ``1,250`` stays 1250; in the
     gold only against a decimal written with a point (``3.25`` equals a gold ``3,25``, ``325`` does not).
@@ -182,11 +233,13 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     (``m/s^2``, ``m²``, ``km/h``, ``USD``, also count nouns such as ``integers``, ``marbles``) after a
     number is dropped on the last try (departure 12). A whole answer ``5^{\\text{th}}`` / ``21st`` is the
     number; ``\\langle 1, 2 \\rangle`` is the tuple ``(1, 2)``.
+    (``_decimal_comma_equal``)
 20. Degrees inside a trigonometric function are converted to radians (``\\sin 30^\\circ`` equals
     ``\\frac12``, ``\\cot(90^\\circ - x)`` equals ``\\tan x``); elsewhere departure 5 holds.
     ``{2, 7}`` with plain braces is a set, ``;`` separates list and tuple items, ``\\emptyset`` is
     the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is
     ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals the matrix with those rows.
+    (``_Parser.parse_function``)
 21. Named functions: ``\\gcd`` / ``\\operatorname{lcm}`` of integers, ``\\max`` / ``\\min`` of real numbers,
     ``a \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter
     before a parenthesised integer) are one symbol, the function's value, not ``f`` times 0;
@@ -194,6 +247,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it).
     ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
     is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
+    (``_ev_gcd``, ``_ev_extreme``, ``_clean (_PMOD_RE)``)
 22. ``m!`` and ``\\binom{m}{k}`` of a symbol are evaluated through the Gamma function at its sample
     points, so ``m (m-1)!`` equals ``m!`` and ``\\binom{m}{2}`` equals ``\\frac{m(m-1)}{2}``.
     ``\\sum`` / ``\\prod`` with integer bounds are expanded when evaluated (up to ``MAX_SUM_TERMS``
@@ -202,20 +256,36 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     a sum equals its closed form (``\\frac{m(m+1)}{2}``) and not a near miss (``\\frac{m(m-1)}{2}``).
     A prediction's bound counts only for a name it uses nowhere outside its sums, so a sum cannot
     make a real variable an integer (``\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor`` is not ``x``).
+    (``_gamma_of``, ``_ev_big_operator``, ``_bound_names``)
 23. Matrices: entrywise sums and differences, scalar multiples, negation and ``^T`` are computed;
     matrix products are not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4).
-24. Whole responses: after a ``</think>`` only what follows it counts (when anything does); a whole
+    (``_det``, ``_matrix_add``)
+24. Whole responses: nothing inside ``<think>..</think>`` counts, after a ``</think>`` only what
+    follows it, and an unclosed ``<think>`` hides the rest; R1's ``<answer>..</answer>`` is read
+    (``strict=False``); ``所以``, ``因此``, ``答え``, ``答えは`` are cues too, and a Chinese or Japanese
+    sentence after a cue gives its one number (none when it hedges: ``或``, ``不``, ``可能``); a whole
     response that is bare arithmetic (``4+7``) is its value; after an answer cue a sentence ``The
     smallest $k$ is 12.`` gives what follows its last "is"; ``答案``, ``答：``, ``Réponse :``,
     ``Respuesta:``, ``Antwort:``, ``Ответ:`` are answer cues.
+    (``extract_answer``, ``_after_thinking``, ``_answer_tag``, ``_after_phrase``)
 25. Implicit products: in a run of one or two letters every letter is a factor with its own
     postfix (``xy^2`` is ``x y^2``); outside an absolute value a ``|`` starts a factor (``|a||b|``,
     ``2|a|``). ``\\\\le`` (a doubled backslash, as JSON-escaped golds carry it) before a known command
     is ``\\le``. A list ending in ``\\ldots`` is compared as text only (never equal to a finite list).
+    (``_Parser.parse_term``)
 26. Answers as sympy prints them are rewritten as text into the forms above before parsing (nothing
     is evaluated): ``Interval.Ropen(0, 1)`` is ``[0, 1)``, ``FiniteSet(1, 2)``, ``EmptySet``, ``Reals``,
     ``Union(..)``, ``Eq(y, 2*x)``, ``Rational(1, 3)``, ``Abs``, ``ceiling``, ``binomial``, ``factorial``,
     ``log(x, 2)``; ``oo`` is infinity and ``**`` a power.
+    (``_sympy_printed``)
+27. Notations of other scripts and typesetting, read before parsing: full-width and Arabic-Indic
+    digits (``４５``, ``٤٥``), vulgar fractions (``⅞``, ``2½`` a mixed number), superscript digits
+    (``10⁶``), the fraction slash (``1⁄2``), no-break and thin spaces as thousands separators,
+    ``\\textcolor{..}{7}`` and ``\\color``, ``{3 \\over 4}``, repeating decimals ``0.(3)``, the
+    European ``3.400,25``, juxtaposed powers ``3^2 7^4``, ``7 + 0i``; ``x \\equiv 7 \\pmod 1`` states no
+    residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) or a root of an exact value
+    within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7.
+    (``_fold_digits``, ``_clean``, ``_pow``)
 
 What it accepts (each row: a form and examples that parse; the departures above say how they compare)
 ------------------------------------------------------------------------------------------------------
@@ -251,28 +321,15 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 
 Benchmark
 ---------
-``python verify.py bench [--cases FILE ...] [--show-errors]`` prints accuracy, false positives/
-negatives, exceptions, cases/s and p50/p99/max call time of this verifier and, when math-verify is
-installed, of math-verify side by side with the agreement rate, for each case file. By default the
-four files: ``data/verify_cases.jsonl`` (development cases, written alongside this file),
-``data/verify_test.jsonl`` (461 cases written and frozen before departures 16-20 existed),
-``data/verify_outside.jsonl`` (329 cases by answer form, half of them near misses, labelled from
-other graders' documented behaviour and frozen before departures 21-26 existed) and
-``data/verify_hacking.jsonl`` (whole responses a policy under RL could find that must score 0, by
-kind, each kind with controls that must score 1; written before the strictness rule). The frozen
-files were never tuned against, so their figures measure generalisation. A case is ``{"pred"|"response",
-"gold", "label", "category", ["rel_tol"]}``: an answer pair goes to ``is_equivalent``, a whole
-response to ``verify(..., strict=False)``.
-``python verify.py golds [files...]`` checks every gold of the benchmark files against itself.
+``python bench_verify.py`` (its docstring says what it prints): accuracy, false positives, hedges and
+speed on the five case files of ``data/``, with math-verify beside it on the same cases;
+``python bench_verify.py golds`` checks every benchmark gold against itself.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -283,7 +340,7 @@ import sympy
 from sympy import S
 
 __all__ = [
-    "extract_answer", "is_equivalent", "verify", "verify_batch", "stats", "reset_stats",
+    "extract_answer", "is_equivalent", "verify", "verify_batch", "last_boxed", "stats", "reset_stats",
     "DEFAULT_REL_TOL", "MINERVA_REL_TOL",
 ]
 
@@ -322,16 +379,127 @@ _MP_ROOTS = mpmath.MPContext()      # roots of polynomials of degree 3 and 4 (so
 _MP_ROOTS.dps = 20
 
 # ------------------------------------------------------------------------------------------------
-# Counters (the only module-level mutable state).
+# Public API (the module docstring's contract). Everything below it serves these functions.
 
-_STATS_LOCK = threading.Lock()
-_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "not_math": 0, "errors": 0}
+def verify(response: str, gold: str, *, strict: bool = True,
+           rel_tol: float = DEFAULT_REL_TOL) -> float:
+    """Reward of one response: 1.0 when its final answer equals gold, else 0.0."""
+    try:
+        pred = extract_answer(response, strict=strict)
+        if pred is None or "\\boxed" in pred or "\\fbox" in pred:
+            return 0.0          # no answer, or a box inside a box beside other content
+        return 1.0 if is_equivalent(pred, gold, rel_tol=rel_tol) else 0.0
+    except Exception:
+        _count("errors")
+        return 0.0
 
 
-def _count(key: str, n: int = 1) -> None:
-    with _STATS_LOCK:
-        _STATS[key] = _STATS.get(key, 0) + n
+def verify_batch(responses: list, golds: list, *, workers: int = 0, strict: bool = True,
+                 rel_tol: float = DEFAULT_REL_TOL) -> list[float]:
+    """verify() over a batch, order kept. workers > 1 uses a spawn process pool for this call."""
+    responses, golds = list(responses), list(golds)
+    if len(responses) != len(golds):
+        raise ValueError(f"verify_batch: {len(responses)} responses but {len(golds)} golds")
+    if workers is None or workers <= 1 or len(responses) < 2:
+        return [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
+    import concurrent.futures
+    import multiprocessing
+    n_chunks = min(len(responses), workers * 4)
+    size = -(-len(responses) // n_chunks)
+    chunks = [(responses[k:k + size], golds[k:k + size], strict, rel_tol)
+              for k in range(0, len(responses), size)]
+    ctx = multiprocessing.get_context("spawn")
+    out: list[float] = []
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            for scores, delta in pool.map(_verify_chunk, chunks):
+                out.extend(scores)
+                for k, v in delta.items():
+                    _count(k, v)
+    except (OSError, RuntimeError, concurrent.futures.process.BrokenProcessPool):
+        # A pool that cannot start or lost a worker must not cost the training step: score the
+        # rest here (each call is bounded anyway).
+        _count("errors")
+        out.extend(verify(r, g, strict=strict, rel_tol=rel_tol)
+                   for r, g in zip(responses[len(out):], golds[len(out):]))
+    return out
 
+
+def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> bool:
+    """True when the answer string pred means the same as gold. Never raises; caps give False."""
+    _count("calls")
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        return False
+    try:
+        return _compare(pred, gold, rel_tol)
+    except _Limit:
+        _count("limit_hits")
+    except (_ParseError, _Undefined):
+        _count("parse_failures")
+    except _NotMath:
+        _count("not_math")
+    except RecursionError:
+        _count("limit_hits")
+    except Exception:           # a bug in this file must not crash a training step
+        _count("errors")
+    return False
+
+
+def extract_answer(text: str, *, strict: bool = False, last_number: bool = True) -> str | None:
+    """The final answer of a response (None when there is none).
+
+    The response ends at its first end-of-turn marker. Then: the last \\boxed/\\fbox content, joined
+    with the boxes just before it when only ', ' / 'and' / 'or' separate them. ``strict=True``
+    (training) stops there. Otherwise, without a box: the math (or the sentence) after the last
+    "answer is" / "Answer:" / "####"; else the last math span; else (``last_number``) the last number."""
+    if not isinstance(text, str) or not text:
+        return None
+    if len(text) > MAX_RESPONSE_CHARS:
+        text = text[-MAX_RESPONSE_CHARS:]
+    text = _visible(_after_thinking(_end_of_turn(_fold_digits(text))))
+    if not text.strip():
+        return None
+    boxes, found = _last_boxes(text), _outer_boxes(text)
+    if boxes is not None or strict or found is None or found:
+        return _join(boxes) if boxes else None      # an unclosed last box, or one that is no answer
+    tag = _answer_tag(text)
+    if tag is not None:     # R1's '<answer>15</answer>': the last tag's content is the answer
+        return _tidy(tag) or None if _is_bare_answer(tag) else extract_answer(tag, last_number=last_number)
+    tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
+    if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
+        return text.strip()   # a whole response '4+7' is its value 11, not its last number
+    if _is_bare_answer(text):
+        return _tidy(text)    # a whole response '\\{1, 3, 5, \\ldots\\}' or '3 or 4' is its answer
+    for find in (_after_phrase, _last_math):
+        ans = find(tail)
+        if ans is not None:
+            return ans or None      # '' : an answer cue followed by no answer ('答案不是45')
+    if not last_number or _HEDGE_WORDS_RE.search(tail.strip().rsplit("\n", 1)[-1]):
+        return None         # 'It is either 4 or 5.': a hedge, not an answer to read a number from
+    last = None
+    for last in _NUMBER_RE.finditer(tail):
+        pass
+    if last is None:
+        return None
+    num = last.group(0).rstrip(",")
+    unit = re.match(r"\s*([A-Za-z]+)", tail[last.end():])
+    if unit and unit.group(1) in _UNIT_DIMS and "," not in num:
+        return f"{num} \\text{{ {unit.group(1)}}}"
+    if num.count(",") > 1 and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num):
+        num = num.rsplit(",", 1)[1]     # '1,3,5' is a list whose last number is 5, not a number
+    return num
+
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last outermost \\boxed{...} / \\fbox{...} of text, brace-matched (escaped braces are
+    literal; '\\boxed 5' gives the next token); None when there is none or a box is unclosed. The reader
+    of golds (data/prepare.py takes a worked solution's answer with it): unlike extract_answer it joins
+    nothing, hides nothing and judges nothing."""
+    if not isinstance(text, str):
+        return None
+    boxes = _outer_boxes(text)
+    return boxes[-1][2] if boxes else None
 
 def stats() -> dict:
     """A copy of the counters: calls, limit_hits, parse_failures, not_math (predictions refused by the
@@ -344,6 +512,26 @@ def reset_stats() -> None:
     with _STATS_LOCK:
         for k in _STATS:
             _STATS[k] = 0
+
+
+def _verify_chunk(args):
+    responses, golds, strict, rel_tol = args
+    before = stats()
+    scores = [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
+    after = stats()
+    return scores, {k: after[k] - before.get(k, 0) for k in after}
+
+
+# ------------------------------------------------------------------------------------------------
+# Counters (the only module-level mutable state).
+
+_STATS_LOCK = threading.Lock()
+_STATS = {"calls": 0, "limit_hits": 0, "parse_failures": 0, "not_math": 0, "errors": 0}
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _STATS_LOCK:
+        _STATS[key] = _STATS.get(key, 0) + n
 
 
 class _Limit(Exception):
@@ -398,7 +586,8 @@ _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or
 _ANSWER_PHRASE_RE = re.compile(r"(?:answer\s*(?:is|:|=)|answer\s*\*\*\s*:?|answer\s*:?\s*\*\*|^\s*####|"
                                r"答案\s*(?:是|为|為)?\s*[:：]?|(?<!\S)答\s*[:：]|"
                                r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)"
-                               r"\s*[:：])\s*:?",
+                               r"\s*[:：]|答え\s*は|"
+                               r"(?:所以|因此|因而|综上所述|综上)\s*[,，:：]?)\s*:?",
                                re.IGNORECASE | re.MULTILINE)
 _LEAD_CUE_RE = re.compile(r"^(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*[:：]?\s*(?:\*\*)?\s*(?=[$\\])",
                           re.IGNORECASE)
@@ -407,7 +596,11 @@ _BARE_ARITHMETIC_RE = re.compile(r"^\s*[-+]?\d[\d\s.]*(?:[-+*/×·]\s*\(?\s*\d[\
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
 _HEDGE_WORDS_RE = re.compile(r"(?<![A-Za-z])(?:or|not|maybe|perhaps|possibly|probably|either|might|guess|unsure|"
                              r"not sure|could be)(?![A-Za-z])", re.IGNORECASE)
-_MAX_JOIN = 8               # at most this many boxes / spans are joined into one answer
+_CJK_RE = re.compile(r"[\u3000-\u30ff\u4e00-\u9fff\uff00-\uffef]")
+# Words of a Chinese or Japanese sentence that hedge, negate or bound its number ('or', 'maybe', 'not',
+# 'about', 'at least' ...): such a sentence after an answer cue gives no answer.
+_CJK_HEDGE_RE = re.compile(r"或|可能|大概|也许|不|约|左右|以上|以下|至少|至多|かも|ない|未満")
+_MAX_JOIN = 16              # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
 
 
@@ -474,21 +667,106 @@ def _last_boxes(text: str) -> list[str] | None:
     """Contents of the last box and of the boxes just before it that belong to the same answer.
 
     None when there is no box or the last one is unclosed (a truncated response has no answer)."""
+    group = _final_group(text)
+    if not group:
+        return None
+    contents = []
+    for _, _, c in group:
+        inner = _outer_boxes(c.strip()) if ("\\boxed" in c or "\\fbox" in c) and len(group) == 1 else None
+        whole = inner is not None and len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(c.strip())
+        contents.extend(_last_boxes(c.strip()) or [] if whole else [c])     # \\boxed{\\boxed{7}} is 7
+    if 1 < len(contents) <= 4 and len(set(contents)) > 1 and all(_same_value(c, contents[-1]) for c in contents):
+        return contents[-1:]    # '\\boxed{15\\frac{39}{40}}, or \\boxed{\\frac{639}{40}}': one value written twice
+    return contents
+
+
+def _same_value(a: str, b: str) -> bool:
+    """a and b are the same answer read either way round (False when either cannot be compared)."""
+    try:
+        return _compare(a, b, DEFAULT_REL_TOL) and _compare(b, a, DEFAULT_REL_TOL)
+    except Exception:       # (_Limit, _ParseError, _NotMath ...): not shown to be the same
+        return False
+
+
+def _final_group(text: str) -> list | None:
+    """(start, end, content) of the boxes that make the answer: the last box and the boxes just before
+    it joined only by ',', ';', 'and', 'or' (departure 16). None when there is no box, the last one is
+    unclosed, or the group is not an answer: a box that is an operand ('\\boxed{7} + \\boxed{1}',
+    '-\\boxed{7}', '\\frac{\\boxed{7}}{2}'), disowned ('not \\boxed{7}', '\\boxed{7} (wrong)') or hedged right
+    after ('\\boxed{7} or 8'). Decided from the response alone: the gold is never looked at."""
     boxes = _outer_boxes(text)
     if not boxes:
         return None
     out = [boxes[-1]]
     for b in reversed(boxes[:-1]):
         gap = text[b[1]:out[0][0]]
-        if len(out) >= _MAX_JOIN or len(gap) > _MAX_GAP or not _is_join_gap(gap):
+        if len(gap) > _MAX_GAP or not _is_join_gap(gap):
             break
+        if len(out) >= _MAX_JOIN:
+            return None     # more joined boxes than the cap: a suffix of them is no answer
         out.insert(0, b)
-    contents = []
-    for _, _, c in out:
-        inner = _outer_boxes(c.strip()) if ("\\boxed" in c or "\\fbox" in c) and len(out) == 1 else None
-        whole = inner is not None and len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(c.strip())
-        contents.extend(_last_boxes(c.strip()) if whole else [c])     # \\boxed{\\boxed{7}} is 7
-    return contents
+    if any(_is_operand(text, a, b) for a, b, _ in out):
+        return None
+    after = _MARKDOWN_AFTER_RE.sub("", _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 240]).lstrip(" "))
+    before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
+    if _DISOWN_AFTER_RE.match(after) and not _restates(after, out[-1][2]) or _DISOWN_BEFORE_RE.search(before):
+        return None
+    return out
+
+
+# A box is an operand when an operator, a number or a command taking it as an argument stands right
+# before it, or an operator right after it ('^\\circ' after it is a degree sign, not an operator).
+_OPERAND_BEFORE_RE = re.compile(r"(?:[-*/^_)\]|\d]|(?<![=(,&\s])\s*\+|"
+                                r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
+                                r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
+_OPERAND_AFTER_RE = re.compile(r"^(?:[(\d]|\s*(?![\^_]\s*\{?\s*\\(?:circ|prime))(?![/=]\s*\\(?:mathrm|text))"
+                               r"(?:[*^_]|/(?=\s*[\d(A-Za-z\\])|=(?!\s*[A-Za-z](?![A-Za-z(]))|\}\s*\{|"
+                               r"[-+]\s*(?:[\d\\(]|[A-Za-z](?![A-Za-z]))|"
+                               r"\\(?:cdot|times|div|sqrt|frac|dfrac|pi)(?![A-Za-z])))")
+# Markdown around a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
+_MARKDOWN_BEFORE_RE = re.compile(r"(?:(?:^|(?<=[\s:(A-Za-z]))(?:\*+|__+)\s*)+$")
+_MARKDOWN_AFTER_RE = re.compile(r"^(?:\*+|__+)(?=\s|$|[.,;:!?)])")
+# '\\boxed{\\frac12}, or 0.5': an 'or' that restates the boxed value is no hedge.
+_OR_VALUE_RE = re.compile(r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*or\s*\}?\s+(?:equivalently\s+|in\s+decimal\s+form\s+|"
+                          r"as\s+a\s+decimal\s+|about\s+|approximately\s+|,\s*)*(.+?)\)?[\s.,;]*$")
+_DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
+# A box disowned or hedged by the words right after it, or negated by the words right before it.
+_DISOWN_AFTER_RE = re.compile(r"^[\s,.;:}_^{]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
+                              r"(?:is|was|are)\s+)?(?:wrong|incorrect|false|"
+                              r"(?:is\s+)?not\s+(?:correct|right|the\s+answer)|"
+                              r"impossible|invalid|excluded|rejected|discarded)(?![A-Za-z])|[\s}]*[✗✘❌]|"
+                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or(?=\s*\}?\s*(?:[\d$\\(+\-.]|[A-Za-z](?![A-Za-z])|"
+                              r"maybe|perhaps|possibly|probably|more|less|fewer|greater|higher|lower|above|below))|"
+                              r"maybe|perhaps|possibly|probably|doubled|halved|"
+                              r"tripled|squared|cubed|factorial|plus|minus|times\s+(?:\d|two|three|four|five|ten)|"
+                              r"divided|onwards?|"
+                              r"and\s+(?:up|above|beyond|over)|"
+                              r"at\s+(?:least|most)|or\s+(?:more|less|fewer|greater))(?![A-Za-z])",
+                              re.IGNORECASE)
+_DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't|"
+                               r"(?:answer|result)\s+(?:is\s+)?at\s+(?:least|most)|"
+                               r"(?:more|less|fewer|greater|other)\s+than)|"
+                               r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
+
+
+def _restates(after: str, content: str) -> bool:
+    """The words after a box are 'or' and the same value again ('\\boxed{\\frac12}, or 0.5.')."""
+    m = _OR_VALUE_RE.match(after.split("\n", 1)[0])
+    if m is None:
+        return False
+    return _same_value(m.group(1), content)
+
+
+def _is_operand(text: str, start: int, end: int) -> bool:
+    """The box text[start:end] is part of a larger expression, not an answer of its own."""
+    before = text[max(0, start - 12):start]
+    if "$" in before:
+        before = before[before.rindex("$") + 1:]
+    after = text[end:end + 12]
+    if "$" in after:
+        after = after[:after.index("$")]
+    before, after = _MARKDOWN_BEFORE_RE.sub("", before), _MARKDOWN_AFTER_RE.sub("", after)
+    return _OPERAND_BEFORE_RE.search(before) is not None or _OPERAND_AFTER_RE.match(after) is not None
 
 
 def _is_join_gap(gap: str) -> bool:
@@ -526,6 +804,74 @@ def _end_of_turn(text: str) -> str:
     return text
 
 
+# Thinking, hidden content and digits of other scripts (departure 24).
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
+_HIDDEN_CMDS = ("phantom", "hphantom", "vphantom", "cancel", "bcancel", "xcancel", "sout", "st", "xout",
+                "cancelto", "iffalse")
+_HIDDEN_RE = re.compile(r"\\iffalse(?![A-Za-z]).*?(?:\\fi(?![A-Za-z])|$)|<!--.*?(?:-->|$)|^[ \t]*%.*$|~~[^~\n]*~~|"
+                        r"\{\s*\\color\s*\{\s*white\s*\}[^{}]*(?:\{[^{}]*\}[^{}]*)*\}",
+                        re.DOTALL | re.MULTILINE)
+_HIDDEN_CMD_RE = re.compile(r"(?:\\(?:" + "|".join(_HIDDEN_CMDS) + r")(?![A-Za-z])|"
+                            r"\\(?:textcolor|colorbox)\s*\{\s*white\s*\})\s*(?=\{)")
+_COLOR_RE = re.compile(r"\\(?:textcolor|colorbox)\s*\{[^{}]*\}\s*(?=\{)|\\color\s*\{[^{}]*\}")
+_DIGIT_FOLD = {**{0xFF10 + k: str(k) for k in range(10)}, **{0x0660 + k: str(k) for k in range(10)},
+               **{0x06F0 + k: str(k) for k in range(10)}, 0xFF0C: ",", 0xFF0E: ".", 0xFF1A: ":", 0xFF08: "(",
+               0xFF09: ")", 0xFF0B: "+", 0xFF0D: "-", 0xFF1D: "=", 0xFF0F: "/", 0x066B: ".", 0x066C: ","}
+
+
+def _fold_digits(text: str) -> str:
+    """Full-width and Arabic-Indic digits (and full-width signs) as ASCII: '４５' and '٤٥' are 45."""
+    return text.translate(_DIGIT_FOLD) if not text.isascii() else text
+
+
+def _after_thinking(text: str) -> str:
+    """Nothing inside <think> ever counts: closed <think>..</think> blocks go, an unclosed '<think>'
+    hides everything after it, then only what follows the last '</think>' is kept (a chat template
+    that opens <think> in the prompt). One pass over the text (no regex: 30,000 unclosed tags)."""
+    if "<think>" in text:
+        out, pos = [], 0
+        while True:
+            k = text.find("<think>", pos)
+            if k < 0:
+                out.append(text[pos:])
+                break
+            out.append(text[pos:k])
+            e = text.find("</think>", k)
+            if e < 0:
+                break
+            pos = e + len("</think>")
+        text = " ".join(out)
+    head, sep, after = text.rpartition("</think>")
+    return after if sep else text
+
+
+def _visible(text: str) -> str:
+    """The text a reader sees: comments (a '%' line, <!-- -->, \\iffalse .. \\fi), white text and the
+    arguments of \\phantom, \\cancel, \\sout ... are removed, with any box inside them."""
+    if "\\" not in text and "<!--" not in text and "%" not in text:
+        return text
+    text = _HIDDEN_RE.sub(" ", text)
+    for _ in range(50):
+        m = _HIDDEN_CMD_RE.search(text)
+        if m is None:
+            break
+        end = _match_brace(text, m.end())
+        if m.group(0).startswith("\\cancelto") and end > 0:
+            end = _match_brace(text, end + 1) if text[end + 1:end + 2] == "{" else end
+        text = text[:m.start()] + " " + (text[end + 1:] if end > 0 else "")
+    return _COLOR_RE.sub("", text)      # '\\textcolor{red}{\\boxed{7}}' is the box
+
+
+def _answer_tag(text: str) -> str | None:
+    """Content of the last <answer>..</answer> (an unclosed last tag runs to the end)."""
+    if "<answer>" not in text:
+        return None
+    m = None
+    for m in _ANSWER_TAG_RE.finditer(text):
+        pass
+    return m.group(1).replace("<answer>", " ").replace("</answer>", " ").strip() if m else None
+
+
 def _math_spans(text: str) -> list[tuple[int, int, str]]:
     """(start, end, content) of the $..$, $$..$$, \\(..\\) and \\[..\\] spans of text, in order."""
     out = []
@@ -548,7 +894,8 @@ def _tidy(ans: str) -> str:
 
 
 def _after_phrase(text: str) -> str | None:
-    """The answer that follows the last 'answer is' / 'Answer:' / '####' of text, if any."""
+    """The answer that follows the last 'answer is' / 'Answer:' / '####' of text, if any ('' when the
+    answer after the cue is hedged or negated: no answer at all)."""
     m = None
     for m in _ANSWER_PHRASE_RE.finditer(text):
         pass
@@ -562,8 +909,16 @@ def _after_phrase(text: str) -> str | None:
             if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
                 break
             joined.append(s)
+        after = rest[joined[-1][1]:joined[-1][1] + 80]
+        if _DISOWN_AFTER_RE.match(_DELIMS_RE.sub(" ", after)) or (
+                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])):
+            return ""       # 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$': hedged, no answer
         return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
     line = rest.split("\n", 1)[0]
+    if _CJK_RE.search(line):        # '所以他一共走了45公里。': the one number of the sentence
+        line = re.split(r"[。！？]", line, maxsplit=1)[0]
+        nums = _NUMBER_RE.findall(line)
+        return nums[0] if len(nums) == 1 and not _CJK_HEDGE_RE.search(line) else ""   # '' : cue, no answer
     line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$|[A-Z])|\s+(?:since|because|which|as)\s", line, maxsplit=1)[0]
     said = None
     for said in _IS_VALUE_RE.finditer(line):      # 'The smallest $k$ is 12': what follows the last 'is'
@@ -587,52 +942,12 @@ def _last_math(text: str) -> str | None:
     return _tidy(_join([_tidy(c) for _, _, c in out])) or None
 
 
-def extract_answer(text: str, *, strict: bool = False, last_number: bool = True) -> str | None:
-    """The final answer of a response (None when there is none).
-
-    The response ends at its first end-of-turn marker. Then: the last \\boxed/\\fbox content, joined
-    with the boxes just before it when only ', ' / 'and' / 'or' separate them. ``strict=True``
-    (training) stops there. Otherwise, without a box: the math (or the sentence) after the last
-    "answer is" / "Answer:" / "####"; else the last math span; else (``last_number``) the last number."""
-    if not isinstance(text, str) or not text:
-        return None
-    if len(text) > MAX_RESPONSE_CHARS:
-        text = text[-MAX_RESPONSE_CHARS:]
-    text = _end_of_turn(text)
-    head, sep, after = text.rpartition("</think>")
-    if sep and after.strip():
-        text = after        # a reasoning trace ends at </think>: the answer is what follows it
-    boxes = _last_boxes(text)
-    if boxes is not None or strict or _outer_boxes(text) is None:
-        return _join(boxes) if boxes else None      # an unclosed last box: a truncated response
-    tail = text[-4000:]     # fallbacks only look at the end, where conclusions are
-    if len(text) < 200 and _BARE_ARITHMETIC_RE.match(text):
-        return text.strip()   # a whole response '4+7' is its value 11, not its last number
-    if _is_bare_answer(text):
-        return _tidy(text)    # a whole response '\\{1, 3, 5, \\ldots\\}' or '3 or 4' is its answer
-    for find in (_after_phrase, _last_math):
-        ans = find(tail)
-        if ans:
-            return ans
-    if not last_number or _HEDGE_WORDS_RE.search(tail.strip().rsplit("\n", 1)[-1]):
-        return None         # 'It is either 4 or 5.': a hedge, not an answer to read a number from
-    last = None
-    for last in _NUMBER_RE.finditer(tail):
-        pass
-    if last is None:
-        return None
-    num = last.group(0).rstrip(",")
-    if num.count(",") > 1 and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num):
-        num = num.rsplit(",", 1)[1]     # '1,3,5' is a list whose last number is 5, not a number
-    return num
-
-
 def _is_bare_answer(text: str) -> bool:
     """A whole response that is only an answer: one short line that is one token, a line of code,
     or without words (runs of two or more letters other than function names, 'or' and 'and',
     outside LaTeX commands and \\text{..})."""
     t = text.strip()
-    if not t or len(t) > 200 or "\n" in t:
+    if not t or len(t) > 200 or "\n" in t or _CJK_RE.search(t):
         return False
     if " " not in t or _PY_SYNTAX_RE.search(t) or any(m.group(1) not in _FUNCS for m in _CALL_RE.finditer(t)):
         return True         # one token ('abc0', 'Evelyn') or a line of code: judged whole, not its digits
@@ -647,7 +962,8 @@ def _is_bare_answer(text: str) -> bool:
 _FONT_CMDS = ("mathrm", "mathbf", "mathit", "mathsf", "mathtt", "mathcal", "mathbb", "boldsymbol",
               "bm", "operatorname", "textup", "emph")
 _TEXT_CMDS = ("textbf", "textrm", "textit", "textsf", "texttt", "textnormal", "mbox", "hbox")
-_SPACING_RE = re.compile(r"(?<!\\)\\(?:[!,;: ]|(?:quad|qquad|displaystyle|textstyle|limits|nolimits|"
+_SPACING_RE = re.compile(r"(?<!\\)\\(?:[!,;: ]|(?:quad|qquad|displaystyle|textstyle|limits|nolimits|tiny|scriptsize|"
+                         r"footnotesize|small|normalsize|large|Large|LARGE|huge|Huge|"
                          r"big|Big|bigg|Bigg|bigl|bigr|Bigl|Bigr|biggl|biggr)(?![a-zA-Z]))")
 _LEFTRIGHT_RE = re.compile(r"\\(?:left|right)(?![a-zA-Z])\s*(\.)?")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}|\\circ|°|"
@@ -667,7 +983,7 @@ _UNIT_WORDS = frozenset((
     "minutes", "minute", "hours", "hour", "hrs", "h", "days", "day", "weeks", "years", "kg", "g",
     "grams", "gram", "lb", "lbs", "pounds", "mph", "kph", "J", "K", "N", "W", "Hz", "eV", "keV",
     "MeV", "GeV", "nm", "um", "AU", "pc", "kpc", "Mpc", "ly", "V", "A", "Pa", "atm", "mol", "L",
-    "ml", "mL", "people", "ways", "students", "times", "percent", "points", "USD", "EUR", "GBP", "euros",
+    "ml", "mL", "C", "F", "people", "ways", "students", "times", "percent", "points", "USD", "EUR", "GBP", "euros",
     "euro", "hr", "ms", "cm2", "liters", "litres", "gallons", "ounces", "oz", "tons", "mi", "km2",
     "integers", "digits", "numbers", "edges", "faces", "vertices", "multiples", "terms", "gm", "apples", "coins",
     "marbles", "cards", "balls", "books", "pages", "boxes", "pieces", "games", "rows", "seats", "chairs",
@@ -693,7 +1009,72 @@ _OR_ONLY_RE = re.compile(r",?\s*\\text\{\s*,?\s*or\s*\}\s*,?|,?\s(?:or)\s", re.I
 _HEDGE_TEXT_RE = re.compile(r"[\d()\[\]=<>]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
                             r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|"
                             r"answer|guess|correct|incorrect|depending|about|around|approximately|roughly|to|"
-                            r"between|plus|minus|etc)(?![A-Za-z])", re.IGNORECASE)
+                            r"between|plus|minus|etc|doubled|halved|tripled|squared|cubed|factorial|onwards?|up|"
+                            r"above|below|under|over|inverse|reciprocal|times|mod|false|impossible|excluded|off|"
+                            r"invalid|rejected|negative|opposite|rounded|later|earlier|ago|before|after|greater|beyond|"
+                            r"minimum|maximum|upwards?|downwards?|negated|inverted|halves|thirds|quarters|fourths|"
+                            r"fifths|"
+                            r"tenths|hundredths)(?![A-Za-z])",
+                            re.IGNORECASE)
+# Number words after a value multiply it: '7 \\text{ thousand}' is 7000.
+_MULTIPLIERS = {"halves": "\\frac12", "thirds": "\\frac13", "quarters": "\\frac14", "fourths": "\\frac14",
+                "fifths": "\\frac15", "tenths": "\\frac1{10}", "hundredths": "\\frac1{100}",
+                "hundred": 100, "thousand": 1000, "million": 10 ** 6, "billion": 10 ** 9, "trillion": 10 ** 12,
+                "dozen": 12}
+# Units by dimension, with their size in the dimension's base unit. A unit is dropped only when the
+# other side has none or the same one (departure 12): '5 km' is not '5 m', '7 cents' is not '$7'.
+_UNIT_DIMS = {}
+for _dim, _table in (
+        ("length", {1e-9: "nm", 1e-3: "mm millimeter millimeters millimetre millimetres", 1e-2:
+                    "cm centimeter centimeters centimetre centimetres", 1: "m meter meters metre metres",
+                    1e3: "km kilometer kilometers kilometre kilometres", 0.0254: "in inch inches",
+                    0.3048: "ft foot feet", 0.9144: "yd yard yards", 1609.344: "mi mile miles"}),
+        ("time", {1e-3: "ms millisecond milliseconds", 1: "s sec secs second seconds", 60: "min mins minute minutes",
+                  3600: "h hr hrs hour hours", 86400: "day days", 604800: "week weeks wk wks",
+                  2629800: "month months", 31557600: "yr yrs year years"}),
+        ("mass", {1e-3: "mg milligram milligrams", 1: "g gm gram grams", 1e3: "kg kilogram kilograms kilo kilos",
+                  453.59237: "lb lbs pound pounds", 28.349523: "oz ounce ounces", 1e6: "ton tons tonne tonnes"}),
+        ("volume", {1e-3: "ml mL milliliter milliliters millilitre millilitres", 1: "L l liter liters litre litres",
+                    3.785411784: "gal gallon gallons"}),
+        ("usd", {1: "dollar dollars USD", 0.01: "cent cents"}), ("eur", {1: "euro euros EUR"}),
+        ("gbp", {1: "GBP"}), ("angle", {1: "rad rads radian radians", math.pi / 180: "deg degree degrees"}),
+        ("speed", {0.44704: "mph mi/h", 1 / 3.6: "kph kmh km/h", 1: "m/s", 0.3048: "ft/s"})):
+    for _size, _words in _table.items():
+        for _w in _words.split():
+            _UNIT_DIMS[_w] = (_dim, _size)
+_UNIT_TAIL_RE = re.compile(r"(?:\\(?:text|mbox|mathrm|textrm|rm)\s*\{\s*([A-Za-z]+(?:\s*/\s*[A-Za-z]+)?)\.?\s*\}|"
+                           r"(?<![\\A-Za-z])([A-Za-z]+(?:/[A-Za-z]+)?)\.?)"
+                           r"\s*(?:\^\s*\{?\s*([23])\s*\}?|([²³]))?\s*$")
+_MONEY_RE = re.compile(r"\\\$|US\s*\$|^\s*\$\s*[\d.]|[\d.]\s*\$\s*$")
+_TEMPERATURE_RE = re.compile(r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)\s*(?:\\(?:text|mathrm)\s*\{\s*)?"
+                             r"([CFK])\s*\}?\s*$|(?<=[\d}\s])(?:\\(?:text|mathrm)\s*\{\s*)?(K)\s*\}?\s*$")
+_ANGLE_RE = re.compile(r"\^\s*\{?\s*\\circ|°|\\degree(?![A-Za-z])")
+
+
+def _unit_of(s: str):
+    """(dimension, size) of the unit a value is written with ('5 \\text{ km}', '\\$7', '30^\\circ',
+    '9 \\text{ m}^2'), or None when it has no unit this file knows (lengths, times, masses, volumes,
+    money, angles; a square or cube of a length)."""
+    t = s.strip().rstrip(".").strip()
+    if len(t) > 200 or not re.search(r"\d", t):
+        return None
+    m = _TEMPERATURE_RE.search(t)
+    if m:
+        return ("temperature " + (m.group(1) or m.group(2)), 1)     # 5 °C, 5 °F, 5 K: three temperatures
+    if _ANGLE_RE.search(t) and not re.search(r"\\?(?:sin|cos|tan|sec|csc|cot)", t):
+        return ("angle", math.pi / 180)
+    for sym, dim in (("€", "eur"), ("£", "gbp")):
+        if sym in t:
+            return (dim, 1)
+    m = _UNIT_TAIL_RE.search(t)
+    if m and re.search(r"[\d})]\s*$", t[:m.start()]):
+        unit = _UNIT_DIMS.get(re.sub(r"\s+", "", m.group(1) or m.group(2)))
+        power = int(m.group(3) or {"²": 2, "³": 3}.get(m.group(4) or "", 1))
+        if unit is not None:
+            return unit if power == 1 else (f"{unit[0]}^{power}", unit[1] ** power)
+    if _MONEY_RE.search(t):
+        return ("usd", 1)
+    return None
 _UNIT_TOKEN_RE = re.compile(r"(?:([A-Za-z]+)|\\text\s*|\\mathrm\s*|\^\s*\{?-?[0-9]\}?|[\s{}/*·]|\\cdot|\\,)$")
 
 
@@ -716,7 +1097,19 @@ _UNICODE = {"∞": "\\infty ", "π": "\\pi ", "×": "\\times ", "·": "\\cdot ",
             "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "√": "\\sqrt ", "−": "-", "–": "-",
             "≈": "\\approx ",
             "½": "\\frac12 ", "⅓": "\\frac13 ", "⅔": "\\frac23 ", "¼": "\\frac14 ", "¾": "\\frac34 ",
-            "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus "}
+            "∪": "\\cup ", "∩": "\\cap ", "∈": "\\in ", "∖": "\\setminus ", "⁄": "/", "∕": "/",
+            "⅛": "\\frac18 ", "⅜": "\\frac38 ", "⅝": "\\frac58 ", "⅞": "\\frac78 ", "⅕": "\\frac15 ",
+            "⅖": "\\frac25 ", "⅗": "\\frac35 ", "⅘": "\\frac45 ", "⅙": "\\frac16 ", "⅚": "\\frac56 ",
+            "⅐": "\\frac17 ", "⅑": "\\frac19 ", "⅒": "\\frac1{10} "}
+_SPACES = {0x00A0: " ", 0x2009: " ", 0x202F: " ", 0x2007: " ", 0x2008: " ", 0x200A: " ", 0x3000: " "}
+_SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺", "0123456789-+")
+_SUPERSCRIPT_RE = re.compile(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺]+")
+_OVER_RE = re.compile(r"(?<!\\)\{([^{}]*?)\\over(?![a-zA-Z])([^{}]*?)\}")
+_PMOD_ONE_RE = re.compile(r"\\pmod\s*\{?\s*1\s*\}?(?![\d.])|\(\s*\\?(?:bmod|mod)\s*1\s*\)")
+_MATHBB_SET_RE = re.compile(r"\\mathbb\s*\{\s*([NZQC])\s*\}|\\mathbb\s*([NZQC])(?![A-Za-z])")
+_NUMBER_SETS = {"N": "ℕ", "Z": "ℤ", "Q": "ℚ", "C": "ℂ"}
+_PAREN_REPEAT_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\((\d{1,30})\)")
+_EURO_NUMBER_RE = re.compile(r"[+-]?\d{1,3}(?:\.\d{3})+,\d+")
 _REPEAT_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\s*\{(\d{1,30})\}")
 _BASE_RE = re.compile(r"\d{1,2}|ten|two|eight|sixteen|b|d|h|o", re.IGNORECASE)     # 52_8, 12_{ten}
 _FN_VALUE_RE = re.compile(r"\((-?\d{1,6})\)(?![\d.])")     # the '(0)' of I(0)
@@ -812,6 +1205,19 @@ def _fn_name(m) -> str:
 
 
 def _clean(s: str) -> str:
+    if not s.isascii():
+        s = _fold_digits(s).translate(_SPACES)
+        s = _SUPERSCRIPT_RE.sub(lambda m: "^{" + m.group(0).translate(_SUPERSCRIPTS) + "}", s)
+    if "\\color" in s or "\\textcolor" in s or "\\colorbox" in s:
+        s = _COLOR_RE.sub("", s)                                  # '\\textcolor{red}{7}' is 7
+    if "\\over" in s:
+        s = _OVER_RE.sub(r"\\frac{\1}{\2}", s)                       # '{3 \\over 4}' is 3/4
+    if _PMOD_ONE_RE.search(s):
+        return "\\text{mod 1}"         # every integer is congruent mod 1: no residue is stated
+    s = _MATHBB_SET_RE.sub(lambda m: _NUMBER_SETS[m.group(1) or m.group(2)], s)     # 7\\mathbb{N} is no 7 N
+    s = _PAREN_REPEAT_RE.sub(_repeating_to_frac, s)                   # 0.(3) is 1/3
+    if _EURO_NUMBER_RE.fullmatch(s.strip().rstrip("€ ").strip()):
+        s = s.replace(".", "").replace(",", ".")                      # 3.400,25 € is 3400.25
     if _SYMPY_HINT_RE.search(s):
         s = _sympy_printed(s)
     if "\\\\" in s and "\\begin" not in s:     # a JSON-escaped gold: '-3 \\\\le x' is '-3 \\le x'
@@ -837,7 +1243,6 @@ def _clean(s: str) -> str:
     s = _PERCENT_WORD_RE.sub(r"\1%", s)
     s = _CURRENCY_RE.sub("", s)
     s = _CURRENCY_WORD_RE.sub("", s)                  # 'USD 1,250' (after the number: a unit word)
-    s = s.replace("²", "^2").replace("³", "^3")
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "")
     s = _NUMPY_RE.sub("", s)                          # np.arcsin(10/13), math.pi: the function itself
     for u, latex in _UNICODE.items():
@@ -873,6 +1278,12 @@ def _clean(s: str) -> str:
     for _ in range(3):
         m = _TRAILING_TEXT_RE.match(s)
         unit = m.group(2).strip() if m else ""
+        if m and unit.lower() in _MULTIPLIERS and re.fullmatch(r"[+-]?\d+(?:\.\d+)?", m.group(1).strip()):
+            s = f"{m.group(1).strip()} \\cdot {_MULTIPLIERS[unit.lower()]}"     # '7 \\text{ dozen}' is 84
+            break
+        if m and re.fullmatch(r"\(?\s*exactly\s*\)?", unit):
+            s = m.group(1).strip()
+            continue
         if not m or m.group(1).endswith(("_", "^", "{")) or (
                 len(unit) < 2 and unit not in _UNIT_WORDS) or _HEDGE_TEXT_RE.search(unit):
             break           # '4 \text{ or 5}', '12 \text{ (not sure)}': words about the value, not a unit
@@ -915,6 +1326,8 @@ _PY_SYNTAX_RE = re.compile(
     r"|(?<![A-Za-z0-9)}\]'])'|'(?=[A-Za-z0-9_'\"])"      # a quote that is not a prime (f'(x), y'')
     r"|[A-Za-z_]{2,}\.[A-Za-z_]|[A-Za-z_]\.[A-Za-z_]{2,}|__"   # dotted names (os.path, x.real; not p.m.), dunders
     r"|(?<![\\A-Za-z])(?:import|lambda|return)(?![A-Za-z])")
+_NEGATED_RE = re.compile(r"\\text\s*\{\s*(?:not|no|never|wrong|false|incorrect|impossible)(?![A-Za-z])[^{}]*\}\s*\S",
+                         re.IGNORECASE)
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
 
 
@@ -923,6 +1336,8 @@ def _check_math(s: str) -> None:
     or a call of a name that is not a known function (the parser adds _check_product)."""
     if _PY_SYNTAX_RE.search(s):
         raise _NotMath("program syntax")
+    if _NEGATED_RE.search(s):
+        raise _NotMath("words that negate what follows")     # '\\text{not } x = 7'
     for m in _CALL_RE.finditer(s):
         if m.group(1) not in _FUNCS:
             raise _NotMath(f"call of {m.group(1)}")
@@ -938,7 +1353,7 @@ def _check_product(factors: list, zero_written: bool) -> None:
 
 def _numeric(e, depth: int) -> bool:
     """Built from numbers and constants alone (5, \\sqrt2, \\pi/180): no name and no function."""
-    if isinstance(e, sympy.Rational) or e in (S.Pi, S.Exp1):
+    if isinstance(e, sympy.Rational) or e in (S.Pi, S.Exp1, S.ImaginaryUnit):
         return True
     if depth < 20 and isinstance(e, (sympy.Add, sympy.Mul, sympy.Pow)):
         return all(_numeric(a, depth + 1) for a in e.args)
@@ -1390,7 +1805,8 @@ class _Parser:
                     continue
             else:
                 implicit = True
-            if implicit and (c.isdigit() or c == ".") and self.s[:self.i].rstrip()[-1:].isdigit():
+            if implicit and (c.isdigit() or c == ".") and self.s[:self.i].rstrip()[-1:].isdigit() and not (
+                    re.search(r"\^\s*\d\s*$", self.s[:self.i]) and re.match(r"\d+\s*\^", self.s[self.i:])):
                 raise _ParseError("numbers side by side")     # '7 0', '4 5': not a product (nor 10 000)
             start = self.i
             g = self.parse_factor()
@@ -1910,7 +2326,14 @@ def _is_name(e) -> bool:
     '2x' or 'x^2' is not a name: '2x = 10' is an equation, not the answer 10."""
     if not getattr(e, "free_symbols", None) or _PM in e.free_symbols:
         return False
-    return _symbols_only(e, 0)
+    return _symbols_only(e, 0) and len(e.atoms(sympy.Symbol)) == _count_symbols(e, 0)   # not 'x - x'
+
+
+def _count_symbols(e, depth: int) -> int:
+    """Occurrences of symbols in e, repeats counted."""
+    if e.is_Symbol:
+        return 1
+    return sum(_count_symbols(a, depth + 1) for a in e.args) if depth < 30 else 10 ** 6
 
 
 def _symbols_only(e, depth: int) -> bool:
@@ -2141,7 +2564,8 @@ def _ev(e, env: dict, budget: _Budget):
         if type(e) in _PERIODIC:
             budget.scale = max(budget.scale, abs(args[0]))
         try:
-            return _note_complex(_check_mp(fn(*args)), args, budget)
+            v = _check_mp(fn(*args))
+            return _note_complex(_tiny_check(v) if type(e) is sympy.exp else v, args, budget)
         except (ZeroDivisionError, ValueError):
             raise _Undefined() from None
     raise _ParseError(f"cannot evaluate {type(e).__name__}")
@@ -2190,7 +2614,25 @@ def _pow(b, x):
         raise _Undefined() from None
     if logmag > MAX_MAG_BITS:
         raise _Limit("power")
-    return _check_mp(_MP.power(bm, xm))
+    if isinstance(x, Fraction) and x.denominator > 1 and abs(x - round(x)) < _TINY:
+        raise _Limit("an exponent within 1e-40 of an integer")      # 7^{1 + 10^{-60}} is not 7
+    v = _tiny_check(_check_mp(_MP.power(bm, xm)))
+    if isinstance(b, Fraction) and isinstance(x, Fraction) and _is_real(v) and v != 0:
+        near = Fraction(str(_MP.nstr(_to_mp(v).real, 45))).limit_denominator(1000)
+        if near and abs(_to_mp(v).real / _to_mp(near) - 1) < _MP.mpf(10) ** -40:
+            raise _Limit("a root within 1e-40 of a rational it is not")   # \\sqrt{49 + 10^{-100}} is not 7
+    return v
+
+
+_TINY = Fraction(1, 10 ** 40)
+
+
+def _tiny_check(v):
+    """A power or exponential below 1e-40 cannot be told from 0 beside other terms at 50 digits
+    ('7 + e^{-200}' would equal 7): a limit hit, never a value."""
+    if not isinstance(v, Fraction) and v != 0 and abs(v) < _MP.mpf(10) ** -40:
+        raise _Limit("a value below the working precision")
+    return v
 
 
 def _iroot(n: int, k: int) -> int | None:
@@ -2224,9 +2666,10 @@ def _close(a, b, tol: float, abs_tol=None, scale=None) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b)) + extra
 
 
-def _points(names: list[str], signed: bool = False) -> list[dict]:
+def _points(names: list[str], signed: bool = False, far: bool = False) -> list[dict]:
     """N_POINTS seeded rational points (positive, non-integer): the same on every run and seed.
-    signed=True flips signs (equations): the second point's every other variable, the third's all."""
+    signed=True flips signs (equations): the second point's every other variable, the third's all;
+    far=True (solution sets) adds two far points, about 97 and -89 times the first."""
     out = []
     for t in range(N_POINTS):
         rng = random.Random(7919 * (t + 1))
@@ -2235,6 +2678,10 @@ def _points(names: list[str], signed: bool = False) -> list[dict]:
     if signed:
         out = [{n: -v if t == 2 or (t == 1 and k % 2 == 0) else v for k, (n, v) in enumerate(p.items())}
                if t else p for t, p in enumerate(out)]
+    if far:     # Two far points of both signs: the others lie within 20 of 0, where '|x - 30| = 3' and
+        # '\\min(x, 30) = 30' would pass for 'x = 27' and 'x = 30'.
+        out += [{n: v * 97 + Fraction(1, 3) for n, v in out[0].items()},
+                {n: -v * 89 - Fraction(1, 5) for n, v in out[0].items()}]
     return out
 
 
@@ -2344,7 +2791,7 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     if bounds:
         points, signed = _integer_points(names, bounds), True
     else:
-        points = _points(names, signed) if names else [{}]
+        points = _points(names, signed, far=signed) if names else [{}]
     for va, sa in cands_a:
         for vb, sb in cands_b:
             if _agree(va, sa, vb, sb, points, use_tol, budget) and (
@@ -2375,7 +2822,7 @@ def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
 
 def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
     valid = 0
-    for p in points:
+    for k, p in enumerate(points):
         budget.scale = 0
         try:
             x = _ev(a.expr, {**p, **a.env}, budget)
@@ -2384,6 +2831,10 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
             if len(points) == 1:
                 return False
             continue
+        except _Limit:
+            if k < N_POINTS:
+                raise
+            continue        # a far point (solution sets) beyond the caps: e^{at} at a, t near 1900
         if sa != 1:
             x = x * sa if isinstance(x, Fraction) else x * _MP.mpf(sa.numerator) / sa.denominator
         if sb != 1:
@@ -2423,11 +2874,15 @@ def _eqn_equal(a: Eqn, b: Eqn, tol: float, budget: _Budget) -> bool:
     if not names:
         return False
     ratios = []
-    for p in _points(names, signed=True):
+    for p in _points(names, signed=True, far=True):
+        budget.left_reals = False
         try:
             x = _ev(da.expr, {**p, **da.env}, budget)
             y = _ev(db.expr, {**p, **db.env}, budget)
-        except _Undefined:
+        except (_Undefined, _Limit):
+            continue        # (a far point may go beyond the caps)
+        if budget.left_reals:
+            budget.left_reals = False
             continue
         if _close(y, Fraction(0), EXACT_REL_TOL) or _close(x, Fraction(0), EXACT_REL_TOL):
             return False
@@ -2783,6 +3238,9 @@ def _sets_equal(x, y, tol: float) -> bool:
 def _readings(node, gold, tol: float, budget: _Budget) -> list:
     """The prediction and the other ways to read it: 'x+y = 9' -> 9, 't = 2+3+4 = 9' -> 9,
     '\\frac17 \\approx 0.14' -> 1/7 (and 0.14 when the gold is a decimal or the exact part is a name)."""
+    if isinstance(node, Eqn) and node.op == "=" and isinstance(node.rhs.expr, sympy.Symbol) and \
+            not _free_names(node.lhs.expr) and node.rhs.expr != _PM:
+        node = Eqn(node.rhs, node.lhs, "=")        # '7 = x' states x = 7
     out = [node]
     if isinstance(gold, (Eqn, Chain)) or (isinstance(gold, Seq) and any(
             isinstance(x, (Eqn, Chain)) for x in gold.items)):
@@ -2876,9 +3334,8 @@ def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
         return []       # '4 = 5', '0 = 1 = 2', '5 \\approx 5.1': a false chain states no value
     if const[k] and all(const[j] or (j == 0 and head_ok) for j in range(k)):
         out.append(parts[k])
-    if "~" in ops and const[-1] and (
-            (k == 0 and head_is_name) or tol > APPROX_GOLD_TOL or _has_decimal(gold)):
-        out.append(parts[-1])
+    if "~" in ops and const[-1] and k == 0 and head_is_name:
+        out.append(parts[-1])       # 't \\approx 9'; '\\frac17 \\approx 0.14' is 1/7 whatever the gold
     return out
 
 
@@ -3020,7 +3477,7 @@ def _equal(a, b, tol: float, budget: _Budget) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# Public API
+# Comparison of two answer strings (is_equivalent's work): unwrap, units, clean, parse, compare.
 
 def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     budget = _Budget()
@@ -3029,6 +3486,9 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     pred, gold = _unwrap_answer(pred), _unwrap_answer(gold)    # a worked solution -> its box
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
+    up, ug = _unit_of(pred), _unit_of(gold)
+    if up is not None and ug is not None and (up[0] != ug[0] or abs(up[1] / ug[1] - 1) > 1e-9):
+        return False        # '5 km' against '5 m': a unit is dropped only against none or the same one
     cp, cg = _clean(pred), _clean(gold)
     if not cp or not cg:
         return False
@@ -3089,6 +3549,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 _DEC_COMMA_RE = re.compile(r"^([+-]?\d+)(?:,|\{,\})(\d{1,2}|\d{4,})(?=%?$)|^([+-]?0)(?:,|\{,\})(\d+)(?=%?$)")
 _UNPARSED_OPERATOR_RE = re.compile(r"\\(?:lim|int|iint|oint|partial|nabla|det|sum|prod|mathrm|frac|operatorname)"
                                    r"(?![a-zA-Z])")
+_TEXT_NAME_RE = re.compile(r"\s*(?:[A-Za-z](?:_\{?[A-Za-z0-9]{1,3}\}?)?\s*[:/]?\s*){1,6}")   # V_1 : V_2
 _LONE_DECIMAL_RE = re.compile(r"^[+-]?\d+\.\d+%?$")
 
 
@@ -3112,7 +3573,7 @@ def _named_text_equal(named: str, other: str) -> bool:
     time): equal as text after the name, when the name has no digit outside its subscripts."""
     tail = _right_of_last_equals(named)
     return tail is not None and _norm_text(tail) == _norm_text(other) and not _has_undefined(named) and \
-        not re.search(r"\d", re.sub(r"_\{?\w+\}?", "", named[:len(named) - len(tail)]))
+        _TEXT_NAME_RE.fullmatch(named[:len(named) - len(tail)].rstrip()[:-1]) is not None
 
 
 def _no_thousands(s: str) -> str:
@@ -3173,263 +3634,3 @@ def _has_undefined(s: str) -> bool:
     return bool(re.search(r"(?<![A-Za-z])(?:nan|zoo|NaN)(?![A-Za-z])", s))
 
 
-def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> bool:
-    """True when the answer string pred means the same as gold. Never raises; caps give False."""
-    _count("calls")
-    if not isinstance(pred, str) or not isinstance(gold, str):
-        return False
-    try:
-        if _compare(pred, gold, rel_tol):
-            return True
-        boxes = _boxes_for_list(pred, gold)     # the same reading of several boxes as verify()
-        return boxes is not None and boxes != pred and _compare(boxes, gold, rel_tol)
-    except _Limit:
-        _count("limit_hits")
-    except (_ParseError, _Undefined):
-        _count("parse_failures")
-    except _NotMath:
-        _count("not_math")
-    except RecursionError:
-        _count("limit_hits")
-    except Exception:           # a bug in this file must not crash a training step
-        _count("errors")
-    return False
-
-
-def verify(response: str, gold: str, *, strict: bool = True,
-           rel_tol: float = DEFAULT_REL_TOL) -> float:
-    """Reward of one response: 1.0 when its final answer equals gold, else 0.0."""
-    try:
-        pred = extract_answer(response, strict=strict)
-        if pred is None or "\\boxed" in pred or "\\fbox" in pred:
-            return 0.0          # no answer, or a box inside a box beside other content
-        if is_equivalent(pred, gold, rel_tol=rel_tol):
-            return 1.0
-        boxes = _boxes_for_list(response, gold)
-        ok = boxes is not None and boxes != pred and is_equivalent(boxes, gold, rel_tol=rel_tol)
-        return 1.0 if ok else 0.0
-    except Exception:
-        _count("errors")
-        return 0.0
-
-
-def _boxes_for_list(response: str, gold: str) -> str | None:
-    """Against a gold list of n answers, the last n boxes of the response joined, whatever prose
-    stands between them ('$\\boxed{3}$ and, checking the sign, also $\\boxed{-3}$'): departure 16."""
-    if not isinstance(response, str) or "\\boxed" not in response and "\\fbox" not in response:
-        return None
-    g = _unwrap_answer(gold) if len(gold) <= MAX_RESPONSE_CHARS else ""
-    try:
-        node = _parse(_clean(g), _Budget(), as_gold=True) if 0 < len(g) <= MAX_ANSWER_CHARS else None
-    except (_ParseError, _Limit, _Undefined, RecursionError):
-        return None
-    if not (isinstance(node, Seq) and node.open == "" and 2 <= len(node.items) <= _MAX_JOIN):
-        return None
-    boxes = _outer_boxes(_end_of_turn(response[-MAX_RESPONSE_CHARS:]))
-    if not boxes or len(boxes) < len(node.items):
-        return None
-    return _join([c for _, _, c in boxes[-len(node.items):]])
-
-
-def _verify_chunk(args):
-    responses, golds, strict, rel_tol = args
-    before = stats()
-    scores = [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
-    after = stats()
-    return scores, {k: after[k] - before.get(k, 0) for k in after}
-
-
-def verify_batch(responses: list, golds: list, *, workers: int = 0, strict: bool = True,
-                 rel_tol: float = DEFAULT_REL_TOL) -> list[float]:
-    """verify() over a batch, order kept. workers > 1 uses a spawn process pool for this call."""
-    responses, golds = list(responses), list(golds)
-    if len(responses) != len(golds):
-        raise ValueError(f"verify_batch: {len(responses)} responses but {len(golds)} golds")
-    if workers is None or workers <= 1 or len(responses) < 2:
-        return [verify(r, g, strict=strict, rel_tol=rel_tol) for r, g in zip(responses, golds)]
-    import concurrent.futures
-    import multiprocessing
-    n_chunks = min(len(responses), workers * 4)
-    size = -(-len(responses) // n_chunks)
-    chunks = [(responses[k:k + size], golds[k:k + size], strict, rel_tol)
-              for k in range(0, len(responses), size)]
-    ctx = multiprocessing.get_context("spawn")
-    out: list[float] = []
-    try:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            for scores, delta in pool.map(_verify_chunk, chunks):
-                out.extend(scores)
-                for k, v in delta.items():
-                    _count(k, v)
-    except (OSError, RuntimeError, concurrent.futures.process.BrokenProcessPool):
-        # A pool that cannot start or lost a worker must not cost the training step: score the
-        # rest here (each call is bounded anyway).
-        _count("errors")
-        out.extend(verify(r, g, strict=strict, rel_tol=rel_tol)
-                   for r, g in zip(responses[len(out):], golds[len(out):]))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Benchmark and gold self-check (CLI)
-
-def _load_cases(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _run_cases(cases, judge) -> dict:
-    lat, fp, fn, correct, exc, verdicts = [], 0, 0, 0, 0, []
-    t0 = time.perf_counter()
-    for c in cases:
-        s = time.perf_counter()
-        try:
-            v = bool(judge(c))
-        except Exception:
-            v = False
-            exc += 1
-        lat.append(time.perf_counter() - s)
-        verdicts.append(v)
-        if v == c["label"]:
-            correct += 1
-        elif v:
-            fp += 1
-        else:
-            fn += 1
-    total = time.perf_counter() - t0
-    lat.sort()
-    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1000  # noqa: E731
-    return {"acc": correct / len(cases), "fp": fp, "fn": fn, "exc": exc, "rate": len(cases) / total,
-            "p50": q(0.50), "p99": q(0.99), "max": lat[-1] * 1000, "verdicts": verdicts}
-
-
-def _judge_ours(c: dict) -> bool:
-    """A case is an answer pair ('pred') judged by is_equivalent, or a whole model response
-    ('response') judged by verify(strict=False)."""
-    tol = c.get("rel_tol", DEFAULT_REL_TOL)
-    if "response" in c:
-        return verify(c["response"], c["gold"], strict=False, rel_tol=tol) == 1.0
-    return is_equivalent(c["pred"], c["gold"], rel_tol=tol)
-
-
-def _judge_math_verify(mv):
-    """math-verify on the same cases: a bare answer is boxed for its parser (what it extracts best),
-    a string that already has a box or math delimiters and a whole response are passed as they are."""
-    def wrap(s: str) -> str:
-        return s if any(t in s for t in ("\\boxed", "$", "\\(", "\\[")) else "\\boxed{" + s + "}"
-
-    def judge(c: dict) -> bool:
-        gold = mv.parse(wrap(c["gold"]))
-        pred = mv.parse(c["response"]) if "response" in c else mv.parse(wrap(c["pred"]))
-        return mv.verify(gold, pred)
-    return judge
-
-
-def _bench(argv: list[str]) -> int:
-    import argparse
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-    ap = argparse.ArgumentParser(prog="verify.py bench")
-    ap.add_argument("--cases", action="append", default=None,
-                    help="labelled case file (repeatable); default: data/verify_cases.jsonl (development, "
-                         "written alongside this file), data/verify_test.jsonl and data/verify_outside.jsonl "
-                         "(frozen before the verifier was extended for them, never tuned against), "
-                         "data/verify_hacking.jsonl (reward-hacking forms that must score 0, with controls)")
-    ap.add_argument("--no-math-verify", action="store_true")
-    ap.add_argument("--show-errors", action="store_true", help="print the cases verify.py gets wrong")
-    args = ap.parse_args(argv)
-    files = args.cases or [os.path.join(here, name) for name in
-                           ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl")]
-    mv = None
-    if not args.no_math_verify:
-        try:
-            import math_verify  # noqa: F401  (optional, only for this comparison)
-            mv = math_verify
-        except ImportError:
-            print("(math-verify not installed: `pip install math-verify` to compare)")
-    is_equivalent("1", "1")     # warm-up outside the timing
-    for path in files:
-        cases = _load_cases(path)
-        for k, c in enumerate(cases):
-            if ("pred" in c) == ("response" in c) or "gold" not in c or not isinstance(c.get("label"), bool):
-                raise ValueError(f"{path}:{k + 1}: a case needs 'pred' or 'response', 'gold' and a bool 'label'")
-        reset_stats()
-        rows = [("verify.py", _run_cases(cases, _judge_ours))]
-        counters = stats()
-        if mv is not None:
-            judge = _judge_math_verify(mv)
-            judge(cases[0])
-            rows.append(("math-verify", _run_cases(cases, judge)))
-        n = len(cases)
-        n_pos = sum(1 for c in cases if c["label"])
-        n_resp = sum(1 for c in cases if "response" in c)
-        print(f"\n{os.path.relpath(path)}: {n} cases ({n_pos} equivalent, {n - n_pos} not; "
-              f"{n_resp} whole responses)")
-        print(f"{'verifier':<12} {'accuracy':>9} {'FP':>5} {'FP%':>6} {'FN':>5} {'exc':>4} {'cases/s':>9} "
-              f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-        for name, r in rows:
-            print(f"{name:<12} {r['acc']:>9.2%} {r['fp']:>5} {r['fp'] / n:>6.2%} {r['fn']:>5} {r['exc']:>4} "
-                  f"{r['rate']:>9.1f} {r['p50']:>8.2f} {r['p99']:>8.2f} {r['max']:>8.1f}")
-        if mv is not None:
-            a, b = rows[0][1]["verdicts"], rows[1][1]["verdicts"]
-            agree = sum(x == y for x, y in zip(a, b)) / n
-            print(f"agreement verify.py vs math-verify: {agree:.2%}; "
-                  f"throughput ratio {rows[0][1]['rate'] / rows[1][1]['rate']:.1f}x")
-        by_cat: dict = {}
-        for c, v in zip(cases, rows[0][1]["verdicts"]):
-            t = by_cat.setdefault(c.get("category", "?"), [0, 0])
-            t[0] += 1
-            t[1] += v == c["label"]
-        print("per category (verify.py):", ", ".join(
-            f"{k} {ok}/{tot}" for k, (tot, ok) in sorted(by_cat.items())))
-        print("counters (verify.py):", counters)
-        if args.show_errors:
-            for c, v in zip(cases, rows[0][1]["verdicts"]):
-                if v != c["label"]:
-                    print(f"  {'FP' if v else 'FN'} [{c.get('category')}] {c.get('pred', c.get('response'))!r}"
-                          f" vs {c['gold']!r}")
-    return 0
-
-
-def _golds(argv: list[str]) -> int:
-    import glob
-    files = argv or sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "..", "shared", "benchmarks", "*.jsonl")))
-    bad_total = 0
-    for path in files:
-        rows = _load_cases(path)
-        n_parse = n_self = n_box = n_empty = 0
-        bad = []
-        for r in rows:
-            g = r.get("answer", "")
-            if not g:
-                n_empty += 1
-                continue
-            try:
-                _parse(_clean(g), _Budget(), as_gold=True)
-                n_parse += 1
-            except Exception:
-                pass
-            ok1 = is_equivalent(g, g)
-            ok2 = verify("so \\boxed{" + g + "}", g) == 1.0
-            n_self += ok1
-            n_box += ok2
-            if not (ok1 and ok2):
-                bad.append(g)
-        bad_total += len(bad)
-        print(f"{os.path.basename(path)}: {len(rows)} golds ({n_empty} empty), parse {n_parse}, "
-              f"self-equal {n_self}, "
-              f"boxed-equal {n_box}" + (f"; failing: {bad[:10]}" if bad else ""))
-    return 1 if bad_total else 0
-
-
-def main(argv: list[str]) -> int:
-    if argv and argv[0] == "bench":
-        return _bench(argv[1:])
-    if argv and argv[0] == "golds":
-        return _golds(argv[1:])
-    print("usage: python verify.py bench [--cases FILE] | golds [FILES...]")
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -91,6 +91,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+# verify.py lives in the repository root; this file runs as a script from data/ and is loaded by path.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from verify import last_boxed  # noqa: E402  (after the path is set)
+
 # ------------------------------------------------------------------------------------------------
 # Sources
 # ------------------------------------------------------------------------------------------------
@@ -159,40 +165,9 @@ def warn(msg: str) -> None:
 # Answer extraction and normalisation
 # ------------------------------------------------------------------------------------------------
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\b")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} / \\fbox{...} in text, brace-matched; None if absent.
-
-    Escaped braces (\\{ \\}) are literal characters in TeX, so they do not open or close a group.
-    The brace-less form "\\boxed 5" (used in some MATH solutions) yields the next token.
-    """
-    matches = list(_BOXED.finditer(text))
-    if not matches:
-        return None
-    i = matches[-1].end()
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text):
-        return None
-    if text[i] != "{":
-        token = re.match(r"[^\s$]+", text[i:])
-        return token.group(0) if token else None
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1:j]
-        j += 1
-    return None  # unbalanced: treat as no answer rather than guess
+# The gold reader is verify.py's last_boxed (one box reader for golds and rewards: the content of the
+# last outermost \boxed{...} / \fbox{...}, brace-matched, escaped braces literal, '\boxed 5' giving the
+# next token, an unclosed box giving None). Imported at the top of this file.
 
 
 _INTEGRAL = re.compile(r"^-?\d+(?:\.0*)?$")

@@ -1,22 +1,8 @@
-"""GRAFT before and beside the online pair: how complementary models are, and foreign trajectories as a peer.
+"""Foreign trajectories as the stored peer: `--peer-log FILE.jsonl`, and the checks of any --peer-log at start.
 
-Two tools in one file that imports only torch and the standard library at the top (exchange.py,
-verify.py, sampler.py, runtime.py for data/prepare.py's reader and the peer model's loading, and
-safetensors inside the functions that need them; it never imports graft.py), so graft.py can import it
-without a cycle. `open_peer_log` is what the trainer calls at start for --peer-log.
-
-1. Complementarity: `python graft.py complement SRC1 SRC2 [SRC3 ...] [--n 8] [--batch-size 128]`
-   (or `python offline.py complement ...`). A source is a folder of this project's rollout files
-   (`<run>/exchange/<side>/step_*.safetensors`, e.g. from a GRPO run) or a `graft.py eval` result JSON.
-   Prompts are matched by id across sources. For every ordered pair (source -> receiver) it prints the
-   paper's statistics (the share of the receiver's all-fail prompts on which the source is mixed, and
-   on which the source solves at least once), the expected number of candidate prompts per step in
-   each direction at the given batch size (Eq. 4's |C|), and the balanced-swap m that implies
-   (README "Choosing a pair"). Run it on short GRPO runs or evaluations of the candidate models before
-   spending GPU-days on a pair. `--json FILE` writes the same report (complement_json), which is also
-   the "complement" entry of `graft.py preflight`'s report (preflight.py samples the counts itself).
-2. Foreign trajectories for the stored-trajectory variant: `--peer-log FILE.jsonl` reads any
-   collection of solutions, one JSON object per line:
+`open_peer_log` is what the trainer calls at start for --peer-log: a finished run's rollout folder is checked
+(every step's file present, readable) and read step by step by the trainer; a JSONL file of foreign
+trajectories is read here, once. It holds any collection of solutions, one JSON object per line:
        {"problem_id" or "id": str|int, and/or "problem": str,    which prompt of --prompts
         "response": str,                                        the solution text (alias "completion")
         "lbar": float in [-88, 0],                              optional: the source model's mean token
@@ -26,39 +12,30 @@ without a cycle. `open_peer_log` is what the trainer calls at start for --peer-l
                                                                 (only --compat-norm byte needs it)
         "reward": number|bool,                                  optional: the source's own verdict
         "eos": bool}                                            optional, default true: ended with EOS
-   Records are matched to the run's prompts, de-duplicated and length-checked (choice 7), grouped per
+   Records are matched to the run's prompts, de-duplicated and length-checked (choice 4), grouped per
    prompt, re-verified and given GRPO advantages
    within their group; `ForeignLog.step(prompt_ids)` then hands the trainer the peer data of one batch
    in the shape of exchange.StepRollouts plus a mask. Where "lbar" is missing, `fill_lbar` computes it
    with a given model (`--peer-model PATH`) and caches it beside the file.
 
+It imports core.py (advantages within ragged groups), reward.py (the reward seam), runtime.py (prompt
+encoding, the peer model's loading, data/prepare.py's JSONL reader), exchange.py (atomic writes, the rollout
+file, the file hash) and sampler.py (the log-prob kernel); never graft.py, which imports it.
+
 Our choices, where the paper is silent (numbered so that reviews can cite them):
-  1. Sample counts other than n. A source may hold N != n samples of a prompt (an evaluation at 16
-     samples, or a prompt met at several steps). With k of the N correct, the probabilities that n fresh
-     rollouts all fail / all pass are estimated by C(N-k, n) / C(N, n) and C(k, n) / C(N, n): the
-     unbiased estimators of (1-p)^n and p^n from N Bernoulli draws (choose n of the N samples at random
-     without replacement). With N = n they are exactly the 0/1 indicators of the paper's counting, so the
-     table is the paper's statistic whenever the sources have n samples. N < n is an error (the estimate
-     would be an extrapolation).
-  2. A prompt met at several steps of a rollout folder (a run longer than one epoch): by default the
-     union of all its rollouts (N = 8 x occurrences, through choice 1), which uses every sample; with
-     `--aggregate latest` only its last step's group counts (the policy at its most trained).
-  3. Expected candidates per step = (expected share of prompts that are candidates) x batch size, since
-     every prompt is equally likely to be in a batch. The balanced m printed is the smaller of the two
-     directions' expected counts; the mean per-step min is at most that (min is concave), so it is an
-     upper estimate of how many groups a balanced step exchanges.
-  4. Foreign groups: all records of one prompt form one group, in file order, whatever their count
+  1. Foreign groups: all records of one prompt form one group, in file order, whatever their count
      (>= 2). A prompt with a single record is dropped and counted: a group of one has advantage 0
      (group_advantages defines it so) and can never be mixed, so it could never be a candidate.
-     Rewards are re-verified with verify.py against the prompt's gold answer (the record's own
+     Rewards are re-scored by the reward (reward.rewards: --reward, verify.py by default) against the
+     prompt's gold answer (the record's own
      "reward" only feeds a disagreement count); advantages are the GRPO formula within each group.
-  5. Matching: by id first ("problem_id", else "id"; an integer id is read as its decimal string). A
+  2. Matching: by id first ("problem_id", else "id"; an integer id is read as its decimal string). A
      record whose id is not a prompt id, or that has no id, is matched by problem text after
      normalisation: Unicode NFKC, every whitespace run collapsed to one space, ends stripped; case is
      kept (in mathematics x and X are different variables). A record with an id AND a problem text is
      matched by id only if the two agree; otherwise it falls back to its text and is counted as an id
      conflict. Text shared by two prompts of the run is ambiguous and left unmatched.
-  6. lbar computed by a peer model (`fill_lbar`): the response is encoded by the peer's tokenizer
+  3. lbar computed by a peer model (`fill_lbar`): the response is encoded by the peer's tokenizer
      without special tokens, plus its EOS when the record says it ended with one (as retokenisation
      does for the receiver), after the prompt as the caller encodes it for that model (the run's
      template), and scored at temperature 1. The cache is keyed on the file's SHA-256, the model path
@@ -66,7 +43,7 @@ Our choices, where the paper is silent (numbered so that reviews can cite them):
      that does not re-encode to the tokens the source sampled (a non-canonical BPE split) is scored in
      its canonical encoding: on the tiny preset's model B, 506 of 512 step-0 responses re-encode
      exactly and their computed lbar matches the stored one to 3e-7; the other 6 differ.
-  7. Stored records that cannot be right are stopped or left out before anything is computed: an lbar
+  4. Stored records that cannot be right are stopped or left out before anything is computed: an lbar
      must lie in [LBAR_MIN, 0] with LBAR_MIN = -88 (float32's largest value is e^88.72: the gate
      computes s = exp(lbar_recv - lbar) in float32, which a lower lbar can overflow to inf, accepting
      the response at w = 1; no model samples text at a mean probability of e^-88 per token), else
@@ -76,16 +53,15 @@ Our choices, where the paper is silent (numbered so that reviews can cite them):
      response_char_bound(--max-response-tokens)) is removed and counted before verification or any
      --peer-model forward: the trainer would drop it for length anyway, and one 10 MB response would
      otherwise ask for a forward over millions of tokens.
-  8. Stop strings (`--stop`, graft.py departure 11): a response that holds one is cut as the trainer
+  5. Stop strings (`--stop`, graft.py departure 11): a response that holds one is cut as the trainer
      cuts its own rollouts (core.decode_response): its text runs through the first stop string, its eos
      becomes false (a receiver retokenises it, stop string included, without EOS), and the verifier reads
      it cut before the string. A given lbar or num_tokens then described text that is gone, so it is
      dropped (NaN / -1) and --peer-model recomputes it; the cut records are counted ("stop_cut").
 
-Launch lines:
-    python graft.py complement runs/grpo_a/exchange/a runs/grpo_b/exchange/b --n 8 --batch-size 128
-    python graft.py complement runs/qwen/eval_results.json runs/smollm/eval_results.json --n 8
-    python offline.py bench-foreign --prompts ../shared/benchmarks/train_math7500.jsonl --records 10000
+
+Launch line (the benchmark; README "What we measured"):
+    python foreign.py bench --prompts ../shared/benchmarks/train_math7500.jsonl --records 10000
 """
 
 from __future__ import annotations
@@ -94,8 +70,8 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import os
+import sys
 import time
 import unicodedata
 from dataclasses import dataclass, field
@@ -104,326 +80,11 @@ from typing import Callable
 
 import torch
 
-# ------------------------------------------------------------------------------------------------
-# Complementarity: the core (pure functions on tensors)
-#
-# Shape letters: Q prompts seen by both sources, n rollouts per prompt in the planned pair run.
-# ------------------------------------------------------------------------------------------------
-
-
-def _comb_ratio(a: torch.Tensor, total: torch.Tensor, n: int) -> torch.Tensor:
-    """C(a, n) / C(total, n) elementwise, as the product over j < n of (a - j) / (total - j).
-
-    a, total: (Q,) integer counts with 0 <= a <= total and total >= n. Returns (Q,) float64.
-    A factor (a - j) reaches 0 when a < n, which is C(a, n) = 0; clamping keeps later factors at 0.
-    """
-    j = torch.arange(n, dtype=torch.float64)  # (n,)
-    terms = (a.double()[:, None] - j).clamp(min=0) / (total.double()[:, None] - j)  # (Q, n)
-    return terms.prod(dim=1)  # (Q,)
-
-
-def _samples(k: torch.Tensor, samples, n: int, what: str) -> torch.Tensor:
-    """Per-prompt sample counts N as a (Q,) int64 tensor (an int is broadcast), checked against k and n."""
-    total = torch.as_tensor(n if samples is None else samples, dtype=torch.int64).expand(k.shape)  # (Q,)
-    assert bool((k >= 0).all()) and bool((k <= total).all()), f"{what}: success counts must lie in [0, N]"
-    if bool((total < n).any()):
-        raise ValueError(f"{what}: some prompts have only {int(total.min())} samples, fewer than n={n}; "
-                         f"statistics at n would be an extrapolation (lower --n or sample more)")
-    return total
-
-
-def prob_all_fail(k: torch.Tensor, samples: torch.Tensor | int | None = None, *, n: int) -> torch.Tensor:
-    """Estimated P(n fresh rollouts all fail) per prompt: C(N - k, n) / C(N, n) (choice 1).
-
-    k: (Q,) success counts out of samples N ((Q,) or an int; None means N = n). Returns (Q,) float64;
-    with N = n it is exactly 1[k = 0].
-    """
-    total = _samples(k, samples, n, "prob_all_fail")
-    return _comb_ratio(total - k, total, n)
-
-
-def prob_all_pass(k: torch.Tensor, samples: torch.Tensor | int | None = None, *, n: int) -> torch.Tensor:
-    """Estimated P(n fresh rollouts all pass) per prompt: C(k, n) / C(N, n). Shapes as prob_all_fail."""
-    total = _samples(k, samples, n, "prob_all_pass")
-    return _comb_ratio(k, total, n)
-
-
-def complementarity(*, k_recv: torch.Tensor, k_src: torch.Tensor, n: int, batch_size: int,
-                    samples_recv: torch.Tensor | int | None = None,
-                    samples_src: torch.Tensor | int | None = None) -> dict[str, float]:
-    """The paper's complementarity statistics for the direction source -> receiver, and its candidates.
-
-    k_recv, k_src: (Q,) success counts of the two models on the same Q prompts, out of samples_recv /
-    samples_src ((Q,) or int; None means n). Returns floats:
-      prompts             Q
-      recv_all_fail       expected number of prompts on which the receiver fails all n
-      mixed_share         share of those on which the source is mixed (1 <= k < n): the candidates
-      solved_share        share of those on which the source solves at least once (k >= 1)
-      candidate_frac      expected share of all prompts that are candidates (Eq. 4)
-      candidates_per_step candidate_frac x batch_size (choice 3)
-    The shares are NaN when the receiver fails no prompt. The two models' samples are independent, so
-    per prompt P(candidate) = P(receiver fails all) x P(source mixed).
-    """
-    assert k_recv.dim() == 1 and k_recv.shape == k_src.shape, "k_recv and k_src must be (Q,) and equal"
-    assert n >= 2 and batch_size >= 1, f"need n >= 2 and batch_size >= 1, got n={n}, batch_size={batch_size}"
-    fail_r = prob_all_fail(k_recv, samples_recv, n=n)  # (Q,)
-    fail_s = prob_all_fail(k_src, samples_src, n=n)  # (Q,)
-    mixed_s = 1.0 - fail_s - prob_all_pass(k_src, samples_src, n=n)  # (Q,)
-    cand = fail_r * mixed_s  # (Q,) P(q is a candidate for src -> recv)
-    q, f = k_recv.numel(), float(fail_r.sum())
-    frac = float(cand.sum()) / q if q else float("nan")
-    return {"prompts": float(q), "recv_all_fail": f,
-            "mixed_share": float(cand.sum()) / f if f > 0 else float("nan"),
-            "solved_share": float((fail_r * (1.0 - fail_s)).sum()) / f if f > 0 else float("nan"),
-            "candidate_frac": frac, "candidates_per_step": frac * batch_size}
-
-
-def pair_complementarity(*, k_a: torch.Tensor, k_b: torch.Tensor, n: int, batch_size: int,
-                         samples_a: torch.Tensor | int | None = None,
-                         samples_b: torch.Tensor | int | None = None) -> dict:
-    """Both directions of a pair and the balanced-swap m: {"a_to_b": ..., "b_to_a": ..., "m": float}.
-
-    k_a, k_b: (Q,) success counts on the same prompts. "a_to_b" is complementarity with B receiving A's
-    groups; m = min of the two expected candidate counts per step (choice 3).
-    """
-    a_to_b = complementarity(k_recv=k_b, k_src=k_a, n=n, batch_size=batch_size, samples_recv=samples_b,
-                             samples_src=samples_a)
-    b_to_a = complementarity(k_recv=k_a, k_src=k_b, n=n, batch_size=batch_size, samples_recv=samples_a,
-                             samples_src=samples_b)
-    return {"a_to_b": a_to_b, "b_to_a": b_to_a,
-            "m": min(a_to_b["candidates_per_step"], b_to_a["candidates_per_step"])}
-
-
-# ------------------------------------------------------------------------------------------------
-# Complementarity: reading sources (rollout folders and eval result files)
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SourceCounts:
-    """Per-prompt success counts of one source: counts[id] = (k correct, N samples)."""
-
-    path: str
-    kind: str  # "rollouts" | "eval"
-    counts: dict[str, tuple[int, int]]
-    note: str = ""  # one line for the legend: steps, samples, data seed, model
-
-
-def read_step_rewards(path: str | os.PathLike) -> tuple[list[str], torch.Tensor, dict]:
-    """The prompt ids (G,), rewards (G, n) float32 and metadata of one rollout file, nothing else.
-
-    exchange.load_rollouts decodes every token and text of the file, which for a paper-sized run
-    (128 x 8 responses of up to 4096 tokens per step) costs far more than the table; this reads the
-    three tensors the statistics need, with the same format checks on them. Errors name the file.
-    """
-    from exchange import ROLLOUT_FORMAT, ROLLOUT_VERSION
-    from safetensors import safe_open
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-            missing = [k for k in ("rewards", "prompt_ids", "prompt_id_offsets") if k not in keys]
-            if missing:
-                raise ValueError(f"missing tensors {missing}")
-            rewards, data, offsets = (f.get_tensor(k) for k in ("rewards", "prompt_ids", "prompt_id_offsets"))
-    except Exception as e:  # corrupt, truncated, not safetensors, or incomplete
-        raise ValueError(f"{path}: not a readable rollout file ({type(e).__name__}: {e})") from e
-    if meta.get("format") != ROLLOUT_FORMAT or meta.get("version") != ROLLOUT_VERSION:
-        raise ValueError(f"{path}: not a GRAFT rollout file of version {ROLLOUT_VERSION} "
-                         f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-    G = rewards.shape[0] if rewards.dim() == 2 else -1
-    o = offsets.tolist()
-    if G < 0 or len(o) != G + 1 or o[0] != 0 or o[-1] > data.numel() or any(b < a for a, b in zip(o, o[1:])):
-        raise ValueError(f"{path}: inconsistent rewards / prompt-id shapes")
-    raw = data.numpy().tobytes()
-    try:
-        ids = [raw[o[i]: o[i + 1]].decode("utf-8") for i in range(G)]
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: bad prompt-id bytes ({e})") from e
-    return ids, rewards.float(), meta
-
-
-def read_rollout_folder(path: str | os.PathLike, *, aggregate: str = "union") -> SourceCounts:
-    """Success counts from a folder of rollout files (exchange.py format), one entry per prompt id.
-
-    aggregate: "union" pools every occurrence of a prompt (k and N summed over steps), "latest" keeps
-    the group of its last step (choice 2). A reward > 0.5 counts as a success (rewards are 0/1).
-    """
-    assert aggregate in ("union", "latest"), f"aggregate must be union or latest, got {aggregate!r}"
-    folder = Path(path)
-    files = sorted(folder.glob("step_*.safetensors"))
-    if not files:
-        sub = sorted({str(p.parent) for p in folder.rglob("step_*.safetensors")}) if folder.is_dir() else []
-        hint = f"; folders below it that have some: {', '.join(sub[:6])}" if sub else ""
-        raise ValueError(f"{folder}: no step_*.safetensors rollout files{hint}")
-    counts: dict[str, tuple[int, int]] = {}
-    metas = []
-    for f in files:
-        ids, rewards, meta = read_step_rewards(f)
-        metas.append(meta)
-        k, n = (rewards > 0.5).sum(dim=1).tolist(), rewards.shape[1]  # (G,) successes per prompt of this step
-        for pid, kk in zip(ids, k):
-            if aggregate == "union" and pid in counts:
-                k0, n0 = counts[pid]
-                counts[pid] = (k0 + kk, n0 + n)
-            else:  # files are in step order, so the last write is the latest occurrence
-                counts[pid] = (kk, n)
-    seeds = sorted({m.get("data_seed", "?") for m in metas})
-    note = (f"{len(files)} steps, n={metas[-1].get('n')}, data seed {','.join(seeds)}, "
-            f"model {metas[-1].get('model', '?')}, aggregate {aggregate}")
-    return SourceCounts(str(folder), "rollouts", counts, note)
-
-
-def read_eval_results(path: str | os.PathLike) -> SourceCounts:
-    """Success counts from a `graft.py eval` result JSON: {"problems": {benchmark: [{"id", "correct": [0/1, ...]}]}}.
-
-    Every benchmark of the file is read; an id found in two benchmarks is an error (ids must name one
-    prompt). A score > 0.5 counts as a success.
-    """
-    path = Path(path)
-    try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from e
-    problems = payload.get("problems") if isinstance(payload, dict) else None
-    if not isinstance(problems, dict) or not problems:
-        raise ValueError(f"{path}: no 'problems' object of per-problem results (is it a graft.py eval output?)")
-    counts: dict[str, tuple[int, int]] = {}
-    where: dict[str, str] = {}
-    for bench, rows in problems.items():
-        if not isinstance(rows, list):
-            raise ValueError(f"{path}: problems[{bench!r}] must be a list of per-problem results")
-        for i, row in enumerate(rows):
-            ok = (isinstance(row, dict) and isinstance(row.get("id"), str) and isinstance(row.get("correct"), list)
-                  and row["correct"]
-                  and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in row["correct"]))
-            if not ok:
-                raise ValueError(f"{path}: problems[{bench!r}][{i}] needs a string 'id' and a non-empty list 'correct' "
-                                 f"of numbers, got {str(row)[:200]}")
-            if row["id"] in counts:
-                raise ValueError(f"{path}: id {row['id']!r} appears in both {where[row['id']]!r} and {bench!r}")
-            counts[row["id"]] = (sum(1 for c in row["correct"] if c > 0.5), len(row["correct"]))
-            where[row["id"]] = bench
-    samples = sorted({nn for _, nn in counts.values()})
-    note = f"eval of {payload.get('model', '?')}: {', '.join(problems)}; samples {','.join(map(str, samples))}"
-    return SourceCounts(str(path), "eval", counts, note)
-
-
-def read_source(path: str | os.PathLike, *, aggregate: str = "union") -> SourceCounts:
-    """A folder is read as rollout files, a file as an eval result JSON."""
-    p = Path(path)
-    if p.is_dir():
-        return read_rollout_folder(p, aggregate=aggregate)
-    if p.is_file():
-        return read_eval_results(p)
-    raise ValueError(f"{p}: no such folder of rollout files or eval result file")
-
-
-def align(a: SourceCounts, b: SourceCounts) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prompts both sources saw (sorted ids) and their counts: ids, k_a, N_a, k_b, N_b, each (Q,) int64."""
-    ids = sorted(set(a.counts) & set(b.counts))
-    t = lambda src, j: torch.tensor([src.counts[i][j] for i in ids], dtype=torch.int64)  # noqa: E731  (Q,)
-    return ids, t(a, 0), t(a, 1), t(b, 0), t(b, 1)
-
-
-# ------------------------------------------------------------------------------------------------
-# Complementarity: the table for every ordered pair, and the command line
-# ------------------------------------------------------------------------------------------------
-
-
-def complement_rows(sources: list[SourceCounts], *, n: int, batch_size: int) -> list[dict]:
-    """One row per ordered pair (source i -> receiver j, i != j), on the prompts both saw.
-
-    Each row: src, recv (indices into sources), the complementarity dict of src -> recv, "reverse"
-    (expected candidates per step recv -> src) and "m"; a pair with no common prompt has prompts = 0.
-    """
-    rows = []
-    for i, s in enumerate(sources):
-        for j, r in enumerate(sources):
-            if i == j:
-                continue
-            ids, k_s, n_s, k_r, n_r = align(s, r)
-            if not ids:
-                rows.append({"src": i, "recv": j, "prompts": 0})
-                continue
-            try:
-                pair = pair_complementarity(k_a=k_s, k_b=k_r, n=n, batch_size=batch_size, samples_a=n_s, samples_b=n_r)
-            except ValueError as e:
-                raise ValueError(f"{s.path} vs {r.path}: {e}") from e
-            rows.append({"src": i, "recv": j, **pair["a_to_b"], "reverse": pair["b_to_a"]["candidates_per_step"],
-                         "m": pair["m"]})
-    return rows
-
-
-def format_complement_table(sources: list[SourceCounts], rows: list[dict], *, n: int, batch_size: int) -> str:
-    """The printed table: a legend of the sources, then one line per ordered pair."""
-    pct = lambda x: "-" if math.isnan(x) else f"{100 * x:.1f}%"  # noqa: E731
-    out = [f"complementarity at n={n} rollouts per prompt, {batch_size} prompts per step "
-           f"(Eq. 4; README 'Choosing a pair')"]
-    for i, s in enumerate(sources):
-        out.append(f"  S{i + 1} = {s.path}  [{s.kind}: {len(s.counts)} prompts; {s.note}]")
-    head = (f"{'source -> receiver':<20} {'prompts':>8} {'recv all-fail':>15} {'src mixed':>10} {'src solves':>11} "
-            f"{'cand/step':>10} {'reverse':>8} {'m':>6}")
-    out += [head, "-" * len(head)]
-    for r in rows:
-        name = f"S{r['src'] + 1} -> S{r['recv'] + 1}"
-        if r["prompts"] == 0:
-            out.append(f"{name:<20} {0:>8}   no prompt in common")
-            continue
-        fail = f"{r['recv_all_fail']:.0f} ({pct(r['recv_all_fail'] / r['prompts'])})"
-        out.append(f"{name:<20} {r['prompts']:>8.0f} {fail:>15} {pct(r['mixed_share']):>10} "
-                   f"{pct(r['solved_share']):>11} {r['candidates_per_step']:>10.2f} {r['reverse']:>8.2f} "
-                   f"{r['m']:>6.2f}")
-    out.append("recv all-fail: prompts the receiver fails on all n; src mixed / src solves: share of those on which\n"
-               "the source has 1 <= k < n / k >= 1 successes; cand/step: expected candidates source -> receiver per\n"
-               "step; reverse: receiver -> source; m: balanced swap, the smaller of the two")
-    return "\n".join(out)
-
-
-def complement_json(sources: list[SourceCounts], rows: list[dict], *, n: int, batch_size: int) -> dict:
-    """The same report as format_complement_table, as JSON: the settings, the sources and the rows (NaN -> None)."""
-    clean = lambda v: None if isinstance(v, float) and math.isnan(v) else v  # noqa: E731  (JSON has no NaN)
-    return {"n": n, "batch_size": batch_size,
-            "sources": [{"path": s.path, "kind": s.kind, "prompts": len(s.counts), "note": s.note} for s in sources],
-            "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
-
-
-def build_complement_parser(prog: str = "graft.py complement") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Complementarity of two or more models from GRPO rollout "
-                                "folders or graft.py eval results on the same prompts: for every ordered pair, the "
-                                "share of the receiver's all-fail prompts the source can help on, and the expected "
-                                "exchange per step.")
-    p.add_argument("sources", nargs="+", help="rollout folders (<run>/exchange/<side>) or eval result JSON files")
-    p.add_argument("--n", "--rollouts", dest="n", type=int, default=8,
-                   help="rollouts per prompt of the planned pair run")
-    p.add_argument("--batch-size", type=int, default=128, help="prompts per step of the planned pair run")
-    p.add_argument("--aggregate", choices=("union", "latest"), default="union",
-                   help="a prompt met at several steps: pool all its rollouts, or keep its last step's group")
-    p.add_argument("--json", default="", help="also write the table as JSON to this file (as graft.py preflight's "
-                   "'complement' entry)")
-    return p
-
-
-def main_complement(argv: list[str] | None = None, *, prog: str = "graft.py complement") -> int:
-    """`graft.py complement` / `offline.py complement`: read the sources, print the table. Returns 0."""
-    args = build_complement_parser(prog).parse_args(argv)
-    if len(args.sources) < 2:
-        raise SystemExit(f"{prog}: needs at least two sources, got {len(args.sources)}")
-    if args.n < 2 or args.batch_size < 1:
-        raise SystemExit(f"{prog}: --n must be >= 2 and --batch-size >= 1 (got {args.n}, {args.batch_size})")
-    t0 = time.time()
-    try:
-        sources = [read_source(s, aggregate=args.aggregate) for s in args.sources]
-        rows = complement_rows(sources, n=args.n, batch_size=args.batch_size)
-    except ValueError as e:
-        raise SystemExit(f"{prog}: {e}")
-    print(format_complement_table(sources, rows, n=args.n, batch_size=args.batch_size))
-    if args.json:
-        from exchange import write_json
-        write_json(Path(args.json), complement_json(sources, rows, n=args.n, batch_size=args.batch_size))
-    print(f"[complement] {time.time() - t0:.1f}s")
-    return 0
+from core import first_stop, masked_group_advantages, verifier_text  # ragged groups (choice 1), stops
+from exchange import atomic_write, file_sha256, load_rollouts
+from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
+from runtime import compute_context, encode_prompt, load_policy, prepare_module
+from sampler import response_logprobs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -434,18 +95,18 @@ ID_FIELDS = ("problem_id", "id")
 PROBLEM_FIELDS = ("problem", "question")
 RESPONSE_FIELDS = ("response", "completion")
 LBAR_FIELDS = ("lbar", "mean_logprob")
-LBAR_MIN = -88.0  # choice 7: exp(-LBAR_MIN) is finite in float32 (whose largest value is e^88.72)
+LBAR_MIN = -88.0  # choice 4: exp(-LBAR_MIN) is finite in float32 (whose largest value is e^88.72)
 MAX_TOKEN_CHARS = 128  # the longest token of the Qwen3, SmolLM3 and Llama-3.2 vocabularies: 128 spaces
 
 
 def response_char_bound(max_response_tokens: int, *, max_token_chars: int = MAX_TOKEN_CHARS) -> int:
     """Characters above which a response cannot fit in max_response_tokens tokens of a tokenizer whose
-    longest token has max_token_chars characters (choice 7: a bound checked before tokenising)."""
+    longest token has max_token_chars characters (choice 4: a bound checked before tokenising)."""
     return max_response_tokens * max_token_chars
 
 
 def normalise_problem(text: str) -> str:
-    """Problem text as matched (choice 5): NFKC, whitespace runs -> one space, ends stripped, case kept."""
+    """Problem text as matched (choice 2): NFKC, whitespace runs -> one space, ends stripped, case kept."""
     return " ".join(unicodedata.normalize("NFKC", text).split())
 
 
@@ -469,7 +130,6 @@ def _first_field(obj: dict, names: tuple[str, ...]):
 
 def _jsonl_objects(path: Path):
     """data/prepare.py's jsonl_objects: (line number, object) for each non-blank line."""
-    from runtime import prepare_module
     return prepare_module().jsonl_objects(path)
 
 
@@ -530,7 +190,7 @@ class MatchCounts:
 
 
 def match_records(records: list[ForeignRecord], prompts: list[dict]) -> tuple[list[str | None], MatchCounts]:
-    """The prompt id of each record (None when unmatched), by the rule of choice 5, and the counts.
+    """The prompt id of each record (None when unmatched), by the rule of choice 2, and the counts.
 
     prompts: the run's prompt rows (dicts with "id" and "problem").
     """
@@ -562,34 +222,6 @@ def match_records(records: list[ForeignRecord], prompts: list[dict]) -> tuple[li
                 c.unmatched_lines.append(rec.line)
         out.append(hit)
     return out, c
-
-
-# ------------------------------------------------------------------------------------------------
-# Foreign trajectories: advantages within groups of any size
-# ------------------------------------------------------------------------------------------------
-
-
-def masked_group_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6,
-                            std_normalize: bool = True) -> torch.Tensor:
-    """GRPO advantages a_i = (r_i - mean(r)) / (std(r) + eps) within each group of any size (choice 4).
-
-    rewards: (P, M) float; mask: (P, M) bool, True on the first size_p slots of row p (left-aligned).
-    Returns (P, M) float, 0 on masked-out slots. The same formula as graft.group_advantages (unbiased
-    std; a group of equal rewards, or of one, gets exactly 0), applied to each row's first size_p
-    entries: on full rows it equals group_advantages.
-    """
-    assert rewards.shape == mask.shape and rewards.dim() == 2, "rewards and mask must be (P, M) and equal"
-    m = mask.float()  # (P, M)
-    size = m.sum(dim=1, keepdim=True)  # (P, 1)
-    mean = (rewards.float() * m).sum(dim=1, keepdim=True) / size.clamp(min=1)  # (P, 1)
-    centered = (rewards.float() - mean) * m  # (P, M)
-    if std_normalize:
-        std = ((centered ** 2).sum(dim=1, keepdim=True) / (size - 1).clamp(min=1)).sqrt()  # (P, 1) unbiased
-        adv = centered / (std + eps)  # (P, M)
-    else:
-        adv = centered
-    constant = ((rewards == rewards[:, :1]) | ~mask).all(dim=1, keepdim=True)  # (P, 1): zero variance
-    return torch.where(constant | ~mask, torch.zeros_like(adv), adv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -731,7 +363,7 @@ class ForeignLog:
                  f"[foreign] dropped {c.get('too_long', 0)} longer than {c.get('max_response_chars')} characters"
                  f"{first('too_long_lines')} and {c.get('duplicates', 0)} repeats of an earlier record (same prompt "
                  f"and response){first('duplicate_lines')}"
-                 + (f"; cut {c['stop_cut']} at a stop string (choice 8)" if c.get("stop_cut") else ""),
+                 + (f"; cut {c['stop_cut']} at a stop string (choice 5)" if c.get("stop_cut") else ""),
                  f"[foreign] {len(self.prompt_ids)} prompt groups (sizes {int(sizes.min())}-{self.width}, "
                  f"mean {float(sizes.float().mean()):.1f}); dropped "
                  f"{c['singletons']} single-record prompts; {mixed} groups mixed",
@@ -742,33 +374,32 @@ class ForeignLog:
 
 
 def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normalize: bool = True,
-                     verify_workers: int = 0, rel_tol: float | None = None,
+                     reward: str = DEFAULT_REWARD, verify_workers: int = 0, rel_tol: float | None = None,
                      max_response_chars: int | None = None, stop: tuple[str, ...] | list[str] = ()) -> ForeignLog:
     """Read, match, group, re-verify and score a foreign JSONL file against the run's prompts.
 
     prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prepare.py load_prompts
     returns). Responses over max_response_chars characters (None = no bound), repeats of an earlier
     record (same prompt, same response text), unmatched records and single-record prompts are counted
-    (ForeignLog.report) and left out, in that order (choice 7), before anything is verified or scored.
-    Rewards of the kept records are verify.verify_batch(response, gold) (strict: a boxed answer);
-    verify_workers and rel_tol are passed to it. Responses are first cut at a stop string of `stop`
-    (choice 8). Raises ValueError (FILE:LINE) on a bad record, and when nothing usable is left.
+    (ForeignLog.report) and left out, in that order (choice 4), before anything is verified or scored.
+    Rewards of the kept records are the reward's (reward.rewards: --reward, verify.py's by default, which
+    reads a boxed answer); verify_workers and rel_tol are passed to it. Responses are first cut at a stop
+    string of `stop` (choice 5). Raises ValueError (FILE:LINE) on a bad record, and when nothing usable is
+    left.
     """
-    from core import first_stop, verifier_text
-    from verify import verify_batch
     path = Path(path)
     records = read_foreign_records(path)
     if not records:
         raise ValueError(f"{path}: no records")
     stop_cut = 0
-    for i, rec in enumerate(records):  # choice 8: as core.decode_response cuts the trainer's own rollouts
+    for i, rec in enumerate(records):  # choice 5: as core.decode_response cuts the trainer's own rollouts
         hit = first_stop(rec.response, tuple(stop)) if stop else None
         if hit is not None:
             records[i] = dataclasses.replace(rec, response=rec.response[: hit[0] + len(hit[1])], eos=False,
                                              lbar=float("nan"), num_tokens=-1)
             stop_cut += 1
     n_read, long_lines = len(records), []
-    if max_response_chars is not None:  # before matching: nothing is computed for them (choice 7)
+    if max_response_chars is not None:  # before matching: nothing is computed for them (choice 4)
         long_lines = [r.line for r in records if len(r.response) > max_response_chars]
         records = [r for r in records if len(r.response) <= max_response_chars]
     hits, mc = match_records(records, prompts)
@@ -800,12 +431,12 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]
     texts = [verifier_text(log.texts[p][i], tuple(stop)) for p, i in flat]  # cut before a stop string
     golds = [gold[log.prompt_ids[p]] for p, _ in flat]
-    scores = verify_batch(texts, golds, workers=verify_workers, **({} if rel_tol is None else {"rel_tol": rel_tol}))
-    rewards = torch.zeros(log.mask.shape)  # (P, M)
+    scores = rewards(reward, texts, golds, workers=verify_workers, **({} if rel_tol is None else {"rel_tol": rel_tol}))
+    table = torch.zeros(log.mask.shape)  # (P, M)
     if flat:
         rows, cols = zip(*flat)
-        rewards[list(rows), list(cols)] = torch.tensor(scores, dtype=torch.float32)
-    log.set_rewards(rewards)
+        table[list(rows), list(cols)] = torch.tensor(scores, dtype=torch.float32)
+    log.set_rewards(table)
     given = log.mask & ~log.source_reward.isnan()  # (P, M)
     log.counts["reward_disagreements"] = int(((log.source_reward > 0.5) != (log.rewards > 0.5))[given].sum())
     return log
@@ -817,14 +448,6 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
 
 LBAR_CACHE_FORMAT = "graft-foreign-lbar"
 LBAR_CACHE_VERSION = 1
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def lbar_cache_path(path: str | os.PathLike, *, file_hash: str, model_path: str, cache_key: str = "",
@@ -839,7 +462,7 @@ def fill_lbar(log: ForeignLog, model, tokenizer, *, model_path: str, encode_prom
               problems: dict[str, str], eos_token_id: int | None = None, cache_key: str = "",
               temperature: float = 1.0, batch_size: int = 16, chunk_size: int = 1024,
               progress: Callable[[int, int], None] | None = None) -> dict:
-    """Compute the missing source lbar of every used record with a given model, through the cache (choice 6).
+    """Compute the missing source lbar of every used record with a given model, through the cache (choice 3).
 
     model, tokenizer: the peer model (a transformers causal LM, on the device it should run on) and its
     tokenizer. model_path: what --peer-model named (part of the cache key). encode_prompt(problem text)
@@ -849,8 +472,6 @@ def fill_lbar(log: ForeignLog, model, tokenizer, *, model_path: str, encode_prom
     Fills log.mean_logprob and log.num_tokens in place where they were NaN / -1; records that carry an
     lbar keep it. Returns {"computed": int, "cached": int, "cache": str path}.
     """
-    from exchange import atomic_write
-    from sampler import response_logprobs
     file_hash = file_sha256(log.path)
     cache = lbar_cache_path(log.path, file_hash=file_hash, model_path=model_path, cache_key=cache_key,
                             temperature=temperature)
@@ -918,7 +539,6 @@ def open_peer_log(cfg, data: list[dict], dist, *, start_step: int) -> tuple[str 
         return None, load_foreign(cfg, data, dist)
     if not log.is_dir():
         raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files or JSONL file")
-    from exchange import load_rollouts
     missing = [t for t in range(start_step, cfg.steps) if not (log / f"step_{t:06d}.safetensors").is_file()]
     if missing:
         have = len(list(log.glob("step_*.safetensors")))
@@ -935,9 +555,8 @@ def open_peer_log(cfg, data: list[dict], dist, *, start_step: int) -> tuple[str 
 def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:
     """A JSONL --peer-log: matched to --prompts by id or problem text, de-duplicated, length-checked,
     grouped per prompt, re-verified; lbar computed once by --peer-model where the records lack it."""
-    from runtime import compute_context, encode_prompt, load_policy
     try:
-        log = load_foreign_log(cfg.peer_log, data, std_normalize=cfg.std_normalize,
+        log = load_foreign_log(cfg.peer_log, data, std_normalize=cfg.std_normalize, reward=cfg.reward,
                                verify_workers=cfg.verify_workers,
                                max_response_chars=response_char_bound(cfg.max_response_tokens), stop=cfg.stop)
     except ValueError as e:  # names the file and line
@@ -976,7 +595,7 @@ def write_planted_log(path: str | os.PathLike, prompts: list[dict], *, records: 
     """A synthetic foreign file for the benchmark: `records` lines, `group` per prompt, half matched by id
     and half by (re-spaced) problem text, one response in three with a wrong boxed answer, every tenth
     prompt absent from the run (unmatched). Responses are the prompt's "solution" field when it has one,
-    numbered so that no two are the same text (a repeat would be removed, choice 7)."""
+    numbered so that no two are the same text (a repeat would be removed, choice 4)."""
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(prompts), generator=g).tolist()
     lines = []
@@ -1022,21 +641,19 @@ def bench_foreign(prompts: list[dict], *, records: int = 10_000, group: int = 5,
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
+    """`python foreign.py bench --prompts FILE [--records N]`: bench_foreign's figures."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["complement"]:
-        return main_complement(argv[1:], prog="offline.py complement")
-    if argv[:1] == ["bench-foreign"]:
-        p = argparse.ArgumentParser(prog="offline.py bench-foreign", description=bench_foreign.__doc__)
-        p.add_argument("--prompts", required=True, help="a prompt JSONL (id, problem, answer[, solution])")
-        p.add_argument("--records", type=int, default=10_000)
-        p.add_argument("--verify-workers", type=int, default=0)
-        a = p.parse_args(argv[1:])
-        with open(a.prompts, encoding="utf-8") as f:
-            prompts = [json.loads(line) for line in f if line.strip()]
-        bench_foreign(prompts, records=a.records, verify_workers=a.verify_workers)
-        return 0
-    raise SystemExit("usage: python offline.py complement SRC1 SRC2 [...] | bench-foreign --prompts FILE")
+    if argv[:1] != ["bench"]:
+        raise SystemExit("usage: python foreign.py bench --prompts FILE [--records N] [--verify-workers W]")
+    p = argparse.ArgumentParser(prog="foreign.py bench", description=bench_foreign.__doc__)
+    p.add_argument("--prompts", required=True, help="a prompt JSONL (id, problem, answer[, solution])")
+    p.add_argument("--records", type=int, default=10_000)
+    p.add_argument("--verify-workers", type=int, default=0)
+    a = p.parse_args(argv[1:])
+    with open(a.prompts, encoding="utf-8") as f:
+        prompts = [json.loads(line) for line in f if line.strip()]
+    bench_foreign(prompts, records=a.records, verify_workers=a.verify_workers)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,270 @@
+"""Benchmark of verify.py (README, Benchmarks): accuracy, false positives, hedges and speed on the labelled case
+files, with math-verify 0.9.0 beside it on the same cases in the same run when it is installed.
+
+    python bench_verify.py                                  # the five case files below
+    python bench_verify.py --cases data/verify_rl.jsonl --show-errors
+    python bench_verify.py --hedges                         # also count math-verify's hedges (slow: ~3 min)
+    python bench_verify.py golds [FILES ...]                # every benchmark gold against itself
+
+math-verify is optional (``pip install math-verify==0.9.0``, best in a venv made with
+``--system-site-packages`` so that the system sympy stays as it is); without it only verify.py's rows print.
+
+The case files (``data/``). A case is ``{"pred"|"response", "gold", "label", "category", ["rel_tol"]}``: an
+answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=False)``.
+
+- ``verify_cases.jsonl``: development cases, written alongside verify.py.
+- ``verify_test.jsonl``: 461 cases written and frozen before verify.py's departures 16-20 existed.
+- ``verify_outside.jsonl``: 329 cases by answer form, half of them near misses, labelled from other graders'
+  documented behaviour, frozen before departures 21-26 existed.
+- ``verify_hacking.jsonl``: whole responses a policy under RL could find that must score 0, by kind, each kind
+  with controls that must score 1; written before the strictness rule.
+- ``verify_rl.jsonl``: the forms an RL policy writes and their near misses (hedged boxes, words after a
+  number or around a box, units of another size, boxes that are operands, hidden or disowned, left sides,
+  numbers, answer cues and digits of other scripts), 239 that must score 0 and 115 controls; committed in two
+  parts, each before verify.py changed for it.
+
+Every figure of one file comes from one run: for each verifier, accuracy, false positives and negatives,
+exceptions, cases/s on one thread, p50/p99/max call time; for whole responses, how many that must score 0 are
+accepted and how many controls pass. "hedges" counts the responses paid for two golds that are not equivalent
+(verify.py's module docstring, "one answer, one reward"): each response is judged against every candidate gold
+it could be aimed at (every box, every join of its last boxes, every math span, every number in it, and the
+case's gold); a pair of paid golds that is_equivalent holds different in both directions is a hedge, except
+percent (``7\\%`` paid for 7 and 0.07), the one dual reading kept (departure 4). math-verify's hedges are judged
+with verify.py's is_equivalent between the golds, so both columns use one notion of "different".
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+import time
+
+import verify as V
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FILES = ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl",
+         "verify_rl.jsonl")
+
+# ------------------------------------------------------------------------------------------------
+# Cases and judges
+
+
+def load_cases(path: str) -> list[dict]:
+    """The cases of one file; a malformed case raises ValueError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        cases = [json.loads(line) for line in f if line.strip()]
+    for k, c in enumerate(cases):
+        if ("pred" in c) == ("response" in c) or "gold" not in c or not isinstance(c.get("label"), bool):
+            raise ValueError(f"{path}:{k + 1}: a case needs 'pred' or 'response', 'gold' and a bool 'label'")
+    return cases
+
+
+def judge_ours(c: dict, gold: str | None = None) -> bool:
+    """A case is an answer pair ('pred') judged by is_equivalent, or a whole model response ('response')
+    judged by verify(strict=False); gold replaces the case's gold when given."""
+    tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
+    gold = c["gold"] if gold is None else gold
+    if "response" in c:
+        return V.verify(c["response"], gold, strict=False, rel_tol=tol) == 1.0
+    return V.is_equivalent(c["pred"], gold, rel_tol=tol)
+
+
+def judge_math_verify(mv):
+    """math-verify on the same cases: a bare answer is boxed for its parser (what it extracts best), a
+    string that already has a box or math delimiters and a whole response are passed as they are."""
+    def wrap(s: str) -> str:
+        return s if any(t in s for t in ("\\boxed", "$", "\\(", "\\[")) else "\\boxed{" + s + "}"
+
+    def judge(c: dict, gold: str | None = None) -> bool:
+        g = mv.parse(wrap(c["gold"] if gold is None else gold))
+        pred = mv.parse(c["response"]) if "response" in c else mv.parse(wrap(c["pred"]))
+        return mv.verify(g, pred)
+    return judge
+
+
+# ------------------------------------------------------------------------------------------------
+# One answer, one reward: the candidate golds a response could be aimed at, and the hedges
+
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def candidate_golds(text: str) -> list[str]:
+    """Every box, every join of the last k boxes, every math span and every number of text (at most 16)."""
+    boxes = [c for _, _, c in (V._outer_boxes(text) or [])]
+    out = boxes + [", ".join(boxes[-k:]) for k in range(2, len(boxes) + 1)]
+    out += [c for _, _, c in V._math_spans(text)] + _NUMBER_RE.findall(text)
+    return [c for c in dict.fromkeys(x.strip() for x in out) if c and len(c) < 300][:16]
+
+
+def percent_pair(text: str, a: str, b: str, equal=V.is_equivalent) -> bool:
+    """The one named exception: the answer has a percent sign and one gold is 100 times the other."""
+    return ("%" in text or "percent" in text) and (equal(f"100 \\cdot ({b})", a) or equal(f"100 \\cdot ({a})", b))
+
+
+def hedge_of(c: dict, judge, equal=V.is_equivalent) -> tuple[str, str] | None:
+    """Two golds the case's response is paid for that equal(a, b, rel_tol=) holds different both ways
+    (percent excepted), or None. judge(case, gold) is the verifier under test."""
+    text = c.get("response", c.get("pred"))
+    tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
+    paid = []
+    for g in dict.fromkeys(candidate_golds(text) + [c["gold"]]):
+        try:
+            ok = bool(judge(c, g))
+        except Exception:
+            ok = False
+        if ok:
+            paid.append(g)
+    for k, a in enumerate(paid):
+        for b in paid[k + 1:]:
+            if not (equal(a, b, rel_tol=tol) or equal(b, a, rel_tol=tol) or percent_pair(text, a, b, equal)):
+                return a, b
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs
+
+
+def run_cases(cases: list[dict], judge) -> dict:
+    """Verdicts, accuracy, false positives / negatives, exceptions, cases/s and call-time quantiles."""
+    lat, fp, fn, correct, exc, verdicts = [], 0, 0, 0, 0, []
+    t0 = time.perf_counter()
+    for c in cases:
+        s = time.perf_counter()
+        try:
+            v = bool(judge(c))
+        except Exception:
+            v = False
+            exc += 1
+        lat.append(time.perf_counter() - s)
+        verdicts.append(v)
+        if v == c["label"]:
+            correct += 1
+        elif v:
+            fp += 1
+        else:
+            fn += 1
+    total = time.perf_counter() - t0
+    lat.sort()
+
+    def q(p: float) -> float:
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000
+    return {"acc": correct / len(cases), "fp": fp, "fn": fn, "exc": exc, "rate": len(cases) / total,
+            "p50": q(0.50), "p99": q(0.99), "max": lat[-1] * 1000, "verdicts": verdicts}
+
+
+def bench(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench_verify.py")
+    ap.add_argument("--cases", action="append", default=None,
+                    help="labelled case file (repeatable); default: the five files of data/ named in this "
+                         "file's docstring")
+    ap.add_argument("--no-math-verify", action="store_true", help="verify.py's rows only")
+    ap.add_argument("--hedges", action="store_true", help="also count math-verify's hedges (slow)")
+    ap.add_argument("--show-errors", action="store_true", help="print the cases verify.py gets wrong")
+    args = ap.parse_args(argv)
+    files = args.cases or [os.path.join(HERE, "data", name) for name in FILES]
+    mv = None
+    if not args.no_math_verify:
+        try:
+            import math_verify  # noqa: F401  (optional, only for this comparison)
+            mv = math_verify
+        except ImportError:
+            print("(math-verify not installed: `pip install math-verify==0.9.0` to compare)")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average at start: {load:.1f} on {os.cpu_count()} cores; every rate is one thread")
+    V.is_equivalent("1", "1")     # warm-up outside the timing
+    for path in files:
+        cases = load_cases(path)
+        V.reset_stats()
+        rows = [("verify.py", run_cases(cases, judge_ours), judge_ours)]
+        counters = V.stats()
+        if mv is not None:
+            judge = judge_math_verify(mv)
+            judge(cases[0])
+            rows.append(("math-verify", run_cases(cases, judge), judge))
+        n = len(cases)
+        n_pos = sum(1 for c in cases if c["label"])
+        resp = [k for k, c in enumerate(cases) if "response" in c]
+        print(f"\n{os.path.relpath(path)}: {n} cases ({n_pos} equivalent, {n - n_pos} not; "
+              f"{len(resp)} whole responses)")
+        print(f"{'verifier':<12} {'accuracy':>9} {'FP':>5} {'FP%':>6} {'FN':>5} {'exc':>4} {'cases/s':>9} "
+              f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'hedges':>7}")
+        for name, r, judge in rows:
+            hedges = "-"
+            if name == "verify.py" or args.hedges:
+                hedges = str(sum(hedge_of(c, judge) is not None for c in cases))
+            print(f"{name:<12} {r['acc']:>9.2%} {r['fp']:>5} {r['fp'] / n:>6.2%} {r['fn']:>5} {r['exc']:>4} "
+                  f"{r['rate']:>9.1f} {r['p50']:>8.2f} {r['p99']:>8.2f} {r['max']:>8.1f} {hedges:>7}")
+        for name, r, _ in rows:
+            if resp:
+                bad = [k for k in resp if not cases[k]["label"]]
+                good = [k for k in resp if cases[k]["label"]]
+                print(f"{name}: whole responses that must score 0 accepted {sum(r['verdicts'][k] for k in bad)} "
+                      f"of {len(bad)}; controls passed {sum(r['verdicts'][k] for k in good)} of {len(good)}")
+        if mv is not None:
+            a, b = rows[0][1]["verdicts"], rows[1][1]["verdicts"]
+            agree = sum(x == y for x, y in zip(a, b)) / n
+            print(f"agreement verify.py vs math-verify: {agree:.2%}; "
+                  f"throughput ratio {rows[0][1]['rate'] / rows[1][1]['rate']:.1f}x")
+        by_cat: dict = {}
+        for c, v in zip(cases, rows[0][1]["verdicts"]):
+            t = by_cat.setdefault(c.get("category", "?"), [0, 0])
+            t[0] += 1
+            t[1] += v == c["label"]
+        print("per category (verify.py):", ", ".join(
+            f"{k} {ok}/{tot}" for k, (tot, ok) in sorted(by_cat.items())))
+        print("counters (verify.py):", counters)
+        if args.show_errors:
+            for c, v in zip(cases, rows[0][1]["verdicts"]):
+                if v != c["label"]:
+                    print(f"  {'FP' if v else 'FN'} [{c.get('category')}] {c.get('pred', c.get('response'))!r}"
+                          f" vs {c['gold']!r}")
+    return 0
+
+
+def golds(argv: list[str]) -> int:
+    """Every gold of the benchmark files (default ../shared/benchmarks/*.jsonl) parses, equals itself and
+    equals itself boxed in a response; exit status 1 when one does not."""
+    files = argv or sorted(glob.glob(os.path.join(HERE, "..", "shared", "benchmarks", "*.jsonl")))
+    if not files:
+        print("no benchmark files: pass them, or put them in ../shared/benchmarks/")
+        return 2
+    bad_total = 0
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        n_parse = n_self = n_box = n_empty = 0
+        bad = []
+        for r in rows:
+            g = r.get("answer", "")
+            if not g:
+                n_empty += 1
+                continue
+            try:
+                V._parse(V._clean(g), V._Budget(), as_gold=True)
+                n_parse += 1
+            except Exception:
+                pass
+            ok1 = V.is_equivalent(g, g)
+            ok2 = V.verify("so \\boxed{" + g + "}", g) == 1.0
+            n_self += ok1
+            n_box += ok2
+            if not (ok1 and ok2):
+                bad.append(g)
+        bad_total += len(bad)
+        print(f"{os.path.basename(path)}: {len(rows)} golds ({n_empty} empty), parse {n_parse}, "
+              f"self-equal {n_self}, boxed-equal {n_box}" + (f"; failing: {bad[:10]}" if bad else ""))
+    return 1 if bad_total else 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "golds":
+        return golds(argv[1:])
+    return bench(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
