@@ -334,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how complementary candidate models are, before a pair run (graft.py complement -h)")
     sub.add_parser("preflight", add_help=False,
                    help="sample two models and report what a pair of them would exchange (graft.py preflight -h)")
+    sub.add_parser("panel", add_help=False,
+                   help="the mechanism panel: GRPO vs GRAFT on the prompts each model fails (graft.py panel -h)")
     sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"

@@ -1157,6 +1157,9 @@ def main(argv=None):
     if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
         import preflight  # it imports what it runs from where it lives (core.py, reward.py, ...), never graft.py
         return preflight.main(argv[1:])
+    if argv[:1] == ["panel"]:  # its own flags (panel.py: two models, a pool, --half, --steps) + the training flags
+        import panel  # it runs graft.py's processes and reads their files, never imports graft.py
+        return panel.main(argv[1:])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         import plot  # matplotlib only there
         return plot.main(argv[1:])

