@@ -1,0 +1,12 @@
+"""Test order for CI's two workers (`pytest -n 2 --dist loadfile`, .ci/run): the files that run whole pairs and
+presets in subprocesses go first, so that no long file starts last and leaves one worker idle at the end.
+The order within a file is unchanged (module fixtures are built once per file either way)."""
+
+SLOW_FIRST = ("test_panel.py", "test_tiny.py", "test_nodes.py", "test_resume.py", "test_graft.py",
+              "test_sampler.py", "test_gpu_path.py", "test_runs.py", "test_peers.py", "test_metrics.py")
+"""Files by falling wall time on the 2-core CI machine; every other file keeps its place after them."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # sort is stable: file order kept
