@@ -41,6 +41,7 @@ METRICS: dict[str, str] = {
     "accepted": "Received responses with w > 0 (they enter the update).",
     "rejected": "Received responses with w = 0 (s <= delta: removed).",
     "mean_s": "Mean s over every scored received response (accepted and rejected); NaN when none.",
+    "s_each": "Every scored received response's s (4 decimals), peer by peer and group by group; [] when none.",
     "mean_w": "Mean w over the accepted responses; NaN when none.",
     "capability_ratio": "HACPO: the capability ratio c of this step.",
     "grad_norm": "Gradient norm before clipping, mean over the step's optimizer steps.",

@@ -24,7 +24,7 @@ puts exactly those prompts in front of both methods and reads what they did from
      groups each model received per step (the balanced swap recomputed from the rollout files with the
      trainer's multi_peer_sources, and checked against the fingerprint each process logged), its
      candidates (Eq. 4) and the peer responses the gate accepted (metrics.jsonl), the quantiles of the
-     per-step mean s of the scored responses and the clip fractions of peer against own tokens; then the
+     scored responses' s and the clip fractions of peer against own tokens; then the
      held-out table. When a direction's candidates are (nearly) empty the report says so: the balanced
      swap moves m = min(candidates each way) groups per step, so one empty direction stops both, and
      --no-balance (the paper's ablation) lets the other one through.
@@ -38,9 +38,10 @@ Our choices (numbered so that reviews can cite them):
      sample, so GRPO is not strictly signal-free there: the GRPO column measures that chance.
   3. The peer window excludes a peer that solves all n (no candidate: zero advantages) and, by default,
      also 1 and n-1 (tiny.py's choice 7: the group then says mostly "not this one" or mostly "this one").
-  4. s: the trainer logs the mean s of each step's scored responses (metric mean_s), not each response's
-     s; the panel prints the quantiles over steps of that mean, which is what the files hold. The s of
-     every response at the start is `graft.py preflight`'s (run it on the set: run_pair.sh real does).
+  4. s: the quantiles are over every scored response of the window's steps and seeds (metric s_each, the
+     s of each response the receiver scored, accepted or not). Runs written before s_each was logged hold
+     only each step's mean s (mean_s): their quantiles are over those means, and the report says so. The s
+     of every response at the start is `graft.py preflight`'s (run it on the set: run_pair.sh real does).
   5. A short half (the pool ran out) stops the panel with what to do, unless --no-balance is given: without
      the balanced swap each direction is trained on its own, and a one-sided set still measures it.
 
@@ -600,6 +601,19 @@ def pick_rates(pc: PanelConfig, meta: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def step_scores(lines: list[dict]) -> list[float]:
+    """The s of every scored response in these metrics lines (s_each); a line without s_each (written before
+    the trainer logged it) gives its step's mean s instead (choice 4)."""
+    return [v for x in lines for v in (x["s_each"] if "s_each" in x else [x.get("mean_s", float("nan"))])]
+
+
+def every_metrics(pc: PanelConfig, arms: list[Arm]) -> list[dict]:
+    """Every metrics line of these arms' runs, both models and every seed (the files that exist)."""
+    paths = [os.path.join(run_folder(pc, s, a, m), "metrics.jsonl") for s in range(pc.seeds) for a in arms
+             for m in MODELS]
+    return [x for p in paths if os.path.exists(p) for x in read_metrics(p)]
+
+
 def steps_done(pc: PanelConfig) -> int:
     """Steps that every run of the panel has finished (lines of its metrics.jsonl, written at a step's end):
     a running panel is reported over these."""
@@ -667,9 +681,11 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                     line += f"{cell(per[a.label]):>12}{cell(diff, signed=True):>16}"
                 out.append(line)
     out.append("exchange per step (mean over the window's steps and seeds): groups received (the swap recomputed "
-               "from the rollout files), candidates in (Eq. 4), peer responses accepted by the gate, s (the "
-               "step's mean over its scored responses: p10/p50/p90 over the window's steps), clip fractions of "
-               "peer tokens (over the steps that accepted some) and own tokens (metrics.jsonl)")
+               "from the rollout files), candidates in (Eq. 4), peer responses accepted by the gate, s of the "
+               "scored responses (p10/p50/p90 over the window's responses" + ("" if all(
+                   "s_each" in x for x in every_metrics(pc, pairs)) else "; runs without s_each: over each "
+               "step's mean s") + "), clip fractions of peer tokens (over the steps that accepted some) and own "
+               "tokens (metrics.jsonl)")
     sides = sorted(m.lower() for m in MODELS)
     for arm in pairs:
         received = {}
@@ -688,7 +704,7 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                 rec = [sum(received[(s, m)][w[0]:w[1]]) / (w[1] - w[0]) for s in range(pc.seeds)]
                 part = [x for x in rm if w[0] <= x["step"] < w[1]]
                 cand, acc = mean_key(part, "candidates_in"), mean_key(part, "accepted")
-                s_q = quantiles([x.get("mean_s", float("nan")) for x in part])
+                s_q = quantiles(step_scores(part))
                 # the peer clip fraction over the steps that trained on peer tokens: a step without any has
                 # no such fraction (absent or NaN), and averaging it in would hide the others
                 clip_peer = mean_key([x for x in part if x.get("accepted", 0) > 0], "pg/clipfrac_peer")

@@ -64,6 +64,14 @@ def test_quantiles_match_torch_and_skip_nan():
     assert all(v != v for v in panel.quantiles([float("nan")]))
 
 
+def test_step_scores_are_each_response_and_fall_back_to_a_step_mean():
+    lines = [{"step": 0, "s_each": [0.5, 0.9], "mean_s": 0.7}, {"step": 1, "s_each": [], "mean_s": float("nan")},
+             {"step": 2, "mean_s": 0.3}, {"step": 3}]  # steps 2-3: a run written before s_each was logged
+    got = panel.step_scores(lines)
+    assert got[:3] == [0.5, 0.9, 0.3] and len(got) == 4 and got[3] != got[3]
+    assert panel.quantiles(got) == pytest.approx([0.34, 0.5, 0.82])  # the NaN of a step without s is skipped
+
+
 def test_cells_and_means_by_hand():
     assert panel.cell([0.25]) == "25.0" and panel.cell([0.2, 0.4]) == "30.0+-14.1"
     assert panel.cell([0.05], signed=True) == "+5.0" and panel.cell([float("nan")]) == "-"
@@ -287,9 +295,15 @@ def test_tiny_panel_every_printed_figure_comes_from_the_files(tiny_panel):
                    if x["step"] == step)
         assert row["selected"] == kept and row["candidates_in"] == len(cands[m])
         assert float(acc) == pytest.approx(row["accepted"], abs=0.051)
-        s = row.get("mean_s", float("nan"))
-        for q in (s10, s50, s90):  # one step per window: every quantile is that step's mean s
-            assert q == "-" if s != s else float(q) == pytest.approx(s, abs=0.0051)
+        # one step per window: the quantiles are over that step's scored responses, each one's s
+        assert len(row["s_each"]) == row["accepted"] + row["rejected"]
+        if row["s_each"]:
+            assert sum(row["s_each"]) / len(row["s_each"]) == pytest.approx(row["mean_s"], abs=1e-4)
+            want = torch.quantile(torch.tensor(row["s_each"], dtype=torch.float64), torch.tensor([0.1, 0.5, 0.9],
+                                                                                           dtype=torch.float64))
+            assert [float(q) for q in (s10, s50, s90)] == pytest.approx(want.tolist(), abs=0.0051)
+        else:
+            assert (s10, s50, s90) == ("-", "-", "-")
         for cell_, key in ((clip_peer, "pg/clipfrac_peer"), (clip_own, "pg/clipfrac_own")):
             v = row.get(key) if key == "pg/clipfrac_own" or row["accepted"] > 0 else None  # no peer tokens: "-"
             assert cell_ == "-" if v is None or v != v else float(cell_) == pytest.approx(v, abs=5.1e-5)

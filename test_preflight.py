@@ -242,6 +242,7 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         assert m["rejected"] == part["retokenised"] - part["accepted"]
         assert torch.nonzero(replaced).view(-1).tolist() == sorted({r.group for r in out if r.is_peer})
         assert len({r.group for r in out if r.is_peer}) == part["groups_to_update_per_step"] * G / P
+        assert len(m["s_each"]) == part["retokenised"]
         if part["retokenised"]:
             assert m["mean_s"] == pytest.approx(part["s_mean"], rel=1e-5)
         if part["accepted"]:
@@ -252,6 +253,7 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         assert dropped == part["dropped_length"]
         for x in got:
             assert x.score == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
+        assert m["s_each"] == pytest.approx([recs[x.index]["s"] for x in got], abs=6e-5)  # the logged list, in order
 
 
 def test_screen_table_and_json_file(tmp_path, capsys, monkeypatch):
