@@ -16,12 +16,12 @@ Per direction src -> recv (the receiver learns from the source's groups) it repo
     share on which the source's group is mixed (Eq. 4's candidates);
   * candidates on the sample and per step at --prompts-per-step, and what the balanced swap keeps (m);
   * for the responses that would be received (balanced, and with --no-balance): retokenised length over
-    source length, the share dropped as longer than --max-response-tokens (and how many of those had no
-    EOS: the source was cut at its own cap already), the quantiles of s, the share accepted at --delta and
+    source length, the share dropped as longer than --max-response-tokens (and how many of those the
+    source had cut at its own cap already), the quantiles of s, the share accepted at --delta and
     at --deltas, mean w over the accepted, and the groups and responses per step that reach the update;
   * the same figures over every sampled response of the source ("cross-scores"), so a one-sided or weak
-    pair still shows how the gate treats its text, with s apart for responses that ended with EOS and
-    responses cut at the cap (a cut response's lbar is an average over an unfinished text);
+    pair still shows how the gate treats its text, with s apart for responses that ended (EOS or a --stop
+    string) and responses cut at the cap (a cut response's lbar is an average over an unfinished text);
   * per model: tokens/s of sampling, the behaviour log-prob pass, and an estimate of a step's time.
 
 Our choices (numbered so that reviews can cite them):
@@ -94,6 +94,7 @@ class Side:
     stop_ids: list = field(default_factory=list)
     prompt_ids: list = field(default_factory=list)  # (G,) encoded prompts of the sampled problems
     rollouts: StepRollouts | None = None
+    finish: list = field(default_factory=list)  # (G x n,) how each response ended: "eos", "stop" or "length"
     sample_s: float = 0.0
     logprob_s: float = 0.0
     load_s: float = 0.0
@@ -135,6 +136,7 @@ def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
                       max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
                       tokenizer=side.tok, progress=sys.stderr.isatty())
     side.sample_s = time.time() - t0
+    side.finish = [o.finish for o in outs]  # a stopped row has no EOS but is not cut at the cap either
     # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
     texts = [decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
     scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
@@ -165,12 +167,13 @@ def cross_scores(src: Side, recv: Side) -> Received:
 # ------------------------------------------------------------------------------------------------
 
 
-def response_stats(rs: list[int], *, cross, src_len: list[int], src_eos: list[bool], delta: float,
+def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bool], delta: float,
                    deltas: tuple[float, ...], compat_weight: bool, n: int, scale: float) -> dict:
     """Figures over a set of the source's responses (flat indices r = g * n + i) as the receiver would see them.
 
-    cross: score_received over all G x n source responses; src_len, src_eos: (G x n,) source lengths in
-    its own tokens (EOS included) and whether each ended with EOS; scale: P / G (choice 2). Shares are of
+    cross: score_received over all G x n source responses; src_len, src_cut: (G x n,) source lengths in
+    its own tokens (EOS included) and whether each was cut at the source's cap (neither EOS nor a stop
+    string ended it); scale: P / G (choice 2). Shares are of
     len(rs); a figure over nothing is None.
     """
     pos = {r: j for j, r in enumerate(cross.index)}  # response -> its position among the retokenised
@@ -190,19 +193,19 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_eos: list[bo
             return len(kept)
         return int((compatibility_weights(lbar_recv=lr, lbar_src=ls, delta=d) > 0).sum()) if kept else 0
 
-    eos_kept = [x for x, r in zip(s.tolist(), kept) if src_eos[r]]
-    cut_kept = [x for x, r in zip(s.tolist(), kept) if not src_eos[r]]
+    ended_kept = [x for x, r in zip(s.tolist(), kept) if not src_cut[r]]
+    cut_kept = [x for x, r in zip(s.tolist(), kept) if src_cut[r]]
     median = lambda xs: float(torch.tensor(xs).median()) if xs else None  # noqa: E731
     groups = sorted({r // n for r in accepted})
     return {
         "responses": len(rs), "retokenised": len(kept), "dropped_length": len(dropped),
-        "dropped_no_eos": sum(1 for r in dropped if not src_eos[r]), "dropped_share": share(len(dropped)),
+        "dropped_cut": sum(1 for r in dropped if src_cut[r]), "dropped_share": share(len(dropped)),
         "length_ratio_mean": sum(ratio) / len(ratio) if ratio else None,
         "length_ratio_total": (sum(len(cross.ids[pos[r]]) for r in kept) / max(1, sum(src_len[r] for r in kept))
                                if kept else None),
         "s_quantiles": quant, "s_mean": float(s.mean()) if kept else None,
-        "s_median_eos": median(eos_kept), "s_median_no_eos": median(cut_kept),
-        "with_eos": sum(1 for r in rs if src_eos[r]),
+        "s_median_ended": median(ended_kept), "s_median_cut": median(cut_kept),
+        "ended": sum(1 for r in rs if not src_cut[r]),
         "accepted": len(accepted), "accepted_share": share(len(accepted)),
         "accepted_at": {f"{d:g}": share(accepted_at(d)) for d in sorted(set(deltas) | {delta})},
         "mean_w": float(w[w > 0].mean()) if accepted else None,
@@ -224,8 +227,8 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
     assert torch.equal(cand, unbalanced), "--no-balance receives exactly the candidates"
     comp = complement.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
     src_len = [len(t) for t in ro.tokens]
-    src_eos = ro.eos.view(-1).tolist()
-    kw = dict(cross=cross, src_len=src_len, src_eos=src_eos, delta=cfg.delta, deltas=deltas,
+    src_cut = [f == "length" for f in src.finish]
+    kw = dict(cross=cross, src_len=src_len, src_cut=src_cut, delta=cfg.delta, deltas=deltas,
               compat_weight=cfg.compat_weight, n=n, scale=scale)
     flat = lambda mask: [g * n + i for g in torch.nonzero(mask).view(-1).tolist() for i in range(n)]  # noqa: E731
     return {
@@ -254,6 +257,7 @@ def speed(side: Side, *, prompts_per_step: int) -> dict:
     logprob_s = side.logprob_s * per_step / responses
     return {"tokens": tokens, "responses": responses, "mean_len": tokens / responses,
             "eos_share": float(ro.eos.float().mean()), "pass1": float(ro.rewards.mean()),
+            "stop_share": sum(f == "stop" for f in side.finish) / responses,
             "sample_s": side.sample_s, "tokens_per_s": tok_s, "logprob_s": side.logprob_s, "load_s": side.load_s,
             "step_s_estimate": sample_s + logprob_s * (1 + UPDATE_PASSES)}
 
@@ -303,11 +307,11 @@ def format_report(report: dict) -> str:
             (f"{title}: responses", x["responses"], y["responses"], "n"),
             ("  retokenised / source length", _fmt(x["length_ratio_mean"], "f"), _fmt(y["length_ratio_mean"], "f"),
              "s"),
-            ("  dropped too long (of them no EOS)", f"{_fmt(x['dropped_share'], '%')} ({x['dropped_no_eos']})",
-             f"{_fmt(y['dropped_share'], '%')} ({y['dropped_no_eos']})", "s"),
+            ("  dropped too long (of them cut at cap)", f"{_fmt(x['dropped_share'], '%')} ({x['dropped_cut']})",
+             f"{_fmt(y['dropped_share'], '%')} ({y['dropped_cut']})", "s"),
             ("  s p10 / p50 / p90", _quant(x), _quant(y), "s"),
-            ("  s median: ended with EOS / cut at cap", *(f"{_fmt(z['s_median_eos'], 'f')} / "
-                                                          f"{_fmt(z['s_median_no_eos'], 'f')}" for z in (x, y)), "s"),
+            ("  s median: ended (EOS or stop) / cut at cap", *(f"{_fmt(z['s_median_ended'], 'f')} / "
+                                                               f"{_fmt(z['s_median_cut'], 'f')}" for z in (x, y)), "s"),
         ]
         for d in x["accepted_at"]:
             mark = " (--delta)" if float(d) == st["delta"] else ""
@@ -326,7 +330,8 @@ def format_report(report: dict) -> str:
     for name in ("a", "b"):
         sp = report["models"][name]["speed"]
         out.append(f"{name.upper()}: pass@1 {100 * sp['pass1']:.1f}%, mean length {sp['mean_len']:.0f} tokens, "
-                   f"EOS {100 * sp['eos_share']:.0f}%, sampling {sp['tokens_per_s']:.0f} tokens/s "
+                   f"EOS {100 * sp['eos_share']:.0f}%, stop string {100 * sp['stop_share']:.0f}%, sampling "
+                   f"{sp['tokens_per_s']:.0f} tokens/s "
                    f"({sp['sample_s']:.0f} s), log-probs {sp['logprob_s']:.0f} s; step at P={P} ~ "
                    f"{sp['step_s_estimate']:.0f} s")
     out.append(f"estimated pair step: {report['step_s_estimate']:.0f} s (the slower side; preflight.py choice 4)")
@@ -355,12 +360,12 @@ def notes(report: dict) -> list[str]:
         if x["responses"] and x["dropped_share"] and x["dropped_share"] > 0.2:
             out.append(f"{d['source'].upper()} -> {d['receiver'].upper()}: {100 * x['dropped_share']:.0f}% of the "
                        f"source's responses exceed --max-response-tokens {st['max_response_tokens']} in the "
-                       f"receiver's tokens ({x['dropped_no_eos']} of them were cut at the source's cap already): "
+                       f"receiver's tokens ({x['dropped_cut']} of them were cut at the source's cap already): "
                        f"raise the cap")
         at = x["accepted_at"].get(f"{st['delta']:g}")
         if x["retokenised"] and at is not None and at < 0.2:
             out.append(f"{d['source'].upper()} -> {d['receiver'].upper()}: the gate accepts {100 * at:.0f}% of the "
-                       f"source's responses at --delta {st['delta']}; see s by EOS and at the other deltas")
+                       f"source's responses at --delta {st['delta']}; see s by ending and at the other deltas")
     return out
 
 
@@ -495,7 +500,7 @@ def per_response(src: Side, cross) -> list[dict]:
     for r, toks in enumerate(ro.tokens):
         j = pos.get(r)
         out.append({"group": r // n, "text": ro.texts[r], "reward": float(ro.rewards.view(-1)[r]),
-                    "eos": bool(ro.eos.view(-1)[r]),
+                    "eos": bool(ro.eos.view(-1)[r]), "finish": src.finish[r],
                     "src_len": len(toks), "recv_len": None if j is None else len(cross.ids[j]),
                     "lbar_src": float(ro.lbar("token").view(-1)[r]) if j is None else float(cross.lbar_src[j]),
                     "lbar_recv": None if j is None else float(cross.lbar_recv[j]),

@@ -147,8 +147,8 @@ def test_every_figure_recomputed_by_loops(run):
             dropped = [x for x in xs if x["recv_len"] is None]
             acc = [(r, x) for r, x in zip(rs, xs) if x["recv_len"] is not None and x["s"] > args.delta]
             assert (st["responses"], st["retokenised"], st["dropped_length"]) == (len(xs), len(kept), len(dropped))
-            assert st["dropped_no_eos"] == sum(1 for x in dropped if not x["eos"])
-            assert st["with_eos"] == sum(1 for x in xs if x["eos"])
+            assert st["dropped_cut"] == sum(1 for x in dropped if x["finish"] == "length")
+            assert st["ended"] == sum(1 for x in xs if x["finish"] != "length")
             assert st["accepted"] == len(acc)
             assert st["groups_to_update_per_step"] == pytest.approx(len({r // N for r, _ in acc}) * scale)
             assert st["responses_to_update_per_step"] == pytest.approx(len(acc) * scale)
@@ -254,6 +254,32 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         for x in got:
             assert x.score == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
         assert m["s_each"] == pytest.approx([recs[x.index]["s"] for x in got], abs=6e-5)  # the logged list, in order
+
+
+def test_a_stopped_response_counts_as_ended_not_cut(tmp_path, monkeypatch):
+    """With --stop, a row that a stop string ended has no EOS and is not cut at the cap: the report's split of
+    s (ended / cut), its dropped-at-cap count and each model's shares say so, from each response's finish."""
+    monkeypatch.setattr(verify, "verify_batch", planted_batch)
+    prompts = write_prompts(tmp_path / "p.jsonl", 12)
+    argv = args_for(tmp_path, prompts, "--stop", "}")
+    argv[argv.index("--problems") + 1] = "6"
+    report, sides = preflight.preflight(preflight.build_parser().parse_args(argv))
+    for side in sides:
+        recs = report["responses"]["a_to_b" if side.name == "a" else "b_to_a"]
+        finish = [x["finish"] for x in recs]
+        assert "stop" in finish, "the stop string should end some of the tiny models' responses"
+        for x, toks in zip(recs, side.rollouts.tokens):
+            assert (x["finish"] == "eos") == x["eos"]
+            assert x["finish"] != "stop" or (x["text"].endswith("}") and not x["eos"])  # cut through the string
+            assert x["finish"] != "length" or len(toks) == CAP
+        sp = report["models"][side.name]["speed"]
+        assert sp["stop_share"] == pytest.approx(finish.count("stop") / len(finish))
+        st = report["directions"]["a_to_b" if side.name == "a" else "b_to_a"]["all"]
+        assert st["ended"] == sum(f != "length" for f in finish)
+        ended = [x["s"] for x in recs if x["s"] is not None and x["finish"] != "length"]
+        cut = [x["s"] for x in recs if x["s"] is not None and x["finish"] == "length"]
+        for key, xs in (("s_median_ended", ended), ("s_median_cut", cut)):
+            assert st[key] == (pytest.approx(float(torch.tensor(xs).median())) if xs else None)
 
 
 def test_screen_table_and_json_file(tmp_path, capsys, monkeypatch):
