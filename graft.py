@@ -755,7 +755,7 @@ def graft_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepR
         "selected": selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
         "rejected": len(every) - len(kept),
         "mean_s": float(torch.tensor([x.score for x in every]).mean()) if every else float("nan"),
-        "s_each": [round(float(x.score), 4) for x in every],  # the panel's quantiles are over responses
+        "s_each": [float(x.score) for x in every], "s_index": [x.index for x in every],  # panel.py reads both
         "mean_w": float(torch.tensor([x.weight for x in kept]).mean()) if kept else float("nan")}
 
 

@@ -24,7 +24,8 @@ puts exactly those prompts in front of both methods and reads what they did from
      groups each model received per step (the balanced swap recomputed from the rollout files with the
      trainer's multi_peer_sources, and checked against the fingerprint each process logged), its
      candidates (Eq. 4) and the peer responses the gate accepted (metrics.jsonl), the quantiles of the
-     scored responses' s and the clip fractions of peer against own tokens; then the
+     scored responses' s and the clip fractions of peer against own tokens, and what the gate did with the
+     received successes and failures (by the source's verdicts: how many it kept, their s medians); then the
      held-out table. When a direction's candidates are (nearly) empty the report says so: the balanced
      swap moves m = min(candidates each way) groups per step, so one empty direction stops both, and
      --no-balance (the paper's ablation) lets the other one through.
@@ -44,6 +45,10 @@ Our choices (numbered so that reviews can cite them):
      of every response at the start is `graft.py preflight`'s (run it on the set: run_pair.sh real does).
   5. A short half (the pool ran out) stops the panel with what to do, unless --no-balance is given: without
      the balanced swap each direction is trained on its own, and a one-sided set still measures it.
+  6. The gate line asks whether Eq. 8 keeps the signal of a group: the group's advantages sum to zero, and a
+     gate that keeps the failures and drops the successes turns a mixed group into a push away from what
+     the peer got right. It is recomputed from s_each and s_index (s > delta) and checked against the
+     trainer's accepted count.
 
 Launch lines:
     python graft.py panel --model-a A --model-b B --prompts pool.jsonl --held-out held.jsonl \\
@@ -607,6 +612,69 @@ def step_scores(lines: list[dict]) -> list[float]:
     return [v for x in lines for v in (x["s_each"] if "s_each" in x else [x.get("mean_s", float("nan"))])]
 
 
+def gate_split(line: dict, peer, groups: list[int], *, delta: float, compat_weight: bool) -> dict | None:
+    """What the gate did with the successes and the failures of the groups a receiver got on one step.
+
+    line: the receiver's metrics line of the step; peer: the source's StepRollouts of that step; groups: the
+    prompts (positions in the batch) whose peer group the receiver got. Each received response r = g * n + i
+    has its s from s_each at s_index (none: dropped as too long) and is kept when s > delta (Eq. 8; every
+    scored one without the compatibility weight). A line written before s_index was logged is read in the
+    trainer's order (group by group) when nothing was dropped, else None (its responses cannot be matched).
+    Returns {"success": [(s or None, kept)] per received success, "failure": the same for failures}."""
+    n = peer.n
+    received = [g * n + i for g in sorted(groups) for i in range(n) if peer.mask[g, i]]
+    if "s_index" in line:
+        s_of = dict(zip(line["s_index"], line["s_each"]))
+    elif line.get("dropped_length", 0) == 0 and len(line.get("s_each", [])) == len(received):
+        s_of = dict(zip(received, line["s_each"]))
+    else:
+        return None
+    out: dict = {"success": [], "failure": []}
+    for r in received:
+        s = s_of.get(r)
+        out["success" if float(peer.rewards.view(-1)[r]) > 0 else "failure"].append(
+            (s, s is not None and (s > delta or not compat_weight)))
+    return out
+
+
+def gate_splits(pc: PanelConfig, *, s_range, arm: Arm, model: str, window: tuple[int, int], groups_of: dict,
+                delta: float, train: dict) -> tuple[list[dict], int]:
+    """gate_split of every step of a window on which ``model`` received groups, over the seeds, and the number
+    of such steps that could not be matched. Stops if the gate recomputed from the files keeps another number of
+    responses than the trainer logged as accepted (--acceptance gate)."""
+    splits, unmatched = [], 0
+    peer = {"A": "b", "B": "a"}[model]
+    for s in s_range:
+        path = os.path.join(run_folder(pc, s, arm, model), "metrics.jsonl")
+        lines = {x["step"]: x for x in read_metrics(path)}
+        for t in range(*window):
+            if not groups_of[(s, model)][t]:
+                continue
+            src, _ = load_rollouts(rollout_path(Path(exchange_folder(pc, s, arm, model)), peer, t))
+            sp = gate_split(lines[t], src, groups_of[(s, model)][t], delta=delta,
+                            compat_weight=train["compat_weight"])
+            if sp is None:
+                unmatched += 1
+                continue
+            kept = sum(k for key in ("success", "failure") for _, k in sp[key])
+            if train["acceptance"] == "gate" and kept != lines[t].get("accepted"):
+                raise SystemExit(f"panel: {path} step {t}: the gate recomputed from s_each keeps {kept} responses, "
+                                 f"the trainer logged accepted = {lines[t].get('accepted')}")
+            splits.append(sp)
+    return splits, unmatched
+
+
+def gate_line(splits: list[dict]) -> str:
+    """The report's line of gate_split over a window: of the received successes and failures, how many the
+    gate kept, and the median s of each (a dropped response counts as received, not kept)."""
+    parts = []
+    for key, word in (("success", "successes"), ("failure", "failures")):
+        xs = [x for d in splits for x in d[key]]
+        med = quantiles([s for s, _ in xs if s is not None], (0.5,))[0]
+        parts.append(f"{sum(k for _, k in xs)} of {len(xs)} {word} (s median {'-' if med != med else f'{med:.2f}'})")
+    return "kept " + " and ".join(parts)
+
+
 def every_metrics(pc: PanelConfig, arms: list[Arm]) -> list[dict]:
     """Every metrics line of these arms' runs, both models and every seed (the files that exist)."""
     paths = [os.path.join(run_folder(pc, s, a, m), "metrics.jsonl") for s in range(pc.seeds) for a in arms
@@ -688,7 +756,7 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                "tokens (metrics.jsonl)")
     sides = sorted(m.lower() for m in MODELS)
     for arm in pairs:
-        received = {}
+        received, groups_of = {}, {}
         for s in range(pc.seeds):
             ex = os.path.join(run_folder(pc, s, arm), "exchange")
             srcs = list(step_sources(ex, sides, steps, balance=balance))
@@ -696,7 +764,8 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                                    for m in MODELS}, steps, [assignment_digest(src, ids) for ids, src in srcs])
             for m in MODELS:
                 r = sides.index(m.lower())
-                received[(s, m)] = [int((src[r] >= 0).sum()) for _, src in srcs]
+                groups_of[(s, m)] = [torch.nonzero(src[r] >= 0).view(-1).tolist() for _, src in srcs]
+                received[(s, m)] = [len(g) for g in groups_of[(s, m)]]
         for m in MODELS:
             rm = [x for s in range(pc.seeds) for x in read_metrics(os.path.join(run_folder(pc, s, arm, m),
                                                                                 "metrics.jsonl"))]
@@ -718,6 +787,12 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                            f"received of {num(cand, '5.2f')} candidates, {num(acc, '5.1f')} responses accepted; s "
                            f"{'/'.join(num(v, '.2f') for v in s_q)}; clip fraction peer {num(clip_peer, '.4f')}, "
                            f"own {num(clip_own, '.4f')}")
+                splits, unmatched = gate_splits(pc, s_range=range(pc.seeds), arm=arm, model=m, window=w,
+                                                groups_of=groups_of, delta=delta[arm.label], train=train)
+                if splits:
+                    out.append(f"    gate: {gate_line(splits)}" + (
+                        f"; {unmatched} step(s) left out (written before s_index, with responses dropped)"
+                        if unmatched else ""))
         out += empty_directions(arm, {m: [x for s in range(pc.seeds) for x in received[(s, m)]] for m in MODELS},
                                 balance)
     evals = [os.path.join(pc.out, "eval", f"before_{m}.json") for m in MODELS] + [
@@ -810,7 +885,7 @@ def training_settings(flags: list[str]) -> dict:
     except SystemExit:
         raise SystemExit(f"panel: the training flags {shlex.join(flags)!r} are not graft.py train's (above)") from None
     return {"flags": list(flags), **{k: getattr(args, k) for k in ("n", "temperature", "top_p", "delta", "balance",
-                                                                     "lr")}}
+                                                                     "lr", "compat_weight", "acceptance")}}
 
 
 def settings_record(pc: PanelConfig, train: dict) -> dict:

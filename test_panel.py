@@ -72,6 +72,23 @@ def test_step_scores_are_each_response_and_fall_back_to_a_step_mean():
     assert panel.quantiles(got) == pytest.approx([0.34, 0.5, 0.82])  # the NaN of a step without s is skipped
 
 
+def test_gate_split_by_hand():
+    from types import SimpleNamespace
+    # a peer step of 3 groups x n = 2; the receiver got groups 2 and 0; response 5 was dropped as too long
+    peer = SimpleNamespace(n=2, mask=torch.ones(3, 2, dtype=torch.bool), rewards=torch.tensor([[1., 0.], [1., 1.],
+                                                                                              [0., 1.]]))
+    line = {"s_each": [0.9, 0.3, 0.85], "s_index": [0, 1, 4], "dropped_length": 1, "accepted": 2}
+    got = panel.gate_split(line, peer, [2, 0], delta=0.8, compat_weight=True)
+    assert got == {"success": [(0.9, True), (None, False)], "failure": [(0.3, False), (0.85, True)]}
+    assert panel.gate_line([got]) == "kept 1 of 2 successes (s median 0.90) and 1 of 2 failures (s median 0.57)"
+    assert panel.gate_split(line, peer, [2, 0], delta=0.8, compat_weight=False)["failure"] == [(0.3, True),
+                                                                                           (0.85, True)]
+    # a line written before s_index: read in the trainer's order when nothing was dropped, else unmatched
+    old = {"s_each": [0.9, 0.3, 0.2, 0.85], "dropped_length": 0}
+    assert panel.gate_split(old, peer, [2, 0], delta=0.8, compat_weight=True)["success"] == [(0.9, True), (0.85, True)]
+    assert panel.gate_split({"s_each": [0.9], "dropped_length": 1}, peer, [0], delta=0.8, compat_weight=True) is None
+
+
 def test_cells_and_means_by_hand():
     assert panel.cell([0.25]) == "25.0" and panel.cell([0.2, 0.4]) == "30.0+-14.1"
     assert panel.cell([0.05], signed=True) == "+5.0" and panel.cell([float("nan")]) == "-"
@@ -277,11 +294,12 @@ def test_tiny_panel_every_printed_figure_comes_from_the_files(tiny_panel):
         assert float(diff0) == pytest.approx(got["graft_d0"] - got["grpo"], abs=0.051)
     # the exchange lines: the balanced swap by hand from the rollout files, the rest from metrics.jsonl
     ex = re.findall(r"^  (graft|graft_d0) -> (A|B)  steps\s+(\S+):\s+(\S+) groups received of\s+(\S+) candidates,"
-                    r"\s+(\S+) responses accepted; s (\S+)/(\S+)/(\S+); clip fraction peer (\S+), own (\S+)$",
-                    text, re.M)
+                    r"\s+(\S+) responses accepted; s (\S+)/(\S+)/(\S+); clip fraction peer (\S+), own (\S+)"
+                    r"(?:\n    gate: kept (\d+) of (\d+) successes \(s median (\S+)\) and (\d+) of (\d+) failures "
+                    r"\(s median (\S+)\))?$", text, re.M)
     assert len(ex) == 2 * 2 * STEPS
-    moved = 0
-    for arm, m, label, recv, cand, acc, s10, s50, s90, clip_peer, clip_own in ex:
+    moved = gated = 0
+    for arm, m, label, recv, cand, acc, s10, s50, s90, clip_peer, clip_own, *gate in ex:
         step = int(label) - 1
         ro = {s: _rollouts(arms[arm], s.lower(), step) for s in "AB"}
         k = {s: ro[s].rewards.sum(1).tolist() for s in "AB"}
@@ -290,6 +308,9 @@ def test_tiny_panel_every_printed_figure_comes_from_the_files(tiny_panel):
         top = min(len(c) for c in cands.values())
         kept = sum(x >= cands[m][top - 1] for x in cands[m]) if top else 0
         assert float(recv) == kept and float(cand) == len(cands[m])
+        o = "B" if m == "A" else "A"
+        got_groups = [g for g in range(len(k[m])) if k[m][g] == 0 and 0 < k[o][g] < n and top
+                      and k[o][g] >= cands[m][top - 1]]
         moved += kept
         row = next(x for x in map(json.loads, (out / "seed0" / arm / m / "metrics.jsonl").read_text().splitlines())
                    if x["step"] == step)
@@ -304,10 +325,24 @@ def test_tiny_panel_every_printed_figure_comes_from_the_files(tiny_panel):
             assert [float(q) for q in (s10, s50, s90)] == pytest.approx(want.tolist(), abs=0.0051)
         else:
             assert (s10, s50, s90) == ("-", "-", "-")
+        # the gate by the source's verdicts: each received response's s at its index, kept when s > delta
+        s_of = dict(zip(row["s_index"], row["s_each"]))
+        delta = 0.0 if arm == "graft_d0" else json.loads((out / "seed0" / arm / m / "run.json").read_text())[
+            "settings"]["delta"]
+        want = []
+        for ok in (True, False):
+            got_s = [s_of.get(g * n + i) for g in got_groups for i in range(n) if (ro[o].rewards[g, i] > 0) == ok]
+            scored = [x for x in got_s if x is not None]
+            med = "-" if not scored else f"{float(torch.tensor(scored, dtype=torch.float64).quantile(0.5)):.2f}"
+            want += [str(sum(1 for x in scored if x > delta)), str(len(got_s)), med]
+        assert gate == (want if got_groups else [""] * 6), (arm, m, label)
+        if got_groups:
+            assert int(want[0]) + int(want[3]) == row["accepted"]
+            gated += 1
         for cell_, key in ((clip_peer, "pg/clipfrac_peer"), (clip_own, "pg/clipfrac_own")):
             v = row.get(key) if key == "pg/clipfrac_own" or row["accepted"] > 0 else None  # no peer tokens: "-"
             assert cell_ == "-" if v is None or v != v else float(cell_) == pytest.approx(v, abs=5.1e-5)
-    assert moved > 0, "nothing was exchanged: the test checks nothing of the swap"
+    assert moved > 0 and gated > 0, "nothing was exchanged: the test checks nothing of the swap or the gate"
     # the delta-0 arm accepts every scored response; the flag reached its processes
     assert json.loads((out / "seed0" / "graft_d0" / "A" / "run.json").read_text())["settings"]["delta"] == 0.0
     # held-out: pass@1 before and after each arm, overall and per kind, from the evaluations

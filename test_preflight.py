@@ -253,7 +253,8 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         assert dropped == part["dropped_length"]
         for x in got:
             assert x.score == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
-        assert m["s_each"] == pytest.approx([recs[x.index]["s"] for x in got], abs=6e-5)  # the logged list, in order
+        assert m["s_each"] == pytest.approx([recs[x.index]["s"] for x in got], rel=1e-5)  # the logged lists, in order
+        assert m["s_index"] == [x.index for x in got]
 
 
 def test_a_stopped_response_counts_as_ended_not_cut(tmp_path, monkeypatch):
