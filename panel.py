@@ -637,14 +637,14 @@ def gate_split(line: dict, peer, groups: list[int], *, delta: float, compat_weig
     return out
 
 
-def gate_splits(pc: PanelConfig, *, s_range, arm: Arm, model: str, window: tuple[int, int], groups_of: dict,
-                delta: float, train: dict) -> tuple[list[dict], int]:
+def gate_splits(pc: PanelConfig, *, arm: Arm, model: str, window: tuple[int, int], groups_of: dict, delta: float,
+                train: dict) -> tuple[list[dict], int]:
     """gate_split of every step of a window on which ``model`` received groups, over the seeds, and the number
     of such steps that could not be matched. Stops if the gate recomputed from the files keeps another number of
     responses than the trainer logged as accepted (--acceptance gate)."""
     splits, unmatched = [], 0
     peer = {"A": "b", "B": "a"}[model]
-    for s in s_range:
+    for s in range(pc.seeds):
         path = os.path.join(run_folder(pc, s, arm, model), "metrics.jsonl")
         lines = {x["step"]: x for x in read_metrics(path)}
         for t in range(*window):
@@ -787,10 +787,10 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                            f"received of {num(cand, '5.2f')} candidates, {num(acc, '5.1f')} responses accepted; s "
                            f"{'/'.join(num(v, '.2f') for v in s_q)}; clip fraction peer {num(clip_peer, '.4f')}, "
                            f"own {num(clip_own, '.4f')}")
-                splits, unmatched = gate_splits(pc, s_range=range(pc.seeds), arm=arm, model=m, window=w,
-                                                groups_of=groups_of, delta=delta[arm.label], train=train)
-                if splits:
-                    out.append(f"    gate: {gate_line(splits)}" + (
+                splits, unmatched = gate_splits(pc, arm=arm, model=m, window=w, groups_of=groups_of,
+                                                delta=delta[arm.label], train=train)
+                if splits or unmatched:
+                    out.append(f"    gate: {gate_line(splits) if splits else '-'}" + (
                         f"; {unmatched} step(s) left out (written before s_index, with responses dropped)"
                         if unmatched else ""))
         out += empty_directions(arm, {m: [x for s in range(pc.seeds) for x in received[(s, m)]] for m in MODELS},

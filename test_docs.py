@@ -3,7 +3,7 @@
   * The import graph of the project's own modules (every top-level *.py and data/*.py, parsed with ast,
     counting imports inside functions, under TYPE_CHECKING, and files loaded by path with importlib)
     has no cycle, so the modules can be read and copied in one direction.
-  * README.md stays short (at most 260 lines); measured figures live in RESULTS.md.
+  * README.md stays short (at most README_MAX_LINES lines); measured figures live in RESULTS.md.
   * No module docstring, README.md or RESULTS.md carries history: no issue numbers, no rounds of work.
   * Every link from README.md to a section of RESULTS.md resolves to a heading (GitHub's anchor rules),
     and every row of the README's "What we measured" table has such a link.
