@@ -24,7 +24,8 @@ Per direction src -> recv (the receiver learns from the source's groups) it repo
     string) and responses cut at the cap (a cut response's lbar is an average over an unfinished text), and
     apart for the source's successes and failures with how many of each the gate keeps (a receiver that
     fails all n tends to find the correct answers unlikely; a gate that keeps the failures and drops the
-    successes turns a mixed group's zero-sum advantages into a push away from the peer's answer: a note);
+    successes turns a mixed group's zero-sum advantages into a push away from the peer's answer: a note
+    when the share kept of the successes is below that of the failures);
   * per model: tokens/s of sampling, the behaviour log-prob pass, and an estimate of a step's time.
 
 Our choices (numbered so that reviews can cite them):
@@ -379,14 +380,13 @@ def notes(report: dict) -> list[str]:
                        f"receiver's tokens ({x['dropped_cut']} of them were cut at the source's cap already): "
                        f"raise the cap")
         r = d["received"] if d["received"]["retokenised"] else d["no_balance"]
-        ok, bad = r["s_median_success"], r["s_median_failure"]
-        if ok is not None and bad is not None and ok < bad and (
+        if r.get("successes") and r.get("failures") and r["accepted_failures"] and (
                 r["accepted_successes"] / r["successes"] < r["accepted_failures"] / r["failures"]):
-            out.append(f"{d['source'].upper()} -> {d['receiver'].upper()}: the receiver finds the source's correct "
-                       f"responses less likely than its wrong ones (s median {ok:.2f} vs {bad:.2f}), so the gate keeps "
-                       f"{r['accepted_successes']} of {r['successes']} successes and {r['accepted_failures']} of "
-                       f"{r['failures']} failures of the groups it would receive: what reaches the update leans "
-                       f"to the group's negative advantages")
+            out.append(f"{d['source'].upper()} -> {d['receiver'].upper()}: of the groups it would receive, the gate "
+                       f"keeps {r['accepted_successes']} of {r['successes']} successes and {r['accepted_failures']} "
+                       f"of {r['failures']} failures (s median {_fmt(r['s_median_success'], 'f')} vs "
+                       f"{_fmt(r['s_median_failure'], 'f')}): what reaches the update leans to the groups' "
+                       f"negative advantages")
         at = x["accepted_at"].get(f"{st['delta']:g}")
         if x["retokenised"] and at is not None and at < 0.2:
             out.append(f"{d['source'].upper()} -> {d['receiver'].upper()}: the gate accepts {100 * at:.0f}% of the "

@@ -276,10 +276,11 @@ def test_the_note_when_the_gate_keeps_failures_over_successes():
     report = {"settings": st, "directions": {"a_to_b": direction("a", "b", 0.22, 0.45, 1, 9),
                                              "b_to_a": direction("b", "a", 0.83, 0.80, 4, 6)}}
     notes = preflight.notes(report)
-    assert len(notes) == 1 and notes[0].startswith("A -> B: the receiver finds the source's correct responses less "
-                                                   "likely than its wrong ones (s median 0.22 vs 0.45)")
-    assert "keeps 1 of 15 successes and 9 of 25 failures" in notes[0]
+    assert notes == ["A -> B: of the groups it would receive, the gate keeps 1 of 15 successes and 9 of 25 failures "
+                     "(s median 0.22 vs 0.45): what reaches the update leans to the groups' negative advantages"]
     report["directions"]["a_to_b"]["received"]["accepted_successes"] = 8  # 8/15 kept > 9/25: no lean
+    assert preflight.notes(report) == []
+    report["directions"]["a_to_b"]["received"] |= {"accepted_successes": 0, "accepted_failures": 0}  # nothing kept
     assert preflight.notes(report) == []
 
 
