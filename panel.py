@@ -509,16 +509,17 @@ def step_rewards(folder: str, name: str, steps: int) -> list[dict[str, float]]:
 
 
 def step_sources(exchange: str, sides: list[str], steps: int, *, balance: bool = True):
-    """Yield (prompt ids, src) for every step of a finished exchange run, recomputed from its rollout files
-    with core.multi_peer_sources: src (S, G) long, the side (index into ``sides``, which must be sorted as
-    the trainer sorts them) whose group each side received on each prompt, or -1."""
+    """Yield (prompt ids, src, files) for every step of a finished exchange run, recomputed from its rollout
+    files with core.multi_peer_sources: src (S, G) long, the side (index into ``sides``, which must be sorted
+    as the trainer sorts them) whose group each side received on each prompt, or -1; files: the step's
+    StepRollouts of each side, in that order."""
     assert list(sides) == sorted(sides), f"sides {sides} must be in the trainer's (sorted) order"
     for step in range(steps):
         first, _ = load_rollouts(rollout_path(Path(exchange), sides[0], step))
         files = [first] + [load_rollouts(rollout_path(Path(exchange), s, step), prompt_ids=first.prompt_ids)[0]
                            for s in sides[1:]]
         k = torch.stack([success_counts(f.rewards) for f in files])  # (S, G)
-        yield first.prompt_ids, multi_peer_sources(k, first.n, balance=balance)  # (S, G) source side or -1
+        yield first.prompt_ids, multi_peer_sources(k, first.n, balance=balance), files  # src: (S, G) side or -1
 
 
 def check_assignments(exchange: str, metrics: dict[str, str], steps: int, prints: list[str]) -> int:
@@ -637,21 +638,20 @@ def gate_split(line: dict, peer, groups: list[int], *, delta: float, compat_weig
     return out
 
 
-def gate_splits(pc: PanelConfig, *, arm: Arm, model: str, window: tuple[int, int], groups_of: dict, delta: float,
-                train: dict) -> tuple[list[dict], int]:
+def gate_splits(pc: PanelConfig, *, arm: Arm, model: str, window: tuple[int, int], groups_of: dict,
+                peer_steps: dict, delta: float, train: dict) -> tuple[list[dict], int]:
     """gate_split of every step of a window on which ``model`` received groups, over the seeds, and the number
-    of such steps that could not be matched. Stops if the gate recomputed from the files keeps another number of
-    responses than the trainer logged as accepted (--acceptance gate)."""
+    of such steps that could not be matched. groups_of, peer_steps: per (seed, model), each step's received
+    groups and the peer's StepRollouts (step_sources). Stops if the gate recomputed from the files keeps another
+    number of responses than the trainer logged as accepted (--acceptance gate)."""
     splits, unmatched = [], 0
-    peer = {"A": "b", "B": "a"}[model]
     for s in range(pc.seeds):
         path = os.path.join(run_folder(pc, s, arm, model), "metrics.jsonl")
         lines = {x["step"]: x for x in read_metrics(path)}
         for t in range(*window):
             if not groups_of[(s, model)][t]:
                 continue
-            src, _ = load_rollouts(rollout_path(Path(exchange_folder(pc, s, arm, model)), peer, t))
-            sp = gate_split(lines[t], src, groups_of[(s, model)][t], delta=delta,
+            sp = gate_split(lines[t], peer_steps[(s, model)][t], groups_of[(s, model)][t], delta=delta,
                             compat_weight=train["compat_weight"])
             if sp is None:
                 unmatched += 1
@@ -756,16 +756,22 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                "tokens (metrics.jsonl)")
     sides = sorted(m.lower() for m in MODELS)
     for arm in pairs:
-        received, groups_of = {}, {}
+        # per seed and model, each step: the groups it received and the peer's rollouts of that step (kept only
+        # where it received some: the gate line reads their verdicts)
+        groups_of: dict = {(s, m): [] for s in range(pc.seeds) for m in MODELS}
+        peer_steps: dict = {(s, m): [] for s in range(pc.seeds) for m in MODELS}
         for s in range(pc.seeds):
             ex = os.path.join(run_folder(pc, s, arm), "exchange")
-            srcs = list(step_sources(ex, sides, steps, balance=balance))
+            prints = []
+            for ids, src, files in step_sources(ex, sides, steps, balance=balance):
+                prints.append(assignment_digest(src, ids))
+                for m in MODELS:
+                    r = sides.index(m.lower())
+                    groups_of[(s, m)].append(torch.nonzero(src[r] >= 0).view(-1).tolist())
+                    peer_steps[(s, m)].append(files[1 - r] if groups_of[(s, m)][-1] else None)  # the other side
             check_assignments(ex, {m.lower(): os.path.join(run_folder(pc, s, arm, m), "metrics.jsonl")
-                                   for m in MODELS}, steps, [assignment_digest(src, ids) for ids, src in srcs])
-            for m in MODELS:
-                r = sides.index(m.lower())
-                groups_of[(s, m)] = [torch.nonzero(src[r] >= 0).view(-1).tolist() for _, src in srcs]
-                received[(s, m)] = [len(g) for g in groups_of[(s, m)]]
+                                   for m in MODELS}, steps, prints)
+        received = {key: [len(g) for g in groups] for key, groups in groups_of.items()}
         for m in MODELS:
             rm = [x for s in range(pc.seeds) for x in read_metrics(os.path.join(run_folder(pc, s, arm, m),
                                                                                 "metrics.jsonl"))]
@@ -788,7 +794,7 @@ def panel_report(pc: PanelConfig, train: dict, *, steps: int | None = None) -> t
                            f"{'/'.join(num(v, '.2f') for v in s_q)}; clip fraction peer {num(clip_peer, '.4f')}, "
                            f"own {num(clip_own, '.4f')}")
                 splits, unmatched = gate_splits(pc, arm=arm, model=m, window=w, groups_of=groups_of,
-                                                delta=delta[arm.label], train=train)
+                                                peer_steps=peer_steps, delta=delta[arm.label], train=train)
                 if splits or unmatched:
                     out.append(f"    gate: {gate_line(splits) if splits else '-'}" + (
                         f"; {unmatched} step(s) left out (written before s_index, with responses dropped)"

@@ -178,8 +178,7 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bo
     cross: score_received over all G x n source responses; src_len, src_cut: (G x n,) source lengths in
     its own tokens (EOS included) and whether each was cut at the source's cap (neither EOS nor a stop
     string ended it); src_ok: (G x n,) whether the source's reward was positive; scale: P / G (choice 2).
-    Shares are of
-    len(rs); a figure over nothing is None.
+    Shares are of len(rs); a figure over nothing is None.
     """
     pos = {r: j for j, r in enumerate(cross.index)}  # response -> its position among the retokenised
     kept = [r for r in rs if r in pos]
@@ -198,10 +197,9 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bo
             return len(kept)
         return int((compatibility_weights(lbar_recv=lr, lbar_src=ls, delta=d) > 0).sum()) if kept else 0
 
-    ended_kept = [x for x, r in zip(s.tolist(), kept) if not src_cut[r]]
-    cut_kept = [x for x, r in zip(s.tolist(), kept) if src_cut[r]]
-    ok_s = [x for x, r in zip(s.tolist(), kept) if src_ok[r]]
-    bad_s = [x for x, r in zip(s.tolist(), kept) if not src_ok[r]]
+    s_of = list(zip(s.tolist(), kept))  # (s, response) of each retokenised response
+    ended_kept, cut_kept = [x for x, r in s_of if not src_cut[r]], [x for x, r in s_of if src_cut[r]]
+    ok_s, bad_s = [x for x, r in s_of if src_ok[r]], [x for x, r in s_of if not src_ok[r]]
     median = lambda xs: float(torch.tensor(xs).median()) if xs else None  # noqa: E731
     groups = sorted({r // n for r in accepted})
     return {

@@ -737,7 +737,7 @@ def exchange_view(exchange: str, sides: list[str], steps: int, *,
     sides = sorted(sides)
     received: dict[str, dict[str, str]] = {s: {} for s in sides}
     prints = []
-    for prompt_ids, src in step_sources(exchange, sides, steps, balance=balance):
+    for prompt_ids, src, _ in step_sources(exchange, sides, steps, balance=balance):
         prints.append(assignment_digest(src, prompt_ids))
         for r, side in enumerate(sides):
             for g in torch.nonzero(src[r] >= 0).squeeze(1).tolist():
