@@ -410,7 +410,7 @@ def test_a_running_panel_is_reported_over_the_steps_every_run_finished(tiny_pane
 
 
 @pytest.mark.skipif(os.environ.get("GRAFT_REAL_SMOKE") != "1",
-                    reason="the real pair's smoke takes ~9 min on 2 idle cores: GRAFT_REAL_SMOKE=1 python -m pytest -q "
+                    reason="the real pair's smoke takes ~7 min on 2 idle cores: GRAFT_REAL_SMOKE=1 python -m pytest -q "
                            "test_panel.py -k real (needs the pip packages of data/real_models.py)")
 def test_real_pair_smoke(tmp_path):
     """`bash run_pair.sh real` at smoke size: both real models built from the pip packages, preflight, and a
