@@ -152,6 +152,12 @@ class Config:
     """Shard weights, gradients and AdamW state over the ranks with FSDP2 (torchrun; models DP cannot fit)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (saves memory on long responses)."""
+    memory_plan: Literal["cuda", "always", "off"] = "cuda"
+    """Memory plan at start (plan.py, before loading): cuda = on GPU, refuses a misfit | always (CPU: print) | off."""
+    gpu_memory: float = 0.0
+    """Card memory in GiB for the memory plan (0 = the CUDA device's); given, the trainer enforces it on CPU too."""
+    ranks: int = 0
+    """`graft.py plan` only: the ranks per side it plans for (0 = 1; the trainer uses its torchrun world size)."""
     threads: int = 0
     """torch CPU threads (0 = leave torch's default). On a shared CPU, 1 per process is often fastest."""
     verify_workers: int = 0
@@ -220,7 +226,8 @@ def validate_config(cfg: Config) -> None:
     for f in positive_ints:
         if getattr(cfg, f) < 1:
             bad(f, f"must be >= 1, got {getattr(cfg, f)}")
-    for f in ("threads", "verify_workers", "eval_every", "eval_max_problems", "eval_max_tokens", "sgt_coef"):
+    for f in ("threads", "verify_workers", "eval_every", "eval_max_problems", "eval_max_tokens", "sgt_coef",
+              "gpu_memory", "ranks"):
         if getattr(cfg, f) < 0:
             bad(f, f"must be >= 0, got {getattr(cfg, f)}")
     for f in ("lr", "grad_clip", "exchange_timeout", "peer_dead_after", "heartbeat_interval", "join_timeout",
@@ -337,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("panel", add_help=False,
                    help="the mechanism panel: GRPO vs GRAFT on the prompts each model fails (graft.py panel -h)")
     sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
+    sub.add_parser("plan", add_help=False,
+                   help="the memory plan of each phase on fake tensors, against the card (graft.py plan -h)")
     for command in ("train", "eval"):
         help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
         p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -104,6 +104,8 @@ Launch lines:
     python graft.py train --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl --out runs/grpo_qwen
     # the pair on one node (two processes that meet in an exchange directory; GPUs split 4 + 4)
     bash run_pair.sh pair1
+    # the memory plan of both sides' phases on fake tensors, against a card (plan.py; the trainer checks it at start)
+    python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.2 --ranks 4
     # evaluation of a checkpoint on the five benchmarks
     python graft.py eval --model runs/graft_qwen/checkpoints/best --benchmarks all
     # curves of runs on the same axes (needs matplotlib): reward, exchange, gate, clip fractions, KL, time
@@ -134,6 +136,7 @@ from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, ch
 from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
                       wait_for_file)  # the rollout file
 from metrics import LiveReport  # --report-to
+from plan import check_at_start  # the memory plan on fake tensors, checked before the weights load
 from reward import check_golds, load_reward, rewards  # the reward seam: --reward, called in one place
 from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt, gather_lists,
                      gathered, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed, shard,
@@ -271,6 +274,14 @@ class Trainer(RunFiles):
             self.peer_log_run = None
         self.run_id = self.join_pair()
         try:
+            if cfg.memory_plan == "always" or (cfg.memory_plan == "cuda" and self.dist.device.type == "cuda"):
+                # before any weight loads: a setting that cannot fit stops here, naming the phase and the flag
+                try:
+                    eval_files = [str(p) for p in benchmark_files(cfg.benchmarks, cfg.data_dir).values()]
+                except SystemExit:  # not prepared yet (validate names it): planned at --max-prompt-tokens
+                    eval_files = []
+                check_at_start(cfg, world=self.dist.world, device=self.dist.device, main=self.dist.main,
+                               eval_files=eval_files if cfg.eval_every else [])
             self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
             self.eos_id = self.stop_ids[0]
             self.amp = lambda: compute_context(cfg, self.dist)
@@ -1161,6 +1172,12 @@ def main(argv=None):
     if argv[:1] == ["panel"]:  # its own flags (panel.py: two models, a pool, --half, --steps) + the training flags
         import panel  # it runs graft.py's processes and reads their files, never imports graft.py
         return panel.main(argv[1:])
+    if argv[:1] == ["plan"]:  # the train flags (--model a,b for both sides), --gpu-memory, --ranks
+        import plan
+        code = plan.main(argv[1:], benchmark_files=benchmark_files)
+        if code:
+            raise SystemExit(code)  # a phase does not fit the card
+        return code
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         import plot  # matplotlib only there
         return plot.main(argv[1:])

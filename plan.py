@@ -1,0 +1,515 @@
+"""The memory plan: what one trainer process needs on its card in each phase of a step, measured before
+anything is allocated (README "Running the pair on a GPU node", RESULTS.md "The memory plan").
+
+Each side's model is built from its config (transformers' AutoConfig of --model, a config.json, or a shape
+below for the paper's models when there is no network) under torch's FakeTensorMode: tensors carry shapes,
+dtypes and storage sizes but no data, so a 3B model's step runs through the real code (sampler.py's
+response_logprobs, torch's AdamW) without a byte of it allocated, and
+torch.distributed._tools.mem_tracker.MemTracker records the peak and what held it (parameters, gradients,
+optimizer state, activations). The phases, at the worst case the flags allow (every row at the longest
+prompt + the cap):
+
+    rollout      the state (weights, gradients and AdamW moments kept from the last step) + the prefill of
+                 --gen-batch-size rows + the KV cache of those rows at full length, in the bytes per token the
+                 sampler really stores (kv_bytes_per_token: sampler.sample run on a narrow model of the same
+                 family, its cache read back; nothing computed from the config)
+    logprob      the behaviour log-prob pass: --micro-batch-size rows, no grad
+    update       one micro-batch: forward + backward (--gradient-checkpointing as set), then the AdamW step
+    evaluation   Trainer.validate's sampling: the rollout's terms at the benchmarks' shapes and precision
+    fsdp         --fsdp: the state divided by the ranks plus the largest gathered unit
+
+`graft.py plan` prints a table per side against the card (the device's memory, or --gpu-memory) and the
+ranks; the trainer runs the same plan at start (check_at_start): on CUDA it refuses, before any weight is
+loaded, a setting that cannot fit, naming the phase and the flag that fixes it; on CPU it prints the plan.
+
+Departures and shortcuts (what the figures are and are not):
+  1. Fake tensors live on the CPU here (a CPU build of torch cannot make fake CUDA tensors), so the step runs
+     CPU kernels' shape rules and CPU bf16 autocast, which casts the same matmuls to bf16 as CUDA's. SDPA's
+     CPU path is the flash kernel (O(T) memory), as CUDA's memory-efficient one; the caching allocator's
+     fragmentation is not modelled (MARGIN keeps 5% of the card for it).
+  2. The KV cache bytes per token come from the real sampler on real tensors (a model with the real layer
+     count, KV heads and head size, and a tiny hidden size, MLP and vocabulary), under bf16 autocast for the
+     rollout and under the precision Trainer.validate samples in for the evaluation (EVAL_AUTOCAST).
+  3. The FSDP2 figures are the data-parallel measurement with the state divided by the ranks and the
+     gathered units added (the root: embeddings, final norm, head; two decoder layers, the running one and
+     the prefetched one; one layer's unsharded gradients); no process group is started.
+  4. The rollout adds the prefill of all --gen-batch-size rows at the longest prompt to the cache of all of
+     them at full length; they never peak together (a refill prefills at most the free slots): an upper bound.
+  5. The update's micro-batch holds distinct prompts (no shared prefix), its rows all at the longest prompt +
+     the cap, with the gradients of an earlier micro-batch already held: the worst micro-batch of a step.
+  6. The update's loss is a masked sum of the log-probs, not core.policy_loss (which reads metrics back to the
+     host: fake tensors have no values); its (B, T) temporaries are kilobytes beside the forward's.
+  7. A model deeper than 8 layers is measured at its real width at 4 and 8 layers and extrapolated linearly to
+     its depth (exact for a stack of alike layers: the state, the cache and the checkpointed inputs grow by
+     layer, the transient of one layer does not); RESULTS.md checks it against a full-depth measurement.
+
+Launch lines:
+    python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.2 --ranks 4 \\
+        --gradient-checkpointing --micro-batch-size 4 --gen-batch-size 128
+    python plan.py ...   (the same)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config import Config, add_config_flags  # the train flags; plan.py adds none of its own
+from sampler import response_logprobs, sample  # the code whose memory is measured
+
+GIB = 1024 ** 3
+MARGIN = 0.95
+"""A phase fits when it needs at most this share of the card (the rest: allocator fragmentation, CUDA context)."""
+EVAL_AUTOCAST = False
+"""Trainer.validate samples with the training weights outside the trainer's autocast (graft.py section 2)."""
+
+# The paper's models, for a machine without network (their config.json files' shape fields, transformers 5).
+KNOWN_SHAPES = {
+    "HuggingFaceTB/SmolLM3-3B-Base": dict(
+        model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=65536),
+    "Qwen/Qwen3-1.7B-Base": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=32768),
+    "OctoThinker/OctoThinker-3B-Hybrid-Base": dict(  # Llama-3.2-3B's shape
+        model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=131072),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Shapes: a side's config, and the ids the plan feeds
+# ------------------------------------------------------------------------------------------------
+
+
+def model_config(model: str, *, trust_remote_code: bool = False):
+    """(transformers config, where it came from) for --model: a folder, a config.json, a hub id (AutoConfig,
+    from the cache or the network), else the paper's shape in KNOWN_SHAPES; anything else is an error."""
+    from transformers import AutoConfig
+    path = Path(model)
+    if path.is_file():
+        d = json.loads(path.read_text())
+        return AutoConfig.for_model(d.pop("model_type"), **d), str(path)
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code), model
+    except Exception as e:  # offline, a missing folder, an unknown architecture
+        if model in KNOWN_SHAPES:
+            shape = dict(KNOWN_SHAPES[model])
+            return AutoConfig.for_model(shape.pop("model_type"), **shape), f"plan.py KNOWN_SHAPES[{model!r}]"
+        raise SystemExit(f"--model {model!r}: no config for the memory plan ({type(e).__name__}: {e}); give a "
+                         f"folder with config.json, a config.json, or one of {', '.join(KNOWN_SHAPES)}") from e
+
+
+def attention_shape(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of a decoder config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def longest_prompt(cfg: Config, files: list[str]) -> tuple[int, str]:
+    """(tokens, how it was found) of the longest prompt in the JSONL files under --model's tokenizer and
+    --prompt-template; --max-prompt-tokens (the trainer refuses longer ones) when the tokenizer or a file is
+    not at hand."""
+    present = [f for f in files if Path(f).is_file()]
+    if not present:
+        return cfg.max_prompt_tokens, "--max-prompt-tokens"
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except Exception:  # offline or no tokenizer in the folder
+        return cfg.max_prompt_tokens, "--max-prompt-tokens (no tokenizer)"
+    from runtime import encode_prompt  # imported here: runtime.py loads exchange.py, which the plan needs nowhere else
+    most = 0
+    for f in present:
+        for line in Path(f).read_text().splitlines():
+            if line.strip():
+                problem = json.loads(line)["problem"]
+                most = max(most, len(encode_prompt(problem, tok, template=cfg.prompt_template,
+                                                   chat=cfg.chat_template)))
+    return min(most, cfg.max_prompt_tokens), f"measured in {len(present)} file(s)"
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Measurements: the sampler's KV bytes per token (real tensors), the phases' peaks (fake tensors)
+# ------------------------------------------------------------------------------------------------
+
+
+def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) per layer of a cache the sampler hands the model: transformers' DynamicCache (.layers) or any
+    object holding .keys / .values lists (sampler.py's static slots)."""
+    if hasattr(cache, "layers"):
+        return [(lay.keys, lay.values) for lay in cache.layers
+                if isinstance(getattr(lay, "keys", None), torch.Tensor) and lay.keys.numel()]
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if isinstance(keys, list) and isinstance(values, list):
+        return [(k, v) for k, v in zip(keys, values) if isinstance(k, torch.Tensor)]
+    return []
+
+
+def kv_bytes_per_token(config, *, autocast: bool, static: bool = False) -> tuple[int, str]:
+    """Bytes of KV cache per token that sampler.sample stores for this config, and their dtypes ("K float32,
+    V bfloat16"): the sampler runs (2 prompts, 2 new tokens) on a random model with the config's layers, KV heads
+    and head size but a hidden size of KV heads x head size, a 64-wide MLP and a 256-token vocabulary, under bf16
+    autocast when `autocast`, fp32 weights as the trainer holds them; every cache handed to the model is read."""
+    from transformers import AutoModelForCausalLM
+    layers, kv_heads, head_dim = attention_shape(config)
+    narrow = config.to_dict()
+    narrow.update(hidden_size=kv_heads * head_dim, num_attention_heads=kv_heads, intermediate_size=64,
+                  vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if "head_dim" in narrow:
+        narrow["head_dim"] = head_dim
+    mcfg = type(config).from_dict(narrow)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
+    seen: dict = {"bytes": 0, "dtypes": set()}
+
+    def hook(module, args, kwargs, out):
+        kv = [t for layer in (_cache_tensors(c) for c in kwargs.values() if c is not None) for t in layer]
+        if kv:
+            seen["bytes"] = max(seen["bytes"], sum(k.element_size() * k.shape[1] * k.shape[-1]
+                                                   + v.element_size() * v.shape[1] * v.shape[-1] for k, v in kv))
+            seen["dtypes"] |= {("K", str(k.dtype).removeprefix("torch.")) for k, _ in kv}
+            seen["dtypes"] |= {("V", str(v.dtype).removeprefix("torch.")) for _, v in kv}
+
+    handle = model.get_decoder().register_forward_hook(hook, with_kwargs=True)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    try:
+        with amp:
+            sample(model, [[3, 4, 5], [6, 7]], max_new_tokens=2, temperature=0.0, eos_token_id=2, static=static)
+    finally:
+        handle.remove()
+    assert seen["bytes"], f"{type(model).__name__}: the sampler handed the model no cache that plan.py can read"
+    dtypes = ", ".join(f"{kind} {'/'.join(sorted(d for k, d in seen['dtypes'] if k == kind))}" for kind in "KV")
+    return seen["bytes"], dtypes
+
+
+def _bucket(snapshot: dict) -> dict[str, int]:
+    """MemTracker's snapshot of the one device -> {category: bytes} ('Parameter', 'Gradient', ..., 'Total')."""
+    (dev_snap,) = snapshot.values() if snapshot else ({},)
+    return {getattr(k, "value", k): int(v) for k, v in dev_snap.items()}
+
+
+def _tracked(fn, *external) -> dict[str, int]:
+    """Run fn under a MemTracker that knows `external` (modules, optimizers); the peak's breakdown."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    import warnings
+    mt = MemTracker()
+    mt.track_external(*external)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its module-hierarchy warning on transformers' re-entered modules
+        with mt:
+            fn()
+    return _bucket(mt.get_tracker_snapshot("peak"))
+
+
+@dataclass
+class Measured:
+    """One side's measured terms (bytes, one rank, no sharding) at the plan's shapes."""
+    params: int  # parameters as trained (fp32 master, or bf16 with --dtype bfloat16)
+    layer_params: int  # the largest decoder layer's parameters
+    root_params: int  # what is not in a decoder layer: embeddings, final norm, head
+    grads: int
+    opt_state: int  # AdamW's two moments
+    logprob_act: int  # the behaviour pass's peak above the state
+    update_act: int  # forward + backward's peak above the state (activations and temporaries)
+    step_temp: int  # the AdamW step's temporaries above the state
+    prefill_act: int  # the rollout's prefill of all rows: peak above weights and its own cache
+    eval_prefill_act: int  # the same at the evaluation's shapes and precision
+    kv_token: int  # sampler's KV bytes per token under autocast (rollout)
+    kv_dtypes: str
+    eval_kv_token: int  # the same in the evaluation's precision
+    eval_kv_dtypes: str
+    seconds: float  # wall time of the measurement
+
+
+def _ids(rows: int, length: int, vocab: int, first: int = 3) -> list[list[int]]:
+    """rows distinct token-id lists of the given length (distinct first tokens: no prompt is shared)."""
+    return [[(first + i) % vocab] + [5 % vocab] * (length - 1) for i in range(rows)]
+
+
+def with_layers(config, layers: int):
+    """config with only its first `layers` decoder layers (per-layer lists, e.g. layer_types, cut to match)."""
+    d, old = config.to_dict(), config.num_hidden_layers
+    for k, v in list(d.items()):
+        if isinstance(v, list) and len(v) == old:
+            d[k] = v[:layers]
+    d["num_hidden_layers"] = layers
+    return type(config).from_dict(d)
+
+
+DEPTHS = (4, 8)
+"""A deeper model is measured at these depths and extrapolated linearly in its layer count (departure 7)."""
+
+
+def measure(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int) -> Measured:
+    """The phases of one side at the worst case of cfg's flags, on fake tensors (module docstring). A model of
+    more than DEPTHS[-1] layers is measured at its width at both DEPTHS and extrapolated to its depth: every term
+    is a + b x layers for a stack of alike layers (their pattern repeating within 4, as SmolLM3's RoPE-free
+    layers do)."""
+    t0 = time.time()
+    layers = config.num_hidden_layers
+    if layers <= DEPTHS[-1]:
+        m = _measure_depth(config, cfg, prompt_len=prompt_len, eval_prompt_len=eval_prompt_len)
+    else:
+        lo, hi = (_measure_depth(with_layers(config, d), cfg, prompt_len=prompt_len, eval_prompt_len=eval_prompt_len)
+                  for d in DEPTHS)
+        scale = (layers - DEPTHS[0]) / (DEPTHS[1] - DEPTHS[0])
+        m = dataclasses.replace(hi, **{f.name: round(getattr(lo, f.name) + scale * (getattr(hi, f.name)
+                                                                                      - getattr(lo, f.name)))
+                                       for f in dataclasses.fields(Measured) if f.type in ("int", int)})
+    m.seconds = time.time() - t0
+    return m
+
+
+def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int) -> Measured:
+    """measure() at the config's own depth."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM, DynamicCache
+    kv_token, kv_dtypes = kv_bytes_per_token(config, autocast=cfg.dtype == "auto", static=cfg.static_decode)
+    eval_kv, eval_dtypes = kv_bytes_per_token(config, autocast=cfg.dtype == "auto" and EVAL_AUTOCAST,
+                                              static=cfg.static_decode) if cfg.eval_every else (0, "-")
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    amp = (lambda on: torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext())
+    vocab, cap = config.vocab_size, cfg.max_response_tokens
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if cfg.gradient_checkpointing:  # as runtime.load_policy sets it
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        kinds = set(getattr(model, "_no_split_modules", None) or [])
+        layers = [m for m in model.modules() if type(m).__name__ in kinds]
+        layer_params = max((sum(p.nbytes for p in m.parameters()) for m in layers), default=0)
+        params = sum(p.nbytes for p in model.parameters())
+        root_params = params - sum(sum(p.nbytes for p in m.parameters()) for m in layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
+        for p in model.parameters():  # the state of a run past its first step: moments and gradients exist
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        state = params + sum(p.grad.nbytes for p in model.parameters()) + sum(
+            t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
+        rows, total = cfg.micro_batch_size, prompt_len + cap
+        prompts, responses = _ids(rows, prompt_len, vocab), _ids(rows, cap, vocab, first=4)
+        kw = dict(pad_token_id=0, temperature=cfg.temperature or 1.0, chunk_size=cfg.logprob_chunk,
+                  share_prefix=cfg.share_prefix)
+
+        def logprob_pass():
+            model.eval()
+            with torch.no_grad(), amp(cfg.dtype == "auto"):
+                response_logprobs(model, prompts, responses, **kw)
+            model.train()
+
+        def forward_backward():
+            with amp(cfg.dtype == "auto"):
+                lp, mask = response_logprobs(model, prompts, responses, **kw)  # (B, T)
+            # core.policy_loss reads its metrics back to the host, which fake tensors cannot; its (B, T) float
+            # temporaries are kilobytes next to the forward, so a masked sum stands for it here (departure 6)
+            (lp * mask).sum().backward()
+
+        def optimizer_step():
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg.grad_clip)
+            opt.step()
+
+        def prefill(n_rows: int, length: int, autocast: bool):
+            def run():
+                model.eval()
+                cache = DynamicCache(config=config)
+                ids = torch.tensor(_ids(n_rows, length, vocab))  # (R, P)
+                with torch.no_grad(), amp(autocast):  # no_grad: MemTracker hooks cannot see inference tensors
+                    model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                                        past_key_values=cache)
+                model.train()
+                run.kv = sum(k.nbytes + v.nbytes for k, v in _cache_tensors(cache))
+            return run
+
+        model.train()
+        logprob_peak = _tracked(logprob_pass, model, opt)["Total"]
+        update_peak = _tracked(forward_backward, model, opt)["Total"]
+        step_peak = _tracked(optimizer_step, model, opt)["Total"]
+        roll = prefill(cfg.gen_batch_size, prompt_len, cfg.dtype == "auto")
+        roll_peak = _tracked(roll, model, opt)["Total"]
+        ev = prefill(cfg.gen_batch_size, eval_prompt_len, cfg.dtype == "auto" and EVAL_AUTOCAST)
+        ev.kv, eval_peak = 0, state
+        if cfg.eval_every:  # Trainer.validate runs
+            eval_peak = _tracked(ev, model, opt)["Total"]
+    return Measured(params=params, layer_params=layer_params, root_params=root_params,
+                    grads=params, opt_state=state - 2 * params, logprob_act=logprob_peak - state,
+                    update_act=update_peak - state, step_temp=step_peak - state,
+                    prefill_act=roll_peak - state - roll.kv, eval_prefill_act=eval_peak - state - ev.kv,
+                    kv_token=kv_token, kv_dtypes=kv_dtypes, eval_kv_token=eval_kv, eval_kv_dtypes=eval_dtypes,
+                    seconds=0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. The plan: phases per rank from the measured terms, the verdict, the table
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    name: str
+    terms: dict[str, int]  # what holds memory in the phase, bytes per rank
+    fix: str  # the flag that lowers the phase's dominant term
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+
+def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt_len: int) -> list[Phase]:
+    """Each phase's terms per rank. With --fsdp the state is divided by the ranks, sampling and the behaviour
+    pass hold a gathered full copy of the weights (runtime.gathered), the update the root and two layers."""
+    r = ranks if cfg.fsdp else 1
+    state = {"weights": m.params // r, "gradients": m.grads // r, "AdamW moments": m.opt_state // r}
+    gathered = {"gathered weights": m.params} if cfg.fsdp else {}
+    rows, cap = cfg.gen_batch_size, cfg.max_response_tokens
+    eval_cap = cfg.eval_max_tokens or cap
+    kv = rows * (prompt_len + cap) * m.kv_token
+    eval_kv = rows * (eval_prompt_len + eval_cap) * m.eval_kv_token
+    units = {"gathered root + 2 layers + 1 layer's grads": m.root_params + 3 * m.layer_params} if cfg.fsdp else {}
+    out = [
+        Phase("rollout", state | gathered | {"prefill activations": m.prefill_act, "KV cache": kv},
+              "--gen-batch-size"),
+        Phase("logprob", state | gathered | {"activations": m.logprob_act}, "--micro-batch-size"),
+        Phase("update", state | units | {"activations": m.update_act},
+              "--micro-batch-size" if cfg.gradient_checkpointing else "--gradient-checkpointing"),
+        Phase("optimizer step", state | {"AdamW temporaries": m.step_temp // r}, "--fsdp"),
+        Phase("evaluation", state | gathered | {"prefill activations": m.eval_prefill_act, "KV cache": eval_kv},
+              "--gen-batch-size"),
+    ]
+    if cfg.fsdp:
+        out.append(Phase("fsdp shard + gather", state | units, "--fsdp (more ranks)"))
+    for ph in out:  # the state dominates: sharding it is the fix
+        if ph.dominant in ("weights", "gradients", "AdamW moments", "AdamW temporaries") and not cfg.fsdp:
+            ph.fix = "--fsdp"
+    return out
+
+
+def verdict(plan: list[Phase], card: int) -> Phase | None:
+    """The first phase over MARGIN of the card, or None when every phase fits."""
+    return next((ph for ph in plan if ph.total > MARGIN * card), None)
+
+
+def refusal(side: str, plan: list[Phase], card: int) -> str | None:
+    """The message that refuses a plan that cannot fit (None when it fits): the phase, its need, the flag."""
+    ph = verdict(plan, card)
+    if ph is None:
+        return None
+    return (f"the memory plan of {side} does not fit: phase '{ph.name}' needs {ph.total / GIB:.1f} GiB of "
+            f"{card / GIB:.1f} GiB (over {MARGIN:.0%}; dominant: {ph.dominant} {ph.terms[ph.dominant] / GIB:.1f} "
+            f"GiB). Fix: {ph.fix}" + (" (or a smaller --micro-batch-size)" if ph.fix == "--gradient-checkpointing"
+                                      else "") + "; `python graft.py plan <the same flags>` prints every phase")
+
+
+def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str) -> str:
+    """The plan of one side as a Markdown table: phase, GiB, share of the card, dominant term, the fixing flag."""
+    head = f"{side}: {note}; card {'unknown (give --gpu-memory)' if not card else f'{card / GIB:.1f} GiB'}, " \
+           f"{ranks} rank(s)"
+    lines = [head, "", "| phase | GiB | of card | dominant term | flag that lowers it |", "|---|---|---|---|---|"]
+    for ph in plan:
+        share = f"{ph.total / card:.0%}" + (" OVER" if ph.total > MARGIN * card else "") if card else "-"
+        lines.append(f"| {ph.name} | {ph.total / GIB:.1f} | {share} | {ph.dominant} "
+                     f"{ph.terms[ph.dominant] / GIB:.1f} | {ph.fix} |")
+    return "\n".join(lines)
+
+
+def card_bytes(cfg: Config, device: torch.device | None = None) -> int | None:
+    """The card's memory: --gpu-memory GiB when given, else the CUDA device's total, else None (unknown)."""
+    if cfg.gpu_memory:
+        return int(cfg.gpu_memory * GIB)
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def plan_side(cfg: Config, *, ranks: int, eval_files: list[str]) -> tuple[list[Phase], str]:
+    """(phases, a one-line note on how the shapes were found) for cfg.model at cfg's flags. eval_files: the
+    benchmark JSONL files Trainer.validate samples (the evaluation phase is planned when --eval-every is set)."""
+    config, source = model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    prompt_len, how = longest_prompt(cfg, [cfg.prompts])
+    eval_len, eval_how = longest_prompt(cfg, eval_files) if cfg.eval_every else (0, "")
+    m = measure(config, cfg, prompt_len=prompt_len, eval_prompt_len=max(eval_len, 1))
+    plan = phases(m, cfg, ranks=ranks, prompt_len=prompt_len, eval_prompt_len=eval_len)
+    if not cfg.eval_every:
+        plan = [ph for ph in plan if ph.name != "evaluation"]
+    layers, kv_heads, head_dim = attention_shape(config)
+    note = (f"config {source} ({m.params / GIB:.1f} GiB of {'bf16' if cfg.dtype == 'bfloat16' else 'fp32'} "
+            f"weights, {layers} layers x {kv_heads} KV heads x {head_dim}); longest prompt {prompt_len} tokens "
+            f"({how}) + cap {cfg.max_response_tokens}; KV {m.kv_token / 1024:.0f} KiB/token ({m.kv_dtypes}) x "
+            f"{cfg.gen_batch_size} rows" + (f"; evaluation: prompt {eval_len} ({eval_how}), KV "
+                                            f"{m.eval_kv_token / 1024:.0f} KiB/token ({m.eval_kv_dtypes})"
+                                            if cfg.eval_every else "")
+            + f"; micro-batch {cfg.micro_batch_size} rows, checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
+            f", fsdp {'on' if cfg.fsdp else 'off'}; measured on fake tensors in {m.seconds:.0f} s")
+    return plan, note
+
+
+def check_at_start(cfg: Config, *, world: int, device: torch.device, eval_files: list[str],
+                   main: bool = True) -> list[Phase]:
+    """The trainer's start-of-run check, before any weight is loaded: the plan of cfg.model at `world` ranks. On
+    CUDA (or wherever --gpu-memory is given) a plan that cannot fit raises SystemExit naming the phase and the flag
+    that fixes it; on the CPU without --gpu-memory it is printed only. Returns the phases."""
+    plan, note = plan_side(cfg, ranks=world, eval_files=eval_files)
+    card = card_bytes(cfg, device)
+    if main:
+        print(table(f"[plan] side {cfg.name!r} {cfg.model}", plan, card, world, note), flush=True)
+    message = refusal(cfg.model, plan, card) if card else None
+    if message and (device.type == "cuda" or cfg.gpu_memory):
+        raise SystemExit(f"graft.py train: {message}")
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. CLI: python graft.py plan <train flags> (--model a,b for both sides of a pair)
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv=None, *, benchmark_files=None) -> int:
+    """`graft.py plan`: the train flags; --model may name several sides (comma-separated). Prints one table per
+    side; exits 1 when a phase does not fit the card (--gpu-memory or the device's). benchmark_files:
+    graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="graft.py plan", description="The memory plan of each side's phases, "
+                                     "measured on fake tensors before anything is allocated (plan.py).")
+    add_config_flags(parser, [f.name for f in dataclasses.fields(Config)])
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    models = [m for m in args.model.split(",") if m]
+    if not models:
+        raise SystemExit("graft.py plan: --model is required (a hub id, a folder, a config.json; a,b for a pair)")
+    base = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+    ranks = base.ranks or 1
+    device = torch.device("cuda") if torch.cuda.is_available() else None
+    eval_files = []
+    if base.eval_every and benchmark_files is not None:
+        try:
+            eval_files = [str(p) for p in benchmark_files(base.benchmarks, base.data_dir).values()]
+        except SystemExit:  # benchmarks not prepared: the evaluation is planned at --max-prompt-tokens
+            eval_files = []
+    worst = 0
+    for model in models:
+        cfg = dataclasses.replace(base, model=model)
+        plan, note = plan_side(cfg, ranks=ranks, eval_files=eval_files)
+        card = card_bytes(cfg, device)
+        print(table(model, plan, card, ranks, note) + "\n", flush=True)
+        message = refusal(model, plan, card) if card else None
+        if message:
+            print(message + "\n", flush=True)
+            worst = 1
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())
