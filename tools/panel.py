@@ -78,7 +78,7 @@ from config import build_parser as graft_parser, field_docs
 from core import assignment_digest, multi_peer_sources, success_counts
 from exchange import load_rollouts, rollout_path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 MODELS = ("A", "B")
 """The two models' labels (folders under the panel's runs); their graft.py side names are the lower case."""
 

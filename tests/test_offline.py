@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import complement
+from tools import complement
 import foreign
 from exchange import StepRollouts, file_sha256, save_rollouts
-from complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail, prob_all_pass,
-                        read_eval_results, read_rollout_folder)
+from tools.complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail,
+                              prob_all_pass, read_eval_results, read_rollout_folder)
 from foreign import load_foreign_log, match_records, normalise_problem, read_foreign_records
 from config import Config
 from core import compatibility_scores, graft_candidates, group_advantages, masked_group_advantages, success_counts
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 TINY_A = ROOT / "data" / "tiny_models" / "A"
 
 # ------------------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-import panel
+from tools import panel
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, os.path.join(HERE, "data"))
 import tiny_tasks  # noqa: E402
 
