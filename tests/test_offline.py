@@ -18,6 +18,7 @@ import torch
 
 from tools import complement
 import foreign
+from bench.foreign import bench_foreign
 from exchange import StepRollouts, file_sha256, save_rollouts
 from tools.complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail,
                               prob_all_pass, read_eval_results, read_rollout_folder)
@@ -515,7 +516,7 @@ def test_bench_foreign_planted_file_counts(tmp_path):
                for i in range(50)]
     out = io.StringIO()
     with redirect_stdout(out):
-        foreign.bench_foreign(prompts, records=100, group=5, folder=tmp_path)
+        bench_foreign(prompts, records=100, group=5, folder=tmp_path)
     text = out.getvalue()
     # 20 groups of 5: groups 9 and 19 are not in the run; odd groups by text, even by id; 1 in 3 wrong
     assert "100 records; matched 50 by id, 40 by problem text; unmatched 10" in text
