@@ -158,12 +158,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from data import tiny_tasks  # the problem generator
+from tools import panel  # the mechanism panel: its job queue, file readers and table cells
+from tools.panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources, with_prefix,
+                         write_lines)
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-sys.path.insert(0, os.path.join(HERE, "data"))
-import tiny_tasks  # noqa: E402  (data/tiny_tasks.py: the problem generator)
-from tools import panel  # noqa: E402  (the mechanism panel: its job queue, file readers and table cells)
-from tools.panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources,  # noqa: E402
-                         with_prefix, write_lines)
 
 PROMPT_TEMPLATE = "{problem}\n"
 """The tiny preset's prompt: the problem and a newline. Short, because every prompt token of the
