@@ -67,6 +67,8 @@ from sampler import response_logprobs, sample  # the code whose memory is measur
 GIB = 1024 ** 3
 MARGIN = 0.95
 """A phase fits when it needs at most this share of the card (the rest: allocator fragmentation, CUDA context)."""
+MISFIT = 3
+"""`graft.py plan`'s exit status when a phase does not fit (run_pair.sh switches FSDP2 on by it)."""
 EVAL_AUTOCAST = False
 """Trainer.validate samples with the training weights outside the trainer's autocast (graft.py section 2)."""
 
@@ -414,8 +416,10 @@ def refusal(side: str, plan: list[Phase], card: int) -> str | None:
                                       else "") + "; `python graft.py plan <the same flags>` prints every phase")
 
 
-def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str) -> str:
-    """The plan of one side as a Markdown table: phase, GiB, share of the card, dominant term, the fixing flag."""
+def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str,
+          rows: tuple[int, int] | None = None) -> str:
+    """The plan of one side as a Markdown table: phase, GiB, share of the card, dominant term, the fixing flag;
+    rows = (--gen-batch-size, --micro-batch-size): also the largest of each that fit."""
     head = f"{side}: {note}; card {'unknown (give --gpu-memory)' if not card else f'{card / GIB:.1f} GiB'}, " \
            f"{ranks} rank(s)"
     lines = [head, "", "| phase | GiB | of card | dominant term | flag that lowers it |", "|---|---|---|---|---|"]
@@ -423,7 +427,28 @@ def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str)
         share = f"{ph.total / card:.0%}" + (" OVER" if ph.total > MARGIN * card else "") if card else "-"
         lines.append(f"| {ph.name} | {ph.total / GIB:.1f} | {share} | {ph.dominant} "
                      f"{ph.terms[ph.dominant] / GIB:.1f} | {ph.fix} |")
+    if card and rows:
+        gen = largest_fit(plan, card, rows=rows[0], phase_names=("rollout", "evaluation"),
+                          per_row_terms=("KV cache", "prefill activations"))
+        mb = largest_fit(plan, card, rows=rows[1], phase_names=("update", "logprob"), per_row_terms=("activations",))
+        lines += ["", f"largest that fit at these settings (those terms taken as linear in the rows): "
+                      f"--gen-batch-size {gen}, --micro-batch-size {mb}"]
     return "\n".join(lines)
+
+
+def largest_fit(plan: list[Phase], card: int, *, rows: int, phase_names: tuple[str, ...],
+                per_row_terms: tuple[str, ...]) -> int:
+    """The most rows at which every named phase fits MARGIN of the card, the named terms taken as linear in the
+    rows (the KV cache and the prefill in --gen-batch-size, activations in --micro-batch-size); 0 = none."""
+    most = None
+    for ph in plan:
+        if ph.name not in phase_names:
+            continue
+        per_row = sum(v for k, v in ph.terms.items() if k in per_row_terms) / rows
+        fixed = ph.total - per_row * rows
+        fit = int((MARGIN * card - fixed) // per_row) if per_row > 0 else rows
+        most = fit if most is None else min(most, fit)
+    return max(0, most or 0)
 
 
 def card_bytes(cfg: Config, device: torch.device | None = None) -> int | None:
@@ -479,7 +504,7 @@ def check_at_start(cfg: Config, *, world: int, device: torch.device, eval_files:
 
 def main(argv=None, *, benchmark_files=None) -> int:
     """`graft.py plan`: the train flags; --model may name several sides (comma-separated). Prints one table per
-    side; exits 1 when a phase does not fit the card (--gpu-memory or the device's). benchmark_files:
+    side; exits MISFIT (3) when a phase does not fit the card (--gpu-memory or the device's). benchmark_files:
     graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
     import argparse
     parser = argparse.ArgumentParser(prog="graft.py plan", description="The memory plan of each side's phases, "
@@ -503,11 +528,12 @@ def main(argv=None, *, benchmark_files=None) -> int:
         cfg = dataclasses.replace(base, model=model)
         plan, note = plan_side(cfg, ranks=ranks, eval_files=eval_files)
         card = card_bytes(cfg, device)
-        print(table(model, plan, card, ranks, note) + "\n", flush=True)
+        print(table(model, plan, card, ranks, note, rows=(cfg.gen_batch_size, cfg.micro_batch_size)) + "\n",
+              flush=True)
         message = refusal(model, plan, card) if card else None
         if message:
             print(message + "\n", flush=True)
-            worst = 1
+            worst = MISFIT
     return worst
 
 

@@ -15,8 +15,12 @@
 # Flags after the preset go to every graft.py process, e.g. `bash run_pair.sh pair1 --variant sgt`,
 # `--order uniform`, `--no-balance`, `--compat-norm byte`; FLAGS_A / FLAGS_B go to one side only (e.g.
 # FLAGS_A=--chat-template for an instruct model paired with a base model). Every variable below has a
-# default and can be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`;
-# FSDP=1 / 0 forces FSDP2 sharding on / off, default auto: on for GPUs under 80 GB with two or more per side).
+# default and can be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`).
+# Memory (pair1-3, grpo): the launcher passes --gradient-checkpointing --micro-batch-size $MICRO_BATCH (4)
+# --gen-batch-size $GEN_BATCH (32), settings of ours chosen from the memory plan (plan.py; RESULTS.md "The memory
+# plan": every phase of the paper's models within 95% of an H100-80GB and an H200); flags after the preset
+# override them. FSDP=auto (default) runs `graft.py plan` for each side with two or more GPUs and passes --fsdp
+# when the data-parallel plan does not fit the card; FSDP=1 / 0 forces FSDP2 sharding on / off.
 # A pair splits the GPUs in two halves (printed); with one GPU both sides share it, with none both run
 # on the CPU. When one side exits non-zero the other is stopped at once. Each launch passes both sides
 # a fresh --run-id (not with --resume, which keeps the run's), so two pairs started in one exchange
@@ -66,10 +70,12 @@ GPUS_B=${GPUS_B-$SPLIT_B}
 SMOL=${SMOL:-HuggingFaceTB/SmolLM3-3B-Base}
 QWEN=${QWEN:-Qwen/Qwen3-1.7B-Base}
 OCTO=${OCTO:-OctoThinker/OctoThinker-3B-Hybrid-Base}
-# FSDP2: auto = shard (--fsdp) when the GPUs have under 80 GB and a side has more than one of them;
-# a 3B model needs ~70 GB per GPU under plain data parallel (README, "Running the pair on a GPU node").
+# FSDP2: auto = the memory plan decides (fsdp_flag); 1 / 0 = on / off.
 FSDP=${FSDP:-auto}
-GPU_MEM_MIB=${GPU_MEM_MIB:-$( (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) || echo 0)}
+# The memory settings of the GPU presets (header; README "Running the pair on a GPU node"): ours, not the paper's.
+MICRO_BATCH=${MICRO_BATCH:-4}
+GEN_BATCH=${GEN_BATCH:-32}
+LAUNCH_FLAGS=(--gradient-checkpointing --micro-batch-size "$MICRO_BATCH" --gen-batch-size "$GEN_BATCH")
 
 first_host() {  # first_host NODELIST: the first host of a Slurm node list ("gpu-[003-006,010],cpu1" -> gpu-003)
   if command -v scontrol >/dev/null; then scontrol show hostnames "$1" | head -n 1; return; fi
@@ -97,10 +103,19 @@ run() { if [ "$DRY_RUN" = 1 ]; then show "$@"; else show "$@" >&2; "$@"; fi; }
 count() { echo "$1" | tr ',' '\n' | grep -c . || true; }
 nproc_of() { local c; c=$(count "$1"); echo "${NPROC_PER_NODE:-$(( c > 0 ? c : 1 ))}"; }  # no GPU: one CPU process
 device_of() { [ -n "$1" ] && echo cuda || echo cpu; }
-fsdp_flag() {  # fsdp_flag GPUS: prints --fsdp when this side should shard its model
+fsdp_flag() {  # fsdp_flag GPUS RANKS MODEL [train flags...]: prints --fsdp when this side should shard its model
+  local gpus=$1 ranks=$2 model=$3 rc=0; shift 3
   case "$FSDP" in
     1) echo --fsdp ;;
-    auto) if [ "$GPU_MEM_MIB" -gt 0 ] && [ "$GPU_MEM_MIB" -lt 79000 ] && [ "$(count "$1")" -gt 1 ]; then echo --fsdp; fi ;;
+    auto)  # the memory plan (plan.py, fake tensors) of the data-parallel setting; status 3 = a phase does not fit
+      [ -n "$gpus" ] && [ "$ranks" -gt 1 ] || return 0
+      if [ "$DRY_RUN" = 1 ]; then echo "run_pair.sh: DRY_RUN: FSDP=auto's memory plan is not run" >&2; return 0; fi
+      env CUDA_VISIBLE_DEVICES="$gpus" $PYTHON graft.py plan --model "$model" --ranks "$ranks" "$@" >&2 || rc=$?
+      if [ "$rc" -eq 3 ]; then
+        echo --fsdp
+      elif [ "$rc" -ne 0 ]; then
+        echo "run_pair.sh: the memory plan of $model failed (status $rc): FSDP stays off (FSDP=1 forces it)" >&2
+      fi ;;
   esac
 }
 of_side() {  # of_side a|b NAME DEFAULT: A_NAME (B_NAME), else NAME, else DEFAULT
@@ -158,13 +173,14 @@ prepare_data() {
 # One side of a pair: torchrun over its GPUs (and nodes), meeting the other side in the exchange directory.
 side() {  # side NAME PEER_NAME MODEL GPUS OUT EXCHANGE TAG [flags...]
   local name=$1 peer=$2 model=$3 gpus=$4 out=$5 ex=$6 tag=$7; shift 7
-  local rdzv
+  local rdzv ranks
   mapfile -t rdzv < <(rendezvous "$name" "$tag")
+  ranks=$(( $(nproc_of "$gpus") * $(of_side "$name" NNODES 1) ))
+  local flags=(--prompts "$DATA/math_train.jsonl" --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" --eval-every 5
+    --benchmarks all --device "$(device_of "$gpus")" "${LAUNCH_FLAGS[@]}")
   local cmd=(env CUDA_VISIBLE_DEVICES="$gpus" $PYTHON -m torch.distributed.run "${rdzv[@]}"
     --nproc_per_node "$(nproc_of "$gpus")" graft.py train --model "$model" --name "$name" --peer-name "$peer"
-    --peer-exchange "$ex" --out "$out" --prompts "$DATA/math_train.jsonl" --data-dir "$DATA"
-    --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all --device "$(device_of "$gpus")"
-    $(fsdp_flag "$gpus") "$@")
+    --peer-exchange "$ex" --out "$out" "${flags[@]}" $(fsdp_flag "$gpus" "$ranks" "$model" "${flags[@]}" "$@") "$@")
   if [ "$DRY_RUN" = 1 ]; then show "${cmd[@]}"; return; fi
   show "${cmd[@]}" >&2
   exec "${cmd[@]}"  # the background job is torchrun itself, so that stopping the side stops its workers too
@@ -305,10 +321,11 @@ case "$PRESET" in
     prepare_data
     MODEL_A=${MODEL_A:-$QWEN}
     GPUS=${GPUS:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}
+    GRPO_FLAGS=(--prompts "$DATA/math_train.jsonl" --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" --eval-every 5
+      --benchmarks all "${LAUNCH_FLAGS[@]}")
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
-      graft.py train --model "$MODEL_A" --out "${OUT:-$RUNS/grpo_$(basename "$MODEL_A")}" \
-      --prompts "$DATA/math_train.jsonl" --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" \
-      --eval-every 5 --benchmarks all "$@" ;;
+      graft.py train --model "$MODEL_A" --out "${OUT:-$RUNS/grpo_$(basename "$MODEL_A")}" "${GRPO_FLAGS[@]}" \
+      $(fsdp_flag "$([ "$NGPU" -gt 0 ] && echo "$GPUS")" "$(count "$GPUS")" "$MODEL_A" "${GRPO_FLAGS[@]}" "$@") "$@" ;;
   offline)
     prepare_data
     MODEL_B=${MODEL_B:-$QWEN}

@@ -1,0 +1,160 @@
+"""plan.py: the memory plan against real measurements, the trainer's refusal, the sampler's KV bytes per token.
+
+Tiny configs only (a few seconds each): the plan's update figure against MemTracker on real tensors of the same
+step; the trainer stopping before the weights load with a message that names the phase and the flag, and the
+flag it names making the plan fit; the KV cache bytes per token read through sampler.sample against the formula
+for the dtypes it stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+import graft
+import plan
+from config import Config
+from sampler import response_logprobs
+from core import policy_loss
+
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+def tiny_config(**over) -> Qwen3Config:
+    return Qwen3Config(**(SHAPE | over))
+
+
+# ------------------------------------------------------------------------------------------------
+# The update figure: the plan on fake tensors against MemTracker on real tensors of the same step
+# ------------------------------------------------------------------------------------------------
+
+
+def real_update_peak(config, cfg: Config, *, prompt_len: int) -> int:
+    """Peak bytes of one update micro-batch on real CPU tensors, as the trainer runs it: a model past its first
+    step (AdamW moments and gradients held), the chunked log-prob forward, core.policy_loss, backward, the step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    rows, cap = cfg.micro_batch_size, cfg.max_response_tokens
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(rows)]
+    # the last row one token short: a real micro-batch is padded, so transformers builds its attention mask (with
+    # rows all alike it would skip it, which it cannot know on fake tensors: the plan counts the mask)
+    responses = [torch.randint(3, config.vocab_size, (cap - (i == rows - 1),), generator=g).tolist()
+                 for i in range(rows)]
+    mt = MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        lp, mask = response_logprobs(model, prompts, responses, pad_token_id=0, chunk_size=cfg.logprob_chunk,
+                                     share_prefix=cfg.share_prefix)  # (B, T)
+        ones = torch.ones(rows)  # (B,)
+        loss, _ = policy_loss(logp=lp, old_logp=lp.detach() - 0.01, advantages=ones, mask=mask, weights=ones,
+                              eps_low=cfg.eps_low, eps_high=cfg.eps_high, loss_denominator=int(mask.sum()))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg.grad_clip)
+        opt.step()
+    (snap,) = mt.get_tracker_snapshot("peak").values()
+    return int(snap["Total"])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_plan_update_equals_a_real_measurement_of_the_same_step(checkpointing):
+    cfg = Config(model="tiny", dtype="float32", micro_batch_size=4, max_response_tokens=96, max_prompt_tokens=32,
+                 gen_batch_size=4, gradient_checkpointing=checkpointing, logprob_chunk=64)
+    config = tiny_config()
+    m = plan.measure(config, cfg, prompt_len=32, eval_prompt_len=1)
+    by_name = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=32, eval_prompt_len=1)}
+    planned = max(by_name["update"].total, by_name["optimizer step"].total)
+    real = real_update_peak(config, cfg, prompt_len=32)
+    assert abs(planned - real) <= 0.10 * real, f"plan {planned / 2**20:.2f} MiB vs real {real / 2**20:.2f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer's refusal: the phase and the flag, and the flag makes it fit
+# ------------------------------------------------------------------------------------------------
+
+
+class Loaded(Exception):
+    """Raised in place of loading the weights: the plan let the trainer through."""
+
+
+def test_trainer_refuses_before_loading_and_the_named_flag_fits(tmp_path, monkeypatch):
+    config = tiny_config(num_hidden_layers=8)
+    (tmp_path / "m").mkdir()
+    config.save_pretrained(tmp_path / "m")  # a config and no weights: the check runs before any weight loads
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"{i}+1", "answer": str(i + 1)}) + "\n"
+                               for i in range(8)))
+    base = Config(model=str(tmp_path / "m"), prompts=str(prompts), prompts_per_step=8, dtype="float32",
+                  micro_batch_size=8, max_response_tokens=256, max_prompt_tokens=16, gen_batch_size=2,
+                  logprob_chunk=64, memory_plan="always", threads=1)
+
+    def load_policy(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(graft, "load_policy", load_policy)
+    # the card between the update's need without and with checkpointing (as the plan measures them)
+    needs = {}
+    for ckpt in (False, True):
+        cfg = dataclasses.replace(base, gradient_checkpointing=ckpt)
+        phases, _ = plan.plan_side(cfg, ranks=1, eval_files=[])
+        needs[ckpt] = {ph.name: ph.total for ph in phases}
+    assert needs[True]["update"] < needs[False]["update"]
+    card = (needs[True]["update"] + needs[False]["update"]) / 2 / plan.MARGIN
+    assert max(v for k, v in needs[False].items() if k != "update") < plan.MARGIN * card, needs
+    gib = card / plan.GIB
+    with pytest.raises(SystemExit) as e:
+        graft.Trainer(dataclasses.replace(base, gpu_memory=gib, out=str(tmp_path / "r1")))
+    assert "phase 'update'" in str(e.value) and "Fix: --gradient-checkpointing" in str(e.value), str(e.value)
+    with pytest.raises(Loaded):  # the named flag: the plan passes, the trainer goes on to load the weights
+        graft.Trainer(dataclasses.replace(base, gpu_memory=gib, gradient_checkpointing=True, out=str(tmp_path / "r2")))
+
+
+def test_plan_command_prints_each_side_and_fails_on_a_misfit(tmp_path, capsys):
+    (tmp_path / "c.json").write_text(json.dumps(tiny_config(num_hidden_layers=2).to_dict()))
+    flags = ["plan", "--model", f"{tmp_path / 'c.json'},{tmp_path / 'c.json'}", "--max-response-tokens", "32",
+             "--max-prompt-tokens", "8", "--gen-batch-size", "2", "--micro-batch-size", "2", "--dtype", "float32"]
+    assert graft.main(flags + ["--gpu-memory", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| update |") == 2 and "| rollout |" in out, out
+    with pytest.raises(SystemExit) as e:
+        graft.main(flags + ["--gpu-memory", "0.0001"])
+    assert e.value.code == plan.MISFIT
+    assert "does not fit: phase 'rollout'" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# The KV cache bytes per token, read through the sampler
+# ------------------------------------------------------------------------------------------------
+
+SIZES = {"float32": 4, "bfloat16": 2}
+
+
+def test_kv_bytes_per_token_through_the_sampler():
+    config = tiny_config()
+    layers, kv_heads, head_dim = 4, 2, 16
+    fp32, dtypes = plan.kv_bytes_per_token(config, autocast=False)
+    assert dtypes == "K float32, V float32"
+    assert fp32 == 2 * layers * kv_heads * head_dim * 4
+    amp, dtypes = plan.kv_bytes_per_token(config, autocast=True)
+    k, v = (part.split()[1] for part in dtypes.split(", "))
+    # Under bf16 autocast V comes out of a bf16 matmul. K: Qwen3's q/k norm (fp32 weight) and the fp32 RoPE
+    # tables promote it to float32 unless the sampler stores it in the autocast dtype (issue 46 item 3); once it
+    # does, this is 2 x layers x kv_heads x head_dim x 2 bytes.
+    assert v == "bfloat16" and k in SIZES, dtypes
+    assert amp == layers * kv_heads * head_dim * (SIZES[k] + SIZES[v])
+    deeper, _ = plan.kv_bytes_per_token(tiny_config(num_hidden_layers=8), autocast=True)
+    assert deeper == 2 * amp  # read from every layer of the sampler's cache, not from the config
