@@ -275,13 +275,8 @@ class Trainer(RunFiles):
         self.run_id = self.join_pair()
         try:
             if cfg.memory_plan == "always" or (cfg.memory_plan == "cuda" and self.dist.device.type == "cuda"):
-                # before any weight loads: a setting that cannot fit stops here, naming the phase and the flag
-                try:
-                    eval_files = [str(p) for p in benchmark_files(cfg.benchmarks, cfg.data_dir).values()]
-                except SystemExit:  # not prepared yet (validate names it): planned at --max-prompt-tokens
-                    eval_files = []
                 check_at_start(cfg, world=self.dist.world, device=self.dist.device, main=self.dist.main,
-                               eval_files=eval_files if cfg.eval_every else [])
+                               benchmark_files=benchmark_files)  # before any weight loads: a misfit stops here
             self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
             self.eos_id = self.stop_ids[0]
             self.amp = lambda: compute_context(cfg, self.dist)
@@ -1174,10 +1169,7 @@ def main(argv=None):
         return panel.main(argv[1:])
     if argv[:1] == ["plan"]:  # the train flags (--model a,b for both sides), --gpu-memory, --ranks
         import plan
-        code = plan.main(argv[1:], benchmark_files=benchmark_files)
-        if code:
-            raise SystemExit(code)  # a phase does not fit the card
-        return code
+        raise SystemExit(plan.main(argv[1:], benchmark_files=benchmark_files))  # 3: a phase does not fit
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
         from tools import plot  # matplotlib only there
         return plot.main(argv[1:])

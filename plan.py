@@ -477,20 +477,34 @@ def plan_side(cfg: Config, *, ranks: int, eval_files: list[str]) -> tuple[list[P
             f"{cfg.gen_batch_size} rows" + (f"; evaluation: prompt {eval_len} ({eval_how}), KV "
                                             f"{m.eval_kv_token / 1024:.0f} KiB/token ({m.eval_kv_dtypes})"
                                             if cfg.eval_every else "")
-            + f"; micro-batch {cfg.micro_batch_size} rows, checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
-            f", fsdp {'on' if cfg.fsdp else 'off'}; measured on fake tensors in {m.seconds:.0f} s")
+            + f"; micro-batch {cfg.micro_batch_size} rows, checkpointing "
+            f"{'on' if cfg.gradient_checkpointing else 'off'}, fsdp {'on' if cfg.fsdp else 'off'}; measured on fake "
+            f"tensors in {m.seconds:.0f} s")
     return plan, note
 
 
-def check_at_start(cfg: Config, *, world: int, device: torch.device, eval_files: list[str],
+def benchmark_paths(cfg: Config, benchmark_files) -> list[str]:
+    """The benchmark files Trainer.validate samples (none without --eval-every; none when not prepared yet: the
+    evaluation is then planned at --max-prompt-tokens). benchmark_files: graft.benchmark_files."""
+    if not cfg.eval_every or benchmark_files is None:
+        return []
+    try:
+        return [str(p) for p in benchmark_files(cfg.benchmarks, cfg.data_dir).values()]
+    except SystemExit:  # a missing benchmark file: Trainer.validate names it when it runs
+        return []
+
+
+def check_at_start(cfg: Config, *, world: int, device: torch.device, benchmark_files=None,
                    main: bool = True) -> list[Phase]:
     """The trainer's start-of-run check, before any weight is loaded: the plan of cfg.model at `world` ranks. On
     CUDA (or wherever --gpu-memory is given) a plan that cannot fit raises SystemExit naming the phase and the flag
-    that fixes it; on the CPU without --gpu-memory it is printed only. Returns the phases."""
-    plan, note = plan_side(cfg, ranks=world, eval_files=eval_files)
+    that fixes it; on the CPU without --gpu-memory it is printed only. Returns the phases. benchmark_files:
+    graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
+    plan, note = plan_side(cfg, ranks=world, eval_files=benchmark_paths(cfg, benchmark_files))
     card = card_bytes(cfg, device)
     if main:
-        print(table(f"[plan] side {cfg.name!r} {cfg.model}", plan, card, world, note), flush=True)
+        print(table(f"[plan] side {cfg.name!r} {cfg.model}", plan, card, world, note,
+                    rows=(cfg.gen_batch_size, cfg.micro_batch_size)), flush=True)
     message = refusal(cfg.model, plan, card) if card else None
     if message and (device.type == "cuda" or cfg.gpu_memory):
         raise SystemExit(f"graft.py train: {message}")
@@ -517,16 +531,11 @@ def main(argv=None, *, benchmark_files=None) -> int:
     base = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
     ranks = base.ranks or 1
     device = torch.device("cuda") if torch.cuda.is_available() else None
-    eval_files = []
-    if base.eval_every and benchmark_files is not None:
-        try:
-            eval_files = [str(p) for p in benchmark_files(base.benchmarks, base.data_dir).values()]
-        except SystemExit:  # benchmarks not prepared: the evaluation is planned at --max-prompt-tokens
-            eval_files = []
+    files = benchmark_paths(base, benchmark_files)
     worst = 0
     for model in models:
         cfg = dataclasses.replace(base, model=model)
-        plan, note = plan_side(cfg, ranks=ranks, eval_files=eval_files)
+        plan, note = plan_side(cfg, ranks=ranks, eval_files=files)
         card = card_bytes(cfg, device)
         print(table(model, plan, card, ranks, note, rows=(cfg.gen_batch_size, cfg.micro_batch_size)) + "\n",
               flush=True)
