@@ -132,11 +132,11 @@ def test_read_rollout_folder_union_and_latest(tmp_path):
     assert latest["p0"] == (2, 4) and latest["p1"] == (2, 4)
 
 
-def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
-    from exchange import load_rollouts
+def test_read_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
+    from exchange import load_rollouts, read_rewards
     a, _ = planted_pair(tmp_path)
     f = a / "step_000001.safetensors"
-    ids, rewards, meta = complement.read_step_rewards(f)
+    ids, rewards, meta = read_rewards(f)
     full, _ = load_rollouts(f)
     assert ids == full.prompt_ids == ["p0", "p5", "p6", "p7", "p8"] and torch.equal(rewards, full.rewards)
     assert meta["n"] == "4"
@@ -149,7 +149,10 @@ def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
     save_file({"rewards": torch.zeros(1, 2), "prompt_ids": torch.zeros(1, dtype=torch.uint8),
                "prompt_id_offsets": torch.tensor([0, 1])}, str(bad), metadata={"format": "other"})
     with pytest.raises(ValueError, match="not a GRAFT rollout file"):
-        complement.read_step_rewards(bad)
+        read_rewards(bad)
+    save_file({"rewards": torch.zeros(1, 2)}, str(bad), metadata={"format": "graft-rollouts", "version": "1"})
+    with pytest.raises(ValueError, match=r"missing tensors \['prompt_ids', 'prompt_id_offsets'\]"):
+        read_rewards(bad)
 
 
 def test_complement_table_on_planted_folders(tmp_path, capsys):
