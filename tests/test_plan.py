@@ -3,13 +3,16 @@
 Tiny configs only (a few seconds each): the plan's update figure against MemTracker on real tensors of the same
 step; the trainer stopping before the weights load with a message that names the phase and the flag, and the
 flag it names making the plan fit; the KV cache bytes per token read through sampler.sample against the formula
-for the dtypes it stores.
+for the dtypes it stores; run_pair.sh passing --fsdp to the side whose data-parallel plan does not fit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +171,37 @@ def test_kv_bytes_per_token_through_the_sampler():
     assert amp == layers * kv_heads * head_dim * (SIZES[k] + SIZES[v])
     deeper, _ = plan.kv_bytes_per_token(tiny_config(num_hidden_layers=8), autocast=True)
     assert deeper == 2 * amp  # read from every layer of the sampler's cache, not from the config
+
+
+# ------------------------------------------------------------------------------------------------
+# run_pair.sh: FSDP=auto follows the plan's exit status
+# ------------------------------------------------------------------------------------------------
+
+FAKE_PYTHON = '''#!/usr/bin/env bash
+# stands for python: `graft.py plan` exits 3 (does not fit) for the model named in $MISFIT, 0 for the others;
+# every call logs its arguments
+if [ "$2" = plan ]; then echo "plan $*" >> "$LOG"; case " $* " in *" --model $MISFIT "*) exit 3 ;; esac; exit 0; fi
+echo "$*" >> "$LOG"
+'''
+
+
+@pytest.mark.parametrize("misfit, sharded", [("Qwen/Qwen3-1.7B-Base", "b"), ("none", "")])
+def test_run_pair_switches_fsdp_by_the_plan(tmp_path, misfit, sharded):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "math_train.jsonl").write_text("")
+    log = tmp_path / "log"
+    env = dict(os.environ, PYTHON=str(fake), DATA=str(tmp_path / "data"), RUNS=str(tmp_path / "runs"), LOG=str(log),
+               STEPS="1", NGPU="8", MISFIT=misfit)
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(root / "run_pair.sh"), "pair1"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = log.read_text().splitlines()
+    plans = [x for x in lines if x.startswith("plan ")]
+    assert len(plans) == 2 and all("--ranks 4 " in x and "--gradient-checkpointing" in x for x in plans), plans
+    trains = {x.split("--name ")[1].split()[0]: x for x in lines if " train " in x}
+    assert set(trains) == {"a", "b"}, lines
+    assert {s for s, x in trains.items() if " --fsdp" in x} == set(sharded), trains
