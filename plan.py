@@ -1,5 +1,5 @@
 """The memory plan: what one trainer process needs on its card in each phase of a step, measured before
-anything is allocated (README "Running the pair on a GPU node", RESULTS.md "The memory plan").
+anything is allocated (README "Running the pair on a GPU node", docs/RESULTS.md "The memory plan").
 
 Each side's model is built from its config (transformers' AutoConfig of --model, a config.json, or a shape
 below for the paper's models when there is no network) under torch's FakeTensorMode: tensors carry shapes,
@@ -41,12 +41,12 @@ Departures and shortcuts (what the figures are and are not):
      host: fake tensors have no values); its (B, T) temporaries are kilobytes beside the forward's.
   7. A model deeper than 8 layers is measured at its real width at 4 and 8 layers and extrapolated linearly to
      its depth (exact for a stack of alike layers: the state, the cache and the checkpointed inputs grow by
-     layer, the transient of one layer does not); RESULTS.md checks it against a full-depth measurement.
+     layer, the transient of one layer does not); docs/RESULTS.md checks it against a full-depth measurement.
 
 Launch lines:
     python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.2 --ranks 4 \\
-        --gradient-checkpointing --micro-batch-size 4 --gen-batch-size 128
-    python plan.py ...   (the same)
+        --gradient-checkpointing --micro-batch-size 4 --gen-batch-size 32 --eval-every 5
+    python -m bench.plan_check --model Qwen/Qwen3-1.7B-Base --prompt 2048   (the update against a full-depth run)
 """
 
 from __future__ import annotations
@@ -158,11 +158,13 @@ def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return []
 
 
-def kv_bytes_per_token(config, *, autocast: bool, static: bool = False) -> tuple[int, str]:
+def kv_bytes_per_token(config, *, autocast: bool, static: bool = False,
+                       dtype: torch.dtype = torch.float32) -> tuple[int, str]:
     """Bytes of KV cache per token that sampler.sample stores for this config, and their dtypes ("K float32,
     V bfloat16"): the sampler runs (2 prompts, 2 new tokens) on a random model with the config's layers, KV heads
     and head size but a hidden size of KV heads x head size, a 64-wide MLP and a 256-token vocabulary, under bf16
-    autocast when `autocast`, fp32 weights as the trainer holds them; every cache handed to the model is read."""
+    autocast when `autocast`, weights in `dtype` as the trainer holds them (fp32; bf16 with --dtype bfloat16);
+    every cache handed to the model is read."""
     from transformers import AutoModelForCausalLM
     layers, kv_heads, head_dim = attention_shape(config)
     narrow = config.to_dict()
@@ -172,7 +174,7 @@ def kv_bytes_per_token(config, *, autocast: bool, static: bool = False) -> tuple
         narrow["head_dim"] = head_dim
     mcfg = type(config).from_dict(narrow)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype)
     seen: dict = {"bytes": 0, "dtypes": set()}
 
     def hook(module, args, kwargs, out):
@@ -277,10 +279,11 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
     """measure() at the config's own depth."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM, DynamicCache
-    kv_token, kv_dtypes = kv_bytes_per_token(config, autocast=cfg.dtype == "auto", static=cfg.static_decode)
-    eval_kv, eval_dtypes = kv_bytes_per_token(config, autocast=cfg.dtype == "auto" and EVAL_AUTOCAST,
-                                              static=cfg.static_decode) if cfg.eval_every else (0, "-")
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    kv_token, kv_dtypes = kv_bytes_per_token(config, autocast=cfg.dtype == "auto", static=cfg.static_decode,
+                                             dtype=dtype)
+    eval_kv, eval_dtypes = kv_bytes_per_token(config, autocast=cfg.dtype == "auto" and EVAL_AUTOCAST,
+                                              static=cfg.static_decode, dtype=dtype) if cfg.eval_every else (0, "-")
     amp = (lambda on: torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext())
     vocab, cap = config.vocab_size, cfg.max_response_tokens
     with FakeTensorMode():
