@@ -162,7 +162,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "data"))
 import tiny_tasks  # noqa: E402  (data/tiny_tasks.py: the problem generator)
 import panel  # noqa: E402  (the mechanism panel; its job queue, file readers and table cells serve the preset too)
-from panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources,  # noqa: E402
+from panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources, with_prefix,  # noqa: E402
                    write_lines)
 
 PROMPT_TEMPLATE = "{problem}\n"
@@ -804,6 +804,10 @@ def drop_stale_eval(out: str, files: list[str]) -> None:
         os.remove(out)
 
 
+HELD_OUT_JOBS = "held-out"
+"""Prefix of the held-out table's job names (the panel's are ``panel/...``): both lists name runs ``s0/grpo/A``."""
+
+
 def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) -> list[Job]:
     """Every graft.py process of the preset as jobs in priority order, seed by seed: the exchange runs
     (two or three processes each), the single-model runs, then that seed's evaluations, which fill the
@@ -857,7 +861,7 @@ def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) ->
         # after seed 0's jobs: it waits for every seed's received prompts, so it cannot start earlier
         jobs.insert(len(jobs) // pc.seeds, Job(f"eval before/{model}", [(args, before + ".log")], [before],
                                                deps=tuple(f"s{s}/{v.label}" for s in range(pc.seeds) for v in mine)))
-    return jobs
+    return with_prefix(HELD_OUT_JOBS, jobs)  # the panel's jobs, queued with these, reuse the run names
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1040,7 +1044,7 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
         for r in [r for r in exch if len(r.group) == len(models)]:
             pair = f"{r.method}_{''.join(models[:2])}"
             for s in range(pc.seeds):
-                t3, t2 = timing.get(f"s{s}/{r.label}"), timing.get(f"s{s}/{pair}")
+                t3, t2 = (timing.get(f"{HELD_OUT_JOBS}/s{s}/{label}") for label in (r.label, pair))
                 if t3 and t2:
                     out.append(f"  seed {s}: {r.label} ({len(models)} processes) {t3:.0f} s vs {pair} {t2:.0f} s: "
                                f"{t3 / t2:.2f}x")
