@@ -25,6 +25,9 @@ API
 -> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
     responses[i][:t]), 0 where mask is False. Differentiable w.r.t. the model's parameters when grad is enabled.
+``batches_by_length(prompts, responses, size) -> list[list[int]]``
+    row indices cut into micro-batches of at most ``size`` rows for ``response_logprobs``, longest rows first, so
+    that each micro-batch pads its rows to a similar length (departure 14).
 ``Rollout(tokens, logprobs, ended_with_eos, stop=None)``
     one sampled response: token ids (EOS included when it stopped at EOS; the token that completed the stop string
     when it stopped on one), (len(tokens),) float32 CPU log-probs; ``finish`` says how it ended: "eos", "stop" or
@@ -140,6 +143,11 @@ Departures and shortcuts (read these before copying)
    the static path's preallocation: S = min(max_batch_size, max_cache_bytes // (L x bytes per token)) slots, so a
    long cap shrinks the slot count instead of allocating past the device (a budget below one slot raises a
    ValueError). The default path's cache grows with the rows and is bounded by ``max_batch_size`` only.
+14. ``batches_by_length`` orders rows by prompt + response length, longest first (ties: copies of a prompt next to
+   each other, so a micro-batch shares their prefill), before cutting micro-batches: ``response_logprobs`` pads
+   every row of a call to its longest, and micro-batches cut in rollout order pad long-tailed RL responses to about
+   3x their real tokens. Each row's log-probs are its own whatever its batch mates, up to float round-off of other
+   batch shapes (tested), so only the padding changes.
 
 Benchmark
 ---------
@@ -164,7 +172,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-__all__ = ["token_logprobs", "response_logprobs", "sample", "Rollout"]
+__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "Rollout"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -604,6 +612,20 @@ def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad
     cols = [t for r in responses for t in range(len(r))]
     return hidden[torch.tensor(rows, dtype=torch.long, device=device),
                   torch.tensor(cols, dtype=torch.long, device=device)]  # (N, H)
+
+
+def batches_by_length(prompts, responses, size: int) -> list[list[int]]:
+    """Row indices in micro-batches of at most ``size`` rows, rows sorted by len(prompt) + len(response), longest
+    first, copies of one prompt together among equal lengths (departure 14). Every row appears once."""
+    assert size >= 1, f"size must be >= 1, got {size}"
+    prompts = [tuple(_as_id_list(p)) for p in prompts]
+    lengths = [len(p) + len(_as_id_list(r)) for p, r in zip(prompts, responses)]
+    assert len(lengths) == len(prompts), f"{len(prompts)} prompts but {len(responses)} responses"
+    first = {}
+    for i, p in enumerate(prompts):
+        first.setdefault(p, i)
+    order = sorted(range(len(prompts)), key=lambda i: (-lengths[i], first[prompts[i]], i))
+    return [order[i: i + size] for i in range(0, len(order), size)]
 
 
 def response_logprobs(

@@ -81,6 +81,77 @@ def test_update_under_bf16_autocast_matches_fp32(tiny, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
+# The trainer's memory-saving settings (issue 46): evaluation in the rollouts' precision and KV budget, the
+# behaviour log-prob pass in micro-batches of similar lengths, the optimizer and the allocator's setting
+# ------------------------------------------------------------------------------------------------
+
+
+def test_validate_samples_under_autocast_with_its_own_row_budget(tiny, tmp_path, monkeypatch):
+    # Trainer.validate samples in the rollouts' precision (self.amp(): here CPU bf16 autocast, as on a GPU), so
+    # the sampler caches K and V in bf16 (read off the stored tensors: sampler stats), and with eval_rows: the
+    # rollout's KV tokens (gen_batch_size x (prompt + response cap)) spent on rows of the longer eval cap
+    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, gen_batch_size=6, max_prompt_tokens=20,
+                                   eval_max_tokens=40, benchmarks=str(tiny / "p.jsonl"), eval_samples=2,
+                                   eval_max_problems=3)
+    calls = []
+    real_sample = graft.sample
+
+    def recording(*args, **kw):
+        stats = {}
+        out = real_sample(*args, stats=stats, **kw)
+        calls.append((torch.is_autocast_enabled("cpu"), kw["max_batch_size"], stats["kv_dtypes"]))
+        return out
+
+    monkeypatch.setattr(graft, "sample", recording)
+    tr.amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    m = tr.validate(1)
+    assert "eval/mean" in m
+    want_rows = 6 * (20 + 16) // (20 + 40)  # = 3 rows: the rollout's 216 KV tokens over rows of 60
+    assert calls == [(True, want_rows, (torch.bfloat16, torch.bfloat16))], calls
+    assert graft.eval_rows(tr.cfg) == want_rows
+    tr.cfg.eval_max_tokens = 0  # the rollout's cap: the rollout's rows
+    assert graft.eval_rows(tr.cfg) == 6
+
+
+def test_behaviour_logprobs_by_length_equal_rollout_order_per_row(tiny, tmp_path, monkeypatch):
+    # the behaviour log-prob pass cuts micro-batches of similar lengths (sampler.batches_by_length); every row's
+    # log-probs must be those of the old cut (rollout order, micro_batch_size rows each) up to float round-off
+    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, micro_batch_size=5)
+    n = tr.cfg.n
+    prompts = [tr.prompt_ids[rows[r // n]] for r in range(len(own.tokens))]
+    responses = own.tokens
+    assert len({len(r) for r in responses}) > 3, "the test needs responses of varied lengths"
+    assert [i for b in graft.batches_by_length(prompts, responses, 5) for i in b] != list(range(len(prompts)))
+    new = tr.behaviour_logprobs(prompts, responses)
+    old = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), 5):  # the old cut, in rollout order
+            lp, mask = tr.logprobs(prompts[i: i + 5], responses[i: i + 5])
+            old += [lp[j, : int(mask[j].sum())] for j in range(lp.shape[0])]
+    assert len(new) == len(old) == len(responses)
+    for i, (a, b) in enumerate(zip(new, old)):
+        assert a.shape == (len(responses[i]),)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"row {i}")
+
+
+def test_optimizer_is_foreach_on_cpu(tiny, tmp_path, monkeypatch):
+    # fused AdamW where the device has the kernel the trainer relies on (CUDA), foreach elsewhere
+    tr, *_ = planted(tiny, tmp_path, monkeypatch)
+    assert tr.opt.defaults["foreach"] is True and not tr.opt.defaults["fused"]
+
+
+def test_cuda_alloc_conf_set_unless_the_user_chose():
+    import runtime
+    env = {}
+    assert runtime.cuda_alloc_conf(env) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert runtime.cuda_alloc_conf(env) == "max_split_size_mb:128" and len(env) == 1
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}  # torch's newer name counts as the user's choice
+    assert runtime.cuda_alloc_conf(env) == "expandable_segments:False" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+# ------------------------------------------------------------------------------------------------
 # FSDP2 over two gloo ranks
 # ------------------------------------------------------------------------------------------------
 

@@ -706,6 +706,18 @@ def test_continuous_batching_under_bf16_autocast(static):
     assert diff.mean() < 0.02 and diff.max() < 0.25, f"mean {diff.mean():.4f}, max {diff.max():.4f} nats"
 
 
+def test_batches_by_length_against_a_hand_sorted_example():
+    # departure 14: longest prompt + response first; among equal lengths, copies of one prompt together (in the
+    # order each prompt first appears), then row order; micro-batches of at most `size` rows, every row once
+    prompts = [[1, 2], [3], [1, 2], [3], [4, 5, 6], [1, 2]]
+    responses = [[9], [9, 9], [9, 9, 9, 9], [9, 9], [], [9]]
+    # lengths: 3, 3, 6, 3, 3, 3 -> row 2 first; then the length-3 rows grouped by prompt: [1,2] (rows 0, 5), [3]
+    # (rows 1, 3), [4,5,6] (row 4)
+    assert sampler.batches_by_length(prompts, responses, 4) == [[2, 0, 5, 1], [3, 4]]
+    assert sampler.batches_by_length(prompts, responses, 1) == [[2], [0], [5], [1], [3], [4]]
+    assert sampler.batches_by_length([], [], 3) == []
+
+
 def caches_seen(model):
     """Register a hook that keeps every KV cache object the model body is handed (prefills and decode steps)."""
     seen = []
