@@ -417,13 +417,14 @@ class Trainer(RunFiles):
 
     def behaviour_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
         """Receiver log-probs (no grad) of the given responses, through the chunked path, in micro-batches of
-        similar lengths (sampler.batches_by_length: cut in rollout order, each padded to its longest row, they ran
-        ~3x the real tokens). Returns one (len(response),) float32 CPU tensor per response, in the given order."""
+        similar lengths (sampler.batches_by_length: cut in rollout order, each padded to its longest row, long-tailed
+        responses pad to several times their tokens). One (len(response),) float32 CPU tensor per response, in order."""
         out: list[torch.Tensor | None] = [None] * len(prompts)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.amp():
-            for idx in batches_by_length(prompts, responses, self.cfg.micro_batch_size):
+            share = self.cfg.share_prefix  # as self.logprobs decides it without grad
+            for idx in batches_by_length(prompts, responses, self.cfg.micro_batch_size, share_prefix=share):
                 lp, mask = self.logprobs([prompts[i] for i in idx], [responses[i] for i in idx])
                 for j, i in enumerate(idx):
                     out[i] = lp[j, : int(mask[j].sum())].float().cpu()

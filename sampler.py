@@ -25,9 +25,9 @@ API
 -> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
     responses[i][:t]), 0 where mask is False. Differentiable w.r.t. the model's parameters when grad is enabled.
-``batches_by_length(prompts, responses, size) -> list[list[int]]``
-    row indices cut into micro-batches of at most ``size`` rows for ``response_logprobs``, longest rows first, so
-    that each micro-batch pads its rows to a similar length (departure 14).
+``batches_by_length(prompts, responses, size, *, share_prefix=True) -> list[list[int]]``
+    row indices cut into micro-batches of at most ``size`` rows for ``response_logprobs``, rows of similar lengths
+    together, so that each micro-batch pads little (departure 14).
 ``Rollout(tokens, logprobs, ended_with_eos, stop=None)``
     one sampled response: token ids (EOS included when it stopped at EOS; the token that completed the stop string
     when it stopped on one), (len(tokens),) float32 CPU log-probs; ``finish`` says how it ended: "eos", "stop" or
@@ -143,21 +143,13 @@ Departures and shortcuts (read these before copying)
    the static path's preallocation: S = min(max_batch_size, max_cache_bytes // (L x bytes per token)) slots, so a
    long cap shrinks the slot count instead of allocating past the device (a budget below one slot raises a
    ValueError). The default path's cache grows with the rows and is bounded by ``max_batch_size`` only.
-14. ``batches_by_length`` orders rows by prompt + response length, longest first (ties: copies of a prompt next to
-   each other, so a micro-batch shares their prefill), before cutting micro-batches: ``response_logprobs`` pads
-   every row of a call to its longest, and micro-batches cut in rollout order pad long-tailed RL responses to about
-   3x their real tokens. Each row's log-probs are its own whatever its batch mates, up to float round-off of other
-   batch shapes (tested), so only the padding changes.
-
-Benchmark
----------
-``python bench_sampler.py [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
-full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against transformers' ``generate``, and, on
-long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
-Benchmarks). ``python bench_sampler.py --only prefill`` measures departure 11: a GRPO rollout (G prompts x 8) and
-its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
-``python bench_sampler.py --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
-strings against the copy before stop strings existed, side by side, and what a stop-string check costs per step.
+14. ``batches_by_length`` cuts micro-batches for ``response_logprobs``, which pads every row of a call to its
+   longest: cut in rollout order, long-tailed RL responses pad to several times their real tokens. It counts the
+   token positions each of three cuts would feed (``_pass_tokens``, padding and shared prompts as
+   ``response_logprobs`` runs them) and returns the cheapest: rollout order; rows by prompt + response length,
+   longest first; copies of a prompt together, prompts by their longest row (keeps the shared prefill where the
+   lengths are narrow). Each row's log-probs are its own whatever its batch mates, up to float round-off of
+   other batch shapes (tested), so only the padding changes.
 """
 
 from __future__ import annotations
@@ -614,18 +606,44 @@ def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad
                   torch.tensor(cols, dtype=torch.long, device=device)]  # (N, H)
 
 
-def batches_by_length(prompts, responses, size: int) -> list[list[int]]:
-    """Row indices in micro-batches of at most ``size`` rows, rows sorted by len(prompt) + len(response), longest
-    first, copies of one prompt together among equal lengths (departure 14). Every row appears once."""
+def _pass_tokens(prompts: list[list[int]], responses: list[list[int]], share: bool) -> int:
+    """Token positions one ``response_logprobs`` call feeds the model body, padding included: B x the longest
+    prompt + response[:-1] (``_full_hidden``), or, sharing (departure 11), U distinct prompts x the longest of them
+    plus B x the longest response[:-1] (``_shared_prefix_hidden``). 0 when no response has a token."""
+    if not any(responses):
+        return 0
+    if share and _prompt_keys(prompts) is not None:
+        uniq = {tuple(p) for p in prompts}
+        rest = max(len(r) for r in responses) - 1
+        return len(uniq) * max(map(len, uniq)) + (len(responses) * rest if rest > 0 else 0)
+    return len(prompts) * max(len(p) + max(len(r) - 1, 0) for p, r in zip(prompts, responses))
+
+
+def batches_by_length(prompts, responses, size: int, *, share_prefix: bool = True) -> list[list[int]]:
+    """Row indices in micro-batches of at most ``size`` rows for ``response_logprobs`` (departure 14): of three
+    cuts, the one that feeds the fewest token positions (``_pass_tokens``, padding included): rollout order; rows
+    by prompt + response length, longest first (copies of one prompt together among equal lengths); copies of
+    each prompt together, prompts by their longest row. Every row appears once."""
     assert size >= 1, f"size must be >= 1, got {size}"
-    prompts = [tuple(_as_id_list(p)) for p in prompts]
-    lengths = [len(p) + len(_as_id_list(r)) for p, r in zip(prompts, responses)]
-    assert len(lengths) == len(prompts), f"{len(prompts)} prompts but {len(responses)} responses"
-    first = {}
-    for i, p in enumerate(prompts):
-        first.setdefault(p, i)
-    order = sorted(range(len(prompts)), key=lambda i: (-lengths[i], first[prompts[i]], i))
-    return [order[i: i + size] for i in range(0, len(order), size)]
+    prompts = [_as_id_list(p) for p in prompts]
+    responses = [_as_id_list(r) for r in responses]
+    assert len(prompts) == len(responses), f"{len(prompts)} prompts but {len(responses)} responses"
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    first: dict[tuple[int, ...], int] = {}
+    key = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]  # the first row with the same prompt
+    longest: dict[int, int] = {}
+    for i, k in enumerate(key):
+        longest[k] = max(longest.get(k, 0), lengths[i])
+    orders = [list(range(len(prompts))),
+              sorted(range(len(prompts)), key=lambda i: (-lengths[i], key[i], i)),
+              sorted(range(len(prompts)), key=lambda i: (-longest[key[i]], key[i], -lengths[i], i))]
+
+    def cost(order: list[int]) -> int:
+        return sum(_pass_tokens([prompts[i] for i in order[j: j + size]], [responses[i] for i in order[j: j + size]],
+                                share_prefix) for j in range(0, len(order), size))
+
+    best = min(orders, key=cost)  # ties: the earlier candidate (rollout order first)
+    return [best[j: j + size] for j in range(0, len(best), size)]
 
 
 def response_logprobs(

@@ -241,10 +241,59 @@ def test_fsdp_checkpoint_loads_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 
 def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
-    r = run_py([str(ROOT / "bench_gpu.py"), "--tiny"], tmp_path, timeout=120)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
-    out = r.stdout
-    assert "identity checks passed" in out and out.count("identical rows: True") == 3, out
-    worst = float(out.split("worst ratio ")[1].split("x")[0])
-    assert worst <= 1.25, out  # the kernel's error under autocast is not worse than the naive path's
-    assert "selected" in out and "update" in out, out
+    # every part at toy size on the CPU, the smoke included (run_pair.sh pair1 on the CPU, FSDP2 over gloo, one
+    # rank per side, a checkpoint, --resume, an evaluation): every row in the JSONL file, every check passed
+    out = tmp_path / "rows.jsonl"
+    r = run_py([str(ROOT / "bench_gpu.py"), "--tiny", "--jsonl", str(out)], tmp_path, timeout=400)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "all checks passed" in r.stdout, r.stdout
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["part"] for x in rows] == ["setup", "kernel", "rollout", "microbatch", "smoke", "sampler", "sampler",
+                                         "sampler", "sampler", "prefill", "prefill", "setup"], rows
+    by = {}
+    for x in rows:
+        by.setdefault(x["part"], []).append(x)
+    assert "multi-rank NCCL" in rows[0]["note"] and "not covered" in rows[0]["note"]
+    assert by["kernel"][0]["worst_ratio"] <= 1.25  # the kernel's error under autocast is not worse than naive's
+    roll = by["rollout"][0]  # bf16 K and V through the sampler under autocast, 2 x 2 x 2 x 16 x 2 bytes
+    assert roll["kv_dtypes"] == ["torch.bfloat16", "torch.bfloat16"] and roll["kv_bytes_per_token"] == 256
+    smoke = by["smoke"][0]
+    assert smoke["ok"] and all(s["steps"] == [0, 1] and s["evaluated"] for s in smoke["sides"].values()), smoke
+    assert by["sampler"][0]["all_identical"], by["sampler"][0]  # float32: strict identity with generate
+    assert all(x.get("ok", True) for x in rows) and rows[-1]["failed"] == []
+
+
+def test_bench_gpu_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatch):
+    # a part that raises becomes an error row (message, last frames, peak memory) and the next part still runs; a
+    # row is in the file the moment it is measured (read back inside the part, before it raises); a spent
+    # --budget skips the parts left; the exit status says a part failed
+    import bench_gpu
+    path = tmp_path / "rows.jsonl"
+    b = bench_gpu.Bench(path, budget=60.0, device=torch.device("cpu"))
+    seen = []
+
+    def breaks():
+        b.row("one", "measured before the failure", value=1)
+        seen.append([json.loads(x)["name"] for x in path.read_text().splitlines()])
+        raise RuntimeError("planted failure")
+
+    b.part("one", breaks)
+    b.part("two", lambda: b.row("two", "after", value=2))
+    assert seen == [["measured before the failure"]]
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["part"], x["name"]) for x in rows] == [("one", "measured before the failure"), ("one", "error"),
+                                                        ("two", "after")]
+    err = rows[1]
+    assert err["ok"] is False and "RuntimeError: planted failure" in err["error"] and "planted failure" in err["trace"]
+    assert "peak_gib" in err and b.failed == ["one: error"]
+    b.budget = 0.0
+    b.part("three", lambda: b.row("three", "never"))
+    assert json.loads(path.read_text().splitlines()[-1])["name"] == "skipped"
+    # through main: the kernel part raises, the rollout part after it still runs and writes its row; exit status 1
+    monkeypatch.setattr(bench_gpu, "bench_kernel", lambda *a: 1 / 0)
+    main_rows = tmp_path / "main.jsonl"
+    assert bench_gpu.main(["--tiny", "--only", "kernel,rollout", "--jsonl", str(main_rows)]) == 1
+    rows = [json.loads(x) for x in main_rows.read_text().splitlines()]
+    assert [(x["part"], x["name"]) for x in rows][1] == ("kernel", "error")
+    assert rows[2]["part"] == "rollout" and rows[2]["ok"] is True
+    assert rows[-1]["failed"] == ["kernel: error"]

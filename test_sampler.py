@@ -706,15 +706,48 @@ def test_continuous_batching_under_bf16_autocast(static):
     assert diff.mean() < 0.02 and diff.max() < 0.25, f"mean {diff.mean():.4f}, max {diff.max():.4f} nats"
 
 
-def test_batches_by_length_against_a_hand_sorted_example():
-    # departure 14: longest prompt + response first; among equal lengths, copies of one prompt together (in the
-    # order each prompt first appears), then row order; micro-batches of at most `size` rows, every row once
-    prompts = [[1, 2], [3], [1, 2], [3], [4, 5, 6], [1, 2]]
-    responses = [[9], [9, 9], [9, 9, 9, 9], [9, 9], [], [9]]
-    # lengths: 3, 3, 6, 3, 3, 3 -> row 2 first; then the length-3 rows grouped by prompt: [1,2] (rows 0, 5), [3]
-    # (rows 1, 3), [4,5,6] (row 4)
-    assert sampler.batches_by_length(prompts, responses, 4) == [[2, 0, 5, 1], [3, 4]]
-    assert sampler.batches_by_length(prompts, responses, 1) == [[2], [0], [5], [1], [3], [4]]
+def test_pass_tokens_counts_what_response_logprobs_feeds():
+    # departure 14's cost model against the token positions response_logprobs really feeds the model body (a hook
+    # on input_ids), shared and not, with repeated prompts, distinct ones and an empty response
+    model = tiny_model("qwen3", seed=2)
+    fed = []
+    hook = sampler._base_model(model).register_forward_pre_hook(
+        lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
+    g = torch.Generator().manual_seed(0)
+    cases = [(PROMPTS, [[5] * n for n in (3, 0, 7, 1, 2)]),
+             ([PROMPTS[0]] * 3 + [PROMPTS[1]] * 2, [[6] * n for n in (9, 2, 4, 1, 5)]),
+             ([PROMPTS[3]] * 4, [[7] * n for n in (1, 1, 1, 1)])]
+    cases.append(([PROMPTS[int(i)] for i in torch.randint(0, 5, (12,), generator=g)],
+                  [[8] * int(n) for n in torch.randint(0, 15, (12,), generator=g)]))
+    with torch.no_grad():
+        for prompts, responses in cases:
+            for share in (True, False):
+                fed.clear()
+                response_logprobs(model, prompts, responses, pad_token_id=0, share_prefix=share)
+                assert sum(fed) == sampler._pass_tokens(prompts, responses, share), (prompts, responses, share)
+    hook.remove()
+
+
+def test_batches_by_length_picks_the_cheapest_cut():
+    # every row once, in micro-batches of at most `size` rows, never costlier than rollout order; long-tailed
+    # responses (one long row per prompt's copies, as RL gives) cost far less sorted than in rollout order
+    g = torch.Generator().manual_seed(1)
+    prompts = [PROMPTS[i // 8 % 5] + [i // 8] for i in range(64)]  # 8 prompts x 8 copies, rollout order
+    responses = [[9] * (int(torch.randint(80, 100, (1,), generator=g)) if i % 8 == 0 else
+                        int(torch.randint(3, 12, (1,), generator=g))) for i in range(64)]
+    for share in (True, False):
+        for size in (1, 5, 16):
+            cut = sampler.batches_by_length(prompts, responses, size, share_prefix=share)
+            assert sorted(i for b in cut for i in b) == list(range(64)) and all(0 < len(b) <= size for b in cut)
+            cost = lambda batches: sum(sampler._pass_tokens([prompts[i] for i in b], [responses[i] for i in b],
+                                                            share) for b in batches)
+            rollout = [list(range(i, min(i + size, 64))) for i in range(0, 64, size)]
+            assert cost(cut) <= cost(rollout)
+            if size == 16:
+                assert cost(cut) < 0.5 * cost(rollout), (share, cost(cut), cost(rollout))
+    # by hand: rollout order feeds 2 x 9 + 2 x 9 = 36 positions, longest first 2 x 9 + 2 x 1 = 20
+    p, r = [[1], [2], [3], [4]], [[9], [9] * 9, [9], [9] * 9]
+    assert sampler.batches_by_length(p, r, 2, share_prefix=False) == [[1, 3], [0, 2]]
     assert sampler.batches_by_length([], [], 3) == []
 
 
