@@ -150,6 +150,16 @@ Departures and shortcuts (read these before copying)
    longest first; copies of a prompt together, prompts by their longest row (keeps the shared prefill where the
    lengths are narrow). Each row's log-probs are its own whatever its batch mates, up to float round-off of
    other batch shapes (tested), so only the padding changes.
+
+Benchmark
+---------
+``python -m bench.sampler [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
+full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against transformers' ``generate``, and, on
+long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
+Benchmarks). ``python -m bench.sampler --only prefill`` measures departure 11: a GRPO rollout (G prompts x 8) and
+its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
+``python -m bench.sampler --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
+strings against the copy before stop strings existed, side by side, and what a stop-string check costs per step.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The GPU check: one script for a lent GPU that cannot lose its rows. At most about 8 minutes on one H200.
 
-    python bench_gpu.py --tokenizers ../shared/tokenizers             # a GPU machine (qwen3/ and smollm3/ inside)
-    python bench_gpu.py --tiny                                         # toy sizes on CPU (the test suite runs this)
-    python bench_gpu.py --tokenizers DIR --budget 300 --only kernel,rollout --jsonl runs/bench_gpu.jsonl
+    python -m bench.gpu --tokenizers ../shared/tokenizers             # a GPU machine (qwen3/ and smollm3/ inside)
+    python -m bench.gpu --tiny                                         # toy sizes on CPU (the test suite runs this)
+    python -m bench.gpu --tokenizers DIR --budget 300 --only kernel,rollout --jsonl runs/bench_gpu.jsonl
 
 Every row is printed and appended to the JSONL file (--jsonl, default runs/bench_gpu.jsonl) the moment it is
 measured. Each part runs in its own try/except: an exception becomes a row (the error, its last frames, the peak
@@ -39,7 +39,7 @@ Parts, in this order (the cheap and decisive ones first):
 6. prefill: one prefill per prompt (share_prefix) on a GRPO rollout (32 prompts x 8, 256 rows in flight), bf16:
    tokens/s, peak, identical rows; the behaviour log-probs with and without sharing: time, peak, max difference.
 
-bf16 tolerance (rows 5-6): mean |d logp| <= 0.02 and max <= 0.25 nats, as test_sampler.py's bf16 checks; the
+bf16 tolerance (rows 5-6): mean |d logp| <= 0.02 and max <= 0.25 nats, as tests/test_sampler.py's bf16 checks; the
 share of identical rows is reported, not checked (two bf16 paths with other batch shapes round differently, and
 a greedy argmax can flip on a near tie, after which a random model's rows part ways).
 """
@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 BF16_MEAN, BF16_MAX = 0.02, 0.25  # nats: the bf16 tolerance of the module docstring
 GIB = 1024 ** 3
 PARTS = ("kernel", "rollout", "microbatch", "smoke", "sampler", "prefill")
@@ -590,7 +590,7 @@ def main(argv=None) -> int:
     chosen = [x for x in (args.only.split(",") if args.only else PARTS) if x]
     bad = [x for x in chosen + args.skip.split(",") if x and x not in PARTS]
     if bad:
-        raise SystemExit(f"bench_gpu.py --only/--skip: unknown part(s) {bad}; parts: {', '.join(PARTS)}")
+        raise SystemExit(f"bench/gpu.py --only/--skip: unknown part(s) {bad}; parts: {', '.join(PARTS)}")
     chosen = [x for x in PARTS if x in chosen and x not in args.skip.split(",")]
     from transformers import AutoTokenizer
     import transformers
@@ -600,12 +600,12 @@ def main(argv=None) -> int:
         dirs = {"a": ROOT / "data" / "tiny_models" / "A", "b": ROOT / "data" / "tiny_models" / "B"}
     else:
         if not args.tokenizers:
-            raise SystemExit("bench_gpu.py: --tokenizers DIR is required without --tiny (a folder holding qwen3/ and "
+            raise SystemExit("bench/gpu.py: --tokenizers DIR is required without --tiny (a folder holding qwen3/ and "
                              "smollm3/)")
         dirs = {"a": Path(args.tokenizers) / "smollm3", "b": Path(args.tokenizers) / "qwen3"}
     for d in dirs.values():
         if not d.is_dir():
-            raise SystemExit(f"bench_gpu.py --tokenizers: {d} is not a folder")
+            raise SystemExit(f"bench/gpu.py --tokenizers: {d} is not a folder")
     toks = {k: AutoTokenizer.from_pretrained(d) for k, d in dirs.items()}
     for t in toks.values():
         if t.pad_token_id is None:

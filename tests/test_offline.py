@@ -16,17 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import complement
+from tools import complement
 import foreign
+from bench.foreign import bench_foreign
 from exchange import StepRollouts, file_sha256, save_rollouts
-from complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail, prob_all_pass,
-                        read_eval_results, read_rollout_folder)
+from tools.complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail,
+                              prob_all_pass, read_eval_results, read_rollout_folder)
 from foreign import load_foreign_log, match_records, normalise_problem, read_foreign_records
 from config import Config
 from core import compatibility_scores, graft_candidates, group_advantages, masked_group_advantages, success_counts
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 TINY_A = ROOT / "data" / "tiny_models" / "A"
 
 # ------------------------------------------------------------------------------------------------
@@ -131,11 +132,11 @@ def test_read_rollout_folder_union_and_latest(tmp_path):
     assert latest["p0"] == (2, 4) and latest["p1"] == (2, 4)
 
 
-def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
-    from exchange import load_rollouts
+def test_read_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
+    from exchange import load_rollouts, read_rewards
     a, _ = planted_pair(tmp_path)
     f = a / "step_000001.safetensors"
-    ids, rewards, meta = complement.read_step_rewards(f)
+    ids, rewards, meta = read_rewards(f)
     full, _ = load_rollouts(f)
     assert ids == full.prompt_ids == ["p0", "p5", "p6", "p7", "p8"] and torch.equal(rewards, full.rewards)
     assert meta["n"] == "4"
@@ -148,7 +149,10 @@ def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
     save_file({"rewards": torch.zeros(1, 2), "prompt_ids": torch.zeros(1, dtype=torch.uint8),
                "prompt_id_offsets": torch.tensor([0, 1])}, str(bad), metadata={"format": "other"})
     with pytest.raises(ValueError, match="not a GRAFT rollout file"):
-        complement.read_step_rewards(bad)
+        read_rewards(bad)
+    save_file({"rewards": torch.zeros(1, 2)}, str(bad), metadata={"format": "graft-rollouts", "version": "1"})
+    with pytest.raises(ValueError, match=r"missing tensors \['prompt_ids', 'prompt_id_offsets'\]"):
+        read_rewards(bad)
 
 
 def test_complement_table_on_planted_folders(tmp_path, capsys):
@@ -515,7 +519,7 @@ def test_bench_foreign_planted_file_counts(tmp_path):
                for i in range(50)]
     out = io.StringIO()
     with redirect_stdout(out):
-        foreign.bench_foreign(prompts, records=100, group=5, folder=tmp_path)
+        bench_foreign(prompts, records=100, group=5, folder=tmp_path)
     text = out.getvalue()
     # 20 groups of 5: groups 9 and 19 are not in the run; odd groups by text, even by id; 1 in 3 wrong
     assert "100 records; matched 50 by id, 40 by problem text; unmatched 10" in text

@@ -1,9 +1,9 @@
-"""Issue 46's audit of the trainer's waste, measured on the CPU: the behaviour log-prob pass's padding, and the
-AdamW step's peak bytes per parameter.
+"""Two of the trainer's costs found by a memory audit, measured on the CPU: the behaviour log-prob pass's padding,
+and the AdamW step's peak bytes per parameter.
 
-    python bench_audit.py logprob --model data/tiny_models/A --rollouts RUN/exchange/a/step_000000.safetensors \
+    python -m bench.audit logprob --model data/tiny_models/A --rollouts RUN/exchange/a/step_000000.safetensors \
         --prompts TRAIN.jsonl --prompt-template '{problem}\n' --micro-batch-size 16 64
-    python bench_audit.py adamw
+    python -m bench.audit adamw
 
 logprob: a real rollout file's rows through the behaviour log-prob pass, micro-batches cut in rollout order
 (before) against micro-batches of similar lengths (sampler.batches_by_length, what Trainer.behaviour_logprobs
@@ -49,7 +49,7 @@ def rows_of(args) -> tuple[list[list[int]], list[list[int]], object, object]:
             problems[r["id"]] = r["problem"]
     missing = [p for p in roll.prompt_ids if p not in problems]
     if missing:
-        raise SystemExit(f"bench_audit.py --prompts {args.prompts}: no problem for ids {missing[:3]} of the "
+        raise SystemExit(f"bench/audit.py --prompts {args.prompts}: no problem for ids {missing[:3]} of the "
                          f"rollout file")
     n = len(roll.tokens) // len(roll.prompt_ids)
     ids = [encode_prompt(problems[p], tok, template=args.prompt_template, chat=args.chat_template)

@@ -18,11 +18,10 @@ import sys
 import pytest
 import torch
 
-import panel
+from tools import panel
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "data"))
-import tiny_tasks  # noqa: E402
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+from data import tiny_tasks
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 

@@ -1,5 +1,5 @@
 """The GPU code paths, emulated on CPU: the trainer's update under bf16 autocast, FSDP2 over gloo
-ranks (gradients, checkpoints, resume), and bench_gpu.py's --tiny run. No GPU needed.
+ranks (gradients, checkpoints, resume), and bench/gpu.py's --tiny run. No GPU needed.
 
 Run: python -m pytest -q test_gpu_path.py
 """
@@ -81,7 +81,7 @@ def test_update_under_bf16_autocast_matches_fp32(tiny, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# The trainer's memory-saving settings (issue 46): evaluation in the rollouts' precision and KV budget, the
+# The trainer's memory-saving settings: evaluation in the rollouts' precision and KV budget, the
 # behaviour log-prob pass in micro-batches of similar lengths, the optimizer and the allocator's setting
 # ------------------------------------------------------------------------------------------------
 
@@ -236,7 +236,7 @@ def test_fsdp_checkpoint_loads_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# bench_gpu.py at toy sizes: the GPU check script runs on every CPU test run, so it never rots
+# bench/gpu.py at toy sizes: the GPU check script runs on every CPU test run, so it never rots
 # ------------------------------------------------------------------------------------------------
 
 
@@ -244,7 +244,7 @@ def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
     # every part at toy size on the CPU, the smoke included (run_pair.sh pair1 on the CPU, FSDP2 over gloo, one
     # rank per side, a checkpoint, --resume, an evaluation): every row in the JSONL file, every check passed
     out = tmp_path / "rows.jsonl"
-    r = run_py([str(ROOT / "bench_gpu.py"), "--tiny", "--jsonl", str(out)], tmp_path, timeout=400)
+    r = run_py(["-m", "bench.gpu", "--tiny", "--jsonl", str(out)], tmp_path, timeout=400)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "all checks passed" in r.stdout, r.stdout
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -267,7 +267,7 @@ def test_bench_gpu_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatc
     # a part that raises becomes an error row (message, last frames, peak memory) and the next part still runs; a
     # row is in the file the moment it is measured (read back inside the part, before it raises); a spent
     # --budget skips the parts left; the exit status says a part failed
-    import bench_gpu
+    from bench import gpu as bench_gpu
     path = tmp_path / "rows.jsonl"
     b = bench_gpu.Bench(path, budget=60.0, device=torch.device("cpu"))
     seen = []
