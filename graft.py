@@ -135,9 +135,9 @@ from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, roll
                       wait_for_file)  # the rollout file
 from metrics import LiveReport  # --report-to
 from reward import check_golds, load_reward, rewards  # the reward seam: --reward, called in one place
-from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt, gather_lists,
-                     gathered, kv_budget, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed,
-                     shard, shard_policy, timed, unshard)  # ranks, precision, loading, FSDP2, the run's files: plumbing
+from runtime import (DistInfo, RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
+                     eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
+                     load_prompt_file, setup_distributed, shard, shard_policy, timed, unshard)  # ranks, files: plumbing
 from sampler import Rollout, batches_by_length, response_logprobs, sample  # the sampler, the chunked log-prob
 
 
@@ -276,11 +276,8 @@ class Trainer(RunFiles):
             self.amp = lambda: compute_context(cfg, self.dist)
             # --fsdp: the FSDP2 root whose forward is the log-prob pass (runtime.shard_policy); None = DP
             self.policy = shard_policy(self.model, response_logprobs) if cfg.fsdp else None
-            # fused on CUDA: one kernel per parameter group and no foreach temporaries (a step's peak drops from
-            # ~20 to ~16 bytes per parameter); foreach elsewhere
-            fast = {"fused": True} if self.dist.device.type == "cuda" else {"foreach": True}
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
-                                         weight_decay=cfg.weight_decay, **fast)
+                                         weight_decay=cfg.weight_decay, **adamw_kernel(self.dist.device))
             if latest is not None and self.policy is not None:
                 load_full_optimizer_state(self.policy, self.opt, state["optimizer"])
             elif latest is not None:
@@ -416,9 +413,8 @@ class Trainer(RunFiles):
     # -- what the phases call ----------------------------------------------------------------------
 
     def behaviour_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
-        """Receiver log-probs (no grad) of the given responses, through the chunked path, in micro-batches of
-        similar lengths (sampler.batches_by_length: cut in rollout order, each padded to its longest row, long-tailed
-        responses pad to several times their tokens). One (len(response),) float32 CPU tensor per response, in order."""
+        """Receiver log-probs (no grad) of the given responses, through the chunked path, in micro-batches of similar
+        lengths (sampler.batches_by_length). One (len(response),) float32 CPU tensor per response, in order."""
         out: list[torch.Tensor | None] = [None] * len(prompts)
         was_training = self.model.training
         self.model.eval()
@@ -677,8 +673,7 @@ class Trainer(RunFiles):
             self.heartbeat.stop("finished")
 
     def validate(self, step: int) -> dict:
-        """The in-training evaluation (--eval-every): sampled in the rollouts' precision (bf16 autocast on GPU, so
-        a bf16 KV cache: sampler.py departure 13) and within the rollouts' KV budget (eval_rows)."""
+        """--eval-every: sampled in the rollouts' precision (self.amp) and KV budget (runtime.eval_rows)."""
         cfg = self.cfg
         with gathered(self.policy), self.amp():
             res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False,
@@ -1057,23 +1052,13 @@ def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
     return out
 
 
-def eval_rows(cfg: Config) -> int:
-    """Rows in flight for the in-training evaluation: the KV tokens a rollout may hold (--gen-batch-size rows of
-    --max-prompt-tokens + --max-response-tokens) spent on rows of --max-prompt-tokens + the eval cap, at most
-    --gen-batch-size. The evaluation then never needs more cache than the rollout it follows."""
-    rollout = cfg.gen_batch_size * (cfg.max_prompt_tokens + cfg.max_response_tokens)
-    row = cfg.max_prompt_tokens + (cfg.eval_max_tokens or cfg.max_response_tokens)
-    return max(1, min(cfg.gen_batch_size, rollout // row))
-
-
 def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist_info: DistInfo, *,
              progress: bool = True, desc: str = "eval", rel_tol: float | None = None,
              max_batch_size: int | None = None) -> list[dict]:
     """Sample cfg.eval_samples responses per problem and verify them; rows split over ranks.
 
     rel_tol: the verifier's numeric tolerance for decimals (None = its MATH default; Minerva's
-    three-significant-figure golds need verify.MINERVA_REL_TOL). max_batch_size: rows in flight
-    (None = --gen-batch-size).
+    three-significant-figure golds need verify.MINERVA_REL_TOL). max_batch_size: None = --gen-batch-size.
     Returns one dict per problem, in order: id, answer, correct (list of 0/1), and the responses
     when cfg.save_responses.
     """
@@ -1119,8 +1104,7 @@ def summarize(per_problem: list[dict]) -> dict:
 
 def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: DistInfo, *, progress: bool = True,
                         max_batch_size: int | None = None) -> dict:
-    """Every benchmark of --benchmarks; 'mean' is the unweighted mean of their pass@1 (the paper's score).
-    max_batch_size: rows in flight (None = --gen-batch-size)."""
+    """Every benchmark of --benchmarks; 'mean' is the unweighted mean of their pass@1 (the paper's score)."""
     files = benchmark_files(cfg.benchmarks, cfg.data_dir)
     res, per = {}, {}
     for name, path in files.items():

@@ -11,7 +11,8 @@ exchange.py, never back.
                         expandable segments unless the user chose a setting (cuda_alloc_conf)
     gather_lists, shard, unshard   split a list over ranks and put the gathered parts back in order
     compute_context     bf16 autocast on GPU with --dtype auto (graft.py departure 6)
-    kv_budget           the bytes --static-decode's preallocated KV cache may take on a GPU
+    kv_budget, eval_rows   the bytes --static-decode's KV cache may take on a GPU; the evaluation's rows in flight
+    adamw_kernel        AdamW fused on CUDA, foreach elsewhere
     load_policy         a transformers causal LM + tokenizer + the ids that stop a rollout
     encode_prompt       the prompt's ids: raw text (graft.py departure 8) or the chat template
     load_prompt_file    a validated prompt JSONL
@@ -147,6 +148,21 @@ def kv_budget(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(KV_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
+
+
+def eval_rows(cfg: Config) -> int:
+    """Rows in flight for the in-training evaluation (Trainer.validate): the KV tokens a rollout may hold
+    (--gen-batch-size rows of --max-prompt-tokens + --max-response-tokens) spent on rows of --max-prompt-tokens +
+    the eval cap, at most --gen-batch-size: the evaluation never needs more cache than the rollout it follows."""
+    rollout = cfg.gen_batch_size * (cfg.max_prompt_tokens + cfg.max_response_tokens)
+    row = cfg.max_prompt_tokens + (cfg.eval_max_tokens or cfg.max_response_tokens)
+    return max(1, min(cfg.gen_batch_size, rollout // row))
+
+
+def adamw_kernel(device: torch.device) -> dict:
+    """torch.optim.AdamW's implementation flag: fused on CUDA (no foreach temporaries: a step peaks at 16 bytes per
+    parameter instead of 20, `python -m bench.audit adamw`), foreach elsewhere."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
 
 
 def load_policy(path: str, cfg: Config, dist_info: DistInfo, *, for_training: bool = True):

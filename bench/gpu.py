@@ -287,6 +287,7 @@ def plan_figures(cfg_kw: dict, config) -> dict | str:
 
 def bench_microbatch(b: Bench, sz: dict, tok, tiny: bool, args) -> None:
     """One update micro-batch at SmolLM3-3B's shape: forward under bf16 autocast, backward, fused AdamW step."""
+    from runtime import adamw_kernel
     from sampler import response_logprobs
     device = b.device
     rows, total = (2, 64) if tiny else (args.mb_rows, args.mb_tokens)
@@ -295,7 +296,7 @@ def bench_microbatch(b: Bench, sz: dict, tok, tiny: bool, args) -> None:
     if args.mb_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}  # as graft.Trainer builds it
+    fast = adamw_kernel(device)  # as graft.Trainer builds it
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **fast)
     prompts = random_prompts(rows, prompt_len, prompt_len, len(tok), seed=14)
     responses = random_prompts(rows, total - prompt_len, total - prompt_len, len(tok), seed=15)
@@ -321,8 +322,8 @@ def bench_microbatch(b: Bench, sz: dict, tok, tiny: bool, args) -> None:
         planned = f"plan failed: {type(e).__name__}: {e}"[:300]
     b.row("microbatch", f"SmolLM3-3B shape, {rows} rows x {total} tokens, checkpointing "
           f"{'on' if args.mb_checkpointing else 'off'}, fp32 + bf16 autocast + "
-          f"{'fused' if fast.get('fused') else 'foreach'} AdamW", peak_gib=peak, plan_gib=planned, step_s=round(seconds, 2), first_step_s=round(first, 2),
-          params=sum(p.numel() for p in model.parameters()))
+          f"{'fused' if fast.get('fused') else 'foreach'} AdamW", peak_gib=peak, plan_gib=planned,
+          step_s=round(seconds, 2), first_step_s=round(first, 2), params=sum(p.numel() for p in model.parameters()))
 
 
 # ------------------------------------------------------------------------------------------------

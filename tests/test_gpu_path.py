@@ -87,6 +87,7 @@ def test_update_under_bf16_autocast_matches_fp32(tiny, tmp_path, monkeypatch):
 
 
 def test_validate_samples_under_autocast_with_its_own_row_budget(tiny, tmp_path, monkeypatch):
+    import runtime
     # Trainer.validate samples in the rollouts' precision (self.amp(): here CPU bf16 autocast, as on a GPU), so
     # the sampler caches K and V in bf16 (read off the stored tensors: sampler stats), and with eval_rows: the
     # rollout's KV tokens (gen_batch_size x (prompt + response cap)) spent on rows of the longer eval cap
@@ -108,9 +109,9 @@ def test_validate_samples_under_autocast_with_its_own_row_budget(tiny, tmp_path,
     assert "eval/mean" in m
     want_rows = 6 * (20 + 16) // (20 + 40)  # = 3 rows: the rollout's 216 KV tokens over rows of 60
     assert calls == [(True, want_rows, (torch.bfloat16, torch.bfloat16))], calls
-    assert graft.eval_rows(tr.cfg) == want_rows
+    assert runtime.eval_rows(tr.cfg) == want_rows
     tr.cfg.eval_max_tokens = 0  # the rollout's cap: the rollout's rows
-    assert graft.eval_rows(tr.cfg) == 6
+    assert runtime.eval_rows(tr.cfg) == 6
 
 
 def test_behaviour_logprobs_by_length_equal_rollout_order_per_row(tiny, tmp_path, monkeypatch):
