@@ -1,9 +1,10 @@
-"""Two of the trainer's costs found by a memory audit, measured on the CPU: the behaviour log-prob pass's padding,
-and the AdamW step's peak bytes per parameter.
+"""Three of the trainer's costs found by a memory audit, measured on the CPU: the behaviour log-prob pass's
+padding, the AdamW step's peak bytes per parameter, and the rollout's KV cache bytes per token.
 
     python -m bench.audit logprob --model data/tiny_models/A --rollouts RUN/exchange/a/step_000000.safetensors \
-        --prompts TRAIN.jsonl --prompt-template '{problem}\n' --micro-batch-size 16 64
+        --prompts TRAIN.jsonl --prompt-template $'{problem}\n' --micro-batch-size 16 64
     python -m bench.audit adamw
+    python -m bench.audit kv
 
 logprob: a real rollout file's rows through the behaviour log-prob pass, micro-batches cut in rollout order
 (before) against micro-batches of similar lengths (sampler.batches_by_length, what Trainer.behaviour_logprobs
@@ -18,6 +19,9 @@ adamw: the peak memory of one AdamW step after the first (moments allocated), ov
 moments it holds, in bytes per parameter, for torch's foreach, fused and per-tensor implementations: MemTracker
 (torch.distributed._tools.mem_tracker) on real CPU tensors of a 16 x (1024 x 1024) MLP. The trainer uses fused on
 CUDA (graft.Trainer); the same kernels' temporaries are what a GPU step adds.
+
+kv: the rollout's KV cache bytes per token under bf16 autocast for the paper's models' attention shapes, read off
+the tensors sampler.sample stores (stats), before its bf16 cast (sampler.py departure 13) and with it.
 """
 
 from __future__ import annotations
@@ -98,10 +102,50 @@ def adamw_bytes_per_param() -> None:
               f"moments 8 = 16 held)", flush=True)
 
 
+# The paper's models' attention shapes (their config.json files): layers, KV heads, head size.
+KV_SHAPES = {"Qwen3-1.7B": ("qwen3", 28, 8, 128), "SmolLM3-3B": ("smollm3", 36, 4, 128)}
+
+
+def kv_bytes_per_token() -> None:
+    """The kv measurement of the module docstring: sampler.sample under CPU bf16 autocast on a model with the real
+    layers, KV heads and head size (a narrow hidden size, MLP and vocabulary), float32 weights as the trainer holds
+    them; the bytes per token read off the cache it stores, with the cast of departure 13 and without it."""
+    import sampler
+    from transformers import AutoConfig, AutoModelForCausalLM
+    for name, (arch, layers, kv_heads, head_dim) in KV_SHAPES.items():
+        cfg = AutoConfig.for_model(arch, vocab_size=256, hidden_size=256, intermediate_size=64,
+                                   num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=kv_heads,
+                                   head_dim=head_dim, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        got = {}
+        for cast in (False, True):
+            stats = {}
+            keep = sampler._kv_dtype
+            if not cast:  # the sampler before departure 13: K and V cached as the model computes them
+                sampler._kv_dtype = lambda device: None
+            try:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    sampler.sample(model, [[5, 6, 7]] * 2, max_new_tokens=2, temperature=0, eos_token_id=-1,
+                                   stats=stats)
+            finally:
+                sampler._kv_dtype = keep
+            got[cast] = stats
+        print(f"KV cache {name} ({layers} layers x {kv_heads} KV heads x {head_dim}) under bf16 autocast: "
+              + " -> ".join(f"{got[c]['kv_bytes_per_token'] / 1024:.0f} KiB/token (K {got[c]['kv_dtypes'][0]}, V "
+                            f"{got[c]['kv_dtypes'][1]})" for c in (False, True))
+              + f"; 2 x layers x kv_heads x head_dim x 2 bytes = {2 * layers * kv_heads * head_dim * 2 / 1024:.0f} KiB",
+              flush=True)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["adamw"]:
         adamw_bytes_per_param()
+        return 0
+    if argv[:1] == ["kv"]:
+        kv_bytes_per_token()
         return 0
     if argv[:1] == ["logprob"]:
         argv = argv[1:]
