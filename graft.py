@@ -59,7 +59,8 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
   5. Prompts longer than `max_prompt_tokens` are an error, not silently filtered: filtering per
      tokenizer would give the two sides different batches.
   6. On GPU the weights and AdamW state stay fp32 and the forward runs under bf16 autocast (the paper
-     says "bf16"): pure bf16 weights would round most lr = 1e-6 updates away.
+     says "bf16"): pure bf16 weights would round most lr = 1e-6 updates away. Rollouts and the in-training
+     evaluation sample under the same autocast, with a bf16 KV cache (sampler.py departure 13).
   7. Behaviour log-probs of own rollouts are recomputed by one forward pass after sampling (as verl
      does) rather than taken from the sampler; in fp32 the two agree (tested), in bf16 they differ
      by rounding, and the recomputed ones are what the training forward reproduces at ratio 1.
