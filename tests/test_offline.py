@@ -333,6 +333,21 @@ def test_load_groups_verify_and_advantages(tmp_path):
     assert "dropped 1 single-record prompts; 2 groups mixed" in report and "1 differ" in report
 
 
+def test_the_report_counts_mixed_groups_as_the_selection_does(tmp_path):
+    """"Mixed" in the load report is Eq. 4's (success_counts: reward >= 0.5), not a sum of rewards: with a reward
+    that pays 0.4 to a boxed answer and 0.9 to a right one, a group of four 0.4s sums to 1.6 but has no success,
+    and a group with one right answer is mixed."""
+    (tmp_path / "partial.py").write_text(
+        "def partial(responses, golds, *, workers=0):\n"
+        "    return [0.9 if r.endswith('{' + g + '}$.') else 0.4 if 'boxed' in r else 0.0\n"
+        "            for r, g in zip(responses, golds)]\n")
+    path = write_jsonl(tmp_path / "f.jsonl", [{"id": "p1", "response": f"Try {i}: " + boxed("7")} for i in range(4)]
+                       + [{"id": "p2", "response": f"Try {i}: " + boxed(a)} for i, a in enumerate("9888")])
+    log = load_foreign_log(path, PROMPTS, reward=f"{tmp_path / 'partial.py'}:partial")
+    torch.testing.assert_close(log.rewards, torch.tensor([[0.4] * 4, [0.9, 0.4, 0.4, 0.4]]))  # golds 2 and 9
+    assert "2 prompt groups" in log.report() and "1 groups mixed" in log.report()
+
+
 def test_nothing_usable_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "f.jsonl", [{"id": "p1", "response": "a"}, {"id": "x", "response": "b"}])
     with pytest.raises(ValueError, match="no prompt of the run has two or more matched records"):
