@@ -158,7 +158,7 @@ def test_cuda_alloc_conf_set_unless_the_user_chose():
 
 FSDP_GRADS = '''
 import json, sys
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]  # the modules, and this test file (update_grads)
 import torch, verify
 verify.verify_batch = lambda rs, gs, workers=0, **kw: [float(len(r) % 3 == 0) for r in rs]
 import graft
