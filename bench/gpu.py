@@ -47,7 +47,6 @@ a greedy argmax can flip on a near tie, after which a random model's rows part w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
