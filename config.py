@@ -332,8 +332,8 @@ def add_config_flags(parser: argparse.ArgumentParser, names: list[str], *,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """graft.py's command line: train and eval take every Config field as a flag; complement, preflight and
-    plot parse their own flags (their modules)."""
+    """graft.py's command line: train, eval and plan take every Config field as a flag; complement, preflight,
+    panel and plot parse their own flags (their modules)."""
     parser = argparse.ArgumentParser(prog="graft.py", description="GRAFT: Gated Replacement of Answer-Failed "
                                      "groups with peer Trajectories.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -344,10 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("panel", add_help=False,
                    help="the mechanism panel: GRPO vs GRAFT on the prompts each model fails (graft.py panel -h)")
     sub.add_parser("plot", add_help=False, help="PNG curves from runs' metrics.jsonl (graft.py plot -h; matplotlib)")
-    sub.add_parser("plan", add_help=False,
-                   help="the memory plan of each phase on fake tensors, against the card (graft.py plan -h)")
-    for command in ("train", "eval"):
-        help_cmd = "train one side (GRPO / GRAFT)" if command == "train" else "evaluate a model on the benchmarks"
+    helps = {"train": "train one side (GRPO / GRAFT)", "eval": "evaluate a model on the benchmarks",
+             "plan": "the memory plan of each phase on fake tensors against the card (--model a,b: one per side)"}
+    for command, help_cmd in helps.items():  # plan takes the train flags
         p = sub.add_parser(command, help=help_cmd, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         names = [f.name for f in dataclasses.fields(Config) if not (command == "eval" and f.name in EVAL_ALIASES)]
         # in eval, --temperature etc. mean the evaluation settings

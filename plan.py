@@ -15,7 +15,9 @@ prompt + the cap):
                  family, its cache read back; nothing computed from the config)
     logprob      the behaviour log-prob pass: --micro-batch-size rows, no grad
     update       one micro-batch: forward + backward (--gradient-checkpointing as set), then the AdamW step
-    evaluation   Trainer.validate's sampling: the rollout's terms at the benchmarks' shapes and precision
+                 (the kernel the trainer picks on a GPU: runtime.adamw_kernel)
+    evaluation   Trainer.validate's sampling: the rollout's terms at the benchmarks' shapes, its own row budget
+                 (runtime.eval_rows) and precision
     fsdp         --fsdp: the state divided by the ranks plus the largest gathered unit
 
 `graft.py plan` prints a table per side against the card (the device's memory, or --gpu-memory) and the
@@ -61,16 +63,19 @@ from pathlib import Path
 
 import torch
 
-from config import Config, add_config_flags  # the train flags; plan.py adds none of its own
+from config import Config  # the train flags; plan.py adds none of its own
+from runtime import adamw_kernel, encode_prompt, eval_rows  # the trainer's choices, read where they live
 from sampler import response_logprobs, sample  # the code whose memory is measured
 
 GIB = 1024 ** 3
 MARGIN = 0.95
 """A phase fits when it needs at most this share of the card (the rest: allocator fragmentation, CUDA context)."""
+PLANNED_DEVICE = torch.device("cuda")
+"""The device whose choices the plan follows (runtime.adamw_kernel: fused AdamW), wherever it runs."""
 MISFIT = 3
 """`graft.py plan`'s exit status when a phase does not fit (run_pair.sh switches FSDP2 on by it)."""
-EVAL_AUTOCAST = False
-"""Trainer.validate samples with the training weights outside the trainer's autocast (graft.py section 2)."""
+EVAL_AUTOCAST = True
+"""Trainer.validate samples under the trainer's autocast, as the rollouts (graft.py departure 6)."""
 
 # The paper's models, for a machine without network (their config.json files' shape fields, transformers 5).
 KNOWN_SHAPES = {
@@ -130,7 +135,6 @@ def longest_prompt(cfg: Config, files: list[str]) -> tuple[int, str]:
         tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except Exception:  # offline or no tokenizer in the folder
         return cfg.max_prompt_tokens, "--max-prompt-tokens (no tokenizer)"
-    from runtime import encode_prompt  # imported here: runtime.py loads exchange.py, which the plan needs nowhere else
     most = 0
     for f in present:
         for line in Path(f).read_text().splitlines():
@@ -296,7 +300,8 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
         layer_params = max((sum(p.nbytes for p in m.parameters()) for m in layers), default=0)
         params = sum(p.nbytes for p in model.parameters())
         root_params = params - sum(sum(p.nbytes for p in m.parameters()) for m in layers)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay,
+                                **adamw_kernel(PLANNED_DEVICE))  # the kernel the trainer picks on the GPU
         for p in model.parameters():  # the state of a run past its first step: moments and gradients exist
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -342,7 +347,7 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
         step_peak = _tracked(optimizer_step, model, opt)["Total"]
         roll = prefill(cfg.gen_batch_size, prompt_len, cfg.dtype == "auto")
         roll_peak = _tracked(roll, model, opt)["Total"]
-        ev = prefill(cfg.gen_batch_size, eval_prompt_len, cfg.dtype == "auto" and EVAL_AUTOCAST)
+        ev = prefill(eval_rows(cfg), eval_prompt_len, cfg.dtype == "auto" and EVAL_AUTOCAST)
         ev.kv, eval_peak = 0, state
         if cfg.eval_every:  # Trainer.validate runs
             eval_peak = _tracked(ev, model, opt)["Total"]
@@ -383,7 +388,7 @@ def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt
     rows, cap = cfg.gen_batch_size, cfg.max_response_tokens
     eval_cap = cfg.eval_max_tokens or cap
     kv = rows * (prompt_len + cap) * m.kv_token
-    eval_kv = rows * (eval_prompt_len + eval_cap) * m.eval_kv_token
+    eval_kv = eval_rows(cfg) * (eval_prompt_len + eval_cap) * m.eval_kv_token  # Trainer.validate's row budget
     units = {"gathered root + 2 layers + 1 layer's grads": m.root_params + 3 * m.layer_params} if cfg.fsdp else {}
     out = [
         Phase("rollout", state | gathered | {"prefill activations": m.prefill_act, "KV cache": kv},
@@ -431,7 +436,7 @@ def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str,
         lines.append(f"| {ph.name} | {ph.total / GIB:.1f} | {share} | {ph.dominant} "
                      f"{ph.terms[ph.dominant] / GIB:.1f} | {ph.fix} |")
     if card and rows:
-        gen = largest_fit(plan, card, rows=rows[0], phase_names=("rollout", "evaluation"),
+        gen = largest_fit(plan, card, rows=rows[0], phase_names=("rollout",),
                           per_row_terms=("KV cache", "prefill activations"))
         mb = largest_fit(plan, card, rows=rows[1], phase_names=("update", "logprob"), per_row_terms=("activations",))
         lines += ["", f"largest that fit at these settings (those terms taken as linear in the rows): "
@@ -478,7 +483,8 @@ def plan_side(cfg: Config, *, ranks: int, eval_files: list[str]) -> tuple[list[P
             f"weights, {layers} layers x {kv_heads} KV heads x {head_dim}); longest prompt {prompt_len} tokens "
             f"({how}) + cap {cfg.max_response_tokens}; KV {m.kv_token / 1024:.0f} KiB/token ({m.kv_dtypes}) x "
             f"{cfg.gen_batch_size} rows" + (f"; evaluation: prompt {eval_len} ({eval_how}), KV "
-                                            f"{m.eval_kv_token / 1024:.0f} KiB/token ({m.eval_kv_dtypes})"
+                                            f"{m.eval_kv_token / 1024:.0f} KiB/token ({m.eval_kv_dtypes}) x "
+                                            f"{eval_rows(cfg)} rows"
                                             if cfg.eval_every else "")
             + f"; micro-batch {cfg.micro_batch_size} rows, checkpointing "
             f"{'on' if cfg.gradient_checkpointing else 'off'}, fsdp {'on' if cfg.fsdp else 'off'}; measured on fake "
@@ -497,19 +503,22 @@ def benchmark_paths(cfg: Config, benchmark_files) -> list[str]:
         return []
 
 
-def check_at_start(cfg: Config, *, world: int, device: torch.device, benchmark_files=None,
-                   main: bool = True) -> list[Phase]:
-    """The trainer's start-of-run check, before any weight is loaded: the plan of cfg.model at `world` ranks. On
-    CUDA (or wherever --gpu-memory is given) a plan that cannot fit raises SystemExit naming the phase and the flag
-    that fixes it; on the CPU without --gpu-memory it is printed only. Returns the phases. benchmark_files:
-    graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
-    plan, note = plan_side(cfg, ranks=world, eval_files=benchmark_paths(cfg, benchmark_files))
-    card = card_bytes(cfg, device)
-    if main:
-        print(table(f"[plan] side {cfg.name!r} {cfg.model}", plan, card, world, note,
+def check_at_start(cfg: Config, dist, benchmark_files=None) -> list[Phase]:
+    """The trainer's start-of-run check (--memory-plan), before any weight is loaded: the plan of cfg.model at
+    dist.world ranks (dist: runtime.DistInfo, or any object with world, device and main). cuda: planned on a CUDA
+    device only; always: on the CPU too. A plan that cannot fit the card (the device's, or --gpu-memory when given:
+    then also on the CPU) raises SystemExit naming the phase and the flag that fixes it; otherwise it is printed.
+    Returns the phases ([] when not planned). benchmark_files: graft.benchmark_files (passed in: plan.py does not
+    import graft.py, which imports it)."""
+    if cfg.memory_plan == "off" or (cfg.memory_plan == "cuda" and dist.device.type != "cuda"):
+        return []
+    plan, note = plan_side(cfg, ranks=dist.world, eval_files=benchmark_paths(cfg, benchmark_files))
+    card = card_bytes(cfg, dist.device)
+    if dist.main:
+        print(table(f"[plan] side {cfg.name!r} {cfg.model}", plan, card, dist.world, note,
                     rows=(cfg.gen_batch_size, cfg.micro_batch_size)), flush=True)
     message = refusal(cfg.model, plan, card) if card else None
-    if message and (device.type == "cuda" or cfg.gpu_memory):
+    if message and (dist.device.type == "cuda" or cfg.gpu_memory):
         raise SystemExit(f"graft.py train: {message}")
     return plan
 
@@ -519,19 +528,11 @@ def check_at_start(cfg: Config, *, world: int, device: torch.device, benchmark_f
 # ------------------------------------------------------------------------------------------------
 
 
-def main(argv=None, *, benchmark_files=None) -> int:
-    """`graft.py plan`: the train flags; --model may name several sides (comma-separated). Prints one table per
-    side; exits MISFIT (3) when a phase does not fit the card (--gpu-memory or the device's). benchmark_files:
-    graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="graft.py plan", description="The memory plan of each side's phases, "
-                                     "measured on fake tensors before anything is allocated (plan.py).")
-    add_config_flags(parser, [f.name for f in dataclasses.fields(Config)])
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    models = [m for m in args.model.split(",") if m]
-    if not models:
-        raise SystemExit("graft.py plan: --model is required (a hub id, a folder, a config.json; a,b for a pair)")
-    base = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+def run_plan(base: Config, *, benchmark_files=None) -> int:
+    """`graft.py plan` (config.build_parser's train flags): one table per side of --model (comma-separated) at
+    --ranks; returns MISFIT (3) when a phase does not fit the card (--gpu-memory or the device's), else 0.
+    benchmark_files: graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
+    models = [m for m in base.model.split(",") if m]
     ranks = base.ranks or 1
     device = torch.device("cuda") if torch.cuda.is_available() else None
     files = benchmark_paths(base, benchmark_files)
@@ -547,7 +548,3 @@ def main(argv=None, *, benchmark_files=None) -> int:
             print(message + "\n", flush=True)
             worst = MISFIT
     return worst
-
-
-if __name__ == "__main__":
-    sys.exit(main())

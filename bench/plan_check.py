@@ -3,7 +3,7 @@
 plan.py measures a deep model at 4 and 8 layers and extrapolates to its depth, then adds the state it holds
 (RESULTS.md "The memory plan"). This script measures the same update micro-batch once, at the model's full depth,
 written apart from plan.py's phase arithmetic: the whole model under FakeTensorMode, AdamW past its first step
-(moments and gradients held), the trainer's chunked log-prob forward (sampler.response_logprobs) of `--rows` rows
+(moments and gradients held; fused, the trainer's kernel on a GPU), the trainer's chunked log-prob forward (sampler.response_logprobs) of `--rows` rows
 of `--prompt` + `--cap` tokens under bf16 autocast, a backward with gradient checkpointing as asked, the grad clip
 and the AdamW step, all inside one MemTracker; it prints that peak beside the plan's update figure (the larger of
 its update and optimizer-step phases, data parallel) and their ratio.
@@ -22,6 +22,7 @@ import torch
 
 import plan
 from config import Config
+from runtime import adamw_kernel
 from sampler import response_logprobs
 
 
@@ -36,7 +37,7 @@ def full_depth_peak(config, *, rows: int, prompt: int, cap: int, checkpointing: 
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, **adamw_kernel(torch.device("cuda")))
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         opt.step()
