@@ -1,14 +1,15 @@
 """Benchmark: the memory plan's update micro-batch against an independent fake-tensor measurement of the same step.
 
-plan.py measures a deep model at 4 and 8 layers and extrapolates to its depth, then adds the state it holds
-(docs/RESULTS.md "The memory plan"). This script measures the same update micro-batch once, at the model's full depth,
-written apart from plan.py's phase arithmetic: the whole model under FakeTensorMode, AdamW (fused, the trainer's
-kernel on a GPU) past its first step (moments and gradients held), the trainer's chunked log-prob forward
-(sampler.response_logprobs) of `--rows` rows of `--prompt` + `--cap` tokens under bf16 autocast, a backward with
-gradient checkpointing as asked, the grad clip and the AdamW step, all inside one MemTracker; it prints that peak beside the plan's update figure (the larger of
-its update and optimizer-step phases, data parallel) and their ratio.
+plan.py measures a deep model at 4 and 8 layers and extrapolates to its depth, then adds the state it
+holds (docs/RESULTS.md "The memory plan"). This script measures the same update micro-batch once, at the model's
+full depth, apart from plan.py's phase arithmetic: the whole model under FakeTensorMode, AdamW (fused, the
+trainer's kernel on a GPU) past its first step (moments and gradients held), the trainer's chunked log-prob
+forward (sampler.response_logprobs) of `--rows` rows of `--prompt` + `--cap` tokens under bf16 autocast, a
+backward with gradient checkpointing as asked, the grad clip and the AdamW step, all inside one MemTracker. It
+prints that peak beside the plan's update figure (the larger of its update and optimizer-step phases, data
+parallel) and their ratio.
 
-    python -m bench.plan_check --model Qwen/Qwen3-1.7B-Base --prompt 734 --cap 4096 --rows 4 [--no-checkpointing]
+    python -m bench.plan_check --model Qwen/Qwen3-1.7B-Base --prompt 2048 --cap 4096 --rows 4 [--no-checkpointing]
 
 Target (issue 46): the plan within 15% of this measurement. A few minutes per 3B model on one CPU core.
 """
