@@ -11,7 +11,7 @@ parallel) and their ratio.
 
     python -m bench.plan_check --model Qwen/Qwen3-1.7B-Base --prompt 2048 --cap 4096 --rows 4 [--no-checkpointing]
 
-Target (issue 46): the plan within 15% of this measurement. A few minutes per 3B model on one CPU core.
+Target: the plan within 15% of this measurement. A few minutes per 3B model on one CPU core.
 """
 
 from __future__ import annotations
