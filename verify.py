@@ -711,6 +711,8 @@ def _final_group(text: str) -> list | None:
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
     if _DISOWN_AFTER_RE.match(after) and not _restates(after, out[-1][2]) or _DISOWN_BEFORE_RE.search(before):
         return None
+    if _logic_around(text, out[0][0], out[-1][1]) or not _asserted(text, out[0][0], out[-1][1]):
+        return None
     return out
 
 
@@ -747,6 +749,123 @@ _DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\
                                r"(?:answer|result)\s+(?:is\s+)?at\s+(?:least|most)|"
                                r"(?:more|less|fewer|greater|other)\s+than)|"
                                r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
+
+
+# Logic applied to a box makes no answer: '\\lnot\\boxed{12}', '\\boxed{12} \\lor \\boxed{13}',
+# '\\boxed{12} \\land x > 0' (math delimiters between the box and the operator change nothing). An implication
+# before a box is 'hence' and stays an answer.
+_LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
+_LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔])[\s{]*$")
+_LOGIC_AFTER_RE = re.compile(r"^[\s}]*(?:\\(?:" + _LOGIC_OPS + r")(?![A-Za-z])|[∨∧⊕⇔])")
+# The sentence around a box (issue 49): where it starts and ends, outside math. A '.' ends a sentence only
+# before a space or the end ('3.5' does not).
+_SENTENCE_END_RE = re.compile(r"[.!?](?=[\s$]|\\[)\]]|$)|[;\n]|。|！|？")
+# A box inside the antecedent of a condition ('Were it \\boxed{12}, ...', 'If the count were \\boxed{12}, ...',
+# 'Suppose the answer is \\boxed{12}; ...'): an opener with no ',', ':' or 'then' between it and the box.
+_COND_OPEN_RE = re.compile(r"(?:^|[,:(]\s*)(?:were|had|should)\s+(?:it|we|they|he|she|you|the|this|that|there|I)\b|"
+                           r"(?<![A-Za-z])(?<!only\s)(?<!even\s)(?<!as\s)(?:if(?!\s+and\s+only)|suppose|supposing|"
+                           r"assume|assuming|unless|provided|whether|"
+                           r"in\s+case|say|imagine|pretend)(?![A-Za-z])", re.IGNORECASE)
+_COND_CLOSE_RE = re.compile(r"[,:]|(?<![A-Za-z])then(?![A-Za-z])", re.IGNORECASE)
+# A conditional after the box in its own sentence ('\\boxed{12} if n is even'), or a counterfactual
+# before it ('would have been \\boxed{12}'; 'would' in a sentence with a condition).
+_COND_AFTER_RE = re.compile(r"(?<![A-Za-z])(?:if|unless|provided|assuming|supposing|in\s+case)(?![A-Za-z])",
+                            re.IGNORECASE)
+_WOULD_RE = re.compile(r"(?<![A-Za-z])(?:would|'d)(?![A-Za-z])", re.IGNORECASE)
+# After a 'would' box, a contrast or another stated value: 'It would have been \\boxed{12} with six sides; with
+# eight it is 16.' ('she would have saved \\boxed{550} gallons', the answer to a 'would' question, stays one).
+_CONTRAST_RE = re.compile(r"(?<![A-Za-z])(?:but|however|actually|in\s+fact|instead|whereas|yet)(?![A-Za-z])|"
+                          r"(?<![A-Za-z])(?:is|are|equals|was)\s+\$?\s*[-\d\\]", re.IGNORECASE)
+# A box attributed to an error ('The usual slip gives \\boxed{12}', 'A common mistake is to answer
+# \\boxed{12}'), unless the words between the error and the box assert ('Avoiding the mistake, we get').
+_ERROR_RE = re.compile(r"(?<![A-Za-z])(?:slip|slips|mistakes?|mistaken(?:ly)?|erroneous(?:ly)?|wrong(?:ly)?|"
+                       r"incorrect(?:ly)?|careless(?:ly)?|na[iï]ve(?:ly)?|misread\w*|miscount\w*|misapplie\w*|"
+                       r"typos?|blunders?|fallac\w+|pitfalls?|traps?|tempting|bogus|flawed|"
+                       r"errors?(?=(?:\W+\w+){0,4}?\W+(?:gives?|gave|yields?|yielded|leads?|led|produces?|"
+                       r"produced|results?|resulted|would|makes?|made)(?![A-Za-z])))(?![A-Za-z])",
+                       re.IGNORECASE)
+_ERROR_EXEMPT_BEFORE_RE = re.compile(r"(?<![A-Za-z])(?:avoid\w*|correct\w*|fix\w*|without|instead\s+of|rather\s+than|"
+                                     r"no|not|free\s+of|repair\w*)\W+(?:\w+\W+){0,3}$", re.IGNORECASE)
+_ASSERT_MARK_RE = re.compile(r"(?<![A-Za-z])(?:we\s+(?:get|obtain|find|have)|gives\s+us|so|thus|hence|therefore|"
+                             r"(?:correct|right|true|actual|final)\s+(?:answer|value|count|total|result)|"
+                             r"correct(?:ly|ed)?|instead|actually|in\s+fact|but|answer\s+is)(?![A-Za-z])|:",
+                             re.IGNORECASE)
+# Doubt about the box's answer, in its own sentence after it or in the next sentence ('\\boxed{12}? Unsure.',
+# '\\boxed{12}. I am not sure this is right.', '\\boxed{12} (unverified)').
+_DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:sure|certain|confident|verified|checked)|uncertain|"
+                       r"unverified|unchecked|untested|unconfirmed|tentative(?:ly)?|no\s+idea|i\s+doubt|"
+                       r"(?:might|could|may)\s+be\s+wrong|probably\s+wrong|just\s+a\s+guess|a\s+guess)"
+                       r"(?![A-Za-z])", re.IGNORECASE)
+_DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|presumably|i\s+guess|i\s+suppose|"
+                           r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
+
+
+def _logic_around(text: str, start: int, end: int) -> bool:
+    """A logic operator stands right before or after the boxes text[start:end] (delimiters skipped)."""
+    before = _DELIMS_RE.sub(" ", text[max(0, start - 40):start])
+    after = _DELIMS_RE.sub(" ", text[end:end + 40])
+    return _LOGIC_BEFORE_RE.search(before) is not None or _LOGIC_AFTER_RE.match(after) is not None
+
+
+def _sentence_of(text: str, start: int, end: int) -> tuple[str, str, str, str]:
+    """(head, tail, terminator, next sentence) of the sentence holding text[start:end]: the words of its
+    sentence before and after it, the character that ends the sentence ('' at the end of the text) and
+    the sentence after that (up to 160 characters each way)."""
+    head = text[max(0, start - 240):start]
+    cut = None
+    for cut in _SENTENCE_END_RE.finditer(head):
+        pass
+    if cut is not None:
+        head = head[cut.end():]
+    rest = text[end:end + 400]
+    m = _SENTENCE_END_RE.search(rest)
+    if m is None:
+        return head, rest, "", ""
+    nxt = rest[m.end():]
+    n = _SENTENCE_END_RE.search(nxt.lstrip(), 1)
+    return head, rest[:m.start()], m.group(0), (nxt.lstrip()[:n.end()] if n else nxt)[:160]
+
+
+def _in_math(text: str, pos: int) -> bool:
+    """text[pos] is inside a math span: an odd number of unescaped '$' before it, or an open '\\(' / '\\['."""
+    before = text[:pos]
+    if (before.count("$") - before.count("\\$")) % 2 == 1:
+        return True
+    return before.rfind("\\(") > before.rfind("\\)") or before.rfind("\\[") > before.rfind("\\]")
+
+
+def _asserted(text: str, start: int, end: int) -> bool:
+    """The sentence around the boxes text[start:end] asserts them (issue 49): not questioned ('\\boxed{12}?'),
+    not doubted right after ('\\boxed{12}. Unsure.'), not inside a condition ('Were it \\boxed{12}, ...',
+    '\\boxed{12} if n is even', 'we would get \\boxed{12}' beside a condition or a contrast) and not attributed
+    to an error ('The usual slip gives \\boxed{12}'). Decided from the response alone."""
+    head, tail, end_mark, nxt = _sentence_of(text, start, end)
+    if _in_math(text, start):       # the math the box sits in ('$x = \\boxed{12}$') is not words
+        head = re.sub(r"(?:\$\$?|\\[(\[])[^$]*$", " ", head)
+        tail = re.sub(r"^[^$]*?(?:\$\$?|\\[)\]])", " ", tail, count=1)
+    head, tail = _MATH_SPAN_RE.sub(" $ ", head), _MATH_SPAN_RE.sub(" $ ", tail)     # words, not math
+    if end_mark in ("?", "？") or _DOUBT_RE.search(tail) or _DOUBT_OWN_RE.search(tail) or _DOUBT_RE.search(nxt):
+        return False
+    opener = None
+    for opener in _COND_OPEN_RE.finditer(head):
+        pass
+    if opener is not None and not _COND_CLOSE_RE.search(head[opener.end():]):
+        return False        # the box is inside the condition
+    if _COND_AFTER_RE.search(tail):
+        return False
+    mark = None
+    for mark in _ASSERT_MARK_RE.finditer(head):
+        pass
+    clause = head[mark.end():] if mark is not None else head     # 'If it were 12, it would be odd, so it is'
+    if _WOULD_RE.search(clause) and (_COND_OPEN_RE.search(clause) or _CONTRAST_RE.search(tail + " " + nxt)):
+        return False        # 'Had we ..., we would get \\boxed{12}'; 'it would have been \\boxed{12} ...; it is 16'
+    err = None
+    for err in _ERROR_RE.finditer(head):
+        pass
+    if err is not None and not _ASSERT_MARK_RE.search(head[err.end():]) and \
+            not _ERROR_EXEMPT_BEFORE_RE.search(head[:err.start()]):
+        return False
+    return True
 
 
 def _restates(after: str, content: str) -> bool:
