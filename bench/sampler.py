@@ -1,10 +1,10 @@
 """Benchmarks for sampler.py (README, Benchmarks): every figure is a ratio measured side by side in one run.
 
-    python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
-    python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
-    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill,draw}
-    python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
-    python bench_sampler.py --only stop --baseline OTHER/sampler.py       # rollouts without stop strings, before/after
+    python -m bench.sampler            # full sizes (about 12-15 minutes on one CPU thread)
+    python -m bench.sampler --quick    # smaller sizes and fewer repeats (about 4 minutes)
+    python -m bench.sampler --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill,draw}
+    python -m bench.sampler --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
+    python -m bench.sampler --only stop --baseline OTHER/sampler.py       # rollouts without stop strings, before/after
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
    gradient, temperature 1:
@@ -100,7 +100,7 @@ import torch
 import sampler
 from sampler import sample, token_logprobs
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 # ------------------------------------------------------------------------------------------------
 # 1. log-prob path
@@ -176,10 +176,10 @@ def memory_child(path, n, h, v):
 
 
 def peak_rise(path, n, h, v):
-    extra = ["--baseline", BASELINE_FILE] if BASELINE_FILE else []
+    extra = ["--baseline", os.path.abspath(BASELINE_FILE)] if BASELINE_FILE else []
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", path, str(n), str(h), str(v), *extra],
-        check=True, capture_output=True, text=True,
+        [sys.executable, "-m", "bench.sampler", "--memory-child", path, str(n), str(h), str(v), *extra],
+        check=True, capture_output=True, text=True, cwd=HERE,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rise_bytes"]
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import graft
-import preflight
+from tools import preflight
 import verify
 from runtime import DistInfo
 from config import Config
@@ -29,7 +29,7 @@ from core import graft_candidates, success_counts
 from test_graft import exchange_phases
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 TINY = ROOT / "data" / "tiny_models"
 pytestmark = pytest.mark.skipif(not (TINY / "A" / "model.safetensors").is_file() or
                                 not (TINY / "B" / "model.safetensors").is_file(),
@@ -343,7 +343,7 @@ def test_bad_input_messages(tmp_path):
 
 def test_complement_json_is_the_printed_table(tmp_path, capsys):
     """`graft.py complement --json` writes the rows of the table it prints (the report preflight embeds)."""
-    import complement
+    from tools import complement
     corrects = {"a": [[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8], "b": [[1, 1, 0, 0, 0, 0, 0, 0], [0] * 8, [0] * 8]}
     paths = []
     for name, rows in corrects.items():

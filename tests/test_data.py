@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 SCRIPT = ROOT / "data" / "prepare.py"
-SHARED = Path(__file__).parent.parent / "shared" / "benchmarks"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(),
                                   reason=f"shared benchmark copies not found at {SHARED}")
 
