@@ -800,6 +800,14 @@ _DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|pre
                            r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
 
 
+# After a box, a sentence that states another value for the answer: '\\boxed{12}; the right count is 13',
+# '\\boxed{12} is what the table says; it is 1'.
+_RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|(?:right|correct|true|actual|real)\s+"
+                          r"(?:answer|value|count|total|number|result|one)))\s+(?:is|equals|was)\s+"
+                          r"(?:actually\s+|really\s+|in\s+fact\s+)?\$?\s*(-?\d[\d.,]*\d|-?\d)(?![\d.,]*\s*[/^])",
+                          re.IGNORECASE)
+
+
 def _logic_around(text: str, start: int, end: int) -> bool:
     """A logic operator stands right before or after the boxes text[start:end] (delimiters skipped)."""
     before = _DELIMS_RE.sub(" ", text[max(0, start - 40):start])
@@ -865,7 +873,8 @@ def _asserted(text: str, start: int, end: int) -> bool:
     if err is not None and not _ASSERT_MARK_RE.search(head[err.end():]) and \
             not _ERROR_EXEMPT_BEFORE_RE.search(head[:err.start()]):
         return False
-    return True
+    other = _RESTATED_RE.search(tail + " " + nxt)
+    return other is None or _same_value(other.group(1), _outer_boxes(text[start:end])[-1][2])
 
 
 def _restates(after: str, content: str) -> bool:
@@ -1177,6 +1186,8 @@ def _unit_of(s: str):
     t = s.strip().rstrip(".").strip()
     if len(t) > 200 or not re.search(r"\d", t):
         return None
+    if "squared" in t or "cubed" in t:
+        t = re.sub(r"\s*\^(\d)\s*\}", r"}^\1", _unit_power_words(t))     # '\\text{ cm squared}' is cm^2
     m = _TEMPERATURE_RE.search(t)
     if m:
         return ("temperature " + (m.group(1) or m.group(2)), 1)     # 5 °C, 5 °F, 5 K: three temperatures
@@ -1396,7 +1407,7 @@ def _clean(s: str) -> str:
     # Units written as text after a value: "5.4 \text{ cents}", "864 \mbox{ inches}^2".
     for _ in range(3):
         m = _TRAILING_TEXT_RE.match(s)
-        unit = m.group(2).strip() if m else ""
+        unit = _unit_power_words(m.group(2).strip(), "") if m else ""     # 'units squared' is a unit
         if m and unit.lower() in _MULTIPLIERS and re.fullmatch(r"[+-]?\d+(?:\.\d+)?", m.group(1).strip()):
             s = f"{m.group(1).strip()} \\cdot {_MULTIPLIERS[unit.lower()]}"     # '7 \\text{ dozen}' is 84
             break
@@ -1448,6 +1459,54 @@ _PY_SYNTAX_RE = re.compile(
 _NEGATED_RE = re.compile(r"\\text\s*\{\s*(?:not|no|never|wrong|false|incorrect|impossible)(?![A-Za-z])[^{}]*\}\s*\S",
                          re.IGNORECASE)
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
+
+
+# Words inside a box's text that qualify its value (issue 49): '12 \\text{ at least}', '12 \\text{ or thirteen}',
+# '12 \\text{ (not checked)}', '12 \\text{ modulo five}', '\\text{about } 12'. Unit words stay ('12 \\text{ square
+# units}', '12 \\text{ units squared}'); so do 'or' / 'and' alone between values and a piecewise 'if'.
+_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox)\s*\{([^{}]*)\}")
+_QUALIFIER_RE = re.compile(r"[\d()\[\]=<>?]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
+                           r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|answer|"
+                           r"guess|correct|incorrect|depending|about|around|approximately|roughly|to|between|plus|"
+                           r"minus|etc|doubled|halved|tripled|squared|cubed|factorial|onwards?|up|above|below|under|"
+                           r"over|inverse|reciprocal|mod|modulo|false|impossible|excluded|off|invalid|rejected|"
+                           r"negative|opposite|rounded|later|earlier|ago|before|after|greater|beyond|minimum|maximum|"
+                           r"upwards?|downwards?|negated|inverted|so|give|take|unverified|verified|checked|unchecked|"
+                           r"untested|tentative(?:ly)?|estimated?|estimates|ish|nearly|almost|circa|ca|close|"
+                           r"increase|decrease|excess|gain|loss|presumably|likely|unlikely|hopefully|supposedly|"
+                           r"apparently|allegedly|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
+                           r"twelve|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty|"
+                           r"forty|fifty|sixty|seventy|eighty|ninety)(?![A-Za-z])", re.IGNORECASE)
+_UNIT_EXPONENT_RE = re.compile(r"(?<=[A-Za-z])\s*\^\s*\{?\s*-?\d\s*\}?")
+# Kept: a choice '(E)', '(exactly)', one token with digits ('\\text{A5}_{11}', '\\text{cm2}')
+_KEPT_TEXT_RE = re.compile(r"\s*\(?\s*(?:[A-E]|exactly)\s*\)?\s*|\s*[A-Za-z]{0,3}\d+[A-Za-z\d]*\s*")
+_SEPARATOR_TEXT_RE = re.compile(r"[\s,;]*(?:(?:or|and)[\s,;]*)?", re.IGNORECASE)
+_UNIT_POWER_WORD_RE = re.compile(r"(?<![A-Za-z])([A-Za-z]+)\.?\s+(squared|cubed)(?![A-Za-z])", re.IGNORECASE)
+
+
+def _unit_power_words(t: str, power: str = "^{}") -> str:
+    """'units squared', 'cm cubed' -> 'units^2', 'cm^3' (a unit word before them; '7 squared' stays). power
+    formats the exponent ('' drops it)."""
+    return _UNIT_POWER_WORD_RE.sub(lambda m: m.group(1) + power.format(2 if m.group(2).lower() == "squared" else 3)
+                                   if m.group(1) in _UNIT_WORDS or m.group(1) in _UNIT_DIMS else m.group(0), t)
+
+
+def _check_words(pred: str) -> None:
+    """Raises _NotMath when a \\text{..} of the (uncleaned) prediction holds words that qualify a value
+    written outside it. A whole text answer ('\\text{no solution}') and a piecewise 'cases' are not judged."""
+    if "\\text" not in pred and "box" not in pred and "\\math" not in pred or "{cases}" in pred:
+        return
+    outside = _TEXT_GROUP_RE.sub(" ", pred)
+    if not re.search(r"[\dA-Za-z]", outside.replace("\\boxed", "")):
+        return          # the whole answer is text
+    for m in _TEXT_GROUP_RE.finditer(pred):
+        words = _UNIT_EXPONENT_RE.sub(" ", m.group(1))       # 'm/s^2', 'cm^{3}': powers of a unit
+        if _SEPARATOR_TEXT_RE.fullmatch(words) or words.strip().lower() in _MULTIPLIERS or \
+                words.strip() in _UNIT_WORDS or _KEPT_TEXT_RE.fullmatch(words):
+            continue
+        q = _QUALIFIER_RE.search(_unit_power_words(words, ""))
+        if q is not None and q.group(0).lower() not in _UNIT_WORDS:
+            raise _NotMath(f"words that qualify the value: {words.strip()!r}")
 
 
 def _check_math(s: str) -> None:
@@ -2602,17 +2661,26 @@ def _ev(e, env: dict, budget: _Budget):
             raise _Undefined()
         return v
     if isinstance(e, sympy.Add):
-        acc = Fraction(0)
+        # Exact terms are summed exactly and the rest at 50 digits, then joined: an exact part too small to
+        # show beside the rest ('\\pi + 10^{-60}') is a limit hit, never the rest alone (issue 49).
+        exact, rest, big = Fraction(0), None, 0
         for a in e.args:
             v = _ev(a, env, budget)
-            if isinstance(acc, Fraction) and isinstance(v, Fraction):
-                acc += v
-                if not _exact_ok(acc):
-                    acc = _to_mp(acc)
-            else:
-                budget.scale = max(budget.scale, abs(_to_mp(acc)), abs(_to_mp(v)))
-                acc = _check_mp(_to_mp(acc) + _to_mp(v))
-        return acc
+            if isinstance(v, Fraction):
+                exact += v
+                if _exact_ok(exact):
+                    continue
+                v, exact = _to_mp(exact), Fraction(0)
+            big = max(big, abs(v))
+            rest = v if rest is None else _check_mp(rest + v)
+        if rest is None:
+            return exact
+        budget.scale = max(budget.scale, big, abs(_to_mp(exact)))
+        if exact:
+            if abs(_to_mp(exact)) < _TINY_MP * big:
+                raise _Limit("an exact term below the working precision beside the others")
+            _carried(exact)
+        return _check_mp(rest + _to_mp(exact))
     if isinstance(e, sympy.Mul):
         acc = Fraction(1)
         for a in e.args:
@@ -2622,7 +2690,7 @@ def _ev(e, env: dict, budget: _Budget):
                 if not _exact_ok(acc):
                     acc = _to_mp(acc)
             else:
-                acc = _check_mp(_to_mp(acc) * _to_mp(v))
+                acc = _check_mp(_to_mp(_carried(acc)) * _to_mp(_carried(v)))
         return acc
     if isinstance(e, sympy.Pow):
         b, x = _ev(e.base, env, budget), _ev(e.exp, env, budget)
@@ -2677,7 +2745,7 @@ def _ev(e, env: dict, budget: _Budget):
         return a % m
     fn = _MPF_FUNCS.get(type(e))
     if fn is not None:
-        args = [_to_mp(_ev(a, env, budget)) for a in e.args]
+        args = [_to_mp(_carried(_ev(a, env, budget))) for a in e.args]
         if type(e) is sympy.log and args[0] == 0:
             raise _Undefined()
         if type(e) in _PERIODIC:
@@ -2721,7 +2789,7 @@ def _pow(b, x):
             if x > 0:
                 return Fraction(0)
             raise _Undefined()
-    bm, xm = _to_mp(b), _to_mp(x)
+    bm, xm = _to_mp(_carried(b)), _to_mp(x)
     if bm == 0:
         if xm.real > 0:
             return _MP.mpf(0)
@@ -2744,6 +2812,26 @@ def _pow(b, x):
 
 
 _TINY = Fraction(1, 10 ** 40)
+_TINY_MP = _MP.mpf(10) ** -40
+
+
+def _carried(v):
+    """v, unless it is an exact value that carries more precision than 50-digit arithmetic keeps, about to be
+    mixed with an inexact one: within 1e-40 (relative) of a simpler rational it is not ('1 + 10^{-60}' beside
+    \\pi), or an integer of more than 40 significant digits. Then a limit hit, never the simpler value."""
+    if not isinstance(v, Fraction) or not v:
+        return v
+    if v.denominator == 1:
+        n = abs(v.numerator)
+        if n.bit_length() > 132:        # about 40 digits: count the significant ones
+            digits = str(n).rstrip("0")
+            if len(digits) > 40:
+                raise _Limit("an integer beyond the working precision")
+        return v
+    near = v.limit_denominator(10 ** 6)
+    if near != v and abs(v - near) <= abs(v) * _TINY:
+        raise _Limit("a value within 1e-40 of a simpler one")
+    return v
 
 
 def _tiny_check(v):
@@ -3461,13 +3549,48 @@ def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
 def _chain_holds(parts: list, ops: list, tol: float, budget: _Budget) -> bool:
     """The constants of a chain before its first '\\approx' are equal, and every '\\approx' approximates
     what it follows: a name ('t \\approx 9'), or a constant within half a unit in the approximation's
-    last place (a decimal or integer literal), else within 1%."""
+    last place (a decimal or integer literal), else within 1%; and all of them approximate one value (the
+    exact one when it is written), so no value is rounded twice."""
     k = ops.index("~") if "~" in ops else len(ops)
     consts = [p for p in parts[:k + 1] if not (_free_names(p.expr) - {"__pm__"})]
     if any(not _val_equal(p, consts[-1], tol, budget) for p in consts[:-1]):
         return False
-    return all(op != "~" or (j == 0 and _is_name(parts[0].expr)) or _approx_true(parts[j], parts[j + 1], budget)
-               for j, op in enumerate(ops))
+    if not all(op != "~" or (j == 0 and _is_name(parts[0].expr)) or _approx_true(parts[j], parts[j + 1], budget)
+               for j, op in enumerate(ops)):
+        return False
+    # Not rounded twice (issue 49): the values each approximation allows (half a unit in its last place around
+    # it) must overlap, and hold the exact value when one is written: 'y \\approx 11.46 \\approx 11.5 \\approx 12'
+    # states nothing (11.46 is no rounding of anything that rounds to 12).
+    spans = [_approx_span(parts[j + 1], budget) for j, op in enumerate(ops) if op == "~"]
+    if k < len(parts) and consts and parts[k] is consts[-1]:
+        try:
+            x = _to_mp(_ev(parts[k].expr, dict(parts[k].env), budget))
+        except _Undefined:
+            return False
+        if not _is_real(x):
+            return False
+        x = _MP.mpf(x.real)
+        spans.append((x, x))
+    return len(spans) < 2 or max(a for a, _ in spans) <= min(b for _, b in spans) + ABS_TOL
+
+
+def _approx_span(approx: Val, budget: _Budget) -> tuple:
+    """(lo, hi): the values an approximation stands for, as _approx_true allows them."""
+    try:
+        y = _to_mp(_ev(approx.expr, dict(approx.env), budget))
+    except _Undefined:
+        return (_MP.inf, -_MP.inf)
+    if not _is_real(y):
+        return (_MP.inf, -_MP.inf)
+    y = _MP.mpf(y.real)
+    if approx.half_ulp is not None:
+        room = _to_mp(approx.half_ulp)
+    elif isinstance(approx.expr, sympy.Integer):
+        room = _MP.mpf(0.5)
+    else:
+        room = abs(y) / 100
+    room = room * (1 + _MP.mpf(10) ** -9)
+    return (y - room, y + room)
 
 
 def _approx_true(exact: Val, approx: Val, budget: _Budget) -> bool:
@@ -3603,6 +3726,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     if len(pred) > MAX_RESPONSE_CHARS or len(gold) > MAX_RESPONSE_CHARS:
         raise _Limit("input length")
     pred, gold = _unwrap_answer(pred), _unwrap_answer(gold)    # a worked solution -> its box
+    _check_words(pred)
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
     up, ug = _unit_of(pred), _unit_of(gold)
@@ -3619,9 +3743,14 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
         pa = ga = None
         tail = _right_of_last_equals(cp)
         if tail is not None and _UNPARSED_OPERATOR_RE.search(cp[:len(cp) - len(tail)]):
-            # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1 (not '7, = 15')
+            # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1 (not '7, = 15'); every side after
+            # the unparsed one must be the same constant ('\\int_0^1 2x\\,dx = 1 = 12' states nothing)
             try:
-                pa, ga = _parse(tail, budget, as_gold=False), _parse(cg, budget, as_gold=True)
+                sides = [_parse(t, budget, as_gold=False) for t in _sides_after_unparsed(cp)]
+                pa, ga = sides[-1], _parse(cg, budget, as_gold=True)
+                if not all(isinstance(v, Val) and not _free_names(v.expr) for v in sides) or \
+                        any(not _val_equal(v, pa, rel_tol, budget) for v in sides[:-1]):
+                    pa = ga = None
             except _ParseError:
                 pa = ga = None
             if not isinstance(pa, Val):
@@ -3685,6 +3814,20 @@ def _right_of_last_equals(s: str) -> str | None:
             last = k
     tail = s[last + 1:].strip() if last > 0 else ""
     return tail if tail and not _INEQ_RE.search(tail) else None
+
+
+def _sides_after_unparsed(s: str) -> list[str]:
+    """The sides of a chain after its first one: its top-level '=' splits ('\\int_0^1 x\\,dx = \\frac12 = 0.5'
+    -> ['\\frac12', '0.5']); [] when there is no '='."""
+    depth, cuts = 0, []
+    for k, c in enumerate(s):
+        if c in "{([":
+            depth += 1
+        elif c in "})]":
+            depth -= 1
+        elif c == "=" and depth == 0 and k > 0 and s[k - 1:k] not in ("<", ">", "!", "\\"):
+            cuts.append(k)
+    return [s[a + 1:b].strip() for a, b in zip(cuts, cuts[1:] + [len(s)])]
 
 
 def _named_text_equal(named: str, other: str) -> bool:
