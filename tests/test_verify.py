@@ -884,7 +884,8 @@ def test_chains_whose_sides_disagree_state_nothing():
     _check([("\\int_0^1 2x\\,dx = 1 = 12", "12", False), ("\\int_0^1 2x\\,dx = 1 = 12", "1", False),
             ("\\int_0^1 2x\\,dx = \\frac{2}{2} = 1", "1", True),
             ("\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1", "1", True),
-            ("y \\approx 11.46 \\approx 11.5 \\approx 12", "12", False), ("y \\approx 11.46 \\approx 11.5", "11.5", True),
+            ("y \\approx 11.46 \\approx 11.5 \\approx 12", "12", False),
+            ("y \\approx 11.46 \\approx 11.5", "11.5", True),
             ("t \\approx 2.449 \\approx 2.4", "2.4", True), ("x = \\sqrt{6} \\approx 2.45 \\approx 2.5", "2.5", False)])
     assert V._sides_after_unparsed("\\int_0^1 x\\,dx = \\frac12 = 0.5") == ["\\frac12", "0.5"]
     lo, hi = V._approx_span(V._parse("11.46", V._Budget(), as_gold=False), V._Budget())
