@@ -15,8 +15,8 @@ Public API
     (departure 24); comments, ``\\phantom``, ``\\cancel``, ``\\sout`` and white text are not read.
     Then: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces
     allowed), joined with the boxes just before it when only ``,`` / ``;`` / ``and`` / ``or`` /
-    ``x =`` separate them (departure 16); a last box that is an operand, disowned or hedged gives no
-    answer at all. ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a
+    ``x =`` separate them (departure 16); a last box that is an operand, disowned, hedged, under a logic
+    operator or not asserted by its sentence gives no answer at all. ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a
     response without a box falls back to the last ``<answer>..</answer>``, then to the math (or
     sentence) after the last "answer is" / "Answer:" / "####" / ``所以`` / ``答え:`` (Minerva's "Final
     Answer: The final answer is $X$. I hope it is correct."), then to the last math span
@@ -93,7 +93,10 @@ Every leniency is bounded by what a policy could exploit with it:
 
 - text after a value is a unit only when it holds no digit, bracket or word that changes, negates
   or bounds it (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}``, ``\\text{ doubled}``,
-  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies); a unit is
+  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies), and a
+  prediction with such words in any ``\\text{..}`` beside its value is no answer (``12 \\text{ or thirteen}``,
+  ``12 \\text{ modulo five}``, ``\\text{about } 12``; ``_check_words``), while unit words stay
+  (``12 \\text{ square units}``, ``12 \\text{ units squared}``, ``12 \\text{ ways}``); a unit is
   dropped only when the other side has none or the same one (``_unit_of``: lengths, times, masses,
   volumes, speeds, money, angles, temperatures): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``,
   ``30 rad`` is not ``30^\\circ``, ``5^\\circ C`` is not ``5^\\circ F``, and ``7\\mathbb{N}`` is no 7 newtons;
@@ -105,11 +108,22 @@ Every leniency is bounded by what a policy could exploit with it:
   right around it; ``\\text{not } x = 7`` is no answer. Worked solutions stay answers: "at most
   \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
   MATH-500's and Minerva's solutions as responses);
-- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
+- a box is an answer only when the sentence around it asserts it (``_asserted``): not inside a condition
+  ("Were it \\boxed{12}, ...", "If the count were \\boxed{12}, ...", "\\boxed{12} if n is even", "we would
+  get \\boxed{12}" beside a condition or a contrast), not attributed to an error ("The usual slip gives
+  \\boxed{12}", unless words between assert: "Avoiding the mistake, we get"), not questioned
+  ("\\boxed{12}?") or doubted ("\\boxed{12}. Unsure.", "(unverified)"), and not followed by another value
+  stated for it ("\\boxed{12}; the right count is 13"). "If $x = 3$, then $y = \\boxed{12}$", "she would have
+  saved \\boxed{550} gallons" and "true if and only if $x \\ge \\boxed{\\frac{11}{2}}$" stay answers;
+- a logic operator applied to a box makes no answer (``\\lnot\\boxed{12}``, ``\\boxed{12} \\lor \\boxed{13}``,
+  ``\\boxed{12} \\land x > 0``; an implication before a box is "hence");
+- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), an
   approximation farther than half a unit in its last place from the value it follows
-  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
-  after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
-  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``;
+  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``), or
+  approximations that hold no one value (rounded twice: ``y \\approx 11.46 \\approx 11.5 \\approx 12``); the
+  value after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
+  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``, and when every side after it is the same
+  constant (``\\int_0^1 2x\\,dx = 1 = 12`` states nothing);
 - expressions must also agree at points of both signs wherever both sides stay real (``|u|``,
   ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``; departure 2);
 - an open list (any spelling of the ellipsis, inside or outside braces, with or without dollars)
@@ -123,8 +137,8 @@ Every leniency is bounded by what a policy could exploit with it:
 - numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
   answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
 
-``data/verify_hacking.jsonl`` and ``data/verify_rl.jsonl`` hold the forms a policy could try, by kind,
-each with honest controls.
+``data/verify_hacking.jsonl``, ``data/verify_rl.jsonl`` and ``data/verify_asserts.jsonl`` hold the forms a
+policy could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
@@ -206,7 +220,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     in a cycle are tuples (``a=3, b=1; a=5, b=1`` equals ``(3,1), (5,1)``); a labelled gold
     (``PQ = 6, RS = 2``) equals its values (``6, 2``) when the prediction states no relation. When the
     left side of an equality does not parse (a limit, an integral), the value after the last ``=``
-    counts.
+    counts when every side after the unparsed one is that same constant.
     (``_readings``, ``_chain_value``, ``_chain_holds``, ``_named_values``, ``_as_assignment``)
 18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one
     variable that is linear in it or in its absolute value is solved (``-y > -2`` is ``y < 2``,
@@ -284,8 +298,13 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``\\textcolor{..}{7}`` and ``\\color``, ``{3 \\over 4}``, repeating decimals ``0.(3)``, the
     European ``3.400,25``, juxtaposed powers ``3^2 7^4``, ``7 + 0i``; ``x \\equiv 7 \\pmod 1`` states no
     residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) or a root of an exact value
-    within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7.
-    (``_fold_digits``, ``_clean``, ``_pow``)
+    within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7. So is an
+    exact value that carries more precision than 50 digits keep, where it meets an inexact one: an exact
+    term below 1e-40 of the sum it is in (``\\pi + 10^{-60}``), a value within 1e-40 of a simpler rational
+    (``\\pi(1 + 10^{-60})``) or an integer of more than 40 significant digits (``3^{100}\\pi``, so such a gold
+    equals nothing: the named cost). Closeness is relative to the precision an expression carries, and an
+    explicit tiny term is another number, never the same one within a tolerance.
+    (``_fold_digits``, ``_clean``, ``_pow``, ``_carried``)
 
 What it accepts (each row: a form and examples that parse; the departures above say how they compare)
 ------------------------------------------------------------------------------------------------------
@@ -322,7 +341,7 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 Benchmark
 ---------
 ``python -m bench.verify`` (its docstring says what it prints): accuracy, false positives, hedges and
-speed on the five case files of ``data/``, with math-verify beside it on the same cases;
+speed on the six case files of ``data/``, with math-verify beside it on the same cases;
 ``python -m bench.verify golds`` checks every benchmark gold against itself.
 """
 from __future__ import annotations
