@@ -15,11 +15,12 @@ Public API
     (departure 24); comments, ``\\phantom``, ``\\cancel``, ``\\sout`` and white text are not read.
     Then: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces
     allowed), joined with the boxes just before it when only ``,`` / ``;`` / ``and`` / ``or`` /
-    ``x =`` separate them (departure 16); a last box that is an operand, disowned, hedged, under a logic
-    operator or not asserted by its sentence gives no answer at all. ``strict=True`` (what training
-    uses) is boxed only. With ``strict=False`` a response without a box falls back to the last
-    ``<answer>..</answer>``, then to the math (or sentence) after the last "answer is" / "Answer:" / "####" / ``所以`` / ``答え:`` (Minerva's "Final
-    Answer: The final answer is $X$. I hope it is correct."), then to the last math span
+    ``x =`` separate them (departure 16); a last box that is an operand, disowned, hedged, under a
+    logic operator or not asserted by its sentence gives no answer at all. ``strict=True`` (what
+    training uses) is boxed only. With ``strict=False`` a response without a box falls back to the
+    last ``<answer>..</answer>``, then to the math (or sentence) after the last "answer is" / "Answer:"
+    / "####" / ``所以`` / ``答え:`` (Minerva's "Final Answer: The final answer is $X$. I hope it is
+    correct."), then to the last math span
     (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last number
     (``last_number=True``) with the unit word after it. A whole response that is one short line
     without words is its own answer. An unclosed last box is no answer in either mode (a truncated
