@@ -777,7 +777,7 @@ _DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\
 _LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
 _LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔])[\s{]*$")
 _LOGIC_AFTER_RE = re.compile(r"^[\s}]*(?:\\(?:" + _LOGIC_OPS + r")(?![A-Za-z])|[∨∧⊕⇔])")
-# The sentence around a box (issue 49): where it starts and ends, outside math. A '.' ends a sentence only
+# The sentence around a box: where it starts and ends, outside math. A '.' ends a sentence only
 # before a space or the end ('3.5' does not).
 _SENTENCE_END_RE = re.compile(r"[.!?](?=[\s$]|\\[)\]]|$)|[;\n]|。|！|？")
 # A box inside the antecedent of a condition ('Were it \\boxed{12}, ...', 'If the count were \\boxed{12}, ...',
@@ -863,7 +863,7 @@ def _in_math(text: str, pos: int) -> bool:
 
 
 def _asserted(text: str, start: int, end: int) -> bool:
-    """The sentence around the boxes text[start:end] asserts them (issue 49): not questioned ('\\boxed{12}?'),
+    """The sentence around the boxes text[start:end] asserts them: not questioned ('\\boxed{12}?'),
     not doubted right after ('\\boxed{12}. Unsure.'), not inside a condition ('Were it \\boxed{12}, ...',
     '\\boxed{12} if n is even', 'we would get \\boxed{12}' beside a condition or a contrast) and not attributed
     to an error ('The usual slip gives \\boxed{12}'). Decided from the response alone."""
@@ -1481,7 +1481,7 @@ _NEGATED_RE = re.compile(r"\\text\s*\{\s*(?:not|no|never|wrong|false|incorrect|i
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
 
 
-# Words inside a box's text that qualify its value (issue 49): '12 \\text{ at least}', '12 \\text{ or thirteen}',
+# Words inside a box's text that qualify its value: '12 \\text{ at least}', '12 \\text{ or thirteen}',
 # '12 \\text{ (not checked)}', '12 \\text{ modulo five}', '\\text{about } 12'. Unit words stay ('12 \\text{ square
 # units}', '12 \\text{ units squared}'); so do 'or' / 'and' alone between values and a piecewise 'if'.
 _TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox)\s*\{([^{}]*)\}")
@@ -2682,7 +2682,7 @@ def _ev(e, env: dict, budget: _Budget):
         return v
     if isinstance(e, sympy.Add):
         # Exact terms are summed exactly and the rest at 50 digits, then joined: an exact part too small to
-        # show beside the rest ('\\pi + 10^{-60}') is a limit hit, never the rest alone (issue 49).
+        # show beside the rest ('\\pi + 10^{-60}') is a limit hit, never the rest alone.
         exact, rest, big = Fraction(0), None, 0
         for a in e.args:
             v = _ev(a, env, budget)
@@ -3578,7 +3578,7 @@ def _chain_holds(parts: list, ops: list, tol: float, budget: _Budget) -> bool:
     if not all(op != "~" or (j == 0 and _is_name(parts[0].expr)) or _approx_true(parts[j], parts[j + 1], budget)
                for j, op in enumerate(ops)):
         return False
-    # Not rounded twice (issue 49): the values each approximation allows (half a unit in its last place around
+    # Not rounded twice: the values each approximation allows (half a unit in its last place around
     # it) must overlap, and hold the exact value when one is written: 'y \\approx 11.46 \\approx 11.5 \\approx 12'
     # states nothing (11.46 is no rounding of anything that rounds to 12).
     spans = [_approx_span(parts[j + 1], budget) for j, op in enumerate(ops) if op == "~"]

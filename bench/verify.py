@@ -26,7 +26,7 @@ answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=
   or doubted), logic operators on boxes, qualifying words inside a box's text, chains and approximation chains
   whose sides disagree, and exact tiny terms; 86 that must score 0, each with near-miss controls (56), some
   rewritten from other graders' normalisers (the ``source`` field names them); committed before verify.py changed
-  for it (issue 49).
+  for it.
 
 Every figure of one file comes from one run: for each verifier, accuracy, false positives and negatives,
 exceptions, cases/s on one thread, p50/p99/max call time; for whole responses, how many that must score 0 are

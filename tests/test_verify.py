@@ -824,7 +824,7 @@ def test_worked_solutions_pay_their_own_gold():
 
 
 # ------------------------------------------------------------------------------------------------
-# A response's answer is what it asserts (issue 49; data/verify_asserts.jsonl, committed before the
+# A response's answer is what it asserts (data/verify_asserts.jsonl, committed before the
 # verifier changed for it): boxes their sentence does not assert, logic on boxes, qualifiers inside a
 # box's text, chains and approximations whose sides disagree, exact tiny terms; each kind with controls.
 
