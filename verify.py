@@ -784,7 +784,7 @@ _SENTENCE_END_RE = re.compile(r"[.!?](?=[\s$]|\\[)\]]|$)|[;\n]|。|！|？")
 # 'Suppose the answer is \\boxed{12}; ...'): an opener with no ',', ':' or 'then' between it and the box.
 _COND_OPEN_RE = re.compile(r"(?:^|[,:(]\s*)(?:were|had|should)\s+(?:it|we|they|he|she|you|the|this|that|there|I)\b|"
                            r"(?<![A-Za-z])(?<!only\s)(?<!even\s)(?<!as\s)(?:if(?!\s+and\s+only)|suppose|supposing|"
-                           r"assume|assuming|unless|provided|whether|"
+                           r"assume|assuming|unless|provided|whether|let|"
                            r"in\s+case|say|imagine|pretend)(?![A-Za-z])", re.IGNORECASE)
 _COND_CLOSE_RE = re.compile(r"[,:]|(?<![A-Za-z])then(?![A-Za-z])", re.IGNORECASE)
 # A conditional after the box in its own sentence ('\\boxed{12} if n is even'), or a counterfactual
@@ -812,10 +812,11 @@ _ASSERT_MARK_RE = re.compile(r"(?<![A-Za-z])(?:we\s+(?:get|obtain|find|have)|giv
                              re.IGNORECASE)
 # Doubt about the box's answer, in its own sentence after it or in the next sentence ('\\boxed{12}? Unsure.',
 # '\\boxed{12}. I am not sure this is right.', '\\boxed{12} (unverified)').
-_DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:sure|certain|confident|verified|checked)|uncertain|"
-                       r"unverified|unchecked|untested|unconfirmed|tentative(?:ly)?|no\s+idea|i\s+doubt|"
-                       r"(?:might|could|may)\s+be\s+wrong|probably\s+wrong|just\s+a\s+guess|a\s+guess)"
-                       r"(?![A-Za-z])", re.IGNORECASE)
+_DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:\S+\s+){0,2}?(?:sure|certain|confident|verified|checked)|"
+                       r"uncertain|unverified|unchecked|untested|unconfirmed|tentative(?:ly)?|no\s+idea|i\s+doubt|"
+                       r"doubtful|questionable|unclear|low\s+confidence|double[-\s]check|needs?\s+checking|"
+                       r"(?:might|could|may)\s+be\s+wrong|probably\s+wrong|just\s+a\s+guess|a\s+guess|"
+                       r"or\s+is\s+it|(?:right|correct)\s*\?)(?![A-Za-z])", re.IGNORECASE)
 _DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|presumably|i\s+guess|i\s+suppose|"
                            r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
 
@@ -872,7 +873,8 @@ def _asserted(text: str, start: int, end: int) -> bool:
         head = re.sub(r"(?:\$\$?|\\[(\[])[^$]*$", " ", head)
         tail = re.sub(r"^[^$]*?(?:\$\$?|\\[)\]])", " ", tail, count=1)
     head, tail = _MATH_SPAN_RE.sub(" $ ", head), _MATH_SPAN_RE.sub(" $ ", tail)     # words, not math
-    if end_mark in ("?", "？") or _DOUBT_RE.search(tail) or _DOUBT_OWN_RE.search(tail) or _DOUBT_RE.search(nxt):
+    if end_mark in ("?", "？") or "?" in tail or _DOUBT_RE.search(tail) or _DOUBT_OWN_RE.search(tail) or \
+            _DOUBT_RE.search(nxt):
         return False
     opener = None
     for opener in _COND_OPEN_RE.finditer(head):

@@ -862,7 +862,11 @@ def test_worked_solutions_that_say_would_or_if_stay_answers():
     assert [r for r, g in paid if V.verify(r, g) != 1.0] == []
     unpaid = ["Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?", "So $\\boxed{12}$? Unsure.",
               "The usual slip gives $\\boxed{12}$.", "So $\\boxed{12}$; the right count is 13.",
-              "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$."]
+              "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$.",
+              # written after the file, probing the rule from outside it
+              "Let the answer be $\\boxed{12}$; then the sum is odd.", "So $\\boxed{12}$ (?).",
+              "So $\\boxed{12}$. Not 100% sure.", "So $\\boxed{12}$. Please double-check.", "So $\\boxed{12}$?!",
+              "So $\\boxed{12}$ ... or is it?", "When it is $\\boxed{12}$, the sum is odd; so it is 13."]
     assert [r for r in unpaid if V.extract_answer(r) is not None] == []
     assert V._in_math("So $x = \\boxed{1}$", 9) and not V._in_math("So $x$ is \\boxed{1}", 12)
 
