@@ -19,7 +19,7 @@ trajectories is read here, once. It holds any collection of solutions, one JSON 
    with a given model (`--peer-model PATH`) and caches it beside the file.
 
 It imports core.py (advantages within ragged groups), reward.py (the reward seam), runtime.py (prompt
-encoding, the peer model's loading, data/prepare.py's JSONL reader), exchange.py (atomic writes, the rollout
+encoding, the peer model's loading), data/prompts.py (the JSONL reader), exchange.py (atomic writes, the rollout
 file, the file hash) and sampler.py (the log-prob kernel); never graft.py, which imports it.
 
 Our choices, where the paper is silent (numbered so that reviews can cite them):
@@ -76,10 +76,12 @@ from typing import Callable
 
 import torch
 
-from core import first_stop, masked_group_advantages, verifier_text  # ragged groups (choice 1), stops
+from core import (first_stop, graft_candidates, masked_group_advantages, success_counts,  # ragged groups
+                  verifier_text)  # (choice 1), Eq. 4's counts, stop strings
+from data.prompts import jsonl_objects
 from exchange import atomic_write, file_sha256, load_rollouts
 from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
-from runtime import compute_context, encode_prompt, load_policy, prepare_module
+from runtime import compute_context, encode_prompt, load_policy
 from sampler import response_logprobs
 
 
@@ -124,11 +126,6 @@ def _first_field(obj: dict, names: tuple[str, ...]):
     return next((obj[k] for k in names if k in obj and obj[k] is not None), None)
 
 
-def _jsonl_objects(path: Path):
-    """data/prepare.py's jsonl_objects: (line number, object) for each non-blank line."""
-    return prepare_module().jsonl_objects(path)
-
-
 def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
     """Parse and validate every line of a foreign JSONL file (format in the module docstring).
 
@@ -136,8 +133,8 @@ def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
     """
     path = Path(path)
     out: list[ForeignRecord] = []
-    # One JSONL reader for the whole project (data/prepare.py's): errors name file:line, non-UTF-8 too.
-    for lineno, obj in _jsonl_objects(path):
+    # One JSONL reader for the whole project (data/prompts.py's): errors name file:line, non-UTF-8 too.
+    for lineno, obj in jsonl_objects(path):
         where = f"{path}:{lineno}"
         pid = _first_field(obj, ID_FIELDS)
         if isinstance(pid, int) and not isinstance(pid, bool):
@@ -350,8 +347,8 @@ class ForeignLog:
         """Lines for the log: what was read, matched, dropped and verified."""
         c = self.counts
         sizes = self.mask.sum(dim=1)  # (P,)
-        k = self.rewards.sum(dim=1)  # (P,)
-        mixed = int(((k >= 1) & (k < sizes)).sum())
+        k = success_counts(self.rewards, mask=self.mask)  # (P,) the selection's own count, not a sum of rewards
+        mixed = int(graft_candidates(k_recv=torch.zeros_like(k), k_src=k, n=sizes).sum())  # Eq. 4's "mixed"
         first = lambda key: f" (first on lines {c[key]})" if c.get(key) else ""  # noqa: E731
         lines = [f"[foreign] {self.path}: {c['records']} records; matched {c['by_id']} by id, {c['by_text']} by "
                  f"problem text; unmatched {c['unmatched']} (ambiguous text {c['ambiguous']}, id/text conflicts "
@@ -374,7 +371,7 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
                      max_response_chars: int | None = None, stop: tuple[str, ...] | list[str] = ()) -> ForeignLog:
     """Read, match, group, re-verify and score a foreign JSONL file against the run's prompts.
 
-    prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prepare.py load_prompts
+    prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prompts.py load_prompts
     returns). Responses over max_response_chars characters (None = no bound), repeats of an earlier
     record (same prompt, same response text), unmatched records and single-record prompts are counted
     (ForeignLog.report) and left out, in that order (choice 4), before anything is verified or scored.

@@ -1042,7 +1042,7 @@ def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
     for name in names:
         path = Path(data_dir) / BENCHMARKS[name] if name in BENCHMARKS else Path(name)
         if not path.is_file():
-            hint = "python data/prepare.py writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
+            hint = "python -m data.prepare writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
             raise SystemExit(f"--benchmarks: {path} not found ({hint})")
         out[name if name in BENCHMARKS else path.stem] = path
     return out

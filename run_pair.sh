@@ -152,7 +152,7 @@ check_layout() {  # refuses a SIDE, node rank or rendezvous that cannot work, na
 }
 
 prepare_data() {
-  [ -f "$DATA/math_train.jsonl" ] || run $PYTHON data/prepare.py --out "$DATA"
+  [ -f "$DATA/math_train.jsonl" ] || run $PYTHON -m data.prepare --out "$DATA"
 }
 
 # One side of a pair: torchrun over its GPUs (and nodes), meeting the other side in the exchange directory.

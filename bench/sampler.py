@@ -602,8 +602,7 @@ def bench_real_weights():
 def bench_tiny_eval(problems: int = 1000, samples: int = 8, slots: int = 1024, repeats: int = 2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
 
     torch.set_num_threads(1)
     rows, _ = tiny_tasks.generate(0, problems, 0)
@@ -781,8 +780,7 @@ def pf_train(threads: int, steps: int = 3) -> None:
     """The trainer's own phase times (time/sample, time/logprob, time/update) of a short GRPO run on the tiny
     model A, --share-prefix against --no-share-prefix, alternating, two runs each; medians over steps 1.."""
     import tempfile
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     rows, _ = tiny_tasks.generate(0, 64, 0)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "train.jsonl")
@@ -815,8 +813,7 @@ def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, rep
     load = os.getloadavg()[0]
     print(f"\n== one prefill per prompt: a GRPO rollout, share_prefix=False vs True, interleaved, float32 CPU, "
           f"{threads} threads (load average {load:.1f} at the start)")
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     problems, _ = tiny_tasks.generate(0, prompts, 0)
     for name in ("A", "B") if tiny else ():
         path = os.path.join(HERE, "data", "tiny_models", name)
@@ -949,8 +946,7 @@ def bench_stop(repeats: int, prompts: int = 32) -> None:
                          "strings (mkdir -p /tmp/before && git show dacae3a:sampler.py > /tmp/before/sampler.py)")
     old = _baseline["module"].sample
     torch.set_num_threads(1)
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     problems, _ = tiny_tasks.generate(0, prompts, 0)
     print(f"\n== stop strings: rollouts without them, this sampler.py ('after') against {BASELINE_FILE} ('before'), "
           f"interleaved, float32 CPU, 1 thread (load average {os.getloadavg()[0]:.1f} at the start)")

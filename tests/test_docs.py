@@ -276,6 +276,27 @@ def test_imports_run_down_the_shelves():
     assert not up, "imports that run up the shelves:\n" + "\n".join(up)
 
 
+def test_data_is_imported_one_way():
+    """data/ is a package: its modules are imported as `from data import X` or `from data.X import ...`, never by
+    their bare stem from a sys.path entry, nor loaded by path."""
+    stems = {f.stem for f in (ROOT / "data").glob("*.py")} - {"__init__"}
+    bad = []
+    for f in project_files():
+        rel = f.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                bad += [f"{rel}:{node.lineno}: import {a.name}" for a in node.names if a.name in stems]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in stems:
+                bad.append(f"{rel}:{node.lineno}: from {node.module} import ...")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append") \
+                    and "data" in ast.unparse(node):
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("spec_from_file_location") \
+                    and any(s in ast.unparse(node) for s in stems):
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "data/ imported other than as a package:\n" + "\n".join(bad)
+
+
 def test_copyable_modules_import_nothing_of_ours():
     """config.py, core.py, sampler.py and verify.py can each be copied alone into another codebase."""
     graph = import_graph()

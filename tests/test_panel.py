@@ -21,8 +21,7 @@ import torch
 from tools import panel
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-sys.path.insert(0, os.path.join(HERE, "data"))
-import tiny_tasks  # noqa: E402
+from data import tiny_tasks
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 

@@ -12,7 +12,6 @@ Run: python -m pytest -q test_preflight.py
 
 import json
 import math
-import sys
 import zlib
 from contextlib import nullcontext
 from pathlib import Path
@@ -52,8 +51,7 @@ def nobody_solves(responses, golds, *, workers=0, **kw):
 
 
 def write_prompts(path: Path, count: int) -> Path:
-    sys.path.insert(0, str(ROOT / "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     train, _ = tiny_tasks.generate(0, count, 5)
     tiny_tasks.write_jsonl(str(path), train[:count])
     return path

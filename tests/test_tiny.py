@@ -10,11 +10,10 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-sys.path.insert(0, os.path.join(HERE, "data"))
 import graft  # noqa: E402
 from tools import tiny  # noqa: E402
 import verify  # noqa: E402
-import tiny_tasks  # noqa: E402
+from data import tiny_tasks  # noqa: E402
 from core import assignment_digest
 
 # ------------------------------------------------------------------------------------------------
