@@ -109,7 +109,8 @@ Every leniency is bounded by what a policy could exploit with it:
   right around it; ``\\text{not } x = 7`` is no answer. Worked solutions stay answers: "at most
   \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
   MATH-500's and Minerva's solutions as responses);
-- a box is an answer only when the sentence around it asserts it (``_asserted``): not inside a condition
+- a box (and, without one, an answer cue's math or the last math span) is an answer only when the
+  sentence around it asserts it (``_asserted``): not inside a condition
   ("Were it \\boxed{12}, ...", "If the count were \\boxed{12}, ...", "\\boxed{12} if n is even", "we would
   get \\boxed{12}" beside a condition or a contrast), not attributed to an error ("The usual slip gives
   \\boxed{12}", unless words between assert: "Avoiding the mistake, we get"), not questioned
@@ -1060,11 +1061,17 @@ def _after_phrase(text: str) -> str | None:
                 break
             joined.append(s)
         after = rest[joined[-1][1]:joined[-1][1] + 80]
+        off = len(text) - len(rest)
         if _DISOWN_AFTER_RE.match(_DELIMS_RE.sub(" ", after)) or (
-                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])):
+                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])) or \
+                not _asserted(text, off + joined[0][0], off + joined[-1][1]):
             return ""       # 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$': hedged, no answer
         return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
     line = rest.split("\n", 1)[0]
+    said_line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$)", line, maxsplit=1)[0]
+    if "?" in line[:200] or _COND_AFTER_RE.search(said_line) or _DOUBT_RE.search(said_line) or \
+            _DOUBT_OWN_RE.search(said_line):
+        return ""           # 'So the answer is 12? Unsure.', 'the answer is 12 if n is even': no answer
     if _CJK_RE.search(line):        # '所以他一共走了45公里。': the one number of the sentence
         line = re.split(r"[。！？]", line, maxsplit=1)[0]
         nums = _NUMBER_RE.findall(line)
@@ -1080,7 +1087,7 @@ def _after_phrase(text: str) -> str | None:
 
 def _last_math(text: str) -> str | None:
     """The last math span of the last paragraph that has one, joined with the spans just before it
-    that belong to the same answer ('$x=2$ and $x=-3$')."""
+    that belong to the same answer ('$x=2$ and $x=-3$'); '' when its sentence does not assert it."""
     spans = _math_spans(text)
     if not spans:
         return None
@@ -1089,6 +1096,8 @@ def _last_math(text: str) -> str | None:
         if len(out) >= _MAX_JOIN or not _is_join_gap(text[s[1]:out[0][0]]):
             break
         out.insert(0, s)
+    if not _asserted(text, out[0][0], out[-1][1]):
+        return ""          # 'Were it $12$, the sum would be odd.': the sentence does not assert it
     return _tidy(_join([_tidy(c) for _, _, c in out])) or None
 
 

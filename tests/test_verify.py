@@ -909,3 +909,18 @@ def test_exact_terms_beyond_the_working_precision_are_limit_hits():
         with pytest.raises(V._Limit):
             V._carried(v)
 
+
+
+def test_unboxed_answers_follow_the_same_sentence_rule():
+    """Without a box (evaluation, strict=False), an answer cue's math and the last math span are read under the
+    same rule: a sentence that does not assert its value gives no answer, and no last number is tried after it."""
+    none = ["Were it $12$, the sum would be odd.", "The usual slip gives $12$.", "The answer is $12$ if n is even.",
+            "The answer is $12$. I am not sure this is right."]
+    assert [r for r in none if V.extract_answer(r) is not None] == []
+    assert V.verify("So the answer is 12? Unsure.", "12", strict=False) == 0.0     # a '?' line is read whole
+    assert [r for r in ("Thus the answer is 12 if n is even.", "Thus the answer is 12, probably.")
+            if V.verify(r, "12", strict=False)] == []
+    assert V.verify("Thus the answer is 12.", "12", strict=False) == 1.0
+    some = [("We have $3\\cdot 4=12$ apples.\nFinal Answer: The final answer is $12$. I hope it is correct.", "12"),
+            ("If $x = 3$, then $y = 12$.", "y = 12"), ("The answer is $12$, since $n$ is even.", "12")]
+    assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
