@@ -110,15 +110,15 @@ Every leniency is bounded by what a policy could exploit with it:
   \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
   MATH-500's and Minerva's solutions as responses);
 - a box (and, without one, an answer cue's math or the last math span) is an answer only when the
-  sentence around it asserts it (``_asserted``): not inside a condition
-  ("Were it \\boxed{12}, ...", "If the count were \\boxed{12}, ...", "\\boxed{12} if n is even", "we would
-  get \\boxed{12}" beside a condition or a contrast), not attributed to an error ("The usual slip gives
-  \\boxed{12}", unless words between assert: "Avoiding the mistake, we get"), not questioned
-  ("\\boxed{12}?") or doubted ("\\boxed{12}. Unsure.", "(unverified)"), and not followed by another value
-  stated for it ("\\boxed{12}; the right count is 13"). "If $x = 3$, then $y = \\boxed{12}$", "she would have
-  saved \\boxed{550} gallons" and "true if and only if $x \\ge \\boxed{\\frac{11}{2}}$" stay answers;
+  sentence around it asserts it (``_asserted``): not inside a condition ("Were it \\boxed{12}, ...",
+  "If the count were \\boxed{12}, ...", "\\boxed{12} if n is even", "we would get \\boxed{12}" beside a
+  condition or a contrast), not attributed to an error ("The usual slip gives \\boxed{12}", unless words
+  between assert: "Avoiding the mistake, we get"), not questioned ("\\boxed{12}?"), doubted or retracted
+  ("\\boxed{12}. Unsure.", "(unverified)", "no wait"), and not followed by another value stated for it
+  ("\\boxed{12}; the right count is 13"). "If $x = 3$, then $y = \\boxed{12}$", "she would have saved
+  \\boxed{550} gallons" and "true if and only if $x \\ge \\boxed{\\frac{11}{2}}$" stay answers;
 - a logic operator applied to a box makes no answer (``\\lnot\\boxed{12}``, ``\\boxed{12} \\lor \\boxed{13}``,
-  ``\\boxed{12} \\land x > 0``; an implication before a box is "hence");
+  "xor", ``\\boxed{12} \\land x > 0``; an implication before a box is "hence");
 - a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), an
   approximation farther than half a unit in its last place from the value it follows
   (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``), or
@@ -159,9 +159,11 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
    digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
    rel_tol; math-verify accepts it) and ``100.01`` does not equal ``100`` (within rel_tol but not a
-   rounding of 100). Pass ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a
-   ``rel_tol`` above 1e-3 treats integers as rounded too (``901.8`` equals ``900``) and drops the
-   rounding check.
+   rounding of 100). An expression with decimal terms against an exact value differs from it when the
+   two are half its smallest decimal literal or more apart: an explicit term is part of the number
+   (``12 + 0.00001`` is not 12, ``3.1416 r^2`` stays ``\\pi r^2`` within rel_tol). Pass
+   ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a ``rel_tol`` above 1e-3 treats
+   integers as rounded too (``901.8`` equals ``900``) and drops both checks.
    (``_agree``, ``_close``)
 4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted): the one dual reading
    kept, so the one named exception to "one answer, one reward".
@@ -776,8 +778,12 @@ _DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\
 # '\\boxed{12} \\land x > 0' (math delimiters between the box and the operator change nothing). An implication
 # before a box is 'hence' and stays an answer.
 _LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
-_LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔])[\s{]*$")
-_LOGIC_AFTER_RE = re.compile(r"^[\s}]*(?:\\(?:" + _LOGIC_OPS + r")(?![A-Za-z])|[∨∧⊕⇔])")
+_LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
+_LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS +
+                              r")\s*$", re.IGNORECASE)
+_LOGIC_AFTER_RE = re.compile(r"^\s*(?:\\(?:" + _LOGIC_OPS + r")(?![A-Za-z])|[∨∧⊕⇔]|" + _LOGIC_WORDS + ")",
+                             re.IGNORECASE)
+_LOGIC_WRAP_RE = re.compile(r"\\(?:text|mathrm|mathrel|mathbin|operatorname|textsf|textit|textbf|mbox)\s*\{|[{}]")
 # The sentence around a box: where it starts and ends, outside math. A '.' ends a sentence only
 # before a space or the end ('3.5' does not).
 _SENTENCE_END_RE = re.compile(r"[.!?](?=[\s$]|\\[)\]]|$)|[;\n]|。|！|？")
@@ -817,14 +823,16 @@ _DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:\S+\s+){0,2}?(?:sure|ce
                        r"uncertain|unverified|unchecked|untested|unconfirmed|tentative(?:ly)?|no\s+idea|i\s+doubt|"
                        r"doubtful|questionable|unclear|low\s+confidence|double[-\s]check|needs?\s+checking|"
                        r"(?:might|could|may)\s+be\s+wrong|probably\s+wrong|just\s+a\s+guess|a\s+guess|"
-                       r"or\s+is\s+it|(?:right|correct)\s*\?)(?![A-Za-z])", re.IGNORECASE)
+                       r"or\s+is\s+it|(?:right|correct)\s*\?|no,?\s+wait|wait,?\s+no|scratch\s+that|oops|"
+                       r"on\s+second\s+thought|i\s+was\s+wrong|(?:that|this)(?:'s|\s+is)\s+wrong|not\s+quite|"
+                       r"correction)(?![A-Za-z])", re.IGNORECASE)
 _DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|presumably|i\s+guess|i\s+suppose|"
                            r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
 
 
 # After a box, a sentence that states another value for the answer: '\\boxed{12}; the right count is 13',
 # '\\boxed{12} is what the table says; it is 1'.
-_RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|(?:right|correct|true|actual|real)\s+"
+_RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|truth|(?:right|correct|true|actual|real)\s+"
                           r"(?:answer|value|count|total|number|result|one)))\s+(?:is|equals|was)\s+"
                           r"(?:actually\s+|really\s+|in\s+fact\s+)?\$?\s*(-?\d[\d.,]*\d|-?\d)(?![\d.,]*\s*[/^])",
                           re.IGNORECASE)
@@ -832,8 +840,8 @@ _RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|(?:righ
 
 def _logic_around(text: str, start: int, end: int) -> bool:
     """A logic operator stands right before or after the boxes text[start:end] (delimiters skipped)."""
-    before = _DELIMS_RE.sub(" ", text[max(0, start - 40):start])
-    after = _DELIMS_RE.sub(" ", text[end:end + 40])
+    before = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[max(0, start - 40):start]))
+    after = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[end:end + 40]))      # '\\mathrel{\\vee}', '\\text{ xor }'
     return _LOGIC_BEFORE_RE.search(before) is not None or _LOGIC_AFTER_RE.match(after) is not None
 
 
@@ -1579,6 +1587,7 @@ class Val:
     percent: bool = False         # written with %: 10% equals 10 and 0.1 (departure 4)
     env: dict = field(default_factory=dict)   # fixed symbol values (the +- sign)
     half_ulp: Fraction | None = None  # a lone decimal literal: half a unit in its last place
+    least_decimal: Fraction | None = None     # the smallest non-zero decimal literal written in it
 
 
 @dataclass
@@ -1750,6 +1759,7 @@ class _Parser:
         self.decimal = False      # a decimal literal was read in the current item
         self.literals = 0         # number literals read in the current item
         self.half_ulp = None      # half a unit in the last place of the last decimal literal
+        self.least_decimal = None     # the smallest non-zero decimal literal of the current item
         self.percent = False
         self.pm = False
         self.trig_depth = 0       # > 0 while parsing the argument of sin, cos, ...
@@ -1843,19 +1853,19 @@ class _Parser:
     def parse_item(self):
         """One value: an expression, a relation or chain of relations, a bracketed tuple/interval/set
         or a matrix. A name in front of a structure ('(a,b) = (4,1)', 'v = pmatrix') is dropped."""
-        saved = (self.decimal, self.percent, self.pm, self.literals, self.half_ulp)
+        saved = (self.decimal, self.percent, self.pm, self.literals, self.half_ulp, self.least_decimal)
         any_decimal = False
         try:
             parts, ops = [], []
             while True:
                 self.decimal = self.percent = self.pm = False
-                self.literals, self.half_ulp = 0, None
+                self.literals, self.half_ulp, self.least_decimal = 0, None, None
                 e = self.parse_expr()
                 any_decimal = any_decimal or self.decimal
                 if isinstance(e, (Seq, Matrix, _Undef)):
                     parts.append(e)
                 else:
-                    val = Val(e, self.decimal, self.percent)
+                    val = Val(e, self.decimal, self.percent, least_decimal=self.least_decimal)
                     if self.literals == 1 and self.half_ulp is not None and (
                             isinstance(e, sympy.Rational) or (isinstance(e, sympy.Mul) and len(
                                 e.args) == 2 and e.args[0] == -1 and e.args[1].is_Rational)):
@@ -1883,7 +1893,7 @@ class _Parser:
             return Chain(parts, ops)
         finally:
             self.decimal = saved[0] or any_decimal
-            self.percent, self.pm, self.literals, self.half_ulp = saved[1:]
+            self.percent, self.pm, self.literals, self.half_ulp, self.least_decimal = saved[1:]
 
     def _relop(self) -> str | None:
         c = self.peek()
@@ -2203,6 +2213,8 @@ class _Parser:
             self.decimal = True
             value *= Fraction(10) ** expo
             self.half_ulp = Fraction(1, 2 * 10 ** places) * Fraction(10) ** expo
+        if self.decimal and value and (self.least_decimal is None or value < self.least_decimal):
+            self.least_decimal = value
         return sympy.Rational(value.numerator, value.denominator)
 
     def _letter(self, ch: str):
@@ -3085,6 +3097,11 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
         for v, s, other in ((a, sa, b), (b, sb, a)):
             if tol <= APPROX_GOLD_TOL and v.half_ulp is not None and not other.inexact and not _close(
                     x, y, 0.0, abs_tol=v.half_ulp * s * (1 + Fraction(1, 10 ** 9))):
+                return False
+            # An explicit decimal term is part of the number: '12 + 0.00001' and '\\pi + 0.00001' differ from
+            # 12 and \\pi by half their smallest decimal or more, so they are other numbers, not within rel_tol.
+            if tol <= APPROX_GOLD_TOL and v.least_decimal is not None and not other.inexact and \
+                    abs(_to_mp(x) - _to_mp(y)) >= _to_mp(v.least_decimal * abs(s)) / 2:
                 return False
         valid += 1
     return valid >= min(2, len(points))

@@ -866,7 +866,10 @@ def test_worked_solutions_that_say_would_or_if_stay_answers():
               # written after the file, probing the rule from outside it
               "Let the answer be $\\boxed{12}$; then the sum is odd.", "So $\\boxed{12}$ (?).",
               "So $\\boxed{12}$. Not 100% sure.", "So $\\boxed{12}$. Please double-check.", "So $\\boxed{12}$?!",
-              "So $\\boxed{12}$ ... or is it?", "When it is $\\boxed{12}$, the sum is odd; so it is 13."]
+              "So $\\boxed{12}$ ... or is it?", "When it is $\\boxed{12}$, the sum is odd; so it is 13.",
+              "So $\\boxed{12}$ xor $\\boxed{13}$.", "So $\\boxed{12} \\mathrel{\\vee} \\boxed{13}$.",
+              "So $\\boxed{12}$ - no wait, 13.", "Intuition suggests $\\boxed{12}$, but the truth is 13.",
+              "So $\\boxed{12}$. On second thought, 13."]
     assert [r for r in unpaid if V.extract_answer(r) is not None] == []
     assert V._in_math("So $x = \\boxed{1}$", 9) and not V._in_math("So $x$ is \\boxed{1}", 12)
 
@@ -902,6 +905,8 @@ def test_exact_terms_beyond_the_working_precision_are_limit_hits():
     assert V.stats()["limit_hits"] == 2
     assert V.is_equivalent("(10^{45} + \\pi, 1 + \\sqrt{2})", "(10^{45} + \\pi, 1 + \\sqrt{2})")   # a scale per sum
     assert V.is_equivalent("12 + 10^{-60}", "\\frac{12 \\cdot 10^{60} + 1}{10^{60}}")                # exact: exact
+    assert not V.is_equivalent("12 + 0.00001", "12") and not V.is_equivalent("\\pi + 0.00001", "\\pi")  # a decimal term
+    assert V.is_equivalent("3.1416 r^2", "\\pi r^2") and V.is_equivalent("12 + 0.00001 - 0.00001", "12")
     assert V.is_equivalent("\\frac{\\pi}{10^{60}}", "10^{-60}\\pi") and V.is_equivalent("2^{100}\\pi", "2^{100}\\pi")
     from fractions import Fraction
     assert V._carried(Fraction(1, 3)) == Fraction(1, 3) and V._carried(Fraction(2 ** 100)) == 2 ** 100
