@@ -821,11 +821,14 @@ _ASSERT_MARK_RE = re.compile(r"(?<![A-Za-z])(?:we\s+(?:get|obtain|find|have)|giv
 # '\\boxed{12}. I am not sure this is right.', '\\boxed{12} (unverified)').
 _DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:\S+\s+){0,2}?(?:sure|certain|confident|verified|checked)|"
                        r"uncertain|unverified|unchecked|untested|unconfirmed|tentative(?:ly)?|no\s+idea|i\s+doubt|"
-                       r"doubtful|questionable|unclear|low\s+confidence|double[-\s]check|needs?\s+checking|"
+                       r"doubtful|low\s+confidence|please\s+(?:double[-\s])?check|"
                        r"(?:might|could|may)\s+be\s+wrong|probably\s+wrong|just\s+a\s+guess|a\s+guess|"
-                       r"or\s+is\s+it|(?:right|correct)\s*\?|no,?\s+wait|wait,?\s+no|scratch\s+that|oops|"
-                       r"on\s+second\s+thought|i\s+was\s+wrong|(?:that|this)(?:'s|\s+is)\s+wrong|not\s+quite|"
-                       r"correction)(?![A-Za-z])", re.IGNORECASE)
+                       r"or\s+is\s+it|(?:right|correct)\s*\?|no,?\s+wait|wait,?\s+no|scratch\s+that|"
+                       r"on\s+second\s+thought|i\s+was\s+wrong|(?:that|this)(?:'s|\s+is)\s+wrong)(?![A-Za-z])",
+                       re.IGNORECASE)
+# A retraction that opens what follows the box ('\\boxed{12}. Oops', '\\boxed{12} - wait', 'Correction: 13').
+_RETRACT_START_RE = re.compile(r"^[\s\-—–,.;:!)]*(?:oops|wait|correction|not\s+quite|actually,?\s+no)(?![A-Za-z])",
+                               re.IGNORECASE)
 _DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|presumably|i\s+guess|i\s+suppose|"
                            r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
 
@@ -882,8 +885,9 @@ def _asserted(text: str, start: int, end: int) -> bool:
         head = re.sub(r"(?:\$\$?|\\[(\[])[^$]*$", " ", head)
         tail = re.sub(r"^[^$]*?(?:\$\$?|\\[)\]])", " ", tail, count=1)
     head, tail = _MATH_SPAN_RE.sub(" $ ", head), _MATH_SPAN_RE.sub(" $ ", tail)     # words, not math
+    retracted = _RETRACT_START_RE.match(tail) or not tail.strip() and _RETRACT_START_RE.match(nxt)
     if end_mark in ("?", "？") or "?" in tail or _DOUBT_RE.search(tail) or _DOUBT_OWN_RE.search(tail) or \
-            _DOUBT_RE.search(nxt):
+            _DOUBT_RE.search(nxt) or retracted:
         return False
     opener = None
     for opener in _COND_OPEN_RE.finditer(head):

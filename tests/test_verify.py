@@ -858,14 +858,16 @@ def test_worked_solutions_that_say_would_or_if_stay_answers():
             ("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.", "5300"),
             ("If $x = 3$, then $y = \\boxed{12}$.", "12"), ("Assuming $x > 0$, we get $x = \\boxed{12}$.", "12"),
             ("The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.", "12"),
-            ("The total is $\\boxed{12}$. It is the smallest such total.", "12")]
+            ("The total is $\\boxed{12}$. It is the smallest such total.", "12"),
+            ("The answer is $\\boxed{12}$. Let me double-check: $3 \\cdot 4 = 12$. Yes.", "12")]
     assert [r for r, g in paid if V.verify(r, g) != 1.0] == []
     unpaid = ["Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?", "So $\\boxed{12}$? Unsure.",
               "The usual slip gives $\\boxed{12}$.", "So $\\boxed{12}$; the right count is 13.",
               "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$.",
               # written after the file, probing the rule from outside it
               "Let the answer be $\\boxed{12}$; then the sum is odd.", "So $\\boxed{12}$ (?).",
-              "So $\\boxed{12}$. Not 100% sure.", "So $\\boxed{12}$. Please double-check.", "So $\\boxed{12}$?!",
+              "So $\\boxed{12}$. Not 100% sure.", "So $\\boxed{12}$. Please double-check.", "So $\\boxed{12}$. Oops.",
+              "So $\\boxed{12}$?!",
               "So $\\boxed{12}$ ... or is it?", "When it is $\\boxed{12}$, the sum is odd; so it is 13.",
               "So $\\boxed{12}$ xor $\\boxed{13}$.", "So $\\boxed{12} \\mathrel{\\vee} \\boxed{13}$.",
               "So $\\boxed{12}$ - no wait, 13.", "Intuition suggests $\\boxed{12}$, but the truth is 13.",
