@@ -12,17 +12,24 @@ tokens, so TRL's own loss is Eq. 10 exactly (test_trl.py: value and gradient, in
 
 Layouts (S = steps_per_generation, A = gradient_accumulation_steps; S / A optimizer steps per batch):
 loss_type="dapo" (TRL's default) is exact in every one, through num_items_in_batch set per optimizer
-step; "bnpo" only with A = 1. The rest is refused at construction with a ValueError naming the setting.
+step; "bnpo" only with A = 1. The rest is refused at construction (Refusal, a ValueError) naming the setting.
 Where this departs from stock TRL:
   1. Minibatches are not shuffled: own groups first, replaced groups last (core.peer_last_rows).
   2. Own advantages are recomputed with core.group_advantages (std + 1e-6, exactly 0 on equal rewards)
      so that own and peer groups share one formula; TRL adds 1e-4 to the std.
-  3. The peer log is read once at start: the project's JSONL format (core.read_peer_records) or a folder
-     of this project's rollout files (a prompt met at several steps: its latest group). The peer's texts
-     are scored by this trainer's reward functions (as graft.py re-verifies a stored log); lbar_src must
-     be in the log (Eq. 6 per token).
+  3. The peer log is read and checked once at start, through the project's one peer-log parser
+     (core.parse_peer_records; a folder of rollout files: a prompt met at several steps gives its latest group):
+     ids matched to the dataset's id_column (none matching: refused, with the counts), lbar a mean per token
+     (below -20: refused as a likely sum), a missing lbar computed by --peer_model (foreign.fill_lbar, cached).
+     The peer's texts are scored once at start by this trainer's reward functions, through TRL's own
+     _calculate_rewards, in the form TRL gives completions for the dataset (a string, or an assistant message
+     for a conversational prompt); a reward function reading trainer_state sees the state at start.
   4. A logged group of m < n responses fills m of its prompt's n rows; the other n - m rows are empty
      (masked, w = 0), so TRL's batch keeps its shape.
+  5. Success (Eq. 4) is the user's: the weighted sum of the success_reward functions (all by default, as TRL
+     sums its reward) >= success_threshold (0.5); a rule under which no logged group is mixed warns at start.
+     Advantages are TRL's summed reward's, for own and peer groups alike.
+  6. mask_truncated_completions=True masks a peer row that did not end with EOS (w = 0), as TRL masks its own.
 
 Refused at construction, naming the setting: delta (TRL's cap on the ratio; GRAFT's floor is graft_delta), beta
 > 0, num_iterations > 1 (own minibatches replayed after peer ones), S not a multiple of A, a group straddling
@@ -34,7 +41,9 @@ own samples; epsilon_high defaults to epsilon (here 0.28); its advantages add 1e
 recomputed by group_advantages); bf16=True is its default, and rounding moves lbar (w near delta can flip). TRL
 has no public hook: three private methods are overridden, so a new TRL needs test_trl.py run again.
 
-Launch line (one process; the dataset is --prompts' JSONL; the reward is --reward's, verify.py's by default):
+Launch line (one process; the dataset is --prompts' JSONL, its fields as columns; the reward is --reward's,
+verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal is one line on stderr, exit code 2,
+before the model loads; --help opens on GRAFT's flags and the log format):
     python graft_trl.py --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
@@ -43,18 +52,31 @@ the dataset with a column naming each prompt's id in the log (GraftConfig.id_col
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import sys
+import warnings
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
+from trl.data_utils import is_conversational
+from trl.trainer.utils import get_callable_name, split_tensor_dict
 
 from config import Config
 from core import (PeerGroup, compatibility_weights, fold_weights, group_advantages, graft_candidates,
-                  peer_last_rows, read_peer_records, retokenize_group, seeded_generator, sequence_mean_logprob,
-                  success_counts)
+                  peer_last_rows, retokenize_group, seeded_generator, sequence_mean_logprob, success_counts)
+
+LOG_FORMAT = """The stored peer (--peer_log): a folder of this project's rollout files (runs/NAME/exchange/NAME), or
+a JSONL file, one response per line, read by the project's one peer-log parser (core.parse_peer_records):
+  {"id" or "problem_id": str|int   the prompt's id in the dataset's --id_column (records of one id: its group)
+   "response" or "completion": str  the peer's text (scored by this run's reward functions)
+   "lbar" or "mean_logprob": float   the peer's mean log-prob per token of the response (Eq. 6), in [-20, 0];
+                                     absent: --peer_model computes it
+   "eos": bool}                      optional, default true: the response ended with EOS"""
+
+
+class Refusal(ValueError):
+    """A setting or input GRAFT-in-TRL cannot run exactly; the message names it and the fix (one line)."""
 
 
 @dataclass
@@ -62,13 +84,25 @@ class GraftConfig(GRPOConfig):
     """TRL's GRPOConfig plus GRAFT's settings; epsilon_high defaults to the paper's 0.28 (TRL's: epsilon)."""
 
     peer_log: str = field(default="", metadata={"help": "The stored peer: a JSONL log or a folder of rollout files."})
+    peer_model: str = field(default="", metadata={"help": "The model that wrote the log: computes lbar where the log "
+                                                          "has none (cached beside the log)."})
     graft_delta: float = field(default=0.8, metadata={"help": "GRAFT's floor on s (Eq. 7); not TRL's `delta`."})
     id_column: str = field(default="id", metadata={"help": "Dataset column holding each prompt's id in the log."})
+    success_reward: str = field(default="", metadata={"help": "Reward function(s) deciding success for Eq. 4, names "
+                                                              "as TRL logs them (rewards/NAME/mean), comma-separated; "
+                                                              "empty: all, weighted and summed as TRL's reward."})
+    success_threshold: float = field(default=0.5, metadata={"help": "A response succeeds when its success reward "
+                                                                    "(the sum over success_reward) is >= this "
+                                                                    "(default 0.5)."})
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip epsilon (paper: 0.28)."})
 
 
+GRAFT_FIELDS = ("peer_log", "peer_model", "graft_delta", "id_column", "success_reward", "success_threshold",
+                "epsilon_high")
+
+
 def check_args(args: GraftConfig) -> None:
-    """Raise ValueError, naming the setting, for each layout or option in which TRL's loss is not Eq. 10."""
+    """Raise Refusal, naming the setting and the fix, for each layout or option in which TRL's loss is not Eq. 10."""
     S, A = args.steps_per_generation, args.gradient_accumulation_steps
     rules = [
         (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
@@ -85,7 +119,7 @@ def check_args(args: GraftConfig) -> None:
         (args.num_iterations == 1, f"num_iterations={args.num_iterations} replays own minibatches after the peer "
                                    f"ones, so peer-last cannot hold; set num_iterations=1"),
         (args.delta is None, f"delta={args.delta} is TRL's cap on the ratio, not GRAFT's floor (graft_delta)"),
-        (args.beta == 0.0, f"beta={args.beta}: a KL term is not part of Eq. 10"),
+        (args.beta == 0.0, f"beta={args.beta}: a KL term is not part of Eq. 10; set beta=0"),
         (args.importance_sampling_level == "token", "importance_sampling_level must be 'token' (Eq. 9)"),
         (not (args.use_vllm and args.vllm_importance_sampling_correction),
          "vllm_importance_sampling_correction=True would weight peer rows by a ratio of tokens no longer in the "
@@ -101,37 +135,116 @@ def check_args(args: GraftConfig) -> None:
     ]
     for ok, message in rules:
         if not ok:
-            raise ValueError(f"GraftConfig: {message}")
+            raise Refusal(f"GraftConfig: {message}")
 
 
-def load_peer_log(path: str) -> dict[str, PeerGroup]:
-    """{prompt id: PeerGroup} from a JSONL log (core.read_peer_records) or a folder of rollout files."""
+# ------------------------------------------------------------------------------------------------
+# The peer log: read through the project's one parser, matched to the dataset's ids, lbar completed
+# ------------------------------------------------------------------------------------------------
+
+
+def read_peer_log(path: str) -> dict[str, list]:
+    """{prompt id: its core.PeerRecord list, log order, repeats left out} from a JSONL log (the project's one
+    parser, via foreign.read_foreign_records) or a folder of rollout files (a prompt met at several steps:
+    its latest group; lbar from the stored behaviour log-probs). Raises Refusal naming the file and line."""
+    from core import PeerRecord
     p = Path(path)
+    groups: dict[str, list] = {}
     if p.is_dir():
         from exchange import load_rollouts
-        groups = {}
         for f in sorted(p.glob("step_*.safetensors")):  # the step index is zero-padded: file order is step order
             r, _ = load_rollouts(f)
             lbar = r.lbar("token")  # (G, n) Eq. 6 under the source, from its stored behaviour log-probs
             for g, pid in enumerate(r.prompt_ids):
-                groups[pid] = PeerGroup(r.texts[g * r.n: (g + 1) * r.n], r.eos[g], lbar[g])
+                groups[pid] = [PeerRecord(0, pid, None, r.texts[g * r.n + i], float(lbar[g, i]), -1,
+                                          bool(r.eos[g, i]), float("nan")) for i in range(r.n)]
     elif p.is_file():
-        records = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            try:
-                records += [(i, json.loads(line))] if line.strip() else []
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{i}: not JSON ({e.msg})") from None
-        groups = read_peer_records(records, where=str(p))
+        from foreign import read_foreign_records
+        try:
+            records = read_foreign_records(p)
+        except ValueError as e:
+            raise Refusal(str(e)) from None
+        for rec in records:
+            if rec.prompt_id is None:
+                raise Refusal(f"{p}:{rec.line}: needs a prompt id ('id' or 'problem_id'): graft_trl.py matches "
+                              f"records to the dataset's --id_column, not by problem text")
+            group = groups.setdefault(rec.prompt_id, [])
+            if all(r.response != rec.response for r in group):  # a repeat would count one response twice
+                group.append(rec)
     else:
-        raise ValueError(f"GraftConfig.peer_log {path!r}: no such JSONL file or folder of rollout files")
+        raise Refusal(f"GraftConfig.peer_log {path!r}: no such JSONL file or folder of rollout files")
     if not groups:
-        raise ValueError(f"GraftConfig.peer_log {path!r}: holds no peer responses")
-    no_lbar = [pid for pid, g in groups.items() if bool(g.lbar.isnan().any())]
-    if no_lbar:
-        raise ValueError(f"GraftConfig.peer_log {path!r}: {len(no_lbar)} prompts have records without 'lbar' (first "
-                         f"{no_lbar[0]!r}); compute it with the model that wrote them (offline.fill_lbar)")
+        raise Refusal(f"GraftConfig.peer_log {path!r}: holds no peer responses")
     return groups
+
+
+def dataset_rows(data, id_column: str, where: str) -> dict[str, int]:
+    """{prompt id: its first row index} of the train dataset's id_column; Refusal when there is no such column."""
+    columns = getattr(data, "column_names", None)
+    if columns is None:
+        raise Refusal(f"train_dataset {type(data).__name__} has no column names: GRAFT needs a datasets.Dataset "
+                      f"with an id column (--id_column)")
+    if id_column not in columns:
+        raise Refusal(f"GraftConfig.id_column {id_column!r} is not a column of the train dataset ({where}: "
+                      f"{', '.join(columns)}); set --id_column to the column holding the log's prompt ids")
+    out: dict[str, int] = {}
+    for i, x in enumerate(data[id_column]):
+        out.setdefault(str(x), i)
+    return out
+
+
+def match_peer_log(groups: dict[str, list], ids: dict[str, int], args: GraftConfig) -> dict[str, list]:
+    """The log's groups whose prompt id is a dataset id; Refusal (with the counts) when none is, a warning when
+    some are not. A group of one response is kept (it fills one row) but can never be mixed."""
+    matched = {pid: g for pid, g in groups.items() if pid in ids}
+    if not matched:
+        raise Refusal(f"GraftConfig.peer_log {args.peer_log!r}: none of its {len(groups)} prompt ids (e.g. "
+                      f"{next(iter(groups))!r}) is in the dataset's {args.id_column!r} column ({len(ids)} ids, e.g. "
+                      f"{next(iter(ids), '')!r}); GRAFT would never fire: check --id_column and the log's ids")
+    if len(matched) < len(groups):
+        lost = [pid for pid in groups if pid not in ids]
+        warnings.warn(f"graft_trl: {len(lost)} of the log's {len(groups)} prompt ids are not in the dataset's "
+                      f"{args.id_column!r} column (e.g. {lost[0]!r}); their records are left out", stacklevel=2)
+    widest = max(len(g) for g in matched.values())
+    if widest > args.num_generations:
+        raise Refusal(f"GraftConfig.peer_log {args.peer_log!r} holds a group of {widest} responses: set "
+                      f"num_generations >= {widest} so that a replaced group fits in its rows")
+    return matched
+
+
+def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args: GraftConfig) -> None:
+    """Compute lbar with --peer_model where records have none (foreign.fill_lbar: the project's one lbar
+    computation, cached beside the log); Refusal naming --peer_model when it is not set. prompts: prompt id ->
+    the dataset's prompt (a string, or a conversation rendered with the peer's chat template)."""
+    missing = [r for g in groups.values() for r in g if r.lbar != r.lbar]  # NaN
+    if not missing:
+        return
+    if not args.peer_model:
+        raise Refusal(f"{args.peer_log}:{missing[0].line}: {len(missing)} matched records have no 'lbar': set "
+                      f"--peer_model to the model that wrote them (or a proxy) to compute it, or give it per record")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from foreign import ForeignLog, fill_lbar
+    log = ForeignLog(Path(args.peer_log), groups, {}, std_normalize=True)
+    tok = AutoTokenizer.from_pretrained(args.peer_model)
+    model = AutoModelForCausalLM.from_pretrained(args.peer_model, dtype=torch.float32)  # lbar in float32
+
+    def encode(pid: str) -> list[int]:  # the prompt as TRL's _tokenize_prompts renders it, with the peer's tokenizer
+        prompt = prompts[pid]
+        if is_conversational({"prompt": prompt}):
+            return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"])
+        return tok(text=prompt)["input_ids"]
+    fill_lbar(log, model, tok, model_path=args.peer_model, encode_prompt=encode, problems={p: p for p in groups},
+              cache_key="graft_trl")
+    for p, pid in enumerate(log.prompt_ids):
+        for i, rec in enumerate(groups[pid]):
+            lb = float(log.mean_logprob[p, i])
+            if lb < -20.0:
+                warnings.warn(f"graft_trl: --peer_model gives line {rec.line} an lbar of {lb:.3g}, below -20: is it "
+                              f"the model that wrote the log?", stacklevel=2)
+            rec.lbar, rec.num_tokens = lb, int(log.num_tokens[p, i])
+    del model
 
 
 class GraftGRPOTrainer(GRPOTrainer):
@@ -144,13 +257,30 @@ class GraftGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *a, args: GraftConfig, **kw):
-        check_args(args)  # before the model loads
-        self.peer = load_peer_log(args.peer_log)
-        widest = max(len(g.texts) for g in self.peer.values())
-        if widest > args.num_generations:
-            raise ValueError(f"GraftConfig.peer_log {args.peer_log!r} holds a group of {widest} responses: set "
-                             f"num_generations >= {widest} so that a replaced group fits in its rows")
+        check_args(args)  # everything below, up to super().__init__, runs before the model loads
+        data = kw.get("train_dataset")
+        if data is None:
+            raise Refusal("GraftGRPOTrainer needs train_dataset=, a datasets.Dataset with an id column (--id_column)")
+        ids = dataset_rows(data, args.id_column, "train_dataset")
+        funcs = kw.get("reward_funcs", a[1] if len(a) > 1 else None)
+        funcs = funcs if isinstance(funcs, list) else [funcs]
+        names = [f.split("/")[-1] if isinstance(f, str) else get_callable_name(f) for f in funcs]  # as TRL names them
+        chosen = [x.strip() for x in args.success_reward.split(",") if x.strip()]
+        unknown = [x for x in chosen if x not in names]
+        if unknown:
+            raise Refusal(f"GraftConfig.success_reward names {unknown[0]!r}, which is no reward function of this "
+                          f"trainer ({', '.join(names)}); name one of them, or leave it empty for all")
+        self.success_columns = [names.index(x) for x in chosen] or list(range(len(names)))
+        groups = match_peer_log(read_peer_log(args.peer_log), ids, args)
+        self.peer_rows = {pid: data[ids[pid]] for pid in groups}  # each logged prompt's dataset row
+        fill_missing_lbar(groups, {pid: row["prompt"] for pid, row in self.peer_rows.items()}, args)
+        self.peer = {pid: PeerGroup([r.response for r in g], torch.tensor([r.eos for r in g], dtype=torch.bool),
+                                    torch.tensor([r.lbar for r in g], dtype=torch.float32))
+                     for pid, g in groups.items()}
         super().__init__(*a, args=args, **kw)
+        self.peer_rewards = self.score_peer_log()
+        self.warn_if_success_rule_is_inert()
+        self.warned_bf16 = False
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self.own_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -163,24 +293,74 @@ class GraftGRPOTrainer(GRPOTrainer):
             raise ValueError("a completion got no reward from any reward function: GRAFT needs a verdict for each")
         return (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1).cpu()
 
+    def success(self, per_func: torch.Tensor) -> torch.Tensor:
+        """(R, F) rewards per reward function -> (R,) the success reward: the weighted sum over success_reward's
+        functions (all by default), which success_counts compares with success_threshold (Eq. 4)."""
+        cols = self.success_columns
+        return (per_func[:, cols] * self.reward_weights.to(per_func.device)[cols]).nansum(dim=1).cpu()
+
+    def counts(self, per_func: torch.Tensor, n: int) -> torch.Tensor:
+        """(G * n, F) rewards of G groups -> (G,) k, the successes per group under the user's rule (Eq. 4)."""
+        return success_counts(self.success(per_func).view(-1, n), threshold=self.args.success_threshold)
+
+    def completion_form(self, prompt, text: str):
+        """A peer text as TRL hands completions to reward functions for this prompt: a string, or for a
+        conversational prompt [{"role": "assistant", "content": text}] (TRL's _generate decodes so)."""
+        return [{"role": "assistant", "content": text}] if is_conversational({"prompt": prompt}) else text
+
+    def score_peer_log(self, chunk: int = 256) -> dict[str, torch.Tensor]:
+        """{prompt id: (m, F) rewards per reward function} of every logged response, scored once at start by
+        this trainer's reward functions through TRL's own _calculate_rewards (the dataset row's columns as
+        kwargs, the completion in TRL's form for the prompt)."""
+        rows = [(pid, text) for pid, grp in self.peer.items() for text in grp.texts]
+        out = []
+        for k in range(0, len(rows), chunk):
+            part = rows[k: k + chunk]
+            inputs = [self.peer_rows[pid] for pid, _ in part]
+            prompts = [x["prompt"] for x in inputs]
+            completions = [self.completion_form(x["prompt"], text) for x, (_, text) in zip(inputs, part)]
+            ids = [self._tokenizer.encode(text, add_special_tokens=False) for _, text in part]
+            r = GRPOTrainer._calculate_rewards(self, inputs, prompts, completions, ids)  # (W * R, F) gathered
+            out.append(r[: len(part)].cpu())  # every process scored the same rows: keep one copy
+        per_func = torch.cat(out)  # (R_total, F)
+        if bool(per_func.isnan().all(dim=1).any()):
+            raise ValueError("a logged response got no reward from any reward function: GRAFT needs a verdict")
+        scores, start = {}, 0
+        for pid, grp in self.peer.items():
+            scores[pid] = per_func[start: start + len(grp.texts)]
+            start += len(grp.texts)
+        return scores
+
+    def warn_if_success_rule_is_inert(self) -> None:
+        """Warn, naming success_reward and success_threshold, when under the configured rule no logged group is
+        mixed (Eq. 4 can select none), or every logged response succeeds (the rule cannot fail a response)."""
+        k = {pid: int(success_counts(self.success(r)[None], threshold=self.args.success_threshold))
+             for pid, r in self.peer_rewards.items()}
+        total = sum(len(g.texts) for g in self.peer.values())
+        passed, mixed = sum(k.values()), sum(1 <= k[pid] < len(g.texts) for pid, g in self.peer.items())
+        rule = (f"success_reward={self.args.success_reward or 'all'!r} (of {', '.join(self.reward_func_names)}), "
+                f"success_threshold={self.args.success_threshold:g}")
+        if passed == total:
+            warnings.warn(f"graft_trl: every one of the log's {total} responses succeeds under {rule}: the rule "
+                          f"cannot make a group all-fail or mixed, so GRAFT never fires; name the accuracy reward "
+                          f"in --success_reward or raise --success_threshold", stacklevel=3)
+        elif mixed == 0:
+            warnings.warn(f"graft_trl: none of the log's {len(self.peer)} groups is mixed under {rule} ({passed} "
+                          f"of {total} responses succeed): GRAFT never fires; check --success_reward and "
+                          f"--success_threshold", stacklevel=3)
+
     def received(self, inputs: list[dict], k_own: torch.Tensor) -> list[tuple[int, PeerGroup, torch.Tensor]]:
         """Eq. 4, one way: (g, the logged group, its (m,) rewards) for each group g of the batch whose n own
-        rollouts all fail and whose logged group is mixed under this trainer's own reward functions."""
-        n, pid = self.num_generations, [str(x[self.args.id_column]) for x in inputs[:: self.num_generations]]
-        logged = [(g, self.peer[p]) for g, p in enumerate(pid)
-                  if k_own[g] == 0 and p in self.peer and len(self.peer[p].texts) > 1]  # a group of one is never mixed
-        rows = [(inputs[g * n], text) for g, grp in logged for text in grp.texts]
-        if not rows:
-            return []
-        ids = [self._tokenizer.encode(text, add_special_tokens=False) for _, text in rows]
-        scores = self.rewards(GRPOTrainer._calculate_rewards(self, [x for x, _ in rows], [x["prompt"] for x, _ in rows],
-                                                             [text for _, text in rows], ids))  # (R,)
-        out, start = [], 0
-        for g, grp in logged:
-            r = scores[start: start + len(grp.texts)]  # (m,)
-            start += len(grp.texts)
-            if graft_candidates(k_recv=k_own[g: g + 1], k_src=success_counts(r[None]), n=len(r)).item():
-                out.append((g, grp, r))
+        rollouts all fail and whose logged group is mixed, both under the user's success rule."""
+        out = []
+        for g, x in enumerate(inputs[:: self.num_generations]):
+            pid = str(x[self.args.id_column])
+            if k_own[g] != 0 or pid not in self.peer:
+                continue
+            per_func = self.peer_rewards[pid]  # (m, F)
+            k_src = success_counts(self.success(per_func)[None], threshold=self.args.success_threshold)  # (1,)
+            if graft_candidates(k_recv=k_own[g: g + 1], k_src=k_src, n=len(per_func)).item():
+                out.append((g, self.peer[pid], self.rewards(per_func)))
         return out
 
     def _generate_and_score_completions(self, inputs):
@@ -196,7 +376,8 @@ class GraftGRPOTrainer(GRPOTrainer):
         rewards = self.rewards(self.own_rewards).view(-1, n)  # (G, n)
         adv = group_advantages(rewards, std_normalize=std).view(-1).to(dev)  # (B,) departure 2
         weight, is_peer = torch.ones_like(adv), torch.zeros_like(adv, dtype=torch.bool)  # (B,), (B,)
-        received = self.received(inputs, success_counts(rewards))
+        k_own = self.counts(self.own_rewards, n)  # (G,) Eq. 4 under the user's rule
+        received = self.received(inputs, k_own)
         for g, _, r in received:  # a received group's rows: its m responses with their advantages, then empty ones
             adv[g * n: g * n + n], weight[g * n: g * n + n], is_peer[g * n: g * n + n] = 0.0, 0.0, True
             adv[g * n: g * n + len(r)] = group_advantages(r[None], std_normalize=std)[0].to(dev)
@@ -218,6 +399,8 @@ class GraftGRPOTrainer(GRPOTrainer):
             w = compatibility_weights(lbar_recv=sequence_mean_logprob(logp=lp, mask=mask), lbar_src=lbar_src,
                                       delta=self.args.graft_delta)  # (R,) Eqs. 6-8
             weight[slots] = w * mask.any(dim=1)  # a response too long after retokenisation is dropped
+            if self.mask_truncated_completions:  # as TRL masks an own completion that did not end with EOS
+                weight[slots] *= torch.cat([grp.eos for _, grp, _ in received]).to(dev).float()
             c_ids, c_mask = splice(c_ids, slots, ids, tok.pad_token_id), splice(c_mask, slots, mask.long(), 0)
             old = None if old is None else splice(old, slots, lp, 0.0)
         adv, c_mask = fold_weights(advantages=adv, weights=weight, mask=c_mask)  # Eq. 10 through TRL's own loss
@@ -226,7 +409,7 @@ class GraftGRPOTrainer(GRPOTrainer):
         if old is not None:
             out["old_per_token_logps"] = old
         accepted = int((is_peer & (weight > 0)).sum())
-        metrics = {"all_fail": int((success_counts(rewards) == 0).sum()), "selected": len(received),
+        metrics = {"all_fail": int((k_own == 0).sum()), "selected": len(received),
                    "accepted": accepted, "rejected": sum(len(grp.texts) for _, grp, _ in received) - accepted}
         for key, v in metrics.items():
             self._metrics["train"][f"graft/{key}"].append(float(v))
@@ -291,18 +474,69 @@ def reward_function(spec: str):
     return reward
 
 
-def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
-    """The launch line: parse Script's and GraftConfig's flags, build the dataset, train; returns the trainer."""
-    from datasets import Dataset
+def build_parser():
+    """HfArgumentParser over Script and GraftConfig, its --help opening on the log format and GRAFT's own flags
+    (TRL's GRPOConfig flags follow), and its errors one line, exit code 2 (no usage dump of 300 flags)."""
     from transformers import HfArgumentParser
+    parser = HfArgumentParser((Script, GraftConfig), prog="graft_trl.py",
+                              usage="python graft_trl.py --model M --prompts FILE --peer_log LOG --output_dir DIR "
+                                    "[GRAFT's flags] [any GRPOConfig flag]",
+                              description="GRAFT inside TRL's GRPOTrainer (the stored peer; graft_trl.py's docstring "
+                                          "has the rest). On a machine without a bf16 GPU, bf16 defaults to False.\n\n"
+                                          + LOG_FORMAT)
+    import argparse
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    ours = {f.name for f in fields(Script)} | set(GRAFT_FIELDS)
+    group = parser.add_argument_group("GRAFT's flags (the launch line's, then GraftConfig's)")
+    moved = [x for x in parser._optionals._group_actions if x.dest in ours]
+    moved.sort(key=lambda x: ([f.name for f in fields(Script)] + list(GRAFT_FIELDS)).index(x.dest))
+    group._group_actions.extend(moved)
+    parser._optionals._group_actions[:] = [x for x in parser._optionals._group_actions if x.dest not in ours]
+    parser._optionals.title = "TRL's GRPOConfig flags"
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(1, group)  # after the (empty) positionals: first on the page
+
+    def error(message: str):
+        raise Refusal(f"{message} (python graft_trl.py --help lists the flags)")
+    parser.error = error
+    return parser
+
+
+def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
+    """The launch line: parse Script's and GraftConfig's flags, build the dataset, train; returns the trainer.
+    Every refusal (a flag, the log, the dataset) is one line on stderr and exit code 2, before the model loads."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(x.split("=")[0] in ("--bf16", "--no_bf16", "--fp16") for x in argv) and not (
+            torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+        argv += ["--bf16", "False"]  # TRL's default bf16=True stops on such a machine ("doesn't support bf16/gpu")
+    try:
+        return run(argv)
+    except Refusal as e:
+        print(f"graft_trl.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(argv: list[str]) -> GraftGRPOTrainer:
+    """main without the refusal handling: parse, read the prompts, build the trainer (its checks first), train."""
+    from datasets import Dataset
 
     from runtime import load_prompt_file
-    script, args = HfArgumentParser((Script, GraftConfig)).parse_args_into_dataclasses(argv)
-    rows = load_prompt_file(script.prompts)
-    data = Dataset.from_list([{"id": r["id"], "prompt": script.prompt_template.replace("{problem}", r["problem"]),
-                               "answer": r["answer"]} for r in rows])
-    trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[reward_function(script.reward)], args=args,
-                               train_dataset=data)
+    try:
+        with warnings.catch_warnings():  # transformers' deprecation notes on TRL's defaults: nothing the user set
+            warnings.simplefilter("ignore", FutureWarning)
+            script, args = build_parser().parse_args_into_dataclasses(argv)
+    except Refusal:
+        raise
+    except ValueError as e:  # GRPOConfig's and transformers' own checks of the flags, and unknown flags
+        raise Refusal(str(e)) from None
+    try:
+        rows = load_prompt_file(script.prompts)
+        reward = reward_function(script.reward)
+    except (OSError, ValueError) as e:
+        raise Refusal(f"--prompts / --reward: {e}") from None
+    data = Dataset.from_list([{k: v for k, v in r.items() if k not in ("prompt", "completion")}
+                              | {"prompt": script.prompt_template.replace("{problem}", r["problem"])} for r in rows])
+    trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[reward], args=args, train_dataset=data)
     trainer.train()
     return trainer
 
