@@ -1042,7 +1042,7 @@ def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
     for name in names:
         path = Path(data_dir) / BENCHMARKS[name] if name in BENCHMARKS else Path(name)
         if not path.is_file():
-            hint = "python data/prepare.py writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
+            hint = "python -m data.prepare writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
             raise SystemExit(f"--benchmarks: {path} not found ({hint})")
         out[name if name in BENCHMARKS else path.stem] = path
     return out
@@ -1153,16 +1153,16 @@ def run_eval(cfg: Config) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["complement"]:  # its own flags (complement.py): sources, --n, --batch-size
-        import complement
+        from tools import complement
         return complement.main(argv[1:])
     if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
-        import preflight  # it imports what it runs from where it lives (core.py, reward.py, ...), never graft.py
+        from tools import preflight  # it imports what it runs from where it lives (core.py, reward.py, ...)
         return preflight.main(argv[1:])
     if argv[:1] == ["panel"]:  # its own flags (panel.py: two models, a pool, --half, --steps) + the training flags
-        import panel  # it runs graft.py's processes and reads their files, never imports graft.py
+        from tools import panel  # it runs graft.py's processes and reads their files, never imports graft.py
         return panel.main(argv[1:])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
-        import plot  # matplotlib only there
+        from tools import plot  # matplotlib only there
         return plot.main(argv[1:])
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)

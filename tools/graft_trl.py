@@ -44,7 +44,7 @@ has no public hook: three private methods are overridden, so a new TRL needs tes
 Launch line (one process; the dataset is --prompts' JSONL, its fields as columns; the reward is --reward's,
 verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal is one line on stderr, exit code 2,
 before the model loads; --help opens on GRAFT's flags and the log format):
-    python graft_trl.py --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
+    python -m tools.graft_trl --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
 the dataset with a column naming each prompt's id in the log (GraftConfig.id_column).
@@ -166,7 +166,7 @@ def read_peer_log(path: str) -> dict[str, list]:
             raise Refusal(str(e)) from None
         for rec in records:
             if rec.prompt_id is None:
-                raise Refusal(f"{p}:{rec.line}: needs a prompt id ('id' or 'problem_id'): graft_trl.py matches "
+                raise Refusal(f"{p}:{rec.line}: needs a prompt id ('id' or 'problem_id'): graft_trl matches "
                               f"records to the dataset's --id_column, not by problem text")
             group = groups.setdefault(rec.prompt_id, [])
             if all(r.response != rec.response for r in group):  # a repeat would count one response twice
@@ -478,8 +478,8 @@ def build_parser():
     """HfArgumentParser over Script and GraftConfig, its --help opening on the log format and GRAFT's own flags
     (TRL's GRPOConfig flags follow), and its errors one line, exit code 2 (no usage dump of 300 flags)."""
     from transformers import HfArgumentParser
-    parser = HfArgumentParser((Script, GraftConfig), prog="graft_trl.py",
-                              usage="python graft_trl.py --model M --prompts FILE --peer_log LOG --output_dir DIR "
+    parser = HfArgumentParser((Script, GraftConfig), prog="python -m tools.graft_trl",
+                              usage="python -m tools.graft_trl --model M --prompts FILE --peer_log LOG --output_dir DIR "
                                     "[GRAFT's flags] [any GRPOConfig flag]",
                               description="GRAFT inside TRL's GRPOTrainer (the stored peer; graft_trl.py's docstring "
                                           "has the rest). On a machine without a bf16 GPU, bf16 defaults to False.\n\n"
@@ -497,7 +497,7 @@ def build_parser():
     parser._action_groups.insert(1, group)  # after the (empty) positionals: first on the page
 
     def error(message: str):
-        raise Refusal(f"{message} (python graft_trl.py --help lists the flags)")
+        raise Refusal(f"{message} (python -m tools.graft_trl --help lists the flags)")
     parser.error = error
     return parser
 
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
     try:
         return run(argv)
     except Refusal as e:
-        print(f"graft_trl.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"graft_trl: error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -3,7 +3,7 @@
 Reads each run's metrics.jsonl (one JSON line per step, keys in metrics.METRICS) and writes one PNG per
 metric group of PLOT_GROUPS, one panel per key, one line per run, so the two sides of a pair or GRAFT
 next to GRPO share the axes. draw_curves is the same drawing for curves computed elsewhere (the tiny
-preset's mechanism panel, README's figure: `python tiny.py figure`). matplotlib is an optional
+preset's mechanism panel, README's figure: `python -m tools.tiny figure`). matplotlib is an optional
 dependency, imported only when plotting. Of ours it imports only exchange.py (atomic writes); graft.py
 calls main() for its `plot` command.
 

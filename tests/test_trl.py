@@ -1,11 +1,16 @@
-"""Tests of graft_trl.py against TRL itself: TRL's own _compute_loss on the micro-batches our _prepare_inputs
+"""Tests of tools/graft_trl.py against TRL itself: TRL's own _compute_loss on the micro-batches our _prepare_inputs
 cuts equals core.policy_loss (Eq. 10) in value and gradient in every layout it accepts, and every layout it
 refuses is one where stock TRL is off; peer-last survives TRL's minibatching; two GRAFT steps run end to end
 on a tiny receiver with the real Qwen3 tokenizer, reading a peer log that this project's trainer wrote with
 SmolLM3's, and on a planted step its rows, weights and loss equal this project's Trainer.build_rows and update.
-Also the porting helpers of core.py. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
+The command line as a user meets it: each refusal one line on stderr, exit code 2, before the model loads (TRL's
+__init__ patched to fail if reached), --help opening on GRAFT's flags and the log format, README's command run
+as written on CPU. The log completed and the user's choices: --peer_model's lbar against a plain forward, the
+success rule (a format bonus that passes everything warns), a peer row without EOS masked as TRL masks its own,
+and a conversational dataset whose reward reads TRL's message form. Also the porting helpers of core.py and the
+one peer-log parser. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
 
-Run: python -m pytest -q test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
+Run: python -m pytest -q tests/test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
 """
 
 from __future__ import annotations
@@ -94,9 +99,14 @@ def test_read_peer_records_groups_dedups_and_names_the_line():
 try:
     import trl
 
-    import graft_trl
+    from tools import graft_trl
 except ImportError:  # TRL is optional, like W&B: only the tests below need it
     trl = graft_trl = None
+try:
+    import peft
+except ImportError:  # only the LoRA test needs it
+    peft = None
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 needs_trl = pytest.mark.skipif(trl is None,
                                reason="TRL is not installed (pip install trl==1.16.0; .ci/run installs it)")
 
@@ -123,13 +133,13 @@ def zero(completions, **_):
     return [0.0] * len(completions)  # the planted batches carry their own advantages
 
 
-def make_trainer(d: Path, reward_funcs=(zero,), data=None, **kw):
+def make_trainer(d: Path, reward_funcs=(zero,), data=None, peft_config=None, **kw):
     from datasets import Dataset
     if data is None:
         data = Dataset.from_list([{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)}
                                   for i in range(4)])
     return graft_trl.GraftGRPOTrainer(model=str(d / "m"), reward_funcs=list(reward_funcs), args=config(d, **kw),
-                                      train_dataset=data)
+                                      train_dataset=data, peft_config=peft_config)
 
 
 def planted_batch(tr) -> tuple[dict, dict]:
@@ -186,13 +196,30 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2)]  # (steps_per_generation, gradient_ac
 def test_trl_compute_loss_is_eq10_in_every_layout(recv, monkeypatch, S, A, loss_type):
     """Per optimizer step: the sum of TRL's _compute_loss over its A micro-batches (cut by our _prepare_inputs)
     equals core.policy_loss over the same rows with w unfolded, in value and gradient, fp32, clip active."""
+    check_layout(recv, monkeypatch, S, A, loss_type)
+
+
+@needs_trl
+@pytest.mark.skipif(peft is None, reason="peft is not installed (pip install peft; .ci/run installs it)")
+@pytest.mark.parametrize("S,A", [(2, 1), (4, 2)])
+def test_a_lora_receiver_is_eq10_exactly(recv, monkeypatch, S, A):
+    """The same with a LoRA receiver (peft, through GRPOTrainer's peft_config): its adapters' gradient, B
+    initialised at random so that A's gradient is not zero."""
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    check_layout(recv, monkeypatch, S, A, "dapo", peft_config=lora)
+
+
+def check_layout(recv, monkeypatch, S, A, loss_type, peft_config=None):
     kw = dict(steps_per_generation=S, gradient_accumulation_steps=A, per_device_train_batch_size=G * N // S,
               loss_type=loss_type)
     if loss_type == "bnpo" and A > 1:
         with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=2"):
             graft_trl.check_args(config(recv, **kw))
         kw["loss_type"] = "dapo"  # built as dapo, then run as stock TRL's bnpo: off, which is why it is refused
-    tr = make_trainer(recv, **kw)
+    tr = make_trainer(recv, peft_config=peft_config, **kw)
+    if peft_config is not None:
+        trained = [name for name, p in tr.model.named_parameters() if p.requires_grad]
+        assert type(tr.model).__name__ == "PeftModelForCausalLM" and trained and all("lora_" in x for x in trained)
     tr.loss_type = loss_type
     batch, ref = planted_batch(tr)
     micro = trl_micro_batches(tr, batch, monkeypatch)
@@ -449,7 +476,7 @@ def refused(argv: list[str], capsys, monkeypatch) -> str:
     with pytest.raises(SystemExit) as e:
         graft_trl.main(argv)
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("graft_trl.py: error: "), err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("graft_trl: error: "), err
     return err
 
 
@@ -492,10 +519,10 @@ def test_command_line_refusals_are_one_line_exit_2_before_the_model(recv, tmp_pa
 def test_the_real_command_refuses_without_a_traceback(recv, tmp_path):
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, str(Path(graft_trl.__file__)), *launch(recv, tmp_path, "--id_column", "qq")],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "tools.graft_trl", *launch(recv, tmp_path, "--id_column", "qq")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines() == ["graft_trl.py: error: GraftConfig.id_column 'qq' is not a column of the "
+    assert out.stderr.strip().splitlines() == ["graft_trl: error: GraftConfig.id_column 'qq' is not a column of the "
                                                "train dataset (train_dataset: id, problem, answer, prompt); set "
                                                "--id_column to the column holding the log's prompt ids"]
 
@@ -505,7 +532,7 @@ def test_help_opens_on_the_log_format_and_grafts_flags(capsys):
     with pytest.raises(SystemExit) as e:
         graft_trl.main(["--help"])
     lines = capsys.readouterr().out.splitlines()
-    assert e.value.code == 0 and lines[0].startswith("usage: python graft_trl.py --model M")
+    assert e.value.code == 0 and lines[0].startswith("usage: python -m tools.graft_trl --model M")
     at = {flag: next(i for i, x in enumerate(lines) if x.strip().startswith(flag))
           for flag in ("--model", "--peer_log", "--peer_model", "--success_reward", "--output_dir")}
     assert any("The stored peer (--peer_log)" in x for x in lines[: at["--model"]])
@@ -518,8 +545,8 @@ def test_readmes_command_runs_as_written_on_cpu(recv, tmp_path):
     """README's TRL command, its paths replaced by the tiny ones and sized to one step: it trains, in fp32."""
     import re
     import shlex
-    readme = (Path(graft_trl.__file__).parent / "README.md").read_text()
-    words = shlex.split(re.search(r"`python graft_trl\.py ([^`]*)`", readme).group(1))
+    readme = (ROOT / "README.md").read_text()
+    words = shlex.split(re.search(r"`python -m tools\.graft_trl ([^`]*)`", readme).group(1))
     tiny = dict(zip(launch(recv, tmp_path)[::2], launch(recv, tmp_path)[1::2]))
     argv = [tiny.get(words[i - 1], w) if i and words[i - 1] in tiny else w for i, w in enumerate(words)]
     given = set(argv[::2])
