@@ -219,7 +219,7 @@ def check_layout(recv, monkeypatch, S, A, loss_type, peft_config=None):
     tr = make_trainer(recv, peft_config=peft_config, **kw)
     if peft_config is not None:
         trained = [name for name, p in tr.model.named_parameters() if p.requires_grad]
-        assert type(tr.model).__name__ == "PeftModelForCausalLM" and trained and all("lora_" in x for x in trained)
+        assert isinstance(tr.model, peft.PeftModel) and trained and all("lora_" in x for x in trained)
     tr.loss_type = loss_type
     batch, ref = planted_batch(tr)
     micro = trl_micro_batches(tr, batch, monkeypatch)
