@@ -34,7 +34,6 @@ said on its line):
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -637,8 +636,7 @@ PEER_ID_FIELDS, PEER_PROBLEM_FIELDS = ("problem_id", "id"), ("problem", "questio
 PEER_RESPONSE_FIELDS, PEER_LBAR_FIELDS = ("response", "completion"), ("lbar", "mean_logprob")
 
 
-@dataclass
-class PeerRecord:
+class PeerRecord(NamedTuple):
     """One validated line of a peer log (the stored-peer JSONL format, read by parse_peer_records)."""
 
     line: int  # 1-based line number in the file
@@ -656,7 +654,7 @@ def _first(obj: dict, names: tuple[str, ...]):
 
 
 def parse_peer_records(records, *, where: str = "log") -> list[PeerRecord]:
-    """The project's one parser of the peer-log JSONL format (the trainer's --peer-log, preflight, graft_trl.py).
+    """The project's one parser of the peer-log JSONL format (the trainer's stored peer, preflight, TRL's).
 
     records: an iterable of (line number, object) pairs, each object one parsed JSON line:
         {"problem_id" or "id": str or int, and/or "problem" or "question": str,   which prompt
@@ -665,7 +663,7 @@ def parse_peer_records(records, *, where: str = "log") -> list[PeerRecord]:
          "num_tokens": int >= 1 (optional), "reward": number or bool (optional), "eos": bool (optional, true)}
     e.g. data/prepare.py's jsonl_objects(path). Returns one PeerRecord per object, in order. A bad record
     raises ValueError("where:LINE: ..."). The lbar bounds: below LBAR_FLOOR, float32's s = exp(lbar_recv -
-    lbar) can overflow (w = 1 for anything); below LBAR_PLAUSIBLE it is not a mean per token (a sum?).
+    lbar) can overflow (w = 1 for anything); below LBAR_PLAUSIBLE it is not a mean per token (a sum?). Uses _first.
     """
     out = []
     for line, obj in records:
@@ -719,7 +717,7 @@ def read_peer_records(records, *, where: str = "log") -> dict[str, PeerGroup]:
     records: as parse_peer_records. Returns {prompt id: PeerGroup}, groups and their responses in log order.
     A record without a prompt id raises ValueError("where:LINE: ..."); one that repeats an earlier one (same
     id, same response) is left out: it would count one response twice in its group's advantages. Rewards
-    are not read: the receiver scores the texts with its own reward. Uses PeerGroup.
+    are not read: the receiver scores the texts with its own reward. Uses PeerRecord and PeerGroup.
     """
     groups: dict[str, list[PeerRecord]] = {}
     for rec in parse_peer_records(records, where=where):

@@ -66,7 +66,6 @@ Its benchmark (10,000 records: read, match, verify) is bench/foreign.py.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -335,7 +334,7 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     for i, rec in enumerate(records):  # choice 5: as core.decode_response cuts the trainer's own rollouts
         hit = first_stop(rec.response, tuple(stop)) if stop else None
         if hit is not None:
-            records[i] = dataclasses.replace(rec, response=rec.response[: hit[0] + len(hit[1])], eos=False,
+            records[i] = rec._replace(response=rec.response[: hit[0] + len(hit[1])], eos=False,
                                              lbar=float("nan"), num_tokens=-1)
             stop_cut += 1
     n_read, long_lines = len(records), []

@@ -243,7 +243,7 @@ def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args:
             if lb < -20.0:
                 warnings.warn(f"graft_trl: --peer_model gives line {rec.line} an lbar of {lb:.3g}, below -20: is it "
                               f"the model that wrote the log?", stacklevel=2)
-            rec.lbar, rec.num_tokens = lb, int(log.num_tokens[p, i])
+            groups[pid][i] = rec._replace(lbar=lb, num_tokens=int(log.num_tokens[p, i]))
     del model
 
 
@@ -479,8 +479,8 @@ def build_parser():
     (TRL's GRPOConfig flags follow), and its errors one line, exit code 2 (no usage dump of 300 flags)."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser((Script, GraftConfig), prog="python -m tools.graft_trl",
-                              usage="python -m tools.graft_trl --model M --prompts FILE --peer_log LOG --output_dir DIR "
-                                    "[GRAFT's flags] [any GRPOConfig flag]",
+                              usage="python -m tools.graft_trl --model M --prompts FILE --peer_log LOG "
+                                    "--output_dir DIR [GRAFT's flags] [any GRPOConfig flag]",
                               description="GRAFT inside TRL's GRPOTrainer (the stored peer; graft_trl.py's docstring "
                                           "has the rest). On a machine without a bf16 GPU, bf16 defaults to False.\n\n"
                                           + LOG_FORMAT)
