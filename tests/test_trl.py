@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -288,15 +289,62 @@ def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
 
 
 @needs_trl
-def test_vllm_correction_and_more_processes_are_refused(recv, monkeypatch):
-    args = config(recv)
-    args.use_vllm, args.vllm_importance_sampling_correction = True, True  # set after: vLLM is not installed
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
-        graft_trl.check_args(args)
-    args = config(recv)
+def test_bnpo_over_processes_is_refused(recv, monkeypatch):
+    args = config(recv, loss_type="bnpo")
+    graft_trl.check_args(args)  # one process, A = 1: exact
     monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as under a 2-process launch
-    with pytest.raises(ValueError, match="2 processes: groups would straddle ranks"):
+    with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=1 and 2 processes"):
         graft_trl.check_args(args)
+    graft_trl.check_args(config(recv))  # dapo: two processes are exact (test_two_processes_equal_one_...)
+
+
+@needs_trl
+def test_bf16_warns_once_when_a_gate_sits_within_its_rounding(recv):
+    tr = make_trainer(recv)
+    lbar_recv = torch.tensor([-4.0, -4.0, -4.0])  # s = 0.8 e^0.001 (within 2^-8 x 4 of delta), 0.8 e^0.5, 0.8 e^-0.5
+    lbar_src = lbar_recv - math.log(0.8) - torch.tensor([0.001, 0.5, -0.5])
+    w = core.compatibility_weights(lbar_recv=lbar_recv, lbar_src=lbar_src, delta=0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.check_precision(lbar_recv, lbar_src, w)  # fp32: nothing to say
+    assert not [x for x in caught if "graft_trl" in str(x.message)]
+    tr.args.bf16 = True
+    with pytest.warns(UserWarning, match="bf16 is on and 1 peer responses have s within bf16's rounding of "
+                                         "graft_delta=0.8 \\(1 of them accepted\\)"):
+        tr.check_precision(lbar_recv, lbar_src, w)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.check_precision(lbar_recv, lbar_src, w)  # once
+    assert not [x for x in caught if "graft_trl" in str(x.message)]
+
+
+@needs_trl
+def test_two_processes_equal_one_and_a_hand_eq10(recv, tmp_path):
+    """Trainer.train() on one generation batch per layout, under torchrun with two CPU processes (gloo) and in one
+    process on the same global batch (tests/trl_ranks.py, sampling planted): per optimizer step the summed loss
+    and the gradient the optimizer steps on are equal, and the one-process ones equal a hand Eq. 10 of the step's
+    rows, in every layout of the one-process table."""
+    import subprocess
+    import sys
+    sys.path.insert(0, str(ROOT / "tests"))
+    import trl_ranks
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "tests/trl_ranks.py", str(recv / "m"), str(tmp_path / "two.pt")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt")
+    (tmp_path / "one").mkdir()
+    for S, A in trl_ranks.LAYOUTS:
+        one = trl_ranks.run_layout(recv / "m", tmp_path / "one" / "x", S, A)
+        assert len(one["steps"]) == S // A and one["selected"] == [2.0]
+        for k, a in enumerate(one["steps"]):
+            scale = max(abs(a["hand_loss"]), 1e-3)  # a step of own mixed groups at ratio 1 has a loss near 0
+            assert abs(a["loss"] - a["hand_loss"]) / scale < 1e-4
+            assert float((a["grad"] - a["hand_grad"]).norm() / a["hand_grad"].norm()) < 1e-4
+            b = two[f"{S},{A}"]["steps"][k]
+            assert two[f"{S},{A}"]["selected"] == [2.0] and abs(a["loss"] - b["loss"]) / scale < 1e-4
+            assert float((a["grad"] - b["grad"]).norm() / a["grad"].norm()) < 1e-4, f"S={S} A={A} step {k}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -668,3 +716,50 @@ def test_a_logged_group_fills_its_rows_masked_and_in_the_datasets_form(recv, tmp
         assert int(out["completion_mask"][4 + j].sum()) == (len(x) if w[j] > 0 else 0)
     assert out["completion_mask"][7].sum() == 0 and out["num_items_in_batch"] == out["completion_mask"].sum()
     assert (out["completion_mask"][:4].sum(1) == 3).all() and (out["graft_weight"][:4] == 1).all()
+
+
+@needs_trl
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_vllm_correction_on_own_rows_as_trl_computes_it_and_none_on_peer_rows(recv, tmp_path, monkeypatch, mode):
+    """use_vllm with TRL's importance-sampling correction, the sampler's log-probs planted where TRL reads them
+    from vLLM (_generate's fifth output): own rows carry exactly the ratio stock TRL computes for the same batch,
+    peer rows (old log-probs from the receiver's own forward) a ratio of 1; per optimizer step TRL's loss equals
+    Eq. 10 with that ratio on each token, in value and gradient."""
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps({"id": "p1", "response": t, "lbar": -4.0}) + "\n"
+                                                for t in ("1+2", "3", "2+1")))
+    tr = make_trainer(recv, reward_funcs=(lambda completions, **_: [float(c in ("1+2", "2+1")) for c in completions],),
+                      peer_log=str(tmp_path / "log.jsonl"), max_completion_length=4, steps_per_generation=2,
+                      per_device_train_batch_size=G * N // 2, vllm_importance_sampling_mode=mode)
+    tr.use_vllm = tr.vllm_importance_sampling_correction = True  # set after: vLLM is not installed here
+    g = torch.Generator().manual_seed(0)
+    own = [[5, 6, 1]] * (G * N)  # every own completion fails
+    sampled = (-2.0 - 0.3 * torch.randn(G * N, 3, generator=g)).tolist()  # the sampler's log-probs (vLLM's)
+    monkeypatch.setattr(tr, "_generate", lambda prompts: (tr._tokenize_prompts(prompts)[0], own, None,
+                                                          ["xy"] * len(prompts), sampled, {}, None, None))
+    inputs = [{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": ""} for i in range(G) for _ in range(N)]
+    tr.model.train()
+    stock = trl.GRPOTrainer._generate_and_score_completions(tr, inputs)  # TRL's own path, no GRAFT
+    out = tr._generate_and_score_completions(inputs)
+    peer = out["graft_is_peer"]
+    assert peer.tolist() == [4 <= r < 8 for r in range(G * N)]
+    ratio = out["importance_sampling_ratio"]
+    width = stock["importance_sampling_ratio"].shape[1]
+    assert torch.equal(ratio[~peer, :width], stock["importance_sampling_ratio"][~peer])
+    assert bool((ratio[peer] == 1).all())
+    assert not bool((stock["importance_sampling_ratio"][~peer] == 1).all())  # the correction is not trivial
+    micro = trl_micro_batches(tr, out | {"row": torch.arange(G * N)}, monkeypatch)
+    tr.current_gradient_accumulation_steps = 1
+    for mb in micro:
+        tr.model.zero_grad()
+        loss = tr._compute_loss(tr.model, mb)
+        loss.backward()
+        got = grads(tr.model)
+        tr.model.zero_grad()
+        mask = mb["completion_mask"].float()  # (b, T)
+        lp = logprobs(tr.model, mb["prompt_ids"], mb["completion_ids"], mb["completion_mask"])
+        r, a = torch.exp(lp - mb["old_per_token_logps"]), mb["advantages"][:, None]
+        per_token = -torch.minimum(r * a, r.clamp(0.8, 1.28) * a) * mb["importance_sampling_ratio"]  # Eq. 10 x IS
+        want = (per_token * mask).sum() / mask.sum()
+        want.backward()
+        assert float(loss) == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(got, grads(tr.model), rtol=1e-5, atol=1e-7)

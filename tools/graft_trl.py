@@ -30,20 +30,31 @@ Where this departs from stock TRL:
      sums its reward) >= success_threshold (0.5); a rule under which no logged group is mixed warns at start.
      Advantages are TRL's summed reward's, for own and peer groups alike.
   6. mask_truncated_completions=True masks a peer row that did not end with EOS (w = 0), as TRL masks its own.
+  7. Several processes (torchrun, accelerate launch): each group stays on one process by construction (TRL's
+     sampler puts n copies of a prompt in a row and each process takes per_device_train_batch_size x S
+     consecutive rows, a multiple of n since pdbs x A is), so each process selects and grafts its own groups.
+     Then every process gathers the whole generation batch, orders it peer-last with the same generator, and
+     takes its W-th of each micro-batch: the optimizer steps hold the rows one process would, and
+     num_items_in_batch counts an optimizer step's retained tokens over all processes (tests/test_trl.py:
+     two CPU processes over gloo equal one process and a hand Eq. 10 per optimizer step).
+  8. vLLM generation with TRL's importance-sampling correction: own rows keep the ratio TRL computes; peer rows
+     get 1 (their old log-probs are the receiver's own forward, no sampler to correct for).
+  9. Precision: lbar_recv and the peer rows' old log-probs come from TRL's own log-prob forward, at the
+     precision of TRL's own old log-probs (bf16 by TRL's default on a GPU); with bf16 on, a warning (once)
+     names the responses whose s sits within bf16's rounding of graft_delta. Nothing is recomputed in float32.
 
 Refused at construction, naming the setting: delta (TRL's cap on the ratio; GRAFT's floor is graft_delta), beta
 > 0, num_iterations > 1 (own minibatches replayed after peer ones), S not a multiple of A, a group straddling
-optimizer steps, more than one process (groups would straddle ranks; DDP untested), vLLM's importance-sampling
-correction (a ratio of tokens no longer in the batch), sequence-level ratios, entropy masks and bonuses,
+optimizer steps, bnpo over several processes, sequence-level ratios, entropy masks and bonuses,
 scale_rewards="batch", a logged group larger than num_generations. Traps handled: stock TRL shuffles the batch
 before cutting minibatches (peer rows land in both); its old log-probs exist only when S > A, and only of its
 own samples; epsilon_high defaults to epsilon (here 0.28); its advantages add 1e-4 to the std (own groups are
 recomputed by group_advantages); bf16=True is its default, and rounding moves lbar (w near delta can flip). TRL
 has no public hook: three private methods are overridden, so a new TRL needs test_trl.py run again.
 
-Launch line (one process; the dataset is --prompts' JSONL, its fields as columns; the reward is --reward's,
-verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal is one line on stderr, exit code 2,
-before the model loads; --help opens on GRAFT's flags and the log format):
+Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
+as columns; the reward is --reward's, verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal
+is one line on stderr, exit code 2, before the model loads; --help opens on GRAFT's flags and the log format):
     python -m tools.graft_trl --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
@@ -107,10 +118,9 @@ def check_args(args: GraftConfig) -> None:
     rules = [
         (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
                                              f"step (Eq. 10); use loss_type='dapo'"),
-        (args.loss_type != "bnpo" or A == 1, f"loss_type='bnpo' with gradient_accumulation_steps={A} divides each "
-                                             f"micro-batch by its own tokens; use loss_type='dapo'"),
-        (args.world_size == 1, f"{args.world_size} processes: groups would straddle ranks and peer-last would hold "
-                               f"per rank only; run one process"),
+        (args.loss_type != "bnpo" or A == 1 and args.world_size == 1,
+         f"loss_type='bnpo' with gradient_accumulation_steps={A} and {args.world_size} processes divides each "
+         f"micro-batch by its own tokens; use loss_type='dapo'"),
         (S % A == 0, f"steps_per_generation={S} is not a multiple of gradient_accumulation_steps={A}: an "
                      f"optimizer step would mix two generation batches"),
         (args.per_device_train_batch_size * A % args.num_generations == 0,
@@ -121,9 +131,6 @@ def check_args(args: GraftConfig) -> None:
         (args.delta is None, f"delta={args.delta} is TRL's cap on the ratio, not GRAFT's floor (graft_delta)"),
         (args.beta == 0.0, f"beta={args.beta}: a KL term is not part of Eq. 10; set beta=0"),
         (args.importance_sampling_level == "token", "importance_sampling_level must be 'token' (Eq. 9)"),
-        (not (args.use_vllm and args.vllm_importance_sampling_correction),
-         "vllm_importance_sampling_correction=True would weight peer rows by a ratio of tokens no longer in the "
-         "batch; set it to False"),
         (args.off_policy_mask_threshold is None and args.top_entropy_quantile == 1.0 and args.entropy_coef == 0.0
          and not args.use_adaptive_entropy, "off_policy_mask_threshold, top_entropy_quantile, entropy_coef and "
                                             "use_adaptive_entropy must stay off: they change Eq. 10"),
@@ -349,6 +356,20 @@ class GraftGRPOTrainer(GRPOTrainer):
                           f"of {total} responses succeed): GRAFT never fires; check --success_reward and "
                           f"--success_threshold", stacklevel=3)
 
+    def check_precision(self, lbar_recv: torch.Tensor, lbar_src: torch.Tensor, w: torch.Tensor) -> None:
+        """Warn once when bf16 is on and a peer response's gate sits within bf16's rounding of graft_delta: lbar_recv
+        (R,) comes from the same forward and precision as TRL's own log-probs, and bf16 keeps 8 bits, so each
+        token's log-prob can move by about 2^-8 of itself and w (R,) could flip (Eqs. 7-8). --bf16 False avoids it."""
+        if self.warned_bf16 or not (self.args.bf16 or self.args.fp16):
+            return
+        margin = (lbar_recv - lbar_src - torch.log(torch.tensor(self.args.graft_delta))).abs()  # (R,) |ln s - ln delta|
+        near = margin < 2.0 ** -8 * lbar_recv.abs()  # (R,)
+        if bool(near.any()):
+            self.warned_bf16 = True
+            warnings.warn(f"graft_trl: bf16 is on and {int(near.sum())} peer responses have s within bf16's rounding "
+                          f"of graft_delta={self.args.graft_delta:g} ({int((w[near] > 0).sum())} of them accepted): "
+                          f"their w can flip with rounding; run with --bf16 False for an exact gate", stacklevel=2)
+
     def received(self, inputs: list[dict], k_own: torch.Tensor) -> list[tuple[int, PeerGroup, torch.Tensor]]:
         """Eq. 4, one way: (g, the logged group, its (m,) rewards) for each group g of the batch whose n own
         rollouts all fail and whose logged group is mixed, both under the user's success rule."""
@@ -370,13 +391,15 @@ class GraftGRPOTrainer(GRPOTrainer):
             return out  # evaluation: the receiver alone
         if "tool_mask" in out:
             raise ValueError("tools mask completion tokens per turn; GRAFT's rows have no turns (use no tools)")
-        out.pop("sampling_per_token_logps", None)  # read only by the refused vLLM correction
+        out.pop("sampling_per_token_logps", None)  # read only by the refused off-policy mask
         n, dev, tok = self.num_generations, out["advantages"].device, self._tokenizer
         std = self.scale_rewards != "none"
-        rewards = self.rewards(self.own_rewards).view(-1, n)  # (G, n)
+        here = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        own = self.own_rewards[here]  # (B, F) this process's rows: TRL gathered every process's (groups stay whole)
+        rewards = self.rewards(own).view(-1, n)  # (G, n)
         adv = group_advantages(rewards, std_normalize=std).view(-1).to(dev)  # (B,) departure 2
         weight, is_peer = torch.ones_like(adv), torch.zeros_like(adv, dtype=torch.bool)  # (B,), (B,)
-        k_own = self.counts(self.own_rewards, n)  # (G,) Eq. 4 under the user's rule
+        k_own = self.counts(own, n)  # (G,) Eq. 4 under the user's rule
         received = self.received(inputs, k_own)
         for g, _, r in received:  # a received group's rows: its m responses with their advantages, then empty ones
             adv[g * n: g * n + n], weight[g * n: g * n + n], is_peer[g * n: g * n + n] = 0.0, 0.0, True
@@ -403,6 +426,12 @@ class GraftGRPOTrainer(GRPOTrainer):
                 weight[slots] *= torch.cat([grp.eos for _, grp, _ in received]).to(dev).float()
             c_ids, c_mask = splice(c_ids, slots, ids, tok.pad_token_id), splice(c_mask, slots, mask.long(), 0)
             old = None if old is None else splice(old, slots, lp, 0.0)
+            self.check_precision(sequence_mean_logprob(logp=lp, mask=mask), lbar_src, weight[slots])
+        ratio = out.get("importance_sampling_ratio")  # vLLM's correction, (B, T) or (B, 1): TRL's, of its own rows
+        if ratio is not None:  # a peer row's old log-probs are the receiver's own forward: nothing to correct
+            ratio = torch.nn.functional.pad(ratio, (0, c_ids.shape[1] - ratio.shape[1]), value=1.0) \
+                if ratio.shape[1] > 1 else ratio  # (B, T') token modes follow the spliced width
+            out["importance_sampling_ratio"] = torch.where(is_peer[:, None], torch.ones_like(ratio), ratio)
         adv, c_mask = fold_weights(advantages=adv, weights=weight, mask=c_mask)  # Eq. 10 through TRL's own loss
         out |= {"completion_ids": c_ids, "completion_mask": c_mask, "advantages": adv,
                 "num_items_in_batch": c_mask.sum(), "graft_is_peer": is_peer, "graft_weight": weight}
@@ -411,8 +440,9 @@ class GraftGRPOTrainer(GRPOTrainer):
         accepted = int((is_peer & (weight > 0)).sum())
         metrics = {"all_fail": int((k_own == 0).sum()), "selected": len(received),
                    "accepted": accepted, "rejected": sum(len(grp.texts) for _, grp, _ in received) - accepted}
-        for key, v in metrics.items():
-            self._metrics["train"][f"graft/{key}"].append(float(v))
+        totals = self.accelerator.reduce(torch.tensor([float(v) for v in metrics.values()], device=dev), "sum")
+        for key, v in zip(metrics, totals.tolist()):  # counts over every process's groups
+            self._metrics["train"][f"graft/{key}"].append(v)
         return out
 
     def _prepare_inputs(self, generation_batch):
@@ -426,8 +456,11 @@ class GraftGRPOTrainer(GRPOTrainer):
     def peer_last_minibatches(self, batch: dict) -> list[dict]:
         """One generation batch -> its S micro-batches: own groups first, replaced groups last, no shuffle,
         and num_items_in_batch = that optimizer step's retained tokens x S / A, which TRL's dapo divides
-        back by S / A: each optimizer step is one token-mean over its own retained tokens (Eq. 10)."""
+        back by S / A: each optimizer step is one token-mean over its own retained tokens (Eq. 10). Under W
+        processes: the gathered batch is cut so, and this process keeps its W-th of each micro-batch (departure 7)."""
         S, A, n = self.args.steps_per_generation, self.args.gradient_accumulation_steps, self.num_generations
+        W, rank = self.accelerator.num_processes, self.accelerator.process_index
+        batch = self.gather_batch(batch) if W > 1 else batch  # every process: the whole generation batch
         gen = seeded_generator(self.args.seed, self._step // S, "minibatch")  # as this project's trainer draws it
         order = peer_last_rows(batch["graft_is_peer"].view(-1, n)[:, 0].cpu(), n, generator=gen)  # (B,)
         batch = {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() else
@@ -437,7 +470,25 @@ class GraftGRPOTrainer(GRPOTrainer):
             tokens = sum(mb["completion_mask"].sum() for mb in micro[k: k + A])
             for mb in micro[k: k + A]:
                 mb["num_items_in_batch"] = tokens * (S // A)
-        return micro
+        return micro if W == 1 else [split_tensor_dict(mb, W)[rank] for mb in micro]  # this process's share
+
+    def gather_batch(self, batch: dict) -> dict:
+        """This process's generation batch (B rows) -> every process's, in process order (W * B rows): the batch
+        one process would hold for the same global batch. Prompts stay left-padded, completions right-padded."""
+        from accelerate.utils import gather, pad_across_processes
+        B, out = len(batch["completion_ids"]), {}
+        for k, v in batch.items():
+            if k == "num_items_in_batch":
+                out[k] = v  # recounted per optimizer step by the caller
+            elif isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B:
+                if v.dim() == 2:  # (B, T): pad to the widest process, on the side TRL pads
+                    pad = self._tokenizer.pad_token_id if k.endswith("_ids") else 0
+                    v = pad_across_processes(v, dim=1, pad_index=pad, pad_first=k.startswith("prompt"))
+                out[k] = gather(v)  # (W * B, ...)
+            else:
+                raise ValueError(f"graft_trl: batch key {k!r} ({type(v).__name__}) is not one row per completion; "
+                                 f"GRAFT across processes handles text-only batches")
+        return out
 
 
 def splice(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, pad_value) -> torch.Tensor:
