@@ -2,8 +2,9 @@
 
 None of this is the method; graft.py imports it so that the trainer reads as the GRAFT step. Each
 function takes the trainer's config.Config (any object with the named attributes) and imports nothing
-of ours but config.py (that type), exchange.py (the run files) and data/prompts.py (the prompt file): the
-project's imports run graft.py -> foreign.py -> runtime.py -> exchange.py, never back.
+of ours but config.py (that type), exchange.py (the run files), metrics.py (the metrics file's reader) and
+data/prompts.py (the prompt file): the project's imports run graft.py -> foreign.py -> runtime.py ->
+exchange.py, never back.
 
     setup_distributed   torchrun's RANK / WORLD_SIZE -> process group (NCCL on GPU, gloo on CPU), on one
                         node or several (README "Past one node")
@@ -42,7 +43,7 @@ from config import Config  # the functions read its fields (tests may pass any o
 from data.prompts import load_prompts
 from exchange import (Heartbeat, atomic_write, describe_write_error, file_sha256, join_attempt, join_run,
                       leave_run, new_run_id, read_json, write_failed, write_json)
-
+from metrics import read_metrics
 
 
 @dataclass
@@ -592,20 +593,14 @@ class RunFiles:
         path = self.out / "metrics.jsonl"
         if not path.exists():
             return
-        lines = path.read_text(errors="replace").splitlines()
-        keep = []
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                if i == len(lines):  # a line cut short by a kill: that step is redone anyway
-                    print(f"--resume: {path}:{i}: dropping a half-written last line")
-                    continue
-                raise SystemExit(f"--resume: {path}:{i}: not a JSON line; repair or delete the file") from None
-            if record.get("step", 0) < self.start_step:
-                keep.append(line)
+        try:
+            records = read_metrics(path)  # a line cut short by a kill is skipped: that step is redone anyway
+        except ValueError as e:
+            raise SystemExit(f"--resume: {e}; repair or delete the file") from None
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        if len([x for x in lines if x.strip()]) > len(records):
+            print(f"--resume: {path}:{len(lines)}: dropping a half-written last line")
+        keep = [json.dumps(r) for r in records if r.get("step", 0) < self.start_step]  # as the trainer writes them
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
 
     def save_checkpoint(self, step: int, dest: Path | None = None):

@@ -77,6 +77,7 @@ import torch
 from config import build_parser as graft_parser, field_docs
 from core import assignment_digest, multi_peer_sources, success_counts
 from exchange import load_rollouts, rollout_path
+from metrics import read_metrics
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 MODELS = ("A", "B")
@@ -214,11 +215,6 @@ def mean_key(rows: list[dict], key: str) -> float:
     """Mean of a metric over the rows that logged a finite number for it; NaN when none did."""
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
     return sum(vals) / len(vals) if vals else float("nan")
-
-
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
 
 
 def final_ckpt(out: str, steps: int) -> str:

@@ -159,6 +159,7 @@ import torch
 import torch.nn.functional as F
 
 from data import tiny_tasks  # the problem generator
+from metrics import read_metrics
 from tools import panel  # the mechanism panel: its job queue, file readers and table cells
 from tools.panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources, with_prefix,
                          write_lines)
@@ -893,7 +894,7 @@ def run_metrics(run_dir: str, seeds: int, method: str, model: str) -> list[dict]
     for seed in range(seeds):
         path = os.path.join(run_dir, f"seed{seed}", method, model, "metrics.jsonl")
         if os.path.exists(path):
-            rows += [json.loads(x) for x in open(path) if x.strip()]
+            rows += read_metrics(path)
     return rows
 
 
@@ -1118,7 +1119,7 @@ def plot(run_dir: str, pc: PresetConfig, runs: list[Run]) -> None:
                 continue
             for seed in range(pc.seeds):
                 path = os.path.join(run_dir, f"seed{seed}", r.label, model, "metrics.jsonl")
-                pts = [(m["step"] + 1, m["eval/mean"]) for m in map(json.loads, open(path)) if "eval/mean" in m] \
+                pts = [(m["step"] + 1, m["eval/mean"]) for m in read_metrics(path) if "eval/mean" in m] \
                     if os.path.exists(path) else []
                 if pts:
                     ax.plot(*zip(*pts), label=f"{r.label} s{seed}", color=f"C{i}", alpha=0.8)
