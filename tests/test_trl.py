@@ -611,6 +611,16 @@ def test_readmes_command_runs_as_written_on_cpu(recv, tmp_path):
 
 
 @needs_trl
+def test_id_column_names_any_column(recv, tmp_path):
+    from datasets import Dataset
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"id": "q-1", "response": r, "lbar": -1.0}) + "\n" for r in ("a", "b")))
+    data = Dataset.from_list([{"qid": f"q-{i}", "prompt": f"{i}+{i + 1}=", "answer": ""} for i in range(4)])
+    tr = make_trainer(recv, data=data, peer_log=str(log), id_column="qid")
+    assert list(tr.peer) == ["q-1"] and tr.peer_rows["q-1"]["prompt"] == "1+2="
+
+
+@needs_trl
 def test_peer_model_computes_missing_lbar_as_a_plain_forward(recv, tmp_path):
     log = tmp_path / "log.jsonl"
     rows = [{"id": "p1", "response": "1+2"}, {"id": "p1", "response": "3", "eos": False},

@@ -8,6 +8,7 @@ gradient the optimizer steps on (after DDP's average); the one-process run also 
 step's rows (core.policy_loss on a plain forward, w unfolded) and its gradient.
 
 Run: python tests/trl_ranks.py MODEL_DIR OUT_FILE ["S,A;S,A"]  (or under torchrun; the repository root on PYTHONPATH)
+     python tests/trl_ranks.py compare ONE_FILE TWO_FILE   (the table in docs/RESULTS.md, "GRAFT in TRL")
 """
 
 from __future__ import annotations
@@ -112,5 +113,19 @@ def main(model: str, out: str, layouts: str = "") -> None:
         torch.save(result, out)
 
 
+def compare(one: str, two: str) -> None:
+    """Print, per layout and optimizer step, the relative differences two processes vs one and one vs hand Eq. 10
+    (loss relative to max(|hand loss|, 1e-3): a step of own mixed groups at ratio 1 has a loss near 0)."""
+    one, two = torch.load(one), torch.load(two)
+    print("S,A step | loss (1 proc) | loss 2 vs 1 | grad 2 vs 1 | loss 1 vs hand | grad 1 vs hand")
+    for key, run in one.items():
+        for k, (a, b) in enumerate(zip(run["steps"], two[key]["steps"])):
+            scale = max(abs(a["hand_loss"]), 1e-3)
+            rel = lambda x, y: float((x - y).norm() / y.norm())  # noqa: E731
+            print(f"{key} {k} | {a['loss']:.5f} | {abs(a['loss'] - b['loss']) / scale:.1e} | "
+                  f"{rel(b['grad'], a['grad']):.1e} | {abs(a['loss'] - a['hand_loss']) / scale:.1e} | "
+                  f"{rel(a['grad'], a['hand_grad']):.1e}")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    compare(*sys.argv[2:]) if sys.argv[1] == "compare" else main(*sys.argv[1:])
