@@ -50,7 +50,7 @@ scale_rewards="batch", a logged group larger than num_generations. Traps handled
 before cutting minibatches (peer rows land in both); its old log-probs exist only when S > A, and only of its
 own samples; epsilon_high defaults to epsilon (here 0.28); its advantages add 1e-4 to the std (own groups are
 recomputed by group_advantages); bf16=True is its default, and rounding moves lbar (w near delta can flip). TRL
-has no public hook: three private methods are overridden, so a new TRL needs test_trl.py run again.
+has no public hook: three private methods are overridden, so a new TRL needs tests/test_trl.py run again.
 
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
 as columns; the reward is --reward's, verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal
@@ -532,8 +532,9 @@ def build_parser():
     parser = HfArgumentParser((Script, GraftConfig), prog="python -m tools.graft_trl",
                               usage="python -m tools.graft_trl --model M --prompts FILE --peer_log LOG "
                                     "--output_dir DIR [GRAFT's flags] [any GRPOConfig flag]",
-                              description="GRAFT inside TRL's GRPOTrainer (the stored peer; graft_trl.py's docstring "
-                                          "has the rest). On a machine without a bf16 GPU, bf16 defaults to False.\n\n"
+                              description="GRAFT inside TRL's GRPOTrainer (the stored peer; tools/graft_trl.py's "
+                                          "docstring has the rest). On a machine without a bf16 GPU, bf16 defaults "
+                                          "to False.\n\n"
                                           + LOG_FORMAT)
     import argparse
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
