@@ -661,7 +661,7 @@ def parse_peer_records(records, *, where: str = "log") -> list[PeerRecord]:
          "response" or "completion": str,
          "lbar" or "mean_logprob": float in [LBAR_PLAUSIBLE, 0] (optional; a mean per token, Eq. 6),
          "num_tokens": int >= 1 (optional), "reward": number or bool (optional), "eos": bool (optional, true)}
-    e.g. data/prepare.py's jsonl_objects(path). Returns one PeerRecord per object, in order. A bad record
+    e.g. data/prompts.py's jsonl_objects(path). Returns one PeerRecord per object, in order. A bad record
     raises ValueError("where:LINE: ..."). The lbar bounds: below LBAR_FLOOR, float32's s = exp(lbar_recv -
     lbar) can overflow (w = 1 for anything); below LBAR_PLAUSIBLE it is not a mean per token (a sum?). Uses _first.
     """
