@@ -794,8 +794,8 @@ _COND_OPEN_RE = re.compile(r"(?:^|[,:(]\s*)(?:were|had|should)\s+(?:it|we|they|h
                            r"assume|assuming|unless|provided|whether|let|"
                            r"in\s+case|say|imagine|pretend)(?![A-Za-z])", re.IGNORECASE)
 _COND_CLOSE_RE = re.compile(r"[,:]|(?<![A-Za-z])then(?![A-Za-z])", re.IGNORECASE)
-# A conditional after the box in its own sentence ('\\boxed{12} if n is even'), or a counterfactual
-# before it ('would have been \\boxed{12}'; 'would' in a sentence with a condition).
+# A conditional after the box in its own sentence ('\\boxed{12} if n is even'); 'would' before a box counts only
+# beside a condition or a contrast (below).
 _COND_AFTER_RE = re.compile(r"(?<![A-Za-z])(?:if|unless|provided|assuming|supposing|in\s+case)(?![A-Za-z])",
                             re.IGNORECASE)
 _WOULD_RE = re.compile(r"(?<![A-Za-z])(?:would|'d)(?![A-Za-z])", re.IGNORECASE)
@@ -877,9 +877,10 @@ def _in_math(text: str, pos: int) -> bool:
 
 def _asserted(text: str, start: int, end: int) -> bool:
     """The sentence around the boxes text[start:end] asserts them: not questioned ('\\boxed{12}?'),
-    not doubted right after ('\\boxed{12}. Unsure.'), not inside a condition ('Were it \\boxed{12}, ...',
-    '\\boxed{12} if n is even', 'we would get \\boxed{12}' beside a condition or a contrast) and not attributed
-    to an error ('The usual slip gives \\boxed{12}'). Decided from the response alone."""
+    not doubted or retracted right after ('\\boxed{12}. Unsure.', '\\boxed{12}. Oops'), not inside a condition
+    ('Were it \\boxed{12}, ...', '\\boxed{12} if n is even', 'we would get \\boxed{12}' beside a condition or a
+    contrast), not attributed to an error ('The usual slip gives \\boxed{12}') and not followed by another
+    value stated for it ('\\boxed{12}; the right count is 13'). Decided from the response alone."""
     head, tail, end_mark, nxt = _sentence_of(text, start, end)
     if _in_math(text, start):       # the math the box sits in ('$x = \\boxed{12}$') is not words
         head = re.sub(r"(?:\$\$?|\\[(\[])[^$]*$", " ", head)
