@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,7 +306,7 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
         opt.step()
         state = params + sum(p.grad.nbytes for p in model.parameters()) + sum(
             t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
-        rows, total = cfg.micro_batch_size, prompt_len + cap
+        rows = cfg.micro_batch_size
         prompts, responses = _ids(rows, prompt_len, vocab), _ids(rows, cap, vocab, first=4)
         kw = dict(pad_token_id=0, temperature=cfg.temperature or 1.0, chunk_size=cfg.logprob_chunk,
                   share_prefix=cfg.share_prefix)
