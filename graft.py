@@ -225,6 +225,7 @@ class Trainer(RunFiles):
     identity and heartbeat, metrics trimming and atomic checkpoints."""
 
     live: LiveReport | None = None  # --report-to, opened by the first log()
+    reward_faults: dict[str, int] | None = None  # the step's responses stopped by --reward-timeout (step())
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
@@ -301,6 +302,7 @@ class Trainer(RunFiles):
     def step(self, step: int) -> dict:
         """One RL step, the map's phases in order (module docstring); each returns what the next takes."""
         t_start = time.time()
+        self.reward_faults = {"reward_timeouts": 0, "reward_crashes": 0}  # count_reward_faults adds the step's
         batch = batch_indices(len(self.data), step, self.cfg.prompts_per_step, self.cfg.data_seed)  # (G,) indices
         own, timings = self.rollout(step, batch)
         with timed(timings, "write"):
@@ -314,8 +316,19 @@ class Trainer(RunFiles):
         with timed(timings, "update"):
             m_update = self.update(step, rows, replaced)
         timings["step"] = time.time() - t_start
-        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update
+        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update | self.reward_faults
                 | {f"time/{k}": v for k, v in timings.items()})
+
+    def count_reward_faults(self, scores, *, sharded: bool = False) -> None:
+        """Add a reward call's stopped responses (reward.Scores: past --reward-timeout, or a dead worker) to the
+        step's reward_timeouts / reward_crashes; sharded: each rank scored its share (summed over ranks, a
+        collective). rewards() names each stopped response on stderr."""
+        counts = [(len(scores.timed_out), len(scores.crashed))]
+        if sharded:
+            counts = gather_lists(counts, self.dist)
+        if self.reward_faults is not None:
+            self.reward_faults["reward_timeouts"] += sum(t for t, _ in counts)
+            self.reward_faults["reward_crashes"] += sum(c for _, c in counts)
 
     def rollout(self, step: int, batch: list[int]) -> tuple[StepRollouts, dict]:
         """Sample n responses per prompt (this rank's share), score them with the reward, recompute their
@@ -340,7 +353,9 @@ class Trainer(RunFiles):
             # stored text: through the first stop string; the verifier reads it cut before (departure 11)
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
             scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
-                             [self.data[batch[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
+                             [self.data[batch[r // n]]["answer"] for r in mine], workers=cfg.verify_workers,
+                             timeout=cfg.reward_timeout)
+            self.count_reward_faults(scores, sharded=True)
         with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
@@ -385,8 +400,10 @@ class Trainer(RunFiles):
         # Stored logs are re-scored with our reward and their advantages recomputed from that
         # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        peer.rewards = torch.tensor(rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds,
-                                            workers=cfg.verify_workers), dtype=torch.float32).view_as(peer.rewards)
+        scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds,
+                         workers=cfg.verify_workers, timeout=cfg.reward_timeout)
+        self.count_reward_faults(scores)
+        peer.rewards = torch.tensor(scores, dtype=torch.float32).view_as(peer.rewards)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return {"log": peer}
 
@@ -634,7 +651,10 @@ class Trainer(RunFiles):
               f"{g('peer_responses', '{}')} w {g('mean_w', '{:.2f}')} | clip own {g('pg/clipfrac_own')} peer "
               f"{g('pg/clipfrac_peer')} | loss {g('pg/loss', '{:+.4f}')} gnorm {g('grad_norm', '{:.2f}')} | "
               f"len {g('response_len', '{:.0f}')} | s: sample {t('sample')} verify {t('verify')} "
-              f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}", flush=True)
+              f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}"
+              + (f" | reward stopped: {m.get('reward_timeouts', 0)} past --reward-timeout, "
+                 f"{m.get('reward_crashes', 0)} crashed (scored 0)"
+                 if m.get("reward_timeouts") or m.get("reward_crashes") else ""), flush=True)
 
     def fit(self):
         cfg = self.cfg
@@ -1075,7 +1095,8 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
              for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
-    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
+    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers,
+                     timeout=cfg.reward_timeout, **tol)
     results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
     out = []
     for p, prob in enumerate(problems):

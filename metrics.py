@@ -32,6 +32,8 @@ METRICS: dict[str, str] = {
     "candidates_in": "Prompts where this side fails all n and a peer is mixed (Eq. 4, before balancing).",
     "candidates_out": "Prompts where a peer fails all n and this side is mixed.",
     "peer_reward": "Mean reward of every peer response of the step (re-verified for a stored peer).",
+    "reward_timeouts": "Responses whose reward call ran past --reward-timeout (worker killed): scored 0.",
+    "reward_crashes": "Responses whose reward worker process died (a crash in the reward): scored 0.",
     "assignment": "Fingerprint of the step's whole exchange (online, --selection graft): equal on every process.",
     "selected": "Peer groups this side received (after balancing).",
     "selected/<peer>": "Groups received from one peer (three or more sides).",

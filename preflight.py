@@ -78,7 +78,8 @@ from sampler import response_logprobs, sample
 TRAINING_FLAGS = ("reward", "prompt_template", "chat_template", "trust_remote_code", "n", "prompts_per_step",
                   "temperature", "top_p", "max_prompt_tokens", "max_response_tokens", "delta", "compat_norm",
                   "compat_weight", "balance", "std_normalize", "seed", "data_seed", "device", "dtype", "gen_batch_size",
-                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "stop")
+                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "reward_timeout",
+                  "stop")
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_PASSES = 3.0  # choice 4: an update ~ one forward and one backward ~ three log-prob passes
 
@@ -144,7 +145,8 @@ def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
     # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
     texts = [decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
     scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
-                     [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
+                     [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers,
+                     timeout=cfg.reward_timeout)
     t0 = time.time()
     old = side.logprobs(prompts, [o.tokens for o in outs])
     side.logprob_s = time.time() - t0
@@ -419,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
 def usable_rows(rows: list[dict], sides: list[Side], *, prompts: str, problems: int,
                 data_seed: int) -> tuple[list[dict], list[str]]:
     """The first `problems` rows of the trainer's order (choice 1) that are usable, and why others were skipped."""
-    bad_gold = set(unreadable_golds(rows, reward=sides[0].cfg.reward, workers=sides[0].cfg.verify_workers))
+    bad_gold = set(unreadable_golds(rows, reward=sides[0].cfg.reward, workers=sides[0].cfg.verify_workers,
+                                    timeout=sides[0].cfg.reward_timeout))
     order = batch_indices(len(rows), 0, len(rows), data_seed)  # the trainer's step-0 order of the whole file
     out, skipped = [], {"unreadable gold": 0, "prompt too long": 0}
     for i in order:
