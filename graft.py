@@ -126,9 +126,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from config import CHOICES, Config, build_parser, config_from_args, validate_config  # the config, its checks, CLI
-from core import (Mean, add_metrics, assignment_digest, batch_indices, decode_response, graft_candidates,
-                  group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss, rescue_candidates,
-                  retokenize, score_received, seeded_generator, success_counts,
+from core import (Mean, add_counts, add_metrics, assignment_digest, batch_indices, canonical_counts, decode_response,
+                  graft_candidates, group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss,
+                  rescue_candidates, retokenize, score_received, seeded_generator, success_counts,
                   verifier_text)  # the copyable core
 from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, checked at start
 from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
@@ -225,7 +225,7 @@ class Trainer(RunFiles):
     identity and heartbeat, metrics trimming and atomic checkpoints."""
 
     live: LiveReport | None = None  # --report-to, opened by the first log()
-    reward_faults: dict[str, int] | None = None  # the step's responses stopped by --reward-timeout (step())
+    counts: dict = {}  # the step's counts (reward limit, retokenisation round trip): rollout() starts them
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
@@ -302,7 +302,6 @@ class Trainer(RunFiles):
     def step(self, step: int) -> dict:
         """One RL step, the map's phases in order (module docstring); each returns what the next takes."""
         t_start = time.time()
-        self.reward_faults = {"reward_timeouts": 0, "reward_crashes": 0}  # count_reward_faults adds the step's
         batch = batch_indices(len(self.data), step, self.cfg.prompts_per_step, self.cfg.data_seed)  # (G,) indices
         own, timings = self.rollout(step, batch)
         with timed(timings, "write"):
@@ -316,19 +315,8 @@ class Trainer(RunFiles):
         with timed(timings, "update"):
             m_update = self.update(step, rows, replaced)
         timings["step"] = time.time() - t_start
-        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update | self.reward_faults
+        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update | self.counts
                 | {f"time/{k}": v for k, v in timings.items()})
-
-    def count_reward_faults(self, scores, *, sharded: bool = False) -> None:
-        """Add a reward call's stopped responses (reward.Scores: past --reward-timeout, or a dead worker) to the
-        step's reward_timeouts / reward_crashes; sharded: each rank scored its share (summed over ranks, a
-        collective). rewards() names each stopped response on stderr."""
-        counts = [(len(scores.timed_out), len(scores.crashed))]
-        if sharded:
-            counts = gather_lists(counts, self.dist)
-        if self.reward_faults is not None:
-            self.reward_faults["reward_timeouts"] += sum(t for t, _ in counts)
-            self.reward_faults["reward_crashes"] += sum(c for _, c in counts)
 
     def rollout(self, step: int, batch: list[int]) -> tuple[StepRollouts, dict]:
         """Sample n responses per prompt (this rank's share), score them with the reward, recompute their
@@ -355,7 +343,8 @@ class Trainer(RunFiles):
             scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
                              [self.data[batch[r // n]]["answer"] for r in mine], workers=cfg.verify_workers,
                              timeout=cfg.reward_timeout)
-            self.count_reward_faults(scores, sharded=True)
+            self.counts = add_counts(gather_lists([scores.faults | canonical_counts(  # the step's, over all ranks
+                [o.tokens for o in outs], prompts, self.tok, eos_token_ids=self.stop_ids)], self.dist))
         with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
@@ -402,7 +391,7 @@ class Trainer(RunFiles):
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
         scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds,
                          workers=cfg.verify_workers, timeout=cfg.reward_timeout)
-        self.count_reward_faults(scores)
+        self.counts = add_counts([self.counts, scores.faults])
         peer.rewards = torch.tensor(scores, dtype=torch.float32).view_as(peer.rewards)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return {"log": peer}
@@ -486,7 +475,8 @@ class Trainer(RunFiles):
         for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
             g, i = picked[j]
             out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
-        return out, len(picked) - len(sc.index)
+        self.counts = add_counts([self.counts, {"dropped_roundtrip": len(sc.lost)}])  # dropped: lost text
+        return out, len(picked) - len(sc.index) - len(sc.lost)
 
     def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
         """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel.
@@ -646,15 +636,14 @@ class Trainer(RunFiles):
             return fmt.format(v) if ok else "-"
 
         t = lambda k: f"{m.get('time/' + k, 0.0):.1f}"  # noqa: E731
+        stopped = {k: m[k] for k in ("reward_timeouts", "reward_crashes") if m.get(k)}  # by --reward-timeout
         print(f"step {m['step'] + 1:>4}/{self.cfg.steps} | reward {g('reward')} | all-fail {g('all_fail', '{:.2f}')} | "
               f"cand {g('candidates_in', '{}')} sel {g('selected', '{}')} acc {g('accepted', '{}')}/"
               f"{g('peer_responses', '{}')} w {g('mean_w', '{:.2f}')} | clip own {g('pg/clipfrac_own')} peer "
               f"{g('pg/clipfrac_peer')} | loss {g('pg/loss', '{:+.4f}')} gnorm {g('grad_norm', '{:.2f}')} | "
               f"len {g('response_len', '{:.0f}')} | s: sample {t('sample')} verify {t('verify')} "
               f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}"
-              + (f" | reward stopped: {m.get('reward_timeouts', 0)} past --reward-timeout, "
-                 f"{m.get('reward_crashes', 0)} crashed (scored 0)"
-                 if m.get("reward_timeouts") or m.get("reward_crashes") else ""), flush=True)
+              + (f" | reward stopped (scored 0): {stopped}" if stopped else ""), flush=True)
 
     def fit(self):
         cfg = self.cfg
@@ -1062,7 +1051,7 @@ def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
     for name in names:
         path = Path(data_dir) / BENCHMARKS[name] if name in BENCHMARKS else Path(name)
         if not path.is_file():
-            hint = "python data/prepare.py writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
+            hint = "python -m data.prepare writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
             raise SystemExit(f"--benchmarks: {path} not found ({hint})")
         out[name if name in BENCHMARKS else path.stem] = path
     return out
@@ -1174,16 +1163,16 @@ def run_eval(cfg: Config) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["complement"]:  # its own flags (complement.py): sources, --n, --batch-size
-        import complement
+        from tools import complement
         return complement.main(argv[1:])
     if argv[:1] == ["preflight"]:  # its own flags (preflight.py): two models, prompts, the training settings
-        import preflight  # it imports what it runs from where it lives (core.py, reward.py, ...), never graft.py
+        from tools import preflight  # it imports what it runs from where it lives (core.py, reward.py, ...)
         return preflight.main(argv[1:])
     if argv[:1] == ["panel"]:  # its own flags (panel.py: two models, a pool, --half, --steps) + the training flags
-        import panel  # it runs graft.py's processes and reads their files, never imports graft.py
+        from tools import panel  # it runs graft.py's processes and reads their files, never imports graft.py
         return panel.main(argv[1:])
     if argv[:1] == ["plot"]:  # its own flags: run folders, --out, --smooth
-        import plot  # matplotlib only there
+        from tools import plot  # matplotlib only there
         return plot.main(argv[1:])
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)

@@ -113,6 +113,11 @@ class Scores(list):
         super().__init__(values)
         self.timed_out, self.crashed = list(timed_out), list(crashed)
 
+    @property
+    def faults(self) -> dict[str, int]:
+        """The stopped responses as the trainer's metrics count them (metrics.py reward_timeouts, reward_crashes)."""
+        return {"reward_timeouts": len(self.timed_out), "reward_crashes": len(self.crashed)}
+
 
 def rewards(spec: str, responses: list[str], golds: list[str], *, workers: int = 0, timeout: float = 0.0,
             **options) -> Scores:

@@ -127,7 +127,7 @@ def test_a_step_whose_reward_never_returns_goes_on_within_the_limit_plus_a_secon
     assert m["reward_timeouts"] == 8 * 4 and m["reward_crashes"] == 0 and m["reward"] == 0.0
     tr.log(m)
     out, err = capsys.readouterr()
-    assert "reward stopped: 32 past --reward-timeout, 0 crashed (scored 0)" in out
+    assert "reward stopped (scored 0): {'reward_timeouts': 32}" in out
     assert "32 of 32 responses not scored within --reward-timeout 1s" in err
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert logged["reward_timeouts"] == 32
@@ -152,7 +152,6 @@ def test_the_step_counts_only_the_stopped_responses(tiny, tmp_path, planted, mon
         texts[k] = "hang" if k in (2, 19) else text
         return texts[k], eos
     monkeypatch.setattr(graft, "decode_response", decode)
-    tr.reward_faults = {"reward_timeouts": 0, "reward_crashes": 0}
     own, _ = tr.rollout(0, batch)
-    assert tr.reward_faults == {"reward_timeouts": 16, "reward_crashes": 0}
+    assert tr.counts["reward_timeouts"] == 16 and tr.counts["reward_crashes"] == 0
     assert own.rewards.view(-1)[0:8].tolist() == [0.0] * 8 and own.rewards.view(-1)[16:24].tolist() == [0.0] * 8
