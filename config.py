@@ -157,7 +157,7 @@ class Config:
     verify_workers: int = 0
     """Processes for the verifier (0 = in-process)."""
     reward_timeout: float = 60.0
-    """Seconds one reward call may run: past it its worker process is killed and its responses score 0 (0 = no limit)."""
+    """Seconds one reward call may run: past it its worker is killed and its responses score 0 (0 = no limit)."""
     save_every: int = 20
     """Checkpoint every this many steps (and at the end); --resume continues from the latest."""
     keep_checkpoints: int = 2

@@ -46,6 +46,11 @@ Our choices (numbered so that reviews can cite them):
   5. Every function of a step that the preflight runs is the trainer's own, imported from where it lives
      (core.py, reward.py, runtime.py); this file never imports graft.py, which imports it for its
      `preflight` command (test_docs.py keeps the import graph acyclic).
+  6. The retokenisation round trip per direction (round_trip): responses whose receiver ids do not decode
+     back to their text (dropped by score_received, as in training); the source's responses whose sampled
+     ids are not its tokenizer's canonical encoding of their text, encoded alone (as a receiver would) and
+     after the prompt (what is left is drift, not the missing context); and the source's lbar on the
+     canonical ids beside its lbar on its own ids (one more log-prob pass over the non-canonical ones).
 
 Launch line:
     python graft.py preflight --model-a HuggingFaceTB/SmolLM3-3B-Base --model-b Qwen/Qwen3-1.7B-Base \\
@@ -67,8 +72,8 @@ import torch
 import complement
 from config import Config, add_config_flags, validate_config
 from core import (Received, batch_indices, compatibility_weights, decode_response, graft_candidates,
-                  group_advantages, received_groups, score_received, seeded_generator, success_counts,
-                  verifier_text)
+                  group_advantages, received_groups, score_received, seeded_generator, source_canonical,
+                  success_counts, verifier_text)
 from exchange import StepRollouts, atomic_write
 from reward import load_reward, rewards, unreadable_golds
 from runtime import DistInfo, compute_context, encode_prompt, load_policy, load_prompt_file, setup_distributed
@@ -168,6 +173,33 @@ def cross_scores(src: Side, recv: Side) -> Received:
                                delta=cfg.delta, compat_weight=cfg.compat_weight)
 
 
+def round_trip(src: Side, cross: Received) -> dict:
+    """The retokenisation round trip of src's G x n responses towards the other side (choice 6): how many the
+    receiver's encoding loses text of (cross.lost: dropped), how many of src's own ids are not its tokenizer's
+    canonical encoding of their text, encoded alone and after the prompt, and src's lbar (per token, EOS
+    included as in its own) on the canonical ids beside its lbar on its own ids, over the non-canonical ones."""
+    ro, n = src.rollouts, src.rollouts.n
+    R = len(ro.tokens)
+    eos = ro.eos.view(-1).tolist()
+    own = ro.lbar("token").view(-1)  # (R,)
+    out = {"responses": R, "lost": len(cross.lost), "lost_index": list(cross.lost)}
+    for key, ctx in (("alone", False), ("in_prompt", True)):
+        canon = [source_canonical(t, src.tok, eos_token_ids=src.stop_ids,
+                                  prompt_ids=src.prompt_ids[r // n] if ctx else None) for r, t in enumerate(ro.tokens)]
+        off = [r for r, (ok, ids) in enumerate(canon) if ok is False and ids]  # re-scorable: canonical ids exist
+        lps = src.logprobs([src.prompt_ids[r // n] for r in off],
+                           [canon[r][1] + ([src.eos_id] if eos[r] else []) for r in off]) if off else []
+        lbar_canon = torch.tensor([float(lp.mean()) for lp in lps])  # (K,)
+        diff = lbar_canon - own[off] if off else torch.zeros(0)  # (K,)
+        out[key] = {"noncanonical": sum(ok is not True for ok, _ in canon),
+                    "boundary": sum(ok is None for ok, _ in canon), "rescored": len(off),
+                    "lbar_own": float(own[off].mean()) if off else None,
+                    "lbar_canonical": float(lbar_canon.mean()) if off else None,
+                    "lbar_diff_mean": float(diff.mean()) if off else None,
+                    "lbar_diff_abs_max": float(diff.abs().max()) if off else None}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # The report: figures of one direction from the samples (pure given the scored responses)
 # ------------------------------------------------------------------------------------------------
@@ -226,9 +258,10 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bo
 
 
 def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, unbalanced: torch.Tensor,
-                     deltas: tuple[float, ...], m: int) -> dict:
+                     deltas: tuple[float, ...], m: int, trip: dict) -> dict:
     """Every figure of the direction src -> recv. received / unbalanced: (G,) bool, the groups recv gets with and
-    without the balanced swap (received_groups); m: the swap's min(|C_a->b|, |C_b->a|) on the sample."""
+    without the balanced swap (received_groups); m: the swap's min(|C_a->b|, |C_b->a|) on the sample; trip:
+    round_trip(src, cross)."""
     cfg, ro = recv.cfg, src.rollouts
     G, n = ro.rewards.shape
     P = cfg.prompts_per_step
@@ -255,6 +288,7 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
         "received": response_stats(flat(received), **kw),
         "no_balance": response_stats(flat(unbalanced), **kw),
         "all": response_stats(list(range(G * n)), **kw),
+        "round_trip": trip,
     }
 
 
@@ -338,6 +372,17 @@ def format_report(report: dict) -> str:
             rows.append(("  to the update per step: groups / responses",
                          f"{x['groups_to_update_per_step']:.1f} / {x['responses_to_update_per_step']:.1f}",
                          f"{y['groups_to_update_per_step']:.1f} / {y['responses_to_update_per_step']:.1f}", "s"))
+    rt = lambda d, k: d["round_trip"][k]  # noqa: E731
+    rows += [
+        ("round trip: receiver ids lose text (dropped)",
+         *(f"{rt(d, 'lost')}/{rt(d, 'responses')}" for d in (ab, ba)), "s"),
+        ("source ids not canonical: alone / after prompt",
+         *(f"{rt(d, 'alone')['noncanonical']} / {rt(d, 'in_prompt')['noncanonical']}" for d in (ab, ba)), "s"),
+        ("  of them a token across the prompt's end", *(str(rt(d, "in_prompt")["boundary"]) for d in (ab, ba)), "s")]
+    for key, title in (("alone", "alone"), ("in_prompt", "after prompt")):
+        rows.append((f"  source lbar own -> canonical ({title})", *(
+            f"{_fmt(rt(d, key)['lbar_own'], 'f')} -> {_fmt(rt(d, key)['lbar_canonical'], 'f')}" for d in (ab, ba)),
+            "s"))
     width = max(len(r[0]) for r in rows) + 2
     out.append(f"{'':<{width}}{'A -> B':>16}{'B -> A':>16}")
     for label, x, y, kind in rows:
@@ -493,7 +538,8 @@ def preflight(args) -> tuple[dict, list[Side]]:
             int(graft_candidates(k_recv=k_a, k_src=k_b, n=n).sum()))
     directions = {f"{src.name}_to_{recv.name}": direction_report(
         src, recv, cross=cross[f"{src.name}_to_{recv.name}"], received=into[recv.name][args.balance],
-        unbalanced=into[recv.name][False], deltas=deltas, m=m) for src, recv in ((a, b), (b, a))}
+        unbalanced=into[recv.name][False], deltas=deltas, m=m,
+        trip=round_trip(src, cross[f"{src.name}_to_{recv.name}"])) for src, recv in ((a, b), (b, a))}
     sources = [complement.SourceCounts(s.cfg.model, "preflight", {pid: (int(k), n) for pid, k in
                                                                 zip(s.rollouts.prompt_ids, ks.tolist())},
                                     note=f"sampled now, n={n}")

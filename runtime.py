@@ -370,7 +370,8 @@ RESUMABLE = frozenset({
     "steps", "save_every", "keep_checkpoints", "resume", "force", "out", "peer_exchange", "data_dir",
     "eval_every", "benchmarks", "eval_samples", "eval_temperature", "eval_top_p", "eval_max_problems",
     "eval_max_tokens", "save_responses", "eval_out", "exchange_timeout", "peer_dead_after", "heartbeat_interval",
-    "join_timeout", "threads", "verify_workers", "reward_timeout", "gen_batch_size", "micro_batch_size", "logprob_chunk",
+    "join_timeout", "threads", "verify_workers", "reward_timeout", "gen_batch_size", "micro_batch_size",
+    "logprob_chunk",
     "static_decode", "gradient_checkpointing", "fsdp", "device", "trust_remote_code", "run_id", "lr", "grad_clip",
     "report_to", "strict",
 })
