@@ -368,8 +368,9 @@ def flags_markdown() -> str:
 
 def flags_document() -> str:
     """FLAGS.md, whole (a test keeps the file equal to it):
-    python -c "import config; print(config.flags_document(), end='')" > FLAGS.md"""
+    python -c "import config; print(config.flags_document(), end='')" > docs/FLAGS.md"""
     return ("# Flags of `python graft.py train`\n\n"
             "Generated from `config.Config`, the one config dataclass, whose field docstrings are the help lines\n"
             "(`python graft.py train --help` prints the same). Regenerate after changing a field:\n"
-            "`python -c \"import config; print(config.flags_document(), end='')\" > FLAGS.md`.\n\n" + flags_markdown())
+            "`python -c \"import config; print(config.flags_document(), end='')\" > docs/FLAGS.md`.\n\n"
+            + flags_markdown())

@@ -19,7 +19,7 @@ trajectories is read here, once. It holds any collection of solutions, one JSON 
    with a given model (`--peer-model PATH`) and caches it beside the file.
 
 It imports core.py (advantages within ragged groups), reward.py (the reward seam), runtime.py (prompt
-encoding, the peer model's loading, data/prepare.py's JSONL reader), exchange.py (atomic writes, the rollout
+encoding, the peer model's loading), data/prompts.py (the JSONL reader), exchange.py (atomic writes, the rollout
 file, the file hash) and sampler.py (the log-prob kernel); never graft.py, which imports it.
 
 Our choices, where the paper is silent (numbered so that reviews can cite them):
@@ -60,19 +60,15 @@ Our choices, where the paper is silent (numbered so that reviews can cite them):
      dropped (NaN / -1) and --peer-model recomputes it; the cut records are counted ("stop_cut").
 
 
-Launch line (the benchmark; README "What we measured"):
-    python foreign.py bench --prompts ../shared/benchmarks/train_math7500.jsonl --records 10000
+Its benchmark (10,000 records: read, match, verify) is bench/foreign.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
 import os
-import sys
-import time
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,9 +77,10 @@ from typing import Callable
 import torch
 
 from core import first_stop, masked_group_advantages, verifier_text  # ragged groups (choice 1), stops
+from data.prompts import jsonl_objects
 from exchange import atomic_write, file_sha256, load_rollouts
 from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
-from runtime import compute_context, encode_prompt, load_policy, prepare_module
+from runtime import compute_context, encode_prompt, load_policy
 from sampler import response_logprobs
 
 
@@ -128,11 +125,6 @@ def _first_field(obj: dict, names: tuple[str, ...]):
     return next((obj[k] for k in names if k in obj and obj[k] is not None), None)
 
 
-def _jsonl_objects(path: Path):
-    """data/prepare.py's jsonl_objects: (line number, object) for each non-blank line."""
-    return prepare_module().jsonl_objects(path)
-
-
 def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
     """Parse and validate every line of a foreign JSONL file (format in the module docstring).
 
@@ -140,8 +132,8 @@ def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
     """
     path = Path(path)
     out: list[ForeignRecord] = []
-    # One JSONL reader for the whole project (data/prepare.py's): errors name file:line, non-UTF-8 too.
-    for lineno, obj in _jsonl_objects(path):
+    # One JSONL reader for the whole project (data/prompts.py's): errors name file:line, non-UTF-8 too.
+    for lineno, obj in jsonl_objects(path):
         where = f"{path}:{lineno}"
         pid = _first_field(obj, ID_FIELDS)
         if isinstance(pid, int) and not isinstance(pid, bool):
@@ -379,7 +371,7 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
                      stop: tuple[str, ...] | list[str] = ()) -> ForeignLog:
     """Read, match, group, re-verify and score a foreign JSONL file against the run's prompts.
 
-    prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prepare.py load_prompts
+    prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prompts.py load_prompts
     returns). Responses over max_response_chars characters (None = no bound), repeats of an earlier
     record (same prompt, same response text), unmatched records and single-record prompts are counted
     (ForeignLog.report) and left out, in that order (choice 4), before anything is verified or scored.
@@ -585,78 +577,3 @@ def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:
         except ValueError as e:
             raise SystemExit(f"--peer-log: {e} (give --peer-model PATH to compute it)") from None
     return log
-
-
-# ------------------------------------------------------------------------------------------------
-# Benchmark: 10,000 foreign records, load + match + verify (not a test; prints its figures)
-# ------------------------------------------------------------------------------------------------
-
-
-def write_planted_log(path: str | os.PathLike, prompts: list[dict], *, records: int, group: int = 5,
-                      seed: int = 0) -> None:
-    """A synthetic foreign file for the benchmark: `records` lines, `group` per prompt, half matched by id
-    and half by (re-spaced) problem text, one response in three with a wrong boxed answer, every tenth
-    prompt absent from the run (unmatched). Responses are the prompt's "solution" field when it has one,
-    numbered so that no two are the same text (a repeat would be removed, choice 4)."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(prompts), generator=g).tolist()
-    lines = []
-    for r in range(records):
-        p = prompts[order[(r // group) % len(prompts)]]
-        body = p.get("solution") or f"We work it out step by step: {p['problem'][:200]}"
-        wrong = r % 3 == 2
-        rec = {"response": f"{body}\nSo the answer is $\\boxed{{{p['answer'] + ' + 1' if wrong else p['answer']}}}$ "
-                           f"(sample {r}).",
-               "lbar": -0.25 - 0.01 * (r % 7), "reward": float(not wrong)}
-        if (r // group) % 10 == 9:
-            rec["id"] = f"not-in-this-run-{r // group}"
-        elif (r // group) % 2:
-            rec["problem"] = "  " + p["problem"].replace(" ", "   ") + "\n"
-        else:
-            rec["problem_id"] = p["id"]
-        lines.append(json.dumps(rec))
-    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def bench_foreign(prompts: list[dict], *, records: int = 10_000, group: int = 5, verify_workers: int = 0,
-                  folder: str | os.PathLike | None = None) -> dict:
-    """Time read + match + group + verify + advantages of a planted file of `records` lines. Returns seconds."""
-    import tempfile
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        path = Path(tmp) / "foreign.jsonl"
-        write_planted_log(path, prompts, records=records, group=group)
-        t0 = time.perf_counter()
-        recs = read_foreign_records(path)
-        t1 = time.perf_counter()
-        match_records(recs, prompts)
-        t2 = time.perf_counter()
-        log = load_foreign_log(path, prompts, verify_workers=verify_workers)  # everything again, with verification
-        t3 = time.perf_counter()
-        log.step([p["id"] for p in prompts[:128]])
-        t4 = time.perf_counter()
-    print(log.report())
-    out = {"records": records, "read_s": t1 - t0, "match_s": t2 - t1, "load_total_s": t3 - t2, "step_s": t4 - t3}
-    print(f"[bench-foreign] {records} records: read {out['read_s']:.2f}s, match {out['match_s']:.2f}s, "
-          f"load_foreign_log total (read + match + verify + advantages) {out['load_total_s']:.2f}s, "
-          f"one 128-prompt step {1000 * out['step_s']:.1f}ms")
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python foreign.py bench --prompts FILE [--records N]`: bench_foreign's figures."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] != ["bench"]:
-        raise SystemExit("usage: python foreign.py bench --prompts FILE [--records N] [--verify-workers W]")
-    p = argparse.ArgumentParser(prog="foreign.py bench", description=bench_foreign.__doc__)
-    p.add_argument("--prompts", required=True, help="a prompt JSONL (id, problem, answer[, solution])")
-    p.add_argument("--records", type=int, default=10_000)
-    p.add_argument("--verify-workers", type=int, default=0)
-    a = p.parse_args(argv[1:])
-    with open(a.prompts, encoding="utf-8") as f:
-        prompts = [json.loads(line) for line in f if line.strip()]
-    bench_foreign(prompts, records=a.records, verify_workers=a.verify_workers)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

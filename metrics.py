@@ -2,13 +2,15 @@
 
 METRICS documents every key the trainer logs (README "Metrics" is metrics_markdown's table; test_metrics.py
 checks that every key of a real step has its line); LiveReport sends each line to TensorBoard or Weights &
-Biases (--report-to), report_values picking its numbers. It imports nothing of ours but config.py (a type),
-so that graft.py, plot.py and the tests read the table from one place.
+Biases (--report-to), report_values picking its numbers; read_metrics reads the file back (the one reader). It
+imports nothing of ours but config.py (a type), so that graft.py, plot.py and the tests read the table from one
+place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -134,5 +136,25 @@ class LiveReport:
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. The trainer: one side of GRAFT (or plain GRPO), its step one call per phase of the map above
+# Reading a run's metrics.jsonl (the one reader: plot, the panel, the tiny preset, --resume)
 # ------------------------------------------------------------------------------------------------
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The lines of a metrics.jsonl, one dict per step, in file order. A half-written last line (a kill during
+    the write) is skipped; any other line that is not a JSON object raises ValueError naming file and line."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            if i == len(lines):
+                continue
+            raise ValueError(f"{path}:{i}: not a JSON line")
+        out.append(record)
+    return out

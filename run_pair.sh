@@ -2,7 +2,7 @@
 # run_pair.sh: the GRAFT launcher.
 #
 # Usage:
-#   bash run_pair.sh tiny [tiny.py flags]      CPU preset: two tiny models, GRPO vs GRAFT, a table (minutes)
+#   bash run_pair.sh tiny [tools/tiny.py flags]   CPU preset: two tiny models, GRPO vs GRAFT, a table (minutes)
 #   bash run_pair.sh real [graft.py panel flags]  CPU: SmolLM2-135M-Instruct <-> Gemma-3-270M, preflight + the
 #                                              mechanism panel (README "A real pair on the CPU"; REAL_* below)
 #   bash run_pair.sh pair1 [graft.py flags]    SmolLM3-3B-Base  <-> Qwen3-1.7B-Base      (paper Pair 1)
@@ -152,7 +152,7 @@ check_layout() {  # refuses a SIDE, node rank or rendezvous that cannot work, na
 }
 
 prepare_data() {
-  [ -f "$DATA/math_train.jsonl" ] || run $PYTHON data/prepare.py --out "$DATA"
+  [ -f "$DATA/math_train.jsonl" ] || run $PYTHON -m data.prepare --out "$DATA"
 }
 
 # One side of a pair: torchrun over its GPUs (and nodes), meeting the other side in the exchange directory.
@@ -251,14 +251,14 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
   return $status
 }
 
-# The real pair (panel.py): two real pretrained models from pip packages, on one-digit sums, one-digit
+# The real pair (tools/panel.py): two real pretrained models from pip packages, on one-digit sums, one-digit
 # products and sums of tens under a few-shot prompt whose shots write the sum out and box it
 # (data/real_models.py). Settings chosen by calibration (RESULTS.md, "A real pair on the CPU"); each can be
 # overridden, e.g. REAL_STEPS=12 REAL_SEEDS=4 bash run_pair.sh real. Two seeds by default, for a spread: 37 min
 # on two idle cores (models 1.5, preflight 6, pick 4, each seed's six runs and evaluations ~13); more seeds on
 # the same folder add only their runs. Besides the paper's delta 0.8 a second GRAFT arm runs at delta 0.5
 # (REAL_DELTAS, '' for none): at 0.8 the gate takes almost nothing into Gemma-3 (the preflight accepts 5% of
-# the responses it would receive), at 0.5 78%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (test_panel.py).
+# the responses it would receive), at 0.5 78%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (tests/test_panel.py).
 # Three processes at once (--slots 3): a Gemma-3 trainer holds ~5.4 GB, a SmolLM2 one ~4 GB. Learning rates by
 # calibration (GRPO alone on the panel's set): SmolLM2 5e-5 (REAL_LR_A), Gemma-3 1e-5 (REAL_LR_B: it collapses
 # at 2e-5 and 5e-5).
@@ -297,7 +297,7 @@ real_pair() {
 case "$PRESET" in
   real) real_pair "$@" ;;
   tiny)
-    run $PYTHON tiny.py --out "${TINY_OUT:-$RUNS/tiny}" "$@" ;;
+    run $PYTHON -m tools.tiny --out "${TINY_OUT:-$RUNS/tiny}" "$@" ;;
   pair1) pair pair1 "$SMOL" "$QWEN" "$@" ;;
   pair2) pair pair2 "$OCTO" "$QWEN" "$@" ;;
   pair3) pair pair3 "$SMOL" "$OCTO" "$@" ;;

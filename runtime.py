@@ -2,8 +2,9 @@
 
 None of this is the method; graft.py imports it so that the trainer reads as the GRAFT step. Each
 function takes the trainer's config.Config (any object with the named attributes) and imports nothing
-of ours but config.py (that type), exchange.py (the run files) and data/prepare.py's prompt reader: the
-project's imports run graft.py -> foreign.py -> runtime.py -> exchange.py, never back.
+of ours but config.py (that type), exchange.py (the run files), metrics.py (the metrics file's reader) and
+data/prompts.py (the prompt file): the project's imports run graft.py -> foreign.py -> runtime.py ->
+exchange.py, never back.
 
     setup_distributed   torchrun's RANK / WORLD_SIZE -> process group (NCCL on GPU, gloo on CPU), on one
                         node or several (README "Past one node")
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 
 from config import Config  # the functions read its fields (tests may pass any object that has them)
+from data.prompts import load_prompts
 from exchange import (Heartbeat, atomic_write, describe_write_error, file_sha256, join_attempt, join_run,
                       leave_run, new_run_id, read_json, write_failed, write_json)
-
+from metrics import read_metrics
 
 
 @dataclass
@@ -210,23 +211,12 @@ def check_weight_files(folder: Path) -> str | None:
     return next((p for p in map(safetensors_problem, files) if p), None)
 
 
-@functools.lru_cache(maxsize=1)
-def prepare_module():
-    """data/prepare.py as a module (loaded by path: data/ is no package); the project's JSONL readers."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("graft_data_prepare", Path(__file__).parent / "data" / "prepare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def load_prompt_file(path: str) -> list[dict]:
-    """Validated prompt JSONL via data/prepare.py's load_prompts."""
-    mod = prepare_module()
+    """Validated prompt JSONL (data/prompts.py's load_prompts); a bad file stops the run naming file and line."""
     if not Path(path).is_file():
-        raise SystemExit(f"--prompts {path!r}: no such file (python data/prepare.py writes data/math_train.jsonl)")
+        raise SystemExit(f"--prompts {path!r}: no such file (python -m data.prepare writes data/math_train.jsonl)")
     try:
-        return mod.load_prompts(path)
+        return load_prompts(path)
     except ValueError as e:  # names the file and line
         raise SystemExit(f"--prompts: {e}") from None
 
@@ -603,20 +593,14 @@ class RunFiles:
         path = self.out / "metrics.jsonl"
         if not path.exists():
             return
-        lines = path.read_text(errors="replace").splitlines()
-        keep = []
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                if i == len(lines):  # a line cut short by a kill: that step is redone anyway
-                    print(f"--resume: {path}:{i}: dropping a half-written last line")
-                    continue
-                raise SystemExit(f"--resume: {path}:{i}: not a JSON line; repair or delete the file") from None
-            if record.get("step", 0) < self.start_step:
-                keep.append(line)
+        try:
+            records = read_metrics(path)  # a line cut short by a kill is skipped: that step is redone anyway
+        except ValueError as e:
+            raise SystemExit(f"--resume: {e}; repair or delete the file") from None
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        if len([x for x in lines if x.strip()]) > len(records):
+            print(f"--resume: {path}:{len(lines)}: dropping a half-written last line")
+        keep = [json.dumps(r) for r in records if r.get("step", 0) < self.start_step]  # as the trainer writes them
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
 
     def save_checkpoint(self, step: int, dest: Path | None = None):

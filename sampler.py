@@ -134,12 +134,12 @@ Departures and shortcuts (read these before copying)
 
 Benchmark
 ---------
-``python bench_sampler.py [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
+``python -m bench.sampler [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
 full-logits path (also under bf16 autocast), the tokens/s of ``sample`` against transformers' ``generate``, and, on
 long-tailed lengths, the model forward calls and tokens/s of continuous batching against chunks of 64 (README,
-Benchmarks). ``python bench_sampler.py --only prefill`` measures departure 11: a GRPO rollout (G prompts x 8) and
+Benchmarks). ``python -m bench.sampler --only prefill`` measures departure 11: a GRPO rollout (G prompts x 8) and
 its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
-``python bench_sampler.py --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
+``python -m bench.sampler --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
 strings against the copy before stop strings existed, side by side, and what a stop-string check costs per step.
 """
 

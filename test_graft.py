@@ -477,7 +477,9 @@ def common_flags(d, steps=2):
 
 
 def run_py(args, cwd, env_extra=None, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
+    """`python ARGS` in `cwd`, with the repository on the path (so `-m tools.tiny` and `-m bench.gpu` run anywhere)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path) | (env_extra or {})
     return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -949,9 +951,9 @@ def test_periodic_validation_keeps_the_best_checkpoint(tiny, tmp_path):
 
 def test_flag_document_is_the_config():
     """FLAGS.md is generated from Config (config.flags_document); a changed flag must show there."""
-    assert (ROOT / "FLAGS.md").read_text(encoding="utf-8") == flags_document(), (
-        "FLAGS.md is stale: python -c \"import config; print(config.flags_document(), end='')\" > FLAGS.md")
-    assert "[FLAGS.md](FLAGS.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert (ROOT / "docs" / "FLAGS.md").read_text(encoding="utf-8") == flags_document(), (
+        "FLAGS.md is stale: python -c \"import config; print(config.flags_document(), end='')\" > docs/FLAGS.md")
+    assert "[FLAGS.md](docs/FLAGS.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1016,7 +1018,7 @@ def test_stop_flag_is_repeatable_and_checked():
     assert args.stop == ["\n\n", "Q:"] and build_parser().parse_args(["train", "--model", "m"]).stop == []
     with pytest.raises(ValueError, match="--stop"):
         validate_config(Config(model="m", stop=["Q:", ""]))
-    import preflight
+    from tools import preflight
     pre = preflight.build_parser().parse_args(["--model-a", "a", "--model-b", "b", "--prompts", "p", "--stop", "Q:"])
     assert pre.stop == ["Q:"]
     # the text of a stopped row: through the first stop string (the token's overhang dropped), eos False; the

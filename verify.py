@@ -321,9 +321,9 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 
 Benchmark
 ---------
-``python bench_verify.py`` (its docstring says what it prints): accuracy, false positives, hedges and
+``python -m bench.verify`` (its docstring says what it prints): accuracy, false positives, hedges and
 speed on the five case files of ``data/``, with math-verify beside it on the same cases;
-``python bench_verify.py golds`` checks every benchmark gold against itself.
+``python -m bench.verify golds`` checks every benchmark gold against itself.
 """
 from __future__ import annotations
 

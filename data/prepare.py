@@ -70,14 +70,12 @@ Local folder (--from DIR)
         minerva    <- minerva_math.jsonl | minerva.jsonl
 
 Usage
-    python data/prepare.py                              # fetch everything from the hub into data/
-    python data/prepare.py --from ../shared/benchmarks  # use local copies instead
-    python data/prepare.py --only aime2024 amc23 --force
-    python data/prepare.py --out /tmp/prompts --strict  # a count mismatch is an error
+    python -m data.prepare                              # fetch everything from the hub into data/
+    python -m data.prepare --from ../shared/benchmarks  # use local copies instead
+    python -m data.prepare --only aime2024 amc23 --force
+    python -m data.prepare --out /tmp/prompts --strict  # a count mismatch is an error
 
-Library use (no side effects at import; load it with importlib from its path):
-    load_prompts(path) -> list[dict]   reads and validates a prompt JSONL (non-empty string id,
-    problem and answer on every line, valid Unicode; unique ids); errors name the file and line.
+The files it writes are read (and validated) by data/prompts.py's load_prompts, which the trainer imports.
 """
 
 import argparse
@@ -92,10 +90,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 # verify.py lives in the repository root; this file runs as a script from data/ and is loaded by path.
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from verify import last_boxed  # noqa: E402  (after the path is set)
+from data.prompts import SchemaError, jsonl_objects
+from verify import last_boxed
 
 # ------------------------------------------------------------------------------------------------
 # Sources
@@ -149,10 +145,6 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
 ]}
 
 
-class SchemaError(ValueError):
-    """A source file does not have the fields this script maps (names the file and fields)."""
-
-
 class CountError(ValueError):
     """A source has a different row count than expected (only raised with --strict)."""
 
@@ -192,27 +184,6 @@ def normalise_answer(value: Any, integer: bool = False) -> str:
 # ------------------------------------------------------------------------------------------------
 # Reading source files
 # ------------------------------------------------------------------------------------------------
-
-def jsonl_objects(path: Path):
-    """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
-    object raises SchemaError (a ValueError) naming the file and line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise SchemaError(f"{path}:{lineno}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
-                                  f"re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SchemaError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            if not isinstance(row, dict):
-                raise SchemaError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            yield lineno, row
-
 
 def read_records(path: Path) -> list[dict]:
     """Rows of a .jsonl, .json (a list of objects) or .parquet file, as dicts."""
@@ -354,42 +325,6 @@ def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
         except FileNotFoundError:
             pass
         raise
-
-
-# ------------------------------------------------------------------------------------------------
-# Loading prompt files (imported by the trainer)
-# ------------------------------------------------------------------------------------------------
-
-def load_prompts(path: str | os.PathLike) -> list[dict]:
-    """Read a prompt JSONL ({"id", "problem", "answer"} per line) and validate it.
-
-    Each non-blank line must be a JSON object with non-empty string "id", "problem" and "answer"
-    that are valid Unicode (a JSON escape can carry a lone surrogate such as "\\ud800", which no
-    tokenizer or file can encode); ids must be unique; the file must hold at least one prompt.
-    Errors are ValueError naming the file and line number.
-    """
-    path = Path(path)
-    rows: list[dict] = []
-    seen: dict[str, int] = {}
-    for lineno, row in jsonl_objects(path):
-        for key in ("id", "problem", "answer"):
-            v = row.get(key)
-            if not isinstance(v, str) or not v.strip():
-                raise ValueError(f"{path}:{lineno}: field {key!r} must be a non-empty "
-                                 f"string, got {v!r}")
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"{path}:{lineno}: field {key!r} is not valid Unicode text (character "
-                                 f"{e.start}: {v[e.start]!r}, a lone surrogate); fix the JSON escape") from None
-        if row["id"] in seen:
-            raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r} "
-                             f"(first on line {seen[row['id']]})")
-        seen[row["id"]] = lineno
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
-    return rows
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Benchmark of verify.py (README, Benchmarks): accuracy, false positives, hedges and speed on the labelled case
 files, with math-verify 0.9.0 beside it on the same cases in the same run when it is installed.
 
-    python bench_verify.py                                  # the five case files below
-    python bench_verify.py --cases data/verify_rl.jsonl --show-errors
-    python bench_verify.py --hedges                         # also count math-verify's hedges (slow: ~3 min)
-    python bench_verify.py golds [FILES ...]                # every benchmark gold against itself
+    python -m bench.verify                                  # the five case files below
+    python -m bench.verify --cases data/verify_rl.jsonl --show-errors
+    python -m bench.verify --hedges                         # also count math-verify's hedges (slow: ~3 min)
+    python -m bench.verify golds [FILES ...]                # every benchmark gold against itself
 
 math-verify is optional (``pip install math-verify==0.9.0``, best in a venv made with
 ``--system-site-packages`` so that the system sympy stays as it is); without it only verify.py's rows print.
@@ -44,7 +44,7 @@ import time
 
 import verify as V
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 FILES = ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl",
          "verify_rl.jsonl")
 
@@ -157,7 +157,7 @@ def run_cases(cases: list[dict], judge) -> dict:
 
 
 def bench(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bench_verify.py")
+    ap = argparse.ArgumentParser(prog="python -m bench.verify")
     ap.add_argument("--cases", action="append", default=None,
                     help="labelled case file (repeatable); default: the five files of data/ named in this "
                          "file's docstring")

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-import bench_verify as B
+from bench import verify as B
 import verify as V
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CASES = os.path.join(HERE, "data", "verify_cases.jsonl")
 FROZEN = os.path.join(HERE, "data", "verify_test.jsonl")
 OUTSIDE = os.path.join(HERE, "data", "verify_outside.jsonl")
@@ -583,7 +583,7 @@ def test_case_file_accuracy():
 def test_frozen_file_is_well_formed_and_safe():
     """The frozen file (written before the verifier was extended for it, never tuned against) has both
     kinds of cases and both labels; on it the verifier gives no exception and under 1% false positives.
-    Its accuracy is a benchmark figure (`python bench_verify.py`), not a test threshold."""
+    Its accuracy is a benchmark figure (`python -m bench.verify`), not a test threshold."""
     cases = _load(FROZEN)
     assert len(cases) >= 400
     assert all(("pred" in c) != ("response" in c) and isinstance(c["label"], bool) for c in cases)
@@ -651,7 +651,7 @@ def test_reward_hacking(k):
 
 _DET_SCRIPT = r"""
 import json, sys
-import bench_verify as B
+from bench import verify as B
 cases = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
 print("".join("1" if B.judge_ours(c) else "0" for c in cases))
 """

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import graft
-import plot
+from tools import plot
 from test_graft import ROOT, common_flags, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 from config import Config, validate_config
 from metrics import metric_doc, metrics_markdown, report_values
@@ -145,7 +145,7 @@ sys.path.insert(0, {root!r})
 from pathlib import Path
 import torch
 import graft
-import plot
+from tools import plot
 from test_metrics import fixed_policy_update, naive_step_metrics, planted_config, planted_rows
 tr = graft.Trainer(planted_config(Path({tiny!r}), sys.argv[1], fsdp=sys.argv[2] == "fsdp"))
 rows, replaced = planted_rows(tr)
@@ -324,7 +324,7 @@ def test_plot_errors_name_the_problem(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# README's figure: `python tiny.py figure RUN_DIR --out PNG` from a planted panel run's files
+# README's figure: `python -m tools.tiny figure RUN_DIR --out PNG` from a planted panel run's files
 # ------------------------------------------------------------------------------------------------
 
 
@@ -336,7 +336,7 @@ def planted_panel(run_dir: Path, *, seeds=2, steps=3, n=2) -> dict:
     """A finished panel's files as tiny.py lays them out: run.json, panel/set.json (halves: A fails p0 p1, B fails
     p2 p3) and each run's rollout files of the 4 prompts, with planted_reward's rewards."""
     import dataclasses
-    import tiny
+    from tools import tiny
     pc = tiny.PresetConfig(out=str(run_dir), seeds=seeds, n=n, panel_half=2, panel_steps=steps, held_out=False)
     (run_dir / "panel").mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"preset": dataclasses.asdict(pc)}))
@@ -358,7 +358,7 @@ def planted_panel(run_dir: Path, *, seeds=2, steps=3, n=2) -> dict:
 
 @needs_matplotlib
 def test_tiny_figure_draws_the_panels_curves(tmp_path):
-    import tiny
+    from tools import tiny
     from matplotlib.image import imread
     from test_graft import run_py
     halves = planted_panel(tmp_path / "run")
@@ -369,7 +369,7 @@ def test_tiny_figure_draws_the_panels_curves(tmp_path):
             want = [[100 * sum(planted_reward(s, method, m, t, int(q[1:]), i) for q in halves[m] for i in range(2)) / 4
                      for t in range(3)] for s in range(2)]
             assert curves[m][method.upper()] == want, (m, method)  # multiples of 1/4: exact
-    r = run_py([str(ROOT / "tiny.py"), "figure", str(tmp_path / "run"), "--out", str(tmp_path / "fig.png")], tmp_path)
+    r = run_py(["-m", "tools.tiny", "figure", str(tmp_path / "run"), "--out", str(tmp_path / "fig.png")], tmp_path)
     assert r.returncode == 0 and "2 seed(s)" in r.stdout, r.stderr[-2000:]
     img = imread(tmp_path / "fig.png")[..., :3]  # (H, W, 3) in [0, 1]
     assert img.shape[:2] == (310, 840), img.shape  # two panels, 4.2 x 3.1 inches each at 100 dpi

@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-import complement
+from tools import complement
 from config import Config, add_config_flags, validate_config
 from core import (Received, batch_indices, compatibility_weights, decode_response, graft_candidates,
                   group_advantages, received_groups, score_received, seeded_generator, source_canonical,

@@ -1,17 +1,17 @@
 """The tiny CPU preset: the whole GRAFT method on two tiny models, on a laptop CPU, with its tables.
 
-    bash run_pair.sh tiny                      # = python tiny.py --out runs/tiny
-    python tiny.py --seeds 3                   # mean +- std over 3 RL seeds per cell
-    python tiny.py --seeds 3 --no-held-out     # the mechanism panel alone
-    python tiny.py report runs/tiny            # Markdown for RESULTS.md, recomputed from a finished run's files
-    python tiny.py figure runs/tiny --out mechanism_panel.png   # README's figure: the panel's curves by step
-    python tiny.py --split val                 # the held-out table on the validation split (choosing settings)
-    python tiny.py --variants graft,byte,no_weight,sgt   # more methods in the held-out table
-    python tiny.py --variant sgt               # one variant next to GRPO
-    python tiny.py --peers 3                   # a third model C: three pairs and the three-way run
-    python tiny.py --smoke                     # CI: 3 steps, a 50-problem subset, a panel of 2 x 4 problems
-    python tiny.py --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
-    python tiny.py prepare RUN_DIR [--peers 3] [--retrain]   # only data, tokenizers and pre-trained models
+    bash run_pair.sh tiny                      # = python -m tools.tiny --out runs/tiny
+    python -m tools.tiny --seeds 3                   # mean +- std over 3 RL seeds per cell
+    python -m tools.tiny --seeds 3 --no-held-out     # the mechanism panel alone
+    python -m tools.tiny report runs/tiny            # Markdown for RESULTS.md, recomputed from a finished run's files
+    python -m tools.tiny figure runs/tiny --out docs/mechanism_panel.png   # README's figure: the panel's curves by step
+    python -m tools.tiny --split val                 # the held-out table on the validation split (choosing settings)
+    python -m tools.tiny --variants graft,byte,no_weight,sgt   # more methods in the held-out table
+    python -m tools.tiny --variant sgt               # one variant next to GRPO
+    python -m tools.tiny --peers 3                   # a third model C: three pairs and the three-way run
+    python -m tools.tiny --smoke                     # CI: 3 steps, a 50-problem subset, a panel of 2 x 4 problems
+    python -m tools.tiny --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
+    python -m tools.tiny prepare RUN_DIR [--peers 3] [--retrain]   # only data, tokenizers and pre-trained models
 
 What it measures. The paper's claim is about prompts on which the receiver fails all n rollouts:
 GRPO has no gradient there, GRAFT gives one from the peer's mixed group. Two tables test it.
@@ -48,7 +48,7 @@ from the runs' rollout files with the trainer's balanced swap, and their pass@8 
 GRPO and after GRAFT); per-pair exchange diagnostics (candidates, selected, accepted, mean s, mean
 w, clip fractions of own and peer tokens); and a profile (seconds per step by phase from every
 run's metrics.jsonl, wall seconds per job). Measured figures: RESULTS.md, tiny preset, whose block
-`python tiny.py report RUN_DIR` regenerates from the run that printed them.
+`python -m tools.tiny report RUN_DIR` regenerates from the run that printed them.
 
 What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed run resumes):
   1. data/{train,val,test}.jsonl: generated problems of five families (data/tiny_tasks.py: add,
@@ -158,12 +158,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "data"))
-import tiny_tasks  # noqa: E402  (data/tiny_tasks.py: the problem generator)
-import panel  # noqa: E402  (the mechanism panel; its job queue, file readers and table cells serve the preset too)
-from panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources,  # noqa: E402
-                   write_lines)
+from data import tiny_tasks  # the problem generator
+from metrics import read_metrics
+from tools import panel  # the mechanism panel: its job queue, file readers and table cells
+from tools.panel import (Job, cell, check_assignments, load_eval, mean_key, run_jobs, step_sources, with_prefix,
+                         write_lines)
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 PROMPT_TEMPLATE = "{problem}\n"
 """The tiny preset's prompt: the problem and a newline. Short, because every prompt token of the
@@ -497,7 +498,7 @@ def _is_done(folder: str, name: str, cfg: TinyConfig) -> bool:
 
 
 COMMITTED = os.path.join(HERE, "data", "tiny_models")
-"""Pre-trained A, B and C as committed to the repository (built by `python tiny.py prepare data/tiny_models
+"""Pre-trained A, B and C as committed to the repository (built by `python -m tools.tiny prepare data/tiny_models
 --peers 3 --retrain` with the default TinyConfig); each is used when its digest matches, so the preset
 skips ~4-8 minutes of pre-training."""
 
@@ -533,8 +534,8 @@ def prepare(run_dir: str, cfg: TinyConfig, *, models: tuple[str, ...] = ("A", "B
     t0 = time.time()
     # One process per model, one thread each: on a shared 2-core machine two single-threaded
     # processes beat one process with two threads.
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "_pretrain_one", run_dir, n, cfg_path])
-             for n in todo]
+    procs = [subprocess.Popen([sys.executable, "-m", "tools.tiny", "_pretrain_one", os.path.abspath(run_dir), n,
+                               os.path.abspath(cfg_path)], cwd=HERE) for n in todo]
     codes = [p.wait() for p in procs]
     if any(codes):
         raise RuntimeError(f"pre-training failed (exit codes {codes}); see the output above")
@@ -669,7 +670,7 @@ def eval_args(model: str, files: list[str], out: str, pc: PresetConfig, max_new:
     """graft.py eval flags: k samples per problem at T=1 on every file, per-problem results to ``out``.
     Evaluations sample thousands of rows through 1024 slots, where the static decode's per-slot cache beats
     the default path's growing, left-padded one on A's long character-level responses (1.62x the rows/s)
-    and loses on B's short ones (0.81x; `python bench_sampler.py --only tiny-eval`). A's evaluations are the
+    and loses on B's short ones (0.81x; `python -m bench.sampler --only tiny-eval`). A's evaluations are the
     preset's longest: its evaluation jobs (the pick included) took 315 s with it against 394 s without, with
     identical tables (the two paths drew the same responses). The training runs (384 rows per step) keep the
     default path."""
@@ -804,6 +805,10 @@ def drop_stale_eval(out: str, files: list[str]) -> None:
         os.remove(out)
 
 
+HELD_OUT_JOBS = "held-out"
+"""Prefix of the held-out table's job names (the panel's are ``panel/...``): both lists name runs ``s0/grpo/A``."""
+
+
 def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) -> list[Job]:
     """Every graft.py process of the preset as jobs in priority order, seed by seed: the exchange runs
     (two or three processes each), the single-model runs, then that seed's evaluations, which fill the
@@ -857,7 +862,7 @@ def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) ->
         # after seed 0's jobs: it waits for every seed's received prompts, so it cannot start earlier
         jobs.insert(len(jobs) // pc.seeds, Job(f"eval before/{model}", [(args, before + ".log")], [before],
                                                deps=tuple(f"s{s}/{v.label}" for s in range(pc.seeds) for v in mine)))
-    return jobs
+    return with_prefix(HELD_OUT_JOBS, jobs)  # the panel's jobs, queued with these, reuse the run names
 
 
 # ------------------------------------------------------------------------------------------------
@@ -889,7 +894,7 @@ def run_metrics(run_dir: str, seeds: int, method: str, model: str) -> list[dict]
     for seed in range(seeds):
         path = os.path.join(run_dir, f"seed{seed}", method, model, "metrics.jsonl")
         if os.path.exists(path):
-            rows += [json.loads(x) for x in open(path) if x.strip()]
+            rows += read_metrics(path)
     return rows
 
 
@@ -1040,7 +1045,7 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
         for r in [r for r in exch if len(r.group) == len(models)]:
             pair = f"{r.method}_{''.join(models[:2])}"
             for s in range(pc.seeds):
-                t3, t2 = timing.get(f"s{s}/{r.label}"), timing.get(f"s{s}/{pair}")
+                t3, t2 = (timing.get(f"{HELD_OUT_JOBS}/s{s}/{label}") for label in (r.label, pair))
                 if t3 and t2:
                     out.append(f"  seed {s}: {r.label} ({len(models)} processes) {t3:.0f} s vs {pair} {t2:.0f} s: "
                                f"{t3 / t2:.2f}x")
@@ -1085,7 +1090,7 @@ def panel_curves(run_dir: str, pc: PresetConfig) -> dict[str, dict[str, list[lis
 def figure(run_dir: str, out: str) -> str:
     """README's figure from a finished run's files: per model, the reward on its own all-fail half by step under
     GRPO and GRAFT (the mechanism panel's curves; mean and +- std band over seeds). Returns the PNG's path."""
-    import plot
+    from tools import plot
     info, pc = saved_preset(run_dir, "figure")
     if not pc.panel:
         raise SystemExit(f"tiny.py figure: {run_dir} ran without the mechanism panel (--no-panel)")
@@ -1114,7 +1119,7 @@ def plot(run_dir: str, pc: PresetConfig, runs: list[Run]) -> None:
                 continue
             for seed in range(pc.seeds):
                 path = os.path.join(run_dir, f"seed{seed}", r.label, model, "metrics.jsonl")
-                pts = [(m["step"] + 1, m["eval/mean"]) for m in map(json.loads, open(path)) if "eval/mean" in m] \
+                pts = [(m["step"] + 1, m["eval/mean"]) for m in read_metrics(path) if "eval/mean" in m] \
                     if os.path.exists(path) else []
                 if pts:
                     ax.plot(*zip(*pts), label=f"{r.label} s{seed}", color=f"C{i}", alpha=0.8)
@@ -1189,7 +1194,7 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, comma
     text = "\n\n".join(t for _, t, _, _ in tables)
     write_lines(os.path.join(run_dir, "results.txt"), [text])
     wall = time.time() - t0
-    info = {"command": command or f"python tiny.py --out {run_dir}", "preset": dataclasses.asdict(pc),
+    info = {"command": command or f"python -m tools.tiny --out {run_dir}", "preset": dataclasses.asdict(pc),
             "wall_s": wall, "cached_jobs": len(cached), "jobs": len(jobs), "cpus": os.cpu_count(),
             "load_start": list(load_start), "load_end": list(os.getloadavg()), "torch": torch.__version__,
             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -1198,7 +1203,7 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, comma
         plot(run_dir, pc, runs)
     print(text)
     print(f"[tiny] total {wall:.0f}s; tables -> {run_dir}/results.txt, {run_dir}/results.csv; "
-          f"Markdown for RESULTS.md: python tiny.py report {run_dir}")
+          f"Markdown for RESULTS.md: python -m tools.tiny report {run_dir}")
     return text
 
 
@@ -1226,7 +1231,7 @@ def markdown_report(run_dir: str) -> str:
     load = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
     cached = f" ({info['cached_jobs']} of {info['jobs']} jobs cached from an earlier invocation)" \
         if info["cached_jobs"] else ""
-    out = [f"<!-- generated by `python tiny.py report {run_dir}` from the run's files; regenerate, do not edit -->",
+    out = [f"<!-- generated by `python -m tools.tiny report {run_dir}` from the run's files; regenerate, not edit -->",
            "", f"Command: `{info['command']}`; {info['cpus']} CPU cores, load average (1 / 5 / 15 min) "
            f"{load(info['load_start'])} at the start and {load(info['load_end'])} at the end; wall time "
            f"{info['wall_s']:.0f} s{cached}; torch {info['torch']}; finished {info['finished']}."]
@@ -1242,10 +1247,10 @@ def markdown_report(run_dir: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = "python tiny.py " + shlex.join(argv)
+    command = "python -m tools.tiny " + shlex.join(argv)
     if not argv or argv[0].startswith("-"):
-        argv = ["run"] + argv  # `python tiny.py [flags]` runs the preset
-    p = argparse.ArgumentParser(prog="tiny.py", description="GRAFT tiny CPU preset")
+        argv = ["run"] + argv  # `python -m tools.tiny [flags]` runs the preset
+    p = argparse.ArgumentParser(prog="python -m tools.tiny", description="GRAFT tiny CPU preset")
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("run", help="the preset: GRPO vs GRAFT (and variants) from the same checkpoints, a table",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -9,12 +9,11 @@ import sys
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "data"))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 import graft  # noqa: E402
-import tiny  # noqa: E402
+from tools import tiny  # noqa: E402
 import verify  # noqa: E402
-import tiny_tasks  # noqa: E402
+from data import tiny_tasks  # noqa: E402
 from core import assignment_digest
 
 # ------------------------------------------------------------------------------------------------
@@ -176,11 +175,11 @@ def test_models_build_save_and_load(toks, tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One `python tiny.py --smoke` run (the panel and the held-out table, 3 RL steps each), shared by the
+    """One `python -m tools.tiny --smoke` run (the panel and the held-out table, 3 RL steps each), shared by the
     tests below: (run folder, the completed process)."""
     out = tmp_path_factory.mktemp("smoke") / "tiny"
     # the timeout only catches a hang: on a loaded 2-core machine the run takes several minutes
-    r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke"],
+    r = subprocess.run([sys.executable, "-m", "tools.tiny", "--out", str(out), "--smoke"], cwd=HERE,
                        capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r
@@ -211,10 +210,11 @@ def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(smoke):
 
 
 def test_preset_smoke_with_three_models(tmp_path):
-    """`python tiny.py --peers 3 --smoke --no-panel`: GRPO for A, B and C, the three pairs and the three-way run."""
+    """`python -m tools.tiny --peers 3 --smoke --no-panel`: GRPO for A, B and C, the three pairs and the three-way
+    run."""
     out = tmp_path / "tiny3"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "--out", str(out), "--smoke", "--peers", "3",
-                        "--no-panel"],  # the panel is the pair's (test_panel_*)
+    r = subprocess.run([sys.executable, "-m", "tools.tiny", "--out", str(out), "--smoke", "--peers", "3",
+                        "--no-panel"], cwd=HERE,  # the panel is the pair's (test_panel_*)
                        capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
@@ -433,10 +433,10 @@ def test_panel_halves_are_all_fail_and_every_printed_number_comes_from_the_files
 
 
 def test_report_prints_the_tables_the_run_printed(smoke):
-    """`python tiny.py report RUN_DIR` recomputes the tables from the run's files: its Markdown blocks are
+    """`python -m tools.tiny report RUN_DIR` recomputes the tables from the run's files: its Markdown blocks are
     exactly what the run printed (panel first, then the held-out table), under the run's command."""
     out, r = smoke
-    rep = subprocess.run([sys.executable, os.path.join(HERE, "tiny.py"), "report", str(out)], capture_output=True,
+    rep = subprocess.run([sys.executable, "-m", "tools.tiny", "report", str(out)], cwd=HERE, capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert rep.returncode == 0, rep.stderr[-3000:]
     blocks = re.findall(r"^```text\n(.*?)\n```$", rep.stdout, re.S | re.M)
@@ -444,4 +444,4 @@ def test_report_prints_the_tables_the_run_printed(smoke):
     printed = "\n\n".join(blocks)
     assert printed + "\n" in r.stdout and (out / "results.txt").read_text() == printed + "\n"
     assert re.search(r"^#### Mechanism panel .*^#### Held-out table", rep.stdout, re.S | re.M)
-    assert f"Command: `python tiny.py --out {out} --smoke`; " in rep.stdout
+    assert f"Command: `python -m tools.tiny --out {out} --smoke`; " in rep.stdout

@@ -1000,7 +1000,7 @@ def test_shared_prefix_falls_back_under_gradient_checkpointing():
 # real tokenizers of ../shared/tokenizers
 # ------------------------------------------------------------------------------------------------
 
-SHARED_TOKENIZERS = Path(__file__).resolve().parent.parent / "shared" / "tokenizers"
+SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
 REAL_TOKENIZERS = ["qwen3", "smollm3", "llama3_2"]
 # A tiny model over the first 512 ids of a real byte-level vocabulary: its 256 single bytes (printable characters,
 # "\n", " ", and UTF-8 fragments that decode to U+FFFD alone) and the first merges ("in", " t", "\n\n", " the", ...),

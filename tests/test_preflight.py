@@ -12,7 +12,6 @@ Run: python -m pytest -q test_preflight.py
 
 import json
 import math
-import sys
 import zlib
 from contextlib import nullcontext
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 import graft
-import preflight
+from tools import preflight
 import verify
 from runtime import DistInfo
 from config import Config
@@ -29,7 +28,7 @@ from core import graft_candidates, success_counts
 from test_graft import exchange_phases
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 TINY = ROOT / "data" / "tiny_models"
 pytestmark = pytest.mark.skipif(not (TINY / "A" / "model.safetensors").is_file() or
                                 not (TINY / "B" / "model.safetensors").is_file(),
@@ -52,8 +51,7 @@ def nobody_solves(responses, golds, *, workers=0, **kw):
 
 
 def write_prompts(path: Path, count: int) -> Path:
-    sys.path.insert(0, str(ROOT / "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     train, _ = tiny_tasks.generate(0, count, 5)
     tiny_tasks.write_jsonl(str(path), train[:count])
     return path
@@ -343,7 +341,7 @@ def test_bad_input_messages(tmp_path):
 
 def test_complement_json_is_the_printed_table(tmp_path, capsys):
     """`graft.py complement --json` writes the rows of the table it prints (the report preflight embeds)."""
-    import complement
+    from tools import complement
     corrects = {"a": [[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8], "b": [[1, 1, 0, 0, 0, 0, 0, 0], [0] * 8, [0] * 8]}
     paths = []
     for name, rows in corrects.items():

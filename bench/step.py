@@ -9,11 +9,11 @@ spent waiting for a live peer), and their steps run interleaved (GRPO step t, GR
 machine noise hits both alike. The peer's files come from a GRPO run of the other tiny model, made
 first and not timed.
 
-    python bench_graft.py [--run-dir runs/tiny] [--steps 6] [--prompts-per-step 16] [--n 8]
+    python -m bench.step [--run-dir runs/tiny] [--steps 6] [--prompts-per-step 16] [--n 8]
 
 It prints the median step time of each, their ratio, and GRAFT's overhead phases (write, read +
 re-verify, exchange = selection + retokenisation + compatibility forward) as a fraction of the GRPO
-step. Needs the tiny preset's pre-trained models (`python tiny.py prepare RUN_DIR`, run here if absent).
+step. Needs the tiny preset's pre-trained models (`python -m tools.tiny prepare RUN_DIR`, run here if absent).
 The offline path also re-verifies the peer's rewards (the stored-trajectory variant), a cost the online pair does
 not pay: it is reported on its own line.
 """
@@ -58,7 +58,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     run_dir = Path(args.run_dir)
     if not (run_dir / "A").is_dir() or not (run_dir / "B").is_dir():
-        import tiny
+        from tools import tiny
         tiny.prepare(str(run_dir), tiny.TinyConfig())
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

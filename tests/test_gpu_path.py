@@ -170,7 +170,7 @@ def test_fsdp_checkpoint_loads_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 
 def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
-    r = run_py([str(ROOT / "bench_gpu.py"), "--tiny"], tmp_path, timeout=120)
+    r = run_py(["-m", "bench.gpu", "--tiny"], tmp_path, timeout=120)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     out = r.stdout
     assert "identity checks passed" in out and out.count("identical rows: True") == 3, out

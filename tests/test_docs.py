@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 README_MAX_LINES = 300  # grew by the reward seam (--reward) and the TRL integration; results still go to RESULTS.md
 
 # ------------------------------------------------------------------------------------------------
@@ -27,22 +27,32 @@ README_MAX_LINES = 300  # grew by the reward seam (--reward) and the TRL integra
 # ------------------------------------------------------------------------------------------------
 
 
+SHELVES = ("tools", "bench", "tests", "data")
+"""The folders beside the top level: tools/ and bench/ are packages (`python -m tools.tiny`), tests/ is on pytest's
+path (its files import each other by stem), data/ holds the data scripts and files."""
+
+
 def project_files() -> list[Path]:
-    """Every project module: the top-level *.py files and data/*.py (tests and benchmarks included)."""
-    return sorted(ROOT.glob("*.py")) + sorted((ROOT / "data").glob("*.py"))
+    """Every project module: the top-level *.py files and those of each shelf (tests and benchmarks included)."""
+    return sorted(ROOT.glob("*.py")) + [f for shelf in SHELVES for f in sorted((ROOT / shelf).glob("*.py"))]
 
 
 def module_names(files: list[Path]) -> dict[str, str]:
-    """Import name -> file (relative path). data/*.py are imported by their stem (tiny.py puts data/ on
-    sys.path) or as data.<stem>; a top-level stem wins a clash."""
+    """Import name -> file (relative path). Top-level files and tests/ are imported by their stem, tools/ and
+    bench/ as <package>.<stem>; data/*.py by their stem (tiny.py puts data/ on sys.path) or as data.<stem>;
+    a top-level stem wins a clash."""
     names: dict[str, str] = {}
     for f in files:
         rel = f.relative_to(ROOT).as_posix()
+        shelf = f.parent.name
         if f.parent == ROOT:
             names[f.stem] = rel
+        elif shelf in ("tools", "bench"):
+            names[f"{shelf}.{f.stem}"] = rel
         else:
             names.setdefault(f.stem, rel)
-            names[f"data.{f.stem}"] = rel
+            if shelf == "data":
+                names[f"data.{f.stem}"] = rel
     return names
 
 
@@ -232,6 +242,61 @@ def test_project_import_graph_has_no_cycle():
         pytest.fail("\n".join(lines))
 
 
+def test_the_top_level_is_what_the_trainer_runs():
+    """A reader who opens the repository sees the method first: every top-level module is graft.py, one that
+    `python graft.py train` imports (directly or through another), or test_graft.py; the rest lives on a shelf."""
+    graph = import_graph()
+    reach, todo = set(), ["graft.py"]
+    while todo:
+        for target in graph[todo.pop()]:
+            if "/" not in target and target not in reach:  # top-level modules only: tools/ are graft.py's commands
+                reach.add(target)
+                todo.append(target)
+    top = {f.name for f in ROOT.glob("*.py")}
+    extra = sorted(top - reach - {"graft.py", "test_graft.py"})
+    assert not extra, f"top-level modules the trainer does not import (move them to tools/, bench/ or tests/): {extra}"
+
+
+def test_imports_run_down_the_shelves():
+    """The method (top level) imports no shelf but data/, except graft.py's command dispatch, which imports its
+    commands from tools/ inside `main`; tools/ import no test or bench; nothing imports a test but a test."""
+    graph = import_graph()
+    up = []
+    for src, targets in graph.items():
+        shelf = src.split("/")[0] if "/" in src else ""
+        for dst, line in targets.items():
+            to = dst.split("/")[0] if "/" in dst else ""
+            if to == "tests" and shelf != "tests" or to == "bench" and shelf not in ("bench", "tests") \
+                    or to == "tools" and shelf == "" and src not in ("graft.py", "test_graft.py"):
+                up.append(f"{src}:{line} imports {dst}")
+    source = (ROOT / "graft.py").read_text(encoding="utf-8")
+    main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    up += [f"graft.py:{line} imports {dst} outside main()" for dst, line in graph["graft.py"].items()
+           if dst.startswith("tools/") and not main.lineno <= line <= main.end_lineno]
+    assert not up, "imports that run up the shelves:\n" + "\n".join(up)
+
+
+def test_data_is_imported_one_way():
+    """data/ is a package: its modules are imported as `from data import X` or `from data.X import ...`, never by
+    their bare stem from a sys.path entry, nor loaded by path."""
+    stems = {f.stem for f in (ROOT / "data").glob("*.py")} - {"__init__"}
+    bad = []
+    for f in project_files():
+        rel = f.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                bad += [f"{rel}:{node.lineno}: import {a.name}" for a in node.names if a.name in stems]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in stems:
+                bad.append(f"{rel}:{node.lineno}: from {node.module} import ...")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append") \
+                    and "data" in ast.unparse(node):
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("spec_from_file_location") \
+                    and any(s in ast.unparse(node) for s in stems):
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "data/ imported other than as a package:\n" + "\n".join(bad)
+
+
 def test_copyable_modules_import_nothing_of_ours():
     """config.py, core.py, sampler.py and verify.py can each be copied alone into another codebase."""
     graph = import_graph()
@@ -341,7 +406,7 @@ def test_no_history_in_docstrings_or_documents():
     for f in project_files():
         doc = ast.get_docstring(ast.parse(f.read_text(encoding="utf-8"))) or ""
         hits += [f"{f.relative_to(ROOT)} docstring: {m.group(0)!r}" for m in HISTORY.finditer(doc)]
-    for name in ("README.md", "RESULTS.md"):
+    for name in ("README.md", "docs/RESULTS.md"):
         p = ROOT / name
         if not p.is_file():  # RESULTS.md's existence is asserted by the link test below
             continue
@@ -354,14 +419,14 @@ def test_readme_measured_table_links_resolve_in_results():
     """Every row of README's 'What we measured' table links to a section of RESULTS.md that exists, and so
     does every other link from README.md into RESULTS.md."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    results_path = ROOT / "RESULTS.md"
+    results_path = ROOT / "docs" / "RESULTS.md"
     assert results_path.is_file(), "RESULTS.md is missing"
     have = anchors(results_path.read_text(encoding="utf-8"))
     rows = [ln for ln in section(readme, "What we measured").splitlines()
             if ln.startswith("|") and not re.match(r"^\|[\s\-:|]+\|$", ln)][1:]  # data rows, header dropped
     assert rows, "README's 'What we measured' table has no rows"
-    unlinked = [r for r in rows if not re.search(r"\(RESULTS\.md#[^)]+\)", r)]
+    unlinked = [r for r in rows if not re.search(r"\(docs/RESULTS\.md#[^)]+\)", r)]
     assert not unlinked, "rows without a link to RESULTS.md:\n" + "\n".join(unlinked)
-    links = re.findall(r"\(RESULTS\.md#([^)\s]+)\)", readme)
+    links = re.findall(r"\(docs/RESULTS\.md#([^)\s]+)\)", readme)
     missing = sorted({a for a in links if a not in have})
     assert not missing, f"README links to RESULTS.md sections that do not exist: {missing}; headings: {sorted(have)}"

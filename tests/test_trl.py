@@ -89,7 +89,7 @@ def test_read_peer_records_groups_dedups_and_names_the_line():
 try:
     import trl
 
-    import graft_trl
+    from tools import graft_trl
 except ImportError:  # TRL is optional, like W&B: only the tests below need it
     trl = graft_trl = None
 needs_trl = pytest.mark.skipif(trl is None,

@@ -18,11 +18,10 @@ import sys
 import pytest
 import torch
 
-import panel
+from tools import panel
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "data"))
-import tiny_tasks  # noqa: E402
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+from data import tiny_tasks
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 
@@ -184,12 +183,51 @@ def test_a_short_pick_says_raise_the_pool_and_raising_it_continues(tmp_path, mon
     assert all(int(q[1:]) % 6 == 0 for q in meta["halves"]["A"]) and len(meta["halves"]["A"]) == 2
     assert all(int(q[1:]) % 6 == 1 for q in meta["halves"]["B"]) and len(meta["halves"]["B"]) == 2
     # the jobs: the pair first, then GRPO for each model, with the panel's own flags and the training flags
-    assert [j.name for j in jobs] == ["s0/graft", "s0/grpo/A", "s0/grpo/B"]
+    assert [j.name for j in jobs] == ["panel/s0/graft", "panel/s0/grpo/A", "panel/s0/grpo/B"]
     args = jobs[0].procs[0][0]
     assert args[args.index("--prompts-per-step") + 1] == "4" and args[args.index("--peer-name") + 1] == "b"
     pc.half = 3  # another setting on the same folder is refused
     with pytest.raises(SystemExit, match="holds a panel made with other settings"):
         panel.prepare(pc, train, {}, str(tmp_path / "timing.json"))
+
+
+FAKE_GRAFT = """import os, sys, time
+# A stand-in for graft.py in the scheduler tests: sleep, fail (exit 3) if a file it needs is missing, then write
+# its output file. argv: seconds, output path, needed path or "-".
+seconds, out, need = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+time.sleep(seconds)
+if need != "-" and not os.path.exists(need):
+    sys.exit(3)
+open(out, "w").write("done")
+"""
+
+
+def _fake_job(tmp_path, name, seconds, out, *, need="-", deps=()):
+    out = str(tmp_path / out)
+    return panel.Job(name, [([str(seconds), out, need], out + ".log")], [out], deps=deps)
+
+
+def test_two_lists_with_the_same_run_names_queue_apart(tmp_path, monkeypatch):
+    """Issue 50's race, planted: two job lists that both name a run `s0/grpo/A`, queued together. The second
+    list's run (the one its evaluation waits for) is the slow one, so an evaluation that started when the first
+    list's run of the same name finished would find no checkpoint (exit 3, run_jobs stops). With each list
+    under its own prefix the evaluation waits for its own run whatever finishes first; unprefixed, the queue is
+    refused at once."""
+    (tmp_path / "graft.py").write_text(FAKE_GRAFT)
+    monkeypatch.setattr(panel, "HERE", str(tmp_path))  # run_jobs starts <HERE>/graft.py
+    quick = [_fake_job(tmp_path, "s0/grpo/A", 0, "panel_run")]
+    slow = [_fake_job(tmp_path, "s0/grpo/A", 1.5, "held_run"),
+            _fake_job(tmp_path, "eval s0/grpo/A", 0, "held_eval", need=str(tmp_path / "held_run"),
+                      deps=("s0/grpo/A",))]
+    with pytest.raises(ValueError, match=r"repeated: \['s0/grpo/A'\]"):
+        panel.run_jobs(quick + slow, 2, {})
+    timing = {}
+    jobs = panel.with_prefix("panel", quick) + panel.with_prefix("held-out", slow)
+    assert [j.name for j in jobs] == ["panel/s0/grpo/A", "held-out/s0/grpo/A", "held-out/eval s0/grpo/A"]
+    assert jobs[2].deps == ("held-out/s0/grpo/A",)
+    panel.run_jobs(jobs, 2, timing)  # would stop with "job held-out/eval s0/grpo/A failed" if it started early
+    assert all(os.path.exists(p) for j in jobs for p in j.outputs)
+    assert set(timing) == {j.name for j in jobs}
 
 
 def test_a_one_sided_pool_runs_under_no_balance(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """`graft.py complement`: how complementary candidate models are, before a pair run is trained.
 
-`python graft.py complement SRC1 SRC2 [SRC3 ...] [--n 8] [--batch-size 128]` (or `python complement.py ...`).
+`python graft.py complement SRC1 SRC2 [SRC3 ...] [--n 8] [--batch-size 128]` (or `python -m tools.complement ...`).
 A source is a folder of this project's rollout files (`<run>/exchange/<side>/step_*.safetensors`, e.g. from a
 GRPO run) or a `graft.py eval` result JSON. Prompts are matched by id across sources. For every ordered pair
 (source -> receiver) it prints the paper's statistics (the share of the receiver's all-fail prompts on which the
@@ -349,7 +349,7 @@ def build_complement_parser(prog: str = "graft.py complement") -> argparse.Argum
 
 
 def main(argv: list[str] | None = None, *, prog: str = "graft.py complement") -> int:
-    """`graft.py complement` / `python complement.py`: read the sources, print the table. Returns 0."""
+    """`graft.py complement` / `python -m tools.complement`: read the sources, print the table. Returns 0."""
     args = build_complement_parser(prog).parse_args(argv)
     if len(args.sources) < 2:
         raise SystemExit(f"{prog}: needs at least two sources, got {len(args.sources)}")
@@ -369,4 +369,4 @@ def main(argv: list[str] | None = None, *, prog: str = "graft.py complement") ->
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog="complement.py"))
+    raise SystemExit(main(sys.argv[1:], prog="python -m tools.complement"))

@@ -3,7 +3,7 @@
 Reads each run's metrics.jsonl (one JSON line per step, keys in metrics.METRICS) and writes one PNG per
 metric group of PLOT_GROUPS, one panel per key, one line per run, so the two sides of a pair or GRAFT
 next to GRPO share the axes. draw_curves is the same drawing for curves computed elsewhere (the tiny
-preset's mechanism panel, README's figure: `python tiny.py figure`). matplotlib is an optional
+preset's mechanism panel, README's figure: `python -m tools.tiny figure`). matplotlib is an optional
 dependency, imported only when plotting. Of ours it imports only exchange.py (atomic writes); graft.py
 calls main() for its `plot` command.
 
@@ -13,13 +13,13 @@ Launch line:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from pathlib import Path
 
 from exchange import atomic_write
+from metrics import read_metrics
 
 
 # One PNG per group, one panel per key, one line per run. "gate" is derived: accepted / (accepted + rejected).
@@ -43,17 +43,10 @@ def read_metrics_file(run: str | os.PathLike) -> list[dict]:
     path = path / "metrics.jsonl" if path.is_dir() else path
     if not path.is_file():
         raise SystemExit(f"graft.py plot: {run}: no metrics.jsonl (give a run's --out folder)")
-    lines = path.read_text(errors="replace").splitlines()
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if i < len(lines):  # the last line may be cut by a kill; any other is damage
-                raise SystemExit(f"graft.py plot: {path}:{i}: not a JSON line") from None
-    return out
+    try:
+        return read_metrics(path)  # the last line may be cut by a kill (skipped); any other bad line is damage
+    except ValueError as e:
+        raise SystemExit(f"graft.py plot: {e}") from None
 
 
 def metric_series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

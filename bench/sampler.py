@@ -1,10 +1,10 @@
 """Benchmarks for sampler.py (README, Benchmarks): every figure is a ratio measured side by side in one run.
 
-    python bench_sampler.py            # full sizes (about 12-15 minutes on one CPU thread)
-    python bench_sampler.py --quick    # smaller sizes and fewer repeats (about 4 minutes)
-    python bench_sampler.py --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill,draw}
-    python bench_sampler.py --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
-    python bench_sampler.py --only stop --baseline OTHER/sampler.py       # rollouts without stop strings, before/after
+    python -m bench.sampler            # full sizes (about 12-15 minutes on one CPU thread)
+    python -m bench.sampler --quick    # smaller sizes and fewer repeats (about 4 minutes)
+    python -m bench.sampler --only {logprobs,autocast,sampler,long-tail,tiny-eval,prefill,draw}
+    python -m bench.sampler --only logprobs --baseline OTHER/sampler.py   # also time and size another copy's kernel
+    python -m bench.sampler --only stop --baseline OTHER/sampler.py       # rollouts without stop strings, before/after
 
 1. Log-prob path, float32 on CPU, N tokens x H hidden x V vocabulary (full: 2,048 x 512 x 151,936), random upstream
    gradient, temperature 1:
@@ -100,7 +100,7 @@ import torch
 import sampler
 from sampler import sample, token_logprobs
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 # ------------------------------------------------------------------------------------------------
 # 1. log-prob path
@@ -176,10 +176,10 @@ def memory_child(path, n, h, v):
 
 
 def peak_rise(path, n, h, v):
-    extra = ["--baseline", BASELINE_FILE] if BASELINE_FILE else []
+    extra = ["--baseline", os.path.abspath(BASELINE_FILE)] if BASELINE_FILE else []
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", path, str(n), str(h), str(v), *extra],
-        check=True, capture_output=True, text=True,
+        [sys.executable, "-m", "bench.sampler", "--memory-child", path, str(n), str(h), str(v), *extra],
+        check=True, capture_output=True, text=True, cwd=HERE,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rise_bytes"]
 
@@ -602,8 +602,7 @@ def bench_real_weights():
 def bench_tiny_eval(problems: int = 1000, samples: int = 8, slots: int = 1024, repeats: int = 2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
 
     torch.set_num_threads(1)
     rows, _ = tiny_tasks.generate(0, problems, 0)
@@ -781,8 +780,7 @@ def pf_train(threads: int, steps: int = 3) -> None:
     """The trainer's own phase times (time/sample, time/logprob, time/update) of a short GRPO run on the tiny
     model A, --share-prefix against --no-share-prefix, alternating, two runs each; medians over steps 1.."""
     import tempfile
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     rows, _ = tiny_tasks.generate(0, 64, 0)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "train.jsonl")
@@ -815,8 +813,7 @@ def bench_prefill(threads: int, real: bool, prompts: int, real_prompts: int, rep
     load = os.getloadavg()[0]
     print(f"\n== one prefill per prompt: a GRPO rollout, share_prefix=False vs True, interleaved, float32 CPU, "
           f"{threads} threads (load average {load:.1f} at the start)")
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     problems, _ = tiny_tasks.generate(0, prompts, 0)
     for name in ("A", "B") if tiny else ():
         path = os.path.join(HERE, "data", "tiny_models", name)
@@ -949,8 +946,7 @@ def bench_stop(repeats: int, prompts: int = 32) -> None:
                          "strings (mkdir -p /tmp/before && git show dacae3a:sampler.py > /tmp/before/sampler.py)")
     old = _baseline["module"].sample
     torch.set_num_threads(1)
-    sys.path.insert(0, os.path.join(HERE, "data"))
-    import tiny_tasks
+    from data import tiny_tasks
     problems, _ = tiny_tasks.generate(0, prompts, 0)
     print(f"\n== stop strings: rollouts without them, this sampler.py ('after') against {BASELINE_FILE} ('before'), "
           f"interleaved, float32 CPU, 1 thread (load average {os.getloadavg()[0]:.1f} at the start)")

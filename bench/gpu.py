@@ -1,7 +1,7 @@
 """The GPU check: one script, one table, at most about 8 minutes on one GPU, nothing downloaded.
 
-    python bench_gpu.py --tokenizers ../shared/tokenizers          # on a GPU machine (a folder with qwen3/, smollm3/)
-    python bench_gpu.py --tiny                                      # toy sizes on CPU (the test suite runs this)
+    python -m bench.gpu --tokenizers ../shared/tokenizers          # on a GPU machine (a folder with qwen3/, smollm3/)
+    python -m bench.gpu --tiny                                      # toy sizes on CPU (the test suite runs this)
 
 Models are random-init from real configs (transformers' from_config: Qwen3-1.7B's and SmolLM3-3B's shapes); the
 tokenizers are read from --tokenizers. Every row is measured side by side in this one run:
@@ -48,7 +48,7 @@ from config import Config
 from core import batch_indices
 from exchange import rollout_path, save_rollouts
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,17 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import complement
+from tools import complement
 import foreign
+from bench.foreign import bench_foreign
 from exchange import StepRollouts, file_sha256, save_rollouts
-from complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail, prob_all_pass,
-                        read_eval_results, read_rollout_folder)
+from tools.complement import (align, complement_rows, complementarity, pair_complementarity, prob_all_fail,
+                              prob_all_pass, read_eval_results, read_rollout_folder)
 from foreign import load_foreign_log, match_records, normalise_problem, read_foreign_records
 from config import Config
 from core import compatibility_scores, graft_candidates, group_advantages, masked_group_advantages, success_counts
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 TINY_A = ROOT / "data" / "tiny_models" / "A"
 
 # ------------------------------------------------------------------------------------------------
@@ -515,7 +516,7 @@ def test_bench_foreign_planted_file_counts(tmp_path):
                for i in range(50)]
     out = io.StringIO()
     with redirect_stdout(out):
-        foreign.bench_foreign(prompts, records=100, group=5, folder=tmp_path)
+        bench_foreign(prompts, records=100, group=5, folder=tmp_path)
     text = out.getvalue()
     # 20 groups of 5: groups 9 and 19 are not in the run; odd groups by text, even by id; 1 in 3 wrong
     assert "100 records; matched 50 by id, 40 by problem text; unmatched 10" in text

@@ -35,7 +35,7 @@ recomputed by group_advantages); bf16=True is its default, and rounding moves lb
 has no public hook: three private methods are overridden, so a new TRL needs test_trl.py run again.
 
 Launch line (one process; the dataset is --prompts' JSONL; the reward is --reward's, verify.py's by default):
-    python graft_trl.py --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
+    python -m tools.graft_trl --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
 the dataset with a column naming each prompt's id in the log (GraftConfig.id_column).

@@ -86,7 +86,7 @@ def test_one_side_per_launch_and_each_nodes_rendezvous(tmp_path):
     layout = dict(SIDE="b", NNODES="2", MASTER_ADDR="nodeb0", MASTER_PORT="29700", DATA=str(tmp_path))
     node1 = printed(dry_run(layout | {"NODE_RANK": "1"}))
     node0 = printed(dry_run(layout | {"NODE_RANK": "0"}))
-    prepare = ["python", "data/prepare.py", "--out", str(tmp_path)]
+    prepare = ["python", "-m", "data.prepare", "--out", str(tmp_path)]
     assert node0[0] == prepare and len(node0) == 2 and len(node1) == 1  # the data: prepared by node 0 alone
     assert option(node0[1], "--rdzv_conf") == "is_host=1" and option(node1[0], "--rdzv_conf") == "is_host=0"
     lines = torchrun_lines(dry_run(layout | {"NODE_RANK": "1"}))

@@ -77,8 +77,9 @@ import torch
 from config import build_parser as graft_parser, field_docs
 from core import assignment_digest, multi_peer_sources, success_counts
 from exchange import load_rollouts, rollout_path
+from metrics import read_metrics
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 MODELS = ("A", "B")
 """The two models' labels (folders under the panel's runs); their graft.py side names are the lower case."""
 
@@ -216,11 +217,6 @@ def mean_key(rows: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
 def final_ckpt(out: str, steps: int) -> str:
     return os.path.join(out, "checkpoints", f"step_{steps:06d}")
 
@@ -245,6 +241,15 @@ class Job:
     """Called (no arguments) once the job is complete, cached or just run."""
 
 
+def with_prefix(prefix: str, jobs: list[Job]) -> list[Job]:
+    """``jobs`` with ``prefix/`` before every name and every dependency: lists built apart (the panel's, the
+    held-out table's) may reuse run names such as ``s0/grpo/A``, and run_jobs resolves ``deps`` by name, so two
+    lists queued together must not share one (a dependant of one list's run would start when the other list's
+    run of that name finished)."""
+    return [dataclasses.replace(j, name=f"{prefix}/{j.name}", deps=tuple(f"{prefix}/{d}" for d in j.deps))
+            for j in jobs]
+
+
 NICE_WIDE = 5
 """CPU priority (nice) of the processes of a job wider than --slots, all but its first (see run_jobs)."""
 
@@ -256,7 +261,13 @@ def run_jobs(jobs: list[Job], slots: int, timing: dict, timing_file: str | None 
     A job wider than ``slots`` (a three-way run: three processes that must meet) starts when nothing
     else runs, and runs alone, its processes after the first at nice NICE_WIDE.
     ``timing`` gets each run job's wall seconds (and ``timing_file``, rewritten after each job). The
-    first failure stops everything and prints the failed log. Returns the names of the jobs found cached."""
+    first failure stops everything and prints the failed log. Returns the names of the jobs found cached.
+    Names are the keys of ``deps``: a list with two jobs of one name is refused (ValueError; see with_prefix)."""
+    names = [j.name for j in jobs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{tag}: job names must be unique, as deps name them; repeated: {twice} "
+                         f"(queue lists built apart through with_prefix)")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done, cached = set(), []
     pending = []
@@ -951,7 +962,7 @@ def prepare(pc: PanelConfig, train: dict, timing: dict, timing_file: str, *, tag
     validate(pc, train)
     os.makedirs(pc.out, exist_ok=True)
     check_settings(pc, train)
-    return panel_jobs(pc, train, run_pick(pc, train, timing, timing_file, tag=tag))
+    return with_prefix("panel", panel_jobs(pc, train, run_pick(pc, train, timing, timing_file, tag=tag)))
 
 
 def run_panel(pc: PanelConfig, train: dict, *, tag: str = "panel", command: str = "") -> str:

@@ -1,6 +1,5 @@
-"""Tests for data/prepare.py: run it on ../shared/benchmarks and on small synthetic folders."""
+"""Tests for data/prepare.py and data/prompts.py: run it on ../shared/benchmarks and on small synthetic folders."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent
-SCRIPT = ROOT / "data" / "prepare.py"
-SHARED = Path(__file__).parent.parent / "shared" / "benchmarks"
+from data import prepare as prep
+from data.prompts import load_prompts
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(),
                                   reason=f"shared benchmark copies not found at {SHARED}")
 
@@ -20,15 +21,6 @@ EXPECTED = {"math_train": 7498, "math500": 500, "aime2024": 30, "aime2025": 30, 
             "minerva": 272}
 
 
-def _load():
-    # The trainer loads the module from its path the same way (there is no data/__init__.py).
-    spec = importlib.util.spec_from_file_location("graft_data_prepare", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-prep = _load()
 
 
 def _write_jsonl(path, rows):
@@ -51,7 +43,7 @@ def shared_out(tmp_path_factory):
 @needs_shared
 def test_counts_and_schema(shared_out):
     for name, n in EXPECTED.items():
-        rows = prep.load_prompts(shared_out / f"{name}.jsonl")  # validates id/problem/answer
+        rows = load_prompts(shared_out / f"{name}.jsonl")  # validates id/problem/answer
         assert len(rows) == n, name
         assert all(r["source"] == name for r in rows)
         assert len({r["id"] for r in rows}) == n
@@ -60,28 +52,28 @@ def test_counts_and_schema(shared_out):
 @needs_shared
 def test_normalised_answers_in_shared(shared_out):
     for name in ("aime2024", "aime2025", "amc23"):
-        for r in prep.load_prompts(shared_out / f"{name}.jsonl"):
+        for r in load_prompts(shared_out / f"{name}.jsonl"):
             assert str(int(r["answer"])) == r["answer"], r  # canonical integer, e.g. "-1", "25"
-    train = {r["id"]: r for r in prep.load_prompts(shared_out / "math_train.jsonl")}
+    train = {r["id"]: r for r in load_prompts(shared_out / "math_train.jsonl")}
     assert "math-train-5341" not in train and "math-train-5343" not in train
     assert all(r["answer"] == r["answer"].strip() for r in train.values())
 
 
 @needs_shared
 def test_cli_subprocess_skip_and_force(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--from", str(SHARED), "--out", str(tmp_path),
+    cmd = [sys.executable, "-m", "data.prepare", "--from", str(SHARED), "--out", str(tmp_path),
            "--only", "aime2024", "amc23"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert first.returncode == 0, first.stderr
     assert "aime2024" in first.stdout and "rows" in first.stdout
     paths = [tmp_path / "aime2024.jsonl", tmp_path / "amc23.jsonl"]
     # Backdate the outputs so a rewrite would show as a newer mtime even on coarse clocks.
     for p in paths:
         os.utime(p, ns=(10**18, 10**18))
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert again.returncode == 0 and "skipped" in again.stdout
     assert [p.stat().st_mtime_ns for p in paths] == [10**18, 10**18]
-    forced = subprocess.run(cmd + ["--force"], capture_output=True, text=True, timeout=60)
+    forced = subprocess.run(cmd + ["--force"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert forced.returncode == 0, forced.stderr
     assert all(p.stat().st_mtime_ns != 10**18 for p in paths)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["aime2024.jsonl", "amc23.jsonl"]
@@ -118,13 +110,13 @@ def test_normalisation_and_drop_warning(tmp_path, capsys):
     assert "minerva: dropped 1 row(s)" in err and "minerva-1" in err
     assert "aime2024: expected 30 rows, got 4" in err  # a count mismatch warns by default
 
-    aime = prep.load_prompts(out / "aime2024.jsonl")
+    aime = load_prompts(out / "aime2024.jsonl")
     assert [(r["id"], r["answer"]) for r in aime] == [("aime2024-60", "25"), ("aime2024-61", "7")]
     assert aime[0]["answer_raw"] == "025"
-    amc = prep.load_prompts(out / "amc23.jsonl")
+    amc = load_prompts(out / "amc23.jsonl")
     assert [r["answer"] for r in amc] == ["27", "27", "2.5"]
     assert amc[0]["answer_raw"] == 27.0
-    minerva = prep.load_prompts(out / "minerva.jsonl")
+    minerva = load_prompts(out / "minerva.jsonl")
     assert [(r["id"], r["answer"]) for r in minerva] == [("minerva-0", "\\frac{1}{s+a}")]
 
 
@@ -190,10 +182,10 @@ def test_load_prompts_malformed_line(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": "a", "problem": "x", "answer": "1"}\n{not json\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"p\.jsonl:2: invalid JSON"):
-        prep.load_prompts(p)
+        load_prompts(p)
     p.write_text('{"id": "a", "problem": "x", "answer": ""}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"p\.jsonl:1: field 'answer'"):
-        prep.load_prompts(p)
+        load_prompts(p)
 
 
 def test_load_prompts_duplicate_id(tmp_path):
@@ -202,7 +194,7 @@ def test_load_prompts_duplicate_id(tmp_path):
                      {"id": "b", "problem": "y", "answer": "2"},
                      {"id": "a", "problem": "z", "answer": "3"}])
     with pytest.raises(ValueError, match=r"p\.jsonl:3: duplicate id 'a' \(first on line 1\)"):
-        prep.load_prompts(p)
+        load_prompts(p)
 
 
 @pytest.mark.parametrize("field", ["id", "problem", "answer"])
@@ -213,13 +205,12 @@ def test_load_prompts_lone_surrogate_names_file_and_line(tmp_path, field):
     _write_jsonl(p, [{"id": "a", "problem": "x", "answer": "1"}, bad])  # json.dumps writes the escape \ud800
     assert "\\ud800" in p.read_text(encoding="utf-8")
     with pytest.raises(ValueError, match=rf"p\.jsonl:2: field '{field}' is not valid Unicode text \(character 1"):
-        prep.load_prompts(p)
+        load_prompts(p)
 
 
 def test_import_has_no_side_effects(tmp_path):
-    code = (f"import importlib.util as u; s = u.spec_from_file_location('m', {str(SCRIPT)!r}); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); print(callable(m.load_prompts))")
+    code = "import data.prepare as m, data.prompts as p; print(callable(m.main) and callable(p.load_prompts))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       cwd=tmp_path)
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 0 and r.stdout == "True\n" and r.stderr == ""
     assert list(tmp_path.iterdir()) == []
