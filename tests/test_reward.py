@@ -1,7 +1,7 @@
 """The reward seam's wall-time limit (reward.py, --reward-timeout): planted rewards that never return, that kill
 their own process (os._exit, a segfault) or raise, scored through reward.rewards and through a trainer step.
 
-    OMP_NUM_THREADS=1 python -m pytest -q test_reward.py
+    OMP_NUM_THREADS=1 python -m pytest -q tests/test_reward.py
 """
 
 import json
