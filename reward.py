@@ -193,8 +193,10 @@ def _ranges(ix: list[int]) -> str:
 # The worker pool behind the wall-time limit (module docstring)
 
 
-def _serve(conn, fn) -> None:
-    """A worker's loop: receive (responses, golds, options), answer ("ok", list) or ("error", traceback)."""
+def _serve(conn, other_end, fn) -> None:
+    """A worker's loop: receive (responses, golds, options), answer ("ok", list) or ("error", traceback). It ends
+    when the trainer's end of the pipe closes (the trainer exited or was killed: EOF), so no worker outlives it."""
+    other_end.close()  # the fork copied the trainer's end: closed here, or EOF would never come
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills the pool
     if "torch" in sys.modules:  # a forked child must not use the parent's OpenMP pool (as DataLoader workers)
         sys.modules["torch"].set_num_threads(1)
@@ -228,7 +230,7 @@ class RewardPool:
 
     def _start(self):
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_serve, args=(child, self.fn), daemon=True, name="graft-reward")
+        proc = self.ctx.Process(target=_serve, args=(child, parent, self.fn), daemon=True, name="graft-reward")
         proc.start()
         child.close()  # the worker's end lives in the worker only, so its death is EOF here
         return proc, parent

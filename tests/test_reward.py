@@ -155,3 +155,29 @@ def test_the_step_counts_only_the_stopped_responses(tiny, tmp_path, planted, mon
     own, _ = tr.rollout(0, batch)
     assert tr.counts["reward_timeouts"] == 16 and tr.counts["reward_crashes"] == 0
     assert own.rewards.view(-1)[0:8].tolist() == [0.0] * 8 and own.rewards.view(-1)[16:24].tolist() == [0.0] * 8
+
+
+def test_no_worker_outlives_a_killed_trainer(tmp_path):
+    """kill -9 of the process that holds the pool: its workers see the pipe close and exit (no orphans)."""
+    import subprocess
+    import sys
+    script = tmp_path / "holder.py"
+    script.write_text("import os, reward\n"
+                      "reward.rewards('verify:verify_batch', ['\\\\boxed{1}'] * 4, ['1'] * 4, workers=2, timeout=10)\n"
+                      "print(' '.join(str(p.pid) for p, _ in reward._POOLS[('verify:verify_batch', 2)].workers), "
+                      "flush=True)\n"
+                      "os.kill(os.getpid(), 9)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=root))
+    pids = [int(x) for x in r.stdout.split()]
+    assert r.returncode == -9 and len(pids) == 2
+    def running(pid: int) -> bool:  # alive and not a zombie waiting for its reaper
+        try:
+            return open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(running(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if running(p)], f"reward workers {pids} outlived their trainer"
