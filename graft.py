@@ -45,8 +45,8 @@ README "The method, equation by equation" maps each equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
   1. Retokenisation encodes the peer's response text on its own and appends it to the receiver's
-     prompt ids; a BPE merge across the prompt/response boundary is therefore never formed. Real
-     tokenizers (Qwen3, SmolLM3, Llama-3.2) round-trip the benchmark text exactly, so nothing is lost.
+     prompt ids; a BPE merge across the prompt/response boundary is therefore never formed. A response
+     whose receiver ids do not decode back to its text is dropped and counted (dropped_roundtrip).
   2. `--compat-norm byte` (not the default) replaces the per-token mean log-probability of Eq. 6 by
      the summed log-probability divided by the UTF-8 byte length of the same response text, for both
      models. The per-token mean is biased against the coarser tokenizer (README, "The tiny preset").
