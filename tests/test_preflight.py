@@ -371,7 +371,7 @@ def test_round_trip_figures_recomputed_by_loops(run):
     report, sides, _ = run
     for key, src, recv in (("a_to_b", sides[0], sides[1]), ("b_to_a", sides[1], sides[0])):
         rt, ro = report["directions"][key]["round_trip"], src.rollouts
-        lost, alone, joint, canon_lbar, own_lbar = [], 0, 0, [], []
+        lost, alone, joint, stored, canon_lbar, own_lbar = [], 0, 0, 0, [], []
         for r, (text, toks) in enumerate(zip(ro.texts, ro.tokens)):
             ids = recv.tok.encode(text, add_special_tokens=False)
             ended = bool(ro.eos.view(-1)[r])
@@ -382,6 +382,7 @@ def test_round_trip_figures_recomputed_by_loops(run):
             own_text = src.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             canon = src.tok.encode(own_text, add_special_tokens=False)
             alone += canon != body
+            stored += src.tok.encode(text, add_special_tokens=False) != body
             prompt_text = src.tok.decode(src.prompt_ids[r // N], skip_special_tokens=False,
                                          clean_up_tokenization_spaces=False)
             head = src.tok.encode(prompt_text, add_special_tokens=False)
@@ -397,6 +398,7 @@ def test_round_trip_figures_recomputed_by_loops(run):
         assert (rt["lost"], rt["lost_index"], rt["alone"]["noncanonical"], rt["in_prompt"]["noncanonical"]) == (
             len(lost), lost, alone, joint)
         assert rt["responses"] == G * N and rt["alone"]["rescored"] == len(canon_lbar)
+        assert rt["stored_text_differs"] == stored
         if canon_lbar:
             assert rt["alone"]["lbar_canonical"] == pytest.approx(sum(canon_lbar) / len(canon_lbar), abs=1e-4)
             assert rt["alone"]["lbar_own"] == pytest.approx(sum(own_lbar) / len(own_lbar), abs=1e-5)

@@ -50,7 +50,8 @@ Our choices (numbered so that reviews can cite them):
      back to their text (dropped by score_received, as in training); the source's responses whose sampled
      ids are not its tokenizer's canonical encoding of their text, encoded alone (as a receiver would) and
      after the prompt (what is left is drift, not the missing context); and the source's lbar on the
-     canonical ids beside its lbar on its own ids (one more log-prob pass over the non-canonical ones).
+     canonical ids beside its lbar on its own ids (one more log-prob pass over the non-canonical ones); and how
+     many ids differ from the encoding of the stored text, which a stop string cuts inside the stopping token.
 
 Launch line:
     python graft.py preflight --model-a HuggingFaceTB/SmolLM3-3B-Base --model-b Qwen/Qwen3-1.7B-Base \\
@@ -182,7 +183,10 @@ def round_trip(src: Side, cross: Received) -> dict:
     R = len(ro.tokens)
     eos = ro.eos.view(-1).tolist()
     own = ro.lbar("token").view(-1)  # (R,)
-    out = {"responses": R, "lost": len(cross.lost), "lost_index": list(cross.lost)}
+    bodies = [t[:-1] if e else t for t, e in zip(ro.tokens, eos)]  # the sampled ids, a final EOS left out
+    # the stored text is cut after a stop string: its encoding misses what the stopping token held past it
+    stored = sum(src.tok.encode(x, add_special_tokens=False) != b for x, b in zip(ro.texts, bodies))
+    out = {"responses": R, "lost": len(cross.lost), "lost_index": list(cross.lost), "stored_text_differs": stored}
     for key, ctx in (("alone", False), ("in_prompt", True)):
         canon = [source_canonical(t, src.tok, eos_token_ids=src.stop_ids,
                                   prompt_ids=src.prompt_ids[r // n] if ctx else None) for r, t in enumerate(ro.tokens)]
@@ -378,7 +382,9 @@ def format_report(report: dict) -> str:
          *(f"{rt(d, 'lost')}/{rt(d, 'responses')}" for d in (ab, ba)), "s"),
         ("source ids not canonical: alone / after prompt",
          *(f"{rt(d, 'alone')['noncanonical']} / {rt(d, 'in_prompt')['noncanonical']}" for d in (ab, ba)), "s"),
-        ("  of them a token across the prompt's end", *(str(rt(d, "in_prompt")["boundary"]) for d in (ab, ba)), "s")]
+        ("  of them a token across the prompt's end", *(str(rt(d, "in_prompt")["boundary"]) for d in (ab, ba)), "s"),
+        ("  ids differ from the stored (cut) text's encoding", *(str(rt(d, "stored_text_differs")) for d in (ab, ba)),
+         "s")]
     for key, title in (("alone", "alone"), ("in_prompt", "after prompt")):
         rows.append((f"  source lbar own -> canonical ({title})", *(
             f"{_fmt(rt(d, key)['lbar_own'], 'f')} -> {_fmt(rt(d, key)['lbar_canonical'], 'f')}" for d in (ab, ba)),
