@@ -174,6 +174,49 @@ def save_rollouts(path: Path, r: StepRollouts, meta: dict) -> None:
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
+def _read_tensors(path: Path, keys: list[str], *, only: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of a rollout file (only ``keys`` when ``only``; every one of ``keys`` must be there) and its
+    metadata, after the format and version checks: the one place that opens the file (load_rollouts, read_rewards)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            t = {k: f.get_tensor(k) for k in (names & set(keys) if only else names)}
+    except Exception as e:  # corrupt, truncated or not safetensors at all
+        raise ValueError(f"{path}: not a readable rollout file ({type(e).__name__}: {e})") from e
+    if meta.get("format") != ROLLOUT_FORMAT:
+        raise ValueError(f"{path}: not a GRAFT rollout file (format={meta.get('format')!r})")
+    if meta.get("version") != ROLLOUT_VERSION:
+        raise ValueError(f"{path}: format version {meta.get('version')!r}, this code reads version {ROLLOUT_VERSION}")
+    missing = [k for k in keys if k not in t]
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing}")
+    return t, meta
+
+
+def read_rewards(path: str | os.PathLike) -> tuple[list[str], torch.Tensor, dict]:
+    """The prompt ids (G,), rewards (G, n) float32 and metadata of one rollout file, nothing else.
+
+    load_rollouts decodes every token and text of the file, which for a paper-sized run (128 x 8 responses of up
+    to 4096 tokens per step) costs far more than statistics over rewards need (`graft.py complement`); this reads
+    the three tensors, with the same format checks. Errors name the file.
+    """
+    path = Path(path)
+    t, meta = _read_tensors(path, ["rewards", "prompt_ids", "prompt_id_offsets"], only=True)
+    rewards, offsets = t["rewards"], t["prompt_id_offsets"]
+    G = rewards.shape[0] if rewards.dim() == 2 else -1
+    o = offsets.tolist()
+    if G < 0 or len(o) != G + 1 or o[0] != 0 or o[-1] > t["prompt_ids"].numel() \
+            or any(b < a for a, b in zip(o, o[1:])):
+        raise ValueError(f"{path}: inconsistent rewards / prompt-id shapes")
+    try:
+        ids = _unpack_strings(t["prompt_ids"], offsets)
+    except (UnicodeDecodeError, IndexError) as e:
+        raise ValueError(f"{path}: bad prompt-id bytes ({e})") from e
+    return ids, rewards.float(), meta
+
+
 def load_rollouts(path: Path, *, n: int | None = None, prompt_ids: list[str] | None = None,
                   run_id: str | None = None) -> tuple[StepRollouts, dict]:
     """Read and validate a rollout file; every error names the file and what is wrong.
@@ -181,23 +224,9 @@ def load_rollouts(path: Path, *, n: int | None = None, prompt_ids: list[str] | N
     n, prompt_ids, run_id: what this run expects (None = not checked). Non-finite rewards,
     advantages or log-probs are refused: one NaN advantage would turn every weight into NaN.
     """
-    from safetensors import safe_open
     path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            t = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # corrupt, truncated or not safetensors at all
-        raise ValueError(f"{path}: not a readable rollout file ({type(e).__name__}: {e})") from e
-    if meta.get("format") != ROLLOUT_FORMAT:
-        raise ValueError(f"{path}: not a GRAFT rollout file (format={meta.get('format')!r})")
-    if meta.get("version") != ROLLOUT_VERSION:
-        raise ValueError(f"{path}: format version {meta.get('version')!r}, this code reads version {ROLLOUT_VERSION}")
-    need = ["rewards", "advantages", "eos", "tokens", "token_offsets", "logprobs", "text", "text_offsets",
-            "prompt_ids", "prompt_id_offsets"]
-    missing = [k for k in need if k not in t]
-    if missing:
-        raise ValueError(f"{path}: missing tensors {missing}")
+    t, meta = _read_tensors(path, ["rewards", "advantages", "eos", "tokens", "token_offsets", "logprobs", "text",
+                                   "text_offsets", "prompt_ids", "prompt_id_offsets"])
     G, file_n = t["rewards"].shape
     if n is not None and file_n != n:
         raise ValueError(f"{path}: has n={file_n} rollouts per prompt, this run uses n={n}")

@@ -76,7 +76,8 @@ from typing import Callable
 
 import torch
 
-from core import first_stop, masked_group_advantages, verifier_text  # ragged groups (choice 1), stops
+from core import (first_stop, graft_candidates, masked_group_advantages, success_counts,  # ragged groups
+                  verifier_text)  # (choice 1), Eq. 4's counts, stop strings
 from data.prompts import jsonl_objects
 from exchange import atomic_write, file_sha256, load_rollouts
 from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
@@ -346,8 +347,8 @@ class ForeignLog:
         """Lines for the log: what was read, matched, dropped and verified."""
         c = self.counts
         sizes = self.mask.sum(dim=1)  # (P,)
-        k = self.rewards.sum(dim=1)  # (P,)
-        mixed = int(((k >= 1) & (k < sizes)).sum())
+        k = success_counts(self.rewards, mask=self.mask)  # (P,) the selection's own count, not a sum of rewards
+        mixed = int(graft_candidates(k_recv=torch.zeros_like(k), k_src=k, n=sizes).sum())  # Eq. 4's "mixed"
         first = lambda key: f" (first on lines {c[key]})" if c.get(key) else ""  # noqa: E731
         lines = [f"[foreign] {self.path}: {c['records']} records; matched {c['by_id']} by id, {c['by_text']} by "
                  f"problem text; unmatched {c['unmatched']} (ambiguous text {c['ambiguous']}, id/text conflicts "

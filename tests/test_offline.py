@@ -132,11 +132,11 @@ def test_read_rollout_folder_union_and_latest(tmp_path):
     assert latest["p0"] == (2, 4) and latest["p1"] == (2, 4)
 
 
-def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
-    from exchange import load_rollouts
+def test_read_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
+    from exchange import load_rollouts, read_rewards
     a, _ = planted_pair(tmp_path)
     f = a / "step_000001.safetensors"
-    ids, rewards, meta = complement.read_step_rewards(f)
+    ids, rewards, meta = read_rewards(f)
     full, _ = load_rollouts(f)
     assert ids == full.prompt_ids == ["p0", "p5", "p6", "p7", "p8"] and torch.equal(rewards, full.rewards)
     assert meta["n"] == "4"
@@ -149,7 +149,10 @@ def test_read_step_rewards_agrees_with_load_rollouts_and_checks(tmp_path):
     save_file({"rewards": torch.zeros(1, 2), "prompt_ids": torch.zeros(1, dtype=torch.uint8),
                "prompt_id_offsets": torch.tensor([0, 1])}, str(bad), metadata={"format": "other"})
     with pytest.raises(ValueError, match="not a GRAFT rollout file"):
-        complement.read_step_rewards(bad)
+        read_rewards(bad)
+    save_file({"rewards": torch.zeros(1, 2)}, str(bad), metadata={"format": "graft-rollouts", "version": "1"})
+    with pytest.raises(ValueError, match=r"missing tensors \['prompt_ids', 'prompt_id_offsets'\]"):
+        read_rewards(bad)
 
 
 def test_complement_table_on_planted_folders(tmp_path, capsys):
@@ -328,6 +331,21 @@ def test_load_groups_verify_and_advantages(tmp_path):
     report = log.report()
     assert "9 records; matched 8 by id, 0 by problem text; unmatched 1" in report
     assert "dropped 1 single-record prompts; 2 groups mixed" in report and "1 differ" in report
+
+
+def test_the_report_counts_mixed_groups_as_the_selection_does(tmp_path):
+    """"Mixed" in the load report is Eq. 4's (success_counts: reward >= 0.5), not a sum of rewards: with a reward
+    that pays 0.4 to a boxed answer and 0.9 to a right one, a group of four 0.4s sums to 1.6 but has no success,
+    and a group with one right answer is mixed."""
+    (tmp_path / "partial.py").write_text(
+        "def partial(responses, golds, *, workers=0):\n"
+        "    return [0.9 if r.endswith('{' + g + '}$.') else 0.4 if 'boxed' in r else 0.0\n"
+        "            for r, g in zip(responses, golds)]\n")
+    path = write_jsonl(tmp_path / "f.jsonl", [{"id": "p1", "response": f"Try {i}: " + boxed("7")} for i in range(4)]
+                       + [{"id": "p2", "response": f"Try {i}: " + boxed(a)} for i, a in enumerate("9888")])
+    log = load_foreign_log(path, PROMPTS, reward=f"{tmp_path / 'partial.py'}:partial")
+    torch.testing.assert_close(log.rewards, torch.tensor([[0.4] * 4, [0.9, 0.4, 0.4, 0.4]]))  # golds 2 and 9
+    assert "2 prompt groups" in log.report() and "1 groups mixed" in log.report()
 
 
 def test_nothing_usable_is_an_error(tmp_path):

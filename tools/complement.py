@@ -9,7 +9,7 @@ step in each direction at the given batch size (Eq. 4's |C|), and the balanced-s
 "Choosing a pair"). Run it on short GRPO runs or evaluations of the candidate models before spending GPU-days on
 a pair. `--json FILE` writes the same report (complement_json), which is also the "complement" entry of
 `graft.py preflight`'s report (preflight.py samples the counts itself). It imports torch, the standard library
-and exchange.py (the rollout file's format); safetensors inside the reader.
+and exchange.py (the rollout file: read_rewards reads only its prompt ids and rewards).
 
 Our choices, where the paper is silent (numbered so that reviews can cite them):
   1. Sample counts other than n. A source may hold N != n samples of a prompt (an evaluation at 16
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from exchange import ROLLOUT_FORMAT, ROLLOUT_VERSION, write_json
+from exchange import read_rewards, write_json
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,40 +153,6 @@ class SourceCounts:
     note: str = ""  # one line for the legend: steps, samples, data seed, model
 
 
-def read_step_rewards(path: str | os.PathLike) -> tuple[list[str], torch.Tensor, dict]:
-    """The prompt ids (G,), rewards (G, n) float32 and metadata of one rollout file, nothing else.
-
-    exchange.load_rollouts decodes every token and text of the file, which for a paper-sized run
-    (128 x 8 responses of up to 4096 tokens per step) costs far more than the table; this reads the
-    three tensors the statistics need, with the same format checks on them. Errors name the file.
-    """
-    from safetensors import safe_open
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-            missing = [k for k in ("rewards", "prompt_ids", "prompt_id_offsets") if k not in keys]
-            if missing:
-                raise ValueError(f"missing tensors {missing}")
-            rewards, data, offsets = (f.get_tensor(k) for k in ("rewards", "prompt_ids", "prompt_id_offsets"))
-    except Exception as e:  # corrupt, truncated, not safetensors, or incomplete
-        raise ValueError(f"{path}: not a readable rollout file ({type(e).__name__}: {e})") from e
-    if meta.get("format") != ROLLOUT_FORMAT or meta.get("version") != ROLLOUT_VERSION:
-        raise ValueError(f"{path}: not a GRAFT rollout file of version {ROLLOUT_VERSION} "
-                         f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-    G = rewards.shape[0] if rewards.dim() == 2 else -1
-    o = offsets.tolist()
-    if G < 0 or len(o) != G + 1 or o[0] != 0 or o[-1] > data.numel() or any(b < a for a, b in zip(o, o[1:])):
-        raise ValueError(f"{path}: inconsistent rewards / prompt-id shapes")
-    raw = data.numpy().tobytes()
-    try:
-        ids = [raw[o[i]: o[i + 1]].decode("utf-8") for i in range(G)]
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: bad prompt-id bytes ({e})") from e
-    return ids, rewards.float(), meta
-
-
 def read_rollout_folder(path: str | os.PathLike, *, aggregate: str = "union") -> SourceCounts:
     """Success counts from a folder of rollout files (exchange.py format), one entry per prompt id.
 
@@ -203,7 +169,7 @@ def read_rollout_folder(path: str | os.PathLike, *, aggregate: str = "union") ->
     counts: dict[str, tuple[int, int]] = {}
     metas = []
     for f in files:
-        ids, rewards, meta = read_step_rewards(f)
+        ids, rewards, meta = read_rewards(f)
         metas.append(meta)
         k, n = (rewards > 0.5).sum(dim=1).tolist(), rewards.shape[1]  # (G,) successes per prompt of this step
         for pid, kk in zip(ids, k):
