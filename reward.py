@@ -9,7 +9,8 @@ The function's contract (README "The reward"):
     def reward(responses: list[str], golds: list[str], *, workers: int = 0, **options) -> list[float]
   * responses: the decoded responses (special tokens skipped, a final EOS dropped, cut before a --stop
     string: core.verifier_text); golds: the "answer" field of each response's prompt, one per response.
-  * workers: --verify-workers, the processes the function may use (it may ignore it).
+  * workers: --verify-workers, the processes the function may use (it may ignore it); under --reward-timeout
+    the seam's pool is those processes and the function is called with workers=0.
   * options: rel_tol=verify.MINERVA_REL_TOL when the eval scores Minerva, whose golds carry three significant
     figures; passed only to a function that takes it (a rel_tol parameter or **options).
   * Returns one finite number per response. The selection counts a reward >= 0.5 as a success
@@ -46,7 +47,6 @@ import inspect
 import math
 import multiprocessing
 import multiprocessing.connection
-import os
 import signal
 import sys
 import threading
