@@ -686,40 +686,103 @@ class PeerGroup(NamedTuple):
 
 
 LBAR_FLOOR = -88.0  # exp(-88) is finite in float32: a lower lbar_src could overflow s = exp(lbar_recv - lbar_src)
+# A mean log-prob per token below this is not a mean: uniform sampling over a 262k-token vocabulary (the largest
+# we know) gives -12.5, and sampled text scores far above uniform. A summed log-probability (e.g. -45) lands here.
+LBAR_PLAUSIBLE = -20.0
+PEER_ID_FIELDS, PEER_PROBLEM_FIELDS = ("problem_id", "id"), ("problem", "question")
+PEER_RESPONSE_FIELDS, PEER_LBAR_FIELDS = ("response", "completion"), ("lbar", "mean_logprob")
 
 
-def read_peer_records(records, *, where: str = "log") -> dict[str, PeerGroup]:
-    """The stored-peer log format, read: one group per prompt id, records in log order.
+class PeerRecord(NamedTuple):
+    """One validated line of a peer log (the stored-peer JSONL format, read by parse_peer_records)."""
+
+    line: int  # 1-based line number in the file
+    prompt_id: str | None  # "problem_id" or "id", an integer read as its decimal string; None when absent
+    problem: str | None  # "problem" or "question": the prompt's text, for matching by text; None when absent
+    response: str  # "response" or "completion"
+    lbar: float  # "lbar" or "mean_logprob", the source's mean log-prob per token (Eq. 6); NaN when absent
+    num_tokens: int  # the response's length in source tokens; -1 when absent
+    eos: bool  # ended with EOS (default true)
+    reward: float  # the source's own verdict; NaN when absent
+
+
+def _first(obj: dict, names: tuple[str, ...]):
+    return next((obj[k] for k in names if k in obj and obj[k] is not None), None)
+
+
+def parse_peer_records(records, *, where: str = "log") -> list[PeerRecord]:
+    """The project's one parser of the peer-log JSONL format (the trainer's stored peer, preflight, TRL's).
 
     records: an iterable of (line number, object) pairs, each object one parsed JSON line:
-        {"problem_id" or "id": str or int, "response" or "completion": str,
-         "lbar" or "mean_logprob": float in [-88, 0] (optional), "eos": bool (optional, default true)}
-    e.g. ((i, json.loads(s)) for i, s in enumerate(open(path), 1) if s.strip()). Returns {prompt id:
-    PeerGroup}. A record that repeats an earlier one (same id, same response) is left out: it would
-    count one response twice in its group's advantages. A bad record raises ValueError("where:LINE:
-    ..."). Rewards are not read: the receiver scores the texts with its own verifier. Uses PeerGroup.
+        {"problem_id" or "id": str or int, and/or "problem" or "question": str,   which prompt
+         "response" or "completion": str,
+         "lbar" or "mean_logprob": float in [LBAR_PLAUSIBLE, 0] (optional; a mean per token, Eq. 6),
+         "num_tokens": int >= 1 (optional), "reward": number or bool (optional), "eos": bool (optional, true)}
+    e.g. data/prompts.py's jsonl_objects(path). Returns one PeerRecord per object, in order. A bad record
+    raises ValueError("where:LINE: ..."). The lbar bounds: below LBAR_FLOOR, float32's s = exp(lbar_recv -
+    lbar) can overflow (w = 1 for anything); below LBAR_PLAUSIBLE it is not a mean per token (a sum?). Uses _first.
     """
-    groups: dict[str, list[tuple[str, bool, float]]] = {}
+    out = []
     for line, obj in records:
         at = f"{where}:{line}"
         if not isinstance(obj, dict):
-            raise ValueError(f"{at}: each line must be a JSON object, got {type(obj).__name__}")
-        pid = obj.get("problem_id", obj.get("id"))
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)) or pid == "":
-            raise ValueError(f"{at}: needs a prompt id, 'problem_id' or 'id' (a non-empty string or an integer)")
-        text = obj.get("response", obj.get("completion"))
+            raise ValueError(f"{at}: expected a JSON object, got {type(obj).__name__}")
+        pid = _first(obj, PEER_ID_FIELDS)
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            pid = str(pid)
+        if pid is not None and (not isinstance(pid, str) or not pid):
+            raise ValueError(f"{at}: field {PEER_ID_FIELDS} must be a non-empty string or an integer, got {pid!r}")
+        problem = _first(obj, PEER_PROBLEM_FIELDS)
+        if problem is not None and (not isinstance(problem, str) or not problem.strip()):
+            raise ValueError(f"{at}: field {PEER_PROBLEM_FIELDS} must be a non-empty string, got {problem!r}")
+        if pid is None and problem is None:
+            raise ValueError(f"{at}: needs a problem id ({' or '.join(PEER_ID_FIELDS)}) or the problem text "
+                             f"({' or '.join(PEER_PROBLEM_FIELDS)})")
+        text = _first(obj, PEER_RESPONSE_FIELDS)
         if not isinstance(text, str):
-            raise ValueError(f"{at}: 'response' (or 'completion') must be a string, got {text!r}")
-        lbar = obj.get("lbar", obj.get("mean_logprob"))
+            raise ValueError(f"{at}: field {' or '.join(PEER_RESPONSE_FIELDS)} must be a string, got {text!r}")
+        lbar = _first(obj, PEER_LBAR_FIELDS)
         if lbar is not None and (isinstance(lbar, bool) or not isinstance(lbar, (int, float))
                                  or not LBAR_FLOOR <= lbar <= 0):  # NaN fails the comparison too
-            raise ValueError(f"{at}: 'lbar' must be a mean log-probability per token in [{LBAR_FLOOR:g}, 0], "
-                             f"got {lbar!r}")
+            raise ValueError(f"{at}: field {' or '.join(PEER_LBAR_FIELDS)} must be a finite number in "
+                             f"[{LBAR_FLOOR:g}, 0] (a mean log-probability per token; lower overflows the "
+                             f"float32 score s = exp(lbar_recv - lbar)), got {lbar!r}")
+        num_tokens = obj.get("num_tokens")
+        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                       or num_tokens < 1):
+            raise ValueError(f"{at}: field 'num_tokens' must be an integer >= 1, got {num_tokens!r}")
+        if lbar is not None and lbar < LBAR_PLAUSIBLE:
+            total = "" if num_tokens is None else f" (over its {num_tokens} tokens: {lbar / num_tokens:.3g})"
+            raise ValueError(f"{at}: field 'lbar' = {lbar:g} is implausible as a mean log-probability per token "
+                             f"(below {LBAR_PLAUSIBLE:g}; uniform over a 262k vocabulary is -12.5): a summed "
+                             f"log-probability? give the sum divided by the response's token count{total}")
+        reward = obj.get("reward")
+        if reward is not None and not isinstance(reward, (int, float)):
+            raise ValueError(f"{at}: field 'reward' must be a number or a boolean, got {reward!r}")
         eos = obj.get("eos", True)
         if not isinstance(eos, bool):
-            raise ValueError(f"{at}: 'eos' must be true or false, got {eos!r}")
-        group = groups.setdefault(str(pid), [])
-        if all(t != text for t, _, _ in group):
-            group.append((text, eos, float("nan") if lbar is None else float(lbar)))
-    return {pid: PeerGroup([t for t, _, _ in g], torch.tensor([e for _, e, _ in g], dtype=torch.bool),
-                           torch.tensor([lb for _, _, lb in g], dtype=torch.float32)) for pid, g in groups.items()}
+            raise ValueError(f"{at}: field 'eos' must be true or false, got {eos!r}")
+        out.append(PeerRecord(line, pid, problem, text, float("nan") if lbar is None else float(lbar),
+                              -1 if num_tokens is None else num_tokens, eos,
+                              float("nan") if reward is None else float(reward)))
+    return out
+
+
+def read_peer_records(records, *, where: str = "log") -> dict[str, PeerGroup]:
+    """parse_peer_records, grouped by prompt id for a trainer that matches prompts by id (TRL, verl).
+
+    records: as parse_peer_records. Returns {prompt id: PeerGroup}, groups and their responses in log order.
+    A record without a prompt id raises ValueError("where:LINE: ..."); one that repeats an earlier one (same
+    id, same response) is left out: it would count one response twice in its group's advantages. Rewards
+    are not read: the receiver scores the texts with its own reward. Uses PeerRecord and PeerGroup.
+    """
+    groups: dict[str, list[PeerRecord]] = {}
+    for rec in parse_peer_records(records, where=where):
+        if rec.prompt_id is None:
+            raise ValueError(f"{where}:{rec.line}: needs a prompt id ({' or '.join(PEER_ID_FIELDS)}): this reader "
+                             f"matches records to prompts by id, not by problem text")
+        group = groups.setdefault(rec.prompt_id, [])
+        if all(r.response != rec.response for r in group):
+            group.append(rec)
+    return {pid: PeerGroup([r.response for r in g], torch.tensor([r.eos for r in g], dtype=torch.bool),
+                           torch.tensor([r.lbar for r in g], dtype=torch.float32)) for pid, g in groups.items()}

@@ -5,7 +5,7 @@
 trajectories is read here, once. It holds any collection of solutions, one JSON object per line:
        {"problem_id" or "id": str|int, and/or "problem": str,    which prompt of --prompts
         "response": str,                                        the solution text (alias "completion")
-        "lbar": float in [-88, 0],                              optional: the source model's mean token
+        "lbar": float in [-20, 0],                              optional: the source model's mean token
                                                                 log-probability of the response (Eq. 6;
                                                                 alias "mean_logprob", as in rollout files)
         "num_tokens": int >= 1,                                 optional: its length in source tokens
@@ -47,12 +47,13 @@ Our choices, where the paper is silent (numbered so that reviews can cite them):
      must lie in [LBAR_MIN, 0] with LBAR_MIN = -88 (float32's largest value is e^88.72: the gate
      computes s = exp(lbar_recv - lbar) in float32, which a lower lbar can overflow to inf, accepting
      the response at w = 1; no model samples text at a mean probability of e^-88 per token), else
-     FILE:LINE is an error. A record that repeats an earlier one (same matched prompt, same response
-     text) is removed and counted: repeats would weight one response several times and change the
-     group's advantages. A response longer than max_response_chars (the trainer passes
-     response_char_bound(--max-response-tokens)) is removed and counted before verification or any
-     --peer-model forward: the trainer would drop it for length anyway, and one 10 MB response would
-     otherwise ask for a forward over millions of tokens.
+     FILE:LINE is an error, and so is one below core.LBAR_PLAUSIBLE = -20, implausible as a mean per token
+     (a summed log-probability given by mistake would pass -88 and make w = 1). A record that repeats an
+     earlier one (same matched prompt, same response text) is removed and counted: repeats would weight
+     one response several times and change the group's advantages. A response longer than
+     max_response_chars (the trainer passes response_char_bound(--max-response-tokens)) is removed and
+     counted before verification or any --peer-model forward: the trainer would drop it for length
+     anyway, and one 10 MB response would otherwise ask for a forward over millions of tokens.
   5. Stop strings (`--stop`, graft.py departure 11): a response that holds one is cut as the trainer
      cuts its own rollouts (core.decode_response): its text runs through the first stop string, its eos
      becomes false (a receiver retokenises it, stop string included, without EOS), and the verifier reads
@@ -65,7 +66,6 @@ Its benchmark (10,000 records: read, match, verify) is bench/foreign.py.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -76,8 +76,8 @@ from typing import Callable
 
 import torch
 
-from core import (first_stop, graft_candidates, masked_group_advantages, success_counts,  # ragged groups
-                  verifier_text)  # (choice 1), Eq. 4's counts, stop strings
+from core import (LBAR_FLOOR, PeerRecord, first_stop, graft_candidates, masked_group_advantages,  # ragged groups
+                  parse_peer_records, success_counts, verifier_text)  # (choice 1), the one peer-log parser, Eq. 4
 from data.prompts import jsonl_objects
 from exchange import atomic_write, file_sha256, load_rollouts
 from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
@@ -89,11 +89,7 @@ from sampler import response_logprobs
 # Foreign trajectories: reading and matching records
 # ------------------------------------------------------------------------------------------------
 
-ID_FIELDS = ("problem_id", "id")
-PROBLEM_FIELDS = ("problem", "question")
-RESPONSE_FIELDS = ("response", "completion")
-LBAR_FIELDS = ("lbar", "mean_logprob")
-LBAR_MIN = -88.0  # choice 4: exp(-LBAR_MIN) is finite in float32 (whose largest value is e^88.72)
+LBAR_MIN = LBAR_FLOOR  # choice 4: exp(-LBAR_MIN) is finite in float32 (whose largest value is e^88.72)
 MAX_TOKEN_CHARS = 128  # the longest token of the Qwen3, SmolLM3 and Llama-3.2 vocabularies: 128 spaces
 
 
@@ -108,22 +104,7 @@ def normalise_problem(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).split())
 
 
-@dataclass
-class ForeignRecord:
-    """One validated line of a foreign JSONL file."""
-
-    line: int  # 1-based line number in the file
-    prompt_id: str | None
-    problem: str | None
-    response: str
-    lbar: float  # NaN when the record has none
-    num_tokens: int  # -1 when the record has none
-    eos: bool
-    reward: float  # NaN when the record has none
-
-
-def _first_field(obj: dict, names: tuple[str, ...]):
-    return next((obj[k] for k in names if k in obj and obj[k] is not None), None)
+ForeignRecord = PeerRecord  # one validated line: the project's one peer-log parser is core's
 
 
 def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
@@ -132,44 +113,9 @@ def read_foreign_records(path: str | os.PathLike) -> list[ForeignRecord]:
     Blank lines are skipped. Any bad line raises ValueError("FILE:LINE: what is wrong").
     """
     path = Path(path)
-    out: list[ForeignRecord] = []
-    # One JSONL reader for the whole project (data/prompts.py's): errors name file:line, non-UTF-8 too.
-    for lineno, obj in jsonl_objects(path):
-        where = f"{path}:{lineno}"
-        pid = _first_field(obj, ID_FIELDS)
-        if isinstance(pid, int) and not isinstance(pid, bool):
-            pid = str(pid)
-        if pid is not None and (not isinstance(pid, str) or not pid):
-            raise ValueError(f"{where}: field {ID_FIELDS} must be a non-empty string or an integer, got {pid!r}")
-        problem = _first_field(obj, PROBLEM_FIELDS)
-        if problem is not None and (not isinstance(problem, str) or not problem.strip()):
-            raise ValueError(f"{where}: field {PROBLEM_FIELDS} must be a non-empty string, got {problem!r}")
-        if pid is None and problem is None:
-            raise ValueError(f"{where}: needs a problem id ({' or '.join(ID_FIELDS)}) or the problem text "
-                             f"({' or '.join(PROBLEM_FIELDS)})")
-        response = _first_field(obj, RESPONSE_FIELDS)
-        if not isinstance(response, str):
-            raise ValueError(f"{where}: field {' or '.join(RESPONSE_FIELDS)} must be a string, got {response!r}")
-        lbar = _first_field(obj, LBAR_FIELDS)
-        if lbar is not None and (isinstance(lbar, bool) or not isinstance(lbar, (int, float))
-                                 or not LBAR_MIN <= lbar <= 0):  # NaN fails the comparison too
-            raise ValueError(f"{where}: field {' or '.join(LBAR_FIELDS)} must be a finite number in "
-                             f"[{LBAR_MIN:g}, 0] (a mean log-probability per token; lower overflows the "
-                             f"float32 score s = exp(lbar_recv - lbar)), got {lbar!r}")
-        num_tokens = obj.get("num_tokens")
-        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
-                                       or num_tokens < 1):
-            raise ValueError(f"{where}: field 'num_tokens' must be an integer >= 1, got {num_tokens!r}")
-        reward = obj.get("reward")
-        if reward is not None and not isinstance(reward, (int, float)):
-            raise ValueError(f"{where}: field 'reward' must be a number or a boolean, got {reward!r}")
-        eos = obj.get("eos", True)
-        if not isinstance(eos, bool):
-            raise ValueError(f"{where}: field 'eos' must be true or false, got {eos!r}")
-        out.append(ForeignRecord(lineno, pid, problem, response, float("nan") if lbar is None else float(lbar),
-                                 -1 if num_tokens is None else num_tokens, eos,
-                                 float("nan") if reward is None else float(reward)))
-    return out
+    # One JSONL reader for the whole project (data/prompts.py's): errors name file:line, non-UTF-8 too; one
+    # parser of the peer-log format (core.parse_peer_records), shared with graft_trl.py.
+    return parse_peer_records(jsonl_objects(path), where=str(path))
 
 
 @dataclass
@@ -389,7 +335,7 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     for i, rec in enumerate(records):  # choice 5: as core.decode_response cuts the trainer's own rollouts
         hit = first_stop(rec.response, tuple(stop)) if stop else None
         if hit is not None:
-            records[i] = dataclasses.replace(rec, response=rec.response[: hit[0] + len(hit[1])], eos=False,
+            records[i] = rec._replace(response=rec.response[: hit[0] + len(hit[1])], eos=False,
                                              lbar=float("nan"), num_tokens=-1)
             stop_cut += 1
     n_read, long_lines = len(records), []

@@ -59,7 +59,8 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
   5. Prompts longer than `max_prompt_tokens` are an error, not silently filtered: filtering per
      tokenizer would give the two sides different batches.
   6. On GPU the weights and AdamW state stay fp32 and the forward runs under bf16 autocast (the paper
-     says "bf16"): pure bf16 weights would round most lr = 1e-6 updates away.
+     says "bf16"): pure bf16 weights would round most lr = 1e-6 updates away. Rollouts and the in-training
+     evaluation sample under the same autocast, with a bf16 KV cache (sampler.py departure 13).
   7. Behaviour log-probs of own rollouts are recomputed by one forward pass after sampling (as verl
      does) rather than taken from the sampler; in fp32 the two agree (tested), in bf16 they differ
      by rounding, and the recomputed ones are what the training forward reproduces at ratio 1.
@@ -135,10 +136,10 @@ from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, roll
                       wait_for_file)  # the rollout file
 from metrics import LiveReport  # --report-to
 from reward import check_golds, load_reward, rewards  # the reward seam: --reward, called in one place
-from runtime import (DistInfo, RunFiles, clip_sharded_grad_norm_, compute_context, encode_prompt, gather_lists,
-                     gathered, load_full_optimizer_state, load_policy, load_prompt_file, setup_distributed, shard,
-                     shard_policy, timed, unshard)  # ranks, precision, loading, FSDP2, the run's files: plumbing
-from sampler import Rollout, response_logprobs, sample  # the sampler and the chunked log-prob kernel
+from runtime import (DistInfo, RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
+                     eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
+                     load_prompt_file, setup_distributed, shard, shard_policy, timed, unshard)  # ranks, files: plumbing
+from sampler import Rollout, batches_by_length, response_logprobs, sample  # the sampler, the chunked log-prob
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,7 +279,7 @@ class Trainer(RunFiles):
             # --fsdp: the FSDP2 root whose forward is the log-prob pass (runtime.shard_policy); None = DP
             self.policy = shard_policy(self.model, response_logprobs) if cfg.fsdp else None
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
-                                         weight_decay=cfg.weight_decay)
+                                         weight_decay=cfg.weight_decay, **adamw_kernel(self.dist.device))
             if latest is not None and self.policy is not None:
                 load_full_optimizer_state(self.policy, self.opt, state["optimizer"])
             elif latest is not None:
@@ -335,6 +336,7 @@ class Trainer(RunFiles):
                 self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
                 max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, share_prefix=cfg.share_prefix,
+                max_cache_bytes=kv_budget(self.dist.device) if cfg.static_decode else None,
                 stop_strings=cfg.stop, tokenizer=self.tok,
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
@@ -418,16 +420,17 @@ class Trainer(RunFiles):
     # -- what the phases call ----------------------------------------------------------------------
 
     def behaviour_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
-        """Receiver log-probs (no grad) of the given responses, through the chunked path, micro-batched.
-        Returns one (len(response),) float32 CPU tensor per response."""
-        out = []
+        """Receiver log-probs (no grad) of the given responses, through the chunked path, in micro-batches of similar
+        lengths (sampler.batches_by_length). One (len(response),) float32 CPU tensor per response, in order."""
+        out: list[torch.Tensor | None] = [None] * len(prompts)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.amp():
-            for i in range(0, len(prompts), self.cfg.micro_batch_size):
-                lp, mask = self.logprobs(prompts[i: i + self.cfg.micro_batch_size],
-                                         responses[i: i + self.cfg.micro_batch_size])
-                out.extend(lp[j, : int(mask[j].sum())].float().cpu() for j in range(lp.shape[0]))
+            share = self.cfg.share_prefix  # as self.logprobs decides it without grad
+            for idx in batches_by_length(prompts, responses, self.cfg.micro_batch_size, share_prefix=share):
+                lp, mask = self.logprobs([prompts[i] for i in idx], [responses[i] for i in idx])
+                for j, i in enumerate(idx):
+                    out[i] = lp[j, : int(mask[j].sum())].float().cpu()
         self.model.train(was_training)
         return out
 
@@ -680,9 +683,11 @@ class Trainer(RunFiles):
             self.heartbeat.stop("finished")
 
     def validate(self, step: int) -> dict:
+        """--eval-every: sampled in the rollouts' precision (self.amp) and KV budget (runtime.eval_rows)."""
         cfg = self.cfg
-        with gathered(self.policy):
-            res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False)
+        with gathered(self.policy), self.amp():
+            res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False,
+                                      max_batch_size=eval_rows(cfg))
         score = res["mean"]
         if self.dist.main:
             print(f"[eval] step {step}: " + ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in res["benchmarks"].items())
@@ -1058,11 +1063,12 @@ def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
 
 
 def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist_info: DistInfo, *,
-             progress: bool = True, desc: str = "eval", rel_tol: float | None = None) -> list[dict]:
+             progress: bool = True, desc: str = "eval", rel_tol: float | None = None,
+             max_batch_size: int | None = None) -> list[dict]:
     """Sample cfg.eval_samples responses per problem and verify them; rows split over ranks.
 
     rel_tol: the verifier's numeric tolerance for decimals (None = its MATH default; Minerva's
-    three-significant-figure golds need verify.MINERVA_REL_TOL).
+    three-significant-figure golds need verify.MINERVA_REL_TOL). max_batch_size: None = --gen-batch-size.
     Returns one dict per problem, in order: id, answer, correct (list of 0/1), and the responses
     when cfg.save_responses.
     """
@@ -1078,8 +1084,9 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
         print(f"[eval] {desc}: {len(problems)} problems x {k} samples", file=sys.stderr, flush=True)
     outs = sample(model, prompts, max_new_tokens=max_new, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                   eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen,
-                  max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
-                  tokenizer=tokenizer, progress=progress and dist_info.main)
+                  max_batch_size=max_batch_size or cfg.gen_batch_size, static=cfg.static_decode,
+                  max_cache_bytes=kv_budget(dist_info.device) if cfg.static_decode else None,
+                  stop_strings=cfg.stop, tokenizer=tokenizer, progress=progress and dist_info.main)
     texts = [verifier_text(decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids, stop=cfg.stop)[0], cfg.stop)
              for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
@@ -1106,7 +1113,8 @@ def summarize(per_problem: list[dict]) -> dict:
     return {"pass@1": p1, "pass@k": pk, "problems": len(per_problem)}
 
 
-def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: DistInfo, *, progress: bool = True) -> dict:
+def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: DistInfo, *, progress: bool = True,
+                        max_batch_size: int | None = None) -> dict:
     """Every benchmark of --benchmarks; 'mean' is the unweighted mean of their pass@1 (the paper's score)."""
     files = benchmark_files(cfg.benchmarks, cfg.data_dir)
     res, per = {}, {}
@@ -1118,7 +1126,7 @@ def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: Dist
         if name == "minerva":
             from verify import MINERVA_REL_TOL as tol  # Minerva golds carry ~3 significant figures
         per[name] = evaluate(model, tokenizer, stop_ids, problems, cfg, dist_info, progress=progress, desc=name,
-                             rel_tol=tol)
+                             rel_tol=tol, max_batch_size=max_batch_size)
         res[name] = summarize(per[name])
     mean = sum(r["pass@1"] for r in res.values()) / max(1, len(res))
     return {"benchmarks": res, "mean": mean, "problems": per}

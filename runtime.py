@@ -7,9 +7,12 @@ data/prompts.py (the prompt file): the project's imports run graft.py -> foreign
 exchange.py, never back.
 
     setup_distributed   torchrun's RANK / WORLD_SIZE -> process group (NCCL on GPU, gloo on CPU), on one
-                        node or several (README "Past one node")
+                        node or several (README "Past one node"); on a GPU it first sets the allocator's
+                        expandable segments unless the user chose a setting (cuda_alloc_conf)
     gather_lists, shard, unshard   split a list over ranks and put the gathered parts back in order
     compute_context     bf16 autocast on GPU with --dtype auto (graft.py departure 6)
+    kv_budget, eval_rows   the bytes --static-decode's KV cache may take on a GPU; the evaluation's rows in flight
+    adamw_kernel        AdamW fused on CUDA, foreach elsewhere
     load_policy         a transformers causal LM + tokenizer + the ids that stop a rollout
     encode_prompt       the prompt's ids: raw text (graft.py departure 8) or the chat template
     load_prompt_file    a validated prompt JSONL
@@ -57,6 +60,22 @@ class DistInfo:
         return self.rank == 0
 
 
+ALLOC_CONF = "expandable_segments:True"
+"""The CUDA caching allocator's setting the trainer starts with: segments that grow in place instead of new
+blocks of each size, so the rollout's changing KV-cache shapes and the update's activations do not strand
+memory in freed blocks of the wrong sizes (PyTorch's "Optimizing memory usage" notes)."""
+
+
+def cuda_alloc_conf(environ=os.environ) -> str:
+    """PYTORCH_CUDA_ALLOC_CONF = ALLOC_CONF unless the user set it or PYTORCH_ALLOC_CONF (their choice wins).
+    It must run before CUDA is first used: the allocator reads its setting once. Returns the setting in force."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if environ.get(name):
+            return environ[name]
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    return ALLOC_CONF
+
+
 def setup_distributed(cfg: Config) -> DistInfo:
     """torchrun sets RANK/WORLD_SIZE: one process per GPU (NCCL) or per CPU worker (gloo).
 
@@ -64,6 +83,8 @@ def setup_distributed(cfg: Config) -> DistInfo:
     the GPU on this node. Nothing else changes: every rank computes the step's exchange itself, from
     the same rollout files in --peer-exchange, so those folders (and --out, which --resume reads on
     every rank) must be on storage every node sees; RunFiles.check_shared_files stops a run where not."""
+    if cfg.device != "cpu":
+        cuda_alloc_conf()  # before anything touches CUDA (is_available does not initialise the allocator)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -114,6 +135,34 @@ def compute_context(cfg: Config, dist_info: DistInfo):
     if cfg.dtype == "auto" and dist_info.device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+KV_BUDGET_SHARE = 0.8
+"""The share of the device's free memory that --static-decode's preallocated KV cache may take (kv_budget)."""
+
+
+def kv_budget(device: torch.device) -> int | None:
+    """Bytes the static decode path's KV cache may take (sampler.py's max_cache_bytes, departure 13): KV_BUDGET_SHARE
+    of the device's free memory at the call (after the weights, gathered under --fsdp), the rest left to the
+    prefill's activations and the logits. None off CUDA (no limit: the CPU has no card to overrun)."""
+    if device.type != "cuda":
+        return None
+    return int(KV_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
+
+
+def eval_rows(cfg: Config) -> int:
+    """Rows in flight for the in-training evaluation (Trainer.validate): the KV tokens a rollout may hold
+    (--gen-batch-size rows of --max-prompt-tokens + --max-response-tokens) spent on rows of --max-prompt-tokens +
+    the eval cap, at most --gen-batch-size: the evaluation never needs more cache than the rollout it follows."""
+    rollout = cfg.gen_batch_size * (cfg.max_prompt_tokens + cfg.max_response_tokens)
+    row = cfg.max_prompt_tokens + (cfg.eval_max_tokens or cfg.max_response_tokens)
+    return max(1, min(cfg.gen_batch_size, rollout // row))
+
+
+def adamw_kernel(device: torch.device) -> dict:
+    """torch.optim.AdamW's implementation flag: fused on CUDA (no foreach temporaries: a step peaks at 16 bytes per
+    parameter instead of 20, `python -m bench.audit adamw`), foreach elsewhere."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
 
 
 def load_policy(path: str, cfg: Config, dist_info: DistInfo, *, for_training: bool = True):

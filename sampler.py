@@ -25,13 +25,16 @@ API
 -> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
     responses[i][:t]), 0 where mask is False. Differentiable w.r.t. the model's parameters when grad is enabled.
+``batches_by_length(prompts, responses, size, *, share_prefix=True) -> list[list[int]]``
+    row indices cut into micro-batches of at most ``size`` rows for ``response_logprobs``, rows of similar lengths
+    together, so that each micro-batch pads little (departure 14).
 ``Rollout(tokens, logprobs, ended_with_eos, stop=None)``
     one sampled response: token ids (EOS included when it stopped at EOS; the token that completed the stop string
     when it stopped on one), (len(tokens),) float32 CPU log-probs; ``finish`` says how it ended: "eos", "stop" or
     "length".
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
          generator=None, max_batch_size=None, min_refill=None, static=False, share_prefix=True, stop_strings=None,
-         tokenizer=None, progress=False, stats=None)``
+         tokenizer=None, progress=False, stats=None, max_cache_bytes=None)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
     most ``max_batch_size`` rows in flight; rows that finish (EOS, a stop string, the cap) leave the batch and
     waiting prompts take their places.
@@ -131,6 +134,22 @@ Departures and shortcuts (read these before copying)
    step's ``done.any()`` sync. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
    (tested on the architecture sweep with the real Qwen3, SmolLM3 and Llama-3.2 tokenizers). Without stop strings
    none of this runs (``bench_sampler.py --only stop``).
+13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes
+   (V from a bf16 matmul, K promoted back to float32 by a float32 q/k norm or RoPE table: Qwen3, Llama), and the
+   attention (sdpa, or eager's matmuls) casts both to the autocast dtype anyway. ``sample`` therefore stores K and V
+   in the autocast dtype whenever autocast is on for the model's device, in both paths: the same tokens and log-probs
+   as caching the mixed dtypes (tested), at 2 bytes per element instead of 4 for K. ``stats["kv_bytes_per_token"]``
+   reports the bytes one token's K and V take in the cache, read from the stored tensors. ``max_cache_bytes`` bounds
+   the static path's preallocation: S = min(max_batch_size, max_cache_bytes // (L x bytes per token)) slots, so a
+   long cap shrinks the slot count instead of allocating past the device (a budget below one slot raises a
+   ValueError). The default path's cache grows with the rows and is bounded by ``max_batch_size`` only.
+14. ``batches_by_length`` cuts micro-batches for ``response_logprobs``, which pads every row of a call to its
+   longest: cut in rollout order, long-tailed RL responses pad to several times their real tokens. It counts the
+   token positions each of three cuts would feed (``_pass_tokens``, padding and shared prompts as
+   ``response_logprobs`` runs them) and returns the cheapest: rollout order; rows by prompt + response length,
+   longest first; copies of a prompt together, prompts by their longest row (keeps the shared prefill where the
+   lengths are narrow). Each row's log-probs are its own whatever its batch mates, up to float round-off of
+   other batch shapes (tested), so only the padding changes.
 
 Benchmark
 ---------
@@ -155,7 +174,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-__all__ = ["token_logprobs", "response_logprobs", "sample", "Rollout"]
+__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "Rollout"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -597,6 +616,46 @@ def _shared_prefix_hidden(base, config, prompts, responses, keys: list[int], pad
                   torch.tensor(cols, dtype=torch.long, device=device)]  # (N, H)
 
 
+def _pass_tokens(prompts: list[list[int]], responses: list[list[int]], share: bool) -> int:
+    """Token positions one ``response_logprobs`` call feeds the model body, padding included: B x the longest
+    prompt + response[:-1] (``_full_hidden``), or, sharing (departure 11), U distinct prompts x the longest of them
+    plus B x the longest response[:-1] (``_shared_prefix_hidden``). 0 when no response has a token."""
+    if not any(responses):
+        return 0
+    if share and _prompt_keys(prompts) is not None:
+        uniq = {tuple(p) for p in prompts}
+        rest = max(len(r) for r in responses) - 1
+        return len(uniq) * max(map(len, uniq)) + (len(responses) * rest if rest > 0 else 0)
+    return len(prompts) * max(len(p) + max(len(r) - 1, 0) for p, r in zip(prompts, responses))
+
+
+def batches_by_length(prompts, responses, size: int, *, share_prefix: bool = True) -> list[list[int]]:
+    """Row indices in micro-batches of at most ``size`` rows for ``response_logprobs`` (departure 14): of three
+    cuts, the one that feeds the fewest token positions (``_pass_tokens``, padding included): rollout order; rows
+    by prompt + response length, longest first (copies of one prompt together among equal lengths); copies of
+    each prompt together, prompts by their longest row. Every row appears once."""
+    assert size >= 1, f"size must be >= 1, got {size}"
+    prompts = [_as_id_list(p) for p in prompts]
+    responses = [_as_id_list(r) for r in responses]
+    assert len(prompts) == len(responses), f"{len(prompts)} prompts but {len(responses)} responses"
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    first: dict[tuple[int, ...], int] = {}
+    key = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]  # the first row with the same prompt
+    longest: dict[int, int] = {}
+    for i, k in enumerate(key):
+        longest[k] = max(longest.get(k, 0), lengths[i])
+    orders = [list(range(len(prompts))),
+              sorted(range(len(prompts)), key=lambda i: (-lengths[i], key[i], i)),
+              sorted(range(len(prompts)), key=lambda i: (-longest[key[i]], key[i], -lengths[i], i))]
+
+    def cost(order: list[int]) -> int:
+        return sum(_pass_tokens([prompts[i] for i in order[j: j + size]], [responses[i] for i in order[j: j + size]],
+                                share_prefix) for j in range(0, len(order), size))
+
+    best = min(orders, key=cost)  # ties: the earlier candidate (rollout order first)
+    return [best[j: j + size] for j in range(0, len(best), size)]
+
+
 def response_logprobs(
     model,
     prompts,
@@ -892,6 +951,9 @@ class _Run:
     prefill_tokens: int = 0  # prompt tokens (padding excluded) fed to the model body
     pending: dict | None = None  # prompt key -> its rows not taken yet (sharing only)
     stash: object = None  # prefilled prompts whose copies still wait in the queue (sharing only; per decode loop)
+    kv_dtype: torch.dtype | None = None  # the dtype K and V are stored in (departure 13); None: as the model makes them
+    kv_bytes_per_token: int = 0  # bytes of one token's K and V over all layers, read off the stored tensors
+    kv_stored: tuple = ()  # (K dtype, V dtype) of the stored tensors (first layer)
 
     def __post_init__(self):
         order = list(range(len(self.prompts)))
@@ -910,6 +972,12 @@ class _Run:
         for k in keys:
             self.pending[k] -= 1
         return keys
+
+    def note_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Record the bytes one token's K and V take, from the stored (B, h, W, d) tensors of every layer."""
+        self.kv_bytes_per_token = sum(k.element_size() * k.shape[1] * k.shape[3]
+                                      + v.element_size() * v.shape[1] * v.shape[3] for k, v in layers)
+        self.kv_stored = (layers[0][0].dtype, layers[0][1].dtype) if layers else ()
 
     def take(self, free: int, alive: int) -> list[int]:
         """Prompts to start now. A refill costs one prefill call whatever its size, so while rows are still
@@ -1003,6 +1071,7 @@ def sample(
     tokenizer=None,
     progress: bool = False,
     stats: dict | None = None,
+    max_cache_bytes: int | None = None,
 ) -> list[Rollout]:
     """Sample one response per prompt from a transformers causal LM, with continuous batching.
 
@@ -1031,7 +1100,12 @@ def sample(
         progress: show a tqdm bar over finished rows.
         stats: if a dict is given, ``stats["forward_calls"]`` receives the number of model-body calls (prefills and
             decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost;
-            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded).
+            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded); ``stats["kv_dtypes"]`` the
+            (K, V) dtypes of the cache (its first layer) and ``stats["kv_bytes_per_token"]`` the bytes one token's K
+            and V take over all layers, both read off the stored tensors (departure 13); with static=True,
+            ``stats["slots"]`` the slot count S.
+        max_cache_bytes: with static=True, the bytes the preallocated K/V may take: the slot count is cut to fit
+            (departure 13). None: max_batch_size slots. The default path ignores it.
 
     Returns:
         B Rollouts, in prompt order.
@@ -1068,11 +1142,21 @@ def sample(
     if static and model.config._attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"sampler.py sample(): static=True supports sdpa and eager attention, not "
                          f"{model.config._attn_implementation!r}")
+    # departure 13: under autocast, K and V are cached in autocast's dtype (what its attention computes in)
+    kv_dtype = _kv_dtype(device)
+    if static and max_cache_bytes is not None:
+        length = max(len(p) for p in prompts) + max_new_tokens
+        per_slot = length * _kv_token_bytes(model, kv_dtype)
+        if max_cache_bytes < per_slot:
+            raise ValueError(f"sampler.py sample(): max_cache_bytes={max_cache_bytes} holds no slot of the static path "
+                             f"(one slot of {length} columns takes {per_slot} bytes); raise it, lower "
+                             f"max_new_tokens, or use static=False")
+        capacity = min(capacity, max_cache_bytes // per_slot)
     run = _Run(
         prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
         capacity, max(1, capacity // 8) if min_refill is None else max(1, int(min_refill)),
-        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None, stops=stops,
+        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None, stops=stops, kv_dtype=kv_dtype,
     )
     base = _base_model(model)
     was_training = model.training
@@ -1092,6 +1176,9 @@ def sample(
         model.train(was_training)
     if stats is not None:
         stats["forward_calls"], stats["prefill_tokens"] = run.forward_calls, run.prefill_tokens
+        stats["kv_dtypes"], stats["kv_bytes_per_token"] = run.kv_stored, run.kv_bytes_per_token
+        if static:
+            stats["slots"] = capacity
     return run.rollouts(device)
 
 
@@ -1120,6 +1207,20 @@ class _Batch:
     pads: list[int]  # leading padding columns of each row in the cache
 
 
+class _StoredCache(DynamicCache):
+    """A DynamicCache that stores K and V in ``kv_dtype`` (departure 13; None: as they come). The attention reads
+    them back from the cache, so it sees the stored dtype too, which is what autocast's attention casts to anyway."""
+
+    def __init__(self, *args, kv_dtype: torch.dtype | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kv_dtype = kv_dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.kv_dtype is not None:
+            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: int) -> _Batch:
     """One forward over the left-padded prompts of `rows` into a fresh DynamicCache; they draw first at `step`."""
     device = run.head.weight.device
@@ -1132,12 +1233,13 @@ def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: i
     attn[:, :width] = torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)
     # position of prompt column j in row i is j - (number of pads); pads get 0 (they are masked out anyway)
     positions = (torch.arange(width).unsqueeze(0) - (width - lens).unsqueeze(1)).clamp(min=0)  # (b, P)
-    cache = DynamicCache(config=model.config)
+    cache = _StoredCache(config=model.config, kv_dtype=run.kv_dtype)
     hidden = base(
         input_ids=ids.to(device), attention_mask=attn[:, :width].to(device), position_ids=positions.to(device),
         use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state[:, -1]  # (b, H): left padding puts every row's last prompt token in the last column
     run.forward_calls += 1
+    run.note_cache([(layer.keys, layer.values) for layer in cache.layers])
     run.prefill_tokens += int(lens.sum())
     rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # (b,)
     return _Batch(cache, attn.to(device), width, lens.to(device).unsqueeze(1), rows_t, torch.zeros_like(rows_t),
@@ -1292,11 +1394,12 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
 
 class _SlotCache:
     """The cache object handed to the model's attention layers in a static decode step (duck-typed: transformers'
-    attention modules only call ``update``). keys/values per layer: (S, kv_heads, L, head_dim); write_pos (S,):
-    the column where each slot's current token goes (= tokens already cached in that slot)."""
+    attention modules only call ``update``). keys/values per layer: (S, kv_heads, L, head_dim) in ``dtype`` (None:
+    the dtype of the first prefill's K and V); write_pos (S,): the column where each slot's current token goes
+    (= tokens already cached in that slot)."""
 
-    def __init__(self, slots: int, length: int, device):
-        self.slots, self.length = slots, length
+    def __init__(self, slots: int, length: int, device, dtype: torch.dtype | None = None):
+        self.slots, self.length, self.dtype = slots, length, dtype
         self.keys, self.values = [], []
         self.write_pos = torch.zeros(slots, dtype=torch.long, device=device)  # (S,)
 
@@ -1306,8 +1409,8 @@ class _SlotCache:
         for i, (k, v) in enumerate(kv):
             if i == len(self.keys):  # first load: allocate with the K/V's own head count, size and dtype
                 shape = (self.slots, k.shape[1], self.length, k.shape[3])
-                self.keys.append(k.new_zeros(shape))
-                self.values.append(v.new_zeros(shape))
+                self.keys.append(k.new_zeros(shape, dtype=self.dtype or k.dtype))
+                self.values.append(v.new_zeros(shape, dtype=self.dtype or v.dtype))
             self.keys[i][:, :, : k.shape[2]].index_copy_(0, slots, k.to(self.keys[i].dtype))
             self.values[i][:, :, : v.shape[2]].index_copy_(0, slots, v.to(self.values[i].dtype))
         self.write_pos.index_copy_(0, slots, lens)
@@ -1378,7 +1481,7 @@ def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -
     for i, r in enumerate(rows):
         ids[i, : lens[i]] = torch.tensor(run.prompts[r], dtype=torch.long)
     attn = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)  # (b, P)
-    cache = DynamicCache(config=model.config)
+    cache = _StoredCache(config=model.config, kv_dtype=run.kv_dtype)
     hidden = base(
         input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state  # (b, P, H); right padding: default positions 0..len-1 are the real ones
@@ -1420,12 +1523,27 @@ def _load_shared(model, base, run: _Run, cache: _SlotCache, slots: list[int], ro
     return hidden, lens
 
 
+def _kv_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype the sampler caches K and V in (departure 13): autocast's when it is on for the device, else None."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _kv_token_bytes(model, kv_dtype: torch.dtype | None) -> int:
+    """Bytes of one token's K and V over all layers, from the config (the static path's sizing before any forward;
+    the tests check it against the stored tensors): 2 x layers x kv_heads x head_dim x element size."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = kv_dtype or next(model.parameters()).dtype
+    return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
     """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch."""
     device = run.head.weight.device
     n_slots = run.capacity
     length = max(len(p) for p in run.prompts) + run.max_new_tokens  # every row fits from column 0
-    cache = _SlotCache(n_slots, length, device)
+    cache = _SlotCache(n_slots, length, device, run.kv_dtype)
     decode = _StaticStep(model, base, cache, device)
     slot_row = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) prompt index of each slot's row
     n_out = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) tokens drawn so far
@@ -1445,6 +1563,8 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
             cache.load(slots_t, [(layer.keys, layer.values) for layer in pre_cache.layers], lens)
         else:
             pre_hidden, lens = _load_shared(model, base, run, cache, slots, rows, pad_token_id)
+        if not run.kv_bytes_per_token:
+            run.note_cache(list(zip(cache.keys, cache.values)))
         decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
         slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
         n_out.index_fill_(0, slots_t, 0)

@@ -1,54 +1,140 @@
-"""The GPU check: one script, one table, at most about 8 minutes on one GPU, nothing downloaded.
+"""The GPU check: one script for a lent GPU that cannot lose its rows. At most about 8 minutes on one H200.
 
-    python -m bench.gpu --tokenizers ../shared/tokenizers          # on a GPU machine (a folder with qwen3/, smollm3/)
-    python -m bench.gpu --tiny                                      # toy sizes on CPU (the test suite runs this)
+    python -m bench.gpu --tokenizers ../shared/tokenizers             # a GPU machine (qwen3/ and smollm3/ inside)
+    python -m bench.gpu --tiny                                         # toy sizes on CPU (the test suite runs this)
+    python -m bench.gpu --tokenizers DIR --budget 300 --only kernel,rollout --jsonl runs/bench_gpu.jsonl
 
-Models are random-init from real configs (transformers' from_config: Qwen3-1.7B's and SmolLM3-3B's shapes); the
-tokenizers are read from --tokenizers. Every row is measured side by side in this one run:
+Every row is printed and appended to the JSONL file (--jsonl, default runs/bench_gpu.jsonl) the moment it is
+measured. Each part runs in its own try/except: an exception becomes a row (the error, its last frames, the peak
+memory so far) and the next part runs. --budget seconds: a part that would start after the budget is spent is
+recorded as skipped. The first row names the machine, torch, transformers and CUDA. Nothing is downloaded: models
+are random-init from real configs (transformers' from_config at Qwen3-1.7B's and SmolLM3-3B's shapes), tokenizers
+are read from --tokenizers. Exit status 1 when a check failed or a part raised, else 0.
 
-1. The chunked log-prob kernel (sampler.token_logprobs) against the naive log_softmax(h @ W.T).gather, forward
-   under bf16 autocast and backward outside it (the trainer's regime), N=8192, H=2048, V=151,936: time of forward +
-   backward (median of repeats), peak memory, and the relative error of values and both gradients against an fp32
-   reference (ours / naive: the kernel must not be worse than the naive path, target <= 1.25x).
-2. The sampler against transformers' generate on the Qwen3-1.7B-shaped model, batch 64, greedy, bf16 weights. A
-   random model never says EOS, so the EOS is planted: the token that the greedy continuations produce first at
-   the most varied positions, which makes rows stop at varied lengths as RL rollouts do. Greedy outputs must be
-   identical row by row. Then the static-shape decode (sampler static=True: preallocated KV cache, CUDA graph)
-   against the eager one at 64 and 256 rows in flight: tokens/s and identity.
-3. One GRAFT step of a real-shape pair on one GPU: B (Qwen3-1.7B shape) samples its rollouts and writes its
-   rollout file; A (SmolLM3-3B shape, fp32 master weights + AdamW, bf16 autocast) runs a full step against it as
-   a stored peer (graft.py's offline mode: the same selection, retokenisation, compatibility and peer-last update).
-   Rewards come from a planted verifier (a hash of the text), since random models solve nothing: it gives mixed
-   groups, so selection, scoring and the update all do work. Time by phase and peak memory.
-4. (run before 3.) One prefill per prompt (sampler share_prefix): a GRPO rollout of 32 random prompts (64-1,024
-   tokens) x n=8 at T=1 on the Qwen3-1.7B-shaped model, bf16, 256 rows in flight, with and without sharing,
-   interleaved: tokens/s, peak memory, sampled rows identical (bf16: other batch shapes round differently, so a
-   few may differ), and the behaviour log-probs (micro-batches of 16) with and without: time, peak memory, max
-   difference.
+One GPU covers one process per side. Multi-rank NCCL (FSDP2 over several GPUs, all-gathers and reduce-scatters
+between ranks, the pair on 4 + 4 GPUs) is NOT covered by this script; it needs a multi-GPU node.
 
-Exit status 0 with the table printed; a failed identity check exits 1. --tiny uses toy sizes and the tiny
-preset's committed tokenizers (data/tiny_models/A, B), so the script is exercised on every CPU test run.
+Parts, in this order (the cheap and decisive ones first):
+
+1. kernel: the chunked log-prob kernel (sampler.token_logprobs) against the naive log_softmax(h @ W.T).gather,
+   forward under bf16 autocast and backward outside it (the trainer's regime), N=8192, H=2048, V=151,936: time,
+   peak memory, and the relative error of values and both gradients against an fp32 reference (check: not worse
+   than the naive path's, within 1.25x).
+2. rollout (the trainer's regime): Qwen3-1.7B shape, float32 master weights under bf16 autocast, 256 rows x 1,024
+   new tokens, as Trainer.rollout calls the sampler: the cached K/V dtypes and bytes per token (read off the stored
+   tensors, sampler stats; check: bf16, 2 x layers x kv_heads x head_dim x 2 bytes), peak GiB, ms per decode step,
+   and GB/s against the bytes read per step (the bf16 weights autocast caches + the mean KV cache).
+3. microbatch: one update micro-batch of SmolLM3-3B shape at a given setting (--mb-rows rows of --mb-tokens
+   tokens, gradient checkpointing on unless --no-mb-checkpointing): float32 weights, bf16 autocast forward,
+   backward, fused AdamW step; peak GiB, beside the memory plan's update figure when plan.py exists (imported
+   lazily; the column says why it is missing otherwise).
+4. smoke: `run_pair.sh pair1` on one GPU, both sides on GPU 0, with small full-width models (the real
+   architectures and widths, --smoke-layers layers, saved with from_config) and the real tokenizers, FSDP2 (one rank
+   per side), one step, a checkpoint, then `--resume` to step 2 with one evaluation. Checks: each side's metrics hold
+   steps 0 and 1 once, an evaluation, both checkpoints. Wall time.
+5. sampler (long rows): the sampler against transformers' generate, greedy, batch 64. In float32 the rows must be
+   identical (strict); in bf16 by tolerance: share of identical rows, the first divergence, and the teacher-forced
+   max |d logp| of the sampler's log-probs against a plain forward of the model on its own tokens. Then the static
+   decode (CUDA graph) against the eager one at 64 and 256 rows in flight, bf16: tokens/s and share of identical rows.
+6. prefill: one prefill per prompt (share_prefix) on a GRPO rollout (32 prompts x 8, 256 rows in flight), bf16:
+   tokens/s, peak, identical rows; the behaviour log-probs with and without sharing: time, peak, max difference.
+
+bf16 tolerance (rows 5-6): mean |d logp| <= 0.02 and max <= 0.25 nats, as tests/test_sampler.py's bf16 checks; the
+share of identical rows is reported, not checked (two bf16 paths with other batch shapes round differently, and
+a greedy argmax can flip on a near tie, after which a random model's rows part ways).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import datetime
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import zlib
+import traceback
 from pathlib import Path
 
 import torch
-from config import Config
-from core import batch_indices
-from exchange import rollout_path, save_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
+BF16_MEAN, BF16_MAX = 0.02, 0.25  # nats: the bf16 tolerance of the module docstring
+GIB = 1024 ** 3
+PARTS = ("kernel", "rollout", "microbatch", "smoke", "sampler", "prefill")
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows: printed and appended to the JSONL file as measured; parts isolated from each other
+# ------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    """The run's rows. ``row`` prints one and appends it to the JSONL file at once (flushed and synced, so a crash
+    or a kill loses nothing already measured); ``part`` runs one part in a try/except under the time budget."""
+
+    def __init__(self, path: Path, budget: float, device: torch.device):
+        self.path, self.budget, self.device = Path(path), budget, device
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.time()
+        self.failed: list[str] = []  # checks that failed and parts that raised
+
+    def row(self, part: str, name: str, **fields) -> dict:
+        rec = {"part": part, "name": name, **fields, "elapsed_s": round(time.time() - self.t0, 1),
+               "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if fields.get("ok") is False:
+            self.failed.append(f"{part}: {name}")
+        shown = ", ".join(f"{k} {v}" for k, v in fields.items())
+        print(f"[{part}] {name}: {shown}", flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return rec
+
+    def peak_gib(self) -> float | None:
+        return round(torch.cuda.max_memory_allocated() / GIB, 2) if self.device.type == "cuda" else None
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def part(self, name: str, fn, *args) -> None:
+        """Run fn(*args) as part `name`: skipped when the budget is spent, an exception recorded as a row."""
+        spent = time.time() - self.t0
+        if spent > self.budget:
+            self.row(name, "skipped", reason=f"--budget {self.budget:.0f} s spent ({spent:.0f} s)")
+            return
+        self.reset_peak()
+        t = time.time()
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001: any failure of one part is recorded and the next part runs
+            frames = traceback.format_exception(type(e), e, e.__traceback__)
+            self.row(name, "error", ok=False, error=f"{type(e).__name__}: {e}"[:2000],
+                     trace="".join(frames[-3:])[-2000:], peak_gib=self.peak_gib(),
+                     part_s=round(time.time() - t, 1))
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: torch.device, fn, *args):
+    """(fn(*args), wall seconds), the device synchronised on both sides."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -58,14 +144,16 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root
 
 def sizes(tiny: bool) -> dict:
     if tiny:
-        return dict(kernel=(256, 64, 4096), repeats=2, batch=8, batches=(4, 8), new_tokens=24, prompts=8, n=4,
-                    response=24, share=(4, (8, 64), 8))
-    return dict(kernel=(8192, 2048, 151_936), repeats=5, batch=64, batches=(64, 256), new_tokens=256, prompts=64,
-                n=8, response=512, share=(32, (64, 1024), 256))  # share: prompts, their length range, rows in flight
+        return dict(kernel=(256, 64, 4096), repeats=2, rollout=(8, 16, 24), batch=8, batches=(4, 8), new_tokens=24,
+                    f32_batch=4, f32_tokens=16, share=(4, (8, 64), 8), n=4, smoke_response=16)
+    return dict(kernel=(8192, 2048, 151_936), repeats=5, rollout=(256, 128, 1024), batch=64, batches=(64, 256),
+                new_tokens=256, f32_batch=16, f32_tokens=64, share=(32, (64, 1024), 256), n=8, smoke_response=64)
+    # rollout: rows, prompt tokens, new tokens; share: prompts, their length range, rows in flight
 
 
-def model_config(kind: str, tok, tiny: bool):
-    """Qwen3-1.7B's or SmolLM3-3B's shape (or a toy of the same architecture), vocab from the tokenizer."""
+def model_config(kind: str, tok, tiny: bool, layers: int | None = None):
+    """Qwen3-1.7B's or SmolLM3-3B's shape (or a toy of the same architecture), vocab from the tokenizer; layers:
+    fewer decoder layers at full width (the smoke's models)."""
     from transformers import AutoConfig
     if kind == "qwen3":
         shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -76,6 +164,8 @@ def model_config(kind: str, tok, tiny: bool):
     if tiny:
         shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16)
+    if layers:
+        shape["num_hidden_layers"] = layers
     arch = "qwen3" if kind == "qwen3" else "smollm3"
     ids = dict(vocab_size=len(tok), max_position_embeddings=8192, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
@@ -86,27 +176,19 @@ def model_config(kind: str, tok, tiny: bool):
 
 
 def random_model(kind: str, tok, *, tiny: bool, dtype: torch.dtype, device: torch.device, seed: int):
+    """A random-init model built directly on the device (no host copy of a 3B model)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    cfg = model_config(kind, tok, tiny)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config(kind, tok, tiny), dtype=dtype)
     model.generation_config.eos_token_id = tok.eos_token_id
     return model.eval()
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def peak_gib(device: torch.device) -> str:
-    return f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else "n/a (CPU)"
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab - 1, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,19 +196,19 @@ def reset_peak(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def bench_kernel(sz: dict, device: torch.device, rows: list) -> None:
+def bench_kernel(b: Bench, sz: dict) -> None:
     from sampler import token_logprobs
+    device = b.device
     n, h, v = sz["kernel"]
     gen = torch.Generator().manual_seed(0)
     hidden = (torch.randn(n, h, generator=gen) * 4 / h**0.5).to(device)
     weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device)
     targets = torch.randint(0, v, (n,), generator=gen).to(device)
     upstream = torch.randn(n, generator=gen).to(device)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def run(path, autocast: bool):
         hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        with amp if autocast else contextlib.nullcontext():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             if path == "ours":
                 lp = token_logprobs(hh, ww, targets, chunk_size=1024)  # (N,)
             else:
@@ -135,30 +217,201 @@ def bench_kernel(sz: dict, device: torch.device, rows: list) -> None:
         return lp.detach().float(), hh.grad.float(), ww.grad.float()
 
     ref = run("naive", autocast=False)  # fp32 reference
-    rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-30))  # noqa: E731
+    rel = lambda a, r: float((a - r).norm() / r.norm().clamp(min=1e-30))  # noqa: E731
     out = {}
     for path in ("ours", "naive"):
         times = []
         for _ in range(sz["repeats"]):
-            reset_peak(device)
-            synchronize(device)
-            t0 = time.perf_counter()
-            vals = run(path, autocast=True)
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-        out[path] = dict(time=statistics.median(times), peak=peak_gib(device),
-                         err=[rel(x, r) for x, r in zip(vals, ref)])
-    o, nv = out["ours"], out["naive"]
-    worst = max(a / max(b, 1e-12) for a, b in zip(o["err"], nv["err"]))
-    rows.append(("kernel bf16 fwd+bwd, N x H x V = " + "x".join(map(str, sz["kernel"])),
-                 f"time {o['time'] * 1e3:.0f} vs {nv['time'] * 1e3:.0f} ms ({o['time'] / nv['time']:.2f}x); "
-                 f"peak {o['peak']} vs {nv['peak']}; rel. error values/grad h/grad W "
-                 + "/".join(f"{e:.1e}" for e in o["err"]) + " vs " + "/".join(f"{e:.1e}" for e in nv["err"])
-                 + f" (worst ratio {worst:.2f}x, target <= 1.25x)"))
+            b.reset_peak()
+            vals, t = timed(device, run, path, True)
+            times.append(t)
+        out[path] = dict(ms=round(statistics.median(times) * 1e3, 1), peak_gib=b.peak_gib(),
+                         err=[float(f"{rel(x, r):.2e}") for x, r in zip(vals, ref)])
+    worst = max(a / max(r, 1e-12) for a, r in zip(out["ours"]["err"], out["naive"]["err"]))
+    b.row("kernel", "token_logprobs bf16 fwd+bwd vs naive, N x H x V = " + "x".join(map(str, sz["kernel"])),
+          ms=out["ours"]["ms"], naive_ms=out["naive"]["ms"], peak_gib=out["ours"]["peak_gib"],
+          naive_peak_gib=out["naive"]["peak_gib"], err_values_gradh_gradw=out["ours"]["err"],
+          naive_err=out["naive"]["err"], worst_ratio=round(worst, 3), ok=worst <= 1.25)
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. The sampler against generate, and the static decode path
+# 2-3. The trainer's regime: a real-width rollout, one update micro-batch
+# ------------------------------------------------------------------------------------------------
+
+
+def bench_rollout(b: Bench, sz: dict, tok, tiny: bool) -> None:
+    """256 rows x 1,024 new tokens at Qwen3-1.7B's shape, float32 weights under bf16 autocast (Trainer.rollout)."""
+    from sampler import sample
+    device = b.device
+    rows, prompt_len, new = sz["rollout"]
+    model = random_model("qwen3", tok, tiny=tiny, dtype=torch.float32, device=device, seed=11)
+    cfg = model.config
+    prompts = random_prompts(rows, prompt_len, prompt_len, len(tok), seed=12)
+    stats: dict = {}
+    b.reset_peak()
+
+    def run():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return sample(model, prompts, max_new_tokens=new, temperature=1.0, eos_token_id=-1, pad_token_id=0,
+                          generator=torch.Generator().manual_seed(0), max_batch_size=rows, stats=stats)
+
+    outs, seconds = timed(device, run)
+    kv_token = stats["kv_bytes_per_token"]
+    want = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    steps = stats["forward_calls"]
+    weights_bf16 = sum(p.numel() for p in model.parameters()) * 2  # autocast's cached bf16 copies, read per step
+    mean_kv = rows * (prompt_len + new / 2) * kv_token  # the cache read by the average decode step
+    ms = seconds / steps * 1e3
+    b.row("rollout", f"Qwen3-1.7B shape, fp32 weights + bf16 autocast, {rows} rows x {prompt_len}+{new} tokens",
+          kv_dtypes=[str(d) for d in stats["kv_dtypes"]], kv_bytes_per_token=kv_token, kv_expected=want,
+          peak_gib=b.peak_gib(), kv_gib_at_end=round(rows * (prompt_len + new) * kv_token / GIB, 2),
+          ms_per_step=round(ms, 2), steps=steps, tokens=sum(len(o.tokens) for o in outs),
+          gb_per_s=round((weights_bf16 + mean_kv) / (ms / 1e3) / 1e9, 1),
+          ok=kv_token == want and all(d == torch.bfloat16 for d in stats["kv_dtypes"]))
+
+
+def plan_figures(cfg_kw: dict, config) -> dict | str:
+    """The memory plan's figures (GiB) for the same setting, when plan.py exists: its update (forward + backward)
+    and optimizer-step phases, whose larger one is the peak measured here. Else why there are none."""
+    try:
+        import plan  # imported lazily: plan.py may not exist in this checkout
+    except ImportError:
+        return "plan.py not found"
+    from config import Config
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)  # the plan reads a config.json, no weights; no prompt file: --max-prompt-tokens
+        phases, _ = plan.plan_side(Config(model=tmp, **cfg_kw), ranks=1, eval_files=[])
+    return {ph.name: round(ph.total / GIB, 2) for ph in phases if ph.name in ("update", "optimizer step")}
+
+
+def bench_microbatch(b: Bench, sz: dict, tok, tiny: bool, args) -> None:
+    """One update micro-batch at SmolLM3-3B's shape: forward under bf16 autocast, backward, fused AdamW step."""
+    from runtime import adamw_kernel
+    from sampler import response_logprobs
+    device = b.device
+    rows, total = (2, 64) if tiny else (args.mb_rows, args.mb_tokens)
+    prompt_len = max(1, total // 16)
+    model = random_model("smollm3", tok, tiny=tiny, dtype=torch.float32, device=device, seed=13).train()
+    if args.mb_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    fast = adamw_kernel(device)  # as graft.Trainer builds it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **fast)
+    prompts = random_prompts(rows, prompt_len, prompt_len, len(tok), seed=14)
+    responses = random_prompts(rows, total - prompt_len, total - prompt_len, len(tok), seed=15)
+    b.reset_peak()
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            lp, mask = response_logprobs(model, prompts, responses, pad_token_id=0, share_prefix=False)
+        (lp * mask).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    _, first = timed(device, step)  # the first step allocates the AdamW moments: the steady state's peak
+    b.reset_peak()
+    _, seconds = timed(device, step)
+    peak = b.peak_gib()
+    plan_kw = dict(micro_batch_size=rows, max_prompt_tokens=prompt_len, max_response_tokens=total - prompt_len,
+                   gradient_checkpointing=args.mb_checkpointing, share_prefix=False)
+    try:
+        planned = plan_figures(plan_kw, model.config)
+    except BaseException as e:  # noqa: BLE001: the plan's column reports its own failure (SystemExit included)
+        planned = f"plan failed: {type(e).__name__}: {e}"[:300]
+    b.row("microbatch", f"SmolLM3-3B shape, {rows} rows x {total} tokens, checkpointing "
+          f"{'on' if args.mb_checkpointing else 'off'}, fp32 + bf16 autocast + "
+          f"{'fused' if fast.get('fused') else 'foreach'} AdamW", peak_gib=peak, plan_gib=planned,
+          step_s=round(seconds, 2), first_step_s=round(first, 2), params=sum(p.numel() for p in model.parameters()))
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. The smoke: run_pair.sh pair1 on one GPU, two processes, FSDP2, a checkpoint, --resume, an evaluation
+# ------------------------------------------------------------------------------------------------
+
+
+def smoke_models(tmp: Path, toks: dict, tiny: bool, layers: int) -> dict:
+    """Small full-width models of both sides (real architectures, widths and tokenizers; `layers` layers),
+    saved as model folders run_pair.sh can be pointed at (SMOL, QWEN)."""
+    from transformers import AutoModelForCausalLM
+    out = {}
+    for side, kind in (("a", "smollm3"), ("b", "qwen3")):
+        cfg = model_config(kind, toks[side], tiny, layers=None if tiny else layers)
+        torch.manual_seed(21)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # saved small; the trainer loads fp32
+        model.generation_config.eos_token_id = toks[side].eos_token_id
+        folder = tmp / f"model_{side}"
+        model.save_pretrained(folder)
+        toks[side].save_pretrained(folder)
+        out[side] = folder
+        del model
+    return out
+
+
+def smoke_data(data: Path, n: int) -> Path:
+    """The data folder run_pair.sh reads: math_train.jsonl (present, so it prepares nothing) and a benchmark."""
+    data.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(22)
+    rows = []
+    for i in range(n):
+        a, c = torch.randint(10, 99, (2,), generator=gen).tolist()
+        rows.append(json.dumps({"id": f"q{i}", "problem": f"What is {a} + {c}?", "answer": str(a + c)}))
+    (data / "math_train.jsonl").write_text("\n".join(rows) + "\n")
+    bench = data / "smoke_bench.jsonl"
+    bench.write_text("\n".join(rows[:4]) + "\n")
+    return bench
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def bench_smoke(b: Bench, sz: dict, toks: dict, tiny: bool, args) -> None:
+    """Two launches of `run_pair.sh pair1`: one step and a checkpoint, then --resume to step 2 with an evaluation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        t0 = time.time()
+        models = smoke_models(tmp, toks, tiny, args.smoke_layers)
+        bench = smoke_data(tmp / "data", 16)
+        made = time.time() - t0
+        gpu = b.device.type == "cuda"
+        env = dict(os.environ, SMOL=str(models["a"]), QWEN=str(models["b"]), RUNS=str(tmp / "runs"),
+                   DATA=str(tmp / "data"), NGPU="1" if gpu else "0", FSDP="1", PYTHON=sys.executable,
+                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        flags = ["--prompts-per-step", "4", "--rollouts", "4", "--minibatches", "1", "--micro-batch-size", "4",
+                 "--gen-batch-size", "16", "--max-response-tokens", str(sz["smoke_response"]), "--eval-every", "2",
+                 "--benchmarks", str(bench), "--eval-max-problems", "4", "--eval-samples", "2", "--save-every", "1",
+                 "--exchange-timeout", "300"] + (["--threads", "1"] if not gpu else [])
+        launches = []
+        for steps, extra in ((1, []), (2, ["--resume"])):
+            env["STEPS"] = str(steps)
+            t = time.time()
+            r = subprocess.run(["bash", str(ROOT / "run_pair.sh"), "pair1"] + flags + extra, cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=args.smoke_timeout)
+            launches.append(round(time.time() - t, 1))
+            if r.returncode != 0:
+                logs = {s: (tmp / "runs" / "pair1" / f"{s}.log") for s in "ab"}
+                tails = {s: p.read_text()[-1500:] if p.is_file() else "" for s, p in logs.items()}
+                raise RuntimeError(f"run_pair.sh pair1 (STEPS={steps} {' '.join(extra)}) exited {r.returncode}: "
+                                   f"{r.stderr[-1000:]} | a.log: {tails['a']} | b.log: {tails['b']}")
+        checks = {}
+        for s in "ab":
+            side = tmp / "runs" / "pair1" / s
+            metrics = read_jsonl(side / "metrics.jsonl")
+            ckpts = side / "checkpoints"
+            checks[s] = dict(steps=[m.get("step") for m in metrics],
+                             evaluated=any("eval/mean" in m for m in metrics),
+                             checkpoints=sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else [])
+        ok = all(c["steps"] == [0, 1] and c["evaluated"] and {"step_000001", "step_000002"} <= set(c["checkpoints"])
+                 for c in checks.values())
+        b.row("smoke", f"run_pair.sh pair1 on {'GPU 0 (both sides)' if gpu else 'the CPU'}, FSDP2 (1 rank per side), "
+              f"{'toy' if tiny else f'full-width {args.smoke_layers}-layer'} models, 1 step + --resume to 2, one eval",
+              models_s=round(made, 1), launch_s=launches, sides=checks, ok=ok,
+              note="one process per side: multi-rank NCCL is not covered by one GPU")
+
+
+# ------------------------------------------------------------------------------------------------
+# 5-6. Long sampler rows: against generate, static vs eager, shared prefix
 # ------------------------------------------------------------------------------------------------
 
 
@@ -176,70 +429,105 @@ def planted_eos(model, prompts, max_new: int, pad: int) -> int:
     return max(first, key=lambda tok: (len(first[tok]), -tok))
 
 
-def bench_sampler(sz: dict, tok, device: torch.device, tiny: bool, rows: list) -> bool:
-    from sampler import sample
-    model = random_model("qwen3", tok, tiny=tiny, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                         device=device, seed=1)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(5, len(tok) - 1, (int(torch.randint(8, 64, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(max(sz["batches"]))]
-    pad, new = tok.pad_token_id or 0, sz["new_tokens"]
-    eos = planted_eos(model, prompts[: sz["batch"]], new, pad)
-    ok = True
-
-    def timed(fn):
-        synchronize(device)
-        t0 = time.perf_counter()
-        result = fn()
-        synchronize(device)
-        return result, time.perf_counter() - t0
-
-    batch = prompts[: sz["batch"]]
-    ours, t_ours = timed(lambda: sample(model, batch, max_new_tokens=new, temperature=0.0, eos_token_id=eos,
-                                        pad_token_id=pad, max_batch_size=len(batch)))
-    ids = torch.full((len(batch), max(map(len, batch))), pad, dtype=torch.long)
+def generate_rows(model, prompts, *, new: int, eos: int, pad: int, device) -> list[list[int]]:
+    """transformers' greedy generate on left-padded prompts, each row cut after its first EOS."""
+    ids = torch.full((len(prompts), max(map(len, prompts))), pad, dtype=torch.long)
     att = torch.zeros_like(ids)
-    for i, p in enumerate(batch):  # left padding, as generate expects
+    for i, p in enumerate(prompts):
         ids[i, ids.shape[1] - len(p):], att[i, ids.shape[1] - len(p):] = torch.tensor(p), 1
-    ref, t_ref = timed(lambda: model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
-                                              max_new_tokens=new, do_sample=False, eos_token_id=eos,
-                                              pad_token_id=pad))
-    ref_rows = []
-    for row in ref[:, ids.shape[1]:].tolist():
-        cut = row.index(eos) + 1 if eos in row else len(row)
-        ref_rows.append(row[:cut])
-    same = all(o.tokens == r for o, r in zip(ours, ref_rows))
-    ok &= same
+    out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=new,
+                         do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        rows.append(row[: row.index(eos) + 1] if eos in row else row)
+    return rows
+
+
+def teacher_forced(model, prompts, rolls, device, chunk: int = 8) -> torch.Tensor:
+    """|sampler log-prob - plain forward log-prob| of every sampled token: the model's own forward (full logits,
+    log_softmax) on prompt + the sampler's tokens, right-padded in chunks of rows. -> (N,) float32."""
+    diffs = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), chunk):
+            ps, rs = prompts[i: i + chunk], rolls[i: i + chunk]
+            width = max(len(p) + len(r.tokens) for p, r in zip(ps, rs))
+            ids = torch.zeros(len(ps), width, dtype=torch.long)
+            att = torch.zeros_like(ids)
+            for j, (p, r) in enumerate(zip(ps, rs)):
+                seq = p + r.tokens
+                ids[j, : len(seq)], att[j, : len(seq)] = torch.tensor(seq), 1
+            logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float(),
+                                     dim=-1)  # (b, W, V)
+            for j, (p, r) in enumerate(zip(ps, rs)):
+                pos = torch.arange(len(p) - 1, len(p) + len(r.tokens) - 1, device=device)  # predicting each token
+                ref = logp[j, pos, torch.tensor(r.tokens, device=device)]  # (len(r),)
+                diffs.append((ref.cpu() - r.logprobs).abs())
+    return torch.cat(diffs)
+
+
+def compare(ours, theirs) -> dict:
+    """Share of identical rows and the first position where any row differs (None: all identical)."""
+    same = [a == b for a, b in zip(ours, theirs)]
+    firsts = [next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b, s in zip(ours, theirs, same) if not s]
+    return dict(identical=f"{sum(same)}/{len(same)}", first_divergence=min(firsts) if firsts else None,
+                all_identical=all(same))
+
+
+def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
+    from sampler import sample
+    device = b.device
+    pad, new = tok.pad_token_id or 0, sz["new_tokens"]
+    prompts = random_prompts(max(sz["batches"]), 8, 64, len(tok), seed=2)
+    # float32: strict identity with generate
+    m32 = random_model("qwen3", tok, tiny=tiny, dtype=torch.float32, device=device, seed=1)
+    small = prompts[: sz["f32_batch"]]
+    eos32 = planted_eos(m32, small, sz["f32_tokens"], pad)
+    ours = sample(m32, small, max_new_tokens=sz["f32_tokens"], temperature=0.0, eos_token_id=eos32, pad_token_id=pad)
+    ref = generate_rows(m32, small, new=sz["f32_tokens"], eos=eos32, pad=pad, device=device)
+    cmp = compare([o.tokens for o in ours], ref)
+    b.row("sampler", f"sampler vs generate, float32, batch {len(small)}, greedy (strict)", **cmp,
+          ok=cmp["all_identical"])
+    del m32
+    # bf16: by tolerance
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model("qwen3", tok, tiny=tiny, dtype=dtype, device=device, seed=1)
+    batch = prompts[: sz["batch"]]
+    eos = planted_eos(model, batch, new, pad)
+    ours, t_ours = timed(device, lambda: sample(model, batch, max_new_tokens=new, temperature=0.0, eos_token_id=eos,
+                                                pad_token_id=pad, max_batch_size=len(batch)))
+    ref, t_ref = timed(device, lambda: generate_rows(model, batch, new=new, eos=eos, pad=pad, device=device))
+    d = teacher_forced(model, batch, ours, device)
     useful = sum(len(o.tokens) for o in ours)
-    lengths = sorted(len(o.tokens) for o in ours)
-    rows.append((f"sampler vs generate, Qwen3-1.7B shape, batch {len(batch)}, greedy",
-                 f"{useful / t_ours:.0f} vs {useful / t_ref:.0f} tokens/s ({t_ref / t_ours:.2f}x); lengths "
-                 f"{lengths[0]}-{lengths[-1]} (median {lengths[len(lengths) // 2]}); identical rows: {same}"))
-    for b in sz["batches"]:
-        many = prompts[:b]
-        eager, t_e = timed(lambda: sample(model, many, max_new_tokens=new, temperature=0.0, eos_token_id=eos,
-                                          pad_token_id=pad, max_batch_size=b))
-        static, t_s = timed(lambda: sample(model, many, max_new_tokens=new, temperature=0.0, eos_token_id=eos,
-                                           pad_token_id=pad, max_batch_size=b, static=True))
-        same = all(a.tokens == s.tokens for a, s in zip(eager, static))
-        ok &= same
+    cmp = compare([o.tokens for o in ours], ref)
+    b.row("sampler", f"sampler vs generate, {dtype}, batch {len(batch)}, greedy (tolerance)", **cmp,
+          tf_mean_dlogp=round(float(d.mean()), 4), tf_max_dlogp=round(float(d.max()), 4),
+          tokens_per_s=round(useful / t_ours), generate_tokens_per_s=round(useful / t_ref),
+          ok=float(d.mean()) <= BF16_MEAN and float(d.max()) <= BF16_MAX)
+    for rows in sz["batches"]:
+        many = prompts[:rows]
+        run = lambda static: sample(model, many, max_new_tokens=new, temperature=0.0, eos_token_id=eos,  # noqa: E731
+                                    pad_token_id=pad, max_batch_size=rows, static=static)
+        eager, t_e = timed(device, run, False)
+        static, t_s = timed(device, run, True)
         toks = sum(len(o.tokens) for o in eager)
-        rows.append((f"static decode vs eager, {b} rows in flight",
-                     f"{toks / t_s:.0f} vs {toks / t_e:.0f} tokens/s ({t_e / t_s:.2f}x, first call includes graph "
-                     f"capture); identical rows: {same}"))
-    return ok
+        d = teacher_forced(model, many, static, device)
+        cmp = compare([o.tokens for o in static], [o.tokens for o in eager])
+        b.row("sampler", f"static decode vs eager, {dtype}, {rows} rows in flight (tolerance)", **cmp,
+              static_tokens_per_s=round(toks / t_s), eager_tokens_per_s=round(toks / t_e),
+              tf_mean_dlogp=round(float(d.mean()), 4), tf_max_dlogp=round(float(d.max()), 4),
+              note="the static call includes its CUDA graph capture",
+              ok=float(d.mean()) <= BF16_MEAN and float(d.max()) <= BF16_MAX)
 
 
-def bench_prefill(sz: dict, tok, device: torch.device, tiny: bool, rows: list) -> None:
-    """Row 4 of the module docstring: a GRPO rollout and its behaviour log-probs, share_prefix False vs True."""
+def bench_prefill(b: Bench, sz: dict, tok, tiny: bool) -> None:
+    """A GRPO rollout and its behaviour log-probs, share_prefix False vs True (sampler.py departure 11)."""
     from sampler import response_logprobs, sample
+    device = b.device
     model = random_model("qwen3", tok, tiny=tiny, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                          device=device, seed=6)
     n_prompts, (lo, hi), slots = sz["share"]
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(5, len(tok) - 1, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),),
-                             generator=gen).tolist() for _ in range(n_prompts)]
-    batch = [p for p in prompts for _ in range(sz["n"])]  # row r = g * n + i, as Trainer.rollout builds them
+    batch = [p for p in random_prompts(n_prompts, lo, hi, len(tok), seed=7) for _ in range(sz["n"])]
     pad, new = tok.pad_token_id or 0, sz["new_tokens"]
 
     def rollout(share: bool):
@@ -256,84 +544,27 @@ def bench_prefill(sz: dict, tok, device: torch.device, tiny: bool, rows: list) -
                 out += [lp[j, : int(mask[j].sum())].float() for j in range(lp.shape[0])]
         return out
 
-    def timed(fn, *args):
-        reset_peak(device)
-        synchronize(device)
-        t0 = time.perf_counter()
-        result = fn(*args)
-        synchronize(device)
-        return result, time.perf_counter() - t0, peak_gib(device)
+    def measured(fn, *a):
+        b.reset_peak()
+        out, t = timed(device, fn, *a)
+        return out, t, b.peak_gib()
 
     rollout(True)  # warm-up
     res = {}
     for share in (False, True, True, False):  # interleaved; the second run of each is kept
-        res[share] = timed(rollout, share)
+        res[share] = measured(rollout, share)
     toks = {s: sum(len(o.tokens) for o in r[0]) for s, r in res.items()}
-    same = sum(a.tokens == b.tokens for a, b in zip(res[False][0], res[True][0]))
-    rows.append((f"shared prefix, rollout {n_prompts} prompts ({lo}-{hi} tokens) x n={sz['n']}, T=1, {slots} in flight",
-                 f"{toks[True] / res[True][1]:.0f} vs {toks[False] / res[False][1]:.0f} tokens/s "
-                 f"({toks[True] / res[True][1] / (toks[False] / res[False][1]):.2f}x); peak {res[True][2]} vs "
-                 f"{res[False][2]}; identical rows {same}/{len(batch)}"))
+    cmp = compare([o.tokens for o in res[True][0]], [o.tokens for o in res[False][0]])
+    b.row("prefill", f"shared prefix, rollout {n_prompts} prompts ({lo}-{hi} tokens) x n={sz['n']}, T=1, "
+          f"{slots} in flight", tokens_per_s=round(toks[True] / res[True][1]),
+          unshared_tokens_per_s=round(toks[False] / res[False][1]), peak_gib=res[True][2],
+          unshared_peak_gib=res[False][2], identical=cmp["identical"])
     responses = [o.tokens for o in res[True][0]]
-    lp = {share: timed(logprobs, share, responses) for share in (False, True)}
-    diff = max(float((a - b).abs().max()) for a, b in zip(lp[False][0], lp[True][0]))
-    rows.append(("shared prefix, behaviour log-probs, micro-batches of 16",
-                 f"{lp[True][1]:.2f} vs {lp[False][1]:.2f} s ({lp[False][1] / lp[True][1]:.2f}x faster); peak "
-                 f"{lp[True][2]} vs {lp[False][2]}; max |diff| {diff:.1e}"))
-
-
-# ------------------------------------------------------------------------------------------------
-# 3. One GRAFT step of a real-shape pair on one GPU
-# ------------------------------------------------------------------------------------------------
-
-
-def planted_reward(texts, golds, **kw):
-    return [1.0 if zlib.crc32(t.encode("utf-8", "replace")) % 3 == 0 else 0.0 for t in texts]
-
-
-def bench_pair_step(sz: dict, toks: dict, device: torch.device, tiny: bool, rows: list) -> None:
-    import graft
-    import runtime
-    import verify
-    verify.verify_batch = planted_reward  # random models solve nothing; see the module docstring
-    models = {"a": random_model("smollm3", toks["a"], tiny=tiny, dtype=torch.float32, device=device, seed=3),
-              "b": random_model("qwen3", toks["b"], tiny=tiny, dtype=torch.float32, device=device, seed=4)}
-    graft.load_policy = lambda path, cfg, dist_info, **kw: (models[Path(path).name], toks[Path(path).name],
-                                                      [toks[Path(path).name].eos_token_id])
-    runtime.load_policy = graft.load_policy
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        prompts = tmp / "prompts.jsonl"
-        gen = torch.Generator().manual_seed(5)
-        with open(prompts, "w") as f:
-            for i in range(sz["prompts"]):
-                a, b = torch.randint(10, 99, (2,), generator=gen).tolist()
-                f.write(json.dumps({"id": f"q{i}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
-        common = dict(prompts=str(prompts), steps=1, prompts_per_step=sz["prompts"], n=sz["n"], minibatches=4,
-                      max_response_tokens=sz["response"], gen_batch_size=256, micro_batch_size=8, lr=1e-6,
-                      device=device.type, save_every=10**6)
-        reset_peak(device)
-        with contextlib.redirect_stdout(io.StringIO()):
-            side_b = graft.Trainer(Config(model=str(tmp / "b"), name="b", out=str(tmp / "run_b"), **common))
-            t0 = time.perf_counter()
-            rows_b = batch_indices(len(side_b.data), 0, sz["prompts"], 0)
-            own_b, t_b = side_b.rollout(0, rows_b)
-            save_rollouts(rollout_path(tmp / "run_b" / "exchange", "b", 0), own_b,
-                          {"run_id": side_b.run_id, "step": 0})
-            t_b["total"] = time.perf_counter() - t0
-            side_b.model.to("cpu")  # the peer's weights leave the GPU; A trains next
-            if tiny:  # the toy A tokenizer is character-level: B's text re-encodes ~4x longer
-                common["max_response_tokens"] *= 4
-            side_a = graft.Trainer(Config(model=str(tmp / "a"), name="a", out=str(tmp / "run_a"),
-                                    peer_log=str(tmp / "run_b" / "exchange" / "b"), delta=0.0, **common))
-            m = side_a.step(0)
-    rows.append(("GRAFT step, B = Qwen3-1.7B shape: its rollouts",
-                 ", ".join(f"{k} {v:.1f} s" for k, v in t_b.items()) + f" ({sz['prompts']} prompts x n={sz['n']}, "
-                 f"cap {sz['response']} tokens)"))
-    phases = ("sample", "verify", "logprob", "wait", "exchange", "update", "step")
-    rows.append(("GRAFT step, A = SmolLM3-3B shape, fp32 + AdamW (+ bf16 autocast on GPU)",
-                 ", ".join(f"{k} {m.get('time/' + k, 0.0):.1f} s" for k in phases)
-                 + f"; selected {m.get('selected', 0)}, accepted {m.get('accepted', 0)}; peak {peak_gib(device)}"))
+    lp = {share: measured(logprobs, share, responses) for share in (False, True)}
+    diff = max(float((x - y).abs().max()) for x, y in zip(lp[False][0], lp[True][0]))
+    b.row("prefill", "shared prefix, behaviour log-probs, micro-batches of 16", s=round(lp[True][1], 2),
+          unshared_s=round(lp[False][1], 2), peak_gib=lp[True][2], unshared_peak_gib=lp[False][2],
+          max_abs_diff=float(f"{diff:.2e}"), ok=diff <= BF16_MAX)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -345,41 +576,59 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy sizes on CPU (the test suite's run)")
     p.add_argument("--tokenizers", default="", help="folder with qwen3/ and smollm3/ tokenizer folders")
-    p.add_argument("--only", choices=("kernel", "sampler", "prefill", "pair"), help="one part only")
+    p.add_argument("--only", default="", help=f"comma list of parts to run, of {', '.join(PARTS)} (default all)")
+    p.add_argument("--skip", default="", help="comma list of parts not to run")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds; parts that would start later are skipped")
+    p.add_argument("--jsonl", default=str(ROOT / "runs" / "bench_gpu.jsonl"), help="rows are appended here")
+    p.add_argument("--mb-rows", type=int, default=4, help="microbatch part: rows of the micro-batch")
+    p.add_argument("--mb-tokens", type=int, default=4096, help="microbatch part: tokens per row (prompt + response)")
+    p.add_argument("--no-mb-checkpointing", dest="mb_checkpointing", action="store_false",
+                   help="microbatch part: without gradient checkpointing")
+    p.add_argument("--smoke-layers", type=int, default=2, help="smoke part: decoder layers of the full-width models")
+    p.add_argument("--smoke-timeout", type=float, default=300.0, help="smoke part: seconds per launch")
     args = p.parse_args(argv)
+    chosen = [x for x in (args.only.split(",") if args.only else PARTS) if x]
+    bad = [x for x in chosen + args.skip.split(",") if x and x not in PARTS]
+    if bad:
+        raise SystemExit(f"bench/gpu.py --only/--skip: unknown part(s) {bad}; parts: {', '.join(PARTS)}")
+    chosen = [x for x in PARTS if x in chosen and x not in args.skip.split(",")]
     from transformers import AutoTokenizer
+    import transformers
     device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda")
     if args.tiny:
         torch.set_num_threads(1)
         dirs = {"a": ROOT / "data" / "tiny_models" / "A", "b": ROOT / "data" / "tiny_models" / "B"}
     else:
         if not args.tokenizers:
-            raise SystemExit("--tokenizers DIR is required without --tiny (a folder holding qwen3/ and smollm3/)")
+            raise SystemExit("bench/gpu.py: --tokenizers DIR is required without --tiny (a folder holding qwen3/ and "
+                             "smollm3/)")
         dirs = {"a": Path(args.tokenizers) / "smollm3", "b": Path(args.tokenizers) / "qwen3"}
     for d in dirs.values():
         if not d.is_dir():
-            raise SystemExit(f"--tokenizers: {d} is not a folder")
+            raise SystemExit(f"bench/gpu.py --tokenizers: {d} is not a folder")
     toks = {k: AutoTokenizer.from_pretrained(d) for k, d in dirs.items()}
     for t in toks.values():
         if t.pad_token_id is None:
             t.pad_token = t.eos_token
-    sz, rows, ok, t0 = sizes(args.tiny), [], True, time.time()
-    print(f"[bench_gpu] device {device}{' (' + torch.cuda.get_device_name() + ')' if device.type == 'cuda' else ''}, "
-          f"{'toy sizes' if args.tiny else 'real sizes'}", flush=True)
-    if args.only in (None, "kernel"):
-        bench_kernel(sz, device, rows)
-    if args.only in (None, "sampler"):
-        ok &= bench_sampler(sz, toks["b"], device, args.tiny, rows)
-    if args.only in (None, "prefill"):
-        bench_prefill(sz, toks["b"], device, args.tiny, rows)
-    if args.only in (None, "pair"):
-        bench_pair_step(sz, toks, device, args.tiny, rows)
-    width = max(len(r[0]) for r in rows)
-    print(f"\n{'check':<{width}} | measured (ours vs reference)")
-    for name, value in rows:
-        print(f"{name:<{width}} | {value}")
-    print(f"[bench_gpu] {time.time() - t0:.0f} s; identity checks {'passed' if ok else 'FAILED'}")
-    return 0 if ok else 1
+    b = Bench(Path(args.jsonl), args.budget, device)
+    sz = sizes(args.tiny)
+    b.row("setup", "machine", device=str(device), gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
+          torch=torch.__version__, transformers=transformers.__version__, cuda=torch.version.cuda,
+          alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+          sizes="toy" if args.tiny else "real", parts=chosen, budget_s=args.budget, jsonl=str(b.path),
+          note="one GPU: multi-rank NCCL (FSDP2 over several GPUs) is not covered")
+    calls = {"kernel": (bench_kernel, b, sz), "rollout": (bench_rollout, b, sz, toks["b"], args.tiny),
+             "microbatch": (bench_microbatch, b, sz, toks["a"], args.tiny, args),
+             "smoke": (bench_smoke, b, sz, toks, args.tiny, args),
+             "sampler": (bench_sampler, b, sz, toks["b"], args.tiny),
+             "prefill": (bench_prefill, b, sz, toks["b"], args.tiny)}
+    for name in chosen:
+        fn, *rest = calls[name]
+        b.part(name, fn, *rest)
+    b.row("setup", "done", failed=b.failed, total_s=round(time.time() - b.t0, 1))
+    print(f"[bench_gpu] {time.time() - b.t0:.0f} s; rows in {b.path}; "
+          + ("all checks passed" if not b.failed else f"FAILED: {'; '.join(b.failed)}"), flush=True)
+    return 1 if b.failed else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The GPU code paths, emulated on CPU: the trainer's update under bf16 autocast, FSDP2 over gloo
-ranks (gradients, checkpoints, resume), and bench_gpu.py's --tiny run. No GPU needed.
+ranks (gradients, checkpoints, resume), and bench/gpu.py's --tiny run. No GPU needed.
 
 Run: python -m pytest -q test_gpu_path.py
 """
@@ -81,12 +81,84 @@ def test_update_under_bf16_autocast_matches_fp32(tiny, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
+# The trainer's memory-saving settings: evaluation in the rollouts' precision and KV budget, the
+# behaviour log-prob pass in micro-batches of similar lengths, the optimizer and the allocator's setting
+# ------------------------------------------------------------------------------------------------
+
+
+def test_validate_samples_under_autocast_with_its_own_row_budget(tiny, tmp_path, monkeypatch):
+    import runtime
+    # Trainer.validate samples in the rollouts' precision (self.amp(): here CPU bf16 autocast, as on a GPU), so
+    # the sampler caches K and V in bf16 (read off the stored tensors: sampler stats), and with eval_rows: the
+    # rollout's KV tokens (gen_batch_size x (prompt + response cap)) spent on rows of the longer eval cap
+    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, gen_batch_size=6, max_prompt_tokens=20,
+                                   eval_max_tokens=40, benchmarks=str(tiny / "p.jsonl"), eval_samples=2,
+                                   eval_max_problems=3)
+    calls = []
+    real_sample = graft.sample
+
+    def recording(*args, **kw):
+        stats = {}
+        out = real_sample(*args, stats=stats, **kw)
+        calls.append((torch.is_autocast_enabled("cpu"), kw["max_batch_size"], stats["kv_dtypes"]))
+        return out
+
+    monkeypatch.setattr(graft, "sample", recording)
+    tr.amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    m = tr.validate(1)
+    assert "eval/mean" in m
+    want_rows = 6 * (20 + 16) // (20 + 40)  # = 3 rows: the rollout's 216 KV tokens over rows of 60
+    assert calls == [(True, want_rows, (torch.bfloat16, torch.bfloat16))], calls
+    assert runtime.eval_rows(tr.cfg) == want_rows
+    tr.cfg.eval_max_tokens = 0  # the rollout's cap: the rollout's rows
+    assert runtime.eval_rows(tr.cfg) == 6
+
+
+def test_behaviour_logprobs_by_length_equal_rollout_order_per_row(tiny, tmp_path, monkeypatch):
+    # the behaviour log-prob pass cuts micro-batches of similar lengths (sampler.batches_by_length); every row's
+    # log-probs must be those of the old cut (rollout order, micro_batch_size rows each) up to float round-off
+    tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, micro_batch_size=5)
+    n = tr.cfg.n
+    prompts = [tr.prompt_ids[rows[r // n]] for r in range(len(own.tokens))]
+    responses = own.tokens
+    assert len({len(r) for r in responses}) > 3, "the test needs responses of varied lengths"
+    assert [i for b in graft.batches_by_length(prompts, responses, 5) for i in b] != list(range(len(prompts)))
+    new = tr.behaviour_logprobs(prompts, responses)
+    old = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), 5):  # the old cut, in rollout order
+            lp, mask = tr.logprobs(prompts[i: i + 5], responses[i: i + 5])
+            old += [lp[j, : int(mask[j].sum())] for j in range(lp.shape[0])]
+    assert len(new) == len(old) == len(responses)
+    for i, (a, b) in enumerate(zip(new, old)):
+        assert a.shape == (len(responses[i]),)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"row {i}")
+
+
+def test_optimizer_is_foreach_on_cpu(tiny, tmp_path, monkeypatch):
+    # fused AdamW where the device has the kernel the trainer relies on (CUDA), foreach elsewhere
+    tr, *_ = planted(tiny, tmp_path, monkeypatch)
+    assert tr.opt.defaults["foreach"] is True and not tr.opt.defaults["fused"]
+
+
+def test_cuda_alloc_conf_set_unless_the_user_chose():
+    import runtime
+    env = {}
+    assert runtime.cuda_alloc_conf(env) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert runtime.cuda_alloc_conf(env) == "max_split_size_mb:128" and len(env) == 1
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}  # torch's newer name counts as the user's choice
+    assert runtime.cuda_alloc_conf(env) == "expandable_segments:False" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+# ------------------------------------------------------------------------------------------------
 # FSDP2 over two gloo ranks
 # ------------------------------------------------------------------------------------------------
 
 FSDP_GRADS = '''
 import json, sys
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]  # the modules, and this test file (update_grads)
 import torch, verify
 verify.verify_batch = lambda rs, gs, workers=0, **kw: [float(len(r) % 3 == 0) for r in rs]
 import graft
@@ -165,15 +237,64 @@ def test_fsdp_checkpoint_loads_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# bench_gpu.py at toy sizes: the GPU check script runs on every CPU test run, so it never rots
+# bench/gpu.py at toy sizes: the GPU check script runs on every CPU test run, so it never rots
 # ------------------------------------------------------------------------------------------------
 
 
 def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
-    r = run_py(["-m", "bench.gpu", "--tiny"], tmp_path, timeout=120)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
-    out = r.stdout
-    assert "identity checks passed" in out and out.count("identical rows: True") == 3, out
-    worst = float(out.split("worst ratio ")[1].split("x")[0])
-    assert worst <= 1.25, out  # the kernel's error under autocast is not worse than the naive path's
-    assert "selected" in out and "update" in out, out
+    # every part at toy size on the CPU, the smoke included (run_pair.sh pair1 on the CPU, FSDP2 over gloo, one
+    # rank per side, a checkpoint, --resume, an evaluation): every row in the JSONL file, every check passed
+    out = tmp_path / "rows.jsonl"
+    r = run_py(["-m", "bench.gpu", "--tiny", "--jsonl", str(out)], tmp_path, timeout=400)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "all checks passed" in r.stdout, r.stdout
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["part"] for x in rows] == ["setup", "kernel", "rollout", "microbatch", "smoke", "sampler", "sampler",
+                                         "sampler", "sampler", "prefill", "prefill", "setup"], rows
+    by = {}
+    for x in rows:
+        by.setdefault(x["part"], []).append(x)
+    assert "multi-rank NCCL" in rows[0]["note"] and "not covered" in rows[0]["note"]
+    assert by["kernel"][0]["worst_ratio"] <= 1.25  # the kernel's error under autocast is not worse than naive's
+    roll = by["rollout"][0]  # bf16 K and V through the sampler under autocast, 2 x 2 x 2 x 16 x 2 bytes
+    assert roll["kv_dtypes"] == ["torch.bfloat16", "torch.bfloat16"] and roll["kv_bytes_per_token"] == 256
+    smoke = by["smoke"][0]
+    assert smoke["ok"] and all(s["steps"] == [0, 1] and s["evaluated"] for s in smoke["sides"].values()), smoke
+    assert by["sampler"][0]["all_identical"], by["sampler"][0]  # float32: strict identity with generate
+    assert all(x.get("ok", True) for x in rows) and rows[-1]["failed"] == []
+
+
+def test_bench_gpu_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatch):
+    # a part that raises becomes an error row (message, last frames, peak memory) and the next part still runs; a
+    # row is in the file the moment it is measured (read back inside the part, before it raises); a spent
+    # --budget skips the parts left; the exit status says a part failed
+    from bench import gpu as bench_gpu
+    path = tmp_path / "rows.jsonl"
+    b = bench_gpu.Bench(path, budget=60.0, device=torch.device("cpu"))
+    seen = []
+
+    def breaks():
+        b.row("one", "measured before the failure", value=1)
+        seen.append([json.loads(x)["name"] for x in path.read_text().splitlines()])
+        raise RuntimeError("planted failure")
+
+    b.part("one", breaks)
+    b.part("two", lambda: b.row("two", "after", value=2))
+    assert seen == [["measured before the failure"]]
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["part"], x["name"]) for x in rows] == [("one", "measured before the failure"), ("one", "error"),
+                                                        ("two", "after")]
+    err = rows[1]
+    assert err["ok"] is False and "RuntimeError: planted failure" in err["error"] and "planted failure" in err["trace"]
+    assert "peak_gib" in err and b.failed == ["one: error"]
+    b.budget = 0.0
+    b.part("three", lambda: b.row("three", "never"))
+    assert json.loads(path.read_text().splitlines()[-1])["name"] == "skipped"
+    # through main: the kernel part raises, the rollout part after it still runs and writes its row; exit status 1
+    monkeypatch.setattr(bench_gpu, "bench_kernel", lambda *a: 1 / 0)
+    main_rows = tmp_path / "main.jsonl"
+    assert bench_gpu.main(["--tiny", "--only", "kernel,rollout", "--jsonl", str(main_rows)]) == 1
+    rows = [json.loads(x) for x in main_rows.read_text().splitlines()]
+    assert [(x["part"], x["name"]) for x in rows][1] == ("kernel", "error")
+    assert rows[2]["part"] == "rollout" and rows[2]["ok"] is True
+    assert rows[-1]["failed"] == ["kernel: error"]

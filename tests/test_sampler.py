@@ -706,6 +706,143 @@ def test_continuous_batching_under_bf16_autocast(static):
     assert diff.mean() < 0.02 and diff.max() < 0.25, f"mean {diff.mean():.4f}, max {diff.max():.4f} nats"
 
 
+def test_pass_tokens_counts_what_response_logprobs_feeds():
+    # departure 14's cost model against the token positions response_logprobs really feeds the model body (a hook
+    # on input_ids), shared and not, with repeated prompts, distinct ones and an empty response
+    model = tiny_model("qwen3", seed=2)
+    fed = []
+    hook = sampler._base_model(model).register_forward_pre_hook(
+        lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
+    g = torch.Generator().manual_seed(0)
+    cases = [(PROMPTS, [[5] * n for n in (3, 0, 7, 1, 2)]),
+             ([PROMPTS[0]] * 3 + [PROMPTS[1]] * 2, [[6] * n for n in (9, 2, 4, 1, 5)]),
+             ([PROMPTS[3]] * 4, [[7] * n for n in (1, 1, 1, 1)])]
+    cases.append(([PROMPTS[int(i)] for i in torch.randint(0, 5, (12,), generator=g)],
+                  [[8] * int(n) for n in torch.randint(0, 15, (12,), generator=g)]))
+    with torch.no_grad():
+        for prompts, responses in cases:
+            for share in (True, False):
+                fed.clear()
+                response_logprobs(model, prompts, responses, pad_token_id=0, share_prefix=share)
+                assert sum(fed) == sampler._pass_tokens(prompts, responses, share), (prompts, responses, share)
+    hook.remove()
+
+
+def test_batches_by_length_picks_the_cheapest_cut():
+    # every row once, in micro-batches of at most `size` rows, never costlier than rollout order; long-tailed
+    # responses (one long row per prompt's copies, as RL gives) cost far less sorted than in rollout order
+    g = torch.Generator().manual_seed(1)
+    prompts = [PROMPTS[i // 8 % 5] + [i // 8] for i in range(64)]  # 8 prompts x 8 copies, rollout order
+    responses = [[9] * (int(torch.randint(80, 100, (1,), generator=g)) if i % 8 == 0 else
+                        int(torch.randint(3, 12, (1,), generator=g))) for i in range(64)]
+    for share in (True, False):
+        for size in (1, 5, 16):
+            cut = sampler.batches_by_length(prompts, responses, size, share_prefix=share)
+            assert sorted(i for b in cut for i in b) == list(range(64)) and all(0 < len(b) <= size for b in cut)
+            cost = lambda batches: sum(sampler._pass_tokens([prompts[i] for i in b], [responses[i] for i in b],
+                                                            share) for b in batches)
+            rollout = [list(range(i, min(i + size, 64))) for i in range(0, 64, size)]
+            assert cost(cut) <= cost(rollout)
+            if size == 16:
+                assert cost(cut) < 0.5 * cost(rollout), (share, cost(cut), cost(rollout))
+    # by hand: rollout order feeds 2 x 9 + 2 x 9 = 36 positions, longest first 2 x 9 + 2 x 1 = 20
+    p, r = [[1], [2], [3], [4]], [[9], [9] * 9, [9], [9] * 9]
+    assert sampler.batches_by_length(p, r, 2, share_prefix=False) == [[1, 3], [0, 2]]
+    assert sampler.batches_by_length([], [], 3) == []
+
+
+def caches_seen(model):
+    """Register a hook that keeps every KV cache object the model body is handed (prefills and decode steps)."""
+    seen = []
+    base = sampler._base_model(model)
+
+    def hook(module, args, kwargs):
+        for key in ("cache", "past_key_values"):
+            if kwargs.get(key) is not None:
+                seen.append(kwargs[key])
+
+    return seen, base.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def stored_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) per layer of a DynamicCache or of the static path's slot cache."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.keys, cache.values))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("static", [False, True])
+def test_kv_cache_is_stored_in_bf16_under_autocast(static, attn):
+    # departure 13. Measured through the sampler: the cache tensors the model body is really handed. Under bf16
+    # autocast with float32 weights, Qwen3's float32 q/k norm and RoPE would make K float32 (V bf16); stored in bf16,
+    # one token costs 2 x layers x kv_heads x head_dim x 2 bytes.
+    model = tiny_model("qwen3", seed=13, head_scale=10.0, attn=attn)
+    cfg = model.config
+    want = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    seen, handle = caches_seen(model)
+    stats = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sample(model, PROMPTS * 2, max_new_tokens=6, temperature=0.8, eos_token_id=[1, 2], max_batch_size=3,
+               min_refill=1, static=static, generator=torch.Generator().manual_seed(0), stats=stats)
+    handle.remove()
+    assert seen
+    for cache in seen:
+        for k, v in stored_kv(cache):
+            assert k.dtype == v.dtype == torch.bfloat16, (k.dtype, v.dtype)
+    measured = sum(k.element_size() * k.shape[1] * k.shape[3] + v.element_size() * v.shape[1] * v.shape[3]
+                   for k, v in stored_kv(seen[-1]))
+    assert measured == want == stats["kv_bytes_per_token"], (measured, want, stats)
+    assert stats["kv_dtypes"] == (torch.bfloat16, torch.bfloat16)
+    assert sampler._kv_token_bytes(model, torch.bfloat16) == want  # the static path's sizing agrees
+    # without autocast (float32 weights) nothing is cast: 4 bytes per element
+    stats32 = {}
+    sample(model, PROMPTS, max_new_tokens=3, temperature=0, eos_token_id=1, static=static, stats=stats32)
+    assert stats32["kv_bytes_per_token"] == 2 * want and stats32["kv_dtypes"] == (torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("static", [False, True])
+def test_bf16_kv_cache_samples_what_the_mixed_dtype_cache_did(static, attn, monkeypatch):
+    # autocast's attention casts K and V to bf16 anyway, so storing them in bf16 changes no token and no log-prob:
+    # the same call with the cast switched off (K cached in float32, as before departure 13) is the reference
+    model = tiny_model("qwen3", seed=13, head_scale=10.0, attn=attn)
+
+    def run():
+        stats = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = sample(model, PROMPTS * 3, max_new_tokens=10, temperature=0.8, eos_token_id=list(range(1, 13)),
+                         max_batch_size=4, min_refill=1, static=static, generator=torch.Generator().manual_seed(3),
+                         stats=stats)
+        return out, stats
+
+    ours, stats = run()
+    monkeypatch.setattr(sampler, "_kv_dtype", lambda device: None)
+    old, old_stats = run()
+    assert old_stats["kv_dtypes"] == (torch.float32, torch.bfloat16), "the reference should cache mixed dtypes"
+    assert stats["kv_bytes_per_token"] * 3 == old_stats["kv_bytes_per_token"] * 2  # K 4 -> 2 bytes, V 2 bytes
+    assert len({len(r.tokens) for r in ours}) > 1
+    for a, b in zip(ours, old):
+        assert a.tokens == b.tokens
+        assert torch.equal(a.logprobs, b.logprobs)
+
+
+def test_static_slots_from_a_byte_budget():
+    # max_cache_bytes cuts the static path's slot count to what the budget holds (departure 13), with the same rows
+    # as that many slots asked for directly; a budget under one slot is refused with a message naming the argument
+    model = tiny_model("qwen3", seed=9)
+    prompts = PROMPTS * 2
+    length = max(map(len, prompts)) + 8
+    per_slot = length * sampler._kv_token_bytes(model, None)
+    kw = dict(max_new_tokens=8, temperature=0, eos_token_id=[1, 2], min_refill=1, static=True)
+    stats = {}
+    ours = sample(model, prompts, max_batch_size=8, max_cache_bytes=3 * per_slot + per_slot // 2, stats=stats, **kw)
+    assert stats["slots"] == 3
+    assert [r.tokens for r in ours] == [r.tokens for r in sample(model, prompts, max_batch_size=3, **kw)]
+    with pytest.raises(ValueError, match="max_cache_bytes=.*holds no slot"):
+        sample(model, prompts, max_batch_size=8, max_cache_bytes=per_slot - 1, **kw)
+
+
 # ------------------------------------------------------------------------------------------------
 # every architecture: tiny random configs of the families a GRAFT pair may use, including heads that scale or
 # soft-cap their logits and layers with sliding windows, against transformers' own generate and forward

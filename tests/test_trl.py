@@ -1,17 +1,24 @@
-"""Tests of graft_trl.py against TRL itself: TRL's own _compute_loss on the micro-batches our _prepare_inputs
+"""Tests of tools/graft_trl.py against TRL itself: TRL's own _compute_loss on the micro-batches our _prepare_inputs
 cuts equals core.policy_loss (Eq. 10) in value and gradient in every layout it accepts, and every layout it
 refuses is one where stock TRL is off; peer-last survives TRL's minibatching; two GRAFT steps run end to end
 on a tiny receiver with the real Qwen3 tokenizer, reading a peer log that this project's trainer wrote with
 SmolLM3's, and on a planted step its rows, weights and loss equal this project's Trainer.build_rows and update.
-Also the porting helpers of core.py. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
+The command line as a user meets it: each refusal one line on stderr, exit code 2, before the model loads (TRL's
+__init__ patched to fail if reached), --help opening on GRAFT's flags and the log format, README's command run
+as written on CPU. The log completed and the user's choices: --peer_model's lbar against a plain forward, the
+success rule (a format bonus that passes everything warns), a peer row without EOS masked as TRL masks its own,
+and a conversational dataset whose reward reads TRL's message form. Also the porting helpers of core.py and the
+one peer-log parser. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
 
-Run: python -m pytest -q test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
+Run: python -m pytest -q tests/test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,8 +82,12 @@ def test_read_peer_records_groups_dedups_and_names_the_line():
     assert list(groups) == ["a", "7"]
     assert groups["a"].texts == ["x", "z"] and groups["a"].lbar.tolist() == [-1.0, -2.5]  # line 5 repeats line 1
     assert groups["7"].eos.tolist() == [False] and math.isnan(groups["7"].lbar.item())
-    for bad, msg in [({"response": "x"}, "needs a prompt id"), ({"id": "a", "response": 3}, "'response'"),
-                     ({"id": "a", "response": "x", "lbar": -100.0}, "'lbar'"),
+    for bad, msg in [({"response": "x"}, "needs a problem id"),
+                     ({"problem": "q", "response": "x"}, "needs a prompt id"),
+                     ({"id": "a", "response": 3}, "response or completion must be a string"),
+                     ({"id": "a", "response": "x", "lbar": -100.0}, "lbar or mean_logprob must be a finite number"),
+                     ({"id": "a", "response": "x", "lbar": -45.0, "num_tokens": 30}, "implausible as a mean .*-1.5"),
+                     ({"id": "a", "response": "x", "lbar": -20.5}, "implausible as a mean"),
                      ({"id": "a", "response": "x", "eos": "yes"}, "'eos'"), ([1], "JSON object")]:
         with pytest.raises(ValueError, match=f"f.jsonl:9: .*{msg}"):
             core.read_peer_records([(9, bad)], where="f.jsonl")
@@ -92,6 +103,11 @@ try:
     from tools import graft_trl
 except ImportError:  # TRL is optional, like W&B: only the tests below need it
     trl = graft_trl = None
+try:
+    import peft
+except ImportError:  # only the LoRA test needs it
+    peft = None
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 needs_trl = pytest.mark.skipif(trl is None,
                                reason="TRL is not installed (pip install trl==1.16.0; .ci/run installs it)")
 
@@ -114,11 +130,17 @@ def config(d: Path, **kw):
     return graft_trl.GraftConfig(**(base | kw))
 
 
-def make_trainer(d: Path, **kw):
+def zero(completions, **_):
+    return [0.0] * len(completions)  # the planted batches carry their own advantages
+
+
+def make_trainer(d: Path, reward_funcs=(zero,), data=None, peft_config=None, **kw):
     from datasets import Dataset
-    data = Dataset.from_list([{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(4)])
-    zero = lambda completions, **_: [0.0] * len(completions)  # noqa: E731  (the planted batches carry their own)
-    return graft_trl.GraftGRPOTrainer(model=str(d / "m"), reward_funcs=[zero], args=config(d, **kw), train_dataset=data)
+    if data is None:
+        data = Dataset.from_list([{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)}
+                                  for i in range(4)])
+    return graft_trl.GraftGRPOTrainer(model=str(d / "m"), reward_funcs=list(reward_funcs), args=config(d, **kw),
+                                      train_dataset=data, peft_config=peft_config)
 
 
 def planted_batch(tr) -> tuple[dict, dict]:
@@ -175,13 +197,30 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2)]  # (steps_per_generation, gradient_ac
 def test_trl_compute_loss_is_eq10_in_every_layout(recv, monkeypatch, S, A, loss_type):
     """Per optimizer step: the sum of TRL's _compute_loss over its A micro-batches (cut by our _prepare_inputs)
     equals core.policy_loss over the same rows with w unfolded, in value and gradient, fp32, clip active."""
+    check_layout(recv, monkeypatch, S, A, loss_type)
+
+
+@needs_trl
+@pytest.mark.skipif(peft is None, reason="peft is not installed (pip install peft; .ci/run installs it)")
+@pytest.mark.parametrize("S,A", [(2, 1), (4, 2)])
+def test_a_lora_receiver_is_eq10_exactly(recv, monkeypatch, S, A):
+    """The same with a LoRA receiver (peft, through GRPOTrainer's peft_config): its adapters' gradient, B
+    initialised at random so that A's gradient is not zero."""
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    check_layout(recv, monkeypatch, S, A, "dapo", peft_config=lora)
+
+
+def check_layout(recv, monkeypatch, S, A, loss_type, peft_config=None):
     kw = dict(steps_per_generation=S, gradient_accumulation_steps=A, per_device_train_batch_size=G * N // S,
               loss_type=loss_type)
     if loss_type == "bnpo" and A > 1:
         with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=2"):
             graft_trl.check_args(config(recv, **kw))
         kw["loss_type"] = "dapo"  # built as dapo, then run as stock TRL's bnpo: off, which is why it is refused
-    tr = make_trainer(recv, **kw)
+    tr = make_trainer(recv, peft_config=peft_config, **kw)
+    if peft_config is not None:
+        trained = [name for name, p in tr.model.named_parameters() if p.requires_grad]
+        assert isinstance(tr.model, peft.PeftModel) and trained and all("lora_" in x for x in trained)
     tr.loss_type = loss_type
     batch, ref = planted_batch(tr)
     micro = trl_micro_batches(tr, batch, monkeypatch)
@@ -250,32 +289,62 @@ def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
 
 
 @needs_trl
-def test_vllm_correction_and_more_processes_are_refused(recv, monkeypatch):
-    args = config(recv)
-    args.use_vllm, args.vllm_importance_sampling_correction = True, True  # set after: vLLM is not installed
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
-        graft_trl.check_args(args)
-    args = config(recv)
+def test_bnpo_over_processes_is_refused(recv, monkeypatch):
+    args = config(recv, loss_type="bnpo")
+    graft_trl.check_args(args)  # one process, A = 1: exact
     monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as under a 2-process launch
-    with pytest.raises(ValueError, match="2 processes: groups would straddle ranks"):
+    with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=1 and 2 processes"):
         graft_trl.check_args(args)
+    graft_trl.check_args(config(recv))  # dapo: two processes are exact (test_two_processes_equal_one_...)
 
 
 @needs_trl
-def test_peer_log_errors_name_the_file(recv, tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "p0", "response": "1", "lbar": -1}\n{oops\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
-        graft_trl.load_peer_log(str(bad))
-    bad.write_text('{"id": "p0", "response": "1"}\n')
-    with pytest.raises(ValueError, match="without 'lbar'"):
-        graft_trl.load_peer_log(str(bad))
-    with pytest.raises(ValueError, match="no such JSONL file"):
-        graft_trl.load_peer_log(str(tmp_path / "missing"))
-    wide = tmp_path / "wide.jsonl"
-    wide.write_text("".join(json.dumps({"id": "p0", "response": str(i), "lbar": -1.0}) + "\n" for i in range(N + 1)))
-    with pytest.raises(ValueError, match=f"set num_generations >= {N + 1}"):
-        make_trainer(recv, peer_log=str(wide))
+def test_bf16_warns_once_when_a_gate_sits_within_its_rounding(recv):
+    tr = make_trainer(recv)
+    lbar_recv = torch.tensor([-4.0, -4.0, -4.0])  # s = 0.8 e^0.001 (within 2^-8 x 4 of delta), 0.8 e^0.5, 0.8 e^-0.5
+    lbar_src = lbar_recv - math.log(0.8) - torch.tensor([0.001, 0.5, -0.5])
+    w = core.compatibility_weights(lbar_recv=lbar_recv, lbar_src=lbar_src, delta=0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.check_precision(lbar_recv, lbar_src, w)  # fp32: nothing to say
+    assert not [x for x in caught if "graft_trl" in str(x.message)]
+    tr.args.bf16 = True
+    with pytest.warns(UserWarning, match="bf16 is on and 1 peer responses have s within bf16's rounding of "
+                                         "graft_delta=0.8 \\(1 of them accepted\\)"):
+        tr.check_precision(lbar_recv, lbar_src, w)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.check_precision(lbar_recv, lbar_src, w)  # once
+    assert not [x for x in caught if "graft_trl" in str(x.message)]
+
+
+@needs_trl
+def test_two_processes_equal_one_and_a_hand_eq10(recv, tmp_path):
+    """Trainer.train() on one generation batch per layout, under torchrun with two CPU processes (gloo) and in one
+    process on the same global batch (tests/trl_ranks.py, sampling planted): per optimizer step the summed loss
+    and the gradient the optimizer steps on are equal, and the one-process ones equal a hand Eq. 10 of the step's
+    rows, in every layout of the one-process table."""
+    import subprocess
+    import sys
+    sys.path.insert(0, str(ROOT / "tests"))
+    import trl_ranks
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "tests/trl_ranks.py", str(recv / "m"), str(tmp_path / "two.pt")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt")
+    (tmp_path / "one").mkdir()
+    for S, A in trl_ranks.LAYOUTS:
+        one = trl_ranks.run_layout(recv / "m", tmp_path / "one" / "x", S, A)
+        assert len(one["steps"]) == S // A and one["selected"] == [2.0]
+        for k, a in enumerate(one["steps"]):
+            scale = max(abs(a["hand_loss"]), 1e-3)  # a step of own mixed groups at ratio 1 has a loss near 0
+            assert abs(a["loss"] - a["hand_loss"]) / scale < 1e-4
+            assert float((a["grad"] - a["hand_grad"]).norm() / a["hand_grad"].norm()) < 1e-4
+            b = two[f"{S},{A}"]["steps"][k]
+            assert two[f"{S},{A}"]["selected"] == [2.0] and abs(a["loss"] - b["loss"]) / scale < 1e-4
+            assert float((a["grad"] - b["grad"]).norm() / a["grad"].norm()) < 1e-4, f"S={S} A={A} step {k}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -435,45 +504,220 @@ def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch
     assert want["peer_minibatches"] == sum(bool(mb["graft_is_peer"].any()) for mb in micro) == 1
 
 
-@needs_trl
-def test_launch_line_trains_a_step(recv, tmp_path):
-    """graft_trl.py's command line: --prompts' JSONL as the dataset, --reward's default as the reward, one step."""
-    out = tmp_path / "run"
-    tr = graft_trl.main(["--model", str(recv / "m"), "--prompts", str(recv / "p.jsonl"),
-                         "--peer_log", str(recv / "log.jsonl"),
-                    "--prompt_template", "{problem}=", "--output_dir", str(out), "--num_generations", "4",
-                    "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1",
-                    "--use_cpu", "--bf16", "False", "--report_to", "none", "--save_strategy", "no"])
-    assert tr.state.global_step == 1 and tr.state.log_history[-1]["graft/selected"] == 0.0  # no mixed group
+# ------------------------------------------------------------------------------------------------
+# The command line: refusals are one line and exit code 2 before the model loads; --help; README's command
+# ------------------------------------------------------------------------------------------------
+
+
+def launch(recv: Path, tmp_path: Path, *extra: str, log: Path | None = None) -> list[str]:
+    """A tiny run's flags, as a user types them (no --use_cpu, no --bf16: the launch line picks fp32 on CPU)."""
+    return ["--model", str(recv / "m"), "--prompts", str(recv / "p.jsonl"),
+            "--peer_log", str(log or recv / "log.jsonl"),
+            "--prompt_template", "{problem}=", "--output_dir", str(tmp_path / "run"), "--num_generations", "4",
+            "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1",
+            "--report_to", "none", "--save_strategy", "no", *extra]
+
+
+def refused(argv: list[str], capsys, monkeypatch) -> str:
+    """graft_trl.main(argv) is refused: exit code 2, one line on stderr, no traceback, the model never loaded."""
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", lambda *a, **k: pytest.fail("the model loaded first"))
+    with pytest.raises(SystemExit) as e:
+        graft_trl.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("graft_trl: error: "), err
+    return err
+
+
+LOG_LINES = {"none_match": [{"id": "zz", "response": "1", "lbar": -1.0}, {"id": "yy", "response": "2", "lbar": -1.0}],
+             "summed": [{"id": "p0", "response": "1", "lbar": -1.0}, {"id": "p0", "response": "2", "lbar": -45.0,
+                                                                      "num_tokens": 30}],
+             "no_lbar": [{"id": "p1", "response": "1"}, {"id": "p1", "response": "2", "lbar": -1.0}],
+             "wide": [{"id": "p0", "response": str(i), "lbar": -1.0} for i in range(N + 1)],
+             "no_id": [{"problem": "0+1", "response": "1", "lbar": -1.0}]}
 
 
 @needs_trl
-def test_a_smaller_jsonl_group_fills_its_rows_and_leaves_the_rest_empty(recv, tmp_path, monkeypatch):
-    """A logged group of 3 < n responses (JSONL): 3 peer rows with its advantages x w, one empty row (w = 0,
-    masked), w from the receiver's own forward (checked against a plain one); other groups untouched."""
-    tr = make_trainer(recv, max_completion_length=4)
-    texts, eos = ["1+2", "3", "2+1"], [True, False, True]  # p1's logged group; two pass: it is mixed
-    tok = tr.processing_class
-    ids = [core.retokenize(t, e, tok, max_response_tokens=4) for t, e in zip(texts, eos)]
-    with torch.no_grad():
-        prompt = torch.tensor([tok("1+2=")["input_ids"]])
-        lbar = torch.tensor([float(logprobs(tr.model, prompt, torch.tensor([x]), torch.ones(1, len(x)).long()).mean())
-                             for x in ids])  # (3,) the receiver's Eq. 6
-    lbar_src = lbar + torch.tensor([-0.5, 1.0, 0.1])  # s = e^0.5 (w = 1), e^-1 (removed), e^-0.1 (w = 0.905)
+@pytest.mark.parametrize("log,extra,msg", [
+    (None, ["--peer_log", "/no/such/log.jsonl"], "peer_log '/no/such/log.jsonl': no such JSONL file"),
+    (None, ["--id_column", "qq"], "id_column 'qq' is not a column of the train dataset .*set --id_column"),
+    ("none_match", [], "none of its 2 prompt ids \\(e.g. 'zz'\\) is in the dataset's 'id' column \\(4 ids"),
+    ("summed", [], "log.jsonl:2: field 'lbar' = -45 is implausible as a mean .*-1.5"),
+    ("no_lbar", [], "log.jsonl:1: 1 matched records have no 'lbar': set --peer_model"),
+    ("wide", [], f"set num_generations >= {N + 1}"),
+    ("no_id", [], "log.jsonl:1: needs a prompt id"),
+    ("bad_json", [], "log.jsonl:2: invalid JSON"),
+    (None, ["--loss_type", "grpo"], "loss_type='grpo' is not one token-mean"),
+    (None, ["--success_reward", "acc"], "success_reward names 'acc', which is no reward function .*\\(reward\\)"),
+    (None, ["--num_generations", "3"], "divisible by num_generations"),
+    (None, ["--graft_delta", "x"], "invalid float value: 'x'"),
+    (None, ["--bogus", "1"], "not used by the HfArgumentParser"),
+])
+def test_command_line_refusals_are_one_line_exit_2_before_the_model(recv, tmp_path, capsys, monkeypatch, log, extra,
+                                                                    msg):
+    path = None
+    if log is not None:
+        path = tmp_path / "log.jsonl"
+        path.write_text('{"id": "p0", "response": "1", "lbar": -1}\n{oops\n' if log == "bad_json" else
+                        "".join(json.dumps(x) + "\n" for x in LOG_LINES[log]))
+    import re
+    assert re.search(msg, refused(launch(recv, tmp_path, *extra, log=path), capsys, monkeypatch))
+
+
+@needs_trl
+def test_the_real_command_refuses_without_a_traceback(recv, tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "tools.graft_trl", *launch(recv, tmp_path, "--id_column", "qq")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == ["graft_trl: error: GraftConfig.id_column 'qq' is not a column of the "
+                                               "train dataset (train_dataset: id, problem, answer, prompt); set "
+                                               "--id_column to the column holding the log's prompt ids"]
+
+
+@needs_trl
+def test_help_opens_on_the_log_format_and_grafts_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        graft_trl.main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert e.value.code == 0 and lines[0].startswith("usage: python -m tools.graft_trl --model M")
+    at = {flag: next(i for i, x in enumerate(lines) if x.strip().startswith(flag))
+          for flag in ("--model", "--peer_log", "--peer_model", "--success_reward", "--output_dir")}
+    assert any("The stored peer (--peer_log)" in x for x in lines[: at["--model"]])
+    assert any('"lbar" or "mean_logprob"' in x for x in lines[: at["--model"]])
+    assert at["--model"] < at["--peer_log"] < at["--peer_model"] < at["--success_reward"] < at["--output_dir"] < 60
+
+
+@needs_trl
+def test_readmes_command_runs_as_written_on_cpu(recv, tmp_path):
+    """README's TRL command, its paths replaced by the tiny ones and sized to one step: it trains, in fp32."""
+    import re
+    import shlex
+    readme = (ROOT / "README.md").read_text()
+    words = shlex.split(re.search(r"`python -m tools\.graft_trl ([^`]*)`", readme).group(1))
+    tiny = dict(zip(launch(recv, tmp_path)[::2], launch(recv, tmp_path)[1::2]))
+    argv = [tiny.get(words[i - 1], w) if i and words[i - 1] in tiny else w for i, w in enumerate(words)]
+    given = set(argv[::2])
+    argv += [x for k, v in tiny.items() if k not in given for x in (k, v)]
+    assert "--use_cpu" not in argv and "--bf16" not in argv
+    tr = graft_trl.main(argv)
+    assert tr.state.global_step == 1 and tr.args.bf16 is False
+    assert tr.state.log_history[-1]["graft/selected"] == 0.0  # the log's only group has one response: never mixed
+
+
+# ------------------------------------------------------------------------------------------------
+# The peer log completed (--peer_model), the user's success rule, masking, chat datasets
+# ------------------------------------------------------------------------------------------------
+
+
+@needs_trl
+def test_id_column_names_any_column(recv, tmp_path):
+    from datasets import Dataset
     log = tmp_path / "log.jsonl"
-    log.write_text("".join(json.dumps({"id": "p1", "response": t, "lbar": float(lb), "eos": e}) + "\n"
-                           for t, lb, e in zip(texts, lbar_src, eos)))
-    tr.peer = graft_trl.load_peer_log(str(log))
-    tr.reward_funcs[0] = lambda completions, **_: [1.0 if c in ("1+2", "2+1") else 0.0 for c in completions]
+    log.write_text("".join(json.dumps({"id": "q-1", "response": r, "lbar": -1.0}) + "\n" for r in ("a", "b")))
+    data = Dataset.from_list([{"qid": f"q-{i}", "prompt": f"{i}+{i + 1}=", "answer": ""} for i in range(4)])
+    tr = make_trainer(recv, data=data, peer_log=str(log), id_column="qid")
+    assert list(tr.peer) == ["q-1"] and tr.peer_rows["q-1"]["prompt"] == "1+2="
+
+
+@needs_trl
+def test_peer_model_computes_missing_lbar_as_a_plain_forward(recv, tmp_path):
+    log = tmp_path / "log.jsonl"
+    rows = [{"id": "p1", "response": "1+2"}, {"id": "p1", "response": "3", "eos": False},
+            {"id": "p2", "response": "5", "lbar": -1.5}]
+    log.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    tr = make_trainer(recv, peer_log=str(log), peer_model=str(recv / "m"))
+    tok = tr.processing_class
+    with torch.no_grad():
+        prompt = torch.tensor([tok(text="1+2=")["input_ids"]])
+        want = [float(logprobs(tr.model, prompt, torch.tensor([ids]), torch.ones(1, len(ids)).long()).mean())
+                for ids in (tok.encode("1+2", add_special_tokens=False) + [tok.eos_token_id],
+                            tok.encode("3", add_special_tokens=False))]
+    torch.testing.assert_close(tr.peer["p1"].lbar, torch.tensor(want), rtol=1e-5, atol=1e-5)
+    assert tr.peer["p2"].lbar.tolist() == [-1.5]  # given: kept
+    assert list(tmp_path.glob(".log.jsonl.lbar-*.json"))  # cached beside the log
+
+
+def accuracy(completions, answer, **_):
+    text = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [1.0 if t == "ok" else 0.0 for t in text]
+
+
+def form(completions, **_):
+    return [0.5] * len(completions)  # a format bonus every response earns
+
+
+@needs_trl
+def test_success_rule_is_the_users_and_an_inert_one_warns(recv, tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"id": "p1", "response": r, "lbar": -1.0}) + "\n" for r in ("ok", "no", "no2")))
+    with pytest.warns(UserWarning, match="every one of the log's 3 responses succeeds under success_reward='all' "
+                                         "\\(of accuracy, form\\), success_threshold=0.5"):
+        tr = make_trainer(recv, reward_funcs=(accuracy, form), peer_log=str(log))
+    own = torch.tensor([[0.0, 0.5]] * N)  # (n, F) an own group that fails on accuracy, earns the format bonus
+    assert tr.counts(own, N).tolist() == [N]  # summed (TRL's reward): every rollout "succeeds", none all-fail
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = make_trainer(recv, reward_funcs=(accuracy, form), peer_log=str(log), success_reward="accuracy")
+    assert not [x for x in caught if "graft_trl" in str(x.message)]
+    assert tr.counts(own, N).tolist() == [0]
+    inputs = [{"id": "p1", "prompt": "1+2=", "answer": "3"}] * N
+    (g, grp, r), = tr.received(inputs, tr.counts(own, N))
+    assert g == 0 and grp.texts == ["ok", "no", "no2"] and r.tolist() == [1.5, 0.5, 0.5]  # advantages: TRL's reward
+    with pytest.warns(UserWarning, match="none of the log's 1 groups is mixed .*success_threshold=2 \\(0 of 3"):
+        make_trainer(recv, reward_funcs=(accuracy, form), peer_log=str(log), success_reward="accuracy",
+                     success_threshold=2.0)
+
+
+@needs_trl
+@pytest.mark.parametrize("chat,mask_truncated", [(False, False), (False, True), (True, False)])
+def test_a_logged_group_fills_its_rows_masked_and_in_the_datasets_form(recv, tmp_path, monkeypatch, chat,
+                                                                       mask_truncated):
+    """A logged group of 3 < n responses: 3 peer rows with its advantages x w, one empty row (w = 0, masked), w from
+    the receiver's own forward (checked against a plain one); a row without EOS masked when
+    mask_truncated_completions is on; with a conversational dataset the reward functions (written in TRL's
+    documented form) get the peer texts as assistant messages; other groups untouched."""
+    import shutil
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d = tmp_path
+    shutil.copytree(recv / "m", d / "m")
+    tok = AutoTokenizer.from_pretrained(d / "m")
+    if chat:
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        tok.save_pretrained(d / "m")
+    texts, eos = ["1+2", "3", "2+1"], [True, False, True]  # p1's logged group; the first and last pass: mixed
+    ids = [core.retokenize(t, e, tok, max_response_tokens=4) for t, e in zip(texts, eos)]
+    model = AutoModelForCausalLM.from_pretrained(d / "m")
+    with torch.no_grad():
+        prompt = torch.tensor([tok(text="1+2=")["input_ids"]])
+        lbar = torch.tensor([float(logprobs(model, prompt, torch.tensor([x]), torch.ones(1, len(x)).long()).mean())
+                             for x in ids])  # (3,) the receiver's Eq. 6
+    lbar_src = lbar + torch.tensor([0.1, -0.2, 1.0])  # s = e^-0.1 (w = 0.905), e^0.2 (w = 1), e^-1 (removed)
+    (d / "log.jsonl").write_text("".join(json.dumps({"id": "p1", "response": t, "lbar": float(lb), "eos": e}) + "\n"
+                                         for t, lb, e in zip(texts, lbar_src, eos)))
+    seen = []
+
+    def passing(completions, **_):  # TRL's documented forms: strings, or lists of messages for chat datasets
+        seen.extend(completions)
+        return [1.0 if (c[0]["content"] if chat else c) in ("1+2", "2+1") else 0.0 for c in completions]
+    rows = [{"id": f"p{i}", "prompt": [{"role": "user", "content": f"{i}+{i + 1}="}] if chat else f"{i}+{i + 1}=",
+             "answer": str(2 * i + 1)} for i in range(G)]
+    tr = make_trainer(d, reward_funcs=(passing,), data=Dataset.from_list(rows), max_completion_length=4,
+                      mask_truncated_completions=mask_truncated)
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" if chat else isinstance(c, str) for c in seen)
     own = [[5, 6, 1]] * (G * N)  # every own completion: two tokens and EOS, failing
+    completion = [{"role": "assistant", "content": "xy"}] if chat else "xy"
     monkeypatch.setattr(tr, "_generate", lambda prompts: (tr._tokenize_prompts(prompts)[0], own, None,
-                                                          ["xy"] * len(prompts), None, {}, None, None))
-    inputs = [{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(G) for _ in range(N)]
+                                                          [completion] * len(prompts), None, {}, None, None))
+    inputs = [row for row in rows for _ in range(N)]
     tr.model.train()
     out = tr._generate_and_score_completions(inputs)
     assert torch.nonzero(out["graft_is_peer"]).squeeze(1).tolist() == [4, 5, 6, 7]  # group 1 only
     w = core.compatibility_weights(lbar_recv=lbar, lbar_src=lbar_src)  # (3,)
-    assert w[0] == 1 and w[1] == 0 and 0.8 < w[2] < 1
+    assert 0.8 < w[0] < 1 and w[1] == 1 and w[2] == 0
+    w = w * torch.tensor([1.0, 0.0 if mask_truncated else 1.0, 1.0])  # the row without EOS, as TRL masks its own
     a = core.group_advantages(torch.tensor([[1.0, 0.0, 1.0]]))[0]  # the logged group's own advantages
     torch.testing.assert_close(out["graft_weight"][4:8], torch.cat([w, torch.zeros(1)]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out["advantages"][4:8], torch.cat([a * w, torch.zeros(1)]), rtol=1e-5, atol=1e-6)
@@ -482,3 +726,50 @@ def test_a_smaller_jsonl_group_fills_its_rows_and_leaves_the_rest_empty(recv, tm
         assert int(out["completion_mask"][4 + j].sum()) == (len(x) if w[j] > 0 else 0)
     assert out["completion_mask"][7].sum() == 0 and out["num_items_in_batch"] == out["completion_mask"].sum()
     assert (out["completion_mask"][:4].sum(1) == 3).all() and (out["graft_weight"][:4] == 1).all()
+
+
+@needs_trl
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_vllm_correction_on_own_rows_as_trl_computes_it_and_none_on_peer_rows(recv, tmp_path, monkeypatch, mode):
+    """use_vllm with TRL's importance-sampling correction, the sampler's log-probs planted where TRL reads them
+    from vLLM (_generate's fifth output): own rows carry exactly the ratio stock TRL computes for the same batch,
+    peer rows (old log-probs from the receiver's own forward) a ratio of 1; per optimizer step TRL's loss equals
+    Eq. 10 with that ratio on each token, in value and gradient."""
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps({"id": "p1", "response": t, "lbar": -4.0}) + "\n"
+                                                for t in ("1+2", "3", "2+1")))
+    tr = make_trainer(recv, reward_funcs=(lambda completions, **_: [float(c in ("1+2", "2+1")) for c in completions],),
+                      peer_log=str(tmp_path / "log.jsonl"), max_completion_length=4, steps_per_generation=2,
+                      per_device_train_batch_size=G * N // 2, vllm_importance_sampling_mode=mode)
+    tr.use_vllm = tr.vllm_importance_sampling_correction = True  # set after: vLLM is not installed here
+    g = torch.Generator().manual_seed(0)
+    own = [[5, 6, 1]] * (G * N)  # every own completion fails
+    sampled = (-2.0 - 0.3 * torch.randn(G * N, 3, generator=g)).tolist()  # the sampler's log-probs (vLLM's)
+    monkeypatch.setattr(tr, "_generate", lambda prompts: (tr._tokenize_prompts(prompts)[0], own, None,
+                                                          ["xy"] * len(prompts), sampled, {}, None, None))
+    inputs = [{"id": f"p{i}", "prompt": f"{i}+{i + 1}=", "answer": ""} for i in range(G) for _ in range(N)]
+    tr.model.train()
+    stock = trl.GRPOTrainer._generate_and_score_completions(tr, inputs)  # TRL's own path, no GRAFT
+    out = tr._generate_and_score_completions(inputs)
+    peer = out["graft_is_peer"]
+    assert peer.tolist() == [4 <= r < 8 for r in range(G * N)]
+    ratio = out["importance_sampling_ratio"]
+    width = stock["importance_sampling_ratio"].shape[1]
+    assert torch.equal(ratio[~peer, :width], stock["importance_sampling_ratio"][~peer])
+    assert bool((ratio[peer] == 1).all())
+    assert not bool((stock["importance_sampling_ratio"][~peer] == 1).all())  # the correction is not trivial
+    micro = trl_micro_batches(tr, out | {"row": torch.arange(G * N)}, monkeypatch)
+    tr.current_gradient_accumulation_steps = 1
+    for mb in micro:
+        tr.model.zero_grad()
+        loss = tr._compute_loss(tr.model, mb)
+        loss.backward()
+        got = grads(tr.model)
+        tr.model.zero_grad()
+        mask = mb["completion_mask"].float()  # (b, T)
+        lp = logprobs(tr.model, mb["prompt_ids"], mb["completion_ids"], mb["completion_mask"])
+        r, a = torch.exp(lp - mb["old_per_token_logps"]), mb["advantages"][:, None]
+        per_token = -torch.minimum(r * a, r.clamp(0.8, 1.28) * a) * mb["importance_sampling_ratio"]  # Eq. 10 x IS
+        want = (per_token * mask).sum() / mask.sum()
+        want.backward()
+        assert float(loss) == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(got, grads(tr.model), rtol=1e-5, atol=1e-7)

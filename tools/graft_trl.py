@@ -12,29 +12,49 @@ tokens, so TRL's own loss is Eq. 10 exactly (test_trl.py: value and gradient, in
 
 Layouts (S = steps_per_generation, A = gradient_accumulation_steps; S / A optimizer steps per batch):
 loss_type="dapo" (TRL's default) is exact in every one, through num_items_in_batch set per optimizer
-step; "bnpo" only with A = 1. The rest is refused at construction with a ValueError naming the setting.
+step; "bnpo" only with A = 1. The rest is refused at construction (Refusal, a ValueError) naming the setting.
 Where this departs from stock TRL:
   1. Minibatches are not shuffled: own groups first, replaced groups last (core.peer_last_rows).
   2. Own advantages are recomputed with core.group_advantages (std + 1e-6, exactly 0 on equal rewards)
      so that own and peer groups share one formula; TRL adds 1e-4 to the std.
-  3. The peer log is read once at start: the project's JSONL format (core.read_peer_records) or a folder
-     of this project's rollout files (a prompt met at several steps: its latest group). The peer's texts
-     are scored by this trainer's reward functions (as graft.py re-verifies a stored log); lbar_src must
-     be in the log (Eq. 6 per token).
+  3. The peer log is read and checked once at start, through the project's one peer-log parser
+     (core.parse_peer_records; a folder of rollout files: a prompt met at several steps gives its latest group):
+     ids matched to the dataset's id_column (none matching: refused, with the counts), lbar a mean per token
+     (below -20: refused as a likely sum), a missing lbar computed by --peer_model (foreign.fill_lbar, cached).
+     The peer's texts are scored once at start by this trainer's reward functions, through TRL's own
+     _calculate_rewards, in the form TRL gives completions for the dataset (a string, or an assistant message
+     for a conversational prompt); a reward function reading trainer_state sees the state at start.
   4. A logged group of m < n responses fills m of its prompt's n rows; the other n - m rows are empty
      (masked, w = 0), so TRL's batch keeps its shape.
+  5. Success (Eq. 4) is the user's: the weighted sum of the success_reward functions (all by default, as TRL
+     sums its reward) >= success_threshold (0.5); a rule under which no logged group is mixed warns at start.
+     Advantages are TRL's summed reward's, for own and peer groups alike.
+  6. mask_truncated_completions=True masks a peer row that did not end with EOS (w = 0), as TRL masks its own.
+  7. Several processes (torchrun, accelerate launch): each group stays on one process by construction (TRL's
+     sampler puts n copies of a prompt in a row and each process takes per_device_train_batch_size x S
+     consecutive rows, a multiple of n since pdbs x A is), so each process selects and grafts its own groups.
+     Then every process gathers the whole generation batch, orders it peer-last with the same generator, and
+     takes its W-th of each micro-batch: the optimizer steps hold the rows one process would, and
+     num_items_in_batch counts an optimizer step's retained tokens over all processes (tests/test_trl.py:
+     two CPU processes over gloo equal one process and a hand Eq. 10 per optimizer step).
+  8. vLLM generation with TRL's importance-sampling correction: own rows keep the ratio TRL computes; peer rows
+     get 1 (their old log-probs are the receiver's own forward, no sampler to correct for).
+  9. Precision: lbar_recv and the peer rows' old log-probs come from TRL's own log-prob forward, at the
+     precision of TRL's own old log-probs (bf16 by TRL's default on a GPU); with bf16 on, a warning (once)
+     names the responses whose s sits within bf16's rounding of graft_delta. Nothing is recomputed in float32.
 
 Refused at construction, naming the setting: delta (TRL's cap on the ratio; GRAFT's floor is graft_delta), beta
 > 0, num_iterations > 1 (own minibatches replayed after peer ones), S not a multiple of A, a group straddling
-optimizer steps, more than one process (groups would straddle ranks; DDP untested), vLLM's importance-sampling
-correction (a ratio of tokens no longer in the batch), sequence-level ratios, entropy masks and bonuses,
+optimizer steps, bnpo over several processes, sequence-level ratios, entropy masks and bonuses,
 scale_rewards="batch", a logged group larger than num_generations. Traps handled: stock TRL shuffles the batch
 before cutting minibatches (peer rows land in both); its old log-probs exist only when S > A, and only of its
 own samples; epsilon_high defaults to epsilon (here 0.28); its advantages add 1e-4 to the std (own groups are
 recomputed by group_advantages); bf16=True is its default, and rounding moves lbar (w near delta can flip). TRL
-has no public hook: three private methods are overridden, so a new TRL needs test_trl.py run again.
+has no public hook: three private methods are overridden, so a new TRL needs tests/test_trl.py run again.
 
-Launch line (one process; the dataset is --prompts' JSONL; the reward is --reward's, verify.py's by default):
+Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
+as columns; the reward is --reward's, verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal
+is one line on stderr, exit code 2, before the model loads; --help opens on GRAFT's flags and the log format):
     python -m tools.graft_trl --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
@@ -43,18 +63,31 @@ the dataset with a column naming each prompt's id in the log (GraftConfig.id_col
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import sys
+import warnings
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
+from trl.data_utils import is_conversational
+from trl.trainer.utils import get_callable_name, split_tensor_dict
 
 from config import Config
 from core import (PeerGroup, compatibility_weights, fold_weights, group_advantages, graft_candidates,
-                  peer_last_rows, read_peer_records, retokenize_group, seeded_generator, sequence_mean_logprob,
-                  success_counts)
+                  peer_last_rows, retokenize_group, seeded_generator, sequence_mean_logprob, success_counts)
+
+LOG_FORMAT = """The stored peer (--peer_log): a folder of this project's rollout files (runs/NAME/exchange/NAME), or
+a JSONL file, one response per line, read by the project's one peer-log parser (core.parse_peer_records):
+  {"id" or "problem_id": str|int   the prompt's id in the dataset's --id_column (records of one id: its group)
+   "response" or "completion": str  the peer's text (scored by this run's reward functions)
+   "lbar" or "mean_logprob": float   the peer's mean log-prob per token of the response (Eq. 6), in [-20, 0];
+                                     absent: --peer_model computes it
+   "eos": bool}                      optional, default true: the response ended with EOS"""
+
+
+class Refusal(ValueError):
+    """A setting or input GRAFT-in-TRL cannot run exactly; the message names it and the fix (one line)."""
 
 
 @dataclass
@@ -62,21 +95,32 @@ class GraftConfig(GRPOConfig):
     """TRL's GRPOConfig plus GRAFT's settings; epsilon_high defaults to the paper's 0.28 (TRL's: epsilon)."""
 
     peer_log: str = field(default="", metadata={"help": "The stored peer: a JSONL log or a folder of rollout files."})
+    peer_model: str = field(default="", metadata={"help": "The model that wrote the log: computes lbar where the log "
+                                                          "has none (cached beside the log)."})
     graft_delta: float = field(default=0.8, metadata={"help": "GRAFT's floor on s (Eq. 7); not TRL's `delta`."})
     id_column: str = field(default="id", metadata={"help": "Dataset column holding each prompt's id in the log."})
+    success_reward: str = field(default="", metadata={"help": "Reward function(s) deciding success for Eq. 4, names "
+                                                              "as TRL logs them (rewards/NAME/mean), comma-separated; "
+                                                              "empty: all, weighted and summed as TRL's reward."})
+    success_threshold: float = field(default=0.5, metadata={"help": "A response succeeds when its success reward "
+                                                                    "(the sum over success_reward) is >= this "
+                                                                    "(default 0.5)."})
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip epsilon (paper: 0.28)."})
 
 
+GRAFT_FIELDS = ("peer_log", "peer_model", "graft_delta", "id_column", "success_reward", "success_threshold",
+                "epsilon_high")
+
+
 def check_args(args: GraftConfig) -> None:
-    """Raise ValueError, naming the setting, for each layout or option in which TRL's loss is not Eq. 10."""
+    """Raise Refusal, naming the setting and the fix, for each layout or option in which TRL's loss is not Eq. 10."""
     S, A = args.steps_per_generation, args.gradient_accumulation_steps
     rules = [
         (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
                                              f"step (Eq. 10); use loss_type='dapo'"),
-        (args.loss_type != "bnpo" or A == 1, f"loss_type='bnpo' with gradient_accumulation_steps={A} divides each "
-                                             f"micro-batch by its own tokens; use loss_type='dapo'"),
-        (args.world_size == 1, f"{args.world_size} processes: groups would straddle ranks and peer-last would hold "
-                               f"per rank only; run one process"),
+        (args.loss_type != "bnpo" or A == 1 and args.world_size == 1,
+         f"loss_type='bnpo' with gradient_accumulation_steps={A} and {args.world_size} processes divides each "
+         f"micro-batch by its own tokens; use loss_type='dapo'"),
         (S % A == 0, f"steps_per_generation={S} is not a multiple of gradient_accumulation_steps={A}: an "
                      f"optimizer step would mix two generation batches"),
         (args.per_device_train_batch_size * A % args.num_generations == 0,
@@ -85,11 +129,8 @@ def check_args(args: GraftConfig) -> None:
         (args.num_iterations == 1, f"num_iterations={args.num_iterations} replays own minibatches after the peer "
                                    f"ones, so peer-last cannot hold; set num_iterations=1"),
         (args.delta is None, f"delta={args.delta} is TRL's cap on the ratio, not GRAFT's floor (graft_delta)"),
-        (args.beta == 0.0, f"beta={args.beta}: a KL term is not part of Eq. 10"),
+        (args.beta == 0.0, f"beta={args.beta}: a KL term is not part of Eq. 10; set beta=0"),
         (args.importance_sampling_level == "token", "importance_sampling_level must be 'token' (Eq. 9)"),
-        (not (args.use_vllm and args.vllm_importance_sampling_correction),
-         "vllm_importance_sampling_correction=True would weight peer rows by a ratio of tokens no longer in the "
-         "batch; set it to False"),
         (args.off_policy_mask_threshold is None and args.top_entropy_quantile == 1.0 and args.entropy_coef == 0.0
          and not args.use_adaptive_entropy, "off_policy_mask_threshold, top_entropy_quantile, entropy_coef and "
                                             "use_adaptive_entropy must stay off: they change Eq. 10"),
@@ -101,37 +142,116 @@ def check_args(args: GraftConfig) -> None:
     ]
     for ok, message in rules:
         if not ok:
-            raise ValueError(f"GraftConfig: {message}")
+            raise Refusal(f"GraftConfig: {message}")
 
 
-def load_peer_log(path: str) -> dict[str, PeerGroup]:
-    """{prompt id: PeerGroup} from a JSONL log (core.read_peer_records) or a folder of rollout files."""
+# ------------------------------------------------------------------------------------------------
+# The peer log: read through the project's one parser, matched to the dataset's ids, lbar completed
+# ------------------------------------------------------------------------------------------------
+
+
+def read_peer_log(path: str) -> dict[str, list]:
+    """{prompt id: its core.PeerRecord list, log order, repeats left out} from a JSONL log (the project's one
+    parser, via foreign.read_foreign_records) or a folder of rollout files (a prompt met at several steps:
+    its latest group; lbar from the stored behaviour log-probs). Raises Refusal naming the file and line."""
+    from core import PeerRecord
     p = Path(path)
+    groups: dict[str, list] = {}
     if p.is_dir():
         from exchange import load_rollouts
-        groups = {}
         for f in sorted(p.glob("step_*.safetensors")):  # the step index is zero-padded: file order is step order
             r, _ = load_rollouts(f)
             lbar = r.lbar("token")  # (G, n) Eq. 6 under the source, from its stored behaviour log-probs
             for g, pid in enumerate(r.prompt_ids):
-                groups[pid] = PeerGroup(r.texts[g * r.n: (g + 1) * r.n], r.eos[g], lbar[g])
+                groups[pid] = [PeerRecord(0, pid, None, r.texts[g * r.n + i], float(lbar[g, i]), -1,
+                                          bool(r.eos[g, i]), float("nan")) for i in range(r.n)]
     elif p.is_file():
-        records = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            try:
-                records += [(i, json.loads(line))] if line.strip() else []
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{i}: not JSON ({e.msg})") from None
-        groups = read_peer_records(records, where=str(p))
+        from foreign import read_foreign_records
+        try:
+            records = read_foreign_records(p)
+        except ValueError as e:
+            raise Refusal(str(e)) from None
+        for rec in records:
+            if rec.prompt_id is None:
+                raise Refusal(f"{p}:{rec.line}: needs a prompt id ('id' or 'problem_id'): graft_trl matches "
+                              f"records to the dataset's --id_column, not by problem text")
+            group = groups.setdefault(rec.prompt_id, [])
+            if all(r.response != rec.response for r in group):  # a repeat would count one response twice
+                group.append(rec)
     else:
-        raise ValueError(f"GraftConfig.peer_log {path!r}: no such JSONL file or folder of rollout files")
+        raise Refusal(f"GraftConfig.peer_log {path!r}: no such JSONL file or folder of rollout files")
     if not groups:
-        raise ValueError(f"GraftConfig.peer_log {path!r}: holds no peer responses")
-    no_lbar = [pid for pid, g in groups.items() if bool(g.lbar.isnan().any())]
-    if no_lbar:
-        raise ValueError(f"GraftConfig.peer_log {path!r}: {len(no_lbar)} prompts have records without 'lbar' (first "
-                         f"{no_lbar[0]!r}); compute it with the model that wrote them (offline.fill_lbar)")
+        raise Refusal(f"GraftConfig.peer_log {path!r}: holds no peer responses")
     return groups
+
+
+def dataset_rows(data, id_column: str, where: str) -> dict[str, int]:
+    """{prompt id: its first row index} of the train dataset's id_column; Refusal when there is no such column."""
+    columns = getattr(data, "column_names", None)
+    if columns is None:
+        raise Refusal(f"train_dataset {type(data).__name__} has no column names: GRAFT needs a datasets.Dataset "
+                      f"with an id column (--id_column)")
+    if id_column not in columns:
+        raise Refusal(f"GraftConfig.id_column {id_column!r} is not a column of the train dataset ({where}: "
+                      f"{', '.join(columns)}); set --id_column to the column holding the log's prompt ids")
+    out: dict[str, int] = {}
+    for i, x in enumerate(data[id_column]):
+        out.setdefault(str(x), i)
+    return out
+
+
+def match_peer_log(groups: dict[str, list], ids: dict[str, int], args: GraftConfig) -> dict[str, list]:
+    """The log's groups whose prompt id is a dataset id; Refusal (with the counts) when none is, a warning when
+    some are not. A group of one response is kept (it fills one row) but can never be mixed."""
+    matched = {pid: g for pid, g in groups.items() if pid in ids}
+    if not matched:
+        raise Refusal(f"GraftConfig.peer_log {args.peer_log!r}: none of its {len(groups)} prompt ids (e.g. "
+                      f"{next(iter(groups))!r}) is in the dataset's {args.id_column!r} column ({len(ids)} ids, e.g. "
+                      f"{next(iter(ids), '')!r}); GRAFT would never fire: check --id_column and the log's ids")
+    if len(matched) < len(groups):
+        lost = [pid for pid in groups if pid not in ids]
+        warnings.warn(f"graft_trl: {len(lost)} of the log's {len(groups)} prompt ids are not in the dataset's "
+                      f"{args.id_column!r} column (e.g. {lost[0]!r}); their records are left out", stacklevel=2)
+    widest = max(len(g) for g in matched.values())
+    if widest > args.num_generations:
+        raise Refusal(f"GraftConfig.peer_log {args.peer_log!r} holds a group of {widest} responses: set "
+                      f"num_generations >= {widest} so that a replaced group fits in its rows")
+    return matched
+
+
+def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args: GraftConfig) -> None:
+    """Compute lbar with --peer_model where records have none (foreign.fill_lbar: the project's one lbar
+    computation, cached beside the log); Refusal naming --peer_model when it is not set. prompts: prompt id ->
+    the dataset's prompt (a string, or a conversation rendered with the peer's chat template)."""
+    missing = [r for g in groups.values() for r in g if r.lbar != r.lbar]  # NaN
+    if not missing:
+        return
+    if not args.peer_model:
+        raise Refusal(f"{args.peer_log}:{missing[0].line}: {len(missing)} matched records have no 'lbar': set "
+                      f"--peer_model to the model that wrote them (or a proxy) to compute it, or give it per record")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from foreign import ForeignLog, fill_lbar
+    log = ForeignLog(Path(args.peer_log), groups, {}, std_normalize=True)
+    tok = AutoTokenizer.from_pretrained(args.peer_model)
+    model = AutoModelForCausalLM.from_pretrained(args.peer_model, dtype=torch.float32)  # lbar in float32
+
+    def encode(pid: str) -> list[int]:  # the prompt as TRL's _tokenize_prompts renders it, with the peer's tokenizer
+        prompt = prompts[pid]
+        if is_conversational({"prompt": prompt}):
+            return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"])
+        return tok(text=prompt)["input_ids"]
+    fill_lbar(log, model, tok, model_path=args.peer_model, encode_prompt=encode, problems={p: p for p in groups},
+              cache_key="graft_trl")
+    for p, pid in enumerate(log.prompt_ids):
+        for i, rec in enumerate(groups[pid]):
+            lb = float(log.mean_logprob[p, i])
+            if lb < -20.0:
+                warnings.warn(f"graft_trl: --peer_model gives line {rec.line} an lbar of {lb:.3g}, below -20: is it "
+                              f"the model that wrote the log?", stacklevel=2)
+            groups[pid][i] = rec._replace(lbar=lb, num_tokens=int(log.num_tokens[p, i]))
+    del model
 
 
 class GraftGRPOTrainer(GRPOTrainer):
@@ -144,13 +264,30 @@ class GraftGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *a, args: GraftConfig, **kw):
-        check_args(args)  # before the model loads
-        self.peer = load_peer_log(args.peer_log)
-        widest = max(len(g.texts) for g in self.peer.values())
-        if widest > args.num_generations:
-            raise ValueError(f"GraftConfig.peer_log {args.peer_log!r} holds a group of {widest} responses: set "
-                             f"num_generations >= {widest} so that a replaced group fits in its rows")
+        check_args(args)  # everything below, up to super().__init__, runs before the model loads
+        data = kw.get("train_dataset")
+        if data is None:
+            raise Refusal("GraftGRPOTrainer needs train_dataset=, a datasets.Dataset with an id column (--id_column)")
+        ids = dataset_rows(data, args.id_column, "train_dataset")
+        funcs = kw.get("reward_funcs", a[1] if len(a) > 1 else None)
+        funcs = funcs if isinstance(funcs, list) else [funcs]
+        names = [f.split("/")[-1] if isinstance(f, str) else get_callable_name(f) for f in funcs]  # as TRL names them
+        chosen = [x.strip() for x in args.success_reward.split(",") if x.strip()]
+        unknown = [x for x in chosen if x not in names]
+        if unknown:
+            raise Refusal(f"GraftConfig.success_reward names {unknown[0]!r}, which is no reward function of this "
+                          f"trainer ({', '.join(names)}); name one of them, or leave it empty for all")
+        self.success_columns = [names.index(x) for x in chosen] or list(range(len(names)))
+        groups = match_peer_log(read_peer_log(args.peer_log), ids, args)
+        self.peer_rows = {pid: data[ids[pid]] for pid in groups}  # each logged prompt's dataset row
+        fill_missing_lbar(groups, {pid: row["prompt"] for pid, row in self.peer_rows.items()}, args)
+        self.peer = {pid: PeerGroup([r.response for r in g], torch.tensor([r.eos for r in g], dtype=torch.bool),
+                                    torch.tensor([r.lbar for r in g], dtype=torch.float32))
+                     for pid, g in groups.items()}
         super().__init__(*a, args=args, **kw)
+        self.peer_rewards = self.score_peer_log()
+        self.warn_if_success_rule_is_inert()
+        self.warned_bf16 = False
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self.own_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -163,24 +300,88 @@ class GraftGRPOTrainer(GRPOTrainer):
             raise ValueError("a completion got no reward from any reward function: GRAFT needs a verdict for each")
         return (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1).cpu()
 
+    def success(self, per_func: torch.Tensor) -> torch.Tensor:
+        """(R, F) rewards per reward function -> (R,) the success reward: the weighted sum over success_reward's
+        functions (all by default), which success_counts compares with success_threshold (Eq. 4)."""
+        cols = self.success_columns
+        return (per_func[:, cols] * self.reward_weights.to(per_func.device)[cols]).nansum(dim=1).cpu()
+
+    def counts(self, per_func: torch.Tensor, n: int) -> torch.Tensor:
+        """(G * n, F) rewards of G groups -> (G,) k, the successes per group under the user's rule (Eq. 4)."""
+        return success_counts(self.success(per_func).view(-1, n), threshold=self.args.success_threshold)
+
+    def completion_form(self, prompt, text: str):
+        """A peer text as TRL hands completions to reward functions for this prompt: a string, or for a
+        conversational prompt [{"role": "assistant", "content": text}] (TRL's _generate decodes so)."""
+        return [{"role": "assistant", "content": text}] if is_conversational({"prompt": prompt}) else text
+
+    def score_peer_log(self, chunk: int = 256) -> dict[str, torch.Tensor]:
+        """{prompt id: (m, F) rewards per reward function} of every logged response, scored once at start by
+        this trainer's reward functions through TRL's own _calculate_rewards (the dataset row's columns as
+        kwargs, the completion in TRL's form for the prompt)."""
+        rows = [(pid, text) for pid, grp in self.peer.items() for text in grp.texts]
+        out = []
+        for k in range(0, len(rows), chunk):
+            part = rows[k: k + chunk]
+            inputs = [self.peer_rows[pid] for pid, _ in part]
+            prompts = [x["prompt"] for x in inputs]
+            completions = [self.completion_form(x["prompt"], text) for x, (_, text) in zip(inputs, part)]
+            ids = [self._tokenizer.encode(text, add_special_tokens=False) for _, text in part]
+            r = GRPOTrainer._calculate_rewards(self, inputs, prompts, completions, ids)  # (W * R, F) gathered
+            out.append(r[: len(part)].cpu())  # every process scored the same rows: keep one copy
+        per_func = torch.cat(out)  # (R_total, F)
+        if bool(per_func.isnan().all(dim=1).any()):
+            raise ValueError("a logged response got no reward from any reward function: GRAFT needs a verdict")
+        scores, start = {}, 0
+        for pid, grp in self.peer.items():
+            scores[pid] = per_func[start: start + len(grp.texts)]
+            start += len(grp.texts)
+        return scores
+
+    def warn_if_success_rule_is_inert(self) -> None:
+        """Warn, naming success_reward and success_threshold, when under the configured rule no logged group is
+        mixed (Eq. 4 can select none), or every logged response succeeds (the rule cannot fail a response)."""
+        k = {pid: int(success_counts(self.success(r)[None], threshold=self.args.success_threshold))
+             for pid, r in self.peer_rewards.items()}
+        total = sum(len(g.texts) for g in self.peer.values())
+        passed, mixed = sum(k.values()), sum(1 <= k[pid] < len(g.texts) for pid, g in self.peer.items())
+        rule = (f"success_reward={self.args.success_reward or 'all'!r} (of {', '.join(self.reward_func_names)}), "
+                f"success_threshold={self.args.success_threshold:g}")
+        if passed == total:
+            warnings.warn(f"graft_trl: every one of the log's {total} responses succeeds under {rule}: the rule "
+                          f"cannot make a group all-fail or mixed, so GRAFT never fires; name the accuracy reward "
+                          f"in --success_reward or raise --success_threshold", stacklevel=3)
+        elif mixed == 0:
+            warnings.warn(f"graft_trl: none of the log's {len(self.peer)} groups is mixed under {rule} ({passed} "
+                          f"of {total} responses succeed): GRAFT never fires; check --success_reward and "
+                          f"--success_threshold", stacklevel=3)
+
+    def check_precision(self, lbar_recv: torch.Tensor, lbar_src: torch.Tensor, w: torch.Tensor) -> None:
+        """Warn once when bf16 is on and a peer response's gate sits within bf16's rounding of graft_delta: lbar_recv
+        (R,) comes from the same forward and precision as TRL's own log-probs, and bf16 keeps 8 bits, so each
+        token's log-prob can move by about 2^-8 of itself and w (R,) could flip (Eqs. 7-8). --bf16 False avoids it."""
+        if self.warned_bf16 or not (self.args.bf16 or self.args.fp16):
+            return
+        margin = (lbar_recv - lbar_src - torch.log(torch.tensor(self.args.graft_delta))).abs()  # (R,) |ln s - ln delta|
+        near = margin < 2.0 ** -8 * lbar_recv.abs()  # (R,)
+        if bool(near.any()):
+            self.warned_bf16 = True
+            warnings.warn(f"graft_trl: bf16 is on and {int(near.sum())} peer responses have s within bf16's rounding "
+                          f"of graft_delta={self.args.graft_delta:g} ({int((w[near] > 0).sum())} of them accepted): "
+                          f"their w can flip with rounding; run with --bf16 False for an exact gate", stacklevel=2)
+
     def received(self, inputs: list[dict], k_own: torch.Tensor) -> list[tuple[int, PeerGroup, torch.Tensor]]:
         """Eq. 4, one way: (g, the logged group, its (m,) rewards) for each group g of the batch whose n own
-        rollouts all fail and whose logged group is mixed under this trainer's own reward functions."""
-        n, pid = self.num_generations, [str(x[self.args.id_column]) for x in inputs[:: self.num_generations]]
-        logged = [(g, self.peer[p]) for g, p in enumerate(pid)
-                  if k_own[g] == 0 and p in self.peer and len(self.peer[p].texts) > 1]  # a group of one is never mixed
-        rows = [(inputs[g * n], text) for g, grp in logged for text in grp.texts]
-        if not rows:
-            return []
-        ids = [self._tokenizer.encode(text, add_special_tokens=False) for _, text in rows]
-        scores = self.rewards(GRPOTrainer._calculate_rewards(self, [x for x, _ in rows], [x["prompt"] for x, _ in rows],
-                                                             [text for _, text in rows], ids))  # (R,)
-        out, start = [], 0
-        for g, grp in logged:
-            r = scores[start: start + len(grp.texts)]  # (m,)
-            start += len(grp.texts)
-            if graft_candidates(k_recv=k_own[g: g + 1], k_src=success_counts(r[None]), n=len(r)).item():
-                out.append((g, grp, r))
+        rollouts all fail and whose logged group is mixed, both under the user's success rule."""
+        out = []
+        for g, x in enumerate(inputs[:: self.num_generations]):
+            pid = str(x[self.args.id_column])
+            if k_own[g] != 0 or pid not in self.peer:
+                continue
+            per_func = self.peer_rewards[pid]  # (m, F)
+            k_src = success_counts(self.success(per_func)[None], threshold=self.args.success_threshold)  # (1,)
+            if graft_candidates(k_recv=k_own[g: g + 1], k_src=k_src, n=len(per_func)).item():
+                out.append((g, self.peer[pid], self.rewards(per_func)))
         return out
 
     def _generate_and_score_completions(self, inputs):
@@ -190,13 +391,16 @@ class GraftGRPOTrainer(GRPOTrainer):
             return out  # evaluation: the receiver alone
         if "tool_mask" in out:
             raise ValueError("tools mask completion tokens per turn; GRAFT's rows have no turns (use no tools)")
-        out.pop("sampling_per_token_logps", None)  # read only by the refused vLLM correction
+        out.pop("sampling_per_token_logps", None)  # read only by the refused off-policy mask
         n, dev, tok = self.num_generations, out["advantages"].device, self._tokenizer
         std = self.scale_rewards != "none"
-        rewards = self.rewards(self.own_rewards).view(-1, n)  # (G, n)
+        here = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        own = self.own_rewards[here]  # (B, F) this process's rows: TRL gathered every process's (groups stay whole)
+        rewards = self.rewards(own).view(-1, n)  # (G, n)
         adv = group_advantages(rewards, std_normalize=std).view(-1).to(dev)  # (B,) departure 2
         weight, is_peer = torch.ones_like(adv), torch.zeros_like(adv, dtype=torch.bool)  # (B,), (B,)
-        received = self.received(inputs, success_counts(rewards))
+        k_own = self.counts(own, n)  # (G,) Eq. 4 under the user's rule
+        received = self.received(inputs, k_own)
         for g, _, r in received:  # a received group's rows: its m responses with their advantages, then empty ones
             adv[g * n: g * n + n], weight[g * n: g * n + n], is_peer[g * n: g * n + n] = 0.0, 0.0, True
             adv[g * n: g * n + len(r)] = group_advantages(r[None], std_normalize=std)[0].to(dev)
@@ -218,18 +422,27 @@ class GraftGRPOTrainer(GRPOTrainer):
             w = compatibility_weights(lbar_recv=sequence_mean_logprob(logp=lp, mask=mask), lbar_src=lbar_src,
                                       delta=self.args.graft_delta)  # (R,) Eqs. 6-8
             weight[slots] = w * mask.any(dim=1)  # a response too long after retokenisation is dropped
+            if self.mask_truncated_completions:  # as TRL masks an own completion that did not end with EOS
+                weight[slots] *= torch.cat([grp.eos for _, grp, _ in received]).to(dev).float()
             c_ids, c_mask = splice(c_ids, slots, ids, tok.pad_token_id), splice(c_mask, slots, mask.long(), 0)
             old = None if old is None else splice(old, slots, lp, 0.0)
+            self.check_precision(sequence_mean_logprob(logp=lp, mask=mask), lbar_src, weight[slots])
+        ratio = out.get("importance_sampling_ratio")  # vLLM's correction, (B, T) or (B, 1): TRL's, of its own rows
+        if ratio is not None:  # a peer row's old log-probs are the receiver's own forward: nothing to correct
+            ratio = torch.nn.functional.pad(ratio, (0, c_ids.shape[1] - ratio.shape[1]), value=1.0) \
+                if ratio.shape[1] > 1 else ratio  # (B, T') token modes follow the spliced width
+            out["importance_sampling_ratio"] = torch.where(is_peer[:, None], torch.ones_like(ratio), ratio)
         adv, c_mask = fold_weights(advantages=adv, weights=weight, mask=c_mask)  # Eq. 10 through TRL's own loss
         out |= {"completion_ids": c_ids, "completion_mask": c_mask, "advantages": adv,
                 "num_items_in_batch": c_mask.sum(), "graft_is_peer": is_peer, "graft_weight": weight}
         if old is not None:
             out["old_per_token_logps"] = old
         accepted = int((is_peer & (weight > 0)).sum())
-        metrics = {"all_fail": int((success_counts(rewards) == 0).sum()), "selected": len(received),
+        metrics = {"all_fail": int((k_own == 0).sum()), "selected": len(received),
                    "accepted": accepted, "rejected": sum(len(grp.texts) for _, grp, _ in received) - accepted}
-        for key, v in metrics.items():
-            self._metrics["train"][f"graft/{key}"].append(float(v))
+        totals = self.accelerator.reduce(torch.tensor([float(v) for v in metrics.values()], device=dev), "sum")
+        for key, v in zip(metrics, totals.tolist()):  # counts over every process's groups
+            self._metrics["train"][f"graft/{key}"].append(v)
         return out
 
     def _prepare_inputs(self, generation_batch):
@@ -243,8 +456,11 @@ class GraftGRPOTrainer(GRPOTrainer):
     def peer_last_minibatches(self, batch: dict) -> list[dict]:
         """One generation batch -> its S micro-batches: own groups first, replaced groups last, no shuffle,
         and num_items_in_batch = that optimizer step's retained tokens x S / A, which TRL's dapo divides
-        back by S / A: each optimizer step is one token-mean over its own retained tokens (Eq. 10)."""
+        back by S / A: each optimizer step is one token-mean over its own retained tokens (Eq. 10). Under W
+        processes: the gathered batch is cut so, and this process keeps its W-th of each micro-batch (departure 7)."""
         S, A, n = self.args.steps_per_generation, self.args.gradient_accumulation_steps, self.num_generations
+        W, rank = self.accelerator.num_processes, self.accelerator.process_index
+        batch = self.gather_batch(batch) if W > 1 else batch  # every process: the whole generation batch
         gen = seeded_generator(self.args.seed, self._step // S, "minibatch")  # as this project's trainer draws it
         order = peer_last_rows(batch["graft_is_peer"].view(-1, n)[:, 0].cpu(), n, generator=gen)  # (B,)
         batch = {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() else
@@ -254,7 +470,25 @@ class GraftGRPOTrainer(GRPOTrainer):
             tokens = sum(mb["completion_mask"].sum() for mb in micro[k: k + A])
             for mb in micro[k: k + A]:
                 mb["num_items_in_batch"] = tokens * (S // A)
-        return micro
+        return micro if W == 1 else [split_tensor_dict(mb, W)[rank] for mb in micro]  # this process's share
+
+    def gather_batch(self, batch: dict) -> dict:
+        """This process's generation batch (B rows) -> every process's, in process order (W * B rows): the batch
+        one process would hold for the same global batch. Prompts stay left-padded, completions right-padded."""
+        from accelerate.utils import gather, pad_across_processes
+        B, out = len(batch["completion_ids"]), {}
+        for k, v in batch.items():
+            if k == "num_items_in_batch":
+                out[k] = v  # recounted per optimizer step by the caller
+            elif isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B:
+                if v.dim() == 2:  # (B, T): pad to the widest process, on the side TRL pads
+                    pad = self._tokenizer.pad_token_id if k.endswith("_ids") else 0
+                    v = pad_across_processes(v, dim=1, pad_index=pad, pad_first=k.startswith("prompt"))
+                out[k] = gather(v)  # (W * B, ...)
+            else:
+                raise ValueError(f"graft_trl: batch key {k!r} ({type(v).__name__}) is not one row per completion; "
+                                 f"GRAFT across processes handles text-only batches")
+        return out
 
 
 def splice(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, pad_value) -> torch.Tensor:
@@ -291,18 +525,70 @@ def reward_function(spec: str):
     return reward
 
 
-def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
-    """The launch line: parse Script's and GraftConfig's flags, build the dataset, train; returns the trainer."""
-    from datasets import Dataset
+def build_parser():
+    """HfArgumentParser over Script and GraftConfig, its --help opening on the log format and GRAFT's own flags
+    (TRL's GRPOConfig flags follow), and its errors one line, exit code 2 (no usage dump of 300 flags)."""
     from transformers import HfArgumentParser
+    parser = HfArgumentParser((Script, GraftConfig), prog="python -m tools.graft_trl",
+                              usage="python -m tools.graft_trl --model M --prompts FILE --peer_log LOG "
+                                    "--output_dir DIR [GRAFT's flags] [any GRPOConfig flag]",
+                              description="GRAFT inside TRL's GRPOTrainer (the stored peer; tools/graft_trl.py's "
+                                          "docstring has the rest). On a machine without a bf16 GPU, bf16 defaults "
+                                          "to False.\n\n"
+                                          + LOG_FORMAT)
+    import argparse
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    ours = {f.name for f in fields(Script)} | set(GRAFT_FIELDS)
+    group = parser.add_argument_group("GRAFT's flags (the launch line's, then GraftConfig's)")
+    moved = [x for x in parser._optionals._group_actions if x.dest in ours]
+    moved.sort(key=lambda x: ([f.name for f in fields(Script)] + list(GRAFT_FIELDS)).index(x.dest))
+    group._group_actions.extend(moved)
+    parser._optionals._group_actions[:] = [x for x in parser._optionals._group_actions if x.dest not in ours]
+    parser._optionals.title = "TRL's GRPOConfig flags"
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(1, group)  # after the (empty) positionals: first on the page
+
+    def error(message: str):
+        raise Refusal(f"{message} (python -m tools.graft_trl --help lists the flags)")
+    parser.error = error
+    return parser
+
+
+def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
+    """The launch line: parse Script's and GraftConfig's flags, build the dataset, train; returns the trainer.
+    Every refusal (a flag, the log, the dataset) is one line on stderr and exit code 2, before the model loads."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(x.split("=")[0] in ("--bf16", "--no_bf16", "--fp16") for x in argv) and not (
+            torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+        argv += ["--bf16", "False"]  # TRL's default bf16=True stops on such a machine ("doesn't support bf16/gpu")
+    try:
+        return run(argv)
+    except Refusal as e:
+        print(f"graft_trl: error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(argv: list[str]) -> GraftGRPOTrainer:
+    """main without the refusal handling: parse, read the prompts, build the trainer (its checks first), train."""
+    from datasets import Dataset
 
     from runtime import load_prompt_file
-    script, args = HfArgumentParser((Script, GraftConfig)).parse_args_into_dataclasses(argv)
-    rows = load_prompt_file(script.prompts)
-    data = Dataset.from_list([{"id": r["id"], "prompt": script.prompt_template.replace("{problem}", r["problem"]),
-                               "answer": r["answer"]} for r in rows])
-    trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[reward_function(script.reward)], args=args,
-                               train_dataset=data)
+    try:
+        with warnings.catch_warnings():  # transformers' deprecation notes on TRL's defaults: nothing the user set
+            warnings.simplefilter("ignore", FutureWarning)
+            script, args = build_parser().parse_args_into_dataclasses(argv)
+    except Refusal:
+        raise
+    except ValueError as e:  # GRPOConfig's and transformers' own checks of the flags, and unknown flags
+        raise Refusal(str(e)) from None
+    try:
+        rows = load_prompt_file(script.prompts)
+        reward = reward_function(script.reward)
+    except (OSError, ValueError) as e:
+        raise Refusal(f"--prompts / --reward: {e}") from None
+    data = Dataset.from_list([{k: v for k, v in r.items() if k not in ("prompt", "completion")}
+                              | {"prompt": script.prompt_template.replace("{problem}", r["problem"])} for r in rows])
+    trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[reward], args=args, train_dataset=data)
     trainer.train()
     return trainer
 
