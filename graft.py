@@ -44,9 +44,8 @@ handing them over on every call would add plumbing to the step without making it
 README "The method, equation by equation" maps each equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
-  1. Retokenisation encodes the peer's response text on its own and appends it to the receiver's
-     prompt ids; a BPE merge across the prompt/response boundary is therefore never formed. A response
-     whose receiver ids do not decode back to its text is dropped and counted (dropped_roundtrip).
+  1. Retokenisation encodes the peer's response text on its own after the receiver's prompt ids (no BPE merge
+     across the boundary); a response whose receiver ids do not decode back to its text is dropped (counted).
   2. `--compat-norm byte` (not the default) replaces the per-token mean log-probability of Eq. 6 by
      the summed log-probability divided by the UTF-8 byte length of the same response text, for both
      models. The per-token mean is biased against the coarser tokenizer (README, "The tiny preset").
@@ -135,7 +134,7 @@ from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, ch
 from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
                       wait_for_file)  # the rollout file
 from metrics import LiveReport  # --report-to
-from reward import check_golds, load_reward, rewards  # the reward seam: --reward, called in one place
+from reward import check_golds, load_reward, reward_options, rewards  # the reward seam: --reward, called in one place
 from runtime import (DistInfo, RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
                      eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
                      load_prompt_file, setup_distributed, shard, shard_policy, timed, unshard)  # ranks, files: plumbing
@@ -226,7 +225,6 @@ class Trainer(RunFiles):
     identity and heartbeat, metrics trimming and atomic checkpoints."""
 
     live: LiveReport | None = None  # --report-to, opened by the first log()
-    counts: dict = {}  # the step's counts (reward limit, retokenisation round trip): rollout() starts them
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
@@ -343,8 +341,7 @@ class Trainer(RunFiles):
             # stored text: through the first stop string; the verifier reads it cut before (departure 11)
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
             scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
-                             [self.data[batch[r // n]]["answer"] for r in mine], workers=cfg.verify_workers,
-                             timeout=cfg.reward_timeout)
+                             [self.data[batch[r // n]]["answer"] for r in mine], **reward_options(cfg))
             self.counts = add_counts(gather_lists([scores.faults | canonical_counts(  # the step's, over all ranks
                 [o.tokens for o in outs], prompts, self.tok, eos_token_ids=self.stop_ids)], self.dist))
         with gathered(self.policy), timed(timings, "logprob"):
@@ -391,10 +388,8 @@ class Trainer(RunFiles):
         # Stored logs are re-scored with our reward and their advantages recomputed from that
         # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds,
-                         workers=cfg.verify_workers, timeout=cfg.reward_timeout)
-        self.counts = add_counts([self.counts, scores.faults])
-        peer.rewards = torch.tensor(scores, dtype=torch.float32).view_as(peer.rewards)
+        scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds, **reward_options(cfg))
+        self.counts, peer.rewards = add_counts([self.counts, scores.faults]), torch.tensor(scores).view_as(peer.rewards)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return {"log": peer}
 
@@ -478,7 +473,7 @@ class Trainer(RunFiles):
         for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
             g, i = picked[j]
             out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
-        self.counts = add_counts([self.counts, {"dropped_roundtrip": len(sc.lost)}])  # dropped: lost text
+        self.counts = add_counts([getattr(self, "counts", {}), {"dropped_roundtrip": len(sc.lost)}])  # lost text
         return out, len(picked) - len(sc.index) - len(sc.lost)
 
     def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
@@ -639,14 +634,12 @@ class Trainer(RunFiles):
             return fmt.format(v) if ok else "-"
 
         t = lambda k: f"{m.get('time/' + k, 0.0):.1f}"  # noqa: E731
-        stopped = {k: m[k] for k in ("reward_timeouts", "reward_crashes") if m.get(k)}  # by --reward-timeout
         print(f"step {m['step'] + 1:>4}/{self.cfg.steps} | reward {g('reward')} | all-fail {g('all_fail', '{:.2f}')} | "
               f"cand {g('candidates_in', '{}')} sel {g('selected', '{}')} acc {g('accepted', '{}')}/"
               f"{g('peer_responses', '{}')} w {g('mean_w', '{:.2f}')} | clip own {g('pg/clipfrac_own')} peer "
               f"{g('pg/clipfrac_peer')} | loss {g('pg/loss', '{:+.4f}')} gnorm {g('grad_norm', '{:.2f}')} | "
               f"len {g('response_len', '{:.0f}')} | s: sample {t('sample')} verify {t('verify')} "
-              f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}"
-              + (f" | reward stopped (scored 0): {stopped}" if stopped else ""), flush=True)
+              f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}", flush=True)
 
     def fit(self):
         cfg = self.cfg
@@ -1091,8 +1084,7 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
              for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
-    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers,
-                     timeout=cfg.reward_timeout, **tol)
+    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], **reward_options(cfg), **tol)
     results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
     out = []
     for p, prob in enumerate(problems):

@@ -299,6 +299,11 @@ def reward_pool(spec: str, fn, size: int) -> RewardPool:
     return pool
 
 
+def reward_options(cfg) -> dict:
+    """rewards' keyword arguments from a config.Config: workers=--verify-workers, timeout=--reward-timeout."""
+    return {"workers": cfg.verify_workers, "timeout": cfg.reward_timeout}
+
+
 def unreadable_golds(rows: list[dict], *, reward: str = DEFAULT_REWARD, workers: int = 0,
                      timeout: float = 0.0) -> list[str]:
     """Ids of the prompts whose gold answer the reward cannot read: the response "\\boxed{<gold>}" scores 0
