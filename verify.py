@@ -15,11 +15,12 @@ Public API
     (departure 24); comments, ``\\phantom``, ``\\cancel``, ``\\sout`` and white text are not read.
     Then: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces
     allowed), joined with the boxes just before it when only ``,`` / ``;`` / ``and`` / ``or`` /
-    ``x =`` separate them (departure 16); a last box that is an operand, disowned or hedged gives no
-    answer at all. ``strict=True`` (what training uses) is boxed only. With ``strict=False`` a
-    response without a box falls back to the last ``<answer>..</answer>``, then to the math (or
-    sentence) after the last "answer is" / "Answer:" / "####" / ``所以`` / ``答え:`` (Minerva's "Final
-    Answer: The final answer is $X$. I hope it is correct."), then to the last math span
+    ``x =`` separate them (departure 16); a last box that is an operand, disowned, hedged, under a
+    logic operator or not asserted by its sentence gives no answer at all. ``strict=True`` (what
+    training uses) is boxed only. With ``strict=False`` a response without a box falls back to the
+    last ``<answer>..</answer>``, then to the math (or sentence) after the last "answer is" / "Answer:"
+    / "####" / ``所以`` / ``答え:`` (Minerva's "Final Answer: The final answer is $X$. I hope it is
+    correct."), then to the last math span
     (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last number
     (``last_number=True``) with the unit word after it. A whole response that is one short line
     without words is its own answer. An unclosed last box is no answer in either mode (a truncated
@@ -93,7 +94,10 @@ Every leniency is bounded by what a policy could exploit with it:
 
 - text after a value is a unit only when it holds no digit, bracket or word that changes, negates
   or bounds it (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}``, ``\\text{ doubled}``,
-  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies); a unit is
+  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies), and a
+  prediction with such words in any ``\\text{..}`` beside its value is no answer (``12 \\text{ or thirteen}``,
+  ``12 \\text{ modulo five}``, ``\\text{about } 12``; ``_check_words``), while unit words stay
+  (``12 \\text{ square units}``, ``12 \\text{ units squared}``, ``12 \\text{ ways}``); a unit is
   dropped only when the other side has none or the same one (``_unit_of``: lengths, times, masses,
   volumes, speeds, money, angles, temperatures): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``,
   ``30 rad`` is not ``30^\\circ``, ``5^\\circ C`` is not ``5^\\circ F``, and ``7\\mathbb{N}`` is no 7 newtons;
@@ -105,11 +109,23 @@ Every leniency is bounded by what a policy could exploit with it:
   right around it; ``\\text{not } x = 7`` is no answer. Worked solutions stay answers: "at most
   \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
   MATH-500's and Minerva's solutions as responses);
-- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), or an
+- a box (and, without one, an answer cue's math or the last math span) is an answer only when the
+  sentence around it asserts it (``_asserted``): not inside a condition ("Were it \\boxed{12}, ...",
+  "If the count were \\boxed{12}, ...", "\\boxed{12} if n is even", "we would get \\boxed{12}" beside a
+  condition or a contrast), not attributed to an error ("The usual slip gives \\boxed{12}", unless words
+  between assert: "Avoiding the mistake, we get"), not questioned ("\\boxed{12}?"), doubted or retracted
+  ("\\boxed{12}. Unsure.", "(unverified)", "no wait"), and not followed by another value stated for it
+  ("\\boxed{12}; the right count is 13"). "If $x = 3$, then $y = \\boxed{12}$", "she would have saved
+  \\boxed{550} gallons" and "true if and only if $x \\ge \\boxed{\\frac{11}{2}}$" stay answers;
+- a logic operator applied to a box makes no answer (``\\lnot\\boxed{12}``, ``\\boxed{12} \\lor \\boxed{13}``,
+  "xor", ``\\boxed{12} \\land x > 0``; an implication before a box is "hence");
+- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), an
   approximation farther than half a unit in its last place from the value it follows
-  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``); the value
-  after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
-  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``;
+  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``), or
+  approximations that hold no one value (rounded twice: ``y \\approx 11.46 \\approx 11.5 \\approx 12``); the
+  value after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
+  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``, and when every side after it is the same
+  constant (``\\int_0^1 2x\\,dx = 1 = 12`` states nothing);
 - expressions must also agree at points of both signs wherever both sides stay real (``|u|``,
   ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``; departure 2);
 - an open list (any spelling of the ellipsis, inside or outside braces, with or without dollars)
@@ -123,8 +139,8 @@ Every leniency is bounded by what a policy could exploit with it:
 - numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
   answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
 
-``data/verify_hacking.jsonl`` and ``data/verify_rl.jsonl`` hold the forms a policy could try, by kind,
-each with honest controls.
+``data/verify_hacking.jsonl``, ``data/verify_rl.jsonl`` and ``data/verify_asserts.jsonl`` hold the forms a
+policy could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
@@ -143,9 +159,11 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
    digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
    rel_tol; math-verify accepts it) and ``100.01`` does not equal ``100`` (within rel_tol but not a
-   rounding of 100). Pass ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a
-   ``rel_tol`` above 1e-3 treats integers as rounded too (``901.8`` equals ``900``) and drops the
-   rounding check.
+   rounding of 100). An expression with decimal terms against an exact value differs from it when the
+   two are half its smallest decimal literal or more apart: an explicit term is part of the number
+   (``12 + 0.00001`` is not 12, ``3.1416 r^2`` stays ``\\pi r^2`` within rel_tol). Pass
+   ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a ``rel_tol`` above 1e-3 treats
+   integers as rounded too (``901.8`` equals ``900``) and drops both checks.
    (``_agree``, ``_close``)
 4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted): the one dual reading
    kept, so the one named exception to "one answer, one reward".
@@ -206,7 +224,7 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     in a cycle are tuples (``a=3, b=1; a=5, b=1`` equals ``(3,1), (5,1)``); a labelled gold
     (``PQ = 6, RS = 2``) equals its values (``6, 2``) when the prediction states no relation. When the
     left side of an equality does not parse (a limit, an integral), the value after the last ``=``
-    counts.
+    counts when every side after the unparsed one is that same constant.
     (``_readings``, ``_chain_value``, ``_chain_holds``, ``_named_values``, ``_as_assignment``)
 18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one
     variable that is linear in it or in its absolute value is solved (``-y > -2`` is ``y < 2``,
@@ -284,8 +302,13 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``\\textcolor{..}{7}`` and ``\\color``, ``{3 \\over 4}``, repeating decimals ``0.(3)``, the
     European ``3.400,25``, juxtaposed powers ``3^2 7^4``, ``7 + 0i``; ``x \\equiv 7 \\pmod 1`` states no
     residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) or a root of an exact value
-    within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7.
-    (``_fold_digits``, ``_clean``, ``_pow``)
+    within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7. So is an
+    exact value that carries more precision than 50 digits keep, where it meets an inexact one: an exact
+    term below 1e-40 of the sum it is in (``\\pi + 10^{-60}``), a value within 1e-40 of a simpler rational
+    (``\\pi(1 + 10^{-60})``) or an integer of more than 40 significant digits (``3^{100}\\pi``, so such a gold
+    equals nothing: the named cost). Closeness is relative to the precision an expression carries, and an
+    explicit tiny term is another number, never the same one within a tolerance.
+    (``_fold_digits``, ``_clean``, ``_pow``, ``_carried``)
 
 What it accepts (each row: a form and examples that parse; the departures above say how they compare)
 ------------------------------------------------------------------------------------------------------
@@ -322,7 +345,7 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 Benchmark
 ---------
 ``python -m bench.verify`` (its docstring says what it prints): accuracy, false positives, hedges and
-speed on the five case files of ``data/``, with math-verify beside it on the same cases;
+speed on the six case files of ``data/``, with math-verify beside it on the same cases;
 ``python -m bench.verify golds`` checks every benchmark gold against itself.
 """
 from __future__ import annotations
@@ -711,6 +734,8 @@ def _final_group(text: str) -> list | None:
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
     if _DISOWN_AFTER_RE.match(after) and not _restates(after, out[-1][2]) or _DISOWN_BEFORE_RE.search(before):
         return None
+    if _logic_around(text, out[0][0], out[-1][1]) or not _asserted(text, out[0][0], out[-1][1]):
+        return None
     return out
 
 
@@ -747,6 +772,145 @@ _DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\
                                r"(?:answer|result)\s+(?:is\s+)?at\s+(?:least|most)|"
                                r"(?:more|less|fewer|greater|other)\s+than)|"
                                r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
+
+
+# Logic applied to a box makes no answer: '\\lnot\\boxed{12}', '\\boxed{12} \\lor \\boxed{13}',
+# '\\boxed{12} \\land x > 0' (math delimiters between the box and the operator change nothing). An implication
+# before a box is 'hence' and stays an answer.
+_LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
+_LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
+_LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS +
+                              r")\s*$", re.IGNORECASE)
+_LOGIC_AFTER_RE = re.compile(r"^\s*(?:\\(?:" + _LOGIC_OPS + r")(?![A-Za-z])|[∨∧⊕⇔]|" + _LOGIC_WORDS + ")",
+                             re.IGNORECASE)
+_LOGIC_WRAP_RE = re.compile(r"\\(?:text|mathrm|mathrel|mathbin|operatorname|textsf|textit|textbf|mbox)\s*\{|[{}]")
+# The sentence around a box: where it starts and ends, outside math. A '.' ends a sentence only
+# before a space or the end ('3.5' does not).
+_SENTENCE_END_RE = re.compile(r"[.!?](?=[\s$]|\\[)\]]|$)|[;\n]|。|！|？")
+# A box inside the antecedent of a condition ('Were it \\boxed{12}, ...', 'If the count were \\boxed{12}, ...',
+# 'Suppose the answer is \\boxed{12}; ...'): an opener with no ',', ':' or 'then' between it and the box.
+_COND_OPEN_RE = re.compile(r"(?:^|[,:(]\s*)(?:were|had|should)\s+(?:it|we|they|he|she|you|the|this|that|there|I)\b|"
+                           r"(?<![A-Za-z])(?<!only\s)(?<!even\s)(?<!as\s)(?:if(?!\s+and\s+only)|suppose|supposing|"
+                           r"assume|assuming|unless|provided|whether|let|"
+                           r"in\s+case|say|imagine|pretend)(?![A-Za-z])", re.IGNORECASE)
+_COND_CLOSE_RE = re.compile(r"[,:]|(?<![A-Za-z])then(?![A-Za-z])", re.IGNORECASE)
+# A conditional after the box in its own sentence ('\\boxed{12} if n is even'); 'would' before a box counts only
+# beside a condition or a contrast (below).
+_COND_AFTER_RE = re.compile(r"(?<![A-Za-z])(?:if|unless|provided|assuming|supposing|in\s+case)(?![A-Za-z])",
+                            re.IGNORECASE)
+_WOULD_RE = re.compile(r"(?<![A-Za-z])(?:would|'d)(?![A-Za-z])", re.IGNORECASE)
+# After a 'would' box, a contrast or another stated value: 'It would have been \\boxed{12} with six sides; with
+# eight it is 16.' ('she would have saved \\boxed{550} gallons', the answer to a 'would' question, stays one).
+_CONTRAST_RE = re.compile(r"(?<![A-Za-z])(?:but|however|actually|in\s+fact|instead|whereas|yet)(?![A-Za-z])|"
+                          r"(?<![A-Za-z])(?:is|are|equals|was)\s+\$?\s*[-\d\\]", re.IGNORECASE)
+# A box attributed to an error ('The usual slip gives \\boxed{12}', 'A common mistake is to answer
+# \\boxed{12}'), unless the words between the error and the box assert ('Avoiding the mistake, we get').
+_ERROR_RE = re.compile(r"(?<![A-Za-z])(?:slip|slips|mistakes?|mistaken(?:ly)?|erroneous(?:ly)?|wrong(?:ly)?|"
+                       r"incorrect(?:ly)?|careless(?:ly)?|na[iï]ve(?:ly)?|misread\w*|miscount\w*|misapplie\w*|"
+                       r"typos?|blunders?|fallac\w+|pitfalls?|traps?|tempting|bogus|flawed|"
+                       r"errors?(?=(?:\W+\w+){0,4}?\W+(?:gives?|gave|yields?|yielded|leads?|led|produces?|"
+                       r"produced|results?|resulted|would|makes?|made)(?![A-Za-z])))(?![A-Za-z])",
+                       re.IGNORECASE)
+_ERROR_EXEMPT_BEFORE_RE = re.compile(r"(?<![A-Za-z])(?:avoid\w*|correct\w*|fix\w*|without|instead\s+of|rather\s+than|"
+                                     r"no|not|free\s+of|repair\w*)\W+(?:\w+\W+){0,3}$", re.IGNORECASE)
+_ASSERT_MARK_RE = re.compile(r"(?<![A-Za-z])(?:we\s+(?:get|obtain|find|have)|gives\s+us|so|thus|hence|therefore|"
+                             r"(?:correct|right|true|actual|final)\s+(?:answer|value|count|total|result)|"
+                             r"correct(?:ly|ed)?|instead|actually|in\s+fact|but|answer\s+is)(?![A-Za-z])|:",
+                             re.IGNORECASE)
+# Doubt about the box's answer, in its own sentence after it or in the next sentence ('\\boxed{12}? Unsure.',
+# '\\boxed{12}. I am not sure this is right.', '\\boxed{12} (unverified)').
+_DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:\S+\s+){0,2}?(?:sure|certain|confident|verified|checked)|"
+                       r"uncertain|unverified|unchecked|untested|unconfirmed|tentative(?:ly)?|no\s+idea|i\s+doubt|"
+                       r"doubtful|low\s+confidence|please\s+(?:double[-\s])?check|"
+                       r"(?:might|could|may)\s+be\s+wrong|probably\s+wrong|just\s+a\s+guess|a\s+guess|"
+                       r"or\s+is\s+it|(?:right|correct)\s*\?|no,?\s+wait|wait,?\s+no|scratch\s+that|"
+                       r"on\s+second\s+thought|i\s+was\s+wrong|(?:that|this)(?:'s|\s+is)\s+wrong)(?![A-Za-z])",
+                       re.IGNORECASE)
+# A retraction that opens what follows the box ('\\boxed{12}. Oops', '\\boxed{12} - wait', 'Correction: 13').
+_RETRACT_START_RE = re.compile(r"^[\s\-—–,.;:!)]*(?:oops|wait|correction|not\s+quite|actually,?\s+no)(?![A-Za-z])",
+                               re.IGNORECASE)
+_DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|presumably|i\s+guess|i\s+suppose|"
+                           r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
+
+
+# After a box, a sentence that states another value for the answer: '\\boxed{12}; the right count is 13',
+# '\\boxed{12} is what the table says; it is 1'.
+_RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|truth|(?:right|correct|true|actual|real)\s+"
+                          r"(?:answer|value|count|total|number|result|one)))\s+(?:is|equals|was)\s+"
+                          r"(?:actually\s+|really\s+|in\s+fact\s+)?\$?\s*(-?\d[\d.,]*\d|-?\d)(?![\d.,]*\s*[/^])",
+                          re.IGNORECASE)
+
+
+def _logic_around(text: str, start: int, end: int) -> bool:
+    """A logic operator stands right before or after the boxes text[start:end] (delimiters skipped)."""
+    before = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[max(0, start - 40):start]))
+    after = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[end:end + 40]))      # '\\mathrel{\\vee}', '\\text{ xor }'
+    return _LOGIC_BEFORE_RE.search(before) is not None or _LOGIC_AFTER_RE.match(after) is not None
+
+
+def _sentence_of(text: str, start: int, end: int) -> tuple[str, str, str, str]:
+    """(head, tail, terminator, next sentence) of the sentence holding text[start:end]: the words of its
+    sentence before and after it, the character that ends the sentence ('' at the end of the text) and
+    the sentence after that (up to 160 characters each way)."""
+    head = text[max(0, start - 240):start]
+    cut = None
+    for cut in _SENTENCE_END_RE.finditer(head):
+        pass
+    if cut is not None:
+        head = head[cut.end():]
+    rest = text[end:end + 400]
+    m = _SENTENCE_END_RE.search(rest)
+    if m is None:
+        return head, rest, "", ""
+    nxt = rest[m.end():]
+    n = _SENTENCE_END_RE.search(nxt.lstrip(), 1)
+    return head, rest[:m.start()], m.group(0), (nxt.lstrip()[:n.end()] if n else nxt)[:160]
+
+
+def _in_math(text: str, pos: int) -> bool:
+    """text[pos] is inside a math span: an odd number of unescaped '$' before it, or an open '\\(' / '\\['."""
+    before = text[:pos]
+    if (before.count("$") - before.count("\\$")) % 2 == 1:
+        return True
+    return before.rfind("\\(") > before.rfind("\\)") or before.rfind("\\[") > before.rfind("\\]")
+
+
+def _asserted(text: str, start: int, end: int) -> bool:
+    """The sentence around the boxes text[start:end] asserts them: not questioned ('\\boxed{12}?'),
+    not doubted or retracted right after ('\\boxed{12}. Unsure.', '\\boxed{12}. Oops'), not inside a condition
+    ('Were it \\boxed{12}, ...', '\\boxed{12} if n is even', 'we would get \\boxed{12}' beside a condition or a
+    contrast), not attributed to an error ('The usual slip gives \\boxed{12}') and not followed by another
+    value stated for it ('\\boxed{12}; the right count is 13'). Decided from the response alone."""
+    head, tail, end_mark, nxt = _sentence_of(text, start, end)
+    if _in_math(text, start):       # the math the box sits in ('$x = \\boxed{12}$') is not words
+        head = re.sub(r"(?:\$\$?|\\[(\[])[^$]*$", " ", head)
+        tail = re.sub(r"^[^$]*?(?:\$\$?|\\[)\]])", " ", tail, count=1)
+    head, tail = _MATH_SPAN_RE.sub(" $ ", head), _MATH_SPAN_RE.sub(" $ ", tail)     # words, not math
+    retracted = _RETRACT_START_RE.match(tail) or not tail.strip() and _RETRACT_START_RE.match(nxt)
+    if end_mark in ("?", "？") or "?" in tail or _DOUBT_RE.search(tail) or _DOUBT_OWN_RE.search(tail) or \
+            _DOUBT_RE.search(nxt) or retracted:
+        return False
+    opener = None
+    for opener in _COND_OPEN_RE.finditer(head):
+        pass
+    if opener is not None and not _COND_CLOSE_RE.search(head[opener.end():]):
+        return False        # the box is inside the condition
+    if _COND_AFTER_RE.search(tail):
+        return False
+    mark = None
+    for mark in _ASSERT_MARK_RE.finditer(head):
+        pass
+    clause = head[mark.end():] if mark is not None else head     # 'If it were 12, it would be odd, so it is'
+    if _WOULD_RE.search(clause) and (_COND_OPEN_RE.search(clause) or _CONTRAST_RE.search(tail + " " + nxt)):
+        return False        # 'Had we ..., we would get \\boxed{12}'; 'it would have been \\boxed{12} ...; it is 16'
+    err = None
+    for err in _ERROR_RE.finditer(head):
+        pass
+    if err is not None and not _ASSERT_MARK_RE.search(head[err.end():]) and \
+            not _ERROR_EXEMPT_BEFORE_RE.search(head[:err.start()]):
+        return False
+    other = _RESTATED_RE.search(tail + " " + nxt)
+    return other is None or _same_value(other.group(1), _outer_boxes(text[start:end])[-1][2])
 
 
 def _restates(after: str, content: str) -> bool:
@@ -910,11 +1074,17 @@ def _after_phrase(text: str) -> str | None:
                 break
             joined.append(s)
         after = rest[joined[-1][1]:joined[-1][1] + 80]
+        off = len(text) - len(rest)
         if _DISOWN_AFTER_RE.match(_DELIMS_RE.sub(" ", after)) or (
-                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])):
+                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])) or \
+                not _asserted(text, off + joined[0][0], off + joined[-1][1]):
             return ""       # 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$': hedged, no answer
         return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
     line = rest.split("\n", 1)[0]
+    said_line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$)", line, maxsplit=1)[0]
+    if "?" in line[:200] or _COND_AFTER_RE.search(said_line) or _DOUBT_RE.search(said_line) or \
+            _DOUBT_OWN_RE.search(said_line):
+        return ""           # 'So the answer is 12? Unsure.', 'the answer is 12 if n is even': no answer
     if _CJK_RE.search(line):        # '所以他一共走了45公里。': the one number of the sentence
         line = re.split(r"[。！？]", line, maxsplit=1)[0]
         nums = _NUMBER_RE.findall(line)
@@ -930,7 +1100,7 @@ def _after_phrase(text: str) -> str | None:
 
 def _last_math(text: str) -> str | None:
     """The last math span of the last paragraph that has one, joined with the spans just before it
-    that belong to the same answer ('$x=2$ and $x=-3$')."""
+    that belong to the same answer ('$x=2$ and $x=-3$'); '' when its sentence does not assert it."""
     spans = _math_spans(text)
     if not spans:
         return None
@@ -939,6 +1109,8 @@ def _last_math(text: str) -> str | None:
         if len(out) >= _MAX_JOIN or not _is_join_gap(text[s[1]:out[0][0]]):
             break
         out.insert(0, s)
+    if not _asserted(text, out[0][0], out[-1][1]):
+        return ""          # 'Were it $12$, the sum would be odd.': the sentence does not assert it
     return _tidy(_join([_tidy(c) for _, _, c in out])) or None
 
 
@@ -1058,6 +1230,8 @@ def _unit_of(s: str):
     t = s.strip().rstrip(".").strip()
     if len(t) > 200 or not re.search(r"\d", t):
         return None
+    if "squared" in t or "cubed" in t:
+        t = re.sub(r"\s*\^(\d)\s*\}", r"}^\1", _unit_power_words(t))     # '\\text{ cm squared}' is cm^2
     m = _TEMPERATURE_RE.search(t)
     if m:
         return ("temperature " + (m.group(1) or m.group(2)), 1)     # 5 °C, 5 °F, 5 K: three temperatures
@@ -1277,7 +1451,7 @@ def _clean(s: str) -> str:
     # Units written as text after a value: "5.4 \text{ cents}", "864 \mbox{ inches}^2".
     for _ in range(3):
         m = _TRAILING_TEXT_RE.match(s)
-        unit = m.group(2).strip() if m else ""
+        unit = _unit_power_words(m.group(2).strip(), "") if m else ""     # 'units squared' is a unit
         if m and unit.lower() in _MULTIPLIERS and re.fullmatch(r"[+-]?\d+(?:\.\d+)?", m.group(1).strip()):
             s = f"{m.group(1).strip()} \\cdot {_MULTIPLIERS[unit.lower()]}"     # '7 \\text{ dozen}' is 84
             break
@@ -1331,6 +1505,54 @@ _NEGATED_RE = re.compile(r"\\text\s*\{\s*(?:not|no|never|wrong|false|incorrect|i
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
 
 
+# Words inside a box's text that qualify its value: '12 \\text{ at least}', '12 \\text{ or thirteen}',
+# '12 \\text{ (not checked)}', '12 \\text{ modulo five}', '\\text{about } 12'. Unit words stay ('12 \\text{ square
+# units}', '12 \\text{ units squared}'); so do 'or' / 'and' alone between values and a piecewise 'if'.
+_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox)\s*\{([^{}]*)\}")
+_QUALIFIER_RE = re.compile(r"[\d()\[\]=<>?]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
+                           r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|answer|"
+                           r"guess|correct|incorrect|depending|about|around|approximately|roughly|to|between|plus|"
+                           r"minus|etc|doubled|halved|tripled|squared|cubed|factorial|onwards?|up|above|below|under|"
+                           r"over|inverse|reciprocal|mod|modulo|false|impossible|excluded|off|invalid|rejected|"
+                           r"negative|opposite|rounded|later|earlier|ago|before|after|greater|beyond|minimum|maximum|"
+                           r"upwards?|downwards?|negated|inverted|so|give|take|unverified|verified|checked|unchecked|"
+                           r"untested|tentative(?:ly)?|estimated?|estimates|ish|nearly|almost|circa|ca|close|"
+                           r"increase|decrease|excess|gain|loss|presumably|likely|unlikely|hopefully|supposedly|"
+                           r"apparently|allegedly|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
+                           r"twelve|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty|"
+                           r"forty|fifty|sixty|seventy|eighty|ninety)(?![A-Za-z])", re.IGNORECASE)
+_UNIT_EXPONENT_RE = re.compile(r"(?<=[A-Za-z])\s*\^\s*\{?\s*-?\d\s*\}?")
+# Kept: a choice '(E)', '(exactly)', one token with digits ('\\text{A5}_{11}', '\\text{cm2}')
+_KEPT_TEXT_RE = re.compile(r"\s*\(?\s*(?:[A-E]|exactly)\s*\)?\s*|\s*[A-Za-z]{0,3}\d+[A-Za-z\d]*\s*")
+_SEPARATOR_TEXT_RE = re.compile(r"[\s,;]*(?:(?:or|and)[\s,;]*)?", re.IGNORECASE)
+_UNIT_POWER_WORD_RE = re.compile(r"(?<![A-Za-z])([A-Za-z]+)\.?\s+(squared|cubed)(?![A-Za-z])", re.IGNORECASE)
+
+
+def _unit_power_words(t: str, power: str = "^{}") -> str:
+    """'units squared', 'cm cubed' -> 'units^2', 'cm^3' (a unit word before them; '7 squared' stays). power
+    formats the exponent ('' drops it)."""
+    return _UNIT_POWER_WORD_RE.sub(lambda m: m.group(1) + power.format(2 if m.group(2).lower() == "squared" else 3)
+                                   if m.group(1) in _UNIT_WORDS or m.group(1) in _UNIT_DIMS else m.group(0), t)
+
+
+def _check_words(pred: str) -> None:
+    """Raises _NotMath when a \\text{..} of the (uncleaned) prediction holds words that qualify a value
+    written outside it. A whole text answer ('\\text{no solution}') and a piecewise 'cases' are not judged."""
+    if "\\text" not in pred and "box" not in pred and "\\math" not in pred or "{cases}" in pred:
+        return
+    outside = _TEXT_GROUP_RE.sub(" ", pred)
+    if not re.search(r"[\dA-Za-z]", outside.replace("\\boxed", "")):
+        return          # the whole answer is text
+    for m in _TEXT_GROUP_RE.finditer(pred):
+        words = _UNIT_EXPONENT_RE.sub(" ", m.group(1))       # 'm/s^2', 'cm^{3}': powers of a unit
+        if _SEPARATOR_TEXT_RE.fullmatch(words) or words.strip().lower() in _MULTIPLIERS or \
+                words.strip() in _UNIT_WORDS or _KEPT_TEXT_RE.fullmatch(words):
+            continue
+        q = _QUALIFIER_RE.search(_unit_power_words(words, ""))
+        if q is not None and q.group(0).lower() not in _UNIT_WORDS:
+            raise _NotMath(f"words that qualify the value: {words.strip()!r}")
+
+
 def _check_math(s: str) -> None:
     """Raises _NotMath when the cleaned prediction s is not a mathematical answer: program syntax
     or a call of a name that is not a known function (the parser adds _check_product)."""
@@ -1370,6 +1592,7 @@ class Val:
     percent: bool = False         # written with %: 10% equals 10 and 0.1 (departure 4)
     env: dict = field(default_factory=dict)   # fixed symbol values (the +- sign)
     half_ulp: Fraction | None = None  # a lone decimal literal: half a unit in its last place
+    least_decimal: Fraction | None = None     # the smallest non-zero decimal literal written in it
 
 
 @dataclass
@@ -1541,6 +1764,7 @@ class _Parser:
         self.decimal = False      # a decimal literal was read in the current item
         self.literals = 0         # number literals read in the current item
         self.half_ulp = None      # half a unit in the last place of the last decimal literal
+        self.least_decimal = None     # the smallest non-zero decimal literal of the current item
         self.percent = False
         self.pm = False
         self.trig_depth = 0       # > 0 while parsing the argument of sin, cos, ...
@@ -1634,19 +1858,19 @@ class _Parser:
     def parse_item(self):
         """One value: an expression, a relation or chain of relations, a bracketed tuple/interval/set
         or a matrix. A name in front of a structure ('(a,b) = (4,1)', 'v = pmatrix') is dropped."""
-        saved = (self.decimal, self.percent, self.pm, self.literals, self.half_ulp)
+        saved = (self.decimal, self.percent, self.pm, self.literals, self.half_ulp, self.least_decimal)
         any_decimal = False
         try:
             parts, ops = [], []
             while True:
                 self.decimal = self.percent = self.pm = False
-                self.literals, self.half_ulp = 0, None
+                self.literals, self.half_ulp, self.least_decimal = 0, None, None
                 e = self.parse_expr()
                 any_decimal = any_decimal or self.decimal
                 if isinstance(e, (Seq, Matrix, _Undef)):
                     parts.append(e)
                 else:
-                    val = Val(e, self.decimal, self.percent)
+                    val = Val(e, self.decimal, self.percent, least_decimal=self.least_decimal)
                     if self.literals == 1 and self.half_ulp is not None and (
                             isinstance(e, sympy.Rational) or (isinstance(e, sympy.Mul) and len(
                                 e.args) == 2 and e.args[0] == -1 and e.args[1].is_Rational)):
@@ -1674,7 +1898,7 @@ class _Parser:
             return Chain(parts, ops)
         finally:
             self.decimal = saved[0] or any_decimal
-            self.percent, self.pm, self.literals, self.half_ulp = saved[1:]
+            self.percent, self.pm, self.literals, self.half_ulp, self.least_decimal = saved[1:]
 
     def _relop(self) -> str | None:
         c = self.peek()
@@ -1994,6 +2218,8 @@ class _Parser:
             self.decimal = True
             value *= Fraction(10) ** expo
             self.half_ulp = Fraction(1, 2 * 10 ** places) * Fraction(10) ** expo
+        if self.decimal and value and (self.least_decimal is None or value < self.least_decimal):
+            self.least_decimal = value
         return sympy.Rational(value.numerator, value.denominator)
 
     def _letter(self, ch: str):
@@ -2483,17 +2709,26 @@ def _ev(e, env: dict, budget: _Budget):
             raise _Undefined()
         return v
     if isinstance(e, sympy.Add):
-        acc = Fraction(0)
+        # Exact terms are summed exactly and the rest at 50 digits, then joined: an exact part too small to
+        # show beside the rest ('\\pi + 10^{-60}') is a limit hit, never the rest alone.
+        exact, rest, big = Fraction(0), None, 0
         for a in e.args:
             v = _ev(a, env, budget)
-            if isinstance(acc, Fraction) and isinstance(v, Fraction):
-                acc += v
-                if not _exact_ok(acc):
-                    acc = _to_mp(acc)
-            else:
-                budget.scale = max(budget.scale, abs(_to_mp(acc)), abs(_to_mp(v)))
-                acc = _check_mp(_to_mp(acc) + _to_mp(v))
-        return acc
+            if isinstance(v, Fraction):
+                exact += v
+                if _exact_ok(exact):
+                    continue
+                v, exact = _to_mp(exact), Fraction(0)
+            big = max(big, abs(v))
+            rest = v if rest is None else _check_mp(rest + v)
+        if rest is None:
+            return exact
+        budget.scale = max(budget.scale, big, abs(_to_mp(exact)))
+        if exact:
+            if abs(_to_mp(exact)) < _TINY_MP * big:
+                raise _Limit("an exact term below the working precision beside the others")
+            _carried(exact)
+        return _check_mp(rest + _to_mp(exact))
     if isinstance(e, sympy.Mul):
         acc = Fraction(1)
         for a in e.args:
@@ -2503,7 +2738,7 @@ def _ev(e, env: dict, budget: _Budget):
                 if not _exact_ok(acc):
                     acc = _to_mp(acc)
             else:
-                acc = _check_mp(_to_mp(acc) * _to_mp(v))
+                acc = _check_mp(_to_mp(_carried(acc)) * _to_mp(_carried(v)))
         return acc
     if isinstance(e, sympy.Pow):
         b, x = _ev(e.base, env, budget), _ev(e.exp, env, budget)
@@ -2558,7 +2793,7 @@ def _ev(e, env: dict, budget: _Budget):
         return a % m
     fn = _MPF_FUNCS.get(type(e))
     if fn is not None:
-        args = [_to_mp(_ev(a, env, budget)) for a in e.args]
+        args = [_to_mp(_carried(_ev(a, env, budget))) for a in e.args]
         if type(e) is sympy.log and args[0] == 0:
             raise _Undefined()
         if type(e) in _PERIODIC:
@@ -2602,7 +2837,7 @@ def _pow(b, x):
             if x > 0:
                 return Fraction(0)
             raise _Undefined()
-    bm, xm = _to_mp(b), _to_mp(x)
+    bm, xm = _to_mp(_carried(b)), _to_mp(x)
     if bm == 0:
         if xm.real > 0:
             return _MP.mpf(0)
@@ -2625,6 +2860,26 @@ def _pow(b, x):
 
 
 _TINY = Fraction(1, 10 ** 40)
+_TINY_MP = _MP.mpf(10) ** -40
+
+
+def _carried(v):
+    """v, unless it is an exact value that carries more precision than 50-digit arithmetic keeps, about to be
+    mixed with an inexact one: within 1e-40 (relative) of a simpler rational it is not ('1 + 10^{-60}' beside
+    \\pi), or an integer of more than 40 significant digits. Then a limit hit, never the simpler value."""
+    if not isinstance(v, Fraction) or not v:
+        return v
+    if v.denominator == 1:
+        n = abs(v.numerator)
+        if n.bit_length() > 132:        # about 40 digits: count the significant ones
+            digits = str(n).rstrip("0")
+            if len(digits) > 40:
+                raise _Limit("an integer beyond the working precision")
+        return v
+    near = v.limit_denominator(10 ** 6)
+    if near != v and abs(v - near) <= abs(v) * _TINY:
+        raise _Limit("a value within 1e-40 of a simpler one")
+    return v
 
 
 def _tiny_check(v):
@@ -2847,6 +3102,11 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
         for v, s, other in ((a, sa, b), (b, sb, a)):
             if tol <= APPROX_GOLD_TOL and v.half_ulp is not None and not other.inexact and not _close(
                     x, y, 0.0, abs_tol=v.half_ulp * s * (1 + Fraction(1, 10 ** 9))):
+                return False
+            # An explicit decimal term is part of the number: '12 + 0.00001' and '\\pi + 0.00001' differ from
+            # 12 and \\pi by half their smallest decimal or more, so they are other numbers, not within rel_tol.
+            if tol <= APPROX_GOLD_TOL and v.least_decimal is not None and not other.inexact and \
+                    abs(_to_mp(x) - _to_mp(y)) >= _to_mp(v.least_decimal * abs(s)) / 2:
                 return False
         valid += 1
     return valid >= min(2, len(points))
@@ -3342,13 +3602,48 @@ def _chain_value(node, gold, tol: float, budget: _Budget) -> list:
 def _chain_holds(parts: list, ops: list, tol: float, budget: _Budget) -> bool:
     """The constants of a chain before its first '\\approx' are equal, and every '\\approx' approximates
     what it follows: a name ('t \\approx 9'), or a constant within half a unit in the approximation's
-    last place (a decimal or integer literal), else within 1%."""
+    last place (a decimal or integer literal), else within 1%; and all of them approximate one value (the
+    exact one when it is written), so no value is rounded twice."""
     k = ops.index("~") if "~" in ops else len(ops)
     consts = [p for p in parts[:k + 1] if not (_free_names(p.expr) - {"__pm__"})]
     if any(not _val_equal(p, consts[-1], tol, budget) for p in consts[:-1]):
         return False
-    return all(op != "~" or (j == 0 and _is_name(parts[0].expr)) or _approx_true(parts[j], parts[j + 1], budget)
-               for j, op in enumerate(ops))
+    if not all(op != "~" or (j == 0 and _is_name(parts[0].expr)) or _approx_true(parts[j], parts[j + 1], budget)
+               for j, op in enumerate(ops)):
+        return False
+    # Not rounded twice: the values each approximation allows (half a unit in its last place around
+    # it) must overlap, and hold the exact value when one is written: 'y \\approx 11.46 \\approx 11.5 \\approx 12'
+    # states nothing (11.46 is no rounding of anything that rounds to 12).
+    spans = [_approx_span(parts[j + 1], budget) for j, op in enumerate(ops) if op == "~"]
+    if k < len(parts) and consts and parts[k] is consts[-1]:
+        try:
+            x = _to_mp(_ev(parts[k].expr, dict(parts[k].env), budget))
+        except _Undefined:
+            return False
+        if not _is_real(x):
+            return False
+        x = _MP.mpf(x.real)
+        spans.append((x, x))
+    return len(spans) < 2 or max(a for a, _ in spans) <= min(b for _, b in spans) + ABS_TOL
+
+
+def _approx_span(approx: Val, budget: _Budget) -> tuple:
+    """(lo, hi): the values an approximation stands for, as _approx_true allows them."""
+    try:
+        y = _to_mp(_ev(approx.expr, dict(approx.env), budget))
+    except _Undefined:
+        return (_MP.inf, -_MP.inf)
+    if not _is_real(y):
+        return (_MP.inf, -_MP.inf)
+    y = _MP.mpf(y.real)
+    if approx.half_ulp is not None:
+        room = _to_mp(approx.half_ulp)
+    elif isinstance(approx.expr, sympy.Integer):
+        room = _MP.mpf(0.5)
+    else:
+        room = abs(y) / 100
+    room = room * (1 + _MP.mpf(10) ** -9)
+    return (y - room, y + room)
 
 
 def _approx_true(exact: Val, approx: Val, budget: _Budget) -> bool:
@@ -3484,6 +3779,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     if len(pred) > MAX_RESPONSE_CHARS or len(gold) > MAX_RESPONSE_CHARS:
         raise _Limit("input length")
     pred, gold = _unwrap_answer(pred), _unwrap_answer(gold)    # a worked solution -> its box
+    _check_words(pred)
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
     up, ug = _unit_of(pred), _unit_of(gold)
@@ -3500,9 +3796,14 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
         pa = ga = None
         tail = _right_of_last_equals(cp)
         if tail is not None and _UNPARSED_OPERATOR_RE.search(cp[:len(cp) - len(tail)]):
-            # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1 (not '7, = 15')
+            # '\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1': the stated value 1 (not '7, = 15'); every side after
+            # the unparsed one must be the same constant ('\\int_0^1 2x\\,dx = 1 = 12' states nothing)
             try:
-                pa, ga = _parse(tail, budget, as_gold=False), _parse(cg, budget, as_gold=True)
+                sides = [_parse(t, budget, as_gold=False) for t in _sides_after_unparsed(cp)]
+                pa, ga = sides[-1], _parse(cg, budget, as_gold=True)
+                if not all(isinstance(v, Val) and not _free_names(v.expr) for v in sides) or \
+                        any(not _val_equal(v, pa, rel_tol, budget) for v in sides[:-1]):
+                    pa = ga = None
             except _ParseError:
                 pa = ga = None
             if not isinstance(pa, Val):
@@ -3566,6 +3867,20 @@ def _right_of_last_equals(s: str) -> str | None:
             last = k
     tail = s[last + 1:].strip() if last > 0 else ""
     return tail if tail and not _INEQ_RE.search(tail) else None
+
+
+def _sides_after_unparsed(s: str) -> list[str]:
+    """The sides of a chain after its first one: its top-level '=' splits ('\\int_0^1 x\\,dx = \\frac12 = 0.5'
+    -> ['\\frac12', '0.5']); [] when there is no '='."""
+    depth, cuts = 0, []
+    for k, c in enumerate(s):
+        if c in "{([":
+            depth += 1
+        elif c in "})]":
+            depth -= 1
+        elif c == "=" and depth == 0 and k > 0 and s[k - 1:k] not in ("<", ">", "!", "\\"):
+            cuts.append(k)
+    return [s[a + 1:b].strip() for a, b in zip(cuts, cuts[1:] + [len(s)])]
 
 
 def _named_text_equal(named: str, other: str) -> bool:

@@ -1,7 +1,7 @@
 """Benchmark of verify.py (README, Benchmarks): accuracy, false positives, hedges and speed on the labelled case
 files, with math-verify 0.9.0 beside it on the same cases in the same run when it is installed.
 
-    python -m bench.verify                                  # the five case files below
+    python -m bench.verify                                  # the six case files below
     python -m bench.verify --cases data/verify_rl.jsonl --show-errors
     python -m bench.verify --hedges                         # also count math-verify's hedges (slow: ~3 min)
     python -m bench.verify golds [FILES ...]                # every benchmark gold against itself
@@ -23,6 +23,11 @@ answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=
   number or around a box, units of another size, boxes that are operands, hidden or disowned, left sides,
   numbers, answer cues and digits of other scripts), 239 that must score 0 and 115 controls; committed in two
   parts, each before verify.py changed for it.
+- ``verify_asserts.jsonl``: boxes their sentence does not assert (conditional, attributed to an error, questioned
+  or doubted), logic operators on boxes, qualifying words inside a box's text, chains and approximation chains
+  whose sides disagree, and exact tiny terms; 86 that must score 0, each with near-miss controls (56), some
+  rewritten from other graders' normalisers (the ``source`` field names them); committed before verify.py changed
+  for it.
 
 Every figure of one file comes from one run: for each verifier, accuracy, false positives and negatives,
 exceptions, cases/s on one thread, p50/p99/max call time; for whole responses, how many that must score 0 are
@@ -47,7 +52,7 @@ import verify as V
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 FILES = ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl",
-         "verify_rl.jsonl")
+         "verify_rl.jsonl", "verify_asserts.jsonl")
 
 # ------------------------------------------------------------------------------------------------
 # Cases and judges
@@ -160,7 +165,7 @@ def run_cases(cases: list[dict], judge) -> dict:
 def bench(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.verify")
     ap.add_argument("--cases", action="append", default=None,
-                    help="labelled case file (repeatable); default: the five files of data/ named in this "
+                    help="labelled case file (repeatable); default: the six files of data/ named in this "
                          "file's docstring")
     ap.add_argument("--no-math-verify", action="store_true", help="verify.py's rows only")
     ap.add_argument("--hedges", action="store_true", help="also count math-verify's hedges (slow)")

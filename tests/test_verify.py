@@ -686,11 +686,12 @@ def test_verify_batch_workers_match():
 # to one another. The one named exception is percent (departure 4): '7\%' is paid for 7 and 0.07.
 
 RL = os.path.join(HERE, "data", "verify_rl.jsonl")
+ASSERTS = os.path.join(HERE, "data", "verify_asserts.jsonl")
 
 
 def test_one_answer_one_reward_over_every_case_file():
     hedges, n_paid = [], 0
-    for path in (CASES, FROZEN, OUTSIDE, HACKING, RL):
+    for path in (CASES, FROZEN, OUTSIDE, HACKING, RL, ASSERTS):
         for c in _load(path):
             hedge = B.hedge_of(c, B.judge_ours)
             if hedge is not None:
@@ -820,3 +821,113 @@ def test_worked_solutions_pay_their_own_gold():
         rows = [json.loads(line) for line in open(os.path.join(SHARED, name + ".jsonl"), encoding="utf-8")]
         missed = [r["id"] for r in rows if V.verify(r["solution"], r["answer"], rel_tol=tol) != 1.0]
         assert len(rows) > 250 and len(missed) <= most_missed, (name, missed)
+
+
+# ------------------------------------------------------------------------------------------------
+# A response's answer is what it asserts (data/verify_asserts.jsonl, committed before the
+# verifier changed for it): boxes their sentence does not assert, logic on boxes, qualifiers inside a
+# box's text, chains and approximations whose sides disagree, exact tiny terms; each kind with controls.
+
+_ASSERTS = _load(ASSERTS)
+
+
+def test_asserts_file_shape():
+    kinds = {}
+    for c in _ASSERTS:
+        assert "response" in c and isinstance(c["label"], bool), c
+        kinds.setdefault(c["category"], set()).add(c["label"])
+    assert sum(not c["label"] for c in _ASSERTS) >= 80 and sum(c["label"] for c in _ASSERTS) >= 50
+    assert len(kinds) == 6 and all(labels == {True, False} for labels in kinds.values()), kinds
+    assert sum("source" in c for c in _ASSERTS) >= 20      # rows rewritten from other graders' normalisers
+
+
+@pytest.mark.parametrize("k", range(len(_ASSERTS)))
+def test_a_response_is_paid_for_what_it_asserts(k):
+    c = _ASSERTS[k]
+    assert _judge(c) is c["label"], c
+    boxed = "\\boxed" in c["response"]
+    assert V.verify(c["response"], c["gold"]) == float(c["label"] and boxed), c     # training: strict
+
+
+def test_worked_solutions_that_say_would_or_if_stay_answers():
+    """Sentences from MATH-500 and Minerva solutions that a first version of the assertion rule refused: the
+    answer to a 'would' question, 'if and only if', an alternative method that 'could have' been used."""
+    paid = [("Therefore, she would have saved $800 - 250 = \\boxed{550}$ gallons.", "550"),
+            ("which is true if and only if $x\\ge \\frac{8+3}{2} = \\boxed{\\frac{11}{2}}$.", "\\frac{11}{2}"),
+            ("We also could have noted that $\\tan A = \\boxed{2}$.", "2"),
+            ("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.", "5300"),
+            ("If $x = 3$, then $y = \\boxed{12}$.", "12"), ("Assuming $x > 0$, we get $x = \\boxed{12}$.", "12"),
+            ("The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.", "12"),
+            ("The total is $\\boxed{12}$. It is the smallest such total.", "12"),
+            ("The answer is $\\boxed{12}$. Let me double-check: $3 \\cdot 4 = 12$. Yes.", "12")]
+    assert [r for r, g in paid if V.verify(r, g) != 1.0] == []
+    unpaid = ["Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?", "So $\\boxed{12}$? Unsure.",
+              "The usual slip gives $\\boxed{12}$.", "So $\\boxed{12}$; the right count is 13.",
+              "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$.",
+              # written after the file, probing the rule from outside it
+              "Let the answer be $\\boxed{12}$; then the sum is odd.", "So $\\boxed{12}$ (?).",
+              "So $\\boxed{12}$. Not 100% sure.", "So $\\boxed{12}$. Please double-check.", "So $\\boxed{12}$. Oops.",
+              "So $\\boxed{12}$?!",
+              "So $\\boxed{12}$ ... or is it?", "When it is $\\boxed{12}$, the sum is odd; so it is 13.",
+              "So $\\boxed{12}$ xor $\\boxed{13}$.", "So $\\boxed{12} \\mathrel{\\vee} \\boxed{13}$.",
+              "So $\\boxed{12}$ - no wait, 13.", "Intuition suggests $\\boxed{12}$, but the truth is 13.",
+              "So $\\boxed{12}$. On second thought, 13."]
+    assert [r for r in unpaid if V.extract_answer(r) is not None] == []
+    assert V._in_math("So $x = \\boxed{1}$", 9) and not V._in_math("So $x$ is \\boxed{1}", 12)
+
+
+def test_qualifiers_inside_a_box_text_and_unit_words():
+    _check([("12 \\text{ or thirteen}", "12", False), ("12 \\text{ modulo five}", "12", False),
+            ("\\text{about } 12", "12", False), ("12 \\text{ unverified}", "12", False),
+            ("12 \\text{ square units}", "12", True), ("12 \\text{ units squared}", "12", True),
+            ("12 \\text{ cm squared}", "12 \\text{ cm}^2", True), ("12 \\text{ cm squared}", "12 \\text{ m}^2", False),
+            ("7 \\text{ squared}", "7", False), ("9.8\\,\\mathrm{m/s^2}", "9.8", True),
+            ("\\text{A5}_{11}", "\\text{A5}_{11}", True), ("\\text{no solution}", "\\text{no solution}", True),
+            ("x = 1 \\text{ or } x = 2", "1, 2", True), ("7 \\text{ (exactly)}", "7", True)])
+    with pytest.raises(V._NotMath):
+        V._check_words("12 \\text{ give or take}")
+    V._check_words("\\begin{cases} 1 & \\text{if } x > 0 \\\\ 0 & \\text{otherwise} \\end{cases}")    # piecewise
+
+
+def test_chains_whose_sides_disagree_state_nothing():
+    _check([("\\int_0^1 2x\\,dx = 1 = 12", "12", False), ("\\int_0^1 2x\\,dx = 1 = 12", "1", False),
+            ("\\int_0^1 2x\\,dx = \\frac{2}{2} = 1", "1", True),
+            ("\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1", "1", True),
+            ("y \\approx 11.46 \\approx 11.5 \\approx 12", "12", False),
+            ("y \\approx 11.46 \\approx 11.5", "11.5", True),
+            ("t \\approx 2.449 \\approx 2.4", "2.4", True), ("x = \\sqrt{6} \\approx 2.45 \\approx 2.5", "2.5", False)])
+    assert V._sides_after_unparsed("\\int_0^1 x\\,dx = \\frac12 = 0.5") == ["\\frac12", "0.5"]
+    lo, hi = V._approx_span(V._parse("11.46", V._Budget(), as_gold=False), V._Budget())
+    assert abs(float(lo) - 11.455) < 1e-9 and abs(float(hi) - 11.465) < 1e-9
+
+
+def test_exact_terms_beyond_the_working_precision_are_limit_hits():
+    V.reset_stats()
+    assert not V.is_equivalent("\\pi + 10^{-60}", "\\pi") and not V.is_equivalent("\\pi(1 + 10^{-60})", "\\pi")
+    assert V.stats()["limit_hits"] == 2
+    assert V.is_equivalent("(10^{45} + \\pi, 1 + \\sqrt{2})", "(10^{45} + \\pi, 1 + \\sqrt{2})")   # a scale per sum
+    assert V.is_equivalent("12 + 10^{-60}", "\\frac{12 \\cdot 10^{60} + 1}{10^{60}}")                # exact: exact
+    assert not V.is_equivalent("12 + 0.00001", "12") and not V.is_equivalent("\\pi + 0.00001", "\\pi")  # a decimal term
+    assert V.is_equivalent("3.1416 r^2", "\\pi r^2") and V.is_equivalent("12 + 0.00001 - 0.00001", "12")
+    assert V.is_equivalent("\\frac{\\pi}{10^{60}}", "10^{-60}\\pi") and V.is_equivalent("2^{100}\\pi", "2^{100}\\pi")
+    from fractions import Fraction
+    assert V._carried(Fraction(1, 3)) == Fraction(1, 3) and V._carried(Fraction(2 ** 100)) == 2 ** 100
+    for v in (Fraction(10 ** 60 + 1, 10 ** 60), Fraction(3 ** 100)):
+        with pytest.raises(V._Limit):
+            V._carried(v)
+
+
+
+def test_unboxed_answers_follow_the_same_sentence_rule():
+    """Without a box (evaluation, strict=False), an answer cue's math and the last math span are read under the
+    same rule: a sentence that does not assert its value gives no answer, and no last number is tried after it."""
+    none = ["Were it $12$, the sum would be odd.", "The usual slip gives $12$.", "The answer is $12$ if n is even.",
+            "The answer is $12$. I am not sure this is right."]
+    assert [r for r in none if V.extract_answer(r) is not None] == []
+    assert V.verify("So the answer is 12? Unsure.", "12", strict=False) == 0.0     # a '?' line is read whole
+    assert [r for r in ("Thus the answer is 12 if n is even.", "Thus the answer is 12, probably.")
+            if V.verify(r, "12", strict=False)] == []
+    assert V.verify("Thus the answer is 12.", "12", strict=False) == 1.0
+    some = [("We have $3\\cdot 4=12$ apples.\nFinal Answer: The final answer is $12$. I hope it is correct.", "12"),
+            ("If $x = 3$, then $y = 12$.", "y = 12"), ("The answer is $12$, since $n$ is even.", "12")]
+    assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
