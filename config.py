@@ -162,6 +162,8 @@ class Config:
     """torch CPU threads (0 = leave torch's default). On a shared CPU, 1 per process is often fastest."""
     verify_workers: int = 0
     """Processes for the verifier (0 = in-process)."""
+    reward_timeout: float = 60.0
+    """Seconds one reward call may run: past it its worker is killed and its responses score 0 (0 = no limit)."""
     save_every: int = 20
     """Checkpoint every this many steps (and at the end); --resume continues from the latest."""
     keep_checkpoints: int = 2
@@ -226,8 +228,8 @@ def validate_config(cfg: Config) -> None:
     for f in positive_ints:
         if getattr(cfg, f) < 1:
             bad(f, f"must be >= 1, got {getattr(cfg, f)}")
-    for f in ("threads", "verify_workers", "eval_every", "eval_max_problems", "eval_max_tokens", "sgt_coef",
-              "gpu_memory", "ranks"):
+    for f in ("threads", "verify_workers", "reward_timeout", "eval_every", "eval_max_problems", "eval_max_tokens",
+              "sgt_coef", "gpu_memory", "ranks"):
         if getattr(cfg, f) < 0:
             bad(f, f"must be >= 0, got {getattr(cfg, f)}")
     for f in ("lr", "grad_clip", "exchange_timeout", "peer_dead_after", "heartbeat_interval", "join_timeout",

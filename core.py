@@ -20,7 +20,8 @@ Shape letters used throughout: G groups (prompts), n rollouts per prompt, B resp
 Departures from the paper or vanilla GRPO that live here (numbered as in graft.py's full list, each also
 said on its line):
   1. retokenize encodes the peer's response text on its own and appends it to the receiver's prompt
-     ids: a BPE merge across the prompt/response boundary is never formed.
+     ids: a BPE merge across the prompt/response boundary is never formed. score_received drops a response
+     whose receiver ids do not decode back to its text (decodes_back; counted, never silently trained on).
   2. sequence_mean_logprob(num_bytes=...) divides the summed log-prob by UTF-8 bytes, not tokens
      (`--compat-norm byte`, not the default).
   3. policy_loss(loss_denominator=...) takes the token count of the whole minibatch across
@@ -298,6 +299,7 @@ class Received(NamedTuple):
     lbar_src: torch.Tensor  # (R',) the source's lbar of the same responses
     s: torch.Tensor  # (R',) compatibility scores (Eq. 6)
     w: torch.Tensor  # (R',) weights (Eqs. 7-8; 1 each with compat_weight=False)
+    lost: list[int] = []  # positions in the input dropped because their round trip lost text (decodes_back)
 
 
 def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, prompts: list[list[int]], *,
@@ -309,20 +311,24 @@ def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, pr
     source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprobs(prompts,
     responses) returns the receiver's behaviour log-probs, one (len,) tensor per response (the trainer's
     sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
-    dropped: it is not in the answer's index. graft.py's Trainer.score_peer runs it on the received groups,
+    dropped: it is not in the answer's index. So is a response whose receiver ids do not decode back to its
+    text (decodes_back: the receiver would learn another text than the one rewarded; README "Retokenisation"),
+    listed in the answer's lost. graft.py's Trainer.score_peer runs it on the received groups,
     `graft.py preflight` on every sampled response, so the two cannot drift. Returns a Received; calls retokenize,
     compatibility_scores and compatibility_weights.
     """
     assert len(texts) == len(eos) == len(prompts) == lbar_src.numel(), "one text, EOS flag, lbar and prompt each"
-    index, ids = [], []
+    index, ids, lost = [], [], []
     for j, (text, ended) in enumerate(zip(texts, eos)):
         r = retokenize(text, ended, tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
-        if r:  # None: too long; []: nothing left to score
+        if r and not decodes_back(r[:-1] if ended else r, text, tokenizer):
+            lost.append(j)
+        elif r:  # None: too long; []: nothing left to score
             index.append(j)
             ids.append(r)
     if not index:
         empty = torch.zeros(0)
-        return Received([], [], [], empty, empty, empty, empty)
+        return Received([], [], [], empty, empty, empty, empty, lost)
     lps = logprobs([prompts[j] for j in index], ids)
     lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',)
     if compat_norm == "byte":  # not the paper's: the summed log-prob per UTF-8 byte
@@ -334,7 +340,7 @@ def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, pr
     s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=src)  # (R',) Eq. 6
     w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight
          else torch.ones_like(s))  # (R',) Eqs. 7-8
-    return Received(index, ids, lps, lbar_recv, src, s, w)
+    return Received(index, ids, lps, lbar_recv, src, s, w, lost)
 
 
 class Mean(NamedTuple):
@@ -562,6 +568,57 @@ def retokenize(text: str, ended_with_eos: bool, tokenizer, *, max_response_token
         assert eos is not None, "the receiver's tokenizer has no eos_token_id"
         ids = ids + [eos]
     return ids if len(ids) <= max_response_tokens else None
+
+
+def decodes_back(ids: list[int], text: str, tokenizer) -> bool:
+    """The retokenisation round trip: do the receiver's response ids (retokenize's, without a final EOS) decode
+    to the text they encode, decoded as decode_response decodes? False when the encoding lost or changed text
+    (a character the vocabulary cannot write, a normalisation, a special token's text in the response)."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
+
+
+def canonical_ids(text: str, tokenizer, *, prompt_ids: list[int] | None = None) -> list[int] | None:
+    """The tokenizer's own encoding of a response text: encoded alone (prompt_ids None), or after its prompt
+    (the prompt's text, decoded from prompt_ids with its special tokens, encoded together with the response
+    and split after the prompt's own encoding). None when a token of that joint encoding spans the boundary."""
+    if prompt_ids is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    context = tokenizer.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    head = tokenizer.encode(context, add_special_tokens=False)
+    both = tokenizer.encode(context + text, add_special_tokens=False)
+    return both[len(head):] if both[: len(head)] == head else None
+
+
+def source_canonical(tokens: list[int], tokenizer, *, eos_token_ids,
+                     prompt_ids: list[int] | None = None) -> tuple[bool | None, list[int] | None]:
+    """Is a sampled response's stored id sequence (a final EOS left out) its tokenizer's canonical encoding
+    (canonical_ids) of the text those ids decode to? (True/False, or None when the joint encoding has a token
+    across the prompt's end; the canonical ids, None then). A sampler may draw a non-canonical split ("1" "2"
+    where the tokenizer writes "12"): the source's lbar is then over ids its tokenizer would not produce."""
+    eos = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
+    body = list(tokens[:-1]) if len(tokens) and tokens[-1] in eos else list(tokens)
+    text = tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    canon = canonical_ids(text, tokenizer, prompt_ids=prompt_ids)
+    return (None if canon is None else canon == body), canon
+
+
+def canonical_counts(responses: list[list[int]], prompts: list[list[int]], tokenizer, *, eos_token_ids) -> dict:
+    """How many of a side's sampled responses (ids, each after its prompt's ids) are not its tokenizer's canonical
+    encoding of their text (source_canonical): encoded alone ("noncanonical", what a receiver's retokenisation
+    does) and encoded after the prompt ("noncanonical_in_prompt": drift that the prompt context does not explain)."""
+    alone = [source_canonical(t, tokenizer, eos_token_ids=eos_token_ids)[0] for t in responses]
+    joint = [source_canonical(t, tokenizer, eos_token_ids=eos_token_ids, prompt_ids=p)[0]
+             for t, p in zip(responses, prompts)]
+    return {"noncanonical": sum(x is False for x in alone), "noncanonical_in_prompt": sum(x is not True for x in joint)}
+
+
+def add_counts(parts: list[dict]) -> dict:
+    """Counts of several parts (ranks, phases of a step) added key by key."""
+    out: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

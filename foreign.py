@@ -314,7 +314,8 @@ class ForeignLog:
 
 def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normalize: bool = True,
                      reward: str = DEFAULT_REWARD, verify_workers: int = 0, rel_tol: float | None = None,
-                     max_response_chars: int | None = None, stop: tuple[str, ...] | list[str] = ()) -> ForeignLog:
+                     reward_timeout: float = 0.0, max_response_chars: int | None = None,
+                     stop: tuple[str, ...] | list[str] = ()) -> ForeignLog:
     """Read, match, group, re-verify and score a foreign JSONL file against the run's prompts.
 
     prompts: the run's prompt rows (dicts with "id", "problem", "answer", as data/prompts.py load_prompts
@@ -322,8 +323,8 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     record (same prompt, same response text), unmatched records and single-record prompts are counted
     (ForeignLog.report) and left out, in that order (choice 4), before anything is verified or scored.
     Rewards of the kept records are the reward's (reward.rewards: --reward, verify.py's by default, which
-    reads a boxed answer); verify_workers and rel_tol are passed to it. Responses are first cut at a stop
-    string of `stop` (choice 5). Raises ValueError (FILE:LINE) on a bad record, and when nothing usable is
+    reads a boxed answer); verify_workers, reward_timeout and rel_tol are passed to it. Responses are first cut
+    at a stop string of `stop` (choice 5). Raises ValueError (FILE:LINE) on a bad record, and when nothing usable is
     left.
     """
     path = Path(path)
@@ -370,7 +371,8 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]
     texts = [verifier_text(log.texts[p][i], tuple(stop)) for p, i in flat]  # cut before a stop string
     golds = [gold[log.prompt_ids[p]] for p, _ in flat]
-    scores = rewards(reward, texts, golds, workers=verify_workers, **({} if rel_tol is None else {"rel_tol": rel_tol}))
+    scores = rewards(reward, texts, golds, workers=verify_workers, timeout=reward_timeout,
+                     **({} if rel_tol is None else {"rel_tol": rel_tol}))
     table = torch.zeros(log.mask.shape)  # (P, M)
     if flat:
         rows, cols = zip(*flat)
@@ -496,7 +498,7 @@ def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:
     grouped per prompt, re-verified; lbar computed once by --peer-model where the records lack it."""
     try:
         log = load_foreign_log(cfg.peer_log, data, std_normalize=cfg.std_normalize, reward=cfg.reward,
-                               verify_workers=cfg.verify_workers,
+                               verify_workers=cfg.verify_workers, reward_timeout=cfg.reward_timeout,
                                max_response_chars=response_char_bound(cfg.max_response_tokens), stop=cfg.stop)
     except ValueError as e:  # names the file and line
         raise SystemExit(f"--peer-log: {e}") from None

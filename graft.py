@@ -44,9 +44,8 @@ handing them over on every call would add plumbing to the step without making it
 README "The method, equation by equation" maps each equation to its function.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
-  1. Retokenisation encodes the peer's response text on its own and appends it to the receiver's
-     prompt ids; a BPE merge across the prompt/response boundary is therefore never formed. Real
-     tokenizers (Qwen3, SmolLM3, Llama-3.2) round-trip the benchmark text exactly, so nothing is lost.
+  1. Retokenisation encodes the peer's response text on its own after the receiver's prompt ids (no BPE merge
+     across the boundary); a response whose receiver ids do not decode back to its text is dropped (counted).
   2. `--compat-norm byte` (not the default) replaces the per-token mean log-probability of Eq. 6 by
      the summed log-probability divided by the UTF-8 byte length of the same response text, for both
      models. The per-token mean is biased against the coarser tokenizer (README, "The tiny preset").
@@ -127,16 +126,16 @@ from typing import Callable, NamedTuple
 import torch
 
 from config import CHOICES, Config, build_parser, config_from_args, validate_config  # the config, its checks, CLI
-from core import (Mean, add_metrics, assignment_digest, batch_indices, decode_response, graft_candidates,
-                  group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss, rescue_candidates,
-                  retokenize, score_received, seeded_generator, success_counts,
+from core import (Mean, add_counts, add_metrics, assignment_digest, batch_indices, canonical_counts, decode_response,
+                  graft_candidates, group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss,
+                  rescue_candidates, retokenize, score_received, seeded_generator, success_counts,
                   verifier_text)  # the copyable core
 from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, checked at start
 from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
                       wait_for_file)  # the rollout file
 from metrics import LiveReport  # --report-to
 from plan import check_at_start, run_plan  # the memory plan on fake tensors: at start, and `graft.py plan`
-from reward import check_golds, load_reward, rewards  # the reward seam: --reward, called in one place
+from reward import check_golds, load_reward, reward_options, rewards  # the reward seam, called in one place
 from runtime import (DistInfo, RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
                      eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
                      load_prompt_file, setup_distributed, shard, shard_policy, timed, unshard)  # ranks, files: plumbing
@@ -317,7 +316,7 @@ class Trainer(RunFiles):
         with timed(timings, "update"):
             m_update = self.update(step, rows, replaced)
         timings["step"] = time.time() - t_start
-        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update
+        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update | self.counts
                 | {f"time/{k}": v for k, v in timings.items()})
 
     def rollout(self, step: int, batch: list[int]) -> tuple[StepRollouts, dict]:
@@ -344,7 +343,9 @@ class Trainer(RunFiles):
             # stored text: through the first stop string; the verifier reads it cut before (departure 11)
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
             scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
-                             [self.data[batch[r // n]]["answer"] for r in mine], workers=cfg.verify_workers)
+                             [self.data[batch[r // n]]["answer"] for r in mine], **reward_options(cfg))
+            self.counts = add_counts(gather_lists([scores.faults | canonical_counts(  # the step's, over all ranks
+                [o.tokens for o in outs], prompts, self.tok, eos_token_ids=self.stop_ids)], self.dist))
         with gathered(self.policy), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
@@ -389,8 +390,8 @@ class Trainer(RunFiles):
         # Stored logs are re-scored with our reward and their advantages recomputed from that
         # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        peer.rewards = torch.tensor(rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds,
-                                            workers=cfg.verify_workers), dtype=torch.float32).view_as(peer.rewards)
+        scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds, **reward_options(cfg))
+        self.counts, peer.rewards = add_counts([self.counts, scores.faults]), torch.tensor(scores).view_as(peer.rewards)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
         return {"log": peer}
 
@@ -474,7 +475,8 @@ class Trainer(RunFiles):
         for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
             g, i = picked[j]
             out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
-        return out, len(picked) - len(sc.index)
+        self.counts = add_counts([getattr(self, "counts", {}), {"dropped_roundtrip": len(sc.lost)}])  # lost text
+        return out, len(picked) - len(sc.index) - len(sc.lost)
 
     def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
         """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel.
@@ -1084,7 +1086,7 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
              for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
-    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], workers=cfg.verify_workers, **tol)
+    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], **reward_options(cfg), **tol)
     results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
     out = []
     for p, prob in enumerate(problems):
@@ -1187,9 +1189,8 @@ def main(argv=None):
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if cfg.fsdp:
-        # Every file is written and flushed. FSDP2 over gloo (CPU) can abort in a C++ destructor at
-        # interpreter exit in this torch version ("terminate called without an active exception"),
-        # turning a finished run into a failed one; ending the process here skips those destructors.
+        # Every file is written. FSDP2 over gloo (CPU) can abort in a C++ destructor at interpreter exit in this torch
+        # version ("terminate called without an active exception"), failing a finished run: end here, skipping them.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -972,7 +972,7 @@ def test_stop_strings_in_rollout_eval_and_retokenisation(tiny, tmp_path, monkeyp
     monkeypatch.setattr(verify, "verify_batch", lambda rs, gs, workers=0, **kw: read.extend(rs) or [0.0] * len(rs))
     cfg = Config(model=str(tiny / "ma"), prompts=str(tiny / "p.jsonl"), out=str(tmp_path / "run"), steps=1,
              prompts_per_step=8, n=4, max_response_tokens=16, prompt_template="{problem}=",
-             save_responses=True, eval_max_tokens=16)
+             save_responses=True, eval_max_tokens=16, reward_timeout=0)  # 0: the planted reward runs here, read fills
     tr = graft.Trainer(cfg)
     rows = batch_indices(16, 0, 8, 0)
     free, _ = tr.rollout(0, rows)

@@ -5,6 +5,7 @@ files, with math-verify 0.9.0 beside it on the same cases in the same run when i
     python -m bench.verify --cases data/verify_rl.jsonl --show-errors
     python -m bench.verify --hedges                         # also count math-verify's hedges (slow: ~3 min)
     python -m bench.verify golds [FILES ...]                # every benchmark gold against itself
+    python -m bench.verify seam                             # its speed through reward.py's seam, beside direct
 
 math-verify is optional (``pip install math-verify==0.9.0``, best in a venv made with
 ``--system-site-packages`` so that the system sympy stays as it is); without it only verify.py's rows print.
@@ -265,9 +266,45 @@ def golds(argv: list[str]) -> int:
     return 1 if bad_total else 0
 
 
+def seam(argv: list[str]) -> int:
+    """The default verifier's speed through the reward seam (reward.py) beside verify.verify called directly: the
+    case files' responses (a 'pred' boxed) scored in batches of --batch, as a step scores its rollouts."""
+    import reward
+    ap = argparse.ArgumentParser(prog="python -m bench.verify seam")
+    ap.add_argument("--batch", type=int, default=256, help="responses per reward call (a step's G x n)")
+    ap.add_argument("--repeat", type=int, default=3, help="passes over the cases; the best pass is printed")
+    args = ap.parse_args(argv)
+    cases = [c for name in FILES for c in load_cases(os.path.join(HERE, "data", name))]
+    pairs = [(c.get("response") or "\\boxed{" + c["pred"] + "}", c["gold"]) for c in cases]
+    batches = [pairs[k:k + args.batch] for k in range(0, len(pairs), args.batch)]
+    spec = reward.DEFAULT_REWARD
+    ways = {"verify.verify, direct": lambda rs, gs: [V.verify(r, g) for r, g in zip(rs, gs)],
+            "rewards, no limit": lambda rs, gs: reward.rewards(spec, rs, gs, timeout=0),
+            "rewards, limit, 1 worker": lambda rs, gs: reward.rewards(spec, rs, gs, timeout=60),
+            "rewards, no limit, workers 2": lambda rs, gs: reward.rewards(spec, rs, gs, workers=2, timeout=0),
+            "rewards, limit, 2 workers": lambda rs, gs: reward.rewards(spec, rs, gs, workers=2, timeout=60)}
+    print(f"{len(pairs)} responses in calls of {args.batch}; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores; best of {args.repeat} passes")
+    base, first = None, None
+    for name, score in ways.items():
+        score(*zip(*batches[0]))  # warm-up: a pool's fork, the imports
+        best = float("inf")
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            got = [x for b in batches for x in score([r for r, _ in b], [g for _, g in b])]
+            best = min(best, time.perf_counter() - t0)
+        first = got if first is None else first
+        assert got == first, f"{name} scores differ from verify.verify's"
+        base = base or best
+        print(f"{name:<30} {len(pairs) / best:>9.0f} responses/s  {best / base:>5.2f}x the direct time")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "golds":
         return golds(argv[1:])
+    if argv and argv[0] == "seam":
+        return seam(argv[1:])
     return bench(argv)
 
 

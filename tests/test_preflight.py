@@ -359,3 +359,71 @@ def test_complement_json_is_the_printed_table(tmp_path, capsys):
     assert out["n"] == 8 and out["batch_size"] == 30 and [s["path"] for s in out["sources"]] == paths
     assert f"{10.0:>10.2f}" in capsys.readouterr().out
     assert complement.complement_json([], [{"x": float("nan")}], n=8, batch_size=1)["rows"] == [{"x": None}]
+
+
+# ------------------------------------------------------------------------------------------------
+# The retokenisation round trip (preflight.py choice 6; core.decodes_back, source_canonical)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_round_trip_figures_recomputed_by_loops(run):
+    """Each direction's round-trip figures by plain encode/decode loops, and one canonical lbar by a forward."""
+    report, sides, _ = run
+    for key, src, recv in (("a_to_b", sides[0], sides[1]), ("b_to_a", sides[1], sides[0])):
+        rt, ro = report["directions"][key]["round_trip"], src.rollouts
+        lost, alone, joint, stored, canon_lbar, own_lbar = [], 0, 0, 0, [], []
+        for r, (text, toks) in enumerate(zip(ro.texts, ro.tokens)):
+            ids = recv.tok.encode(text, add_special_tokens=False)
+            ended = bool(ro.eos.view(-1)[r])
+            if 0 < len(ids) + ended <= CAP and recv.tok.decode(ids, skip_special_tokens=True,
+                                                                clean_up_tokenization_spaces=False) != text:
+                lost.append(r)
+            body = toks[:-1] if ended else toks
+            own_text = src.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            canon = src.tok.encode(own_text, add_special_tokens=False)
+            alone += canon != body
+            stored += src.tok.encode(text, add_special_tokens=False) != body
+            prompt_text = src.tok.decode(src.prompt_ids[r // N], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+            head = src.tok.encode(prompt_text, add_special_tokens=False)
+            joint += src.tok.encode(prompt_text + own_text, add_special_tokens=False) != head + body
+            if canon != body and canon:  # the source's lbar of its canonical ids, by one forward at T = 1
+                ids = canon + ([src.eos_id] if ended else [])
+                prompt = src.prompt_ids[r // N]
+                with torch.no_grad():
+                    logits = src.model(torch.tensor([prompt + ids])).logits[0].float()
+                lp = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(ids)[:, None])
+                canon_lbar.append(float(lp.mean()))
+                own_lbar.append(float(ro.lbar("token").view(-1)[r]))
+        assert (rt["lost"], rt["lost_index"], rt["alone"]["noncanonical"], rt["in_prompt"]["noncanonical"]) == (
+            len(lost), lost, alone, joint)
+        assert rt["responses"] == G * N and rt["alone"]["rescored"] == len(canon_lbar)
+        assert rt["stored_text_differs"] == stored
+        if canon_lbar:
+            assert rt["alone"]["lbar_canonical"] == pytest.approx(sum(canon_lbar) / len(canon_lbar), abs=1e-4)
+            assert rt["alone"]["lbar_own"] == pytest.approx(sum(own_lbar) / len(own_lbar), abs=1e-5)
+
+
+def test_a_response_whose_round_trip_loses_text_is_dropped_and_counted(run):
+    """README "Retokenisation": a response the receiver's tokenizer cannot write back (here a character outside
+    the tiny vocabulary, encoded as <unk> and skipped on decode) is dropped, listed in Received.lost, and the
+    trainer's step counts it in dropped_roundtrip."""
+    from core import decodes_back, score_received
+    _, sides, _ = run
+    recv = sides[1]
+    texts = ["12 + 3 = 15", "\u00e9 12", "7"]
+    ids = recv.tok.encode(texts[1], add_special_tokens=False)
+    assert not decodes_back(ids, texts[1], recv.tok) and decodes_back(recv.tok.encode(texts[0]), texts[0], recv.tok)
+    got = score_received(texts, [True, True, False], torch.zeros(3), [recv.prompt_ids[0]] * 3, tokenizer=recv.tok,
+                         eos_token_id=recv.eos_id, logprobs=recv.logprobs, max_response_tokens=CAP)
+    assert got.index == [0, 2] and got.lost == [1]
+    tr = receiver_trainer(recv, "a")
+    tr.counts = {}
+    peer = sides[0].rollouts
+    saved = list(peer.texts)
+    peer.texts[0], peer.texts[1] = texts[1], texts[1] + " 3"  # two planted losses in group 0
+    try:
+        out, dropped = tr.score_peer(0, peer, [0], list(range(G)))
+    finally:
+        peer.texts[:] = saved
+    assert tr.counts["dropped_roundtrip"] >= 2 and {x.index for x in out}.isdisjoint({0, 1})

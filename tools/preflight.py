@@ -46,6 +46,12 @@ Our choices (numbered so that reviews can cite them):
   5. Every function of a step that the preflight runs is the trainer's own, imported from where it lives
      (core.py, reward.py, runtime.py); this file never imports graft.py, which imports it for its
      `preflight` command (test_docs.py keeps the import graph acyclic).
+  6. The retokenisation round trip per direction (round_trip): responses whose receiver ids do not decode
+     back to their text (dropped by score_received, as in training); the source's responses whose sampled
+     ids are not its tokenizer's canonical encoding of their text, encoded alone (as a receiver would) and
+     after the prompt (what is left is drift, not the missing context); and the source's lbar on the
+     canonical ids beside its lbar on its own ids (one more log-prob pass over the non-canonical ones); and how
+     many ids differ from the encoding of the stored text, which a stop string cuts inside the stopping token.
 
 Launch line:
     python graft.py preflight --model-a HuggingFaceTB/SmolLM3-3B-Base --model-b Qwen/Qwen3-1.7B-Base \\
@@ -67,8 +73,8 @@ import torch
 from tools import complement
 from config import Config, add_config_flags, validate_config
 from core import (Received, batch_indices, compatibility_weights, decode_response, graft_candidates,
-                  group_advantages, received_groups, score_received, seeded_generator, success_counts,
-                  verifier_text)
+                  group_advantages, received_groups, score_received, seeded_generator, source_canonical,
+                  success_counts, verifier_text)
 from exchange import StepRollouts, atomic_write
 from reward import load_reward, rewards, unreadable_golds
 from runtime import DistInfo, compute_context, encode_prompt, load_policy, load_prompt_file, setup_distributed
@@ -78,7 +84,8 @@ from sampler import response_logprobs, sample
 TRAINING_FLAGS = ("reward", "prompt_template", "chat_template", "trust_remote_code", "n", "prompts_per_step",
                   "temperature", "top_p", "max_prompt_tokens", "max_response_tokens", "delta", "compat_norm",
                   "compat_weight", "balance", "std_normalize", "seed", "data_seed", "device", "dtype", "gen_batch_size",
-                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "stop")
+                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "reward_timeout",
+                  "stop")
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_PASSES = 3.0  # choice 4: an update ~ one forward and one backward ~ three log-prob passes
 
@@ -144,7 +151,8 @@ def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
     # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
     texts = [decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
     scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
-                     [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers)
+                     [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers,
+                     timeout=cfg.reward_timeout)
     t0 = time.time()
     old = side.logprobs(prompts, [o.tokens for o in outs])
     side.logprob_s = time.time() - t0
@@ -164,6 +172,36 @@ def cross_scores(src: Side, recv: Side) -> Received:
                                eos_token_id=recv.eos_id, logprobs=recv.logprobs,
                                max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
                                delta=cfg.delta, compat_weight=cfg.compat_weight)
+
+
+def round_trip(src: Side, cross: Received) -> dict:
+    """The retokenisation round trip of src's G x n responses towards the other side (choice 6): how many the
+    receiver's encoding loses text of (cross.lost: dropped), how many of src's own ids are not its tokenizer's
+    canonical encoding of their text, encoded alone and after the prompt, and src's lbar (per token, EOS
+    included as in its own) on the canonical ids beside its lbar on its own ids, over the non-canonical ones."""
+    ro, n = src.rollouts, src.rollouts.n
+    R = len(ro.tokens)
+    eos = ro.eos.view(-1).tolist()
+    own = ro.lbar("token").view(-1)  # (R,)
+    bodies = [t[:-1] if e else t for t, e in zip(ro.tokens, eos)]  # the sampled ids, a final EOS left out
+    # the stored text is cut after a stop string: its encoding misses what the stopping token held past it
+    stored = sum(src.tok.encode(x, add_special_tokens=False) != b for x, b in zip(ro.texts, bodies))
+    out = {"responses": R, "lost": len(cross.lost), "lost_index": list(cross.lost), "stored_text_differs": stored}
+    for key, ctx in (("alone", False), ("in_prompt", True)):
+        canon = [source_canonical(t, src.tok, eos_token_ids=src.stop_ids,
+                                  prompt_ids=src.prompt_ids[r // n] if ctx else None) for r, t in enumerate(ro.tokens)]
+        off = [r for r, (ok, ids) in enumerate(canon) if ok is False and ids]  # re-scorable: canonical ids exist
+        lps = src.logprobs([src.prompt_ids[r // n] for r in off],
+                           [canon[r][1] + ([src.eos_id] if eos[r] else []) for r in off]) if off else []
+        lbar_canon = torch.tensor([float(lp.mean()) for lp in lps])  # (K,)
+        diff = lbar_canon - own[off] if off else torch.zeros(0)  # (K,)
+        out[key] = {"noncanonical": sum(ok is not True for ok, _ in canon),
+                    "boundary": sum(ok is None for ok, _ in canon), "rescored": len(off),
+                    "lbar_own": float(own[off].mean()) if off else None,
+                    "lbar_canonical": float(lbar_canon.mean()) if off else None,
+                    "lbar_diff_mean": float(diff.mean()) if off else None,
+                    "lbar_diff_abs_max": float(diff.abs().max()) if off else None}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,9 +262,10 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bo
 
 
 def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, unbalanced: torch.Tensor,
-                     deltas: tuple[float, ...], m: int) -> dict:
+                     deltas: tuple[float, ...], m: int, trip: dict) -> dict:
     """Every figure of the direction src -> recv. received / unbalanced: (G,) bool, the groups recv gets with and
-    without the balanced swap (received_groups); m: the swap's min(|C_a->b|, |C_b->a|) on the sample."""
+    without the balanced swap (received_groups); m: the swap's min(|C_a->b|, |C_b->a|) on the sample; trip:
+    round_trip(src, cross)."""
     cfg, ro = recv.cfg, src.rollouts
     G, n = ro.rewards.shape
     P = cfg.prompts_per_step
@@ -253,6 +292,7 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
         "received": response_stats(flat(received), **kw),
         "no_balance": response_stats(flat(unbalanced), **kw),
         "all": response_stats(list(range(G * n)), **kw),
+        "round_trip": trip,
     }
 
 
@@ -336,6 +376,19 @@ def format_report(report: dict) -> str:
             rows.append(("  to the update per step: groups / responses",
                          f"{x['groups_to_update_per_step']:.1f} / {x['responses_to_update_per_step']:.1f}",
                          f"{y['groups_to_update_per_step']:.1f} / {y['responses_to_update_per_step']:.1f}", "s"))
+    rt = lambda d, k: d["round_trip"][k]  # noqa: E731
+    rows += [
+        ("round trip: receiver ids lose text (dropped)",
+         *(f"{rt(d, 'lost')}/{rt(d, 'responses')}" for d in (ab, ba)), "s"),
+        ("source ids not canonical: alone / after prompt",
+         *(f"{rt(d, 'alone')['noncanonical']} / {rt(d, 'in_prompt')['noncanonical']}" for d in (ab, ba)), "s"),
+        ("  of them a token across the prompt's end", *(str(rt(d, "in_prompt")["boundary"]) for d in (ab, ba)), "s"),
+        ("  ids differ from the stored (cut) text's encoding", *(str(rt(d, "stored_text_differs")) for d in (ab, ba)),
+         "s")]
+    for key, title in (("alone", "alone"), ("in_prompt", "after prompt")):
+        rows.append((f"  source lbar own -> canonical ({title})", *(
+            f"{_fmt(rt(d, key)['lbar_own'], 'f')} -> {_fmt(rt(d, key)['lbar_canonical'], 'f')}" for d in (ab, ba)),
+            "s"))
     width = max(len(r[0]) for r in rows) + 2
     out.append(f"{'':<{width}}{'A -> B':>16}{'B -> A':>16}")
     for label, x, y, kind in rows:
@@ -419,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
 def usable_rows(rows: list[dict], sides: list[Side], *, prompts: str, problems: int,
                 data_seed: int) -> tuple[list[dict], list[str]]:
     """The first `problems` rows of the trainer's order (choice 1) that are usable, and why others were skipped."""
-    bad_gold = set(unreadable_golds(rows, reward=sides[0].cfg.reward, workers=sides[0].cfg.verify_workers))
+    bad_gold = set(unreadable_golds(rows, reward=sides[0].cfg.reward, workers=sides[0].cfg.verify_workers,
+                                    timeout=sides[0].cfg.reward_timeout))
     order = batch_indices(len(rows), 0, len(rows), data_seed)  # the trainer's step-0 order of the whole file
     out, skipped = [], {"unreadable gold": 0, "prompt too long": 0}
     for i in order:
@@ -490,7 +544,8 @@ def preflight(args) -> tuple[dict, list[Side]]:
             int(graft_candidates(k_recv=k_a, k_src=k_b, n=n).sum()))
     directions = {f"{src.name}_to_{recv.name}": direction_report(
         src, recv, cross=cross[f"{src.name}_to_{recv.name}"], received=into[recv.name][args.balance],
-        unbalanced=into[recv.name][False], deltas=deltas, m=m) for src, recv in ((a, b), (b, a))}
+        unbalanced=into[recv.name][False], deltas=deltas, m=m,
+        trip=round_trip(src, cross[f"{src.name}_to_{recv.name}"])) for src, recv in ((a, b), (b, a))}
     sources = [complement.SourceCounts(s.cfg.model, "preflight", {pid: (int(k), n) for pid, k in
                                                                 zip(s.rollouts.prompt_ids, ks.tolist())},
                                     note=f"sampled now, n={n}")
