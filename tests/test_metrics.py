@@ -115,7 +115,10 @@ def fixed_policy_update(tr: graft.Trainer, rows, replaced) -> dict:
 
 def assert_metrics_equal(m: dict, ref: dict):
     for k, v in ref.items():
-        assert m.get(k) == pytest.approx(v, rel=1e-6, abs=1e-9), (k, m.get(k), v)
+        # The KL estimators are means of differences of float32 log-probs of size ~1-5, so their round-off is
+        # absolute (float32's eps x |log p| ~ 1e-7 per token), not relative to a mean near 0.
+        tol = 1e-6 if "approx_kl" in k else 1e-9
+        assert m.get(k) == pytest.approx(v, rel=1e-6, abs=tol), (k, m.get(k), v)
     loss_keys = {k for k in m if k.startswith("pg/")}
     assert loss_keys == {k for k in ref if k.startswith("pg/")}, "every logged loss metric has a reference"
 
@@ -141,7 +144,7 @@ def test_a_step_without_peer_rows_logs_no_peer_means(tiny, tmp_path):
 
 PLANTED_RANKS = '''
 import json, sys
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]  # the modules, and this test file (its planted step)
 from pathlib import Path
 import torch
 import graft
