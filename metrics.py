@@ -39,8 +39,6 @@ METRICS: dict[str, str] = {
     "noncanonical": "Own responses whose sampled ids are not the tokenizer's encoding of their text, encoded alone.",
     "noncanonical_in_prompt": "Own responses whose sampled ids are not the tokenizer's encoding of their text "
                               "encoded after the prompt (a token across the prompt's end counts).",
-    "reward_timeouts": "Responses whose reward call ran past --reward-timeout (worker killed): scored 0.",
-    "reward_crashes": "Responses whose reward worker process died (a crash in the reward): scored 0.",
     "assignment": "Fingerprint of the step's whole exchange (online, --selection graft): equal on every process.",
     "selected": "Peer groups this side received (after balancing).",
     "selected/<peer>": "Groups received from one peer (three or more sides).",
