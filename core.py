@@ -313,7 +313,7 @@ def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, pr
     sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
     dropped: it is not in the answer's index. So is a response whose receiver ids do not decode back to its
     text (decodes_back: the receiver would learn another text than the one rewarded; README "Retokenisation"),
-    listed in the answer's lost. graft.py's Trainer.score_peer runs it on the received groups,
+    listed in the answer's lost. graft.py's score_peer runs it on the received groups,
     `graft.py preflight` on every sampled response, so the two cannot drift. Returns a Received; calls retokenize,
     compatibility_scores and compatibility_weights.
     """

@@ -20,28 +20,18 @@ One GRAFT step (Trainer.step, one call per phase; each side of the pair runs the
     Trainer.publish        write this side's rollout file (exchange.save_rollouts)
     Trainer.wait_for_peers wait for and read each peer's file (exchange.load_rollouts), or the stored log
     Trainer.select         graft_select: graft_candidates (Eq. 4) -> the balanced swap, computed once
-    Trainer.score          graft_score: Trainer.score_peer -> core.score_received: retokenize ->
+    Trainer.score          graft_score: score_peer -> core.score_received: retokenize ->
                            receiver log-probs -> compatibility_weights (Eqs. 6-8); `graft.py preflight` too
     Trainer.build_rows     graft_rows: own groups + the peer's retained responses with the peer's
                            advantages and w: one Row per response
     Trainer.update         minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
                            -> policy_loss (Eqs. 9-10) -> one AdamW step
-then Trainer.fit logs the step (Trainer.log: one line, a JSON metrics line, keys metrics.METRICS; --report-to
-tensorboard|wandb also live) and keeps atomic checkpoints. select, score and build_rows run the variant's
-three functions (VARIANTS, section 4): GRAFT's rule is section 3, each ablation a small function it calls where
-its flag says so; HACPO, SGT and LUFFY are entries of the same registry, apart from GRAFT's path.
+then Trainer.fit logs the step (one line; a JSON metrics line, keys metrics.METRICS) and keeps atomic checkpoints.
 
-File order: 1 records and metrics -> 2 the trainer -> 3 GRAFT's rule -> 4 baselines and VARIANTS -> 5
-evaluation -> 6 CLI. Every dependency is an import, and imports run one way: graft.py -> foreign.py (the
-stored peer) -> reward.py (the reward seam), runtime.py (ranks, precision, loading, the run's files) ->
-exchange.py (the rollout file); metrics.py holds the metrics table; preflight.py, complement.py and plot.py
-are imported by their commands. config.py (the Config, its checks, the CLI), core.py (the copyable core: pure
-functions on tensors), sampler.py (the sampler and the chunked log-prob kernel) and verify.py (the default
-reward) import nothing of ours, so each can be copied alone (test_docs.py checks it).
-The Trainer keeps its file keeping as the mixin runtime.RunFiles rather than a self.files object:
-those methods read a dozen of the trainer's fields (cfg, dist, model, opt, best_score, ...), and
-handing them over on every call would add plumbing to the step without making it easier to read.
-README "The method, equation by equation" maps each equation to its function.
+Sections: 1 records -> 2 GRAFT's rule (select, score, rows, and its ablations, as the paper states them) -> 3 the
+trainer, whose select, score and build_rows run the variant's three functions -> 4 baselines (HACPO, SGT, LUFFY),
+LOSS_KINDS and VARIANTS, the one registry of methods -> 5 evaluation -> 6 CLI. README "The method, equation by
+equation" maps each equation to its function; README "Files" says what each imported module holds.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
   1. Retokenisation encodes the peer's response text on its own after the receiver's prompt ids (no BPE merge
@@ -83,19 +73,15 @@ Departures from the paper or from vanilla GRPO (each is also said on the line th
      response is cut the same way (foreign.py choice 5).
 
 Our extensions beyond the paper (the paper's behaviour is unchanged when they are not used):
-  * Three or more sides (`--peer-name b,c`): for each prompt a side fails on all n, the eligible
-    sources are the other sides with a mixed group, and it receives the whole group of the one with
-    the most successes (the most correct traces to imitate; ties to the name that sorts first, a
-    fixed rule so that every process computes the same assignment from the same files); balancing
-    then applies per pair of sides exactly as the paper's swap does for two (multi_peer_sources).
-    With two sides it is the paper's rule. Every online process logs a fingerprint of the step's
-    whole assignment (metrics key "assignment", assignment_digest), so that agreement can be checked.
-  * Foreign trajectories: `--peer-log FILE.jsonl` takes any collection of (problem, response)
-    records as the stored peer, matched by id or problem text, re-verified, with advantages within
-    each prompt's group of any size (foreign.py); `--peer-model` supplies a missing lbar.
-  * `graft.py complement`: the paper's complementarity statistics for candidate models before a
-    pair run (complement.py); `graft.py preflight` samples two models and runs a step's selection and
-    gate on the samples (preflight.py).
+  * Three or more sides (`--peer-name b,c`): a side that fails all n receives the whole group of the mixed
+    side with the most successes (ties: the name sorting first, so every process computes the same
+    assignment); balancing per pair of sides as the paper's swap does for two (multi_peer_sources). Every
+    online process logs a fingerprint of the step's assignment (metrics key "assignment").
+  * Foreign trajectories: `--peer-log FILE.jsonl`, any (problem, response) records as the stored peer,
+    matched by id or text, re-verified, advantages within groups of any size (foreign.py).
+  * `graft.py complement`, `graft.py preflight` and `graft.py plan`: complementarity of candidate models, a
+    step's selection and gate on two models' samples, and the memory of every phase (tools/, plan.py).
+  * `--memory-plan`: the plan checked at start on CUDA, refusing a setting that cannot fit (plan.py).
 
 Launch lines:
     # CPU, tiny preset: two tiny models, GRPO vs GRAFT, a table at the end (minutes)
@@ -106,8 +92,6 @@ Launch lines:
     bash run_pair.sh pair1
     # evaluation of a checkpoint on the five benchmarks
     python graft.py eval --model runs/graft_qwen/checkpoints/best --benchmarks all
-    # curves of runs on the same axes (needs matplotlib): reward, exchange, gate, clip fractions, KL, time
-    python graft.py plot runs/tiny/seed0/graft/A runs/tiny/seed0/grpo/A --out runs/tiny/plots
 """
 
 from __future__ import annotations
@@ -182,18 +166,6 @@ class PeerResponse(NamedTuple):
     score: float  # s = exp(lbar_recv - lbar_src)
 
 
-@dataclass(frozen=True)
-class LossKind:
-    """How the update treats the rows of one Row.kind (the table is LOSS_KINDS)."""
-
-    fn: Callable | None = None  # None = policy_loss (Eqs. 9-10); else fn(batch, cfg=, denominator=, minibatch=)
-    denominator: str = "policy"  # rows whose kinds name the same denominator share one token-mean
-    uses_advantage: bool = True  # True: rows with a = 0 give exactly zero gradient and skip the forward
-
-
-LOSS_KINDS: dict[str, LossKind] = {"pg": LossKind()}  # the baselines add theirs in section 4
-
-
 class RowBatch(NamedTuple):
     """One row kind's slice of a micro-batch, as the baselines' loss functions take it."""
 
@@ -212,6 +184,178 @@ def rollout_metrics(own: StepRollouts) -> dict[str, float]:
     return {"reward": float(own.rewards.mean()), "response_len": sum(len(t) for t in own.tokens) / len(own.tokens),
             "eos_frac": float(own.eos.float().mean()), "all_fail": float((k_own == 0).float().mean()),
             "all_pass": float((k_own == n).float().mean())}
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. GRAFT's rule: the select, score and rows phases of its step (VARIANTS["graft"]), as the paper
+#    states them, and its ablations, each a small function that the rule calls where its flag says so
+# ------------------------------------------------------------------------------------------------
+
+
+def exchange_counts(own: StepRollouts, peers: dict[str, StepRollouts],
+                    n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+    """Success counts of this side (G,) and of each peer (G,) on the step's prompts, and the metrics every
+    variant logs: the candidates of Eq. 4 both ways (before balancing) and the peers' mean reward."""
+    k_own = success_counts(own.rewards)  # (G,)
+    k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
+    cand_in, cand_out = torch.zeros_like(k_own, dtype=torch.bool), torch.zeros_like(k_own, dtype=torch.bool)
+    for name, p in peers.items():
+        cand_in |= graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes)  # (G,) Eq. 4, this side receiving
+        cand_out |= graft_candidates(k_recv=k[name], k_src=k_own, n=n) & (p.sizes > 0)  # (G,) this side giving
+    m = {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
+         "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
+    return k_own, k, m
+
+
+def graft_select(tr: Trainer, step: int, own: StepRollouts,
+                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Eq. 4 and the balanced swap: for each peer, the (G,) bool mask of the prompts whose group this side
+    receives. Online, the swap over every side's counts is computed once, by multi_peer_sources (with two
+    sides exactly the paper's balanced_swap; test_peers.py), and its fingerprint logged; from a stored
+    peer the transfer is one-way, with nothing to balance against."""
+    if not peers:  # plain GRPO
+        return {}, {}
+    cfg = tr.cfg
+    k_own, k, m = exchange_counts(own, peers, cfg.n)
+    if cfg.selection == "sgt":  # ablation: SGT's rescue rule, no balancing
+        return {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}, m
+    if tr.mode == "offline":
+        received = {name: graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes) for name, p in peers.items()}
+    else:
+        sides = sorted([cfg.name, *peers])  # one order on every process of the run
+        src = multi_peer_sources(torch.stack([k_own if s == cfg.name else k[s] for s in sides]), cfg.n,
+                                 balance=cfg.balance)  # (S, G) whose group each side receives, or -1
+        received = {name: src[sides.index(cfg.name)] == sides.index(name) for name in peers}
+        if cfg.selection == "graft":  # the fingerprint of the whole step's exchange: equal on every process
+            m["assignment"] = assignment_digest(src, own.prompt_ids)
+    if cfg.selection == "random":  # ablation (one peer: config.validate_config)
+        received = {name: random_selection(received[name], k_src=k[name], sizes=p.sizes,
+                                            generator=seeded_generator(cfg.seed, step, "select"))
+                    for name, p in peers.items()}
+    return received, m
+
+
+def graft_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
+                received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+    """Every response of the received groups retokenised and scored under the receiver (Eqs. 6-8), each with
+    its s and w (w = 0: rejected; it leaves before the update). --transfer success keeps only the peer's
+    correct responses (ablation)."""
+    if not peers:  # plain GRPO
+        return {}, {}
+    scored: dict[str, list[PeerResponse]] = {}
+    m: dict = {}
+    selected = offered = dropped_len = 0
+    for name, peer in peers.items():
+        groups = torch.nonzero(received[name]).squeeze(1).tolist()
+        scored[name], dropped = score_peer(tr, step, peer, groups, batch, only_correct=tr.cfg.transfer == "success")
+        selected, dropped_len = selected + len(groups), dropped_len + dropped
+        offered += int(peer.sizes[groups].sum()) if groups else 0
+        if len(peers) > 1:
+            m |= {f"selected/{name}": len(groups), f"accepted/{name}": sum(x.weight > 0 for x in scored[name])}
+    every = [x for got in scored.values() for x in got]
+    kept = [x for x in every if x.weight > 0]
+    return scored, m | {
+        "selected": selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
+        "rejected": len(every) - len(kept),
+        "mean_s": float(torch.tensor([x.score for x in every]).mean()) if every else float("nan"),
+        "s_each": [float(x.score) for x in every], "s_index": [x.index for x in every],  # panel.py reads both
+        "mean_w": float(torch.tensor([x.weight for x in kept]).mean()) if kept else float("nan")}
+
+
+def score_peer(tr: Trainer, step: int, peer: StepRollouts, groups: list[int], batch: list[int], *,
+               only_correct: bool = False) -> tuple[list[PeerResponse], int]:
+    """Retokenise the peer's responses of the given groups and score them under the receiver.
+
+    Returns a PeerResponse (receiver ids, receiver behaviour log-probs, w, s) for every response
+    that survived the length limit, and the number dropped by it (core.score_received does both).
+    only_correct: the peer's correct responses only (--transfer success).
+    """
+    cfg, n = tr.cfg, peer.n  # the stride of r = g * n + i (a foreign log's widest group)
+    picked = [(g, i) for g in groups for i in range(n)
+              if peer.mask[g, i] and not (only_correct and peer.rewards[g, i] <= 0)]
+    lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, n); a foreign log may lack it unused
+    sc = score_received([peer.texts[g * n + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
+                        torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
+                        [tr.prompt_ids[batch[g]] for g, _ in picked], tokenizer=tr.tok,
+                        eos_token_id=tr.eos_id, logprobs=tr.sharded_logprobs,
+                        max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
+                        delta=cfg.delta, compat_weight=cfg.compat_weight)
+    w = sc.w  # (R',)
+    if cfg.acceptance == "random" and sc.index:  # ablation
+        w = random_acceptance(sc.s, w, compat_weight=cfg.compat_weight,
+                              generator=seeded_generator(cfg.seed, step, "accept"))
+    out = []
+    for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
+        g, i = picked[j]
+        out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
+    tr.counts = add_counts([getattr(tr, "counts", {}), {"dropped_roundtrip": len(sc.lost)}])  # lost text
+    return out, len(picked) - len(sc.index) - len(sc.lost)
+
+
+def graft_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
+               received: dict[str, torch.Tensor],
+               scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
+    """GRAFT's replacement: the receiver's own groups, except each group it receives, whose rows are the
+    peer's retained responses (w > 0, departure 4) with the peer's advantages, computed on the peer's full
+    group and held fixed, and weight w. Returns the rows, the (G,) bool mask of groups that reached the
+    update from a peer, and no metrics."""
+    cfg, n, G = tr.cfg, tr.cfg.n, len(batch)
+    own_adv = own.advantages.clone()  # (G, n)
+    peer_adv: dict[int, torch.Tensor] = {}  # group -> (peer.n,) advantages of the peer's group
+    for name, peer in peers.items():
+        for g in torch.nonzero(received[name]).squeeze(1).tolist():
+            peer_adv[g] = peer.advantages[g]
+            if cfg.peer_advantages == "pooled":  # ablation: the two groups merged, the own rows kept
+                own_adv[g], peer_adv[g] = pooled_advantages(own.rewards[g], peer.rewards[g], peer.mask[g],
+                                                            std_normalize=cfg.std_normalize)
+    rows = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own_adv[g, i]))
+            for g in range(G) if g not in peer_adv or cfg.peer_advantages == "pooled" for i in range(n)]
+    replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
+    for name, got in scored.items():
+        for x in got:
+            if x.weight > 0:  # w = 0: removed before optimisation
+                rows.append(Row(x.group, tr.prompt_ids[batch[x.group]], x.ids, x.old_logp,
+                                float(peer_adv[x.group][x.index % peers[name].n]), weight=x.weight, is_peer=True,
+                                kind=tr.variant.peer_kind))
+                replaced[x.group] = True
+    return rows, replaced, {}
+
+
+def random_selection(received: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
+                     generator: torch.Generator) -> torch.Tensor:
+    """Ablation --selection random: as many prompts as the rule selected ((G,) bool), drawn uniformly among
+    those where the source is mixed (k_src, sizes: (G,)). Returns (G,) bool."""
+    pool = torch.nonzero((k_src >= 1) & (k_src < sizes)).squeeze(1)  # (P,)
+    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(received.sum())]]
+    out = torch.zeros_like(received)  # (G,)
+    out[pick] = True
+    return out
+
+
+def random_acceptance(s: torch.Tensor, w: torch.Tensor, *, compat_weight: bool,
+                      generator: torch.Generator) -> torch.Tensor:
+    """Ablation --acceptance random: the gate's acceptance count, the accepted responses drawn at random.
+    s, w: (R,) scores and the gate's weights. They keep min(s, 1) as weight (1 without the compatibility
+    weight), so only which responses pass changes. Returns (R,) weights."""
+    pick = torch.randperm(s.numel(), generator=generator)[: int((w > 0).sum())]
+    out = torch.zeros_like(s)  # (R,)
+    out[pick] = s[pick].clamp(max=1.0) if compat_weight else 1.0
+    return out
+
+
+def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, peer_mask: torch.Tensor, *,
+                      std_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ablation --peer-advantages pooled: the receiver's group (n,) and the peer's (M,), masked, merged into
+    one group; GRPO advantages over both. Returns (n,) own and (M,) peer advantages (0 on padding)."""
+    n = own_rewards.numel()
+    pooled = group_advantages(torch.cat([own_rewards, peer_rewards[peer_mask]])[None],
+                              std_normalize=std_normalize)[0]  # (n + size,)
+    return pooled[:n], torch.zeros(peer_mask.numel()).masked_scatter(peer_mask, pooled[n:])
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. The trainer: one side of GRAFT (or plain GRPO), its step one call per phase of the map above
+# ------------------------------------------------------------------------------------------------
 
 
 def _raise_on_signal(signum, frame):
@@ -449,47 +593,13 @@ class Trainer(RunFiles):
             return self.policy(prompts, responses, **kw)
         return response_logprobs(self.model, prompts, responses, **kw)
 
-    def score_peer(self, step: int, peer: StepRollouts, groups: list[int], batch: list[int], *,
-                   only_correct: bool = False) -> tuple[list[PeerResponse], int]:
-        """Retokenise the peer's responses of the given groups and score them under the receiver.
-
-        Returns a PeerResponse (receiver ids, receiver behaviour log-probs, w, s) for every response
-        that survived the length limit, and the number dropped by it (core.score_received does both).
-        only_correct: the peer's correct responses only (--transfer success).
-        """
-        cfg, n = self.cfg, peer.n  # the stride of r = g * n + i (a foreign log's widest group)
-        picked = [(g, i) for g in groups for i in range(n)
-                  if peer.mask[g, i] and not (only_correct and peer.rewards[g, i] <= 0)]
-        lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, n); a foreign log may lack it unused
-        sc = score_received([peer.texts[g * n + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
-                            torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
-                            [self.prompt_ids[batch[g]] for g, _ in picked], tokenizer=self.tok,
-                            eos_token_id=self.eos_id, logprobs=self.sharded_logprobs,
-                            max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
-                            delta=cfg.delta, compat_weight=cfg.compat_weight)
-        w = sc.w  # (R',)
-        if cfg.acceptance == "random" and sc.index:  # ablation
-            w = random_acceptance(sc.s, w, compat_weight=cfg.compat_weight,
-                                  generator=seeded_generator(cfg.seed, step, "accept"))
-        out = []
-        for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
-            g, i = picked[j]
-            out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
-        self.counts = add_counts([getattr(self, "counts", {}), {"dropped_roundtrip": len(sc.lost)}])  # lost text
-        return out, len(picked) - len(sc.index) - len(sc.lost)
-
     def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
-        """Peer-last PPO updates: one optimizer step per minibatch, micro-batched, data-parallel.
+        """Peer-last PPO updates: per minibatch, its gradients (accumulate) and one optimizer step (optimizer_step).
 
-        rows: the step's Rows; replaced: (G,) bool, groups that came from the peer. Returns metrics:
-        the loss functions' metrics per row kind ("<kind>/<key>") over the whole step, the grad norm
-        (mean over optimizer steps), zero_adv_frac, minibatches and peer_minibatches.
-
-        A Mean's sums and counts are added over micro-batches, ranks and minibatches and divided once,
-        so each mean is over exactly the tokens or responses it names (a step without peer tokens has
-        no pg/clipfrac_peer); counts add up; a kind's loss is its token-mean over the whole step
-        (each minibatch's loss weighted by that minibatch's denominator).
-        """
+        rows: the step's Rows; replaced: (G,) bool, groups that came from the peer. Returns the loss metrics per row
+        kind ("<kind>/<key>"), grad_norm (mean over optimizer steps), zero_adv_frac, minibatches, peer_minibatches.
+        A Mean's sums and counts are added over micro-batches, ranks and minibatches and divided once, so each mean
+        is over exactly what it names; a kind's loss is its token-mean over the whole step."""
         cfg = self.cfg
         gen = seeded_generator(cfg.seed, step, "minibatch")
         mbs = minibatch_order(replaced, cfg.minibatches, order=cfg.order, generator=gen)
@@ -499,72 +609,14 @@ class Trainer(RunFiles):
         step_sums: dict[str, float | Mean] = {}
         norms, peer_mb = [], []
         self.model.train()
-        # The optimizer's own parameters: under FSDP, module.parameters() can be the gathered copies.
-        params = [p for group in self.opt.param_groups for p in group["params"]]
         for mb_index, mb in enumerate(mbs):
             mb_rows = [r for g in mb.tolist() for r in by_group.get(g, [])]
             peer_mb.append(any(r.is_peer for r in mb_rows))
-            # One token-mean denominator per pool, over the whole minibatch (departure 3); removed
-            # responses (w = 0) are not in it (Eq. 10).
-            denoms: dict[str, int] = {}
-            for r in mb_rows:
-                if r.weight > 0:
-                    pool = LOSS_KINDS[r.kind].denominator
-                    denoms[pool] = denoms.get(pool, 0) + len(r.response)
-            if not any(denoms.values()):
+            mb_sums = self.accumulate(step, mb_index, mb_rows)
+            if mb_sums is None:  # no token to learn from in this minibatch: no optimizer step
                 continue
-            # Rows whose loss scales with a zero advantage (all-fail and all-pass groups) give exactly
-            # zero gradient, so they skip the forward; their tokens stay in the denominator above.
-            # Long rows first so micro-batches pad little; this rank's strided share.
-            live = [r for r in mb_rows if r.weight > 0 and (r.adv != 0 or not LOSS_KINDS[r.kind].uses_advantage)]
-            mine = shard(sorted(live, key=lambda r: -len(r.response)), self.dist)
-            chunks: list[list[Row] | None] = [mine[i: i + cfg.micro_batch_size]
-                                              for i in range(0, len(mine), cfg.micro_batch_size)]
-            if self.policy is not None and live:
-                # FSDP gathers weights inside every forward and reduces gradients after every backward:
-                # all ranks must make the same number of calls. A rank with a smaller share runs idle
-                # turns (None): one real row whose loss is multiplied by 0.
-                most = -(-len(live) // self.dist.world)  # the largest rank's share (shard is strided)
-                chunks += [None] * (-(-most // cfg.micro_batch_size) - len(chunks))
-            self.opt.zero_grad(set_to_none=True)
-            mb_sums: dict[str, float | Mean] = {}  # this rank's sums over the minibatch's micro-batches
-            for chunk in chunks:
-                with self.amp():
-                    loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, mb_index)
-                if chunk is None:
-                    loss, per_kind = loss * 0.0, {}
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"step {step}, minibatch {mb_index}: the loss is {value}; stopped before "
-                                             f"the optimizer step ({self.resume_hint()})")
-                loss.backward()
-                for kind, mt in per_kind.items():
-                    add_metrics(mb_sums, mt, prefix=f"{kind}/")
-            if self.dist.world > 1:  # every rank's sums, its own included: numerators and counts apart
-                merged: dict[str, float | Mean] = {}
-                for part in gather_lists([mb_sums], self.dist):
-                    add_metrics(merged, part)
-                mb_sums = merged
-            # A kind's minibatch loss (the sum of its parts, each already divided by the minibatch's
-            # denominator D) enters the step's token-mean as (loss * D, D); a minibatch whose rows all
-            # skipped the forward has loss 0 over its D tokens.
-            for kind in dict.fromkeys(r.kind for r in mb_rows if r.weight > 0):
-                d = max(denoms.get(LOSS_KINDS[kind].denominator, 1), 1)
-                mb_sums[f"{kind}/loss"] = Mean(float(mb_sums.get(f"{kind}/loss", 0.0)) * d, float(d))
             add_metrics(step_sums, mb_sums)
-            for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if self.dist.world > 1 and self.policy is None:  # data parallel: sum the per-rank partial gradients
-                for p in params:  # (the loss is a global sum; FSDP already reduce-scattered them, summed)
-                    torch.distributed.all_reduce(p.grad)
-            norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if self.policy is None
-                         else clip_sharded_grad_norm_(params, cfg.grad_clip))
-            if not math.isfinite(norm):
-                raise FloatingPointError(f"step {step}, minibatch {mb_index}: the gradient norm is {norm}; stopped "
-                                         f"before the optimizer step ({self.resume_hint()})")
-            norms.append(norm)
-            self.opt.step()
+            norms.append(self.optimizer_step(step, mb_index))
         m: dict = metric_values(step_sums, drop_empty=True)  # a mean over nothing is not logged
         m["grad_norm"] = sum(norms) / max(1, len(norms))
         zero = sum(1 for r in rows if r.adv == 0 and LOSS_KINDS[r.kind].uses_advantage)
@@ -572,6 +624,78 @@ class Trainer(RunFiles):
         m["minibatches"] = len(mbs)
         m["peer_minibatches"] = sum(peer_mb)
         return m
+
+    def accumulate(self, step: int, mb_index: int, mb_rows: list[Row]) -> dict | None:
+        """One minibatch's gradients, over this rank's share of its rows in micro-batches, and its metric sums
+        over every rank (None when no retained row has a token)."""
+        cfg = self.cfg
+        # One token-mean denominator per pool, over the whole minibatch (departure 3); removed
+        # responses (w = 0) are not in it (Eq. 10).
+        denoms: dict[str, int] = {}
+        for r in mb_rows:
+            if r.weight > 0:
+                pool = LOSS_KINDS[r.kind].denominator
+                denoms[pool] = denoms.get(pool, 0) + len(r.response)
+        if not any(denoms.values()):
+            return None
+        # Rows whose loss scales with a zero advantage (all-fail and all-pass groups) give exactly
+        # zero gradient, so they skip the forward; their tokens stay in the denominator above.
+        # Long rows first so micro-batches pad little; this rank's strided share.
+        live = [r for r in mb_rows if r.weight > 0 and (r.adv != 0 or not LOSS_KINDS[r.kind].uses_advantage)]
+        mine = shard(sorted(live, key=lambda r: -len(r.response)), self.dist)
+        chunks: list[list[Row] | None] = [mine[i: i + cfg.micro_batch_size]
+                                          for i in range(0, len(mine), cfg.micro_batch_size)]
+        if self.policy is not None and live:
+            # FSDP gathers weights inside every forward and reduces gradients after every backward:
+            # all ranks must make the same number of calls. A rank with a smaller share runs idle
+            # turns (None): one real row whose loss is multiplied by 0.
+            most = -(-len(live) // self.dist.world)  # the largest rank's share (shard is strided)
+            chunks += [None] * (-(-most // cfg.micro_batch_size) - len(chunks))
+        self.opt.zero_grad(set_to_none=True)
+        mb_sums: dict[str, float | Mean] = {}  # this rank's sums over the minibatch's micro-batches
+        for chunk in chunks:
+            with self.amp():
+                loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, mb_index)
+            if chunk is None:
+                loss, per_kind = loss * 0.0, {}
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"step {step}, minibatch {mb_index}: the loss is {value}; stopped before "
+                                         f"the optimizer step ({self.resume_hint()})")
+            loss.backward()
+            for kind, mt in per_kind.items():
+                add_metrics(mb_sums, mt, prefix=f"{kind}/")
+        if self.dist.world > 1:  # every rank's sums, its own included: numerators and counts apart
+            merged: dict[str, float | Mean] = {}
+            for part in gather_lists([mb_sums], self.dist):
+                add_metrics(merged, part)
+            mb_sums = merged
+        # A kind's minibatch loss (the sum of its parts, each already divided by the minibatch's
+        # denominator D) enters the step's token-mean as (loss * D, D); a minibatch whose rows all
+        # skipped the forward has loss 0 over its D tokens.
+        for kind in dict.fromkeys(r.kind for r in mb_rows if r.weight > 0):
+            d = max(denoms.get(LOSS_KINDS[kind].denominator, 1), 1)
+            mb_sums[f"{kind}/loss"] = Mean(float(mb_sums.get(f"{kind}/loss", 0.0)) * d, float(d))
+        return mb_sums
+
+    def optimizer_step(self, step: int, mb_index: int) -> float:
+        """Reduce the minibatch's gradients over ranks, clip them (grad_clip) and take one AdamW step. Returns the
+        gradient norm before clipping."""
+        # The optimizer's own parameters: under FSDP, module.parameters() can be the gathered copies.
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.dist.world > 1 and self.policy is None:  # data parallel: sum the per-rank partial gradients
+            for p in params:  # (the loss is a global sum; FSDP already reduce-scattered them, summed)
+                torch.distributed.all_reduce(p.grad)
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if self.policy is None
+                     else clip_sharded_grad_norm_(params, self.cfg.grad_clip))
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"step {step}, minibatch {mb_index}: the gradient norm is {norm}; stopped "
+                                     f"before the optimizer step ({self.resume_hint()})")
+        self.opt.step()
+        return norm
 
     def minibatch_loss(self, rows: list[Row], denominators: dict[str, int], mb_index: int) -> tuple[torch.Tensor, dict]:
         """Forward + loss of one micro-batch of rows; the denominators are the whole minibatch's.
@@ -693,143 +817,6 @@ class Trainer(RunFiles):
         return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
 
 # ------------------------------------------------------------------------------------------------
-# 3. GRAFT's rule: the select, score and rows phases of its step (VARIANTS["graft"]), and its ablations,
-#    each a small function that the rule calls where its flag says so
-# ------------------------------------------------------------------------------------------------
-
-
-def exchange_counts(own: StepRollouts, peers: dict[str, StepRollouts],
-                    n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
-    """Success counts of this side (G,) and of each peer (G,) on the step's prompts, and the metrics every
-    variant logs: the candidates of Eq. 4 both ways (before balancing) and the peers' mean reward."""
-    k_own = success_counts(own.rewards)  # (G,)
-    k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
-    cand_in, cand_out = torch.zeros_like(k_own, dtype=torch.bool), torch.zeros_like(k_own, dtype=torch.bool)
-    for name, p in peers.items():
-        cand_in |= graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes)  # (G,) Eq. 4, this side receiving
-        cand_out |= graft_candidates(k_recv=k[name], k_src=k_own, n=n) & (p.sizes > 0)  # (G,) this side giving
-    m = {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
-         "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
-    return k_own, k, m
-
-
-def graft_select(tr: Trainer, step: int, own: StepRollouts,
-                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Eq. 4 and the balanced swap: for each peer, the (G,) bool mask of the prompts whose group this side
-    receives. Online, the swap over every side's counts is computed once, by multi_peer_sources (with two
-    sides exactly the paper's balanced_swap; test_peers.py), and its fingerprint logged; from a stored
-    peer the transfer is one-way, with nothing to balance against."""
-    if not peers:  # plain GRPO
-        return {}, {}
-    cfg = tr.cfg
-    k_own, k, m = exchange_counts(own, peers, cfg.n)
-    if cfg.selection == "sgt":  # ablation: SGT's rescue rule, no balancing
-        return {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}, m
-    if tr.mode == "offline":
-        received = {name: graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes) for name, p in peers.items()}
-    else:
-        sides = sorted([cfg.name, *peers])  # one order on every process of the run
-        src = multi_peer_sources(torch.stack([k_own if s == cfg.name else k[s] for s in sides]), cfg.n,
-                                 balance=cfg.balance)  # (S, G) whose group each side receives, or -1
-        received = {name: src[sides.index(cfg.name)] == sides.index(name) for name in peers}
-        if cfg.selection == "graft":  # the fingerprint of the whole step's exchange: equal on every process
-            m["assignment"] = assignment_digest(src, own.prompt_ids)
-    if cfg.selection == "random":  # ablation (one peer: config.validate_config)
-        received = {name: random_selection(received[name], k_src=k[name], sizes=p.sizes,
-                                            generator=seeded_generator(cfg.seed, step, "select"))
-                    for name, p in peers.items()}
-    return received, m
-
-
-def graft_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
-                received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
-    """Every response of the received groups retokenised and scored under the receiver (Eqs. 6-8), each with
-    its s and w (w = 0: rejected; it leaves before the update). --transfer success keeps only the peer's
-    correct responses (ablation)."""
-    if not peers:  # plain GRPO
-        return {}, {}
-    scored: dict[str, list[PeerResponse]] = {}
-    m: dict = {}
-    selected = offered = dropped_len = 0
-    for name, peer in peers.items():
-        groups = torch.nonzero(received[name]).squeeze(1).tolist()
-        scored[name], dropped = tr.score_peer(step, peer, groups, batch, only_correct=tr.cfg.transfer == "success")
-        selected, dropped_len = selected + len(groups), dropped_len + dropped
-        offered += int(peer.sizes[groups].sum()) if groups else 0
-        if len(peers) > 1:
-            m |= {f"selected/{name}": len(groups), f"accepted/{name}": sum(x.weight > 0 for x in scored[name])}
-    every = [x for got in scored.values() for x in got]
-    kept = [x for x in every if x.weight > 0]
-    return scored, m | {
-        "selected": selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
-        "rejected": len(every) - len(kept),
-        "mean_s": float(torch.tensor([x.score for x in every]).mean()) if every else float("nan"),
-        "s_each": [float(x.score) for x in every], "s_index": [x.index for x in every],  # panel.py reads both
-        "mean_w": float(torch.tensor([x.weight for x in kept]).mean()) if kept else float("nan")}
-
-
-def graft_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-               received: dict[str, torch.Tensor],
-               scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
-    """GRAFT's replacement: the receiver's own groups, except each group it receives, whose rows are the
-    peer's retained responses (w > 0, departure 4) with the peer's advantages, computed on the peer's full
-    group and held fixed, and weight w. Returns the rows, the (G,) bool mask of groups that reached the
-    update from a peer, and no metrics."""
-    cfg, n, G = tr.cfg, tr.cfg.n, len(batch)
-    own_adv = own.advantages.clone()  # (G, n)
-    peer_adv: dict[int, torch.Tensor] = {}  # group -> (peer.n,) advantages of the peer's group
-    for name, peer in peers.items():
-        for g in torch.nonzero(received[name]).squeeze(1).tolist():
-            peer_adv[g] = peer.advantages[g]
-            if cfg.peer_advantages == "pooled":  # ablation: the two groups merged, the own rows kept
-                own_adv[g], peer_adv[g] = pooled_advantages(own.rewards[g], peer.rewards[g], peer.mask[g],
-                                                            std_normalize=cfg.std_normalize)
-    rows = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own_adv[g, i]))
-            for g in range(G) if g not in peer_adv or cfg.peer_advantages == "pooled" for i in range(n)]
-    replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
-    for name, got in scored.items():
-        for x in got:
-            if x.weight > 0:  # w = 0: removed before optimisation
-                rows.append(Row(x.group, tr.prompt_ids[batch[x.group]], x.ids, x.old_logp,
-                                float(peer_adv[x.group][x.index % peers[name].n]), weight=x.weight, is_peer=True,
-                                kind=tr.variant.peer_kind))
-                replaced[x.group] = True
-    return rows, replaced, {}
-
-
-def random_selection(received: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
-                     generator: torch.Generator) -> torch.Tensor:
-    """Ablation --selection random: as many prompts as the rule selected ((G,) bool), drawn uniformly among
-    those where the source is mixed (k_src, sizes: (G,)). Returns (G,) bool."""
-    pool = torch.nonzero((k_src >= 1) & (k_src < sizes)).squeeze(1)  # (P,)
-    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(received.sum())]]
-    out = torch.zeros_like(received)  # (G,)
-    out[pick] = True
-    return out
-
-
-def random_acceptance(s: torch.Tensor, w: torch.Tensor, *, compat_weight: bool,
-                      generator: torch.Generator) -> torch.Tensor:
-    """Ablation --acceptance random: the gate's acceptance count, the accepted responses drawn at random.
-    s, w: (R,) scores and the gate's weights. They keep min(s, 1) as weight (1 without the compatibility
-    weight), so only which responses pass changes. Returns (R,) weights."""
-    pick = torch.randperm(s.numel(), generator=generator)[: int((w > 0).sum())]
-    out = torch.zeros_like(s)  # (R,)
-    out[pick] = s[pick].clamp(max=1.0) if compat_weight else 1.0
-    return out
-
-
-def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, peer_mask: torch.Tensor, *,
-                      std_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ablation --peer-advantages pooled: the receiver's group (n,) and the peer's (M,), masked, merged into
-    one group; GRPO advantages over both. Returns (n,) own and (M,) peer advantages (0 on padding)."""
-    n = own_rewards.numel()
-    pooled = group_advantages(torch.cat([own_rewards, peer_rewards[peer_mask]])[None],
-                              std_normalize=std_normalize)[0]  # (n + size,)
-    return pooled[:n], torch.zeros(peer_mask.numel()).masked_scatter(peer_mask, pooled[n:])
-
-
-# ------------------------------------------------------------------------------------------------
 # 4. Baselines (README "Baselines and ablations"), apart from GRAFT's path: their losses, their select,
 #    score and rows phases, their row kinds (LOSS_KINDS), and VARIANTS, the one registry of every method
 #
@@ -918,7 +905,7 @@ def hacpo_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepR
     """HACPO: every peer response retokenised and scored under the receiver (hacpo_rows uses its
     retokenisation and the source's lbar, not w)."""
     (name, peer), = peers.items()
-    got, dropped_len = tr.score_peer(step, peer, torch.nonzero(received[name]).squeeze(1).tolist(), batch)
+    got, dropped_len = score_peer(tr, step, peer, torch.nonzero(received[name]).squeeze(1).tolist(), batch)
     return {name: got}, {"accepted": len(got), "dropped_length": dropped_len}
 
 
@@ -1008,12 +995,24 @@ def _sgt_nll(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
     return nll_loss(b.logp, b.mask, coef=cfg.sgt_coef, loss_denominator=denominator)
 
 
-LOSS_KINDS.update({
+@dataclass(frozen=True)
+class LossKind:
+    """How the update treats the rows of one Row.kind (the table is LOSS_KINDS)."""
+
+    fn: Callable | None = None  # None = policy_loss (Eqs. 9-10); else fn(batch, cfg=, denominator=, minibatch=)
+    denominator: str = "policy"  # rows whose kinds name the same denominator share one token-mean
+    uses_advantage: bool = True  # True: rows with a = 0 give exactly zero gradient and skip the forward
+
+
+
+
+LOSS_KINDS: dict[str, LossKind] = {  # every Row.kind and how the update treats it: declared once
+    "pg": LossKind(),  # Eqs. 9-10: GRPO, GRAFT and its ablations
     "luffy": LossKind(fn=_luffy),
     "hacpo_own": LossKind(fn=_hacpo_own),
     "hacpo_peer": LossKind(fn=_hacpo_peer),
     "nll": LossKind(fn=_sgt_nll, denominator="nll", uses_advantage=False),  # SGT's NLL: its own token-mean
-})
+}
 
 
 class Variant(NamedTuple):
@@ -1028,7 +1027,7 @@ class Variant(NamedTuple):
 
 
 VARIANTS: dict[str, Variant] = {
-    "graft": Variant(graft_select, graft_score, graft_rows),  # section 3
+    "graft": Variant(graft_select, graft_score, graft_rows),  # section 2
     "luffy": Variant(graft_select, graft_score, graft_rows, peer_kind="luffy"),  # GRAFT's rows, LUFFY's loss
     "hacpo": Variant(hacpo_select, hacpo_score, hacpo_rows),
     "sgt": Variant(sgt_select, sgt_score, sgt_rows),

@@ -253,7 +253,7 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         if part["accepted"]:
             assert m["mean_w"] == pytest.approx(part["mean_w"], rel=1e-5)
         # and per response: the step's s of every scored response is the preflight's cross-score
-        got, dropped = tr.score_peer(0, src.rollouts, groups, batch)
+        got, dropped = graft.score_peer(tr, 0, src.rollouts, groups, batch)
         recs = report["responses"][key]
         assert dropped == part["dropped_length"]
         for x in got:
@@ -423,7 +423,7 @@ def test_a_response_whose_round_trip_loses_text_is_dropped_and_counted(run):
     saved = list(peer.texts)
     peer.texts[0], peer.texts[1] = texts[1], texts[1] + " 3"  # two planted losses in group 0
     try:
-        out, dropped = tr.score_peer(0, peer, [0], list(range(G)))
+        out, dropped = graft.score_peer(tr, 0, peer, [0], list(range(G)))
     finally:
         peer.texts[:] = saved
     assert tr.counts["dropped_roundtrip"] >= 2 and {x.index for x in out}.isdisjoint({0, 1})

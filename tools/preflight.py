@@ -7,7 +7,7 @@ training settings (--prompt-template, --chat-template per side, --temperature, -
 --max-response-tokens, --n), verifies them, and runs on the samples what a GRAFT step runs, with the
 trainer's own functions: success counts, graft_candidates, received_groups (the balanced swap, and
 without it for --no-balance), score_received (retokenise -> receiver log-probs -> s and w, the body of
-Trainer.score_peer) and compatibility_weights at --delta and at other deltas. It prints a table and
+graft.score_peer) and compatibility_weights at --delta and at other deltas. It prints a table and
 writes the same figures, plus every response's cross-score, to a JSON file (atomically).
 
 Per direction src -> recv (the receiver learns from the source's groups) it reports:
@@ -37,7 +37,7 @@ Our choices (numbered so that reviews can cite them):
      figures at --prompts-per-step P scale the sample's counts by P / G; for the swap's m that is an upper
      estimate (the mean of a per-step min is at most the min of the means; complement.py choice 3).
   3. The received figures are the cross-scores restricted to the received groups: score_received on all
-     responses gives per response what Trainer.score_peer gives on those groups (test_preflight.py drives
+     responses gives per response what graft.score_peer gives on those groups (test_preflight.py drives
      the trainer on the same samples and compares).
   4. Step time = max over the two sides (each waits for the other's file) of: sampling P x n responses
      of the sample's mean length at the measured tokens/s, plus the behaviour log-prob pass scaled to
