@@ -2,7 +2,7 @@
 
 The two processes of an online pair meet through these files (each writes its own, atomically, and
 waits for the peer's); the stored-trajectory variant reads a finished run's files; and every run's
-exchange folder is its trajectory log. Online and offline therefore share one format.
+exchange folder is its trajectory log. An online peer and a stored one therefore share one format.
 
 File layout, <exchange>/<side name>/step_<t:06d>.safetensors, format version 1:
     rewards, advantages, mean_logprob, eos   (G, n)        float32 / bool

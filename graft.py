@@ -219,7 +219,7 @@ def graft_select(tr: Trainer, step: int, own: StepRollouts,
     k_own, k, m = exchange_counts(own, peers, cfg.n)
     if cfg.selection == "sgt":  # ablation: SGT's rescue rule, no balancing
         return {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}, m
-    if tr.mode == "offline":
+    if tr.mode == "stored":
         received = {name: graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes) for name, p in peers.items()}
     else:
         sides = sorted([cfg.name, *peers])  # one order on every process of the run
@@ -381,9 +381,9 @@ class Trainer(RunFiles):
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out)
         self.ckpt_dir = self.out / "checkpoints"
-        self.mode = "online" if cfg.peer_exchange else "offline" if cfg.peer_log else "none"
+        self.mode = "online" if cfg.peer_exchange else "stored" if cfg.peer_log else "none"
         self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
-        self.peers = cfg.peer_name.split(",") if self.mode == "online" else ["log"] if self.mode == "offline" else []
+        self.peers = cfg.peer_name.split(",") if self.mode == "online" else ["log"] if self.mode == "stored" else []
         # The method's select, score and rows phases (section 4's registry); without a peer each is plain GRPO's.
         self.variant = VARIANTS[cfg.variant] if self.mode != "none" else VARIANTS["graft"]
         self.foreign: ForeignLog | None = None  # a JSONL --peer-log of foreign trajectories
@@ -409,7 +409,7 @@ class Trainer(RunFiles):
             raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step "
                              f"{cfg.prompts_per_step}")
         check_golds(self.data, cfg, main=self.dist.main)
-        if self.mode == "offline":  # a rollout folder's run id, or a JSONL of foreign trajectories loaded once
+        if self.mode == "stored":  # a rollout folder's run id, or a JSONL of foreign trajectories loaded once
             self.peer_log_run, self.foreign = open_peer_log(cfg, self.data, self.dist,
                                                                     start_step=self.start_step)
         else:
@@ -515,7 +515,7 @@ class Trainer(RunFiles):
 
     def wait_for_peers(self, step: int, own: StepRollouts) -> dict[str, StepRollouts]:
         """The peers' rollouts of this step, by side name: each live peer's file (online, waited for), a
-        stored run's file or a foreign log's groups (offline, under the name "log"), or none (GRPO)."""
+        stored run's file or a foreign log's groups (stored, under the name "log"), or none (GRPO)."""
         cfg = self.cfg
         if self.mode == "none":
             return {}
@@ -737,7 +737,7 @@ class Trainer(RunFiles):
               f"{next(self.model.parameters()).dtype}) on {self.dist.device} x{self.dist.world}")
         print(f"[graft] peer mode: {self.mode}"
               + (f" (exchange {self.exchange}, peers {', '.join(self.peers)})" if self.mode == "online" else "")
-              + (f" (log {cfg.peer_log})" if self.mode == "offline" else "") + f", variant {cfg.variant}")
+              + (f" (log {cfg.peer_log})" if self.mode == "stored" else "") + f", variant {cfg.variant}")
         print(f"[graft] {len(self.data)} prompts; per step {G} prompts x n={cfg.n} = {G * cfg.n} rollouts, "
               f"{cfg.minibatches} minibatches of ~{G // cfg.minibatches} groups; {cfg.steps} steps "
               f"= {cfg.steps * G / len(self.data):.2f} epochs; starting at step {self.start_step}")

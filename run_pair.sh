@@ -9,7 +9,7 @@
 #   bash run_pair.sh pair2 [graft.py flags]    OctoThinker-3B   <-> Qwen3-1.7B-Base      (paper Pair 2)
 #   bash run_pair.sh pair3 [graft.py flags]    SmolLM3-3B-Base  <-> OctoThinker-3B       (paper Pair 3)
 #   bash run_pair.sh grpo  [graft.py flags]    single-model GRPO of $MODEL_A on all GPUs (add --rollouts 16 / 32)
-#   bash run_pair.sh offline [graft.py flags]  $MODEL_B learns from a finished run's rollout files in $PEER_LOG
+#   bash run_pair.sh stored [graft.py flags]   $MODEL_B learns from a finished run's rollout files in $PEER_LOG
 #   bash run_pair.sh eval  [graft.py flags]    evaluate $MODEL (a checkpoint folder) on the five benchmarks
 #
 # Flags after the preset go to every graft.py process, e.g. `bash run_pair.sh pair1 --variant sgt`,
@@ -326,14 +326,14 @@ case "$PRESET" in
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py train --model "$MODEL_A" --out "${OUT:-$RUNS/grpo_$(basename "$MODEL_A")}" "${GRPO_FLAGS[@]}" \
       $(fsdp_flag "$([ "$NGPU" -gt 0 ] && echo "$GPUS")" "$(count "$GPUS")" "$MODEL_A" "${GRPO_FLAGS[@]}" "$@") "$@" ;;
-  offline)
+  stored)
     prepare_data
     MODEL_B=${MODEL_B:-$QWEN}
     PEER_LOG=${PEER_LOG:?set PEER_LOG to the rollout folder of a finished run, e.g. runs/grpo_SmolLM3-3B-Base/exchange/a}
     GPUS=${GPUS:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py train --model "$MODEL_B" --peer-log "$PEER_LOG" \
-      --out "${OUT:-$RUNS/offline_$(basename "$MODEL_B")}" --prompts "$DATA/math_train.jsonl" \
+      --out "${OUT:-$RUNS/stored_$(basename "$MODEL_B")}" --prompts "$DATA/math_train.jsonl" \
       --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" --eval-every 5 --benchmarks all "$@" ;;
   eval)
     prepare_data
@@ -344,5 +344,5 @@ case "$PRESET" in
   -h|--help|help)
     sed -n '2,/^set -euo/p' "$0" | sed '$d' ;;
   *)
-    echo "run_pair.sh: unknown preset '$PRESET' (tiny, real, pair1, pair2, pair3, grpo, offline, eval)" >&2; exit 2 ;;
+    echo "run_pair.sh: unknown preset '$PRESET' (tiny, real, pair1, pair2, pair3, grpo, stored, eval)" >&2; exit 2 ;;
 esac

@@ -672,7 +672,7 @@ MIXED = {0, 3, 4, 6}  # groups where the planted peer is mixed (1 <= k < n)
 
 
 def planted(tiny, tmp_path, monkeypatch, **overrides):
-    """A trainer in offline mode against a hand-made peer log; the receiver fails everything.
+    """A trainer with a stored peer against a hand-made peer log; the receiver fails everything.
     Returns (trainer, the batch's dataset indices, own rollouts, {"log": peer rollouts})."""
     import verify
     from transformers import AutoTokenizer
@@ -821,7 +821,7 @@ def test_hacpo_advantages_hand_computed_and_rows(tiny, tmp_path, monkeypatch):
     assert "hacpo_peer/loss" in m and "hacpo_own/loss" in m
 
 
-def test_planted_offline_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch):
+def test_planted_stored_peer_groups_enter_the_loss(tiny, tmp_path, monkeypatch):
     """A hand-made peer log with a known reward pattern: the receiver (planted to fail everything)
     must receive exactly the mixed peer groups, with the peer's advantages and w from Eqs. 6-8."""
     from transformers import AutoTokenizer

@@ -14,7 +14,7 @@ first and not timed.
 It prints the median step time of each, their ratio, and GRAFT's overhead phases (write, read +
 re-verify, exchange = selection + retokenisation + compatibility forward) as a fraction of the GRPO
 step. Needs the tiny preset's pre-trained models (`python -m tools.tiny prepare RUN_DIR`, run here if absent).
-The offline path also re-verifies the peer's rewards (the stored-trajectory variant), a cost the online pair does
+The stored-peer path also re-verifies the peer's rewards (the stored-trajectory variant), a cost the online pair does
 not pay: it is reported on its own line.
 """
 
@@ -23,11 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -83,7 +80,7 @@ def main(argv=None):
         print(f"{k:<34}{med('time/' + k, 0):>9.3f}{med('time/' + k, 1):>9.3f}")
     print(f"GRAFT / GRPO step time:            {step_graft / step_grpo:.3f}x")
     print(f"online overhead (write + exchange): {100 * (write + exch) / step_grpo:.1f}% of a GRPO step")
-    print(f"offline only (read + re-verify):    {100 * read / step_grpo:.1f}% of a GRPO step")
+    print(f"stored peer only (read + re-verify): {100 * read / step_grpo:.1f}% of a GRPO step")
     print(f"mean selected / accepted per step:  {statistics.mean(r[1].get('selected', 0) for r in rows):.1f} / "
           f"{statistics.mean(r[1].get('accepted', 0) for r in rows):.1f}")
 

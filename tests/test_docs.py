@@ -205,13 +205,13 @@ def test_import_graph_helpers_find_a_cycle():
 def test_imports_of_counts_lazy_type_checking_and_by_path():
     """A hand-written module: a TYPE_CHECKING import, a lazy one, one by path, a self-import and a stdlib one."""
     src = ("from typing import TYPE_CHECKING\nimport os\nif TYPE_CHECKING:\n    from graft import Config\n"
-           "def f():\n    import offline, runtime\n    import importlib.util\n"
+           "def f():\n    import stored, runtime\n    import importlib.util\n"
            "    s = importlib.util.spec_from_file_location('m', ROOT / 'data' / 'prepare.py')\n"
            "    from data import tiny_tasks\n")
-    names = {"graft": "graft.py", "offline": "offline.py", "runtime": "runtime.py", "prepare": "data/prepare.py",
+    names = {"graft": "graft.py", "stored": "stored.py", "runtime": "runtime.py", "prepare": "data/prepare.py",
              "data.prepare": "data/prepare.py", "tiny_tasks": "data/tiny_tasks.py",
              "data.tiny_tasks": "data/tiny_tasks.py"}
-    assert imports_of(src, "runtime.py", names) == {"graft.py": 4, "offline.py": 6, "data/prepare.py": 8,
+    assert imports_of(src, "runtime.py", names) == {"graft.py": 4, "stored.py": 6, "data/prepare.py": 8,
                                                     "data/tiny_tasks.py": 9}
 
 

@@ -189,7 +189,7 @@ def test_planted_step_metrics_on_two_gloo_ranks(tiny, tmp_path, mode):
 
 @pytest.fixture
 def two_runs(tiny, tmp_path, monkeypatch):
-    """A GRAFT step against a planted stored peer (offline) and two GRPO steps: (graft run, grpo run, trainer)."""
+    """A GRAFT step against a planted stored peer and two GRPO steps: (graft run, grpo run, trainer)."""
     from test_graft import planted
     tr, _, _, _ = planted(tiny, tmp_path, monkeypatch, delta=0.0)
     m = tr.step(0)

@@ -3,7 +3,7 @@ subset enumeration on planted rollout files and eval results) and foreign.py (fo
 JSONL files: matching, grouping, re-verification, core.masked_group_advantages against group_advantages, the
 per-step view, lbar by a tiny model against a naive forward, and its cache).
 
-Run: python -m pytest -q test_offline.py
+Run: python -m pytest -q tests/test_stored.py
 """
 
 import io
