@@ -274,7 +274,7 @@ pair() {  # pair TAG MODEL_A MODEL_B [flags...]
 # on two idle cores (models 1.5, preflight 6, pick 4, each seed's six runs and evaluations ~13); more seeds on
 # the same folder add only their runs. Besides the paper's delta 0.8 a second GRAFT arm runs at delta 0.5
 # (REAL_DELTAS, '' for none): at 0.8 the gate takes almost nothing into Gemma-3 (the preflight accepts 5% of
-# the responses it would receive), at 0.5 78%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (tests/test_panel.py).
+# the responses it would receive), at 0.5 78%. REAL_SMOKE=1: 2 x 1 problems, 2 steps (tests/test_real.py).
 # Three processes at once (--slots 3): a Gemma-3 trainer holds ~5.4 GB, a SmolLM2 one ~4 GB. Learning rates by
 # calibration (GRPO alone on the panel's set): SmolLM2 5e-5 (REAL_LR_A), Gemma-3 1e-5 (REAL_LR_B: it collapses
 # at 2e-5 and 5e-5).
@@ -303,6 +303,7 @@ real_pair() {
   run $PYTHON graft.py preflight --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
     --problems "$problems" --prompts-per-step $((2 * half > 4 ? 2 * half : 4)) "${sampling[@]}" \
     --out "$out/preflight.json"  # at least 4 prompts per step: the default --minibatches 4 must fit
+  [ "${REAL_PANEL:-1}" = 1 ] || return 0  # REAL_PANEL=0: the preflight alone (CI's smoke, tests/test_real.py)
   run $PYTHON graft.py panel --model-a "$smol" --model-b "$gemma" --prompts "$models/real_pool.jsonl" \
     --held-out "$held" --out "$out/panel" --half "$half" --peer 1-7 --pool "$pool" --chunk "$pool" --steps "$steps" \
     --seeds "$seeds" --windows 2 --slots 3 --deltas "${REAL_DELTAS-0.5}" --eval-samples 4 "${sampling[@]}" \
