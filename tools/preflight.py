@@ -283,7 +283,7 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
     return {
         "source": src.name, "receiver": recv.name,
         "recv_all_fail": int((k_recv == 0).sum()), "src_solves": int(((k_recv == 0) & (k_src >= 1)).sum()),
-        "src_mixed": int(((k_recv == 0) & (k_src >= 1) & (k_src < n)).sum()),
+        "src_mixed": int(cand.sum()),  # Eq. 4: the receiver fails all n, the source is mixed
         "solved_share": comp["solved_share"] if comp["recv_all_fail"] else None,
         "mixed_share": comp["mixed_share"] if comp["recv_all_fail"] else None,
         "candidates": int(cand.sum()), "candidates_per_step": int(cand.sum()) * scale,
