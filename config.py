@@ -258,15 +258,15 @@ def validate_config(cfg: Config) -> None:
         bad("temperature", "needs temperature >= 0 and 0 < top_p <= 1")
     if cfg.peer_exchange and cfg.peer_log:
         bad("peer_log", "choose one peer: --peer-exchange (online) or --peer-log (stored), not both")
-    peers = cfg.peer_name.split(",")
-    if cfg.peer_exchange and cfg.name in peers:
+    names = cfg.peer_name.split(",")
+    if cfg.peer_exchange and cfg.name in names:
         bad("peer_name", f"the peers' names must differ from --name ({cfg.name!r})")
-    if len(set(peers)) != len(peers):
+    if len(set(names)) != len(names):
         bad("peer_name", f"{cfg.peer_name!r} names a peer twice")
-    for flag, v in [("name", cfg.name)] + [("peer_name", p) for p in peers]:
+    for flag, v in [("name", cfg.name)] + [("peer_name", p) for p in names]:
         if not v or "/" in v or v.startswith(".") or v == "RUN":
             bad(flag, f"{v!r} must be a plain folder name (not RUN, which the exchange dir uses)")
-    if len(peers) > 1:
+    if len(names) > 1:
         if not cfg.peer_exchange:
             bad("peer_name", "several peers need an online exchange (--peer-exchange)")
         if cfg.variant in ("hacpo", "sgt") or cfg.selection != "graft":

@@ -101,18 +101,30 @@ def masked_group_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, eps: f
     return torch.where(constant | ~mask, torch.zeros_like(adv), adv)
 
 
-def success_counts(rewards: torch.Tensor, *, threshold: float = 0.5, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """k(q), the number of successful rollouts per prompt, which Eq. 4 is written in.
+SUCCESS_THRESHOLD = 0.5  # a rollout succeeds when its reward is >= this (is_success)
+
+
+def is_success(rewards: torch.Tensor, *, threshold: float = SUCCESS_THRESHOLD) -> torch.Tensor:
+    """Whether each rollout succeeded: reward >= threshold. rewards: any shape; returns bool of that shape.
+
+    The one success rule of the project (Eq. 4's counts, a success-only transfer, SGT's correct response, the
+    reports). The default 0.5 gives the verifier's verdict for 0/1 rewards and for -1/+1 rewards, and does
+    not count a small format bonus (say 0.1 for a well-formed but wrong answer) as a success: "all n
+    failed" must mean no correct answer, since a group of wrong answers teaches nothing whatever its
+    format reward.
+    """
+    return rewards >= threshold
+
+
+def success_counts(rewards: torch.Tensor, *, threshold: float = SUCCESS_THRESHOLD,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """k(q), the number of successful rollouts per prompt (is_success), which Eq. 4 is written in.
 
     rewards: (G, n) float; mask: (G, n) bool or None, False on padding (groups of fewer than n
     responses, e.g. a foreign log's). Returns (G,) int64.
-    A rollout succeeds when its reward is >= threshold. The default 0.5 gives the verifier's verdict
-    for 0/1 rewards and for -1/+1 rewards, and does not count a small format bonus (say 0.1 for a
-    well-formed but wrong answer) as a success: "all n failed" must mean no correct answer, since a
-    group of wrong answers teaches nothing whatever its format reward.
     """
     assert rewards.dim() == 2, f"rewards must be (G, n), got {tuple(rewards.shape)}"
-    ok = rewards >= threshold  # (G, n)
+    ok = is_success(rewards, threshold=threshold)  # (G, n)
     if mask is not None:
         assert mask.shape == rewards.shape, f"mask {tuple(mask.shape)} must match rewards {tuple(rewards.shape)}"
         ok = ok & mask.bool()

@@ -75,6 +75,11 @@ class StepRollouts:
         return self.rewards.shape[1]
 
     @property
+    def width(self) -> int:
+        """Slots per prompt, the stride of r = g * width + i: n here, as in a foreign log's ForeignStep."""
+        return self.n
+
+    @property
     def mask(self) -> torch.Tensor:
         """(G, n) bool, all True: every slot holds a response (a foreign log's groups may not)."""
         return torch.ones_like(self.rewards, dtype=torch.bool)
@@ -461,12 +466,12 @@ def founder_alive(exchange: Path, founder: str, run_id: str, attempt: int | None
     return time.time() - float(record.get("created", 0)) <= dead_after
 
 
-def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair: dict | None = None,
+def join_run(exchange: Path, name: str, *, peer_names: list[str] | None = None, pair: dict | None = None,
              previous: str = "", run_id: str = "", dead_after: float = 60.0) -> str:
     """Found or join the run that owns an exchange folder; returns its id. Raises RuntimeError
     naming the folder when this side may not take part.
 
-    peers: the sides this side pairs with (None = not checked); pair: the settings both sides must
+    peer_names: the sides this side pairs with (None = not checked); pair: the settings both sides must
     share (None = not checked). previous: the run this side's own run directory belongs to
     (--resume; then join_attempt picks the attempt), "" for a fresh start. run_id: an id both sides
     were given (--run-id), "" to let the first side draw one.
@@ -478,7 +483,7 @@ def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair:
     exchange = Path(exchange)
     (exchange / name).mkdir(parents=True, exist_ok=True)
     run_file, mine = exchange / "RUN", exchange / name / "RUN_ID"
-    sides = sorted({name, *peers}) if peers is not None else None
+    sides = sorted({name, *peer_names}) if peer_names is not None else None
     for _ in range(100):  # retried only while two sides race to found the run
         record = read_json(run_file)
         if record is None:
@@ -511,9 +516,10 @@ def join_run(exchange: Path, name: str, *, peers: list[str] | None = None, pair:
             raise RuntimeError(f"{run_file}: run {rid} was founded by another process as side {name!r}; one "
                                f"process per side name (is a second pair starting in this folder?)")
         named = record.get("sides")
-        if peers is not None and named is not None and (founder not in peers or name not in named):
+        if peer_names is not None and named is not None and (founder not in peer_names or name not in named):
             raise RuntimeError(f"{run_file}: run {rid} was founded by side {founder!r} for sides {named}; this side "
-                               f"{name!r} pairs with {sorted(peers)}: another pair's run (use its own --peer-exchange)")
+                               f"{name!r} pairs with {sorted(peer_names)}: another pair's run (use its own "
+                               f"--peer-exchange)")
         theirs = record.get("pair")
         if pair is not None and theirs is not None and theirs != pair:
             diff = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {pair.get(k)!r} here"

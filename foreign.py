@@ -76,8 +76,9 @@ from typing import Callable
 
 import torch
 
-from core import (LBAR_FLOOR, PeerRecord, first_stop, graft_candidates, masked_group_advantages,  # ragged groups
-                  parse_peer_records, success_counts, verifier_text)  # (choice 1), the one peer-log parser, Eq. 4
+from core import (LBAR_FLOOR, PeerRecord, first_stop, graft_candidates, is_success,  # Eq. 4
+                  masked_group_advantages, parse_peer_records, success_counts,  # ragged groups (choice 1), one parser
+                  verifier_text)
 from data.prompts import jsonl_objects
 from exchange import atomic_write, file_sha256, load_rollouts
 from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
@@ -189,13 +190,13 @@ class ForeignStep:
     lines: torch.Tensor  # (G, M) int64, line in the file (0 on padding), for messages
 
     @property
-    def n(self) -> int:
-        """Slots per prompt (M), the stride of the flat index r = g * n + i."""
+    def width(self) -> int:
+        """Slots per prompt (M), the stride of the flat index r = g * width + i."""
         return self.rewards.shape[1]
 
     @property
     def sizes(self) -> torch.Tensor:
-        """(G,) int64 responses per prompt: use it as the n of graft_candidates (mixed: 1 <= k < size)."""
+        """(G,) int64 responses per prompt: the n of graft_candidates (mixed: 1 <= k < size)."""
         return self.mask.sum(dim=1)
 
     def num_bytes(self) -> torch.Tensor:
@@ -379,7 +380,7 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
         table[list(rows), list(cols)] = torch.tensor(scores, dtype=torch.float32)
     log.set_rewards(table)
     given = log.mask & ~log.source_reward.isnan()  # (P, M)
-    log.counts["reward_disagreements"] = int(((log.source_reward > 0.5) != (log.rewards > 0.5))[given].sum())
+    log.counts["reward_disagreements"] = int((is_success(log.source_reward) != is_success(log.rewards))[given].sum())
     return log
 
 

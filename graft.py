@@ -111,8 +111,8 @@ import torch
 
 from config import CHOICES, Config, build_parser, config_from_args, validate_config  # the config, its checks, CLI
 from core import (Mean, add_counts, add_metrics, assignment_digest, batch_indices, canonical_counts, decode_response,
-                  graft_candidates, group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss,
-                  rescue_candidates, retokenize, score_received, seeded_generator, success_counts,
+                  graft_candidates, group_advantages, is_success, metric_values, minibatch_order, multi_peer_sources,
+                  policy_loss, rescue_candidates, retokenize, score_received, seeded_generator, success_counts,
                   verifier_text)  # the copyable core
 from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, checked at start
 from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
@@ -159,7 +159,7 @@ class PeerResponse(NamedTuple):
     """One peer response retokenised for the receiver and scored by it (Eqs. 6-8)."""
 
     group: int  # prompt position g in the step's batch
-    index: int  # r = g * n + i in the peer's file
+    index: int  # r = g * width + i in the peer's file (peer.width: n, or a foreign log's widest group)
     ids: list[int]  # receiver token ids of the peer's text
     old_logp: torch.Tensor  # (len(ids),) receiver behaviour log-probs
     weight: float  # w = 1[s > delta] min(s, 1); 0 = removed
@@ -220,23 +220,23 @@ def graft_select(tr: Trainer, step: int, own: StepRollouts,
     if cfg.selection == "sgt":  # ablation: SGT's rescue rule, no balancing
         return {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}, m
     if tr.mode == "stored":
-        received = {name: graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes) for name, p in peers.items()}
+        selected = {name: graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes) for name, p in peers.items()}
     else:
         sides = sorted([cfg.name, *peers])  # one order on every process of the run
         src = multi_peer_sources(torch.stack([k_own if s == cfg.name else k[s] for s in sides]), cfg.n,
                                  balance=cfg.balance)  # (S, G) whose group each side receives, or -1
-        received = {name: src[sides.index(cfg.name)] == sides.index(name) for name in peers}
+        selected = {name: src[sides.index(cfg.name)] == sides.index(name) for name in peers}
         if cfg.selection == "graft":  # the fingerprint of the whole step's exchange: equal on every process
             m["assignment"] = assignment_digest(src, own.prompt_ids)
     if cfg.selection == "random":  # ablation (one peer: config.validate_config)
-        received = {name: random_selection(received[name], k_src=k[name], sizes=p.sizes,
+        selected = {name: random_selection(selected[name], k_src=k[name], sizes=p.sizes,
                                             generator=seeded_generator(cfg.seed, step, "select"))
                     for name, p in peers.items()}
-    return received, m
+    return selected, m
 
 
 def graft_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
-                received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+                selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
     """Every response of the received groups retokenised and scored under the receiver (Eqs. 6-8), each with
     its s and w (w = 0: rejected; it leaves before the update). --transfer success keeps only the peer's
     correct responses (ablation)."""
@@ -244,18 +244,18 @@ def graft_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepR
         return {}, {}
     scored: dict[str, list[PeerResponse]] = {}
     m: dict = {}
-    selected = offered = dropped_len = 0
+    n_selected = offered = dropped_len = 0
     for name, peer in peers.items():
-        groups = torch.nonzero(received[name]).squeeze(1).tolist()
+        groups = torch.nonzero(selected[name]).squeeze(1).tolist()
         scored[name], dropped = score_peer(tr, step, peer, groups, batch, only_correct=tr.cfg.transfer == "success")
-        selected, dropped_len = selected + len(groups), dropped_len + dropped
+        n_selected, dropped_len = n_selected + len(groups), dropped_len + dropped
         offered += int(peer.sizes[groups].sum()) if groups else 0
         if len(peers) > 1:
             m |= {f"selected/{name}": len(groups), f"accepted/{name}": sum(x.weight > 0 for x in scored[name])}
     every = [x for got in scored.values() for x in got]
     kept = [x for x in every if x.weight > 0]
     return scored, m | {
-        "selected": selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
+        "selected": n_selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
         "rejected": len(every) - len(kept),
         "mean_s": float(torch.tensor([x.score for x in every]).mean()) if every else float("nan"),
         "s_each": [float(x.score) for x in every], "s_index": [x.index for x in every],  # panel.py reads both
@@ -270,11 +270,11 @@ def score_peer(tr: Trainer, step: int, peer: StepRollouts, groups: list[int], ba
     that survived the length limit, and the number dropped by it (core.score_received does both).
     only_correct: the peer's correct responses only (--transfer success).
     """
-    cfg, n = tr.cfg, peer.n  # the stride of r = g * n + i (a foreign log's widest group)
-    picked = [(g, i) for g in groups for i in range(n)
-              if peer.mask[g, i] and not (only_correct and peer.rewards[g, i] <= 0)]
-    lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, n); a foreign log may lack it unused
-    sc = score_received([peer.texts[g * n + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
+    cfg, width = tr.cfg, peer.width  # slots per prompt, the stride of r = g * width + i
+    picked = [(g, i) for g in groups for i in range(width)
+              if peer.mask[g, i] and (is_success(peer.rewards[g, i]) or not only_correct)]
+    lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, width); a foreign log may lack it unused
+    sc = score_received([peer.texts[g * width + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
                         torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
                         [tr.prompt_ids[batch[g]] for g, _ in picked], tokenizer=tr.tok,
                         eos_token_id=tr.eos_id, logprobs=tr.sharded_logprobs,
@@ -287,13 +287,13 @@ def score_peer(tr: Trainer, step: int, peer: StepRollouts, groups: list[int], ba
     out = []
     for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
         g, i = picked[j]
-        out.append(PeerResponse(g, g * n + i, ids, lp, wi, si))
+        out.append(PeerResponse(g, g * width + i, ids, lp, wi, si))
     tr.counts = add_counts([getattr(tr, "counts", {}), {"dropped_roundtrip": len(sc.lost)}])  # lost text
     return out, len(picked) - len(sc.index) - len(sc.lost)
 
 
 def graft_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-               received: dict[str, torch.Tensor],
+               selected: dict[str, torch.Tensor],
                scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
     """GRAFT's replacement: the receiver's own groups, except each group it receives, whose rows are the
     peer's retained responses (w > 0, departure 4) with the peer's advantages, computed on the peer's full
@@ -301,9 +301,9 @@ def graft_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str
     update from a peer, and no metrics."""
     cfg, n, G = tr.cfg, tr.cfg.n, len(batch)
     own_adv = own.advantages.clone()  # (G, n)
-    peer_adv: dict[int, torch.Tensor] = {}  # group -> (peer.n,) advantages of the peer's group
+    peer_adv: dict[int, torch.Tensor] = {}  # group -> (width,) advantages of the peer's group
     for name, peer in peers.items():
-        for g in torch.nonzero(received[name]).squeeze(1).tolist():
+        for g in torch.nonzero(selected[name]).squeeze(1).tolist():
             peer_adv[g] = peer.advantages[g]
             if cfg.peer_advantages == "pooled":  # ablation: the two groups merged, the own rows kept
                 own_adv[g], peer_adv[g] = pooled_advantages(own.rewards[g], peer.rewards[g], peer.mask[g],
@@ -315,19 +315,19 @@ def graft_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str
         for x in got:
             if x.weight > 0:  # w = 0: removed before optimisation
                 rows.append(Row(x.group, tr.prompt_ids[batch[x.group]], x.ids, x.old_logp,
-                                float(peer_adv[x.group][x.index % peers[name].n]), weight=x.weight, is_peer=True,
+                                float(peer_adv[x.group][x.index % peers[name].width]), weight=x.weight, is_peer=True,
                                 kind=tr.variant.peer_kind))
                 replaced[x.group] = True
     return rows, replaced, {}
 
 
-def random_selection(received: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
+def random_selection(selected: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
                      generator: torch.Generator) -> torch.Tensor:
     """Ablation --selection random: as many prompts as the rule selected ((G,) bool), drawn uniformly among
     those where the source is mixed (k_src, sizes: (G,)). Returns (G,) bool."""
     pool = torch.nonzero((k_src >= 1) & (k_src < sizes)).squeeze(1)  # (P,)
-    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(received.sum())]]
-    out = torch.zeros_like(received)  # (G,)
+    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(selected.sum())]]
+    out = torch.zeros_like(selected)  # (G,)
     out[pick] = True
     return out
 
@@ -383,7 +383,7 @@ class Trainer(RunFiles):
         self.ckpt_dir = self.out / "checkpoints"
         self.mode = "online" if cfg.peer_exchange else "stored" if cfg.peer_log else "none"
         self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
-        self.peers = cfg.peer_name.split(",") if self.mode == "online" else ["log"] if self.mode == "stored" else []
+        self.peer_names = {"online": cfg.peer_name.split(","), "stored": ["log"]}.get(self.mode, [])
         # The method's select, score and rows phases (section 4's registry); without a peer each is plain GRPO's.
         self.variant = VARIANTS[cfg.variant] if self.mode != "none" else VARIANTS["graft"]
         self.foreign: ForeignLog | None = None  # a JSONL --peer-log of foreign trajectories
@@ -454,9 +454,9 @@ class Trainer(RunFiles):
         with timed(timings, "wait"):
             peers = self.wait_for_peers(step, own)
         with timed(timings, "exchange"):  # selection, retokenisation, compatibility scoring
-            received, m_select = self.select(step, own, peers)
-            scored, m_score = self.score(step, batch, peers, received)
-            rows, replaced, m_rows = self.build_rows(batch, own, peers, received, scored)
+            selected, m_select = self.select(step, own, peers)
+            scored, m_score = self.score(step, batch, peers, selected)
+            rows, replaced, m_rows = self.build_rows(batch, own, peers, selected, scored)
         with timed(timings, "update"):
             m_update = self.update(step, rows, replaced)
         timings["step"] = time.time() - t_start
@@ -523,7 +523,7 @@ class Trainer(RunFiles):
             return {"log": self.foreign.step(own.prompt_ids)}
         if self.mode == "online":
             out = {}
-            for name in self.peers:
+            for name in self.peer_names:
                 path = rollout_path(self.exchange, name, step)
                 wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, attempt=self.attempt,
                               join_by=self.join_by, me=cfg.name, dead_after=cfg.peer_dead_after)
@@ -546,17 +546,17 @@ class Trainer(RunFiles):
         return self.variant.select(self, step, own, peers)
 
     def score(self, step: int, batch: list[int], peers: dict[str, StepRollouts],
-              received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+              selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
         """The received groups' responses retokenised for this side and scored: {peer: [PeerResponse]}, and
         metrics. GRAFT: Eqs. 6-8 (graft_score)."""
-        return self.variant.score(self, step, batch, peers, received)
+        return self.variant.score(self, step, batch, peers, selected)
 
     def build_rows(self, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-                   received: dict[str, torch.Tensor],
+                   selected: dict[str, torch.Tensor],
                    scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
         """The step's update rows, the (G,) bool mask of groups that came from a peer, and metrics.
         GRAFT: its replacement rule (graft_rows)."""
-        return self.variant.rows(self, batch, own, peers, received, scored)
+        return self.variant.rows(self, batch, own, peers, selected, scored)
 
     # -- what the phases call ----------------------------------------------------------------------
 
@@ -631,12 +631,12 @@ class Trainer(RunFiles):
         cfg = self.cfg
         # One token-mean denominator per pool, over the whole minibatch (departure 3); removed
         # responses (w = 0) are not in it (Eq. 10).
-        denoms: dict[str, int] = {}
+        pool_tokens: dict[str, int] = {}
         for r in mb_rows:
             if r.weight > 0:
-                pool = LOSS_KINDS[r.kind].denominator
-                denoms[pool] = denoms.get(pool, 0) + len(r.response)
-        if not any(denoms.values()):
+                pool = LOSS_KINDS[r.kind].pool
+                pool_tokens[pool] = pool_tokens.get(pool, 0) + len(r.response)
+        if not any(pool_tokens.values()):
             return None
         # Rows whose loss scales with a zero advantage (all-fail and all-pass groups) give exactly
         # zero gradient, so they skip the forward; their tokens stay in the denominator above.
@@ -655,7 +655,7 @@ class Trainer(RunFiles):
         mb_sums: dict[str, float | Mean] = {}  # this rank's sums over the minibatch's micro-batches
         for chunk in chunks:
             with self.amp():
-                loss, per_kind = self.minibatch_loss(chunk or live[:1], denoms, mb_index)
+                loss, per_kind = self.minibatch_loss(chunk or live[:1], pool_tokens, mb_index)
             if chunk is None:
                 loss, per_kind = loss * 0.0, {}
             value = float(loss.detach())
@@ -674,7 +674,7 @@ class Trainer(RunFiles):
         # denominator D) enters the step's token-mean as (loss * D, D); a minibatch whose rows all
         # skipped the forward has loss 0 over its D tokens.
         for kind in dict.fromkeys(r.kind for r in mb_rows if r.weight > 0):
-            d = max(denoms.get(LOSS_KINDS[kind].denominator, 1), 1)
+            d = max(pool_tokens.get(LOSS_KINDS[kind].pool, 1), 1)
             mb_sums[f"{kind}/loss"] = Mean(float(mb_sums.get(f"{kind}/loss", 0.0)) * d, float(d))
         return mb_sums
 
@@ -697,8 +697,8 @@ class Trainer(RunFiles):
         self.opt.step()
         return norm
 
-    def minibatch_loss(self, rows: list[Row], denominators: dict[str, int], mb_index: int) -> tuple[torch.Tensor, dict]:
-        """Forward + loss of one micro-batch of rows; the denominators are the whole minibatch's.
+    def minibatch_loss(self, rows: list[Row], pool_tokens: dict[str, int], mb_index: int) -> tuple[torch.Tensor, dict]:
+        """Forward + loss of one micro-batch of rows; pool_tokens: each pool's retained tokens in the whole minibatch.
 
         Returns the summed loss and {row kind: that kind's loss metrics, with its "loss" part}.
         """
@@ -715,7 +715,7 @@ class Trainer(RunFiles):
         for kind in dict.fromkeys(kinds):
             sel = torch.tensor([k == kind for k in kinds], device=lp.device)  # (B,)
             spec = LOSS_KINDS[kind]
-            denom = max(denominators.get(spec.denominator, 1), 1)
+            denom = max(pool_tokens.get(spec.pool, 1), 1)
             if spec.fn is None:  # Eqs. 9-10: GRPO, GRAFT and its ablations
                 part, mt = policy_loss(logp=lp[sel], old_logp=old[sel], advantages=adv[sel], mask=mask[sel],
                                        weights=w[sel], eps_low=cfg.eps_low, eps_high=cfg.eps_high,
@@ -723,7 +723,7 @@ class Trainer(RunFiles):
                                        is_peer=is_peer[sel], loss_denominator=denom)
             else:  # a baseline's surrogate (section 4)
                 part, mt = spec.fn(RowBatch(lp[sel], old[sel], adv[sel], mask[sel], w[sel], is_peer[sel]), cfg=cfg,
-                                   denominator=denom, minibatch=mb_index)
+                                   loss_denominator=denom, minibatch=mb_index)
             loss = loss + part
             metrics[kind] = {**mt, "loss": float(part.detach())}
         return loss, metrics
@@ -736,7 +736,7 @@ class Trainer(RunFiles):
         print(f"[graft] side {cfg.name!r} model {cfg.model} ({n_params / 1e6:.1f}M params, "
               f"{next(self.model.parameters()).dtype}) on {self.dist.device} x{self.dist.world}")
         print(f"[graft] peer mode: {self.mode}"
-              + (f" (exchange {self.exchange}, peers {', '.join(self.peers)})" if self.mode == "online" else "")
+              + (f" (exchange {self.exchange}, peers {', '.join(self.peer_names)})" if self.mode == "online" else "")
               + (f" (log {cfg.peer_log})" if self.mode == "stored" else "") + f", variant {cfg.variant}")
         print(f"[graft] {len(self.data)} prompts; per step {G} prompts x n={cfg.n} = {G * cfg.n} rollouts, "
               f"{cfg.minibatches} minibatches of ~{G // cfg.minibatches} groups; {cfg.steps} steps "
@@ -778,7 +778,7 @@ class Trainer(RunFiles):
             self.join_by = time.time() + cfg.join_timeout
             if self.dist.main:
                 print(f"[graft] run {self.run_id} attempt {self.attempt} in {self.exchange}: waiting up to "
-                      f"--join-timeout {cfg.join_timeout:.0f}s for {', '.join(self.peers)} to join")
+                      f"--join-timeout {cfg.join_timeout:.0f}s for {', '.join(self.peer_names)} to join")
         try:
             for step in range(self.start_step, cfg.steps):
                 if self.heartbeat is not None:
@@ -901,16 +901,16 @@ def hacpo_select(tr: Trainer, step: int, own: StepRollouts,
 
 
 def hacpo_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
-                received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+                selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
     """HACPO: every peer response retokenised and scored under the receiver (hacpo_rows uses its
     retokenisation and the source's lbar, not w)."""
     (name, peer), = peers.items()
-    got, dropped_len = score_peer(tr, step, peer, torch.nonzero(received[name]).squeeze(1).tolist(), batch)
+    got, dropped_len = score_peer(tr, step, peer, torch.nonzero(selected[name]).squeeze(1).tolist(), batch)
     return {name: got}, {"accepted": len(got), "dropped_length": dropped_len}
 
 
 def hacpo_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-               received: dict[str, torch.Tensor],
+               selected: dict[str, torch.Tensor],
                scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
     """HACPO: both models' rollouts pooled on every prompt; capability-weighted baseline, pooled std;
     own rows with a tight sequence-level clip, peer rows with the cross-tokenizer sequence ratio and the
@@ -940,30 +940,30 @@ def sgt_select(tr: Trainer, step: int, own: StepRollouts,
                peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
     """SGT's rescue rule: the receiver failed all n and the peer solved at least once (all-pass included)."""
     k_own, k, m = exchange_counts(own, peers, tr.cfg.n)
-    received = {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}
-    return received, m | {"selected": sum(int(r.sum()) for r in received.values())}
+    selected = {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}
+    return selected, m | {"selected": sum(int(r.sum()) for r in selected.values())}
 
 
 def sgt_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
-              received: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+              selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
     """SGT: on each rescue prompt one correct peer response drawn uniformly (seeded per step) and
     retokenised; nothing is scored under the receiver (the NLL term needs no behaviour log-probs)."""
     cfg = tr.cfg
     (name, peer), = peers.items()
     gen = seeded_generator(cfg.seed, step, "sgt")
     picked = []
-    for g in torch.nonzero(received[name]).squeeze(1).tolist():
-        correct = torch.nonzero(peer.rewards[g] > 0).squeeze(1)
+    for g in torch.nonzero(selected[name]).squeeze(1).tolist():
+        correct = torch.nonzero(is_success(peer.rewards[g])).squeeze(1)  # (k,)
         i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
-        ids = retokenize(peer.texts[g * peer.n + i], bool(peer.eos[g, i]), tr.tok,
+        ids = retokenize(peer.texts[g * peer.width + i], bool(peer.eos[g, i]), tr.tok,
                          max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
         if ids:  # s is not computed: NaN
-            picked.append(PeerResponse(g, g * peer.n + i, ids, torch.zeros(len(ids)), 1.0, float("nan")))
+            picked.append(PeerResponse(g, g * peer.width + i, ids, torch.zeros(len(ids)), 1.0, float("nan")))
     return {name: picked}, {"accepted": len(picked)}
 
 
 def sgt_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-             received: dict[str, torch.Tensor],
+             selected: dict[str, torch.Tensor],
              scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
     """SGT: plain GRPO rows plus one NLL row per picked rescue response (no weighting, no replacement)."""
     n, G = tr.cfg.n, len(batch)
@@ -974,36 +974,34 @@ def sgt_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, 
     return out, torch.zeros(G, dtype=torch.bool), {}
 
 
-def _luffy(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
+def _luffy(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
     return luffy_peer_loss(b.logp, b.advantages, b.mask, gamma=cfg.luffy_gamma, weights=b.weights,
-                           loss_denominator=denominator)
+                           loss_denominator=loss_denominator)
 
 
-def _hacpo_own(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
+def _hacpo_own(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
     return policy_loss(logp=b.logp, old_logp=b.old_logp, advantages=b.advantages, mask=b.mask, eps_low=3e-4,
-                       eps_high=4e-4, ratio_level="sequence", loss_denominator=denominator)
+                       eps_high=4e-4, ratio_level="sequence", loss_denominator=loss_denominator)
 
 
-def _hacpo_peer(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
+def _hacpo_peer(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
     low = min(0.8 + 0.025 * minibatch, 0.999)  # the lower bound tightens towards 1 minibatch by minibatch
     return policy_loss(logp=b.logp, old_logp=b.old_logp, advantages=b.advantages, mask=b.mask, weights=b.weights,
                        eps_low=1 - low, eps_high=cfg.eps_high, ratio_level="sequence", is_peer=b.is_peer,
-                       loss_denominator=denominator)
+                       loss_denominator=loss_denominator)
 
 
-def _sgt_nll(b: RowBatch, *, cfg: Config, denominator: int, minibatch: int):
-    return nll_loss(b.logp, b.mask, coef=cfg.sgt_coef, loss_denominator=denominator)
+def _sgt_nll(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
+    return nll_loss(b.logp, b.mask, coef=cfg.sgt_coef, loss_denominator=loss_denominator)
 
 
 @dataclass(frozen=True)
 class LossKind:
     """How the update treats the rows of one Row.kind (the table is LOSS_KINDS)."""
 
-    fn: Callable | None = None  # None = policy_loss (Eqs. 9-10); else fn(batch, cfg=, denominator=, minibatch=)
-    denominator: str = "policy"  # rows whose kinds name the same denominator share one token-mean
+    fn: Callable | None = None  # None = policy_loss (Eqs. 9-10); else fn(batch, cfg=, loss_denominator=, minibatch=)
+    pool: str = "policy"  # the token-mean pool: rows whose kinds name the same pool share one loss denominator
     uses_advantage: bool = True  # True: rows with a = 0 give exactly zero gradient and skip the forward
-
-
 
 
 LOSS_KINDS: dict[str, LossKind] = {  # every Row.kind and how the update treats it: declared once
@@ -1011,7 +1009,7 @@ LOSS_KINDS: dict[str, LossKind] = {  # every Row.kind and how the update treats 
     "luffy": LossKind(fn=_luffy),
     "hacpo_own": LossKind(fn=_hacpo_own),
     "hacpo_peer": LossKind(fn=_hacpo_peer),
-    "nll": LossKind(fn=_sgt_nll, denominator="nll", uses_advantage=False),  # SGT's NLL: its own token-mean
+    "nll": LossKind(fn=_sgt_nll, pool="nll", uses_advantage=False),  # SGT's NLL: its own token-mean
 }
 
 
@@ -1021,8 +1019,8 @@ class Variant(NamedTuple):
     rows they become (rows). Adding a variant is one entry of VARIANTS and one value of config.Config.variant."""
 
     select: Callable  # (trainer, step, own, peers) -> ({peer: (G,) bool}, metrics)
-    score: Callable  # (trainer, step, batch, peers, received) -> ({peer: [PeerResponse]}, metrics)
-    rows: Callable  # (trainer, batch, own, peers, received, scored) -> (rows, (G,) bool from a peer, metrics)
+    score: Callable  # (trainer, step, batch, peers, selected) -> ({peer: [PeerResponse]}, metrics)
+    rows: Callable  # (trainer, batch, own, peers, selected, scored) -> (rows, (G,) bool from a peer, metrics)
     peer_kind: str = "pg"  # the Row.kind of received responses in graft_rows (LUFFY: its peer-token loss)
 
 

@@ -517,7 +517,7 @@ class RunFiles:
             settings = run_settings(cfg, self.mode)
             if self.mode == "online":
                 try:
-                    rid = join_run(self.exchange, cfg.name, peers=self.peers,
+                    rid = join_run(self.exchange, cfg.name, peer_names=self.peer_names,
                                    pair={k: settings[k] for k in PAIR_SETTINGS}, previous=previous,
                                    run_id=cfg.run_id, dead_after=cfg.peer_dead_after)
                     if previous:

@@ -703,9 +703,9 @@ def planted(tiny, tmp_path, monkeypatch, **overrides):
 def exchange_phases(tr, step, batch, own, peers):
     """Trainer.step's exchange phases, select -> score -> build_rows: the rows, the (G,) replaced mask and the
     three phases' metrics merged."""
-    received, m_select = tr.select(step, own, peers)
-    scored, m_score = tr.score(step, batch, peers, received)
-    rows, replaced, m_rows = tr.build_rows(batch, own, peers, received, scored)
+    selected, m_select = tr.select(step, own, peers)
+    scored, m_score = tr.score(step, batch, peers, selected)
+    rows, replaced, m_rows = tr.build_rows(batch, own, peers, selected, scored)
     return rows, replaced, m_select | m_score | m_rows
 
 
@@ -767,6 +767,24 @@ def test_success_only_transfer_and_no_weight(tiny, tmp_path, monkeypatch):
     peer_rows = [r for r in out if r.is_peer]
     assert len(peer_rows) == sum(sum(PATTERN[g]) for g in MIXED)  # only the correct ones
     assert all(r.adv > 0 and r.weight == 1.0 for r in peer_rows)  # w = 1, no gate
+
+
+@pytest.mark.parametrize("variant", ["success", "sgt"])
+def test_a_format_bonus_is_no_success_when_picking_correct_responses(tiny, tmp_path, monkeypatch, variant):
+    """Every peer response earns a 0.1 format bonus: "correct" is still reward >= 0.5 (core.is_success), the rule
+    Eq. 4 counts with, in --transfer success and in SGT's one correct response (reward > 0 took every one)."""
+    kw = dict(transfer="success", compat_weight=False) if variant == "success" else dict(variant="sgt")
+    tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, **kw)
+    peer["log"].rewards += 0.1  # (G, n) wrong answers 0.1, right ones 1.1
+    from transformers import AutoTokenizer
+    tok_a = AutoTokenizer.from_pretrained(tiny / "ma")
+    for _ in range(3 if variant == "sgt" else 1):  # SGT draws its response: a few draws
+        tr.cfg.seed += 1
+        out, _, _ = exchange_phases(tr, 0, batch, own, peer)
+        got = [r for r in out if r.is_peer or r.kind == "nll"]
+        assert got and all(tok_a.decode(r.response[:-1]).startswith("y=") for r in got)
+    if variant == "success":
+        assert len(got) == sum(sum(PATTERN[g]) for g in MIXED)
 
 
 def test_random_acceptance_keeps_the_rate(tiny, tmp_path, monkeypatch):

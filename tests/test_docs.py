@@ -217,7 +217,7 @@ def test_imports_of_counts_lazy_type_checking_and_by_path():
 
 def test_github_slug_rules():
     assert github_slug("The tiny preset") == "the-tiny-preset"
-    assert github_slug("Three models (`python tiny.py --peers 3`)") == "three-models-python-tinypy---peers-3"
+    assert github_slug("Three models (`python tiny.py --models 3`)") == "three-models-python-tinypy---models-3"
     assert github_slug("GPU estimates: memory & time") == "gpu-estimates-memory--time"
     assert anchors("# A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1"}
 

@@ -36,10 +36,10 @@ verify.verify_batch = lambda responses, golds, *, workers=0: [
 import graft
 select, step = graft.Trainer.select, graft.Trainer.step
 def recorded(self, t, own, peers):
-    received, m = select(self, t, own, peers)
+    selected, m = select(self, t, own, peers)
     with open(os.path.join(self.cfg.out, f"assignment.rank{{self.dist.rank}}.jsonl"), "a") as f:
         f.write(json.dumps({{"step": t, "assignment": m.get("assignment")}}) + "\\n")
-    return received, m
+    return selected, m
 def slow(self, t):
     time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
     return step(self, t)

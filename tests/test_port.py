@@ -18,7 +18,7 @@ import torch
 import graft
 from test_graft import ROOT, exchange_phases, planted, tiny  # noqa: F401  (tiny: fixture)
 from core import (Mean, add_metrics, balance_directions, balanced_swap, compatibility_scores, compatibility_weights,
-                  graft_candidates, metric_values, policy_loss, received_groups, rescue_candidates,
+                  graft_candidates, is_success, metric_values, policy_loss, received_groups, rescue_candidates,
                   sequence_mean_logprob, success_counts)
 
 torch.set_num_threads(1)
@@ -136,6 +136,7 @@ def test_success_counts_binary_signed_bonus_and_padding():
     assert success_counts(padded, mask=torch.tensor([[True, True, False]])).tolist() == [2]
     assert success_counts(torch.tensor([[0.3, 0.7]]), threshold=0.25).tolist() == [2]
     assert success_counts(binary).dtype == torch.int64
+    assert is_success(torch.tensor([0.5, 0.49, -1.0, 1.1])).tolist() == [True, False, False, True]  # the one rule
 
 
 def test_metric_values_divides_once_and_nan_means_nothing():
@@ -220,8 +221,8 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
     # Retokenisation and scoring: peer text -> receiver ids -> receiver log-probs -> lbar -> w.
     cand = []
     for g in torch.nonzero(chosen).squeeze(1).tolist():
-        for i in range(peer.n):
-            r = g * peer.n + i
+        for i in range(peer.width):
+            r = g * peer.width + i
             ids = core.retokenize(peer.texts[r], bool(peer.eos[g, i]), tr.tok,
                                   max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
             if ids:

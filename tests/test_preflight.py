@@ -220,7 +220,7 @@ def receiver_trainer(side, peer_name: str, **cfg_changes):
     """A Trainer of one side with its model, tokenizer and prompts, for its exchange phases (no run directory)."""
     tr = graft.Trainer.__new__(graft.Trainer)
     tr.cfg = Config(**{**side.cfg.__dict__, "peer_exchange": "unused", "peer_name": peer_name, **cfg_changes})
-    tr.mode, tr.peers, tr.dist, tr.policy = "online", [peer_name], DistInfo(), None
+    tr.mode, tr.peer_names, tr.dist, tr.policy = "online", [peer_name], DistInfo(), None
     tr.model, tr.tok, tr.stop_ids, tr.eos_id = side.model, side.tok, side.stop_ids, side.eos_id
     tr.prompt_ids, tr.amp, tr.variant = side.prompt_ids, nullcontext, graft.VARIANTS["graft"]
     return tr

@@ -88,14 +88,14 @@ def survivor_name(victim: str) -> str:
 
 def test_attempts_ignore_earlier_markers_and_honour_current_ones(tmp_path, capsys):
     ex = tmp_path / "ex"
-    rid = join_run(ex, "a", peers=["b"])
+    rid = join_run(ex, "a", peer_names=["b"])
     beat_a = Heartbeat(ex, "a", rid, interval=0.2)
-    assert join_run(ex, "b", peers=["a"]) == rid
+    assert join_run(ex, "b", peer_names=["a"]) == rid
     write_failed(ex, "b", rid, "KeyboardInterrupt", attempt=0)  # attempt 0 ends: b failed ...
     beat_a.stop("failed")  # ... and a stopped on it
     write_failed(ex, "a", rid, "RuntimeError: the peer failed", attempt=0)
     # Both relaunched with --resume: the first (a) founds attempt 1 ...
-    assert join_run(ex, "a", peers=["b"], previous=rid) == rid
+    assert join_run(ex, "a", peer_names=["b"], previous=rid) == rid
     assert exchange.join_attempt(ex, "a", rid, dead_after=5) == 1
     beats = [Heartbeat(ex, "a", rid, attempt=1, interval=0.2)]
     step1 = rollout_path(ex, "b", 1)
@@ -335,27 +335,27 @@ def test_two_pairs_started_at_once_never_cross(tiny, tmp_path):
 def test_join_run_checks_the_founders_peers_and_pair_settings(tmp_path):
     ex = tmp_path / "ex"
     pair = {"n": 4, "data_seed": 0}
-    rid = join_run(ex, "a", peers=["b"], pair=pair)
+    rid = join_run(ex, "a", peer_names=["b"], pair=pair)
     beat = Heartbeat(ex, "a", rid, interval=0.2)
     try:
         with pytest.raises(RuntimeError, match="side 'a' already took part"):
-            join_run(ex, "a", peers=["b"], pair=pair)  # a second process named a
+            join_run(ex, "a", peer_names=["b"], pair=pair)  # a second process named a
         (ex / "a" / "RUN_ID").unlink()  # ... even in the instant before the founder records its part
         (ex / ".attempts" / f"{rid}.000000.a").unlink()
         with pytest.raises(RuntimeError, match="founded by another process as side 'a'"):
-            join_run(ex, "a", peers=["b"], pair=pair)
+            join_run(ex, "a", peer_names=["b"], pair=pair)
         with pytest.raises(RuntimeError, match=r"founded by side 'a' for sides \['a', 'b'\]"):
-            join_run(ex, "c", peers=["a"], pair=pair)  # a is not c's peer's founder for c
+            join_run(ex, "c", peer_names=["a"], pair=pair)  # a is not c's peer's founder for c
         with pytest.raises(RuntimeError, match="--data-seed 0 there, 1 here"):
-            join_run(ex, "b", peers=["a"], pair={"n": 4, "data_seed": 1})  # another pair's settings
-        assert join_run(ex, "b", peers=["a"], pair=pair) == rid
+            join_run(ex, "b", peer_names=["a"], pair={"n": 4, "data_seed": 1})  # another pair's settings
+        assert join_run(ex, "b", peer_names=["a"], pair=pair) == rid
         with pytest.raises(RuntimeError, match="--force would delete .* side 'a' of it is running"):
             leave_run(ex, "b")  # --force of a second pair in this folder
         leave_run(ex, "c")  # --force of a side that never joined: its own folder only, never the live run
         assert json.loads((ex / "RUN").read_text())["run_id"] == rid
         (ex / "b" / "RUN_ID").unlink()  # a second process as b, even before the first wrote its RUN_ID
         with pytest.raises(RuntimeError, match="side 'b' already took part in run"):
-            join_run(ex, "b", peers=["a"], pair=pair)
+            join_run(ex, "b", peer_names=["a"], pair=pair)
     finally:
         beat.stop("finished")
 

@@ -93,7 +93,7 @@ def test_force_keeps_a_run_the_peer_founded_after_it_looked(tmp_path, monkeypatc
     record away (no record), then a founds the new run before b acts on what it read. b must not delete a's new
     record: the two sides would then run under two ids, each ignoring the other's files until the timeout."""
     ex = tmp_path / "ex"
-    rid = join_run(ex, "a", peers=["b"])  # a's new run, founded after b's read below
+    rid = join_run(ex, "a", peer_names=["b"])  # a's new run, founded after b's read below
     real, reads = exchange.read_json, []
 
     def stale_first_read(path):  # the record as b saw it a moment earlier: absent

@@ -384,7 +384,7 @@ def test_step_view_layout_and_candidates(tmp_path):
     ])
     log = load_foreign_log(path, PROMPTS)
     st = log.step(["p5", "p2", "p1"])  # p5 has no group
-    assert st.n == 3 and st.sizes.tolist() == [0, 3, 2]
+    assert st.width == 3 and st.sizes.tolist() == [0, 3, 2]
     assert st.texts[:3] == [""] * 3 and st.texts[3:6] == [boxed("9"), boxed("9") + " ", boxed("9") + "  "]
     assert st.texts[6:9] == [boxed("2"), boxed("5"), ""]
     assert st.rewards.tolist() == [[0, 0, 0], [1, 1, 1], [1, 0, 0]]

@@ -210,10 +210,10 @@ def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(smoke):
 
 
 def test_preset_smoke_with_three_models(tmp_path):
-    """`python -m tools.tiny --peers 3 --smoke --no-panel`: GRPO for A, B and C, the three pairs and the three-way
+    """`python -m tools.tiny --models 3 --smoke --no-panel`: GRPO for A, B and C, the three pairs and the three-way
     run."""
     out = tmp_path / "tiny3"
-    r = subprocess.run([sys.executable, "-m", "tools.tiny", "--out", str(out), "--smoke", "--peers", "3",
+    r = subprocess.run([sys.executable, "-m", "tools.tiny", "--out", str(out), "--smoke", "--models", "3",
                         "--no-panel"], cwd=HERE,  # the panel is the pair's (test_panel_*)
                        capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

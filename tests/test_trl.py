@@ -453,9 +453,9 @@ def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch
     rows = graft.batch_indices(G, 0, G, 0)
     own, _ = ours.rollout(0, rows)
     peers = ours.wait_for_peers(0, own)  # the trainer's phases of step 0, in its order
-    received, m = ours.select(0, own, peers)
-    scored, m_score = ours.score(0, rows, peers, received)
-    train_rows, replaced, m_rows = ours.build_rows(rows, own, peers, received, scored)
+    selected, m = ours.select(0, own, peers)
+    scored, m_score = ours.score(0, rows, peers, selected)
+    train_rows, replaced, m_rows = ours.build_rows(rows, own, peers, selected, scored)
     m |= m_score | m_rows
     assert m["dropped_length"] >= 1
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from core import is_success, success_counts
 from exchange import read_rewards, write_json
 
 
@@ -157,7 +158,7 @@ def read_rollout_folder(path: str | os.PathLike, *, aggregate: str = "union") ->
     """Success counts from a folder of rollout files (exchange.py format), one entry per prompt id.
 
     aggregate: "union" pools every occurrence of a prompt (k and N summed over steps), "latest" keeps
-    the group of its last step (choice 2). A reward > 0.5 counts as a success (rewards are 0/1).
+    the group of its last step (choice 2). A success is core.is_success (reward >= 0.5), as in Eq. 4.
     """
     assert aggregate in ("union", "latest"), f"aggregate must be union or latest, got {aggregate!r}"
     folder = Path(path)
@@ -171,7 +172,7 @@ def read_rollout_folder(path: str | os.PathLike, *, aggregate: str = "union") ->
     for f in files:
         ids, rewards, meta = read_rewards(f)
         metas.append(meta)
-        k, n = (rewards > 0.5).sum(dim=1).tolist(), rewards.shape[1]  # (G,) successes per prompt of this step
+        k, n = success_counts(rewards).tolist(), rewards.shape[1]  # (G,) successes per prompt of this step
         for pid, kk in zip(ids, k):
             if aggregate == "union" and pid in counts:
                 k0, n0 = counts[pid]
@@ -188,7 +189,7 @@ def read_eval_results(path: str | os.PathLike) -> SourceCounts:
     """Success counts from a `graft.py eval` result JSON: {"problems": {benchmark: [{"id", "correct": [0/1, ...]}]}}.
 
     Every benchmark of the file is read; an id found in two benchmarks is an error (ids must name one
-    prompt). A score > 0.5 counts as a success.
+    prompt). A score counts as a success by core.is_success (>= 0.5).
     """
     path = Path(path)
     try:
@@ -212,7 +213,8 @@ def read_eval_results(path: str | os.PathLike) -> SourceCounts:
                                  f"of numbers, got {str(row)[:200]}")
             if row["id"] in counts:
                 raise ValueError(f"{path}: id {row['id']!r} appears in both {where[row['id']]!r} and {bench!r}")
-            counts[row["id"]] = (sum(1 for c in row["correct"] if c > 0.5), len(row["correct"]))
+            counts[row["id"]] = (int(is_success(torch.tensor(row["correct"], dtype=torch.float64)).sum()),
+                                len(row["correct"]))
             where[row["id"]] = bench
     samples = sorted({nn for _, nn in counts.values()})
     note = f"eval of {payload.get('model', '?')}: {', '.join(problems)}; samples {','.join(map(str, samples))}"

@@ -75,7 +75,7 @@ from pathlib import Path
 import torch
 
 from config import build_parser as graft_parser, field_docs
-from core import assignment_digest, multi_peer_sources, success_counts
+from core import assignment_digest, is_success, multi_peer_sources, success_counts
 from exchange import load_rollouts, rollout_path
 from metrics import read_metrics
 
@@ -644,7 +644,7 @@ def gate_split(line: dict, peer, groups: list[int], *, delta: float, compat_weig
     out: dict = {"success": [], "failure": []}
     for r in received:
         s = s_of.get(r)
-        out["success" if float(peer.rewards.view(-1)[r]) > 0 else "failure"].append(
+        out["success" if is_success(peer.rewards.view(-1)[r]) else "failure"].append(
             (s, s is not None and (s > delta or not compat_weight)))
     return out
 

@@ -73,7 +73,7 @@ import torch
 from tools import complement
 from config import Config, add_config_flags, validate_config
 from core import (Received, batch_indices, compatibility_weights, decode_response, graft_candidates,
-                  group_advantages, received_groups, score_received, seeded_generator, source_canonical,
+                  group_advantages, is_success, received_groups, score_received, seeded_generator, source_canonical,
                   success_counts, verifier_text)
 from exchange import StepRollouts, atomic_write
 from reward import load_reward, rewards, unreadable_golds
@@ -276,7 +276,7 @@ def direction_report(src: Side, recv: Side, *, cross, received: torch.Tensor, un
     comp = complement.complementarity(k_recv=k_recv, k_src=k_src, n=n, batch_size=P)
     src_len = [len(t) for t in ro.tokens]
     src_cut = [f == "length" for f in src.finish]
-    src_ok = [x > 0 for x in ro.rewards.view(-1).tolist()]
+    src_ok = is_success(ro.rewards).view(-1).tolist()  # (G x n,)
     kw = dict(cross=cross, src_len=src_len, src_cut=src_cut, src_ok=src_ok, delta=cfg.delta, deltas=deltas,
               compat_weight=cfg.compat_weight, n=n, scale=scale)
     flat = lambda mask: [g * n + i for g in torch.nonzero(mask).view(-1).tolist() for i in range(n)]  # noqa: E731

@@ -8,10 +8,10 @@
     python -m tools.tiny --split val                 # the held-out table on the validation split (choosing settings)
     python -m tools.tiny --variants graft,byte,no_weight,sgt   # more methods in the held-out table
     python -m tools.tiny --variant sgt               # one variant next to GRPO
-    python -m tools.tiny --peers 3                   # a third model C: three pairs and the three-way run
+    python -m tools.tiny --models 3                   # a third model C: three pairs and the three-way run
     python -m tools.tiny --smoke                     # CI: 3 steps, a 50-problem subset, a panel of 2 x 4 problems
     python -m tools.tiny --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
-    python -m tools.tiny prepare RUN_DIR [--peers 3] [--retrain]   # only data, tokenizers and pre-trained models
+    python -m tools.tiny prepare RUN_DIR [--models 3] [--retrain]   # only data, tokenizers and pre-trained models
 
 What it measures. The paper's claim is about prompts on which the receiver fails all n rollouts:
 GRPO has no gradient there, GRAFT gives one from the peer's mixed group. Two tables test it.
@@ -55,7 +55,7 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      sub, mul, linear, mul2; worked solutions ending in \\boxed{}), 4000 train / 500 validation
      (cut from the generated train problems) / 1000 held-out, disjoint, balanced over families.
   2. A/ = Llama-style model + character-level tokenizer; B/ = Qwen3-style model (grouped-query
-     attention, q/k norm) + a 300-token BPE with digits grouped up to three; with --peers 3 also
+     attention, q/k norm) + a 300-token BPE with digits grouped up to three; with --models 3 also
      C/ = GPT-NeoX-style model (LayerNorm, parallel attention and MLP, rotary on a quarter of each
      head, untied output embedding) + a 400-token byte-level BPE that merges digit runs by
      frequency (GPT-2 style). ~0.65-0.70M params each, pre-trained (SFT) on the train split only,
@@ -70,7 +70,7 @@ What it does, in RUN_DIR (default runs/tiny; every part is cached, and a killed 
      alone, all through `graft.py train` with the same starting checkpoints, prompt batches, steps,
      n, lr and minibatches: a budget-equal comparison as in the paper. At most --slots graft.py
      processes run at once (one torch thread each), in that order, and the evaluations fill the
-     slot the shorter GRPO run leaves idle. With --peers 3: GRPO for each of A, B and C, every
+     slot the shorter GRPO run leaves idle. With --models 3: GRPO for each of A, B and C, every
      exchange method on the pairs A-B, A-C, B-C (columns graft_AB, ...) and on all three at once
      (column graft: three processes with `--peer-name` listing the other two, graft.py's
      multi-peer rule), all from the same checkpoints and batches; the three-way run starts when
@@ -119,7 +119,7 @@ those a minimal GRPO loop found: lr 1.5e-4..3e-4 was flat or worse, 8 minibatche
 and lr 3e-4 on validation collapses A under both methods. They were run on the validation split
 (`--split val`) before the held-out table, not re-tuned.
 
-Model C (with --peers 3). Its mix (add 0.40, mul 0.40, sub 0.10, linear 0.10) makes each model
+Model C (with --models 3). Its mix (add 0.40, mul 0.40, sub 0.10, linear 0.10) makes each model
 weak where another is strong: A on mul/linear, B on add/sub, C on sub/linear; on validation before
 RL (8 samples, T=1) C scores add 72.5%, sub 9.1%, mul 45.9%, linear 20.1% (A: 94.0/71.0/0.9/10.1,
 B: 23.8/19.2/50.6/45.4), and C solves 41.2% of A's all-fail problems and 30.1% of B's. The mix was
@@ -193,7 +193,7 @@ class TinyConfig:
     mix_b: dict = field(default_factory=lambda: {"add": 0.12, "sub": 0.12, "mul": 0.38, "linear": 0.38, "mul2": 0.0})
     """Pre-training family mix of model B (Qwen3, BPE): strong on mul/linear, weak but not at zero on add/sub."""
     mix_c: dict = field(default_factory=lambda: {"add": 0.40, "sub": 0.10, "mul": 0.40, "linear": 0.10, "mul2": 0.0})
-    """Pre-training family mix of model C (GPT-NeoX, byte-level BPE; --peers 3 only): strong on add/mul, weak
+    """Pre-training family mix of model C (GPT-NeoX, byte-level BPE; --models 3 only): strong on add/mul, weak
     on sub/linear, so that each of the three models is weak where another is strong."""
     hidden: int = 128
     """Hidden size of every model."""
@@ -249,7 +249,7 @@ MODELS = {
     "B": TinyModel("qwen3", "bpe", "mix_b", ("bpe_vocab",)),
     "C": TinyModel("gpt_neox", "bytelevel", "mix_c", ("bytelevel_vocab",)),
 }
-"""The preset's models by name. A and B are the pair; C joins with --peers 3. The three differ in
+"""The preset's models by name. A and B are the pair; C joins with --models 3. The three differ in
 architecture and tokenizer, as the paper's pairs do, and each is weak on families another is strong on."""
 
 
@@ -499,7 +499,7 @@ def _is_done(folder: str, name: str, cfg: TinyConfig) -> bool:
 
 COMMITTED = os.path.join(HERE, "data", "tiny_models")
 """Pre-trained A, B and C as committed to the repository (built by `python -m tools.tiny prepare data/tiny_models
---peers 3 --retrain` with the default TinyConfig); each is used when its digest matches, so the preset
+--models 3 --retrain` with the default TinyConfig); each is used when its digest matches, so the preset
 skips ~4-8 minutes of pre-training."""
 
 
@@ -607,7 +607,7 @@ class PresetConfig:
     slots: int = 2
     """graft.py processes run at once (one torch thread each; a GRAFT pair takes two; the three-way run,
     wider than 2, runs alone)."""
-    peers: int = 2
+    models: int = 2
     """Models in the preset: 2 (A and B: GRPO for each and the GRAFT pair) or 3 (also C: GRPO for each of
     the three, the three pairwise GRAFT runs and the three-way run, from the same checkpoints and batches)."""
     eval_every: int = 0
@@ -692,7 +692,7 @@ EVAL_FLAGS = "--static-decode"
 @dataclass(frozen=True)
 class Run:
     """One trained column of the table: a single-model method on every model, or an exchange method on
-    a group of models that train together (a pair, or with --peers 3 also the three-way run)."""
+    a group of models that train together (a pair, or with --models 3 also the three-way run)."""
 
     label: str
     """Column and folder name: "grpo", "graft" (every model of the preset in one run), "graft_AB" (a pair
@@ -746,10 +746,10 @@ def exchange_view(exchange: str, sides: list[str], steps: int, *,
     return received, prints
 
 
-def received_prompts(exchange: str, side: str, peers: list[str], steps: int, *, balance: bool = True) -> list[str]:
-    """Ids of the prompts whose group ``side`` received from one of ``peers`` in a finished run, in order
+def received_prompts(exchange: str, side: str, peer_names: list[str], steps: int, *, balance: bool = True) -> list[str]:
+    """Ids of the prompts whose group ``side`` received from one of ``peer_names`` in a finished run, in order
     of first receipt (see exchange_view)."""
-    return list(exchange_view(exchange, [side, *peers], steps, balance=balance)[0][side])
+    return list(exchange_view(exchange, [side, *peer_names], steps, balance=balance)[0][side])
 
 
 def record_exchange(run_dir: str, pc: PresetConfig, seed: int, run: Run) -> None:
@@ -829,8 +829,8 @@ def build_jobs(run_dir: str, pc: PresetConfig, runs: list[Run], max_new: int) ->
                 if run.single:
                     args += common + VARIANT_FLAGS.get(run.method, [])
                 else:
-                    peers = ",".join(m.lower() for m in run.group if m != model)
-                    args += ["--peer-name", peers, "--peer-exchange", os.path.join(base, "exchange")] + common
+                    peer_names = ",".join(m.lower() for m in run.group if m != model)
+                    args += ["--peer-name", peer_names, "--peer-exchange", os.path.join(base, "exchange")] + common
                     args += VARIANT_FLAGS[run.method]
                     args += ["--compat-norm", pc.compat_norm] if run.method == "graft" else []
                 procs[model] = (args, os.path.join(base, f"{model}.log"))
@@ -922,23 +922,23 @@ def report(run_dir: str, pc: PresetConfig, runs: list[Run], timing: dict) -> tup
            f"{pc.prompts_per_step} prompts x n={pc.n}, lr {pc.lr}; models {', '.join(models)}; accuracy = mean "
            "over samples (%), mean+-std over seeds"]
 
-    def any_of(peers: list[str], res: dict) -> dict[str, list[float]]:
-        """Per problem, [1] if any of ``peers`` solved it at least once in ``res[peer]``, else [0]."""
-        return {q: [float(any(max(res[p][q]) > 0 for p in peers))] for q in res[peers[0]]}
+    def any_of(peer_names: list[str], res: dict) -> dict[str, list[float]]:
+        """Per problem, [1] if any of ``peer_names`` solved it at least once in ``res[peer]``, else [0]."""
+        return {q: [float(any(max(res[p][q]) > 0 for p in peer_names))] for q in res[peer_names[0]]}
 
     # -- complementarity (the paper: SmolLM3 solves 47.9% of the prompts on which Qwen3 fails all 8)
     out.append(f"\ncomplementarity: share of a model's all-fail problems (0/{k}) that another model solves at "
                "least once (paper, Pair 1: 47.9% and 18.7%)")
     for m in models:
         others = [p for p in models if p != m]
-        for peers in [[p] for p in others] + ([others] if len(others) > 1 else []):
-            fail, bey = beyond_sample(pick[m], any_of(peers, pick))
+        for peer_names in [[p] for p in others] + ([others] if len(others) > 1 else []):
+            fail, bey = beyond_sample(pick[m], any_of(peer_names, pick))
             ends = []
             for s in range(pc.seeds):
                 grpo = {p: after[(s, "grpo", p)][split] for p in models}
-                f2, b2 = beyond_sample(grpo[m], any_of(peers, grpo))
+                f2, b2 = beyond_sample(grpo[m], any_of(peer_names, grpo))
                 ends.append(len(b2) / max(1, len(f2)))
-            who = " or ".join(peers)
+            who = " or ".join(peer_names)
             out.append(f"  {who} solves {100 * len(bey) / max(1, len(fail)):5.1f}% of {m}'s {len(fail)} all-fail "
                        f"problems before RL; after GRPO (every model) {cell(ends)}%")
 
@@ -1162,11 +1162,11 @@ def run_preset(pc: PresetConfig, tc: TinyConfig, *, retrain: bool = False, comma
     if pc.smoke:  # CI: every phase, a few steps, a 50-problem subset; the panel on 2 x 4 problems
         pc.steps, pc.prompts_per_step, pc.seeds = min(pc.steps, 3), 16, 1
         pc.panel_steps, pc.panel_half, pc.panel_pool, pc.panel_chunk = min(pc.panel_steps, 3), 4, 1200, 300
-    if pc.peers not in (2, 3):
-        raise SystemExit(f"tiny.py --peers: {pc.peers} models is not offered; 2 (A, B) or 3 (A, B, C)")
+    if pc.models not in (2, 3):
+        raise SystemExit(f"tiny.py --models: {pc.models} models is not offered; 2 (A, B) or 3 (A, B, C)")
     if not (pc.panel or pc.held_out):
         raise SystemExit("tiny.py: --no-panel and --no-held-out leave nothing to run")
-    models = list(MODELS)[:pc.peers]
+    models = list(MODELS)[:pc.models]
     prepare(run_dir, tc, models=tuple(models), retrain=retrain)
     path = os.path.join(run_dir, "data", f"{pc.split}.jsonl")
     if pc.smoke:
@@ -1214,7 +1214,10 @@ def saved_preset(run_dir: str, command: str) -> tuple[dict, PresetConfig]:
         raise SystemExit(f"tiny.py {command}: {path} not found; is {run_dir} the --out folder of a finished run?")
     with open(path) as f:
         info = json.load(f)
-    pc = PresetConfig(**info["preset"])
+    preset = info["preset"]
+    if "peers" in preset:  # a run.json written while the field was called peers
+        preset = {k: v for k, v in preset.items() if k != "peers"} | {"models": preset["peers"]}
+    pc = PresetConfig(**preset)
     pc.out, pc.eval_file = run_dir, os.path.join(run_dir, "data", os.path.basename(pc.eval_file))
     return info, pc
 
@@ -1225,7 +1228,7 @@ def markdown_report(run_dir: str) -> str:
     and rollout files), so that the document's figures and the run's printout are the same figures."""
     info, pc = saved_preset(run_dir, "report")
     variants = list(VARIANT_FLAGS) if pc.variants == "all" else [v.strip() for v in pc.variants.split(",") if v.strip()]
-    runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], list(MODELS)[:pc.peers])
+    runs = preset_runs(["grpo"] + [v for v in variants if v != "grpo"], list(MODELS)[:pc.models])
     timing_file = os.path.join(run_dir, "timing.json")
     timing = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
     load = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
@@ -1269,7 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="pre-train the models here instead of using the committed copies")
     sp = sub.add_parser("prepare", help="data, tokenizers and pre-trained models (cached)")
     sp.add_argument("run_dir")
-    sp.add_argument("--peers", type=int, default=2, choices=(2, 3), help="2: models A and B; 3: also C")
+    sp.add_argument("--models", type=int, default=2, choices=(2, 3), help="2: models A and B; 3: also C")
     sp.add_argument("--retrain", action="store_true", help="pre-train even if a committed copy matches")
     sp = sub.add_parser("report", help="the Markdown block for RESULTS.md of a finished run, from its files")
     sp.add_argument("run_dir")
@@ -1291,7 +1294,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "figure":
         figure(args.run_dir, args.out or os.path.join(args.run_dir, "mechanism_panel.png"))
     elif args.cmd == "prepare":
-        prepare(args.run_dir, TinyConfig(), models=tuple(MODELS)[:args.peers], retrain=args.retrain)
+        prepare(args.run_dir, TinyConfig(), models=tuple(MODELS)[:args.models], retrain=args.retrain)
     else:
         pc = PresetConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PresetConfig)
                              if hasattr(args, f.name)})
