@@ -15,6 +15,7 @@ from tools import tiny  # noqa: E402
 import verify  # noqa: E402
 from data import tiny_tasks  # noqa: E402
 from core import assignment_digest
+from metrics import read_metrics
 
 # ------------------------------------------------------------------------------------------------
 # Generator
@@ -175,56 +176,53 @@ def test_models_build_save_and_load(toks, tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One `python -m tools.tiny --smoke` run (the panel and the held-out table, 3 RL steps each), shared by the
-    tests below: (run folder, the completed process)."""
+    """One `python -m tools.tiny --smoke --models 3` run, shared by the tests below: the panel (A and B), then the
+    held-out table with GRPO for A, B and C, the three pairs and the three-way run, 3 RL steps each. One run serves
+    both presets: with two models the jobs are the same code with one pair, labelled graft instead of graft_AB
+    (test_preset_runs_and_per_model_digests); a second run cost CI several minutes of process starts.
+    Returns (run folder, the completed process)."""
     out = tmp_path_factory.mktemp("smoke") / "tiny"
     # the timeout only catches a hang: on a loaded 2-core machine the run takes several minutes
-    r = subprocess.run([sys.executable, "-m", "tools.tiny", "--out", str(out), "--smoke"], cwd=HERE,
+    r = subprocess.run([sys.executable, "-m", "tools.tiny", "--out", str(out), "--smoke", "--models", "3"], cwd=HERE,
                        capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r
 
 
 def test_preset_smoke_every_phase_runs_and_peers_are_exchanged(smoke):
-    """CI version of `bash run_pair.sh tiny`: committed pre-trained models, 3 RL steps per run."""
+    """CI version of `bash run_pair.sh tiny`: committed pre-trained models, 3 RL steps per run; the pair A-B."""
     out, r = smoke
     rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
     cells = {(meth, model) for _, meth, model, subset, _, _ in rows if subset == "overall"}
-    assert cells == {(m, s) for m in ("before", "grpo", "graft") for s in ("A", "B")}  # every phase ran
+    assert {(m, s) for m in ("before", "grpo", "graft_AB") for s in ("A", "B")} <= cells  # every phase ran
     for side, peer in (("A", "B"), ("B", "A")):
-        metrics = [json.loads(x) for x in (out / "seed0" / "graft" / side / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_metrics(out / "seed0" / "graft_AB" / side / "metrics.jsonl")
         assert len(metrics) == 3
         assert sum(m["selected"] for m in metrics) > 0, f"no peer group selected for {side}"
         assert sum(m["accepted"] for m in metrics) > 0, f"no peer response accepted by {side}"
-        assert (out / "seed0" / "graft" / side / "checkpoints" / "step_000003" / "model.safetensors").is_file()
-        # the beyond-sample subset was computed, and agrees with the pick evaluation it came from
+        assert (out / "seed0" / "graft_AB" / side / "checkpoints" / "step_000003" / "model.safetensors").is_file()
+        # the beyond-sample subset against this peer was computed, and agrees with the pick evaluation it came from
         pick = {s: tiny.load_eval(str(out / "eval" / f"before_{s}.json"))["test_smoke"] for s in (side, peer)}
         assert {len(c) for s in pick for c in pick[s].values()} == {16}  # 8 samples pick, 8 measure
         beyond = [q for q, c in pick[side].items() if max(c[:8]) == 0 and max(pick[peer][q][:8]) > 0]
-        sizes = {int(n) for _, meth, model, subset, n, _ in rows if model == side and subset == "beyond"}
+        sizes = {int(n) for _, meth, model, subset, n, _ in rows if model == side and subset == f"beyond_{peer}"}
         assert sizes == {len(beyond)} and len(beyond) > 0, (sizes, len(beyond))
         # the train-side view: the received prompts are exactly the groups the trainer selected
-        received = (out / "received" / f"s0_graft_{side}.jsonl").read_text().splitlines()
+        received = (out / "received" / f"s0_graft_AB_{side}.jsonl").read_text().splitlines()
         assert 0 < len(received) <= sum(m["selected"] for m in metrics)
-    assert "beyond-sample subset" in r.stdout and "graft -> A" in r.stdout and "train-side view" in r.stdout
+    assert "beyond-sample subset" in r.stdout and "graft_AB -> A" in r.stdout and "train-side view" in r.stdout
 
 
-def test_preset_smoke_with_three_models(tmp_path):
-    """`python -m tools.tiny --models 3 --smoke --no-panel`: GRPO for A, B and C, the three pairs and the three-way
-    run."""
-    out = tmp_path / "tiny3"
-    r = subprocess.run([sys.executable, "-m", "tools.tiny", "--out", str(out), "--smoke", "--models", "3",
-                        "--no-panel"], cwd=HERE,  # the panel is the pair's (test_panel_*)
-                       capture_output=True, text=True, timeout=2400, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_preset_smoke_with_three_models(smoke):
+    """The same run's three models: GRPO for A, B and C, the three pairs and the three-way run."""
+    out, r = smoke
     rows = [x.split(",") for x in (out / "results.csv").read_text().splitlines()[1:]]
     cells = {(meth, model) for _, meth, model, subset, _, _ in rows if subset == "overall"}
     runs = {"grpo": "ABC", "graft_AB": "AB", "graft_AC": "AC", "graft_BC": "BC", "graft": "ABC"}
     assert cells == {("before", m) for m in "ABC"} | {(k, m) for k, ms in runs.items() for m in ms}
     assert {subset for _, _, model, subset, _, _ in rows if model == "C"} >= {"beyond", "beyond_A", "beyond_B"}
     # the three-way run: what each process took from each peer adds up, and all three agreed on every step
-    metrics = {m: [json.loads(x) for x in (out / "seed0" / "graft" / m / "metrics.jsonl").read_text().splitlines()]
-               for m in "ABC"}
+    metrics = {m: read_metrics(out / "seed0" / "graft" / m / "metrics.jsonl") for m in "ABC"}
     for m, ms in metrics.items():
         assert len(ms) == 3 and all(x["selected"] == sum(x[f"selected/{p.lower()}"] for p in "ABC" if p != m)
                                     for x in ms)
@@ -444,4 +442,4 @@ def test_report_prints_the_tables_the_run_printed(smoke):
     printed = "\n\n".join(blocks)
     assert printed + "\n" in r.stdout and (out / "results.txt").read_text() == printed + "\n"
     assert re.search(r"^#### Mechanism panel .*^#### Held-out table", rep.stdout, re.S | re.M)
-    assert f"Command: `python -m tools.tiny --out {out} --smoke`; " in rep.stdout
+    assert f"Command: `python -m tools.tiny --out {out} --smoke --models 3`; " in rep.stdout
