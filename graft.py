@@ -99,9 +99,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +120,8 @@ from plan import check_at_start, run_plan  # the memory plan on fake tensors: at
 from reward import check_golds, load_reward, reward_options, rewards  # the reward seam, called in one place
 from runtime import (DistInfo, RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
                      eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
-                     load_prompt_file, setup_distributed, shard, shard_policy, timed, unshard)  # ranks, files: plumbing
+                     load_prompt_file, raise_stopped, setup_distributed, shard, shard_policy, stop_signals,
+                     timed, unshard)  # ranks, files: plumbing
 from sampler import Rollout, batches_by_length, response_logprobs, sample  # the sampler, the chunked log-prob
 
 
@@ -356,10 +355,6 @@ def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, pee
 # ------------------------------------------------------------------------------------------------
 # 3. The trainer: one side of GRAFT (or plain GRPO), its step one call per phase of the map above
 # ------------------------------------------------------------------------------------------------
-
-
-def _raise_on_signal(signum, frame):
-    raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
 
 
 class Trainer(RunFiles):
@@ -769,35 +764,33 @@ class Trainer(RunFiles):
 
     def fit(self):
         cfg = self.cfg
-        previous = signal.getsignal(signal.SIGTERM)
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM (a scheduler's kill, Ctrl-C of a launcher) becomes an exception, so the FAILED
-            # marker below is written; kill -9 writes nothing and is caught by the heartbeat instead.
-            signal.signal(signal.SIGTERM, _raise_on_signal)
         if self.mode == "online":  # the clock starts once this side's own model has loaded
             self.join_by = time.time() + cfg.join_timeout
             if self.dist.main:
                 print(f"[graft] run {self.run_id} attempt {self.attempt} in {self.exchange}: waiting up to "
                       f"--join-timeout {cfg.join_timeout:.0f}s for {', '.join(self.peer_names)} to join")
-        try:
-            for step in range(self.start_step, cfg.steps):
-                if self.heartbeat is not None:
-                    self.heartbeat.step = step
-                    if self.heartbeat.left_behind():
-                        raise SystemExit(f"side {cfg.name!r} was relaunched (a newer process took part in a later "
-                                         f"attempt of run {self.run_id}); this process stops")
-                m = self.step(step)
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                    m.update(self.validate(step + 1))
-                self.log(m)
-                if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                    self.save_checkpoint(step + 1)
-        except BaseException as e:
-            self.leave_pair(e)  # tell a waiting peer at once instead of letting it time out
-            raise
-        finally:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, previous)
+        # SIGTERM (a scheduler's kill, Ctrl-C of a launcher) and SIGINT become exceptions, so the FAILED marker
+        # below is written (kill -9 writes nothing: the heartbeat tells); raised again at every step boundary,
+        # as Python can lose one (runtime.stop_signals).
+        with stop_signals() as caught:
+            try:
+                for step in range(self.start_step, cfg.steps):
+                    raise_stopped(caught)
+                    if self.heartbeat is not None:
+                        self.heartbeat.step = step
+                        if self.heartbeat.left_behind():
+                            raise SystemExit(f"side {cfg.name!r} was relaunched (a newer process took part in a "
+                                             f"later attempt of run {self.run_id}); this process stops")
+                    m = self.step(step)
+                    if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                        m.update(self.validate(step + 1))
+                    self.log(m)
+                    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                        self.save_checkpoint(step + 1)
+                raise_stopped(caught)  # one during the last checkpoint: saved, but not a clean finish
+            except BaseException as e:
+                self.leave_pair(e)  # tell a waiting peer at once instead of letting it time out
+                raise
         if self.heartbeat is not None:
             self.heartbeat.stop("finished")
 

@@ -17,6 +17,7 @@ exchange.py, never back.
     encode_prompt       the prompt's ids: raw text (graft.py departure 8) or the chat template
     load_prompt_file    a validated prompt JSONL
     timed               adds a block's wall time to a dict of timings
+    stop_signals, raise_stopped   SIGINT and SIGTERM as exceptions, kept for the step loop to raise again
     shard_policy, gathered, full_state_dicts, load_full_optimizer_state,
     clip_sharded_grad_norm_   FSDP2 (--fsdp)
     RunFiles            the trainer's file keeping: run directory, the settings check of --resume,
@@ -33,9 +34,11 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +283,38 @@ def timed(timings: dict, key: str):
         finally:
             timings[key] = timings.get(key, 0.0) + time.time() - t0
     return block()
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Inside the block SIGINT and SIGTERM raise in the main thread (Ctrl-C's KeyboardInterrupt, SystemExit), so a
+    stopped trainer leaves its FAILED marker; each one received is also kept in the list the block gets, for the
+    step loop to raise again at its boundaries (raise_stopped). Python raises a signal's exception wherever the
+    main thread is, and one raised inside a finalizer (a progress bar's __del__ after a checkpoint) is printed and
+    lost: the run would go on to its end. Off the main thread nothing is installed."""
+    caught: list[int] = []
+
+    def on_signal(signum, _frame):
+        caught.append(signum)
+        raise_stopped(caught)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield caught
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def raise_stopped(caught: list[int]) -> None:
+    """The exception of the first stop signal in caught (stop_signals), if any: KeyboardInterrupt for SIGINT, else
+    SystemExit naming the signal."""
+    if caught and caught[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if caught:
+        raise SystemExit(f"terminated by signal {signal.Signals(caught[0]).name}")
 
 
 # ------------------------------------------------------------------------------------------------
