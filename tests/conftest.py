@@ -2,7 +2,7 @@
 presets in subprocesses go first, so that no long file starts last and leaves one worker idle at the end.
 The order within a file is unchanged (module fixtures are built once per file either way)."""
 
-SLOW_FIRST = ("test_real.py", "test_panel.py", "test_tiny.py", "test_resume.py", "test_graft.py", "test_nodes.py",
+SLOW_FIRST = ("test_tiny.py", "test_real.py", "test_panel.py", "test_resume.py", "test_graft.py", "test_nodes.py",
               "test_gpu_path.py", "test_sampler.py", "test_trl.py", "test_runs.py", "test_peers.py", "test_metrics.py",
               "test_plan.py", "test_reward.py")
 """Files by falling wall time on the 2-core CI machine; every other file keeps its place after them."""
