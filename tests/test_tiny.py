@@ -328,6 +328,17 @@ def test_preset_runs_and_per_model_digests():
         assert tiny._is_done(os.path.join(tiny.COMMITTED, m), m, base), f"data/tiny_models/{m} is stale"
 
 
+def test_a_run_json_of_the_old_field_name_still_loads(tmp_path):
+    """A finished run's run.json from before the model count was called models (then peers): report and figure
+    read it as models; a current one is read as it is."""
+    import dataclasses
+    for key in ("peers", "models"):
+        preset = {k: v for k, v in dataclasses.asdict(tiny.PresetConfig()).items() if k != "models"} | {key: 3}
+        (tmp_path / "run.json").write_text(json.dumps({"preset": preset}))
+        _, pc = tiny.saved_preset(str(tmp_path), "report")
+        assert pc.models == 3 and pc.out == str(tmp_path), key
+
+
 def test_an_evaluation_missing_a_file_is_evaluated_again(tmp_path):
     """A rerun with more seeds adds received-prompt files: the cached evaluation without them is dropped."""
     out = tmp_path / "before_A.json"
