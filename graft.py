@@ -270,8 +270,8 @@ def score_peer(tr: Trainer, step: int, peer: StepRollouts, groups: list[int], ba
     only_correct: the peer's correct responses only (--transfer success).
     """
     cfg, width = tr.cfg, peer.width  # slots per prompt, the stride of r = g * width + i
-    picked = [(g, i) for g in groups for i in range(width)
-              if peer.mask[g, i] and (is_success(peer.rewards[g, i]) or not only_correct)]
+    ok = is_success(peer.rewards) if only_correct else peer.mask  # (G, width) the responses it may take
+    picked = [(g, i) for g in groups for i in range(width) if peer.mask[g, i] and ok[g, i]]
     lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, width); a foreign log may lack it unused
     sc = score_received([peer.texts[g * width + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
                         torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),

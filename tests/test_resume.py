@@ -87,8 +87,8 @@ def survivor_name(victim: str) -> str:
 
 
 def test_a_stop_signal_lost_in_a_finalizer_is_raised_at_the_next_step_boundary():
-    """The pair above once ran to its end after SIGINT (1 suite in many): the signal's exception was raised inside a
-    finalizer, which Python prints and drops. stop_signals keeps every signal, and the step loop raises it again."""
+    """A signal whose exception is raised inside a finalizer (a progress bar's __del__ right after the checkpoint the
+    pair above waits for) is printed and dropped by Python: stop_signals keeps it, the step loop raises it again."""
     class Finalized:
         def __del__(self):
             os.kill(os.getpid(), signal.SIGTERM)

@@ -329,8 +329,8 @@ def test_preset_runs_and_per_model_digests():
 
 
 def test_a_run_json_of_the_old_field_name_still_loads(tmp_path):
-    """A finished run's run.json from before the model count was called models (then peers): report and figure
-    read it as models; a current one is read as it is."""
+    """A run.json whose preset gives the model count as peers is read as models (report, figure), as is one
+    that gives models."""
     import dataclasses
     for key in ("peers", "models"):
         preset = {k: v for k, v in dataclasses.asdict(tiny.PresetConfig()).items() if k != "models"} | {key: 3}

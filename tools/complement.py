@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from core import is_success, success_counts
+from core import SUCCESS_THRESHOLD, success_counts
 from exchange import read_rewards, write_json
 
 
@@ -189,7 +189,7 @@ def read_eval_results(path: str | os.PathLike) -> SourceCounts:
     """Success counts from a `graft.py eval` result JSON: {"problems": {benchmark: [{"id", "correct": [0/1, ...]}]}}.
 
     Every benchmark of the file is read; an id found in two benchmarks is an error (ids must name one
-    prompt). A score counts as a success by core.is_success (>= 0.5).
+    prompt). A score >= core.SUCCESS_THRESHOLD (0.5) counts as a success, as in Eq. 4.
     """
     path = Path(path)
     try:
@@ -213,8 +213,7 @@ def read_eval_results(path: str | os.PathLike) -> SourceCounts:
                                  f"of numbers, got {str(row)[:200]}")
             if row["id"] in counts:
                 raise ValueError(f"{path}: id {row['id']!r} appears in both {where[row['id']]!r} and {bench!r}")
-            counts[row["id"]] = (int(is_success(torch.tensor(row["correct"], dtype=torch.float64)).sum()),
-                                len(row["correct"]))
+            counts[row["id"]] = (sum(c >= SUCCESS_THRESHOLD for c in row["correct"]), len(row["correct"]))
             where[row["id"]] = bench
     samples = sorted({nn for _, nn in counts.values()})
     note = f"eval of {payload.get('model', '?')}: {', '.join(problems)}; samples {','.join(map(str, samples))}"

@@ -8,10 +8,10 @@
     python -m tools.tiny --split val                 # the held-out table on the validation split (choosing settings)
     python -m tools.tiny --variants graft,byte,no_weight,sgt   # more methods in the held-out table
     python -m tools.tiny --variant sgt               # one variant next to GRPO
-    python -m tools.tiny --models 3                   # a third model C: three pairs and the three-way run
+    python -m tools.tiny --models 3                  # a third model C: three pairs and the three-way run
     python -m tools.tiny --smoke                     # CI: 3 steps, a 50-problem subset, a panel of 2 x 4 problems
     python -m tools.tiny --eval-every 20 --plot      # accuracy curve per method (needs matplotlib)
-    python -m tools.tiny prepare RUN_DIR [--models 3] [--retrain]   # only data, tokenizers and pre-trained models
+    python -m tools.tiny prepare RUN_DIR [--models 3] [--retrain]  # only data, tokenizers and pre-trained models
 
 What it measures. The paper's claim is about prompts on which the receiver fails all n rollouts:
 GRPO has no gradient there, GRAFT gives one from the peer's mixed group. Two tables test it.
@@ -1215,7 +1215,7 @@ def saved_preset(run_dir: str, command: str) -> tuple[dict, PresetConfig]:
     with open(path) as f:
         info = json.load(f)
     preset = info["preset"]
-    if "peers" in preset:  # a run.json written while the field was called peers
+    if "peers" in preset:  # the model count under its other key
         preset = {k: v for k, v in preset.items() if k != "peers"} | {"models": preset["peers"]}
     pc = PresetConfig(**preset)
     pc.out, pc.eval_file = run_dir, os.path.join(run_dir, "data", os.path.basename(pc.eval_file))
