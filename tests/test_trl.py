@@ -588,21 +588,83 @@ def test_help_opens_on_the_log_format_and_grafts_flags(capsys):
     assert at["--model"] < at["--peer_log"] < at["--peer_model"] < at["--success_reward"] < at["--output_dir"] < 60
 
 
-@needs_trl
-def test_readmes_command_runs_as_written_on_cpu(recv, tmp_path):
-    """README's TRL command, its paths replaced by the tiny ones and sized to one step: it trains, in fp32."""
+TINY = ROOT / "data" / "tiny_models"  # the tiny preset's committed models: A (characters), B (a 300-token BPE)
+# Addition problems of the tiny preset's train split on which A's group was mixed and B's all-fail in a probe
+# (8 samples each at T = 1): the prompts on which GRAFT has something to move from A into B.
+TINY_PROMPTS = ("add-train-00031", "add-train-00025", "add-train-00009", "add-train-00003", "add-train-00013",
+                "add-train-00024", "add-train-00023", "add-train-00014")
+
+
+@pytest.fixture(scope="module")
+def tiny_peer(tmp_path_factory):
+    """The tiny preset's model A as the peer: one graft.py GRPO step on TINY_PROMPTS under the preset's template
+    (tools/tiny.py's PROMPT_TEMPLATE), its rollout folder the peer log, its run.json beside it."""
+    import graft
+    from data.tiny_tasks import generate
+    from tools.tiny import PROMPT_TEMPLATE
+    d = tmp_path_factory.mktemp("tiny_peer")
+    train, _ = generate(0, 400, 0)
+    rows = [r for r in train if r["id"] in TINY_PROMPTS]
+    (d / "p.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "problem", "answer")}) + "\n"
+                                       for r in rows))
+    graft.Trainer(graft.Config(model=str(TINY / "A"), name="a", prompts=str(d / "p.jsonl"), out=str(d / "runA"),
+                               steps=1, prompts_per_step=len(rows), n=8, minibatches=1, max_response_tokens=64,
+                               prompt_template=PROMPT_TEMPLATE, threads=1, save_every=100)).fit()
+    return d, d / "runA" / "exchange" / "a"
+
+
+def readme_command(**paths: str) -> list[str]:
+    """README's TRL command as written, its paths replaced by paths' (flag name without -- -> value)."""
     import re
     import shlex
     readme = (ROOT / "README.md").read_text()
     words = shlex.split(re.search(r"`python -m tools\.graft_trl ([^`]*)`", readme).group(1))
-    tiny = dict(zip(launch(recv, tmp_path)[::2], launch(recv, tmp_path)[1::2]))
-    argv = [tiny.get(words[i - 1], w) if i and words[i - 1] in tiny else w for i, w in enumerate(words)]
-    given = set(argv[::2])
-    argv += [x for k, v in tiny.items() if k not in given for x in (k, v)]
-    assert "--use_cpu" not in argv and "--bf16" not in argv
-    tr = graft_trl.main(argv)
-    assert tr.state.global_step == 1 and tr.args.bf16 is False
-    assert tr.state.log_history[-1]["graft/selected"] == 0.0  # the log's only group has one response: never mixed
+    return [paths.get(words[i - 1][2:], w) if i and words[i - 1][2:] in paths else w for i, w in enumerate(words)]
+
+
+SIZE = ["--per_device_train_batch_size", "64", "--max_completion_length", "64", "--report_to", "none",
+        "--save_strategy", "no", "--logging_steps", "1"]  # a generation batch: the 8 prompts x 8 rollouts
+
+
+@needs_trl
+@pytest.mark.skipif(not (TINY / "B").is_dir(), reason="data/tiny_models (the committed tiny models) is absent")
+def test_readmes_command_on_the_tiny_models_accepts_peer_rows(tiny_peer, tmp_path, capsys):
+    """README's TRL command as written on CPU, B receiving from A's rollouts: the prompts are rendered as A sampled
+    them (read from its run.json, said in one line), and the gate accepts peer rows, >= 1 per step on average."""
+    d, log = tiny_peer
+    argv = readme_command(model=str(TINY / "B"), prompts=str(d / "p.jsonl"), peer_log=str(log),
+                          output_dir=str(tmp_path / "run"))
+    assert "--use_cpu" not in argv and "--bf16" not in argv and "--prompt_template" not in argv
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = graft_trl.main(argv + SIZE + ["--max_steps", "2"])
+    assert not [x for x in caught if "no peer row accepted" in str(x.message)]
+    assert tr.state.global_step == 2 and tr.args.bf16 is False
+    err = capsys.readouterr().err
+    assert f"prompts rendered as the peer sampled them ({d / 'runA' / 'run.json'}): template '{{problem}}\\n'" in err
+    accepted = [x["graft/accepted"] for x in tr.state.log_history if "graft/accepted" in x]
+    assert len(accepted) == 2 and sum(accepted) / 2 >= 1, accepted
+
+
+@needs_trl
+@pytest.mark.skipif(not (TINY / "B").is_dir(), reason="data/tiny_models (the committed tiny models) is absent")
+def test_a_template_other_than_the_peers_warns_with_the_cause_and_the_numbers(tiny_peer, tmp_path):
+    """The same command with another --prompt_template: a warning at start names both renderings, and after the
+    first generation batch one line says no peer row was accepted, with s's median, the counts and the cause."""
+    d, log = tiny_peer
+    argv = readme_command(model=str(TINY / "B"), prompts=str(d / "p.jsonl"), peer_log=str(log),
+                          output_dir=str(tmp_path / "run"))
+    with pytest.warns(UserWarning) as caught:
+        tr = graft_trl.main(argv + SIZE + ["--max_steps", "1", "--prompt_template", "Q: {problem} A:"])
+    lines = [str(x.message) for x in caught if "graft_trl" in str(x.message)]
+    assert any("the peer sampled prompt" in x and "this dataset gives 'Q: What is" in x for x in lines), lines
+    gate = [x for x in lines if "no peer row accepted" in x]
+    logged = tr.state.log_history[0]
+    assert len(gate) == 1 and logged["graft/accepted"] == 0 and logged["graft/selected"] > 0
+    rejected = int(logged["graft/rejected"])
+    assert (f"no peer row accepted in generation batch 1: {int(logged['graft/selected'])} groups received, "
+            f"{rejected} peer responses: s median 0.0" in gate[0]), gate[0]
+    assert f"{rejected} gated (s <= delta)" in gate[0] and "Likely cause" in gate[0] and "template" in gate[0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -52,9 +52,17 @@ own samples; epsilon_high defaults to epsilon (here 0.28); its advantages add 1e
 recomputed by group_advantages); bf16=True is its default, and rounding moves lbar (w near delta can flip). TRL
 has no public hook: three private methods are overridden, so a new TRL needs tests/test_trl.py run again.
 
+Watching the gate: after the first generation batch and then once per graft_warn_every (10), a window in which no
+peer row was accepted gets one warning naming the likely cause (nothing all-fail; no mixed logged group for the
+failed prompts; or s below graft_delta: template, temperature, a summed lbar) and the counts (s median, received,
+gated, too long, masked). The peer run's prompt template and temperature (its run.json, found beside a rollout
+folder by name and run id) are compared with the dataset's rendered prompts and --temperature at start (a warning).
+
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
-as columns; the reward is --reward's, verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal
-is one line on stderr, exit code 2, before the model loads; --help opens on GRAFT's flags and the log format):
+as columns, each prompt rendered as the peer sampled it: the template and chat flag of its run.json, or
+--prompt_template / --chat_template; the reward is --reward's, verify.py's by default, under --reward_timeout as in
+graft.py; without a bf16 GPU bf16 defaults to False; a refusal is one line on stderr, exit code 2, before the model
+loads; --help opens on GRAFT's flags and the log format):
     python -m tools.graft_trl --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
@@ -63,6 +71,7 @@ the dataset with a column naming each prompt's id in the log (GraftConfig.id_col
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field, fields
@@ -106,10 +115,14 @@ class GraftConfig(GRPOConfig):
                                                                     "(the sum over success_reward) is >= this "
                                                                     "(default 0.5)."})
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip epsilon (paper: 0.28)."})
+    graft_warn_every: int = field(default=10, metadata={"help": "Warn (one line, naming the likely cause and the "
+                                                                "counts) when no peer row was accepted in the first "
+                                                                "generation batch or in any window of this many; 0: "
+                                                                "never."})
 
 
 GRAFT_FIELDS = ("peer_log", "peer_model", "graft_delta", "id_column", "success_reward", "success_threshold",
-                "epsilon_high")
+                "epsilon_high", "graft_warn_every")
 
 
 def check_args(args: GraftConfig) -> None:
@@ -183,6 +196,23 @@ def read_peer_log(path: str) -> dict[str, list]:
     if not groups:
         raise Refusal(f"GraftConfig.peer_log {path!r}: holds no peer responses")
     return groups
+
+
+def peer_run_settings(path: str) -> tuple[dict, str]:
+    """(settings, run.json path) of the graft.py run that wrote a rollout folder: the run.json beside it (a run's
+    --out holds run.json and exchange/NAME; a pair's sides sit beside their exchange folder) whose name is the
+    folder's and whose run id is its files'. ({}, "") for a JSONL log, or when no such run.json is found."""
+    from exchange import file_run_id, read_json
+    p = Path(path)
+    files = sorted(p.glob("step_*.safetensors")) if p.is_dir() else []
+    if not files:
+        return {}, ""
+    rid, root = file_run_id(files[-1]), p.parent.parent
+    for candidate in [root / "run.json", *sorted(root.glob("*/run.json"))]:
+        record = read_json(candidate) or {}
+        if record.get("name") == p.name and record.get("run_id") == rid and isinstance(record.get("settings"), dict):
+            return record["settings"], str(candidate)
+    return {}, ""
 
 
 def dataset_rows(data, id_column: str, where: str) -> dict[str, int]:
@@ -287,7 +317,11 @@ class GraftGRPOTrainer(GRPOTrainer):
         super().__init__(*a, args=args, **kw)
         self.peer_rewards = self.score_peer_log()
         self.warn_if_success_rule_is_inert()
+        self.peer_settings, self.peer_settings_file = peer_run_settings(args.peer_log)
+        self.warn_if_prompts_differ_from_the_peers()
         self.warned_bf16 = False
+        self.gate_window: dict = {"batches": 0, "s": []}  # counts since the last check (watch_gate)
+        self.generation_batches = 0
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self.own_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -356,6 +390,74 @@ class GraftGRPOTrainer(GRPOTrainer):
                           f"of {total} responses succeed): GRAFT never fires; check --success_reward and "
                           f"--success_threshold", stacklevel=3)
 
+    def warn_if_prompts_differ_from_the_peers(self) -> None:
+        """Warn when the peer's run (its run.json, beside a rollout folder) rendered a matched prompt otherwise than
+        this dataset does (a row with a "problem" column), or sampled at another temperature: s compares the
+        receiver's log-prob of the peer's text after this run's prompt with the peer's after its own (Eq. 6), so
+        either difference lowers s for reasons that are not the text (README's tiny models: s about 0.01)."""
+        settings, where = self.peer_settings, self.peer_settings_file
+        if not settings or not self.accelerator.is_main_process:
+            return
+        template, chat = settings.get("prompt_template"), bool(settings.get("chat_template"))
+        for row in self.peer_rows.values():
+            if not isinstance(template, str) or "problem" not in row:
+                break
+            want = template.replace("{problem}", str(row["problem"]))
+            got = row["prompt"]
+            ours = got[-1].get("content") if is_conversational({"prompt": got}) else got
+            if ours != want or is_conversational({"prompt": got}) != chat:
+                warnings.warn(f"graft_trl: the peer sampled prompt {row[self.args.id_column]!r} as {want!r}"
+                              f"{' (a chat user message)' if chat else ''} ({where}); this dataset gives "
+                              f"{got!r}: s compares log-probs after two different prompts and falls; use the "
+                              f"peer's template (the launch line's default reads it from {where})", stacklevel=3)
+                break
+        temperature = settings.get("temperature")
+        if isinstance(temperature, (int, float)) and abs(float(temperature) - self.args.temperature) > 1e-9:
+            warnings.warn(f"graft_trl: the peer's lbar is at temperature {temperature:g} ({where}), this run's "
+                          f"log-probs at {self.args.temperature:g} (--temperature): s compares the two", stacklevel=3)
+
+    def watch_gate(self, counts: dict, s: list[float]) -> None:
+        """Warn from the main process, after the first generation batch and then once per graft_warn_every, when
+        the window's batches accepted no peer row: the gate rejected every one, or no group could be received.
+        counts: this batch's figures summed over processes; s: every process's s of its received responses."""
+        every, w = self.args.graft_warn_every, self.gate_window
+        if every <= 0:
+            return
+        self.generation_batches += 1
+        for k, v in counts.items():
+            w[k] = w.get(k, 0) + v
+        w["s"] += s
+        w["batches"] += 1
+        if self.generation_batches != 1 and self.generation_batches % every:
+            return
+        self.gate_window = {"batches": 0, "s": []}
+        if w["accepted"] > 0 or not self.accelerator.is_main_process:
+            return
+        first = self.generation_batches - w["batches"] + 1
+        span = (f"generation batch {first}" if w["batches"] == 1 else
+                f"generation batches {first}-{self.generation_batches}")
+        head = f"graft_trl: no peer row accepted in {span}:"
+        if w["all_fail"] == 0:
+            why = (f"the receiver failed all {self.num_generations} rollouts of none of its {w['groups']:.0f} "
+                   f"prompts, so there was nothing to receive (GRAFT acts on prompts it fails)")
+        elif w["selected"] == 0:
+            why = (f"the receiver failed all rollouts of {w['all_fail']:.0f} prompts; the log holds "
+                   f"{w['in_log']:.0f} of them and none as a mixed group under success_reward="
+                   f"{self.args.success_reward or 'all'!r}, success_threshold={self.args.success_threshold:g}")
+        else:
+            median = float(torch.tensor(w["s"]).median()) if w["s"] else float("nan")
+            T = self.peer_settings.get("temperature")
+            why = (f"{w['selected']:.0f} groups received, {w['candidates']:.0f} peer responses: s median "
+                   f"{median:.3g} against graft_delta={self.args.graft_delta:g}; {w['gated']:.0f} gated (s <= "
+                   f"delta), {w['too_long']:.0f} too long for max_completion_length, {w['no_eos']:.0f} without EOS "
+                   f"masked")
+            if w["gated"] >= max(w["too_long"], w["no_eos"]):
+                why += (f". Likely cause: the receiver's log-prob of the peer's text is far below the peer's: the "
+                        f"prompt or chat template differs from the one the peer sampled under, the temperature "
+                        f"differs (this run {self.args.temperature:g}, the peer's "
+                        f"{'unknown' if T is None else format(T, 'g')}), or the log's lbar is a sum over tokens")
+        warnings.warn(f"{head} {why}", stacklevel=3)
+
     def check_precision(self, lbar_recv: torch.Tensor, lbar_src: torch.Tensor, w: torch.Tensor) -> None:
         """Warn once when bf16 is on and a peer response's gate sits within bf16's rounding of graft_delta: lbar_recv
         (R,) comes from the same forward and precision as TRL's own log-probs, and bf16 keeps 8 bits, so each
@@ -406,6 +508,8 @@ class GraftGRPOTrainer(GRPOTrainer):
             adv[g * n: g * n + len(r)] = group_advantages(r[None], std_normalize=std)[0].to(dev)
         c_ids, old = out["completion_ids"], out.get("old_per_token_logps")
         c_mask = out["completion_mask"] * ~is_peer[:, None]  # (B, T) a received group's rows are all replaced
+        gate = {"gated": 0, "too_long": 0, "no_eos": 0}  # why received responses were not accepted
+        s_values: list[float] = []
         if received:
             slots = torch.tensor([g * n + i for g, grp, _ in received for i in range(len(grp.texts))], device=dev)
             ids, mask = retokenize_group([t for _, grp, _ in received for t in grp.texts],
@@ -422,8 +526,14 @@ class GraftGRPOTrainer(GRPOTrainer):
             w = compatibility_weights(lbar_recv=sequence_mean_logprob(logp=lp, mask=mask), lbar_src=lbar_src,
                                       delta=self.args.graft_delta)  # (R,) Eqs. 6-8
             weight[slots] = w * mask.any(dim=1)  # a response too long after retokenisation is dropped
+            eos = torch.cat([grp.eos for _, grp, _ in received]).to(dev)  # (R,)
             if self.mask_truncated_completions:  # as TRL masks an own completion that did not end with EOS
-                weight[slots] *= torch.cat([grp.eos for _, grp, _ in received]).to(dev).float()
+                weight[slots] *= eos.float()
+            fits = mask.any(dim=1)  # (R,)
+            s = torch.exp(sequence_mean_logprob(logp=lp, mask=mask) - lbar_src)  # (R,) Eq. 7's s, for watch_gate
+            s_values = s[fits].tolist()
+            gate = {"gated": int((fits & (w == 0)).sum()), "too_long": int((~fits).sum()),
+                    "no_eos": int((fits & (w > 0) & ~eos).sum()) if self.mask_truncated_completions else 0}
             c_ids, c_mask = splice(c_ids, slots, ids, tok.pad_token_id), splice(c_mask, slots, mask.long(), 0)
             old = None if old is None else splice(old, slots, lp, 0.0)
             self.check_precision(sequence_mean_logprob(logp=lp, mask=mask), lbar_src, weight[slots])
@@ -438,11 +548,21 @@ class GraftGRPOTrainer(GRPOTrainer):
         if old is not None:
             out["old_per_token_logps"] = old
         accepted = int((is_peer & (weight > 0)).sum())
+        candidates = sum(len(grp.texts) for _, grp, _ in received)
         metrics = {"all_fail": int((k_own == 0).sum()), "selected": len(received),
-                   "accepted": accepted, "rejected": sum(len(grp.texts) for _, grp, _ in received) - accepted}
-        totals = self.accelerator.reduce(torch.tensor([float(v) for v in metrics.values()], device=dev), "sum")
-        for key, v in zip(metrics, totals.tolist()):  # counts over every process's groups
-            self._metrics["train"][f"graft/{key}"].append(v)
+                   "accepted": accepted, "rejected": candidates - accepted}
+        in_log = sum(int(k_own[g] == 0) and str(x[self.args.id_column]) in self.peer
+                     for g, x in enumerate(inputs[::n]))
+        extra = {"groups": len(k_own), "in_log": in_log, "candidates": candidates} | gate
+        totals = self.accelerator.reduce(torch.tensor([float(v) for v in (metrics | extra).values()], device=dev),
+                                         "sum")  # counts over every process's groups
+        totals = dict(zip(metrics | extra, totals.tolist()))
+        for key in metrics:
+            self._metrics["train"][f"graft/{key}"].append(totals[key])
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+            s_values = gather_object(s_values)
+        self.watch_gate(totals, s_values)
         return out
 
     def _prepare_inputs(self, generation_batch):
@@ -510,18 +630,34 @@ class Script:
 
     model: str = field(metadata={"help": "The receiver: a causal LM path or hub name."})
     prompts: str = field(metadata={"help": "Prompt JSONL (id, problem, answer), as graft.py --prompts."})
-    prompt_template: str = field(default=Config.prompt_template, metadata={"help": "Prompt text around {problem}."})
+    prompt_template: str = field(default="", metadata={"help": "Prompt text around {problem}; default: the one "
+                                                                "the peer sampled under (its run.json beside a "
+                                                                "rollout folder), else graft.py's default."})
+    chat_template: bool = field(default=False, metadata={"help": "Give each prompt as one user message of the "
+                                                                 "receiver's chat template (as graft.py "
+                                                                 "--chat-template); default: the peer run's choice."})
     reward: str = field(default=Config.reward, metadata={"help": "The reward, as graft.py --reward."})
+    reward_timeout: float = field(default=Config.reward_timeout, metadata={"help": "Seconds each reward call may run "
+                                                                                   "(as graft.py --reward-timeout; 0: "
+                                                                                   "in-process, unbounded)."})
+    verify_workers: int = field(default=Config.verify_workers, metadata={"help": "Reward worker processes (as "
+                                                                                 "graft.py --verify-workers)."})
 
 
-def reward_function(spec: str):
+def reward_function(spec: str, *, timeout: float = 0.0, workers: int = 0):
     """A TRL reward function: each completion scored against its prompt's gold (the "answer" column) by the
-    function --reward names, through reward.rewards (this project's one call of the reward)."""
+    function --reward names, through reward.rewards (this project's one call of the reward) under its wall-time
+    limit (--reward_timeout: a call past it is stopped and scores 0, as in graft.py). An answer that is not one
+    finite number per completion raises Refusal naming --reward and the value."""
     from reward import load_reward, rewards
     load_reward(spec)  # a bad spec fails here, naming --reward
 
-    def reward(completions: list[str], answer: list[str], **_) -> list[float]:
-        return rewards(spec, completions, answer)
+    def reward(completions: list, answer: list[str], **_) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # chat: the assistant message
+        try:
+            return list(rewards(spec, texts, answer, workers=workers, timeout=timeout))
+        except ValueError as e:  # reward._checked: not a list of finite numbers
+            raise Refusal(str(e)) from None
     return reward
 
 
@@ -564,12 +700,16 @@ def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
     try:
         return run(argv)
     except Refusal as e:
-        print(f"graft_trl: error: {' '.join(str(e).split())}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))  # torchrun's: every process meets the same input, rank 0 says it
+        if rank == 0 or getattr(e, "every_rank", False):
+            print(f"graft_trl: error: {'' if rank == 0 else f'rank {rank}: '}{' '.join(str(e).split())}",
+                  file=sys.stderr)
         raise SystemExit(2) from None
 
 
 def run(argv: list[str]) -> GraftGRPOTrainer:
-    """main without the refusal handling: parse, read the prompts, build the trainer (its checks first), train."""
+    """main without the refusal handling: parse, read the prompts, render them as the peer sampled them, check
+    the reward on one, build the trainer (its checks first), train."""
     from datasets import Dataset
 
     from runtime import load_prompt_file
@@ -583,13 +723,32 @@ def run(argv: list[str]) -> GraftGRPOTrainer:
         raise Refusal(str(e)) from None
     try:
         rows = load_prompt_file(script.prompts)
-        reward = reward_function(script.reward)
+        reward = reward_function(script.reward, timeout=script.reward_timeout, workers=script.verify_workers)
     except (OSError, ValueError) as e:
         raise Refusal(f"--prompts / --reward: {e}") from None
+    except SystemExit as e:  # load_prompt_file's own message (no such file, a bad line)
+        raise Refusal(str(e.code)) from None
+    if not rows:
+        raise Refusal(f"--prompts {script.prompts!r}: holds no prompts")
+    given = {x.split("=")[0] for x in argv}
+    settings, where = peer_run_settings(args.peer_log)
+    template = script.prompt_template or settings.get("prompt_template") or Config.prompt_template
+    chat = script.chat_template or ("--chat_template" not in given and bool(settings.get("chat_template")))
+    if "{problem}" not in template:
+        raise Refusal(f"--prompt_template {template!r}: must contain '{{problem}}'")
+    if where and not script.prompt_template and int(os.environ.get("RANK", "0")) == 0:
+        print(f"graft_trl: prompts rendered as the peer sampled them ({where}): template {template!r}"
+              f"{', as a chat user message' if chat else ''} (--prompt_template overrides)", file=sys.stderr)
+    render = ((lambda text: [{"role": "user", "content": text}]) if chat else (lambda text: text))
     data = Dataset.from_list([{k: v for k, v in r.items() if k not in ("prompt", "completion")}
-                              | {"prompt": script.prompt_template.replace("{problem}", r["problem"])} for r in rows])
+                              | {"prompt": render(template.replace("{problem}", r["problem"]))} for r in rows])
+    reward(completions=[""], answer=[rows[0]["answer"]])  # a reward that answers no number stops here, not later
     trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[reward], args=args, train_dataset=data)
-    trainer.train()
+    try:
+        trainer.train()
+    except Refusal as e:  # met by one process during training (a reward's answer): each says its own
+        e.every_rank = True
+        raise
     return trainer
 
 
