@@ -533,7 +533,13 @@ LOG_LINES = {"none_match": [{"id": "zz", "response": "1", "lbar": -1.0}, {"id": 
                                                                       "num_tokens": 30}],
              "no_lbar": [{"id": "p1", "response": "1"}, {"id": "p1", "response": "2", "lbar": -1.0}],
              "wide": [{"id": "p0", "response": str(i), "lbar": -1.0} for i in range(N + 1)],
-             "no_id": [{"problem": "0+1", "response": "1", "lbar": -1.0}]}
+             "no_id": [{"problem": "0+1", "response": "1", "lbar": -1.0}],
+             # sums of per-token log-probs (0.45 per token over characters + EOS), all above the -20 floor:
+             "summed_short": [{"id": f"p{k % 4}", "response": "1" * k, "lbar": -0.45 * (k + 1)} for k in range(1, 13)],
+             "summed_long": [{"id": f"p{k % 4}", "response": "7" * (20 * k), "lbar": -0.05 * (20 * k + 1)}
+                             for k in range(1, 13)],
+             "positive": [{"id": "p0", "response": "1", "lbar": 0.5}]}
+BAD_REWARD = "def bad(responses, golds, *, workers=0):\n    return ['x' if r else 1.0 for r in responses]\n"
 
 
 @needs_trl
@@ -551,9 +557,19 @@ LOG_LINES = {"none_match": [{"id": "zz", "response": "1", "lbar": -1.0}, {"id": 
     (None, ["--num_generations", "3"], "divisible by num_generations"),
     (None, ["--graft_delta", "x"], "invalid float value: 'x'"),
     (None, ["--bogus", "1"], "not used by the HfArgumentParser"),
+    ("summed_short", [], "log.jsonl': its lbar grows with the response's length \\(slope 1.00 .* over 12 records"),
+    ("summed_long", [], "log.jsonl': its lbar grows with the response's length \\(slope 1.00 .* over 12 records"),
+    ("positive", [], "log.jsonl:1: field lbar or mean_logprob must be a finite number in \\[-88, 0\\] .*got 0.5"),
+    (None, ["--prompts", "EMPTY"], "--prompts: .*empty.jsonl: no prompts"),
+    (None, ["--reward", "BAD_REWARD"], "--reward '.*bad.py:bad': the function must return a list of "
+                                       "numbers \\(could not convert string to float: 'x'\\)"),
 ])
 def test_command_line_refusals_are_one_line_exit_2_before_the_model(recv, tmp_path, capsys, monkeypatch, log, extra,
                                                                     msg):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.py").write_text(BAD_REWARD.replace("if r else 1.0", "if True else 1.0"))  # x for every answer
+    extra = [{"EMPTY": str(tmp_path / "empty.jsonl"), "BAD_REWARD": f"{tmp_path / 'bad.py'}:bad"}.get(x, x)
+             for x in extra]
     path = None
     if log is not None:
         path = tmp_path / "log.jsonl"
@@ -561,6 +577,81 @@ def test_command_line_refusals_are_one_line_exit_2_before_the_model(recv, tmp_pa
                         "".join(json.dumps(x) + "\n" for x in LOG_LINES[log]))
     import re
     assert re.search(msg, refused(launch(recv, tmp_path, *extra, log=path), capsys, monkeypatch))
+
+
+def test_a_summed_lbar_is_told_by_its_slope_against_length_not_a_floor():
+    g = torch.Generator().manual_seed(0)
+    length = torch.randint(2, 300, (40,), generator=g).double()  # (40,)
+    mean = -(0.2 + 1.5 * torch.rand(40, generator=g, dtype=torch.float64))  # (40,) per-token means
+    assert abs(graft_trl.lbar_length_slope(mean, length)) < 0.2  # a log of means: no trend with length
+    assert abs(graft_trl.lbar_length_slope(mean * length / 20, length) - 1) < 0.2  # sums, scaled to stay above -20
+    assert graft_trl.lbar_length_slope(mean, torch.full((40,), 50.0)) is None  # one length: nothing to tell
+    assert graft_trl.lbar_length_slope(mean[:7], length[:7]) is None  # too few records
+
+
+@needs_trl
+def test_a_reward_that_answers_no_number_mid_run_is_one_line_exit_2(recv, tmp_path, capsys):
+    """A reward that passes the check before the model loads (it scores the empty response) and answers a string
+    for a real completion (the peer log's, scored once the model is loaded): one line naming --reward and the
+    value, exit code 2, no traceback, no checkpoint written."""
+    (tmp_path / "bad.py").write_text(BAD_REWARD)
+    argv = launch(recv, tmp_path, "--reward", f"{tmp_path / 'bad.py'}:bad")
+    argv.remove("--save_strategy"), argv.remove("no")  # TRL's default: a checkpoint at the end of a run
+    with pytest.raises(SystemExit) as e:
+        graft_trl.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    err = [x for x in err.splitlines() if "graft_trl" in x]  # the model loaded: its progress bars came first
+    assert len(err) == 1 and err[0] == (f"graft_trl: error: --reward '{tmp_path / 'bad.py'}:bad': the function must return a list of "
+                      f"numbers (could not convert string to float: 'x')")
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+@needs_trl
+def test_a_python_reward_function_that_answers_no_number_is_named():
+    def scored(completions, **_):
+        return [0.5, "high"]
+    checked = graft_trl.checked_reward(scored)
+    assert checked.__name__ == "scored"  # TRL logs rewards/scored/mean, and success_reward names it so
+    with pytest.raises(graft_trl.Refusal, match="reward function 'scored' returned 'high' \\(str\\) for completion 1"):
+        checked(completions=["a", "b"])
+    assert graft_trl.checked_reward(lambda completions, **_: [1, None, 0.5])(completions=[0, 1, 2]) == [1, None, 0.5]
+
+
+@needs_trl
+def test_under_torchrun_each_bad_input_is_one_line_from_rank_0_and_exit_2(recv, tmp_path):
+    """Under `torchrun --nproc_per_node 2`, every bad input of the one-process test above that is checked before
+    the model loads (tests/trl_ranks.py refuse: each through graft_trl.main in both processes, TRL's __init__
+    replaced by a marker): exit code 2 on both ranks, one line from rank 0, nothing from rank 1. Then the last one
+    as the command runs it: rank 0 exits 2 and its line is the only line of ours (rank 1 waits to let it speak and
+    is stopped by torchrun); torchrun adds its own ChildFailedError report and exits 1, which no flag of torchrun
+    turns off (torch/distributed/launcher/api.py raises ChildFailedError for any failed worker)."""
+    import subprocess
+    import sys
+    cases = {}
+    for name in ("none_match", "summed_short", "summed_long", "positive"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in LOG_LINES[name]))
+        cases[name] = launch(recv, tmp_path, log=tmp_path / f"{name}.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.py").write_text(BAD_REWARD.replace("if r else 1.0", "if True else 1.0"))
+    cases |= {"id_column": launch(recv, tmp_path, "--id_column", "qq"),
+              "empty_prompts": launch(recv, tmp_path, "--prompts", str(tmp_path / "empty.jsonl")),
+              "reward": launch(recv, tmp_path, "--reward", f"{tmp_path / 'bad.py'}:bad"),
+              "missing_log": launch(recv, tmp_path, log=tmp_path / "no_such.jsonl")}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "tests/trl_ranks.py", "refuse", str(tmp_path / "cases.json"), str(tmp_path / "seen")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    ranks = [json.loads((tmp_path / f"seen.rank{r}.json").read_text()) for r in (0, 1)]
+    for name in cases:
+        (code0, err0), (code1, err1) = ranks[0][name], ranks[1][name]
+        assert code0 == code1 == 2 and err1 == "" and "MODEL LOADED" not in err0, (name, ranks[0][name], err1)
+        assert len(err0.strip().splitlines()) == 1 and err0.startswith("graft_trl: error: "), (name, err0)
+    ours = [x for x in run.stderr.splitlines() if "graft_trl" in x or "tools/graft_trl.py" in x]
+    assert ours == [ranks[0]["missing_log"][1].strip()], run.stderr[-3000:]
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in run.stderr, run.stderr[-3000:]  # torchrun's report
+    assert "Traceback" not in run.stderr.split("ChildFailedError")[0].rsplit("failed (exitcode", 1)[0]  # workers'
 
 
 @needs_trl

@@ -9,6 +9,7 @@ step's rows (core.policy_loss on a plain forward, w unfolded) and its gradient.
 
 Run: python tests/trl_ranks.py MODEL_DIR OUT_FILE ["S,A;S,A"]  (or under torchrun; the repository root on PYTHONPATH)
      python tests/trl_ranks.py compare ONE_FILE TWO_FILE   (the table in docs/RESULTS.md, "GRAFT in TRL")
+     python tests/trl_ranks.py refuse CASES.json OUT   (under torchrun: each bad input's exit code and stderr per rank)
 """
 
 from __future__ import annotations
@@ -105,6 +106,37 @@ def hand_eq10(tr, micro: list[dict], params) -> dict:
                                                               for g, p in zip(grad, params)])}
 
 
+def refuse(cases: str, out: str) -> None:
+    """Each case of the JSON file {name: argv} through graft_trl.main, in this process, its stderr kept per case,
+    with TRL's __init__ replaced by a failure (each refusal must come before the model loads); the exit codes and
+    stderr go to OUT.rank<R>.json. The last case runs again as the command would: its exit ends the process."""
+    import contextlib
+    import io
+    import time
+
+    import trl
+    cases = json.loads(Path(cases).read_text())
+    real_init, real_sleep = trl.GRPOTrainer.__init__, time.sleep
+    trl.GRPOTrainer.__init__ = lambda *a, **k: print("MODEL LOADED", file=sys.stderr)  # a refusal came too late
+    time.sleep = lambda s: None  # rank 1's wait for rank 0's line: only the last case needs it
+    seen = {}
+    for name, argv in cases.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                graft_trl.main(argv)
+                code = 0
+            except SystemExit as e:
+                code = e.code
+        seen[name] = [code, err.getvalue()]
+    Path(f"{out}.rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(seen))
+    trl.GRPOTrainer.__init__, time.sleep = real_init, real_sleep
+    deadline = time.time() + 60
+    while os.environ.get("RANK", "0") == "0" and not Path(f"{out}.rank1.json").exists() and time.time() < deadline:
+        time.sleep(0.1)  # rank 0's exit makes torchrun stop rank 1: let it write its file first
+    graft_trl.main(list(cases.values())[-1])
+
+
 def main(model: str, out: str, layouts: str = "") -> None:
     torch.set_num_threads(1)
     chosen = [tuple(int(x) for x in sa.split(",")) for sa in layouts.split(";") if sa] or LAYOUTS
@@ -128,4 +160,4 @@ def compare(one: str, two: str) -> None:
 
 
 if __name__ == "__main__":
-    compare(*sys.argv[2:]) if sys.argv[1] == "compare" else main(*sys.argv[1:])
+    {"compare": compare, "refuse": refuse}.get(sys.argv[1], lambda *a: main(sys.argv[1], *a))(*sys.argv[2:])

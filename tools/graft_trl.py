@@ -20,7 +20,8 @@ Where this departs from stock TRL:
   3. The peer log is read and checked once at start, through the project's one peer-log parser
      (core.parse_peer_records; a folder of rollout files: a prompt met at several steps gives its latest group):
      ids matched to the dataset's id_column (none matching: refused, with the counts), lbar a mean per token
-     (below -20: refused as a likely sum), a missing lbar computed by --peer_model (foreign.fill_lbar, cached).
+     (below -20, or growing with the response's length: refused as a likely sum, lbar_length_slope), a missing
+     lbar computed by --peer_model (foreign.fill_lbar, cached).
      The peer's texts are scored once at start by this trainer's reward functions, through TRL's own
      _calculate_rewards, in the form TRL gives completions for the dataset (a string, or an assistant message
      for a conversational prompt); a reward function reading trainer_state sees the state at start.
@@ -61,8 +62,10 @@ folder by name and run id) are compared with the dataset's rendered prompts and 
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
 as columns, each prompt rendered as the peer sampled it: the template and chat flag of its run.json, or
 --prompt_template / --chat_template; the reward is --reward's, verify.py's by default, under --reward_timeout as in
-graft.py; without a bf16 GPU bf16 defaults to False; a refusal is one line on stderr, exit code 2, before the model
-loads; --help opens on GRAFT's flags and the log format):
+graft.py; without a bf16 GPU bf16 defaults to False, without a GPU use_cpu to True; a refusal is one line on
+stderr, exit code 2, before the model loads where the input can be checked then (a reward's answer is checked on
+one response first, then at every call, naming --reward and the value); under torchrun rank 0 says it, and torchrun
+adds its own ChildFailedError report, which it has no flag to silence):
     python -m tools.graft_trl --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
@@ -128,11 +131,14 @@ GRAFT_FIELDS = ("peer_log", "peer_model", "graft_delta", "id_column", "success_r
 def check_args(args: GraftConfig) -> None:
     """Raise Refusal, naming the setting and the fix, for each layout or option in which TRL's loss is not Eq. 10."""
     S, A = args.steps_per_generation, args.gradient_accumulation_steps
+    # args.world_size sets up the devices and the process group (and transformers' warnings on a CPU): only bnpo
+    # needs it, so that any other refusal comes before both
+    world = args.world_size if args.loss_type == "bnpo" else 1
     rules = [
         (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
                                              f"step (Eq. 10); use loss_type='dapo'"),
-        (args.loss_type != "bnpo" or A == 1 and args.world_size == 1,
-         f"loss_type='bnpo' with gradient_accumulation_steps={A} and {args.world_size} processes divides each "
+        (args.loss_type != "bnpo" or A == 1 and world == 1,
+         f"loss_type='bnpo' with gradient_accumulation_steps={A} and {world} processes divides each "
          f"micro-batch by its own tokens; use loss_type='dapo'"),
         (S % A == 0, f"steps_per_generation={S} is not a multiple of gradient_accumulation_steps={A}: an "
                      f"optimizer step would mix two generation batches"),
@@ -249,6 +255,40 @@ def match_peer_log(groups: dict[str, list], ids: dict[str, int], args: GraftConf
     return matched
 
 
+def lbar_length_slope(lbar: torch.Tensor, length: torch.Tensor) -> float | None:
+    """The least-squares slope of log(-lbar) against log(length) over responses with lbar < 0; None when fewer than
+    8 such responses, or their lengths spread too little to tell (std of log length < 0.3).
+
+    A sum of per-token log-probs grows with the response (-lbar = length x a mean): slope about 1. A mean per token
+    (Eq. 6) does not: slope about 0. So a log of sums is told apart from a log of means by the shape of the log,
+    not by a floor on lbar: the sums of short responses (-2 to -6) sit where means do. lbar, length: (R,)."""
+    keep = lbar < 0  # (R,)
+    if int(keep.sum()) < 8:
+        return None
+    x, y = length[keep].double().log(), (-lbar[keep].double()).log()  # (R',), (R',)
+    if float(x.std()) < 0.3:
+        return None
+    x = x - x.mean()
+    return float((x * (y - y.mean())).sum() / (x * x).sum())
+
+
+def check_lbar_is_a_mean(groups: dict[str, list], where: str) -> None:
+    """Refuse a log whose given lbar grows with the response's length (lbar_length_slope > 0.5): a summed
+    log-probability, whose s would gate on length. Length: the record's num_tokens, else its characters (+ 1 for
+    EOS), which scale with the peer's tokens; the slope does not depend on the scale."""
+    recs = [r for g in groups.values() for r in g if r.lbar == r.lbar]  # given lbar (not NaN)
+    if not recs:
+        return
+    length = torch.tensor([r.num_tokens if r.num_tokens > 0 else len(r.response) + int(r.eos) + (not r.response)
+                           for r in recs], dtype=torch.float64)  # (R,)
+    slope = lbar_length_slope(torch.tensor([r.lbar for r in recs], dtype=torch.float64), length)
+    if slope is not None and slope > 0.5:
+        raise Refusal(f"GraftConfig.peer_log {where!r}: its lbar grows with the response's length (slope "
+                      f"{slope:.2f} of log(-lbar) against log(length) over {len(recs)} records; a mean per token "
+                      f"gives about 0, a sum about 1): a summed log-probability? give the sum divided by the "
+                      f"response's token count")
+
+
 def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args: GraftConfig) -> None:
     """Compute lbar with --peer_model where records have none (foreign.fill_lbar: the project's one lbar
     computation, cached beside the log); Refusal naming --peer_model when it is not set. prompts: prompt id ->
@@ -284,6 +324,32 @@ def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args:
     del model
 
 
+def checked_reward(func):
+    """A plain reward function wrapped so that an answer TRL cannot read (not a list, or an item that is neither a
+    number nor None) raises Refusal naming the function, the completion and the value, instead of failing inside
+    TRL's tensor conversion; a model id, a module or an async function is returned as it is."""
+    import asyncio
+    import functools
+    import numbers
+    if isinstance(func, (str, torch.nn.Module)) or not callable(func) or asyncio.iscoroutinefunction(func):
+        return func
+
+    @functools.wraps(func)
+    def reward(*a, **kw):
+        out = func(*a, **kw)
+        name = get_callable_name(func)
+        if not isinstance(out, (list, tuple)):
+            raise Refusal(f"reward function {name!r} returned {type(out).__name__} {str(out)[:60]!r}; TRL needs a "
+                          f"list with one float (or None) per completion")
+        for i, v in enumerate(out):
+            if v is not None and not isinstance(v, (numbers.Real, torch.Tensor)) or isinstance(v, torch.Tensor) \
+                    and v.numel() != 1:
+                raise Refusal(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
+                              f"TRL needs a float (or None: no verdict) per completion")
+        return out
+    return reward
+
+
 class GraftGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with GRAFT's stored-trajectory step. Every argument is GRPOTrainer's; args is a GraftConfig.
 
@@ -300,7 +366,11 @@ class GraftGRPOTrainer(GRPOTrainer):
             raise Refusal("GraftGRPOTrainer needs train_dataset=, a datasets.Dataset with an id column (--id_column)")
         ids = dataset_rows(data, args.id_column, "train_dataset")
         funcs = kw.get("reward_funcs", a[1] if len(a) > 1 else None)
-        funcs = funcs if isinstance(funcs, list) else [funcs]
+        funcs = [checked_reward(f) for f in (funcs if isinstance(funcs, list) else [funcs])]
+        if "reward_funcs" in kw:
+            kw["reward_funcs"] = funcs
+        elif len(a) > 1:
+            a = (a[0], funcs, *a[2:])
         names = [f.split("/")[-1] if isinstance(f, str) else get_callable_name(f) for f in funcs]  # as TRL names them
         chosen = [x.strip() for x in args.success_reward.split(",") if x.strip()]
         unknown = [x for x in chosen if x not in names]
@@ -309,6 +379,8 @@ class GraftGRPOTrainer(GRPOTrainer):
                           f"trainer ({', '.join(names)}); name one of them, or leave it empty for all")
         self.success_columns = [names.index(x) for x in chosen] or list(range(len(names)))
         groups = match_peer_log(read_peer_log(args.peer_log), ids, args)
+        if Path(args.peer_log).is_file():  # a rollout folder's lbar is a mean of its stored log-probs
+            check_lbar_is_a_mean(groups, args.peer_log)
         self.peer_rows = {pid: data[ids[pid]] for pid in groups}  # each logged prompt's dataset row
         fill_missing_lbar(groups, {pid: row["prompt"] for pid, row in self.peer_rows.items()}, args)
         self.peer = {pid: PeerGroup([r.response for r in g], torch.tensor([r.eos for r in g], dtype=torch.bool),
@@ -697,13 +769,18 @@ def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
     if not any(x.split("=")[0] in ("--bf16", "--no_bf16", "--fp16") for x in argv) and not (
             torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
         argv += ["--bf16", "False"]  # TRL's default bf16=True stops on such a machine ("doesn't support bf16/gpu")
+    if not torch.cuda.is_available() and not any(x.split("=")[0] == "--use_cpu" for x in argv):
+        argv += ["--use_cpu", "True"]  # else under torchrun on CPUs accelerate sees no distributed run: no DDP
     try:
         return run(argv)
     except Refusal as e:
         rank = int(os.environ.get("RANK", "0"))  # torchrun's: every process meets the same input, rank 0 says it
         if rank == 0 or getattr(e, "every_rank", False):
             print(f"graft_trl: error: {'' if rank == 0 else f'rank {rank}: '}{' '.join(str(e).split())}",
-                  file=sys.stderr)
+                  file=sys.stderr, flush=True)
+        else:  # torchrun stops the other workers when one exits: let rank 0 say it first
+            import time
+            time.sleep(2.0)
         raise SystemExit(2) from None
 
 
