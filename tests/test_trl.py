@@ -602,8 +602,8 @@ def test_a_reward_that_answers_no_number_mid_run_is_one_line_exit_2(recv, tmp_pa
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err, err
     err = [x for x in err.splitlines() if "graft_trl" in x]  # the model loaded: its progress bars came first
-    assert len(err) == 1 and err[0] == (f"graft_trl: error: --reward '{tmp_path / 'bad.py'}:bad': the function must return a list of "
-                      f"numbers (could not convert string to float: 'x')")
+    assert len(err) == 1 and err[0] == (f"graft_trl: error: --reward '{tmp_path / 'bad.py'}:bad': the function must "
+                                        f"return a list of numbers (could not convert string to float: 'x')")
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
