@@ -791,6 +791,48 @@ def test_peer_model_computes_missing_lbar_as_a_plain_forward(recv, tmp_path):
     assert list(tmp_path.glob(".log.jsonl.lbar-*.json"))  # cached beside the log
 
 
+@needs_trl
+def test_peer_model_lbar_follows_the_runs_chat_template_kwargs_and_temperature(recv, tmp_path, monkeypatch):
+    """The receiver as its own peer (--peer_model = the receiver, no lbar in the log), a conversational dataset
+    under a chat template whose kwargs change the prompt, TRL at T 0.7: s = 1 within 1e-4 for every received
+    response (so w = 1), in two runs whose kwargs differ, each with its own cache (a changed prompt is computed
+    again, not read from the other's)."""
+    import shutil
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    d = tmp_path
+    shutil.copytree(recv / "m", d / "m")
+    tok = AutoTokenizer.from_pretrained(d / "m")
+    tok.chat_template = ("{% for m in messages %}{% if thinking %}think: {% endif %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
+    tok.save_pretrained(d / "m")
+    rows = [{"id": f"p{i}", "prompt": [{"role": "user", "content": f"{i}+{i + 1}"}], "answer": str(2 * i + 1)}
+            for i in range(G)]
+    log = d / "log.jsonl"
+    log.write_text("".join(json.dumps({"id": "p1", "response": t}) + "\n" for t in ("1+2", "3", "2+1")))
+
+    def passing(completions, **_):
+        return [1.0 if c[0]["content"] in ("1+2", "2+1") else 0.0 for c in completions]
+    for thinking in (True, False):
+        tr = make_trainer(d, reward_funcs=(passing,), data=Dataset.from_list(rows), max_completion_length=4,
+                          peer_log=str(log), peer_model=str(d / "m"), temperature=0.7,
+                          chat_template_kwargs={"thinking": thinking})
+        own = [[5, 6, 1]] * (G * N)  # every own completion fails
+        monkeypatch.setattr(tr, "_generate", lambda prompts: (tr._tokenize_prompts(prompts)[0], own, None,
+                                                              [[{"role": "assistant", "content": "xy"}]] * len(prompts),
+                                                              None, {}, None, None))
+        seen = []
+        monkeypatch.setattr(tr, "watch_gate", lambda counts, s: seen.extend(s))
+        tr.model.train()
+        out = tr._generate_and_score_completions([row for row in rows for _ in range(N)])
+        prompt = tr._tokenize_prompts([rows[1]["prompt"]])[0][0]
+        assert (tok.decode(prompt) == "think: 1+2=") is thinking  # the kwargs reach TRL's rendering
+        assert len(seen) == 3 and max(abs(x - 1) for x in seen) < 1e-4, seen
+        torch.testing.assert_close(out["graft_weight"][4:7], torch.ones(3), atol=1e-4, rtol=0)
+    assert len(list(d.glob(".log.jsonl.lbar-*.json"))) == 2  # one cache per rendering
+
+
 def accuracy(completions, answer, **_):
     text = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [1.0 if t == "ok" else 0.0 for t in text]

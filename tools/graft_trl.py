@@ -74,6 +74,8 @@ the dataset with a column naming each prompt's id in the log (GraftConfig.id_col
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import warnings
@@ -292,7 +294,8 @@ def check_lbar_is_a_mean(groups: dict[str, list], where: str) -> None:
 def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args: GraftConfig) -> None:
     """Compute lbar with --peer_model where records have none (foreign.fill_lbar: the project's one lbar
     computation, cached beside the log); Refusal naming --peer_model when it is not set. prompts: prompt id ->
-    the dataset's prompt (a string, or a conversation rendered with the peer's chat template)."""
+    the dataset's prompt (a string, or a conversation rendered with the peer's chat template and the run's
+    chat_template_kwargs, as TRL renders it); log-probs at the run's temperature, as TRL's own (Eq. 6)."""
     missing = [r for g in groups.values() for r in g if r.lbar != r.lbar]  # NaN
     if not missing:
         return
@@ -306,14 +309,21 @@ def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args:
     tok = AutoTokenizer.from_pretrained(args.peer_model)
     model = AutoModelForCausalLM.from_pretrained(args.peer_model, dtype=torch.float32)  # lbar in float32
 
+    kwargs = args.chat_template_kwargs or {}
+    kwargs = json.loads(kwargs) if isinstance(kwargs, str) else kwargs  # a flag's JSON, as TRL reads it
+
     def encode(pid: str) -> list[int]:  # the prompt as TRL's _tokenize_prompts renders it, with the peer's tokenizer
         prompt = prompts[pid]
         if is_conversational({"prompt": prompt}):
-            return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"])
+            return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                **kwargs)["input_ids"])
         return tok(text=prompt)["input_ids"]
-    fill_lbar(log, model, tok, model_path=args.peer_model, encode_prompt=encode, problems={p: p for p in groups},
-              cache_key="graft_trl")
+    # The cache holds one lbar per log line: its key is everything else lbar depends on (the model, the
+    # temperature, and here the prompt ids each response follows, which the template and its kwargs make, and EOS)
+    encoded = {pid: encode(pid) for pid in groups}
+    key = hashlib.sha256(json.dumps([encoded, tok.eos_token_id], sort_keys=True).encode()).hexdigest()
+    fill_lbar(log, model, tok, model_path=args.peer_model, encode_prompt=encoded.__getitem__,
+              problems={p: p for p in groups}, cache_key=f"graft_trl/{key}", temperature=args.temperature)
     for p, pid in enumerate(log.prompt_ids):
         for i, rec in enumerate(groups[pid]):
             lb = float(log.mean_logprob[p, i])
