@@ -320,10 +320,11 @@ def test_bf16_warns_once_when_a_gate_sits_within_its_rounding(recv):
 
 @needs_trl
 def test_two_processes_equal_one_and_a_hand_eq10(recv, tmp_path):
-    """Trainer.train() on one generation batch per layout, under torchrun with two CPU processes (gloo) and in one
-    process on the same global batch (tests/trl_ranks.py, sampling planted): per optimizer step the summed loss
-    and the gradient the optimizer steps on are equal, and the one-process ones equal a hand Eq. 10 of the step's
-    rows, in every layout of the one-process table."""
+    """Trainer.train() on two generation batches per layout, under torchrun with two CPU processes (gloo) and in one
+    process on the same global batch (tests/trl_ranks.py, sampling planted, prompts of different lengths): per
+    optimizer step the summed loss, the gradient the optimizer steps on and the update it makes are equal, and the
+    one-process ones equal a hand Eq. 10 of the step's rows, in every layout of the one-process table and in TRL's
+    per-device batch 2 with 4 generations (a group spanning the two processes)."""
     import subprocess
     import sys
     sys.path.insert(0, str(ROOT / "tests"))
@@ -335,16 +336,18 @@ def test_two_processes_equal_one_and_a_hand_eq10(recv, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt")
     (tmp_path / "one").mkdir()
-    for S, A in trl_ranks.LAYOUTS:
-        one = trl_ranks.run_layout(recv / "m", tmp_path / "one" / "x", S, A)
-        assert len(one["steps"]) == S // A and one["selected"] == [2.0]
+    for S, A, R in trl_ranks.LAYOUTS:
+        one = trl_ranks.run_layout(recv / "m", tmp_path / "one" / "x", S, A, R)
+        key, selected = f"{S},{A},{R}", [2.0, 2.0] if R * S == G * N else [1.0, 0.0]  # R = 4, S = 1: p0, then p1
+        assert len(one["steps"]) == 2 * S // A and one["selected"] == two[key]["selected"] == selected
         for k, a in enumerate(one["steps"]):
             scale = max(abs(a["hand_loss"]), 1e-3)  # a step of own mixed groups at ratio 1 has a loss near 0
             assert abs(a["loss"] - a["hand_loss"]) / scale < 1e-4
             assert float((a["grad"] - a["hand_grad"]).norm() / a["hand_grad"].norm()) < 1e-4
-            b = two[f"{S},{A}"]["steps"][k]
-            assert two[f"{S},{A}"]["selected"] == [2.0] and abs(a["loss"] - b["loss"]) / scale < 1e-4
-            assert float((a["grad"] - b["grad"]).norm() / a["grad"].norm()) < 1e-4, f"S={S} A={A} step {k}"
+            b = two[key]["steps"][k]
+            assert abs(a["loss"] - b["loss"]) / scale < 1e-4, f"{key} step {k}"
+            assert float((a["grad"] - b["grad"]).norm() / a["grad"].norm()) < 1e-4, f"{key} step {k}"
+            assert float((a["update"] - b["update"]).norm() / a["update"].norm()) < 1e-4, f"{key} step {k}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -605,6 +608,22 @@ def test_a_reward_that_answers_no_number_mid_run_is_one_line_exit_2(recv, tmp_pa
     assert len(err) == 1 and err[0] == (f"graft_trl: error: --reward '{tmp_path / 'bad.py'}:bad': the function must "
                                         f"return a list of numbers (could not convert string to float: 'x')")
     assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+@needs_trl
+def test_the_launch_lines_reward_runs_under_its_wall_time_limit(tmp_path):
+    """--reward_timeout as graft.py's --reward-timeout: a call that hangs is stopped at the limit, its share scores
+    0 and the rest is scored (reward.rewards' worker pool); chat completions are scored by their message's text."""
+    import time
+    (tmp_path / "slow.py").write_text("import time\ndef slow(responses, golds, *, workers=0):\n"
+                                      "    if 'hang' in responses:\n        time.sleep(60)\n"
+                                      "    return [float(r == g) for r, g in zip(responses, golds)]\n")
+    spec = f"{tmp_path / 'slow.py'}:slow"
+    reward = graft_trl.reward_function(spec, timeout=1.0, workers=2)
+    t0 = time.monotonic()
+    assert reward(completions=["hang", "7"], answer=["7", "7"]) == [0.0, 1.0]  # two workers: one share each
+    assert time.monotonic() - t0 < 10
+    assert reward(completions=[[{"role": "assistant", "content": "7"}]], answer=["7"]) == [1.0]
 
 
 @needs_trl

@@ -31,13 +31,15 @@ Where this departs from stock TRL:
      sums its reward) >= success_threshold (0.5); a rule under which no logged group is mixed warns at start.
      Advantages are TRL's summed reward's, for own and peer groups alike.
   6. mask_truncated_completions=True masks a peer row that did not end with EOS (w = 0), as TRL masks its own.
-  7. Several processes (torchrun, accelerate launch): each group stays on one process by construction (TRL's
-     sampler puts n copies of a prompt in a row and each process takes per_device_train_batch_size x S
-     consecutive rows, a multiple of n since pdbs x A is), so each process selects and grafts its own groups.
-     Then every process gathers the whole generation batch, orders it peer-last with the same generator, and
-     takes its W-th of each micro-batch: the optimizer steps hold the rows one process would, and
-     num_items_in_batch counts an optimizer step's retained tokens over all processes (tests/test_trl.py:
-     two CPU processes over gloo equal one process and a hand Eq. 10 per optimizer step).
+  7. Several processes (torchrun, accelerate launch): TRL's sampler puts n copies of a prompt in a row and each
+     process takes per_device_train_batch_size x S consecutive rows, so a group may span processes (per-device
+     batch 2 with 4 generations). Every process gathers the whole generation batch (TRL gathers the rewards
+     already), then computes the same selection, the same receiver forward over every received response (W
+     times the work of one process; a received group is a few rows of the batch) and the same rows; it orders
+     them peer-last with the same generator and takes its W-th of each micro-batch: the optimizer steps hold the
+     rows one process would, and num_items_in_batch counts an optimizer step's retained tokens over all
+     processes (tests/test_trl.py: two CPU processes over gloo equal one process and a hand Eq. 10 per optimizer
+     step, in loss, gradient and update, over two generation batches and prompts of different lengths).
   8. vLLM generation with TRL's importance-sampling correction: own rows keep the ratio TRL computes; peer rows
      get 1 (their old log-probs are the receiver's own forward, no sampler to correct for).
   9. Precision: lbar_recv and the peer rows' old log-probs come from TRL's own log-prob forward, at the
@@ -46,12 +48,13 @@ Where this departs from stock TRL:
 
 Refused at construction, naming the setting: delta (TRL's cap on the ratio; GRAFT's floor is graft_delta), beta
 > 0, num_iterations > 1 (own minibatches replayed after peer ones), S not a multiple of A, a group straddling
-optimizer steps, bnpo over several processes, sequence-level ratios, entropy masks and bonuses,
-scale_rewards="batch", a logged group larger than num_generations. Traps handled: stock TRL shuffles the batch
-before cutting minibatches (peer rows land in both); its old log-probs exist only when S > A, and only of its
-own samples; epsilon_high defaults to epsilon (here 0.28); its advantages add 1e-4 to the std (own groups are
-recomputed by group_advantages); bf16=True is its default, and rounding moves lbar (w near delta can flip). TRL
-has no public hook: three private methods are overridden, so a new TRL needs tests/test_trl.py run again.
+optimizer steps (per_device_train_batch_size x A x processes not a multiple of n), bnpo over several processes,
+sequence-level ratios, entropy masks and bonuses, scale_rewards="batch", a logged group larger than num_generations.
+Traps handled: stock TRL shuffles the batch before cutting minibatches (peer rows land in both); its old log-probs
+exist only when S > A, and only of its own samples; epsilon_high defaults to epsilon (here 0.28); its advantages
+add 1e-4 to the std (own groups are recomputed by group_advantages); bf16=True is its default, and rounding moves
+lbar (w near delta can flip). TRL has no public hook: three private methods are overridden, so a new TRL needs
+tests/test_trl.py run again.
 
 Watching the gate: after the first generation batch and then once per graft_warn_every (10), a window in which no
 peer row was accepted gets one warning naming the likely cause (nothing all-fail; no mixed logged group for the
@@ -136,6 +139,8 @@ def check_args(args: GraftConfig) -> None:
     # args.world_size sets up the devices and the process group (and transformers' warnings on a CPU): only bnpo
     # needs it, so that any other refusal comes before both
     world = args.world_size if args.loss_type == "bnpo" else 1
+    # the processes torchrun or accelerate started (their environment), read without setting anything up
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world == 1 else world
     rules = [
         (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
                                              f"step (Eq. 10); use loss_type='dapo'"),
@@ -144,9 +149,10 @@ def check_args(args: GraftConfig) -> None:
          f"micro-batch by its own tokens; use loss_type='dapo'"),
         (S % A == 0, f"steps_per_generation={S} is not a multiple of gradient_accumulation_steps={A}: an "
                      f"optimizer step would mix two generation batches"),
-        (args.per_device_train_batch_size * A % args.num_generations == 0,
-         f"per_device_train_batch_size * gradient_accumulation_steps = {args.per_device_train_batch_size * A} is "
-         f"not a multiple of num_generations={args.num_generations}: a group would straddle optimizer steps"),
+        (args.per_device_train_batch_size * A * world_size % args.num_generations == 0,
+         f"per_device_train_batch_size * gradient_accumulation_steps * processes = "
+         f"{args.per_device_train_batch_size * A * world_size} is not a multiple of "
+         f"num_generations={args.num_generations}: a group would straddle optimizer steps"),
         (args.num_iterations == 1, f"num_iterations={args.num_iterations} replays own minibatches after the peer "
                                    f"ones, so peer-last cannot hold; set num_iterations=1"),
         (args.delta is None, f"delta={args.delta} is TRL's cap on the ratio, not GRAFT's floor (graft_delta)"),
@@ -569,17 +575,21 @@ class GraftGRPOTrainer(GRPOTrainer):
         return out
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's sampling and scoring of the own groups, then GRAFT's step on the generation batch."""
+        """TRL's sampling and scoring of this process's rows, then GRAFT's step on the whole generation batch: under
+        W processes every process gathers the batch (a group may span processes, as TRL allows) and computes the
+        same selection, weights and rows (departure 7)."""
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out  # evaluation: the receiver alone
         if "tool_mask" in out:
             raise ValueError("tools mask completion tokens per turn; GRAFT's rows have no turns (use no tools)")
         out.pop("sampling_per_token_logps", None)  # read only by the refused off-policy mask
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+            out, inputs = self.gather_batch(out), gather_object(list(inputs))  # (W * B, ...) in process order
         n, dev, tok = self.num_generations, out["advantages"].device, self._tokenizer
         std = self.scale_rewards != "none"
-        here = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        own = self.own_rewards[here]  # (B, F) this process's rows: TRL gathered every process's (groups stay whole)
+        own = self.own_rewards  # (W * B, F) TRL gathered every process's rewards
         rewards = self.rewards(own).view(-1, n)  # (G, n)
         adv = group_advantages(rewards, std_normalize=std).view(-1).to(dev)  # (B,) departure 2
         weight, is_peer = torch.ones_like(adv), torch.zeros_like(adv, dtype=torch.bool)  # (B,), (B,)
@@ -635,15 +645,9 @@ class GraftGRPOTrainer(GRPOTrainer):
                    "accepted": accepted, "rejected": candidates - accepted}
         in_log = sum(int(k_own[g] == 0) and str(x[self.args.id_column]) in self.peer
                      for g, x in enumerate(inputs[::n]))
-        extra = {"groups": len(k_own), "in_log": in_log, "candidates": candidates} | gate
-        totals = self.accelerator.reduce(torch.tensor([float(v) for v in (metrics | extra).values()], device=dev),
-                                         "sum")  # counts over every process's groups
-        totals = dict(zip(metrics | extra, totals.tolist()))
+        totals = metrics | {"groups": len(k_own), "in_log": in_log, "candidates": candidates} | gate  # whole batch
         for key in metrics:
-            self._metrics["train"][f"graft/{key}"].append(totals[key])
-        if self.accelerator.num_processes > 1:
-            from accelerate.utils import gather_object
-            s_values = gather_object(s_values)
+            self._metrics["train"][f"graft/{key}"].append(float(totals[key]))
         self.watch_gate(totals, s_values)
         return out
 
@@ -659,10 +663,10 @@ class GraftGRPOTrainer(GRPOTrainer):
         """One generation batch -> its S micro-batches: own groups first, replaced groups last, no shuffle,
         and num_items_in_batch = that optimizer step's retained tokens x S / A, which TRL's dapo divides
         back by S / A: each optimizer step is one token-mean over its own retained tokens (Eq. 10). Under W
-        processes: the gathered batch is cut so, and this process keeps its W-th of each micro-batch (departure 7)."""
+        processes: the batch is the gathered one, cut so, and this process keeps its W-th of each micro-batch
+        (departure 7)."""
         S, A, n = self.args.steps_per_generation, self.args.gradient_accumulation_steps, self.num_generations
         W, rank = self.accelerator.num_processes, self.accelerator.process_index
-        batch = self.gather_batch(batch) if W > 1 else batch  # every process: the whole generation batch
         gen = seeded_generator(self.args.seed, self._step // S, "minibatch")  # as this project's trainer draws it
         order = peer_last_rows(batch["graft_is_peer"].view(-1, n)[:, 0].cpu(), n, generator=gen)  # (B,)
         batch = {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() else
@@ -676,7 +680,12 @@ class GraftGRPOTrainer(GRPOTrainer):
 
     def gather_batch(self, batch: dict) -> dict:
         """This process's generation batch (B rows) -> every process's, in process order (W * B rows): the batch
-        one process would hold for the same global batch. Prompts stay left-padded, completions right-padded."""
+        one process would hold for the same global batch. Prompts stay left-padded, completions right-padded.
+
+        TRL's forward passes no position ids, so padding a prompt further on the left shifts its positions; under
+        rotary embeddings (relative positions: Llama, Qwen, Gemma, ...) its log-probs stay the same (test_trl.py:
+        prompts of different lengths on two processes equal one process), while a model with absolute position
+        embeddings would see TRL's old log-probs taken at this process's width, as TRL's own batches are."""
         from accelerate.utils import gather, pad_across_processes
         B, out = len(batch["completion_ids"]), {}
         for k, v in batch.items():
