@@ -528,6 +528,7 @@ def refused(argv: list[str], capsys, monkeypatch) -> str:
         graft_trl.main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("graft_trl: error: "), err
+    assert not Path(argv[argv.index("--output_dir") + 1]).exists()  # nothing written, not even the folder
     return err
 
 
@@ -667,6 +668,7 @@ def test_under_torchrun_each_bad_input_is_one_line_from_rank_0_and_exit_2(recv, 
         (code0, err0), (code1, err1) = ranks[0][name], ranks[1][name]
         assert code0 == code1 == 2 and err1 == "" and "MODEL LOADED" not in err0, (name, ranks[0][name], err1)
         assert len(err0.strip().splitlines()) == 1 and err0.startswith("graft_trl: error: "), (name, err0)
+    assert not (tmp_path / "run").exists()  # the cases' --output_dir: nothing written
     ours = [x for x in run.stderr.splitlines() if "graft_trl" in x or "tools/graft_trl.py" in x]
     assert ours == [ranks[0]["missing_log"][1].strip()], run.stderr[-3000:]
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in run.stderr, run.stderr[-3000:]  # torchrun's report
