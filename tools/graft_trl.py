@@ -516,7 +516,7 @@ class GraftGRPOTrainer(GRPOTrainer):
             w[k] = w.get(k, 0) + v
         w["s"] += s
         w["batches"] += 1
-        if self.generation_batches != 1 and self.generation_batches % every:
+        if (self.generation_batches - 1) % every:  # checked at batches 1, 1 + every, 1 + 2 x every, ...
             return
         self.gate_window = {"batches": 0, "s": []}
         if w["accepted"] > 0 or not self.accelerator.is_main_process:
