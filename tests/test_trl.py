@@ -3,12 +3,16 @@ cuts equals core.policy_loss (Eq. 10) in value and gradient in every layout it a
 refuses is one where stock TRL is off; peer-last survives TRL's minibatching; two GRAFT steps run end to end
 on a tiny receiver with the real Qwen3 tokenizer, reading a peer log that this project's trainer wrote with
 SmolLM3's, and on a planted step its rows, weights and loss equal this project's Trainer.build_rows and update.
-The command line as a user meets it: each refusal one line on stderr, exit code 2, before the model loads (TRL's
-__init__ patched to fail if reached), --help opening on GRAFT's flags and the log format, README's command run
-as written on CPU. The log completed and the user's choices: --peer_model's lbar against a plain forward, the
-success rule (a format bonus that passes everything warns), a peer row without EOS masked as TRL masks its own,
-and a conversational dataset whose reward reads TRL's message form. Also the porting helpers of core.py and the
-one peer-log parser. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
+The command line as a user meets it: each bad input one line on stderr, exit code 2, before the model loads (TRL's
+__init__ patched to fail if reached), on one process and under torchrun (rank 0 alone); a reward's non-number
+named; the reward under its wall-time limit; --help opening on GRAFT's flags and the log format; README's command
+run as written on CPU with the tiny preset's models (B receiving A's rollouts) accepting peer rows, and the gate's
+warning, with its cause and figures, when the template is not the peer's. The log completed and the user's
+choices: --peer_model's lbar against a plain forward and under the run's chat template kwargs and temperature
+(the receiver as its own peer: s = 1), the success rule (a format bonus that passes everything warns), a peer row
+without EOS masked as TRL masks its own, and a conversational dataset whose reward reads TRL's message form. Also
+the porting helpers of core.py and the one peer-log parser. CPU, tiny models, fp32 (TRL's bf16 default would round
+lbar).
 
 Run: python -m pytest -q tests/test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
 """
@@ -636,6 +640,12 @@ def test_a_python_reward_function_that_answers_no_number_is_named():
     with pytest.raises(graft_trl.Refusal, match="reward function 'scored' returned 'high' \\(str\\) for completion 1"):
         checked(completions=["a", "b"])
     assert graft_trl.checked_reward(lambda completions, **_: [1, None, 0.5])(completions=[0, 1, 2]) == [1, None, 0.5]
+    import functools
+
+    class Judge:
+        def __call__(self, completions, **_):
+            return [1.0] * len(completions)
+    assert [graft_trl.checked_reward(f).__name__ for f in (functools.partial(scored), Judge())] == ["scored", "Judge"]
 
 
 @needs_trl

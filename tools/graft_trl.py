@@ -350,10 +350,11 @@ def checked_reward(func):
     if isinstance(func, (str, torch.nn.Module)) or not callable(func) or asyncio.iscoroutinefunction(func):
         return func
 
+    name = get_callable_name(func)  # TRL's name for it (rewards/NAME/mean, success_reward), kept below
+
     @functools.wraps(func)
     def reward(*a, **kw):
         out = func(*a, **kw)
-        name = get_callable_name(func)
         if not isinstance(out, (list, tuple)):
             raise Refusal(f"reward function {name!r} returned {type(out).__name__} {str(out)[:60]!r}; TRL needs a "
                           f"list with one float (or None) per completion")
@@ -363,6 +364,7 @@ def checked_reward(func):
                 raise Refusal(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
                               f"TRL needs a float (or None: no verdict) per completion")
         return out
+    reward.__name__ = name  # a partial or a callable object has no __name__ for wraps to copy
     return reward
 
 
