@@ -791,33 +791,38 @@ def test_a_template_other_than_the_peers_warns_with_the_cause_and_the_numbers(ti
 
 @needs_trl
 def test_the_gate_watch_warns_after_the_first_batch_then_per_window_naming_the_cause(recv):
-    """watch_gate on planted batches: a warning after generation batch 1 and at the end of each graft_warn_every
-    window whose batches accepted nothing (none when one did), its figures the window's sums and the median of its
-    s values, its cause the first that holds: nothing all-fail, no mixed logged group, or the gate."""
-    tr = make_trainer(recv, graft_warn_every=3)
+    """watch_gate on planted batches: a warning after generation batch 1 (if the receiver failed a prompt) and at
+    the end of each graft_warn_every window whose batches accepted nothing (none when one did), its figures the
+    window's sums and the median of its s values, its cause the first that holds: nothing all-fail, no mixed logged
+    group, or the gate."""
     zero = {"all_fail": 0, "selected": 0, "accepted": 0, "groups": 4, "in_log": 0, "candidates": 0, "gated": 0,
             "too_long": 0, "no_eos": 0}
+    unmixed = zero | {"all_fail": 2, "in_log": 1}
     gated = zero | {"all_fail": 2, "selected": 1, "in_log": 2, "candidates": 4, "gated": 3, "too_long": 1}
-    batches = [(zero, []),  # 1: checked alone
-               (zero | {"all_fail": 2, "in_log": 1}, []), (gated, [0.1, 0.5, 0.05]), (gated, [0.2]),  # 2-4: a window
-               (gated | {"accepted": 1}, [0.9]), (gated, [0.1]), (gated, [0.3])]  # 5-7: accepted one: silent
-    said = []
-    for counts, s in batches:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            tr.watch_gate(counts, s)
-        said.append([str(x.message) for x in caught if "graft_trl" in str(x.message)])
-    assert [len(x) for x in said] == [1, 0, 0, 1, 0, 0, 0]
-    assert said[0][0].startswith("graft_trl: no peer row accepted in generation batch 1: the receiver failed all "
-                                 "4 rollouts of none of its 4 prompts")
+
+    def said(batches) -> list[list[str]]:  # a fresh trainer's warnings after each batch
+        tr = make_trainer(recv, graft_warn_every=3)
+        out = []
+        for counts, s in batches:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tr.watch_gate(counts, s)
+            out.append([str(x.message) for x in caught if "graft_trl" in str(x.message)])
+        return out
+    head = "graft_trl: no peer row accepted in generation batch"
+    run = said([(zero, [])] * 4 + [(gated | {"accepted": 1}, [0.9]), (gated, [0.1]), (gated, [0.3])])
+    assert [len(x) for x in run] == [0, 0, 0, 1, 0, 0, 0]  # batch 1 solved everywhere: silent; 5-7 accepted one
+    assert run[3] == [f"{head}es 2-4: the receiver failed all 4 rollouts of none of its 12 prompts, so there was "
+                      f"nothing to receive (GRAFT acts on prompts it fails)"]
+    run = said([(unmixed, [])])
+    assert run[0][0].startswith(f"{head} 1: the receiver failed all rollouts of 2 prompts; the log holds 1 of "
+                                f"them and none as a mixed group under success_reward='all', success_threshold=0.5")
+    run = said([(gated | {"accepted": 1}, [0.9]), (gated, [0.1, 0.5, 0.05]), (unmixed, []), (gated, [0.2])])
     median = float(torch.tensor([0.1, 0.5, 0.05, 0.2]).median())  # torch's median of an even count: the lower one
-    assert said[3][0].startswith(f"graft_trl: no peer row accepted in generation batches 2-4: 2 groups received, 8 "
-                                 f"peer responses: s median {median:.3g} against graft_delta=0.8; 6 gated (s <= "
-                                 f"delta), 2 too long for max_completion_length, 0 without EOS masked. Likely cause")
-    tr.gate_window, tr.generation_batches = {"batches": 0, "s": []}, 0
-    with pytest.warns(UserWarning, match="failed all rollouts of 2 prompts; the log holds 1 of them and none as a "
-                                         "mixed group under success_reward='all', success_threshold=0.5"):
-        tr.watch_gate(zero | {"all_fail": 2, "in_log": 1}, [])
+    assert [len(x) for x in run] == [0, 0, 0, 1] and f"{median:.3g}" == "0.1"
+    assert run[3][0].startswith(f"{head}es 2-4: 2 groups received, 8 peer responses: s median 0.1 against "
+                                f"graft_delta=0.8; 6 gated (s <= delta), 2 too long for max_completion_length, 0 "
+                                f"without EOS masked. Likely cause: the receiver's log-prob")
 
 
 # ------------------------------------------------------------------------------------------------

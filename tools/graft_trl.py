@@ -56,10 +56,10 @@ add 1e-4 to the std (own groups are recomputed by group_advantages); bf16=True i
 lbar (w near delta can flip). TRL has no public hook: three private methods are overridden, so a new TRL needs
 tests/test_trl.py run again.
 
-Watching the gate: after the first generation batch and then once per graft_warn_every (10), a window in which no
-peer row was accepted gets one warning naming the likely cause (nothing all-fail; no mixed logged group for the
-failed prompts; or s below graft_delta: template, temperature, a summed lbar) and the counts (s median, received,
-gated, too long, masked). The peer run's prompt template and temperature (its run.json, found beside a rollout
+Watching the gate: after the first generation batch (if the receiver failed a prompt in it) and then once per
+graft_warn_every (10), a window in which no peer row was accepted gets one warning naming the likely cause (nothing
+all-fail; no mixed logged group for the failed prompts; or s below graft_delta: template, temperature, a summed
+lbar) and the counts (s median, received, gated, too long, masked). The peer run's prompt template and temperature (its run.json, found beside a rollout
 folder by name and run id) are compared with the dataset's rendered prompts and --temperature at start (a warning).
 
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
@@ -508,7 +508,8 @@ class GraftGRPOTrainer(GRPOTrainer):
 
     def watch_gate(self, counts: dict, s: list[float]) -> None:
         """Warn from the main process, after the first generation batch and then once per graft_warn_every, when
-        the window's batches accepted no peer row: the gate rejected every one, or no group could be received.
+        the window's batches accepted no peer row: the gate rejected every one, or no group could be received (after
+        the first batch, only if the receiver failed some prompt: one batch without an all-fail prompt is common).
         counts: this batch's figures summed over processes; s: every process's s of its received responses."""
         every, w = self.args.graft_warn_every, self.gate_window
         if every <= 0:
@@ -521,7 +522,8 @@ class GraftGRPOTrainer(GRPOTrainer):
         if (self.generation_batches - 1) % every:  # checked at batches 1, 1 + every, 1 + 2 x every, ...
             return
         self.gate_window = {"batches": 0, "s": []}
-        if w["accepted"] > 0 or not self.accelerator.is_main_process:
+        if w["accepted"] > 0 or not self.accelerator.is_main_process or self.generation_batches == 1 and \
+                w["all_fail"] == 0:  # one batch the receiver solved everywhere says nothing yet; a window does
             return
         first = self.generation_batches - w["batches"] + 1
         span = (f"generation batch {first}" if w["batches"] == 1 else
