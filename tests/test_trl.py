@@ -293,13 +293,18 @@ def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
 
 
 @needs_trl
-def test_bnpo_over_processes_is_refused(recv, monkeypatch):
-    args = config(recv, loss_type="bnpo")
+def test_layouts_over_processes_bnpo_refused_a_group_across_processes_accepted(recv, monkeypatch):
+    args, dapo = config(recv, loss_type="bnpo"), config(recv)  # built before WORLD_SIZE is set: they set up devices
+    small = config(recv, per_device_train_batch_size=2, steps_per_generation=2)
     graft_trl.check_args(args)  # one process, A = 1: exact
-    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as under a 2-process launch
+    with pytest.raises(ValueError, match="per_device_train_batch_size \\* gradient_accumulation_steps \\* processes = "
+                                         "2 is not a multiple of num_generations=4"):
+        graft_trl.check_args(small)  # one process: an optimizer step of 2 rows would cut a group
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for a 2-process launch
     with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=1 and 2 processes"):
         graft_trl.check_args(args)
-    graft_trl.check_args(config(recv))  # dapo: two processes are exact (test_two_processes_equal_one_...)
+    graft_trl.check_args(dapo)  # dapo: two processes are exact (test_two_processes_equal_one_...)
+    graft_trl.check_args(small)  # TRL's per-device batch 2 with 4 generations: one group over both processes
 
 
 @needs_trl

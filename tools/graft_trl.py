@@ -59,8 +59,9 @@ tests/test_trl.py run again.
 Watching the gate: after the first generation batch (if the receiver failed a prompt in it) and then once per
 graft_warn_every (10), a window in which no peer row was accepted gets one warning naming the likely cause (nothing
 all-fail; no mixed logged group for the failed prompts; or s below graft_delta: template, temperature, a summed
-lbar) and the counts (s median, received, gated, too long, masked). The peer run's prompt template and temperature (its run.json, found beside a rollout
-folder by name and run id) are compared with the dataset's rendered prompts and --temperature at start (a warning).
+lbar) and the counts (s median, received, gated, too long, masked). The peer run's prompt template and
+temperature (its run.json, found beside a rollout folder by name and run id) are compared with the dataset's
+rendered prompts and --temperature at start (a warning).
 
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
 as columns, each prompt rendered as the peer sampled it: the template and chat flag of its run.json, or
@@ -136,11 +137,9 @@ GRAFT_FIELDS = ("peer_log", "peer_model", "graft_delta", "id_column", "success_r
 def check_args(args: GraftConfig) -> None:
     """Raise Refusal, naming the setting and the fix, for each layout or option in which TRL's loss is not Eq. 10."""
     S, A = args.steps_per_generation, args.gradient_accumulation_steps
-    # args.world_size sets up the devices and the process group (and transformers' warnings on a CPU): only bnpo
-    # needs it, so that any other refusal comes before both
-    world = args.world_size if args.loss_type == "bnpo" else 1
-    # the processes torchrun or accelerate started (their environment), read without setting anything up
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world == 1 else world
+    # The processes torchrun or accelerate launch started, from their environment: args.world_size would set up
+    # the devices and the process group (and transformers' warnings on a CPU) before any refusal could be said.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     rules = [
         (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
                                              f"step (Eq. 10); use loss_type='dapo'"),
@@ -149,9 +148,9 @@ def check_args(args: GraftConfig) -> None:
          f"micro-batch by its own tokens; use loss_type='dapo'"),
         (S % A == 0, f"steps_per_generation={S} is not a multiple of gradient_accumulation_steps={A}: an "
                      f"optimizer step would mix two generation batches"),
-        (args.per_device_train_batch_size * A * world_size % args.num_generations == 0,
+        (args.per_device_train_batch_size * A * world % args.num_generations == 0,
          f"per_device_train_batch_size * gradient_accumulation_steps * processes = "
-         f"{args.per_device_train_batch_size * A * world_size} is not a multiple of "
+         f"{args.per_device_train_batch_size * A * world} is not a multiple of "
          f"num_generations={args.num_generations}: a group would straddle optimizer steps"),
         (args.num_iterations == 1, f"num_iterations={args.num_iterations} replays own minibatches after the peer "
                                    f"ones, so peer-last cannot hold; set num_iterations=1"),
@@ -484,7 +483,8 @@ class GraftGRPOTrainer(GRPOTrainer):
         """Warn when the peer's run (its run.json, beside a rollout folder) rendered a matched prompt otherwise than
         this dataset does (a row with a "problem" column), or sampled at another temperature: s compares the
         receiver's log-prob of the peer's text after this run's prompt with the peer's after its own (Eq. 6), so
-        either difference lowers s for reasons that are not the text (README's tiny models: s about 0.01)."""
+        either difference lowers s for reasons that are not the text (README's command on the tiny models: s median
+        0.0035 under graft.py's default template, where the peer sampled under "{problem}\\n")."""
         settings, where = self.peer_settings, self.peer_settings_file
         if not settings or not self.accelerator.is_main_process:
             return
@@ -510,7 +510,8 @@ class GraftGRPOTrainer(GRPOTrainer):
         """Warn from the main process, after the first generation batch and then once per graft_warn_every, when
         the window's batches accepted no peer row: the gate rejected every one, or no group could be received (after
         the first batch, only if the receiver failed some prompt: one batch without an all-fail prompt is common).
-        counts: this batch's figures summed over processes; s: every process's s of its received responses."""
+        counts: this generation batch's figures (the whole batch, every process's rows); s: (R,) of its received
+        responses that fit max_completion_length, s = exp(lbar_recv - lbar_src) (Eq. 7)."""
         every, w = self.args.graft_warn_every, self.gate_window
         if every <= 0:
             return
