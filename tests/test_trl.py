@@ -775,6 +775,28 @@ def test_readmes_command_on_the_tiny_models_accepts_peer_rows(tiny_peer, tmp_pat
 
 @needs_trl
 @pytest.mark.skipif(not (TINY / "B").is_dir(), reason="data/tiny_models (the committed tiny models) is absent")
+def test_the_peer_runs_settings_are_found_beside_its_rollout_folder_by_name_and_run_id(tiny_peer, tmp_path):
+    """A single run (--out holds run.json and exchange/NAME) and a pair (exchange/NAME beside each side's --out):
+    the run.json whose name is the folder's and whose run id is its files'; none for another run's or a JSONL."""
+    import shutil
+    d, log = tiny_peer
+    record = json.loads((d / "runA" / "run.json").read_text())
+    assert graft_trl.peer_run_settings(str(log)) == (record["settings"], str(d / "runA" / "run.json"))
+    pair = tmp_path / "pair"
+    shutil.copytree(log, pair / "exchange" / "a")
+    for side, rid in (("A", "other"), ("B", record["run_id"]), ("C", record["run_id"])):  # C: the right run id
+        (pair / side).mkdir(parents=True)
+        name = "a" if side != "B" else "b"
+        (pair / side / "run.json").write_text(json.dumps(record | {"run_id": rid, "name": name}))
+    folder = str(pair / "exchange" / "a")
+    assert graft_trl.peer_run_settings(folder) == (record["settings"], str(pair / "C" / "run.json"))
+    (pair / "C" / "run.json").unlink()
+    assert graft_trl.peer_run_settings(folder) == ({}, "")
+    assert graft_trl.peer_run_settings(str(d / "p.jsonl")) == ({}, "")
+
+
+@needs_trl
+@pytest.mark.skipif(not (TINY / "B").is_dir(), reason="data/tiny_models (the committed tiny models) is absent")
 def test_a_template_other_than_the_peers_warns_with_the_cause_and_the_numbers(tiny_peer, tmp_path):
     """The same command with another --prompt_template: a warning at start names both renderings, and after the
     first generation batch one line says no peer row was accepted, with s's median, the counts and the cause."""
