@@ -786,14 +786,20 @@ def build_parser():
     return parser
 
 
+def flags_given(argv: list[str]) -> set[str]:
+    """The flags on a command line, spelt with underscores (HfArgumentParser takes --use-cpu for --use_cpu)."""
+    return {"--" + x[2:].split("=")[0].replace("-", "_") for x in argv if x.startswith("--")}
+
+
 def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
     """The launch line: parse Script's and GraftConfig's flags, build the dataset, train; returns the trainer.
     Every refusal (a flag, the log, the dataset) is one line on stderr and exit code 2, before the model loads."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(x.split("=")[0] in ("--bf16", "--no_bf16", "--fp16") for x in argv) and not (
+    given = flags_given(argv)
+    if not given & {"--bf16", "--no_bf16", "--fp16"} and not (
             torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
         argv += ["--bf16", "False"]  # TRL's default bf16=True stops on such a machine ("doesn't support bf16/gpu")
-    if not torch.cuda.is_available() and not any(x.split("=")[0] == "--use_cpu" for x in argv):
+    if not torch.cuda.is_available() and "--use_cpu" not in given:
         argv += ["--use_cpu", "True"]  # else under torchrun on CPUs accelerate sees no distributed run: no DDP
     try:
         return run(argv)
@@ -831,7 +837,7 @@ def run(argv: list[str]) -> GraftGRPOTrainer:
         raise Refusal(str(e.code)) from None
     if not rows:
         raise Refusal(f"--prompts {script.prompts!r}: holds no prompts")
-    given = {x.split("=")[0] for x in argv}
+    given = flags_given(argv)
     settings, where = peer_run_settings(args.peer_log)
     template = script.prompt_template or settings.get("prompt_template") or Config.prompt_template
     chat = script.chat_template or ("--chat_template" not in given and bool(settings.get("chat_template")))
