@@ -3,12 +3,16 @@ cuts equals core.policy_loss (Eq. 10) in value and gradient in every layout it a
 refuses is one where stock TRL is off; peer-last survives TRL's minibatching; two GRAFT steps run end to end
 on a tiny receiver with the real Qwen3 tokenizer, reading a peer log that this project's trainer wrote with
 SmolLM3's, and on a planted step its rows, weights and loss equal this project's Trainer.build_rows and update.
-The command line as a user meets it: each refusal one line on stderr, exit code 2, before the model loads (TRL's
-__init__ patched to fail if reached), --help opening on GRAFT's flags and the log format, README's command run
-as written on CPU. The log completed and the user's choices: --peer_model's lbar against a plain forward, the
-success rule (a format bonus that passes everything warns), a peer row without EOS masked as TRL masks its own,
-and a conversational dataset whose reward reads TRL's message form. Also the porting helpers of core.py and the
-one peer-log parser. CPU, tiny random models, fp32 (TRL's bf16 default would round lbar).
+The command line as a user meets it: each bad input one line on stderr, exit code 2, before the model loads (TRL's
+__init__ patched to fail if reached), on one process and under torchrun (rank 0 alone); a reward's non-number
+named; the reward under its wall-time limit; --help opening on GRAFT's flags and the log format; README's command
+run as written on CPU with the tiny preset's models (B receiving A's rollouts) accepting peer rows, and the gate's
+warning, with its cause and figures, when the template is not the peer's. The log completed and the user's
+choices: --peer_model's lbar against a plain forward and under the run's chat template kwargs and temperature
+(the receiver as its own peer: s = 1), the success rule (a format bonus that passes everything warns), a peer row
+without EOS masked as TRL masks its own, and a conversational dataset whose reward reads TRL's message form. Also
+the porting helpers of core.py and the one peer-log parser. CPU, tiny models, fp32 (TRL's bf16 default would round
+lbar).
 
 Run: python -m pytest -q tests/test_trl.py   (needs TRL: pip install trl==1.16.0, as .ci/run does)
 """
@@ -289,13 +293,18 @@ def test_what_cannot_be_exact_is_refused_naming_the_setting(recv, setting, msg):
 
 
 @needs_trl
-def test_bnpo_over_processes_is_refused(recv, monkeypatch):
-    args = config(recv, loss_type="bnpo")
+def test_layouts_over_processes_bnpo_refused_a_group_across_processes_accepted(recv, monkeypatch):
+    args, dapo = config(recv, loss_type="bnpo"), config(recv)  # built before WORLD_SIZE is set: they set up devices
+    small = config(recv, per_device_train_batch_size=2, steps_per_generation=2)
     graft_trl.check_args(args)  # one process, A = 1: exact
-    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as under a 2-process launch
+    with pytest.raises(ValueError, match="per_device_train_batch_size \\* gradient_accumulation_steps \\* processes = "
+                                         "2 is not a multiple of num_generations=4"):
+        graft_trl.check_args(small)  # one process: an optimizer step of 2 rows would cut a group
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for a 2-process launch
     with pytest.raises(ValueError, match="loss_type='bnpo' with gradient_accumulation_steps=1 and 2 processes"):
         graft_trl.check_args(args)
-    graft_trl.check_args(config(recv))  # dapo: two processes are exact (test_two_processes_equal_one_...)
+    graft_trl.check_args(dapo)  # dapo: two processes are exact (test_two_processes_equal_one_...)
+    graft_trl.check_args(small)  # TRL's per-device batch 2 with 4 generations: one group over both processes
 
 
 @needs_trl
@@ -320,10 +329,11 @@ def test_bf16_warns_once_when_a_gate_sits_within_its_rounding(recv):
 
 @needs_trl
 def test_two_processes_equal_one_and_a_hand_eq10(recv, tmp_path):
-    """Trainer.train() on one generation batch per layout, under torchrun with two CPU processes (gloo) and in one
-    process on the same global batch (tests/trl_ranks.py, sampling planted): per optimizer step the summed loss
-    and the gradient the optimizer steps on are equal, and the one-process ones equal a hand Eq. 10 of the step's
-    rows, in every layout of the one-process table."""
+    """Trainer.train() on two generation batches per layout, under torchrun with two CPU processes (gloo) and in one
+    process on the same global batch (tests/trl_ranks.py, sampling planted, prompts of different lengths): per
+    optimizer step the summed loss, the gradient the optimizer steps on and the update it makes are equal, and the
+    one-process ones equal a hand Eq. 10 of the step's rows, in every layout of the one-process table and in TRL's
+    per-device batch 2 with 4 generations (a group spanning the two processes)."""
     import subprocess
     import sys
     sys.path.insert(0, str(ROOT / "tests"))
@@ -335,16 +345,18 @@ def test_two_processes_equal_one_and_a_hand_eq10(recv, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt")
     (tmp_path / "one").mkdir()
-    for S, A in trl_ranks.LAYOUTS:
-        one = trl_ranks.run_layout(recv / "m", tmp_path / "one" / "x", S, A)
-        assert len(one["steps"]) == S // A and one["selected"] == [2.0]
+    for S, A, R in trl_ranks.LAYOUTS:
+        one = trl_ranks.run_layout(recv / "m", tmp_path / "one" / "x", S, A, R)
+        key, selected = f"{S},{A},{R}", [2.0, 2.0] if R * S == G * N else [1.0, 0.0]  # R = 4, S = 1: p0, then p1
+        assert len(one["steps"]) == 2 * S // A and one["selected"] == two[key]["selected"] == selected
         for k, a in enumerate(one["steps"]):
             scale = max(abs(a["hand_loss"]), 1e-3)  # a step of own mixed groups at ratio 1 has a loss near 0
             assert abs(a["loss"] - a["hand_loss"]) / scale < 1e-4
             assert float((a["grad"] - a["hand_grad"]).norm() / a["hand_grad"].norm()) < 1e-4
-            b = two[f"{S},{A}"]["steps"][k]
-            assert two[f"{S},{A}"]["selected"] == [2.0] and abs(a["loss"] - b["loss"]) / scale < 1e-4
-            assert float((a["grad"] - b["grad"]).norm() / a["grad"].norm()) < 1e-4, f"S={S} A={A} step {k}"
+            b = two[key]["steps"][k]
+            assert abs(a["loss"] - b["loss"]) / scale < 1e-4, f"{key} step {k}"
+            assert float((a["grad"] - b["grad"]).norm() / a["grad"].norm()) < 1e-4, f"{key} step {k}"
+            assert float((a["update"] - b["update"]).norm() / a["update"].norm()) < 1e-4, f"{key} step {k}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -525,6 +537,7 @@ def refused(argv: list[str], capsys, monkeypatch) -> str:
         graft_trl.main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("graft_trl: error: "), err
+    assert not Path(argv[argv.index("--output_dir") + 1]).exists()  # nothing written, not even the folder
     return err
 
 
@@ -533,7 +546,13 @@ LOG_LINES = {"none_match": [{"id": "zz", "response": "1", "lbar": -1.0}, {"id": 
                                                                       "num_tokens": 30}],
              "no_lbar": [{"id": "p1", "response": "1"}, {"id": "p1", "response": "2", "lbar": -1.0}],
              "wide": [{"id": "p0", "response": str(i), "lbar": -1.0} for i in range(N + 1)],
-             "no_id": [{"problem": "0+1", "response": "1", "lbar": -1.0}]}
+             "no_id": [{"problem": "0+1", "response": "1", "lbar": -1.0}],
+             # sums of per-token log-probs (0.45 per token over characters + EOS), all above the -20 floor:
+             "summed_short": [{"id": f"p{k % 4}", "response": "1" * k, "lbar": -0.45 * (k + 1)} for k in range(1, 13)],
+             "summed_long": [{"id": f"p{k % 4}", "response": "7" * (20 * k), "lbar": -0.05 * (20 * k + 1)}
+                             for k in range(1, 13)],
+             "positive": [{"id": "p0", "response": "1", "lbar": 0.5}]}
+BAD_REWARD = "def bad(responses, golds, *, workers=0):\n    return ['x' if r else 1.0 for r in responses]\n"
 
 
 @needs_trl
@@ -551,9 +570,19 @@ LOG_LINES = {"none_match": [{"id": "zz", "response": "1", "lbar": -1.0}, {"id": 
     (None, ["--num_generations", "3"], "divisible by num_generations"),
     (None, ["--graft_delta", "x"], "invalid float value: 'x'"),
     (None, ["--bogus", "1"], "not used by the HfArgumentParser"),
+    ("summed_short", [], "log.jsonl': its lbar grows with the response's length \\(slope 1.00 .* over 12 records"),
+    ("summed_long", [], "log.jsonl': its lbar grows with the response's length \\(slope 1.00 .* over 12 records"),
+    ("positive", [], "log.jsonl:1: field lbar or mean_logprob must be a finite number in \\[-88, 0\\] .*got 0.5"),
+    (None, ["--prompts", "EMPTY"], "--prompts: .*empty.jsonl: no prompts"),
+    (None, ["--reward", "BAD_REWARD"], "--reward '.*bad.py:bad': the function must return a list of "
+                                       "numbers \\(could not convert string to float: 'x'\\)"),
 ])
 def test_command_line_refusals_are_one_line_exit_2_before_the_model(recv, tmp_path, capsys, monkeypatch, log, extra,
                                                                     msg):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.py").write_text(BAD_REWARD.replace("if r else 1.0", "if True else 1.0"))  # x for every answer
+    extra = [{"EMPTY": str(tmp_path / "empty.jsonl"), "BAD_REWARD": f"{tmp_path / 'bad.py'}:bad"}.get(x, x)
+             for x in extra]
     path = None
     if log is not None:
         path = tmp_path / "log.jsonl"
@@ -561,6 +590,104 @@ def test_command_line_refusals_are_one_line_exit_2_before_the_model(recv, tmp_pa
                         "".join(json.dumps(x) + "\n" for x in LOG_LINES[log]))
     import re
     assert re.search(msg, refused(launch(recv, tmp_path, *extra, log=path), capsys, monkeypatch))
+
+
+def test_a_summed_lbar_is_told_by_its_slope_against_length_not_a_floor():
+    g = torch.Generator().manual_seed(0)
+    length = torch.randint(2, 300, (40,), generator=g).double()  # (40,)
+    mean = -(0.2 + 1.5 * torch.rand(40, generator=g, dtype=torch.float64))  # (40,) per-token means
+    assert abs(graft_trl.lbar_length_slope(mean, length)) < 0.2  # a log of means: no trend with length
+    assert abs(graft_trl.lbar_length_slope(mean * length / 20, length) - 1) < 0.2  # sums, scaled to stay above -20
+    assert graft_trl.lbar_length_slope(mean, torch.full((40,), 50.0)) is None  # one length: nothing to tell
+    assert graft_trl.lbar_length_slope(mean[:7], length[:7]) is None  # too few records
+
+
+@needs_trl
+def test_a_reward_that_answers_no_number_mid_run_is_one_line_exit_2(recv, tmp_path, capsys):
+    """A reward that passes the check before the model loads (it scores the empty response) and answers a string
+    for a real completion (the peer log's, scored once the model is loaded): one line naming --reward and the
+    value, exit code 2, no traceback, no checkpoint written."""
+    (tmp_path / "bad.py").write_text(BAD_REWARD)
+    argv = launch(recv, tmp_path, "--reward", f"{tmp_path / 'bad.py'}:bad")
+    argv.remove("--save_strategy"), argv.remove("no")  # TRL's default: a checkpoint at the end of a run
+    with pytest.raises(SystemExit) as e:
+        graft_trl.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    err = [x for x in err.splitlines() if "graft_trl" in x]  # the model loaded: its progress bars came first
+    assert len(err) == 1 and err[0] == (f"graft_trl: error: --reward '{tmp_path / 'bad.py'}:bad': the function must "
+                                        f"return a list of numbers (could not convert string to float: 'x')")
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+@needs_trl
+def test_the_launch_lines_reward_runs_under_its_wall_time_limit(tmp_path):
+    """--reward_timeout as graft.py's --reward-timeout: a call that hangs is stopped at the limit, its share scores
+    0 and the rest is scored (reward.rewards' worker pool); chat completions are scored by their message's text."""
+    import time
+    (tmp_path / "slow.py").write_text("import time\ndef slow(responses, golds, *, workers=0):\n"
+                                      "    if 'hang' in responses:\n        time.sleep(60)\n"
+                                      "    return [float(r == g) for r, g in zip(responses, golds)]\n")
+    spec = f"{tmp_path / 'slow.py'}:slow"
+    reward = graft_trl.reward_function(spec, timeout=1.0, workers=2)
+    t0 = time.monotonic()
+    assert reward(completions=["hang", "7"], answer=["7", "7"]) == [0.0, 1.0]  # two workers: one share each
+    assert time.monotonic() - t0 < 10
+    assert reward(completions=[[{"role": "assistant", "content": "7"}]], answer=["7"]) == [1.0]
+
+
+@needs_trl
+def test_a_python_reward_function_that_answers_no_number_is_named():
+    def scored(completions, **_):
+        return [0.5, "high"]
+    checked = graft_trl.checked_reward(scored)
+    assert checked.__name__ == "scored"  # TRL logs rewards/scored/mean, and success_reward names it so
+    with pytest.raises(graft_trl.Refusal, match="reward function 'scored' returned 'high' \\(str\\) for completion 1"):
+        checked(completions=["a", "b"])
+    assert graft_trl.checked_reward(lambda completions, **_: [1, None, 0.5])(completions=[0, 1, 2]) == [1, None, 0.5]
+    import functools
+
+    class Judge:
+        def __call__(self, completions, **_):
+            return [1.0] * len(completions)
+    assert [graft_trl.checked_reward(f).__name__ for f in (functools.partial(scored), Judge())] == ["scored", "Judge"]
+
+
+@needs_trl
+def test_under_torchrun_each_bad_input_is_one_line_from_rank_0_and_exit_2(recv, tmp_path):
+    """Under `torchrun --nproc_per_node 2`, every bad input of the one-process test above that is checked before
+    the model loads (tests/trl_ranks.py refuse: each through graft_trl.main in both processes, TRL's __init__
+    replaced by a marker): exit code 2 on both ranks, one line from rank 0, nothing from rank 1. Then the last one
+    as the command runs it: rank 0 exits 2 and its line is the only line of ours (rank 1 waits to let it speak and
+    is stopped by torchrun); torchrun adds its own ChildFailedError report and exits 1, which no flag of torchrun
+    turns off (torch/distributed/launcher/api.py raises ChildFailedError for any failed worker)."""
+    import subprocess
+    import sys
+    cases = {}
+    for name in ("none_match", "summed_short", "summed_long", "positive"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in LOG_LINES[name]))
+        cases[name] = launch(recv, tmp_path, log=tmp_path / f"{name}.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.py").write_text(BAD_REWARD.replace("if r else 1.0", "if True else 1.0"))
+    cases |= {"id_column": launch(recv, tmp_path, "--id_column", "qq"),
+              "empty_prompts": launch(recv, tmp_path, "--prompts", str(tmp_path / "empty.jsonl")),
+              "reward": launch(recv, tmp_path, "--reward", f"{tmp_path / 'bad.py'}:bad"),
+              "missing_log": launch(recv, tmp_path, log=tmp_path / "no_such.jsonl")}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "tests/trl_ranks.py", "refuse", str(tmp_path / "cases.json"), str(tmp_path / "seen")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    ranks = [json.loads((tmp_path / f"seen.rank{r}.json").read_text()) for r in (0, 1)]
+    for name in cases:
+        (code0, err0), (code1, err1) = ranks[0][name], ranks[1][name]
+        assert code0 == code1 == 2 and err1 == "" and "MODEL LOADED" not in err0, (name, ranks[0][name], err1)
+        assert len(err0.strip().splitlines()) == 1 and err0.startswith("graft_trl: error: "), (name, err0)
+    assert not (tmp_path / "run").exists()  # the cases' --output_dir: nothing written
+    ours = [x for x in run.stderr.splitlines() if "graft_trl" in x or "tools/graft_trl.py" in x]
+    assert ours == [ranks[0]["missing_log"][1].strip()], run.stderr[-3000:]
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in run.stderr, run.stderr[-3000:]  # torchrun's report
+    assert "Traceback" not in run.stderr.split("ChildFailedError")[0].rsplit("failed (exitcode", 1)[0]  # workers'
 
 
 @needs_trl
@@ -588,21 +715,141 @@ def test_help_opens_on_the_log_format_and_grafts_flags(capsys):
     assert at["--model"] < at["--peer_log"] < at["--peer_model"] < at["--success_reward"] < at["--output_dir"] < 60
 
 
-@needs_trl
-def test_readmes_command_runs_as_written_on_cpu(recv, tmp_path):
-    """README's TRL command, its paths replaced by the tiny ones and sized to one step: it trains, in fp32."""
+TINY = ROOT / "data" / "tiny_models"  # the tiny preset's committed models: A (characters), B (a 300-token BPE)
+# Addition problems of the tiny preset's train split on which A's group was mixed and B's all-fail in a probe
+# (8 samples each at T = 1): the prompts on which GRAFT has something to move from A into B.
+TINY_PROMPTS = ("add-train-00031", "add-train-00025", "add-train-00009", "add-train-00003", "add-train-00013",
+                "add-train-00024", "add-train-00023", "add-train-00014")
+
+
+@pytest.fixture(scope="module")
+def tiny_peer(tmp_path_factory):
+    """The tiny preset's model A as the peer: one graft.py GRPO step on TINY_PROMPTS under the preset's template
+    (tools/tiny.py's PROMPT_TEMPLATE), its rollout folder the peer log, its run.json beside it."""
+    import graft
+    from data.tiny_tasks import generate
+    from tools.tiny import PROMPT_TEMPLATE
+    d = tmp_path_factory.mktemp("tiny_peer")
+    train, _ = generate(0, 400, 0)
+    rows = [r for r in train if r["id"] in TINY_PROMPTS]
+    (d / "p.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "problem", "answer")}) + "\n"
+                                       for r in rows))
+    graft.Trainer(graft.Config(model=str(TINY / "A"), name="a", prompts=str(d / "p.jsonl"), out=str(d / "runA"),
+                               steps=1, prompts_per_step=len(rows), n=8, minibatches=1, max_response_tokens=64,
+                               prompt_template=PROMPT_TEMPLATE, threads=1, save_every=100)).fit()
+    return d, d / "runA" / "exchange" / "a"
+
+
+def readme_command(**paths: str) -> list[str]:
+    """README's TRL command as written, its paths replaced by paths' (flag name without -- -> value)."""
     import re
     import shlex
     readme = (ROOT / "README.md").read_text()
     words = shlex.split(re.search(r"`python -m tools\.graft_trl ([^`]*)`", readme).group(1))
-    tiny = dict(zip(launch(recv, tmp_path)[::2], launch(recv, tmp_path)[1::2]))
-    argv = [tiny.get(words[i - 1], w) if i and words[i - 1] in tiny else w for i, w in enumerate(words)]
-    given = set(argv[::2])
-    argv += [x for k, v in tiny.items() if k not in given for x in (k, v)]
-    assert "--use_cpu" not in argv and "--bf16" not in argv
-    tr = graft_trl.main(argv)
-    assert tr.state.global_step == 1 and tr.args.bf16 is False
-    assert tr.state.log_history[-1]["graft/selected"] == 0.0  # the log's only group has one response: never mixed
+    return [paths.get(words[i - 1][2:], w) if i and words[i - 1][2:] in paths else w for i, w in enumerate(words)]
+
+
+SIZE = ["--per_device_train_batch_size", "64", "--max_completion_length", "64", "--report_to", "none",
+        "--save_strategy", "no", "--logging_steps", "1"]  # a generation batch: the 8 prompts x 8 rollouts
+
+
+@needs_trl
+@pytest.mark.skipif(not (TINY / "B").is_dir(), reason="data/tiny_models (the committed tiny models) is absent")
+def test_readmes_command_on_the_tiny_models_accepts_peer_rows(tiny_peer, tmp_path, capsys):
+    """README's TRL command as written on CPU, B receiving from A's rollouts: the prompts are rendered as A sampled
+    them (read from its run.json, said in one line), and the gate accepts peer rows, >= 1 per step on average."""
+    d, log = tiny_peer
+    argv = readme_command(model=str(TINY / "B"), prompts=str(d / "p.jsonl"), peer_log=str(log),
+                          output_dir=str(tmp_path / "run"))
+    assert "--use_cpu" not in argv and "--bf16" not in argv and "--prompt_template" not in argv
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = graft_trl.main(argv + SIZE + ["--max_steps", "2"])
+    assert not [x for x in caught if "no peer row accepted" in str(x.message)]
+    assert tr.state.global_step == 2 and tr.args.bf16 is False
+    err = capsys.readouterr().err
+    assert f"prompts rendered as the peer sampled them ({d / 'runA' / 'run.json'}): template '{{problem}}\\n'" in err
+    accepted = [x["graft/accepted"] for x in tr.state.log_history if "graft/accepted" in x]
+    assert len(accepted) == 2 and sum(accepted) / 2 >= 1, accepted
+
+
+@needs_trl
+@pytest.mark.skipif(not (TINY / "B").is_dir(), reason="data/tiny_models (the committed tiny models) is absent")
+def test_the_peer_runs_settings_are_found_beside_its_rollout_folder_by_name_and_run_id(tiny_peer, tmp_path):
+    """A single run (--out holds run.json and exchange/NAME) and a pair (exchange/NAME beside each side's --out):
+    the run.json whose name is the folder's and whose run id is its files'; none for another run's or a JSONL."""
+    import shutil
+    d, log = tiny_peer
+    record = json.loads((d / "runA" / "run.json").read_text())
+    assert graft_trl.peer_run_settings(str(log)) == (record["settings"], str(d / "runA" / "run.json"))
+    pair = tmp_path / "pair"
+    shutil.copytree(log, pair / "exchange" / "a")
+    for side, rid in (("A", "other"), ("B", record["run_id"]), ("C", record["run_id"])):  # C: the right run id
+        (pair / side).mkdir(parents=True)
+        name = "a" if side != "B" else "b"
+        (pair / side / "run.json").write_text(json.dumps(record | {"run_id": rid, "name": name}))
+    folder = str(pair / "exchange" / "a")
+    assert graft_trl.peer_run_settings(folder) == (record["settings"], str(pair / "C" / "run.json"))
+    (pair / "C" / "run.json").unlink()
+    assert graft_trl.peer_run_settings(folder) == ({}, "")
+    assert graft_trl.peer_run_settings(str(d / "p.jsonl")) == ({}, "")
+
+
+@needs_trl
+@pytest.mark.skipif(not (TINY / "B").is_dir(), reason="data/tiny_models (the committed tiny models) is absent")
+def test_a_template_other_than_the_peers_warns_with_the_cause_and_the_numbers(tiny_peer, tmp_path):
+    """The same command with another --prompt_template: a warning at start names both renderings, and after the
+    first generation batch one line says no peer row was accepted, with s's median, the counts and the cause."""
+    d, log = tiny_peer
+    argv = readme_command(model=str(TINY / "B"), prompts=str(d / "p.jsonl"), peer_log=str(log),
+                          output_dir=str(tmp_path / "run"))
+    with pytest.warns(UserWarning) as caught:
+        tr = graft_trl.main(argv + SIZE + ["--max_steps", "1", "--prompt_template", "Q: {problem} A:"])
+    lines = [str(x.message) for x in caught if "graft_trl" in str(x.message)]
+    assert any("the peer sampled prompt" in x and "this dataset gives 'Q: What is" in x for x in lines), lines
+    gate = [x for x in lines if "no peer row accepted" in x]
+    logged = tr.state.log_history[0]
+    assert len(gate) == 1 and logged["graft/accepted"] == 0 and logged["graft/selected"] > 0
+    rejected = int(logged["graft/rejected"])
+    assert (f"no peer row accepted in generation batch 1: {int(logged['graft/selected'])} groups received, "
+            f"{rejected} peer responses: s median 0.0" in gate[0]), gate[0]
+    assert f"{rejected} gated (s <= delta)" in gate[0] and "Likely cause" in gate[0] and "template" in gate[0]
+
+
+@needs_trl
+def test_the_gate_watch_warns_after_the_first_batch_then_per_window_naming_the_cause(recv):
+    """watch_gate on planted batches: a warning after generation batch 1 (if the receiver failed a prompt) and at
+    the end of each graft_warn_every window whose batches accepted nothing (none when one did), its figures the
+    window's sums and the median of its s values, its cause the first that holds: nothing all-fail, no mixed logged
+    group, or the gate."""
+    zero = {"all_fail": 0, "selected": 0, "accepted": 0, "groups": 4, "in_log": 0, "candidates": 0, "gated": 0,
+            "too_long": 0, "no_eos": 0}
+    unmixed = zero | {"all_fail": 2, "in_log": 1}
+    gated = zero | {"all_fail": 2, "selected": 1, "in_log": 2, "candidates": 4, "gated": 3, "too_long": 1}
+
+    def said(batches) -> list[list[str]]:  # a fresh trainer's warnings after each batch
+        tr = make_trainer(recv, graft_warn_every=3)
+        out = []
+        for counts, s in batches:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tr.watch_gate(counts, s)
+            out.append([str(x.message) for x in caught if "graft_trl" in str(x.message)])
+        return out
+    head = "graft_trl: no peer row accepted in generation batch"
+    run = said([(zero, [])] * 4 + [(gated | {"accepted": 1}, [0.9]), (gated, [0.1]), (gated, [0.3])])
+    assert [len(x) for x in run] == [0, 0, 0, 1, 0, 0, 0]  # batch 1 solved everywhere: silent; 5-7 accepted one
+    assert run[3] == [f"{head}es 2-4: the receiver failed all 4 rollouts of none of its 12 prompts, so there was "
+                      f"nothing to receive (GRAFT acts on prompts it fails)"]
+    run = said([(unmixed, [])])
+    assert run[0][0].startswith(f"{head} 1: the receiver failed all rollouts of 2 prompts; the log holds 1 of "
+                                f"them and none as a mixed group under success_reward='all', success_threshold=0.5")
+    run = said([(gated | {"accepted": 1}, [0.9]), (gated, [0.1, 0.5, 0.05]), (unmixed, []), (gated, [0.2])])
+    median = float(torch.tensor([0.1, 0.5, 0.05, 0.2]).median())  # torch's median of an even count: the lower one
+    assert [len(x) for x in run] == [0, 0, 0, 1] and f"{median:.3g}" == "0.1"
+    assert run[3][0].startswith(f"{head}es 2-4: 2 groups received, 8 peer responses: s median 0.1 against "
+                                f"graft_delta=0.8; 6 gated (s <= delta), 2 too long for max_completion_length, 0 "
+                                f"without EOS masked. Likely cause: the receiver's log-prob")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -636,6 +883,48 @@ def test_peer_model_computes_missing_lbar_as_a_plain_forward(recv, tmp_path):
     torch.testing.assert_close(tr.peer["p1"].lbar, torch.tensor(want), rtol=1e-5, atol=1e-5)
     assert tr.peer["p2"].lbar.tolist() == [-1.5]  # given: kept
     assert list(tmp_path.glob(".log.jsonl.lbar-*.json"))  # cached beside the log
+
+
+@needs_trl
+def test_peer_model_lbar_follows_the_runs_chat_template_kwargs_and_temperature(recv, tmp_path, monkeypatch):
+    """The receiver as its own peer (--peer_model = the receiver, no lbar in the log), a conversational dataset
+    under a chat template whose kwargs change the prompt, TRL at T 0.7: s = 1 within 1e-4 for every received
+    response (so w = 1), in two runs whose kwargs differ, each with its own cache (a changed prompt is computed
+    again, not read from the other's)."""
+    import shutil
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    d = tmp_path
+    shutil.copytree(recv / "m", d / "m")
+    tok = AutoTokenizer.from_pretrained(d / "m")
+    tok.chat_template = ("{% for m in messages %}{% if thinking %}think: {% endif %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
+    tok.save_pretrained(d / "m")
+    rows = [{"id": f"p{i}", "prompt": [{"role": "user", "content": f"{i}+{i + 1}"}], "answer": str(2 * i + 1)}
+            for i in range(G)]
+    log = d / "log.jsonl"
+    log.write_text("".join(json.dumps({"id": "p1", "response": t}) + "\n" for t in ("1+2", "3", "2+1")))
+
+    def passing(completions, **_):
+        return [1.0 if c[0]["content"] in ("1+2", "2+1") else 0.0 for c in completions]
+    for thinking in (True, False):
+        tr = make_trainer(d, reward_funcs=(passing,), data=Dataset.from_list(rows), max_completion_length=4,
+                          peer_log=str(log), peer_model=str(d / "m"), temperature=0.7,
+                          chat_template_kwargs={"thinking": thinking})
+        own = [[5, 6, 1]] * (G * N)  # every own completion fails
+        monkeypatch.setattr(tr, "_generate", lambda prompts: (tr._tokenize_prompts(prompts)[0], own, None,
+                                                              [[{"role": "assistant", "content": "xy"}]] * len(prompts),
+                                                              None, {}, None, None))
+        seen = []
+        monkeypatch.setattr(tr, "watch_gate", lambda counts, s: seen.extend(s))
+        tr.model.train()
+        out = tr._generate_and_score_completions([row for row in rows for _ in range(N)])
+        prompt = tr._tokenize_prompts([rows[1]["prompt"]])[0][0]
+        assert (tok.decode(prompt) == "think: 1+2=") is thinking  # the kwargs reach TRL's rendering
+        assert len(seen) == 3 and max(abs(x - 1) for x in seen) < 1e-4, seen
+        torch.testing.assert_close(out["graft_weight"][4:7], torch.ones(3), atol=1e-4, rtol=0)
+    assert len(list(d.glob(".log.jsonl.lbar-*.json"))) == 2  # one cache per rendering
 
 
 def accuracy(completions, answer, **_):

@@ -20,7 +20,8 @@ Where this departs from stock TRL:
   3. The peer log is read and checked once at start, through the project's one peer-log parser
      (core.parse_peer_records; a folder of rollout files: a prompt met at several steps gives its latest group):
      ids matched to the dataset's id_column (none matching: refused, with the counts), lbar a mean per token
-     (below -20: refused as a likely sum), a missing lbar computed by --peer_model (foreign.fill_lbar, cached).
+     (below -20, or growing with the response's length: refused as a likely sum, lbar_length_slope), a missing
+     lbar computed by --peer_model (foreign.fill_lbar, cached).
      The peer's texts are scored once at start by this trainer's reward functions, through TRL's own
      _calculate_rewards, in the form TRL gives completions for the dataset (a string, or an assistant message
      for a conversational prompt); a reward function reading trainer_state sees the state at start.
@@ -30,13 +31,15 @@ Where this departs from stock TRL:
      sums its reward) >= success_threshold (0.5); a rule under which no logged group is mixed warns at start.
      Advantages are TRL's summed reward's, for own and peer groups alike.
   6. mask_truncated_completions=True masks a peer row that did not end with EOS (w = 0), as TRL masks its own.
-  7. Several processes (torchrun, accelerate launch): each group stays on one process by construction (TRL's
-     sampler puts n copies of a prompt in a row and each process takes per_device_train_batch_size x S
-     consecutive rows, a multiple of n since pdbs x A is), so each process selects and grafts its own groups.
-     Then every process gathers the whole generation batch, orders it peer-last with the same generator, and
-     takes its W-th of each micro-batch: the optimizer steps hold the rows one process would, and
-     num_items_in_batch counts an optimizer step's retained tokens over all processes (tests/test_trl.py:
-     two CPU processes over gloo equal one process and a hand Eq. 10 per optimizer step).
+  7. Several processes (torchrun, accelerate launch): TRL's sampler puts n copies of a prompt in a row and each
+     process takes per_device_train_batch_size x S consecutive rows, so a group may span processes (per-device
+     batch 2 with 4 generations). Every process gathers the whole generation batch (TRL gathers the rewards
+     already), then computes the same selection, the same receiver forward over every received response (W
+     times the work of one process; a received group is a few rows of the batch) and the same rows; it orders
+     them peer-last with the same generator and takes its W-th of each micro-batch: the optimizer steps hold the
+     rows one process would, and num_items_in_batch counts an optimizer step's retained tokens over all
+     processes (tests/test_trl.py: two CPU processes over gloo equal one process and a hand Eq. 10 per optimizer
+     step, in loss, gradient and update, over two generation batches and prompts of different lengths).
   8. vLLM generation with TRL's importance-sampling correction: own rows keep the ratio TRL computes; peer rows
      get 1 (their old log-probs are the receiver's own forward, no sampler to correct for).
   9. Precision: lbar_recv and the peer rows' old log-probs come from TRL's own log-prob forward, at the
@@ -45,16 +48,28 @@ Where this departs from stock TRL:
 
 Refused at construction, naming the setting: delta (TRL's cap on the ratio; GRAFT's floor is graft_delta), beta
 > 0, num_iterations > 1 (own minibatches replayed after peer ones), S not a multiple of A, a group straddling
-optimizer steps, bnpo over several processes, sequence-level ratios, entropy masks and bonuses,
-scale_rewards="batch", a logged group larger than num_generations. Traps handled: stock TRL shuffles the batch
-before cutting minibatches (peer rows land in both); its old log-probs exist only when S > A, and only of its
-own samples; epsilon_high defaults to epsilon (here 0.28); its advantages add 1e-4 to the std (own groups are
-recomputed by group_advantages); bf16=True is its default, and rounding moves lbar (w near delta can flip). TRL
-has no public hook: three private methods are overridden, so a new TRL needs tests/test_trl.py run again.
+optimizer steps (per_device_train_batch_size x A x processes not a multiple of n), bnpo over several processes,
+sequence-level ratios, entropy masks and bonuses, scale_rewards="batch", a logged group larger than num_generations.
+Traps handled: stock TRL shuffles the batch before cutting minibatches (peer rows land in both); its old log-probs
+exist only when S > A, and only of its own samples; epsilon_high defaults to epsilon (here 0.28); its advantages
+add 1e-4 to the std (own groups are recomputed by group_advantages); bf16=True is its default, and rounding moves
+lbar (w near delta can flip). TRL has no public hook: three private methods are overridden, so a new TRL needs
+tests/test_trl.py run again.
+
+Watching the gate: after the first generation batch (if the receiver failed a prompt in it) and then once per
+graft_warn_every (10), a window in which no peer row was accepted gets one warning naming the likely cause (nothing
+all-fail; no mixed logged group for the failed prompts; or s below graft_delta: template, temperature, a summed
+lbar) and the counts (s median, received, gated, too long, masked). The peer run's prompt template and
+temperature (its run.json, found beside a rollout folder by name and run id) are compared with the dataset's
+rendered prompts and --temperature at start (a warning).
 
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
-as columns; the reward is --reward's, verify.py's by default; without a bf16 GPU bf16 defaults to False; a refusal
-is one line on stderr, exit code 2, before the model loads; --help opens on GRAFT's flags and the log format):
+as columns, each prompt rendered as the peer sampled it: the template and chat flag of its run.json, or
+--prompt_template / --chat_template; the reward is --reward's, verify.py's by default, under --reward_timeout as in
+graft.py; without a bf16 GPU bf16 defaults to False, without a GPU use_cpu to True; a refusal is one line on
+stderr, exit code 2, before the model loads where the input can be checked then (a reward's answer is checked on
+one response first, then at every call, naming --reward and the value); under torchrun rank 0 says it, and torchrun
+adds its own ChildFailedError report, which it has no flag to silence):
     python -m tools.graft_trl --model Qwen/Qwen3-1.7B-Base --prompts data/math_train.jsonl \\
         --peer_log runs/smollm/exchange/b --output_dir runs/trl_qwen --num_generations 8
 From Python: GraftGRPOTrainer(model=..., reward_funcs=[...], args=GraftConfig(peer_log=...), train_dataset=...),
@@ -63,6 +78,9 @@ the dataset with a column naming each prompt's id in the log (GraftConfig.id_col
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field, fields
@@ -106,26 +124,34 @@ class GraftConfig(GRPOConfig):
                                                                     "(the sum over success_reward) is >= this "
                                                                     "(default 0.5)."})
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip epsilon (paper: 0.28)."})
+    graft_warn_every: int = field(default=10, metadata={"help": "Warn (one line, naming the likely cause and the "
+                                                                "counts) when no peer row was accepted in the first "
+                                                                "generation batch or in any window of this many; 0: "
+                                                                "never."})
 
 
 GRAFT_FIELDS = ("peer_log", "peer_model", "graft_delta", "id_column", "success_reward", "success_threshold",
-                "epsilon_high")
+                "epsilon_high", "graft_warn_every")
 
 
 def check_args(args: GraftConfig) -> None:
     """Raise Refusal, naming the setting and the fix, for each layout or option in which TRL's loss is not Eq. 10."""
     S, A = args.steps_per_generation, args.gradient_accumulation_steps
+    # The processes torchrun or accelerate launch started, from their environment: args.world_size would set up
+    # the devices and the process group (and transformers' warnings on a CPU) before any refusal could be said.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     rules = [
         (args.loss_type in ("dapo", "bnpo"), f"loss_type={args.loss_type!r} is not one token-mean per optimizer "
                                              f"step (Eq. 10); use loss_type='dapo'"),
-        (args.loss_type != "bnpo" or A == 1 and args.world_size == 1,
-         f"loss_type='bnpo' with gradient_accumulation_steps={A} and {args.world_size} processes divides each "
+        (args.loss_type != "bnpo" or A == 1 and world == 1,
+         f"loss_type='bnpo' with gradient_accumulation_steps={A} and {world} processes divides each "
          f"micro-batch by its own tokens; use loss_type='dapo'"),
         (S % A == 0, f"steps_per_generation={S} is not a multiple of gradient_accumulation_steps={A}: an "
                      f"optimizer step would mix two generation batches"),
-        (args.per_device_train_batch_size * A % args.num_generations == 0,
-         f"per_device_train_batch_size * gradient_accumulation_steps = {args.per_device_train_batch_size * A} is "
-         f"not a multiple of num_generations={args.num_generations}: a group would straddle optimizer steps"),
+        (args.per_device_train_batch_size * A * world % args.num_generations == 0,
+         f"per_device_train_batch_size * gradient_accumulation_steps * processes = "
+         f"{args.per_device_train_batch_size * A * world} is not a multiple of "
+         f"num_generations={args.num_generations}: a group would straddle optimizer steps"),
         (args.num_iterations == 1, f"num_iterations={args.num_iterations} replays own minibatches after the peer "
                                    f"ones, so peer-last cannot hold; set num_iterations=1"),
         (args.delta is None, f"delta={args.delta} is TRL's cap on the ratio, not GRAFT's floor (graft_delta)"),
@@ -185,6 +211,23 @@ def read_peer_log(path: str) -> dict[str, list]:
     return groups
 
 
+def peer_run_settings(path: str) -> tuple[dict, str]:
+    """(settings, run.json path) of the graft.py run that wrote a rollout folder: the run.json beside it (a run's
+    --out holds run.json and exchange/NAME; a pair's sides sit beside their exchange folder) whose name is the
+    folder's and whose run id is its files'. ({}, "") for a JSONL log, or when no such run.json is found."""
+    from exchange import file_run_id, read_json
+    p = Path(path)
+    files = sorted(p.glob("step_*.safetensors")) if p.is_dir() else []
+    if not files:
+        return {}, ""
+    rid, root = file_run_id(files[-1]), p.parent.parent
+    for candidate in [root / "run.json", *sorted(root.glob("*/run.json"))]:
+        record = read_json(candidate) or {}
+        if record.get("name") == p.name and record.get("run_id") == rid and isinstance(record.get("settings"), dict):
+            return record["settings"], str(candidate)
+    return {}, ""
+
+
 def dataset_rows(data, id_column: str, where: str) -> dict[str, int]:
     """{prompt id: its first row index} of the train dataset's id_column; Refusal when there is no such column."""
     columns = getattr(data, "column_names", None)
@@ -219,10 +262,45 @@ def match_peer_log(groups: dict[str, list], ids: dict[str, int], args: GraftConf
     return matched
 
 
+def lbar_length_slope(lbar: torch.Tensor, length: torch.Tensor) -> float | None:
+    """The least-squares slope of log(-lbar) against log(length) over responses with lbar < 0; None when fewer than
+    8 such responses, or their lengths spread too little to tell (std of log length < 0.3).
+
+    A sum of per-token log-probs grows with the response (-lbar = length x a mean): slope about 1. A mean per token
+    (Eq. 6) does not: slope about 0. So a log of sums is told apart from a log of means by the shape of the log,
+    not by a floor on lbar: the sums of short responses (-2 to -6) sit where means do. lbar, length: (R,)."""
+    keep = lbar < 0  # (R,)
+    if int(keep.sum()) < 8:
+        return None
+    x, y = length[keep].double().log(), (-lbar[keep].double()).log()  # (R',), (R',)
+    if float(x.std()) < 0.3:
+        return None
+    x = x - x.mean()
+    return float((x * (y - y.mean())).sum() / (x * x).sum())
+
+
+def check_lbar_is_a_mean(groups: dict[str, list], where: str) -> None:
+    """Refuse a log whose given lbar grows with the response's length (lbar_length_slope > 0.5): a summed
+    log-probability, whose s would gate on length. Length: the record's num_tokens, else its characters (+ 1 for
+    EOS), which scale with the peer's tokens; the slope does not depend on the scale."""
+    recs = [r for g in groups.values() for r in g if r.lbar == r.lbar]  # given lbar (not NaN)
+    if not recs:
+        return
+    length = torch.tensor([r.num_tokens if r.num_tokens > 0 else len(r.response) + int(r.eos) + (not r.response)
+                           for r in recs], dtype=torch.float64)  # (R,)
+    slope = lbar_length_slope(torch.tensor([r.lbar for r in recs], dtype=torch.float64), length)
+    if slope is not None and slope > 0.5:
+        raise Refusal(f"GraftConfig.peer_log {where!r}: its lbar grows with the response's length (slope "
+                      f"{slope:.2f} of log(-lbar) against log(length) over {len(recs)} records; a mean per token "
+                      f"gives about 0, a sum about 1): a summed log-probability? give the sum divided by the "
+                      f"response's token count")
+
+
 def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args: GraftConfig) -> None:
     """Compute lbar with --peer_model where records have none (foreign.fill_lbar: the project's one lbar
     computation, cached beside the log); Refusal naming --peer_model when it is not set. prompts: prompt id ->
-    the dataset's prompt (a string, or a conversation rendered with the peer's chat template)."""
+    the dataset's prompt (a string, or a conversation rendered with the peer's chat template and the run's
+    chat_template_kwargs, as TRL renders it); log-probs at the run's temperature, as TRL's own (Eq. 6)."""
     missing = [r for g in groups.values() for r in g if r.lbar != r.lbar]  # NaN
     if not missing:
         return
@@ -236,14 +314,21 @@ def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args:
     tok = AutoTokenizer.from_pretrained(args.peer_model)
     model = AutoModelForCausalLM.from_pretrained(args.peer_model, dtype=torch.float32)  # lbar in float32
 
+    kwargs = args.chat_template_kwargs or {}
+    kwargs = json.loads(kwargs) if isinstance(kwargs, str) else kwargs  # a flag's JSON, as TRL reads it
+
     def encode(pid: str) -> list[int]:  # the prompt as TRL's _tokenize_prompts renders it, with the peer's tokenizer
         prompt = prompts[pid]
         if is_conversational({"prompt": prompt}):
-            return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"])
+            return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                **kwargs)["input_ids"])
         return tok(text=prompt)["input_ids"]
-    fill_lbar(log, model, tok, model_path=args.peer_model, encode_prompt=encode, problems={p: p for p in groups},
-              cache_key="graft_trl")
+    # The cache holds one lbar per log line: its key is everything else lbar depends on (the model, the
+    # temperature, and here the prompt ids each response follows, which the template and its kwargs make, and EOS)
+    encoded = {pid: encode(pid) for pid in groups}
+    key = hashlib.sha256(json.dumps([encoded, tok.eos_token_id], sort_keys=True).encode()).hexdigest()
+    fill_lbar(log, model, tok, model_path=args.peer_model, encode_prompt=encoded.__getitem__,
+              problems={p: p for p in groups}, cache_key=f"graft_trl/{key}", temperature=args.temperature)
     for p, pid in enumerate(log.prompt_ids):
         for i, rec in enumerate(groups[pid]):
             lb = float(log.mean_logprob[p, i])
@@ -252,6 +337,34 @@ def fill_missing_lbar(groups: dict[str, list], prompts: dict[str, object], args:
                               f"the model that wrote the log?", stacklevel=2)
             groups[pid][i] = rec._replace(lbar=lb, num_tokens=int(log.num_tokens[p, i]))
     del model
+
+
+def checked_reward(func):
+    """A plain reward function wrapped so that an answer TRL cannot read (not a list, or an item that is neither a
+    number nor None) raises Refusal naming the function, the completion and the value, instead of failing inside
+    TRL's tensor conversion; a model id, a module or an async function is returned as it is."""
+    import asyncio
+    import functools
+    import numbers
+    if isinstance(func, (str, torch.nn.Module)) or not callable(func) or asyncio.iscoroutinefunction(func):
+        return func
+
+    name = get_callable_name(func)  # TRL's name for it (rewards/NAME/mean, success_reward), kept below
+
+    @functools.wraps(func)
+    def reward(*a, **kw):
+        out = func(*a, **kw)
+        if not isinstance(out, (list, tuple)):
+            raise Refusal(f"reward function {name!r} returned {type(out).__name__} {str(out)[:60]!r}; TRL needs a "
+                          f"list with one float (or None) per completion")
+        for i, v in enumerate(out):
+            if v is not None and not isinstance(v, (numbers.Real, torch.Tensor)) or isinstance(v, torch.Tensor) \
+                    and v.numel() != 1:
+                raise Refusal(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
+                              f"TRL needs a float (or None: no verdict) per completion")
+        return out
+    reward.__name__ = name  # a partial or a callable object has no __name__ for wraps to copy
+    return reward
 
 
 class GraftGRPOTrainer(GRPOTrainer):
@@ -270,7 +383,11 @@ class GraftGRPOTrainer(GRPOTrainer):
             raise Refusal("GraftGRPOTrainer needs train_dataset=, a datasets.Dataset with an id column (--id_column)")
         ids = dataset_rows(data, args.id_column, "train_dataset")
         funcs = kw.get("reward_funcs", a[1] if len(a) > 1 else None)
-        funcs = funcs if isinstance(funcs, list) else [funcs]
+        funcs = [checked_reward(f) for f in (funcs if isinstance(funcs, list) else [funcs])]
+        if "reward_funcs" in kw:
+            kw["reward_funcs"] = funcs
+        elif len(a) > 1:
+            a = (a[0], funcs, *a[2:])
         names = [f.split("/")[-1] if isinstance(f, str) else get_callable_name(f) for f in funcs]  # as TRL names them
         chosen = [x.strip() for x in args.success_reward.split(",") if x.strip()]
         unknown = [x for x in chosen if x not in names]
@@ -279,6 +396,8 @@ class GraftGRPOTrainer(GRPOTrainer):
                           f"trainer ({', '.join(names)}); name one of them, or leave it empty for all")
         self.success_columns = [names.index(x) for x in chosen] or list(range(len(names)))
         groups = match_peer_log(read_peer_log(args.peer_log), ids, args)
+        if Path(args.peer_log).is_file():  # a rollout folder's lbar is a mean of its stored log-probs
+            check_lbar_is_a_mean(groups, args.peer_log)
         self.peer_rows = {pid: data[ids[pid]] for pid in groups}  # each logged prompt's dataset row
         fill_missing_lbar(groups, {pid: row["prompt"] for pid, row in self.peer_rows.items()}, args)
         self.peer = {pid: PeerGroup([r.response for r in g], torch.tensor([r.eos for r in g], dtype=torch.bool),
@@ -287,7 +406,11 @@ class GraftGRPOTrainer(GRPOTrainer):
         super().__init__(*a, args=args, **kw)
         self.peer_rewards = self.score_peer_log()
         self.warn_if_success_rule_is_inert()
+        self.peer_settings, self.peer_settings_file = peer_run_settings(args.peer_log)
+        self.warn_if_prompts_differ_from_the_peers()
         self.warned_bf16 = False
+        self.gate_window: dict = {"batches": 0, "s": []}  # counts since the last check (watch_gate)
+        self.generation_batches = 0
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self.own_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -356,6 +479,78 @@ class GraftGRPOTrainer(GRPOTrainer):
                           f"of {total} responses succeed): GRAFT never fires; check --success_reward and "
                           f"--success_threshold", stacklevel=3)
 
+    def warn_if_prompts_differ_from_the_peers(self) -> None:
+        """Warn when the peer's run (its run.json, beside a rollout folder) rendered a matched prompt otherwise than
+        this dataset does (a row with a "problem" column), or sampled at another temperature: s compares the
+        receiver's log-prob of the peer's text after this run's prompt with the peer's after its own (Eq. 6), so
+        either difference lowers s for reasons that are not the text (README's command on the tiny models: s median
+        0.0035 under graft.py's default template, where the peer sampled under "{problem}\\n")."""
+        settings, where = self.peer_settings, self.peer_settings_file
+        if not settings or not self.accelerator.is_main_process:
+            return
+        template, chat = settings.get("prompt_template"), bool(settings.get("chat_template"))
+        for row in self.peer_rows.values():
+            if not isinstance(template, str) or "problem" not in row:
+                break
+            want = template.replace("{problem}", str(row["problem"]))
+            got = row["prompt"]
+            ours = got[-1].get("content") if is_conversational({"prompt": got}) else got
+            if ours != want or is_conversational({"prompt": got}) != chat:
+                warnings.warn(f"graft_trl: the peer sampled prompt {row[self.args.id_column]!r} as {want!r}"
+                              f"{' (a chat user message)' if chat else ''} ({where}); this dataset gives "
+                              f"{got!r}: s compares log-probs after two different prompts and falls; use the "
+                              f"peer's template (the launch line's default reads it from {where})", stacklevel=3)
+                break
+        temperature = settings.get("temperature")
+        if isinstance(temperature, (int, float)) and abs(float(temperature) - self.args.temperature) > 1e-9:
+            warnings.warn(f"graft_trl: the peer's lbar is at temperature {temperature:g} ({where}), this run's "
+                          f"log-probs at {self.args.temperature:g} (--temperature): s compares the two", stacklevel=3)
+
+    def watch_gate(self, counts: dict, s: list[float]) -> None:
+        """Warn from the main process, after the first generation batch and then once per graft_warn_every, when
+        the window's batches accepted no peer row: the gate rejected every one, or no group could be received (after
+        the first batch, only if the receiver failed some prompt: one batch without an all-fail prompt is common).
+        counts: this generation batch's figures (the whole batch, every process's rows); s: (R,) of its received
+        responses that fit max_completion_length, s = exp(lbar_recv - lbar_src) (Eq. 7)."""
+        every, w = self.args.graft_warn_every, self.gate_window
+        if every <= 0:
+            return
+        self.generation_batches += 1
+        for k, v in counts.items():
+            w[k] = w.get(k, 0) + v
+        w["s"] += s
+        w["batches"] += 1
+        if (self.generation_batches - 1) % every:  # checked at batches 1, 1 + every, 1 + 2 x every, ...
+            return
+        self.gate_window = {"batches": 0, "s": []}
+        if w["accepted"] > 0 or not self.accelerator.is_main_process or self.generation_batches == 1 and \
+                w["all_fail"] == 0:  # one batch the receiver solved everywhere says nothing yet; a window does
+            return
+        first = self.generation_batches - w["batches"] + 1
+        span = (f"generation batch {first}" if w["batches"] == 1 else
+                f"generation batches {first}-{self.generation_batches}")
+        head = f"graft_trl: no peer row accepted in {span}:"
+        if w["all_fail"] == 0:
+            why = (f"the receiver failed all {self.num_generations} rollouts of none of its {w['groups']:.0f} "
+                   f"prompts, so there was nothing to receive (GRAFT acts on prompts it fails)")
+        elif w["selected"] == 0:
+            why = (f"the receiver failed all rollouts of {w['all_fail']:.0f} prompts; the log holds "
+                   f"{w['in_log']:.0f} of them and none as a mixed group under success_reward="
+                   f"{self.args.success_reward or 'all'!r}, success_threshold={self.args.success_threshold:g}")
+        else:
+            median = float(torch.tensor(w["s"]).median()) if w["s"] else float("nan")
+            T = self.peer_settings.get("temperature")
+            why = (f"{w['selected']:.0f} groups received, {w['candidates']:.0f} peer responses: s median "
+                   f"{median:.3g} against graft_delta={self.args.graft_delta:g}; {w['gated']:.0f} gated (s <= "
+                   f"delta), {w['too_long']:.0f} too long for max_completion_length, {w['no_eos']:.0f} without EOS "
+                   f"masked")
+            if w["gated"] >= max(w["too_long"], w["no_eos"]):
+                why += (f". Likely cause: the receiver's log-prob of the peer's text is far below the peer's: the "
+                        f"prompt or chat template differs from the one the peer sampled under, the temperature "
+                        f"differs (this run {self.args.temperature:g}, the peer's "
+                        f"{'unknown' if T is None else format(T, 'g')}), or the log's lbar is a sum over tokens")
+        warnings.warn(f"{head} {why}", stacklevel=3)
+
     def check_precision(self, lbar_recv: torch.Tensor, lbar_src: torch.Tensor, w: torch.Tensor) -> None:
         """Warn once when bf16 is on and a peer response's gate sits within bf16's rounding of graft_delta: lbar_recv
         (R,) comes from the same forward and precision as TRL's own log-probs, and bf16 keeps 8 bits, so each
@@ -385,17 +580,21 @@ class GraftGRPOTrainer(GRPOTrainer):
         return out
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's sampling and scoring of the own groups, then GRAFT's step on the generation batch."""
+        """TRL's sampling and scoring of this process's rows, then GRAFT's step on the whole generation batch: under
+        W processes every process gathers the batch (a group may span processes, as TRL allows) and computes the
+        same selection, weights and rows (departure 7)."""
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out  # evaluation: the receiver alone
         if "tool_mask" in out:
             raise ValueError("tools mask completion tokens per turn; GRAFT's rows have no turns (use no tools)")
         out.pop("sampling_per_token_logps", None)  # read only by the refused off-policy mask
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+            out, inputs = self.gather_batch(out), gather_object(list(inputs))  # (W * B, ...) in process order
         n, dev, tok = self.num_generations, out["advantages"].device, self._tokenizer
         std = self.scale_rewards != "none"
-        here = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        own = self.own_rewards[here]  # (B, F) this process's rows: TRL gathered every process's (groups stay whole)
+        own = self.own_rewards  # (W * B, F) TRL gathered every process's rewards
         rewards = self.rewards(own).view(-1, n)  # (G, n)
         adv = group_advantages(rewards, std_normalize=std).view(-1).to(dev)  # (B,) departure 2
         weight, is_peer = torch.ones_like(adv), torch.zeros_like(adv, dtype=torch.bool)  # (B,), (B,)
@@ -406,6 +605,8 @@ class GraftGRPOTrainer(GRPOTrainer):
             adv[g * n: g * n + len(r)] = group_advantages(r[None], std_normalize=std)[0].to(dev)
         c_ids, old = out["completion_ids"], out.get("old_per_token_logps")
         c_mask = out["completion_mask"] * ~is_peer[:, None]  # (B, T) a received group's rows are all replaced
+        gate = {"gated": 0, "too_long": 0, "no_eos": 0}  # why received responses were not accepted
+        s_values: list[float] = []
         if received:
             slots = torch.tensor([g * n + i for g, grp, _ in received for i in range(len(grp.texts))], device=dev)
             ids, mask = retokenize_group([t for _, grp, _ in received for t in grp.texts],
@@ -422,8 +623,14 @@ class GraftGRPOTrainer(GRPOTrainer):
             w = compatibility_weights(lbar_recv=sequence_mean_logprob(logp=lp, mask=mask), lbar_src=lbar_src,
                                       delta=self.args.graft_delta)  # (R,) Eqs. 6-8
             weight[slots] = w * mask.any(dim=1)  # a response too long after retokenisation is dropped
+            eos = torch.cat([grp.eos for _, grp, _ in received]).to(dev)  # (R,)
             if self.mask_truncated_completions:  # as TRL masks an own completion that did not end with EOS
-                weight[slots] *= torch.cat([grp.eos for _, grp, _ in received]).to(dev).float()
+                weight[slots] *= eos.float()
+            fits = mask.any(dim=1)  # (R,)
+            s = torch.exp(sequence_mean_logprob(logp=lp, mask=mask) - lbar_src)  # (R,) Eq. 7's s, for watch_gate
+            s_values = s[fits].tolist()
+            gate = {"gated": int((fits & (w == 0)).sum()), "too_long": int((~fits).sum()),
+                    "no_eos": int((fits & (w > 0) & ~eos).sum()) if self.mask_truncated_completions else 0}
             c_ids, c_mask = splice(c_ids, slots, ids, tok.pad_token_id), splice(c_mask, slots, mask.long(), 0)
             old = None if old is None else splice(old, slots, lp, 0.0)
             self.check_precision(sequence_mean_logprob(logp=lp, mask=mask), lbar_src, weight[slots])
@@ -438,11 +645,15 @@ class GraftGRPOTrainer(GRPOTrainer):
         if old is not None:
             out["old_per_token_logps"] = old
         accepted = int((is_peer & (weight > 0)).sum())
+        candidates = sum(len(grp.texts) for _, grp, _ in received)
         metrics = {"all_fail": int((k_own == 0).sum()), "selected": len(received),
-                   "accepted": accepted, "rejected": sum(len(grp.texts) for _, grp, _ in received) - accepted}
-        totals = self.accelerator.reduce(torch.tensor([float(v) for v in metrics.values()], device=dev), "sum")
-        for key, v in zip(metrics, totals.tolist()):  # counts over every process's groups
-            self._metrics["train"][f"graft/{key}"].append(v)
+                   "accepted": accepted, "rejected": candidates - accepted}
+        in_log = sum(int(k_own[g] == 0) and str(x[self.args.id_column]) in self.peer
+                     for g, x in enumerate(inputs[::n]))
+        totals = metrics | {"groups": len(k_own), "in_log": in_log, "candidates": candidates} | gate  # whole batch
+        for key in metrics:
+            self._metrics["train"][f"graft/{key}"].append(float(totals[key]))
+        self.watch_gate(totals, s_values)
         return out
 
     def _prepare_inputs(self, generation_batch):
@@ -457,10 +668,10 @@ class GraftGRPOTrainer(GRPOTrainer):
         """One generation batch -> its S micro-batches: own groups first, replaced groups last, no shuffle,
         and num_items_in_batch = that optimizer step's retained tokens x S / A, which TRL's dapo divides
         back by S / A: each optimizer step is one token-mean over its own retained tokens (Eq. 10). Under W
-        processes: the gathered batch is cut so, and this process keeps its W-th of each micro-batch (departure 7)."""
+        processes: the batch is the gathered one, cut so, and this process keeps its W-th of each micro-batch
+        (departure 7)."""
         S, A, n = self.args.steps_per_generation, self.args.gradient_accumulation_steps, self.num_generations
         W, rank = self.accelerator.num_processes, self.accelerator.process_index
-        batch = self.gather_batch(batch) if W > 1 else batch  # every process: the whole generation batch
         gen = seeded_generator(self.args.seed, self._step // S, "minibatch")  # as this project's trainer draws it
         order = peer_last_rows(batch["graft_is_peer"].view(-1, n)[:, 0].cpu(), n, generator=gen)  # (B,)
         batch = {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() else
@@ -474,7 +685,12 @@ class GraftGRPOTrainer(GRPOTrainer):
 
     def gather_batch(self, batch: dict) -> dict:
         """This process's generation batch (B rows) -> every process's, in process order (W * B rows): the batch
-        one process would hold for the same global batch. Prompts stay left-padded, completions right-padded."""
+        one process would hold for the same global batch. Prompts stay left-padded, completions right-padded.
+
+        TRL's forward passes no position ids, so padding a prompt further on the left shifts its positions; under
+        rotary embeddings (relative positions: Llama, Qwen, Gemma, ...) its log-probs stay the same (test_trl.py:
+        prompts of different lengths on two processes equal one process), while a model with absolute position
+        embeddings would see TRL's old log-probs taken at this process's width, as TRL's own batches are."""
         from accelerate.utils import gather, pad_across_processes
         B, out = len(batch["completion_ids"]), {}
         for k, v in batch.items():
@@ -510,18 +726,34 @@ class Script:
 
     model: str = field(metadata={"help": "The receiver: a causal LM path or hub name."})
     prompts: str = field(metadata={"help": "Prompt JSONL (id, problem, answer), as graft.py --prompts."})
-    prompt_template: str = field(default=Config.prompt_template, metadata={"help": "Prompt text around {problem}."})
+    prompt_template: str = field(default="", metadata={"help": "Prompt text around {problem}; default: the one "
+                                                                "the peer sampled under (its run.json beside a "
+                                                                "rollout folder), else graft.py's default."})
+    chat_template: bool = field(default=False, metadata={"help": "Give each prompt as one user message of the "
+                                                                 "receiver's chat template (as graft.py "
+                                                                 "--chat-template); default: the peer run's choice."})
     reward: str = field(default=Config.reward, metadata={"help": "The reward, as graft.py --reward."})
+    reward_timeout: float = field(default=Config.reward_timeout, metadata={"help": "Seconds each reward call may run "
+                                                                                   "(as graft.py --reward-timeout; 0: "
+                                                                                   "in-process, unbounded)."})
+    verify_workers: int = field(default=Config.verify_workers, metadata={"help": "Reward worker processes (as "
+                                                                                 "graft.py --verify-workers)."})
 
 
-def reward_function(spec: str):
+def reward_function(spec: str, *, timeout: float = 0.0, workers: int = 0):
     """A TRL reward function: each completion scored against its prompt's gold (the "answer" column) by the
-    function --reward names, through reward.rewards (this project's one call of the reward)."""
+    function --reward names, through reward.rewards (this project's one call of the reward) under its wall-time
+    limit (--reward_timeout: a call past it is stopped and scores 0, as in graft.py). An answer that is not one
+    finite number per completion raises Refusal naming --reward and the value."""
     from reward import load_reward, rewards
     load_reward(spec)  # a bad spec fails here, naming --reward
 
-    def reward(completions: list[str], answer: list[str], **_) -> list[float]:
-        return rewards(spec, completions, answer)
+    def reward(completions: list, answer: list[str], **_) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # chat: the assistant message
+        try:
+            return list(rewards(spec, texts, answer, workers=workers, timeout=timeout))
+        except ValueError as e:  # reward._checked: not a list of finite numbers
+            raise Refusal(str(e)) from None
     return reward
 
 
@@ -554,22 +786,37 @@ def build_parser():
     return parser
 
 
+def flags_given(argv: list[str]) -> set[str]:
+    """The flags on a command line, spelt with underscores (HfArgumentParser takes --use-cpu for --use_cpu)."""
+    return {"--" + x[2:].split("=")[0].replace("-", "_") for x in argv if x.startswith("--")}
+
+
 def main(argv: list[str] | None = None) -> GraftGRPOTrainer:
     """The launch line: parse Script's and GraftConfig's flags, build the dataset, train; returns the trainer.
     Every refusal (a flag, the log, the dataset) is one line on stderr and exit code 2, before the model loads."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(x.split("=")[0] in ("--bf16", "--no_bf16", "--fp16") for x in argv) and not (
+    given = flags_given(argv)
+    if not given & {"--bf16", "--no_bf16", "--fp16"} and not (
             torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
         argv += ["--bf16", "False"]  # TRL's default bf16=True stops on such a machine ("doesn't support bf16/gpu")
+    if not torch.cuda.is_available() and "--use_cpu" not in given:
+        argv += ["--use_cpu", "True"]  # else under torchrun on CPUs accelerate sees no distributed run: no DDP
     try:
         return run(argv)
     except Refusal as e:
-        print(f"graft_trl: error: {' '.join(str(e).split())}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))  # torchrun's: every process meets the same input, rank 0 says it
+        if rank == 0 or getattr(e, "every_rank", False):
+            print(f"graft_trl: error: {'' if rank == 0 else f'rank {rank}: '}{' '.join(str(e).split())}",
+                  file=sys.stderr, flush=True)
+        else:  # torchrun stops the other workers when one exits: let rank 0 say it first
+            import time
+            time.sleep(2.0)
         raise SystemExit(2) from None
 
 
 def run(argv: list[str]) -> GraftGRPOTrainer:
-    """main without the refusal handling: parse, read the prompts, build the trainer (its checks first), train."""
+    """main without the refusal handling: parse, read the prompts, render them as the peer sampled them, check
+    the reward on one, build the trainer (its checks first), train."""
     from datasets import Dataset
 
     from runtime import load_prompt_file
@@ -583,13 +830,32 @@ def run(argv: list[str]) -> GraftGRPOTrainer:
         raise Refusal(str(e)) from None
     try:
         rows = load_prompt_file(script.prompts)
-        reward = reward_function(script.reward)
+        reward = reward_function(script.reward, timeout=script.reward_timeout, workers=script.verify_workers)
     except (OSError, ValueError) as e:
         raise Refusal(f"--prompts / --reward: {e}") from None
+    except SystemExit as e:  # load_prompt_file's own message (no such file, a bad line)
+        raise Refusal(str(e.code)) from None
+    if not rows:
+        raise Refusal(f"--prompts {script.prompts!r}: holds no prompts")
+    given = flags_given(argv)
+    settings, where = peer_run_settings(args.peer_log)
+    template = script.prompt_template or settings.get("prompt_template") or Config.prompt_template
+    chat = script.chat_template or ("--chat_template" not in given and bool(settings.get("chat_template")))
+    if "{problem}" not in template:
+        raise Refusal(f"--prompt_template {template!r}: must contain '{{problem}}'")
+    if where and not script.prompt_template and int(os.environ.get("RANK", "0")) == 0:
+        print(f"graft_trl: prompts rendered as the peer sampled them ({where}): template {template!r}"
+              f"{', as a chat user message' if chat else ''} (--prompt_template overrides)", file=sys.stderr)
+    render = ((lambda text: [{"role": "user", "content": text}]) if chat else (lambda text: text))
     data = Dataset.from_list([{k: v for k, v in r.items() if k not in ("prompt", "completion")}
-                              | {"prompt": script.prompt_template.replace("{problem}", r["problem"])} for r in rows])
+                              | {"prompt": render(template.replace("{problem}", r["problem"]))} for r in rows])
+    reward(completions=[""], answer=[rows[0]["answer"]])  # a reward that answers no number stops here, not later
     trainer = GraftGRPOTrainer(model=script.model, reward_funcs=[reward], args=args, train_dataset=data)
-    trainer.train()
+    try:
+        trainer.train()
+    except Refusal as e:  # met by one process during training (a reward's answer): each says its own
+        e.every_rank = True
+        raise
     return trainer
 
 
