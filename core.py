@@ -315,17 +315,17 @@ class Received(NamedTuple):
 
 
 def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, prompts: list[list[int]], *,
-                   tokenizer, eos_token_id: int, logprobs: Callable, max_response_tokens: int,
+                   tokenizer, eos_token_id: int, logprob_fn: Callable, max_response_tokens: int,
                    compat_norm: str = "token", delta: float = 0.8, compat_weight: bool = True) -> Received:
     """Retokenise R peer responses for the receiver and score them under it (Eqs. 6-8).
 
     texts, eos: the peer's decoded responses and whether each ended with EOS; lbar_src: (R,) the
-    source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprobs(prompts,
+    source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprob_fn(prompts,
     responses) returns the receiver's behaviour log-probs, one (len,) tensor per response (the trainer's
     sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
     dropped: it is not in the answer's index. So is a response whose receiver ids do not decode back to its
     text (decodes_back: the receiver would learn another text than the one rewarded; README "Retokenisation"),
-    listed in the answer's lost. graft.py's score_peer runs it on the received groups,
+    listed in the answer's lost. score_peer (below) runs it on the received groups,
     `graft.py preflight` on every sampled response, so the two cannot drift. Returns a Received; calls retokenize,
     compatibility_scores and compatibility_weights.
     """
@@ -341,7 +341,7 @@ def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, pr
     if not index:
         empty = torch.zeros(0)
         return Received([], [], [], empty, empty, empty, empty, lost)
-    lps = logprobs([prompts[j] for j in index], ids)
+    lps = logprob_fn([prompts[j] for j in index], ids)
     lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',)
     if compat_norm == "byte":  # not the paper's: the summed log-prob per UTF-8 byte
         denom = [max(1, len(texts[j].encode("utf-8"))) for j in index]
@@ -631,6 +631,146 @@ def add_counts(parts: list[dict]) -> dict:
         for k, v in part.items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# GRAFT's rule as data: what its phases (graft.py section 2, baselines.py) read and pass, the peer scoring
+# they share, and the ablations' draws beside the paper's functions above
+# ------------------------------------------------------------------------------------------------
+
+
+class Context(NamedTuple):
+    """What the rule's phases read besides the step's data: the run's settings, the receiver's tokenizer and its
+    log-prob function. Read-only, one per run (graft.rule_context builds it from the config)."""
+
+    side: str  # this side's name: the balanced swap orders the sides by name
+    n: int  # rollouts per prompt
+    seed: int  # the ablations' and SGT's draws: seeded_generator(seed, step, stream)
+    tokenizer: object  # the receiver's (retokenize)
+    eos_id: int  # the receiver's EOS, appended to a peer response that ended with EOS
+    logprob_fn: Callable  # (prompts, responses) -> one (len(response),) receiver behaviour log-prob tensor each
+    max_response_tokens: int  # a longer retokenised peer response is dropped and counted
+    both_ways: bool = True  # True: the peers are live sides that receive too (the swap); False: a stored peer
+    selection: str = "graft"  # graft (Eq. 4 + swap) | random | sgt (ablations)
+    balance: bool = True  # False: every candidate both ways (ablation)
+    acceptance: str = "gate"  # gate (Eqs. 6-8) | random (ablation)
+    transfer: str = "all"  # all (the whole group) | success (the peer's correct responses only; ablation)
+    peer_advantages: str = "source"  # source (the peer's group, held fixed) | pooled (ablation)
+    std_normalize: bool = True  # GRPO's std division (False = Dr.GRPO)
+    compat_norm: str = "token"  # token (Eq. 6) | byte (summed log-prob per UTF-8 byte; not the paper's)
+    compat_weight: bool = True  # False: w = 1 for every retained peer response (ablation)
+    delta: float = 0.8  # the compatibility floor (Eq. 8)
+    peer_kind: str = "pg"  # the Row.kind of received responses (LUFFY's baseline: "luffy")
+
+
+class Row(NamedTuple):
+    """One response that enters the update: the receiver's tokenisation, fixed behaviour log-probs."""
+
+    group: int  # prompt position in the step's batch (minibatches are cut by group)
+    prompt: list[int]  # the receiver's prompt ids
+    response: list[int]  # the receiver's response ids
+    old_logp: torch.Tensor  # (len(response),) the receiver's behaviour log-probs (HACPO's peer rows: see there)
+    adv: float
+    weight: float = 1.0  # w (Eqs. 7-8); 1 for own rows
+    is_peer: bool = False
+    kind: str = "pg"  # pg = Eqs. 9-10 (GRPO, GRAFT and its ablations); the baselines' kinds: graft.LOSS_KINDS
+
+
+class PeerResponse(NamedTuple):
+    """One peer response retokenised for the receiver and scored by it (Eqs. 6-8)."""
+
+    group: int  # prompt position g in the step's batch
+    index: int  # r = g * width + i in the peer's step (width: n, or a foreign log's widest group)
+    ids: list[int]  # receiver token ids of the peer's text
+    old_logp: torch.Tensor  # (len(ids),) receiver behaviour log-probs
+    weight: float  # w = 1[s > delta] min(s, 1); 0 = removed
+    s: float  # s = exp(lbar_recv - lbar_src) (Eq. 6); NaN where not computed (SGT)
+
+
+class StepRows(NamedTuple):
+    """The rows phase's answer: what the update takes, and what the variant keeps for the next step."""
+
+    rows: list[Row]  # the step's update rows
+    replaced: torch.Tensor  # (G,) bool, the groups that reached the update from a peer (updated last)
+    state: dict  # the variant's state across steps, passed in and returned (HACPO's history); {} for the others
+
+
+def exchange_counts(own, peers: dict, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+    """Success counts of this side (G,) and of each peer (G,) on the step's prompts, and the metrics every
+    variant logs: the candidates of Eq. 4 both ways (before balancing) and the peers' mean reward.
+
+    own: the step's own rollouts (.rewards (G, n)); peers: {name: peer step} (.rewards, .mask (G, width),
+    .sizes (G,)). Calls success_counts and graft_candidates."""
+    k_own = success_counts(own.rewards)  # (G,)
+    k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
+    cand_in, cand_out = torch.zeros_like(k_own, dtype=torch.bool), torch.zeros_like(k_own, dtype=torch.bool)
+    for name, p in peers.items():
+        cand_in |= graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes)  # (G,) Eq. 4, this side receiving
+        cand_out |= graft_candidates(k_recv=k[name], k_src=k_own, n=n) & (p.sizes > 0)  # (G,) this side giving
+    m = {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
+         "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
+    return k_own, k, m
+
+
+def score_peer(ctx: Context, step: int, peer, groups: list[int], prompts: list[list[int]], *,
+               only_correct: bool = False) -> tuple[list[PeerResponse], int, dict]:
+    """Retokenise the peer's responses of the given groups and score them under the receiver (Eqs. 6-8).
+
+    peer: one peer step (.texts, .eos (G, width), .rewards, .mask, .width, .lbar(norm) (G, width)); groups: the
+    prompt positions received; prompts: the step's G receiver prompt ids. only_correct: the peer's correct
+    responses only (the success-only transfer ablation). Returns a PeerResponse for every response that survived the length
+    limit and the round trip, the number dropped by length, and the counts ({"dropped_roundtrip": lost text}).
+    Calls score_received and, under ctx.acceptance "random", random_acceptance."""
+    width = peer.width  # slots per prompt, the stride of r = g * width + i
+    ok = is_success(peer.rewards) if only_correct else peer.mask  # (G, width) the responses it may take
+    picked = [(g, i) for g in groups for i in range(width) if peer.mask[g, i] and ok[g, i]]
+    lbar_src = peer.lbar(ctx.compat_norm) if picked else None  # (G, width); a foreign log may lack it unused
+    sc = score_received([peer.texts[g * width + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
+                        torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
+                        [prompts[g] for g, _ in picked], tokenizer=ctx.tokenizer, eos_token_id=ctx.eos_id,
+                        logprob_fn=ctx.logprob_fn, max_response_tokens=ctx.max_response_tokens,
+                        compat_norm=ctx.compat_norm, delta=ctx.delta, compat_weight=ctx.compat_weight)
+    w = sc.w  # (R',)
+    if ctx.acceptance == "random" and sc.index:  # ablation
+        w = random_acceptance(sc.s, w, compat_weight=ctx.compat_weight,
+                              generator=seeded_generator(ctx.seed, step, "accept"))
+    out = []
+    for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
+        g, i = picked[j]
+        out.append(PeerResponse(g, g * width + i, ids, lp, wi, si))
+    return out, len(picked) - len(sc.index) - len(sc.lost), {"dropped_roundtrip": len(sc.lost)}
+
+
+def random_selection(selected: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
+                     generator: torch.Generator) -> torch.Tensor:
+    """Ablation, random selection: as many prompts as the rule selected ((G,) bool), drawn uniformly among
+    those where the source is mixed (k_src, sizes: (G,)). Returns (G,) bool."""
+    pool = torch.nonzero((k_src >= 1) & (k_src < sizes)).squeeze(1)  # (P,)
+    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(selected.sum())]]
+    out = torch.zeros_like(selected)  # (G,)
+    out[pick] = True
+    return out
+
+
+def random_acceptance(s: torch.Tensor, w: torch.Tensor, *, compat_weight: bool,
+                      generator: torch.Generator) -> torch.Tensor:
+    """Ablation, random acceptance: the gate's acceptance count, the accepted responses drawn at random.
+    s, w: (R,) scores and the gate's weights. They keep min(s, 1) as weight (1 without the compatibility
+    weight), so only which responses pass changes. Returns (R,) weights."""
+    pick = torch.randperm(s.numel(), generator=generator)[: int((w > 0).sum())]
+    out = torch.zeros_like(s)  # (R,)
+    out[pick] = s[pick].clamp(max=1.0) if compat_weight else 1.0
+    return out
+
+
+def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, peer_mask: torch.Tensor, *,
+                      std_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ablation, pooled advantages: the receiver's group (n,) and the peer's (M,), masked, merged into
+    one group; GRPO advantages over both. Returns (n,) own and (M,) peer advantages (0 on padding)."""
+    n = own_rewards.numel()
+    pooled = group_advantages(torch.cat([own_rewards, peer_rewards[peer_mask]])[None],
+                              std_normalize=std_normalize)[0]  # (n + size,)
+    return pooled[:n], torch.zeros(peer_mask.numel()).masked_scatter(peer_mask, pooled[n:])
 
 
 # ------------------------------------------------------------------------------------------------

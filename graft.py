@@ -107,18 +107,22 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from baselines import (RowBatch, hacpo_own_loss, hacpo_peer_loss, hacpo_rows, hacpo_score, hacpo_select,
+                       luffy_rows_loss, sgt_rows, sgt_rows_loss, sgt_score, sgt_select)  # the compared methods
 from config import CHOICES, Config, build_parser, config_from_args, validate_config  # the config, its checks, CLI
-from core import (Mean, add_counts, add_metrics, assignment_digest, batch_indices, canonical_counts, decode_response,
-                  graft_candidates, group_advantages, is_success, metric_values, minibatch_order, multi_peer_sources,
-                  policy_loss, rescue_candidates, retokenize, score_received, seeded_generator, success_counts,
-                  verifier_text)  # the copyable core
+from core import (Context, Mean, PeerResponse, Row, StepRows, add_counts, add_metrics, assignment_digest,
+                  balanced_swap, batch_indices, canonical_counts, decode_response, exchange_counts, graft_candidates,
+                  group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss,
+                  pooled_advantages, random_selection, rescue_candidates, score_peer, seeded_generator,
+                  success_counts, verifier_text)  # the copyable core
+from evaluation import benchmark_files, evaluate_benchmarks, run_eval  # --eval-every and `graft.py eval`
 from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, checked at start
-from exchange import (Heartbeat, StepRollouts, atomic_write, load_rollouts, rollout_path, save_rollouts,
+from exchange import (Heartbeat, StepRollouts, load_rollouts, rollout_path, save_rollouts,
                       wait_for_file)  # the rollout file
 from metrics import LiveReport  # --report-to
 from plan import check_at_start, run_plan  # the memory plan on fake tensors: at start, and `graft.py plan`
 from reward import check_golds, load_reward, reward_options, rewards  # the reward seam, called in one place
-from runtime import (DistInfo, RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
+from runtime import (RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
                      eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
                      load_prompt_file, raise_stopped, setup_distributed, shard, shard_policy, stop_signals,
                      timed, unshard)  # ranks, files: plumbing
@@ -127,21 +131,8 @@ from sampler import Rollout, batches_by_length, response_logprobs, sample  # the
 
 # ------------------------------------------------------------------------------------------------
 # 1. Records and metrics: what flows between the trainer's phases, and what each step logs
+#    (Row, PeerResponse, StepRows and the rule's Context are core.py's: a porter copies them with the rule)
 # ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    """One response that enters the update: the receiver's tokenisation, fixed behaviour log-probs."""
-
-    group: int  # prompt position in the step's batch (minibatches are cut by group)
-    prompt: list[int]
-    response: list[int]
-    old_logp: torch.Tensor  # (len(response),) the receiver's behaviour log-probs (HACPO peers: see there)
-    adv: float
-    weight: float = 1.0
-    is_peer: bool = False
-    kind: str = "pg"  # pg = Eqs. 9-10 (GRPO, GRAFT and its ablations); other kinds: section 4
 
 
 class SampledResponse(NamedTuple):
@@ -154,28 +145,6 @@ class SampledResponse(NamedTuple):
     reward: float
 
 
-class PeerResponse(NamedTuple):
-    """One peer response retokenised for the receiver and scored by it (Eqs. 6-8)."""
-
-    group: int  # prompt position g in the step's batch
-    index: int  # r = g * width + i in the peer's file (peer.width: n, or a foreign log's widest group)
-    ids: list[int]  # receiver token ids of the peer's text
-    old_logp: torch.Tensor  # (len(ids),) receiver behaviour log-probs
-    weight: float  # w = 1[s > delta] min(s, 1); 0 = removed
-    score: float  # s = exp(lbar_recv - lbar_src)
-
-
-class RowBatch(NamedTuple):
-    """One row kind's slice of a micro-batch, as the baselines' loss functions take it."""
-
-    logp: torch.Tensor  # (B, T) current-policy log-probs, with grad
-    old_logp: torch.Tensor  # (B, T) behaviour log-probs
-    advantages: torch.Tensor  # (B,)
-    mask: torch.Tensor  # (B, T) bool, response tokens
-    weights: torch.Tensor  # (B,)
-    is_peer: torch.Tensor  # (B,) bool
-
-
 def rollout_metrics(own: StepRollouts) -> dict[str, float]:
     """The metrics of this side's own G x n rollouts of a step (metrics.METRICS: reward ... all_pass)."""
     n = own.rewards.shape[1]
@@ -186,174 +155,160 @@ def rollout_metrics(own: StepRollouts) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. GRAFT's rule: the select, score and rows phases of its step (VARIANTS["graft"]), as the paper
-#    states them, and its ablations, each a small function that the rule calls where its flag says so
+# 2. GRAFT's rule: the select, score and rows phases of its step, as the paper states them, each data in and
+#    data out: (ctx: core.Context, the step's own rollouts, the peers' steps) -> (results, metrics, counts).
+#    Its tensor functions, the ablations' included, are core.py's. Paste these three into another trainer.
 # ------------------------------------------------------------------------------------------------
 
 
-def exchange_counts(own: StepRollouts, peers: dict[str, StepRollouts],
-                    n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
-    """Success counts of this side (G,) and of each peer (G,) on the step's prompts, and the metrics every
-    variant logs: the candidates of Eq. 4 both ways (before balancing) and the peers' mean reward."""
-    k_own = success_counts(own.rewards)  # (G,)
-    k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
-    cand_in, cand_out = torch.zeros_like(k_own, dtype=torch.bool), torch.zeros_like(k_own, dtype=torch.bool)
-    for name, p in peers.items():
-        cand_in |= graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes)  # (G,) Eq. 4, this side receiving
-        cand_out |= graft_candidates(k_recv=k[name], k_src=k_own, n=n) & (p.sizes > 0)  # (G,) this side giving
-    m = {"candidates_in": int(cand_in.sum()), "candidates_out": int(cand_out.sum()),
-         "peer_reward": float(torch.cat([p.rewards[p.mask] for p in peers.values()]).mean())}
-    return k_own, k, m
+def rule_context(cfg: Config, *, tokenizer, eos_id: int, logprob_fn: Callable, both_ways: bool,
+                 peer_kind: str = "pg") -> Context:
+    """The rule's read-only Context from the run's config, the receiver's tokenizer and log-prob function.
+    both_ways: the peers are live sides that receive too (online); False for a stored peer (one-way)."""
+    return Context(side=cfg.name, n=cfg.n, seed=cfg.seed, tokenizer=tokenizer, eos_id=eos_id, logprob_fn=logprob_fn,
+                   max_response_tokens=cfg.max_response_tokens, both_ways=both_ways, selection=cfg.selection,
+                   balance=cfg.balance, acceptance=cfg.acceptance, transfer=cfg.transfer,
+                   peer_advantages=cfg.peer_advantages, std_normalize=cfg.std_normalize, compat_norm=cfg.compat_norm,
+                   compat_weight=cfg.compat_weight, delta=cfg.delta, peer_kind=peer_kind)
 
 
-def graft_select(tr: Trainer, step: int, own: StepRollouts,
-                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
+def graft_select(ctx: Context, step: int, own: StepRollouts,
+                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Eq. 4 and the balanced swap: for each peer, the (G,) bool mask of the prompts whose group this side
-    receives. Online, the swap over every side's counts is computed once, by multi_peer_sources (with two
-    sides exactly the paper's balanced_swap; test_peers.py), and its fingerprint logged; from a stored
-    peer the transfer is one-way, with nothing to balance against."""
+    receives, the metrics, no counts. Two live sides run the paper's balanced_swap; three or more its extension
+    multi_peer_sources (equal on two sides: test_peers.py); every process computes the same swap from the same
+    files and logs its fingerprint. From a stored peer the transfer is one-way, with nothing to balance against."""
     if not peers:  # plain GRPO
-        return {}, {}
-    cfg = tr.cfg
-    k_own, k, m = exchange_counts(own, peers, cfg.n)
-    if cfg.selection == "sgt":  # ablation: SGT's rescue rule, no balancing
-        return {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}, m
-    if tr.mode == "stored":
+        return {}, {}, {}
+    k_own, k, m = exchange_counts(own, peers, ctx.n)
+    if ctx.selection == "sgt":  # ablation: SGT's rescue rule, no balancing
+        return {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}, m, {}
+    if not ctx.both_ways:
         selected = {name: graft_candidates(k_recv=k_own, k_src=k[name], n=p.sizes) for name, p in peers.items()}
     else:
-        sides = sorted([cfg.name, *peers])  # one order on every process of the run
-        src = multi_peer_sources(torch.stack([k_own if s == cfg.name else k[s] for s in sides]), cfg.n,
-                                 balance=cfg.balance)  # (S, G) whose group each side receives, or -1
-        selected = {name: src[sides.index(cfg.name)] == sides.index(name) for name in peers}
-        if cfg.selection == "graft":  # the fingerprint of the whole step's exchange: equal on every process
+        sides = sorted([ctx.side, *peers])  # one order on every process of the run
+        counts = torch.stack([k_own if s == ctx.side else k[s] for s in sides])  # (S, G)
+        if len(sides) == 2:  # the paper's pair: its balanced swap, as src (2, G) (side 1 receives a_to_b)
+            swap = balanced_swap(k_a=counts[0], k_b=counts[1], n=ctx.n, balance=ctx.balance)
+            src = torch.stack([torch.where(swap.b_to_a, 1, -1), torch.where(swap.a_to_b, 0, -1)])  # (2, G)
+        else:  # our extension to three or more sides
+            src = multi_peer_sources(counts, ctx.n, balance=ctx.balance)  # (S, G) whose group each side receives
+        selected = {name: src[sides.index(ctx.side)] == sides.index(name) for name in peers}
+        if ctx.selection == "graft":  # the fingerprint of the whole step's exchange: equal on every process
             m["assignment"] = assignment_digest(src, own.prompt_ids)
-    if cfg.selection == "random":  # ablation (one peer: config.validate_config)
+    if ctx.selection == "random":  # ablation (one peer: config.validate_config)
         selected = {name: random_selection(selected[name], k_src=k[name], sizes=p.sizes,
-                                            generator=seeded_generator(cfg.seed, step, "select"))
+                                            generator=seeded_generator(ctx.seed, step, "select"))
                     for name, p in peers.items()}
-    return selected, m
+    return selected, m, {}
 
 
-def graft_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
-                selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
+def graft_score(ctx: Context, step: int, prompts: list[list[int]], peers: dict[str, StepRollouts],
+                selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict, dict]:
     """Every response of the received groups retokenised and scored under the receiver (Eqs. 6-8), each with
     its s and w (w = 0: rejected; it leaves before the update). --transfer success keeps only the peer's
-    correct responses (ablation)."""
+    correct responses (ablation). prompts: the step's G receiver prompt ids. Returns ({peer: [PeerResponse]},
+    metrics, counts)."""
     if not peers:  # plain GRPO
-        return {}, {}
-    scored: dict[str, list[PeerResponse]] = {}
+        return {}, {}, {}
+    received: dict[str, list[PeerResponse]] = {}
     m: dict = {}
+    counts: dict = {}
     n_selected = offered = dropped_len = 0
     for name, peer in peers.items():
         groups = torch.nonzero(selected[name]).squeeze(1).tolist()
-        scored[name], dropped = score_peer(tr, step, peer, groups, batch, only_correct=tr.cfg.transfer == "success")
+        received[name], dropped, c = score_peer(ctx, step, peer, groups, prompts,
+                                                only_correct=ctx.transfer == "success")
+        counts = add_counts([counts, c])
         n_selected, dropped_len = n_selected + len(groups), dropped_len + dropped
         offered += int(peer.sizes[groups].sum()) if groups else 0
         if len(peers) > 1:
-            m |= {f"selected/{name}": len(groups), f"accepted/{name}": sum(x.weight > 0 for x in scored[name])}
-    every = [x for got in scored.values() for x in got]
+            m |= {f"selected/{name}": len(groups), f"accepted/{name}": sum(x.weight > 0 for x in received[name])}
+    every = [x for got in received.values() for x in got]
     kept = [x for x in every if x.weight > 0]
-    return scored, m | {
+    return received, m | {
         "selected": n_selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
         "rejected": len(every) - len(kept),
-        "mean_s": float(torch.tensor([x.score for x in every]).mean()) if every else float("nan"),
-        "s_each": [float(x.score) for x in every], "s_index": [x.index for x in every],  # panel.py reads both
-        "mean_w": float(torch.tensor([x.weight for x in kept]).mean()) if kept else float("nan")}
+        "mean_s": float(torch.tensor([x.s for x in every]).mean()) if every else float("nan"),
+        "s_each": [float(x.s) for x in every], "s_index": [x.index for x in every],  # panel.py reads both
+        "mean_w": float(torch.tensor([x.weight for x in kept]).mean()) if kept else float("nan")}, counts
 
 
-def score_peer(tr: Trainer, step: int, peer: StepRollouts, groups: list[int], batch: list[int], *,
-               only_correct: bool = False) -> tuple[list[PeerResponse], int]:
-    """Retokenise the peer's responses of the given groups and score them under the receiver.
-
-    Returns a PeerResponse (receiver ids, receiver behaviour log-probs, w, s) for every response
-    that survived the length limit, and the number dropped by it (core.score_received does both).
-    only_correct: the peer's correct responses only (--transfer success).
-    """
-    cfg, width = tr.cfg, peer.width  # slots per prompt, the stride of r = g * width + i
-    ok = is_success(peer.rewards) if only_correct else peer.mask  # (G, width) the responses it may take
-    picked = [(g, i) for g in groups for i in range(width) if peer.mask[g, i] and ok[g, i]]
-    lbar_src = peer.lbar(cfg.compat_norm) if picked else None  # (G, width); a foreign log may lack it unused
-    sc = score_received([peer.texts[g * width + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
-                        torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
-                        [tr.prompt_ids[batch[g]] for g, _ in picked], tokenizer=tr.tok,
-                        eos_token_id=tr.eos_id, logprobs=tr.sharded_logprobs,
-                        max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
-                        delta=cfg.delta, compat_weight=cfg.compat_weight)
-    w = sc.w  # (R',)
-    if cfg.acceptance == "random" and sc.index:  # ablation
-        w = random_acceptance(sc.s, w, compat_weight=cfg.compat_weight,
-                              generator=seeded_generator(cfg.seed, step, "accept"))
-    out = []
-    for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
-        g, i = picked[j]
-        out.append(PeerResponse(g, g * width + i, ids, lp, wi, si))
-    tr.counts = add_counts([getattr(tr, "counts", {}), {"dropped_roundtrip": len(sc.lost)}])  # lost text
-    return out, len(picked) - len(sc.index) - len(sc.lost)
-
-
-def graft_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-               selected: dict[str, torch.Tensor],
-               scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
+def graft_rows(ctx: Context, prompts: list[list[int]], own: StepRollouts, peers: dict[str, StepRollouts],
+               selected: dict[str, torch.Tensor], received: dict[str, list[PeerResponse]],
+               state: dict) -> tuple[StepRows, dict, dict]:
     """GRAFT's replacement: the receiver's own groups, except each group it receives, whose rows are the
     peer's retained responses (w > 0, departure 4) with the peer's advantages, computed on the peer's full
-    group and held fixed, and weight w. Returns the rows, the (G,) bool mask of groups that reached the
-    update from a peer, and no metrics."""
-    cfg, n, G = tr.cfg, tr.cfg.n, len(batch)
+    group and held fixed, and weight w. Returns StepRows (the rows, the (G,) bool mask of groups that reached
+    the update from a peer, state unchanged), no metrics, no counts."""
+    n, G = ctx.n, len(prompts)
     own_adv = own.advantages.clone()  # (G, n)
     peer_adv: dict[int, torch.Tensor] = {}  # group -> (width,) advantages of the peer's group
     for name, peer in peers.items():
         for g in torch.nonzero(selected[name]).squeeze(1).tolist():
             peer_adv[g] = peer.advantages[g]
-            if cfg.peer_advantages == "pooled":  # ablation: the two groups merged, the own rows kept
+            if ctx.peer_advantages == "pooled":  # ablation: the two groups merged, the own rows kept
                 own_adv[g], peer_adv[g] = pooled_advantages(own.rewards[g], peer.rewards[g], peer.mask[g],
-                                                            std_normalize=cfg.std_normalize)
-    rows = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(own_adv[g, i]))
-            for g in range(G) if g not in peer_adv or cfg.peer_advantages == "pooled" for i in range(n)]
+                                                            std_normalize=ctx.std_normalize)
+    rows = [Row(g, prompts[g], own.tokens[g * n + i], own.logprobs[g * n + i], float(own_adv[g, i]))
+            for g in range(G) if g not in peer_adv or ctx.peer_advantages == "pooled" for i in range(n)]
     replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
-    for name, got in scored.items():
+    for name, got in received.items():
         for x in got:
             if x.weight > 0:  # w = 0: removed before optimisation
-                rows.append(Row(x.group, tr.prompt_ids[batch[x.group]], x.ids, x.old_logp,
+                rows.append(Row(x.group, prompts[x.group], x.ids, x.old_logp,
                                 float(peer_adv[x.group][x.index % peers[name].width]), weight=x.weight, is_peer=True,
-                                kind=tr.variant.peer_kind))
+                                kind=ctx.peer_kind))
                 replaced[x.group] = True
-    return rows, replaced, {}
-
-
-def random_selection(selected: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
-                     generator: torch.Generator) -> torch.Tensor:
-    """Ablation --selection random: as many prompts as the rule selected ((G,) bool), drawn uniformly among
-    those where the source is mixed (k_src, sizes: (G,)). Returns (G,) bool."""
-    pool = torch.nonzero((k_src >= 1) & (k_src < sizes)).squeeze(1)  # (P,)
-    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(selected.sum())]]
-    out = torch.zeros_like(selected)  # (G,)
-    out[pick] = True
-    return out
-
-
-def random_acceptance(s: torch.Tensor, w: torch.Tensor, *, compat_weight: bool,
-                      generator: torch.Generator) -> torch.Tensor:
-    """Ablation --acceptance random: the gate's acceptance count, the accepted responses drawn at random.
-    s, w: (R,) scores and the gate's weights. They keep min(s, 1) as weight (1 without the compatibility
-    weight), so only which responses pass changes. Returns (R,) weights."""
-    pick = torch.randperm(s.numel(), generator=generator)[: int((w > 0).sum())]
-    out = torch.zeros_like(s)  # (R,)
-    out[pick] = s[pick].clamp(max=1.0) if compat_weight else 1.0
-    return out
-
-
-def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, peer_mask: torch.Tensor, *,
-                      std_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ablation --peer-advantages pooled: the receiver's group (n,) and the peer's (M,), masked, merged into
-    one group; GRPO advantages over both. Returns (n,) own and (M,) peer advantages (0 on padding)."""
-    n = own_rewards.numel()
-    pooled = group_advantages(torch.cat([own_rewards, peer_rewards[peer_mask]])[None],
-                              std_normalize=std_normalize)[0]  # (n + size,)
-    return pooled[:n], torch.zeros(peer_mask.numel()).masked_scatter(peer_mask, pooled[n:])
+    return StepRows(rows, replaced, state), {}, {}
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. The trainer: one side of GRAFT (or plain GRPO), its step one call per phase of the map above
+# 3. The registry of methods: GRAFT's three phases or a baseline's (baselines.py), and how the update treats
+#    each row kind. Adding a variant is one entry of VARIANTS and one value of config.Config.variant.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossKind:
+    """How the update treats the rows of one Row.kind (the table is LOSS_KINDS)."""
+
+    fn: Callable | None = None  # None = policy_loss (Eqs. 9-10); else fn(batch, cfg=, loss_denominator=, minibatch=)
+    pool: str = "policy"  # the token-mean pool: rows whose kinds name the same pool share one loss denominator
+    uses_advantage: bool = True  # True: rows with a = 0 give exactly zero gradient and skip the forward
+
+
+LOSS_KINDS: dict[str, LossKind] = {  # every Row.kind and how the update treats it: declared once
+    "pg": LossKind(),  # Eqs. 9-10: GRPO, GRAFT and its ablations
+    "luffy": LossKind(fn=luffy_rows_loss),
+    "hacpo_own": LossKind(fn=hacpo_own_loss),
+    "hacpo_peer": LossKind(fn=hacpo_peer_loss),
+    "nll": LossKind(fn=sgt_rows_loss, pool="nll", uses_advantage=False),  # SGT's NLL: its own token-mean
+}
+
+
+class Variant(NamedTuple):
+    """One method as the three phases of Trainer.step that differ between methods: which groups a side
+    receives (select), which of their responses it keeps, retokenised and scored (score), and the update
+    rows they become (rows). Each phase returns (results, metrics, counts)."""
+
+    select: Callable  # (ctx, step, own, peers) -> ({peer: (G,) bool}, metrics, counts)
+    score: Callable  # (ctx, step, prompts, peers, selected) -> ({peer: [PeerResponse]}, metrics, counts)
+    rows: Callable  # (ctx, prompts, own, peers, selected, received, state) -> (StepRows, metrics, counts)
+    peer_kind: str = "pg"  # the Row.kind of received responses in graft_rows (LUFFY: its peer-token loss)
+
+
+VARIANTS: dict[str, Variant] = {
+    "graft": Variant(graft_select, graft_score, graft_rows),  # section 2
+    "luffy": Variant(graft_select, graft_score, graft_rows, peer_kind="luffy"),  # GRAFT's rows, LUFFY's loss
+    "hacpo": Variant(hacpo_select, hacpo_score, hacpo_rows),
+    "sgt": Variant(sgt_select, sgt_score, sgt_rows),
+}
+assert set(VARIANTS) == set(CHOICES["variant"]), "config.Config.variant must list exactly the entries of VARIANTS"
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. The trainer: one side of GRAFT (or plain GRPO), the loop that calls the rule's phases
 # ------------------------------------------------------------------------------------------------
 
 
@@ -379,7 +334,7 @@ class Trainer(RunFiles):
         self.mode = "online" if cfg.peer_exchange else "stored" if cfg.peer_log else "none"
         self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
         self.peer_names = {"online": cfg.peer_name.split(","), "stored": ["log"]}.get(self.mode, [])
-        # The method's select, score and rows phases (section 4's registry); without a peer each is plain GRPO's.
+        # The method's select, score and rows phases (section 3's registry); without a peer each is plain GRPO's.
         self.variant = VARIANTS[cfg.variant] if self.mode != "none" else VARIANTS["graft"]
         self.foreign: ForeignLog | None = None  # a JSONL --peer-log of foreign trajectories
         self.start_step, self.best_score = 0, -1.0
@@ -416,11 +371,11 @@ class Trainer(RunFiles):
             self.eos_id = self.stop_ids[0]
             self.amp = lambda: compute_context(cfg, self.dist)
             # --fsdp: the FSDP2 root whose forward is the log-prob pass (runtime.shard_policy); None = DP
-            self.policy = shard_policy(self.model, response_logprobs) if cfg.fsdp else None
+            self.fsdp_root = shard_policy(self.model, response_logprobs) if cfg.fsdp else None
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                                          weight_decay=cfg.weight_decay, **adamw_kernel(self.dist.device))
-            if latest is not None and self.policy is not None:
-                load_full_optimizer_state(self.policy, self.opt, state["optimizer"])
+            if latest is not None and self.fsdp_root is not None:
+                load_full_optimizer_state(self.fsdp_root, self.opt, state["optimizer"])
             elif latest is not None:
                 self.opt.load_state_dict(state["optimizer"])
             for group in self.opt.param_groups:  # the optimizer state restores the run's lr; --lr is the one used
@@ -431,6 +386,9 @@ class Trainer(RunFiles):
             if too_long:
                 raise SystemExit(f"--prompts {cfg.prompts}: {len(too_long)} prompts exceed --max-prompt-tokens "
                                  f"{cfg.max_prompt_tokens} (first: {too_long[0]}); raise the limit or filter the file")
+            # what the rule's phases read (section 2): settings, the receiver's tokenizer and log-prob function
+            self.ctx = rule_context(cfg, tokenizer=self.tok, eos_id=self.eos_id, logprob_fn=self.sharded_logprobs,
+                                    both_ways=self.mode == "online", peer_kind=self.variant.peer_kind)
         except BaseException as e:
             self.leave_pair(e)  # the peer may already wait on us: tell it now
             raise
@@ -440,35 +398,41 @@ class Trainer(RunFiles):
     # -- the step: one call per phase of the map -------------------------------------------------
 
     def step(self, step: int) -> dict:
-        """One RL step, the map's phases in order (module docstring); each returns what the next takes."""
+        """One RL step, the map's phases in order (module docstring); each returns what the next takes, and its
+        metrics and counts. The rule's three phases are the variant's functions on data (sections 2-3)."""
         t_start = time.time()
         batch = batch_indices(len(self.data), step, self.cfg.prompts_per_step, self.cfg.data_seed)  # (G,) indices
-        own, timings = self.rollout(step, batch)
+        prompts = [self.prompt_ids[i] for i in batch]  # (G,) the receiver's prompt ids of the step
+        own, c_own, timings = self.rollout(step, batch)
         with timed(timings, "write"):
             self.publish(step, own)
         with timed(timings, "wait"):
-            peers = self.wait_for_peers(step, own)
+            peers, c_peers = self.wait_for_peers(step, own)
         with timed(timings, "exchange"):  # selection, retokenisation, compatibility scoring
-            selected, m_select = self.select(step, own, peers)
-            scored, m_score = self.score(step, batch, peers, selected)
-            rows, replaced, m_rows = self.build_rows(batch, own, peers, selected, scored)
+            v, ctx = self.variant, self.ctx
+            selected, m_select, c_select = v.select(ctx, step, own, peers)
+            received, m_score, c_score = v.score(ctx, step, prompts, peers, selected)
+            built, m_rows, c_rows = v.rows(ctx, prompts, own, peers, selected, received, self.baseline_state)
+            self.baseline_state = built.state  # what the variant keeps across steps, saved in checkpoints
         with timed(timings, "update"):
-            m_update = self.update(step, rows, replaced)
+            m_update = self.update(step, built.rows, built.replaced)
         timings["step"] = time.time() - t_start
-        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update | self.counts
+        counts = add_counts([c_own, c_peers, c_select, c_score, c_rows])
+        return ({"step": step} | rollout_metrics(own) | m_select | m_score | m_rows | m_update | counts
                 | {f"time/{k}": v for k, v in timings.items()})
 
-    def rollout(self, step: int, batch: list[int]) -> tuple[StepRollouts, dict]:
+    def rollout(self, step: int, batch: list[int]) -> tuple[StepRollouts, dict, dict]:
         """Sample n responses per prompt (this rank's share), score them with the reward, recompute their
         behaviour log-probs: the whole batch on every rank. batch: the step's G dataset indices.
-        Returns the step's rollouts (G prompts x n) and the phase timings in seconds."""
+        Returns the step's rollouts (G prompts x n), their counts over all ranks (the reward's faults, non-canonical
+        token sequences) and the phase timings in seconds."""
         cfg, n, G = self.cfg, self.cfg.n, len(batch)
         timings: dict[str, float] = {}
         flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
         mine = shard(flat, self.dist)
         prompts = [self.prompt_ids[batch[r // n]] for r in mine]
         gen = seeded_generator(cfg.seed, step, "sample", rank=self.dist.rank, device=self.dist.device)
-        with gathered(self.policy), timed(timings, "sample"), self.amp():
+        with gathered(self.fsdp_root), timed(timings, "sample"), self.amp():
             # One call for the whole share: at most --gen-batch-size rows in flight, a finished row's slot
             # refilled from the queue (continuous batching), so long-tailed lengths keep the batch full.
             outs: list[Rollout] = sample(
@@ -483,21 +447,21 @@ class Trainer(RunFiles):
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
             scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
                              [self.data[batch[r // n]]["answer"] for r in mine], **reward_options(cfg))
-            self.counts = add_counts(gather_lists([scores.faults | canonical_counts(  # the step's, over all ranks
+            counts = add_counts(gather_lists([scores.faults | canonical_counts(  # the step's, over all ranks
                 [o.tokens for o in outs], prompts, self.tok, eos_token_ids=self.stop_ids)], self.dist))
-        with gathered(self.policy), timed(timings, "logprob"):
+        with gathered(self.fsdp_root), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
             old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
-        scored = [SampledResponse(o.tokens, lp, txt, o.ended_with_eos, rw)
-                  for o, lp, txt, rw in zip(outs, old, texts, scores)]
-        every = unshard(gather_lists(scored, self.dist), G * n, self.dist)  # G * n, response r = g * n + i
-        rewards_t = torch.tensor([x.reward for x in every], dtype=torch.float32).view(G, n)  # (G, n)
+        sampled = [SampledResponse(o.tokens, lp, txt, o.ended_with_eos, rw)
+                   for o, lp, txt, rw in zip(outs, old, texts, scores)]
+        every = unshard(gather_lists(sampled, self.dist), G * n, self.dist)  # G * n, response r = g * n + i
+        reward_values = torch.tensor([x.reward for x in every], dtype=torch.float32).view(G, n)  # (G, n)
         return StepRollouts(
             prompt_ids=[self.data[i]["id"] for i in batch], tokens=[x.tokens for x in every],
             logprobs=[x.logprobs for x in every], texts=[x.text for x in every],
-            eos=torch.tensor([x.ended_with_eos for x in every]).view(G, n), rewards=rewards_t,
-            advantages=group_advantages(rewards_t, std_normalize=cfg.std_normalize)), timings
+            eos=torch.tensor([x.ended_with_eos for x in every]).view(G, n), rewards=reward_values,
+            advantages=group_advantages(reward_values, std_normalize=cfg.std_normalize)), counts, timings
 
     def publish(self, step: int, own: StepRollouts) -> None:
         """Write this side's rollout file of the step (rank 0; atomic): what the peers read, and the stored log."""
@@ -508,14 +472,14 @@ class Trainer(RunFiles):
                            "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed,
                            "run_id": self.run_id})
 
-    def wait_for_peers(self, step: int, own: StepRollouts) -> dict[str, StepRollouts]:
+    def wait_for_peers(self, step: int, own: StepRollouts) -> tuple[dict[str, StepRollouts], dict]:
         """The peers' rollouts of this step, by side name: each live peer's file (online, waited for), a
-        stored run's file or a foreign log's groups (stored, under the name "log"), or none (GRPO)."""
+        stored run's file or a foreign log's groups (stored, under the name "log"), or none (GRPO); and counts."""
         cfg = self.cfg
         if self.mode == "none":
-            return {}
+            return {}, {}
         if self.foreign is not None:  # matched, re-verified and given advantages once, at start
-            return {"log": self.foreign.step(own.prompt_ids)}
+            return {"log": self.foreign.step(own.prompt_ids)}, {}
         if self.mode == "online":
             out = {}
             for name in self.peer_names:
@@ -523,35 +487,16 @@ class Trainer(RunFiles):
                 wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, attempt=self.attempt,
                               join_by=self.join_by, me=cfg.name, dead_after=cfg.peer_dead_after)
                 out[name], _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.run_id)
-            return out
+            return out, {}
         path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
         peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.peer_log_run)
         # Stored logs are re-scored with our reward and their advantages recomputed from that
         # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
         golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
         scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds, **reward_options(cfg))
-        self.counts, peer.rewards = add_counts([self.counts, scores.faults]), torch.tensor(scores).view_as(peer.rewards)
+        peer.rewards = torch.tensor(scores).view_as(peer.rewards)  # (G, n)
         peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
-        return {"log": peer}
-
-    def select(self, step: int, own: StepRollouts,
-               peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
-        """Which groups this side receives: {peer: (G,) bool}, and metrics. The variant's rule (VARIANTS):
-        GRAFT's Eq. 4 and balanced swap (graft_select), or a baseline's."""
-        return self.variant.select(self, step, own, peers)
-
-    def score(self, step: int, batch: list[int], peers: dict[str, StepRollouts],
-              selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
-        """The received groups' responses retokenised for this side and scored: {peer: [PeerResponse]}, and
-        metrics. GRAFT: Eqs. 6-8 (graft_score)."""
-        return self.variant.score(self, step, batch, peers, selected)
-
-    def build_rows(self, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-                   selected: dict[str, torch.Tensor],
-                   scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
-        """The step's update rows, the (G,) bool mask of groups that came from a peer, and metrics.
-        GRAFT: its replacement rule (graft_rows)."""
-        return self.variant.rows(self, batch, own, peers, selected, scored)
+        return {"log": peer}, dict(scores.faults)
 
     # -- what the phases call ----------------------------------------------------------------------
 
@@ -572,7 +517,7 @@ class Trainer(RunFiles):
 
     def sharded_logprobs(self, prompts, responses) -> list[torch.Tensor]:
         """behaviour_logprobs with the rows split over ranks and gathered back in order."""
-        with gathered(self.policy):
+        with gathered(self.fsdp_root):
             mine = self.behaviour_logprobs(shard(prompts, self.dist), shard(responses, self.dist))
         return unshard(gather_lists(mine, self.dist), len(prompts), self.dist)
 
@@ -581,11 +526,11 @@ class Trainer(RunFiles):
         through the chunked kernel; under --fsdp inside the FSDP root's forward (runtime.PolicyForward)."""
         # --fsdp with grad gathers the weights in every forward, so all ranks must make the same number of calls:
         # a shared prefix (a data-dependent second call) runs only where the weights are gathered (no grad)
-        share = self.cfg.share_prefix and (self.policy is None or not torch.is_grad_enabled())
+        share = self.cfg.share_prefix and (self.fsdp_root is None or not torch.is_grad_enabled())
         kw = dict(pad_token_id=self.tok.pad_token_id, temperature=self.cfg.temperature or 1.0,
                   chunk_size=self.cfg.logprob_chunk, share_prefix=share)
-        if self.policy is not None:
-            return self.policy(prompts, responses, **kw)
+        if self.fsdp_root is not None:
+            return self.fsdp_root(prompts, responses, **kw)
         return response_logprobs(self.model, prompts, responses, **kw)
 
     def update(self, step: int, rows: list[Row], replaced: torch.Tensor) -> dict:
@@ -640,7 +585,7 @@ class Trainer(RunFiles):
         mine = shard(sorted(live, key=lambda r: -len(r.response)), self.dist)
         chunks: list[list[Row] | None] = [mine[i: i + cfg.micro_batch_size]
                                           for i in range(0, len(mine), cfg.micro_batch_size)]
-        if self.policy is not None and live:
+        if self.fsdp_root is not None and live:
             # FSDP gathers weights inside every forward and reduces gradients after every backward:
             # all ranks must make the same number of calls. A rank with a smaller share runs idle
             # turns (None): one real row whose loss is multiplied by 0.
@@ -681,10 +626,10 @@ class Trainer(RunFiles):
         for p in params:  # a step with zero gradient still decays weights and moves Adam's moments
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.dist.world > 1 and self.policy is None:  # data parallel: sum the per-rank partial gradients
+        if self.dist.world > 1 and self.fsdp_root is None:  # data parallel: sum the per-rank partial gradients
             for p in params:  # (the loss is a global sum; FSDP already reduce-scattered them, summed)
                 torch.distributed.all_reduce(p.grad)
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if self.policy is None
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if self.fsdp_root is None
                      else clip_sharded_grad_norm_(params, self.cfg.grad_clip))
         if not math.isfinite(norm):
             raise FloatingPointError(f"step {step}, minibatch {mb_index}: the gradient norm is {norm}; stopped "
@@ -716,7 +661,7 @@ class Trainer(RunFiles):
                                        weights=w[sel], eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                                        dual_clip=cfg.dual_clip or None, ratio_level=cfg.ratio_level,
                                        is_peer=is_peer[sel], loss_denominator=denom)
-            else:  # a baseline's surrogate (section 4)
+            else:  # a baseline's surrogate (baselines.py)
                 part, mt = spec.fn(RowBatch(lp[sel], old[sel], adv[sel], mask[sel], w[sel], is_peer[sel]), cfg=cfg,
                                    loss_denominator=denom, minibatch=mb_index)
             loss = loss + part
@@ -797,7 +742,7 @@ class Trainer(RunFiles):
     def validate(self, step: int) -> dict:
         """--eval-every: sampled in the rollouts' precision (self.amp) and KV budget (runtime.eval_rows)."""
         cfg = self.cfg
-        with gathered(self.policy), self.amp():
+        with gathered(self.fsdp_root), self.amp():
             res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False,
                                       max_batch_size=eval_rows(cfg))
         score = res["mean"]
@@ -810,350 +755,13 @@ class Trainer(RunFiles):
         return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
 
 # ------------------------------------------------------------------------------------------------
-# 4. Baselines (README "Baselines and ablations"), apart from GRAFT's path: their losses, their select,
-#    score and rows phases, their row kinds (LOSS_KINDS), and VARIANTS, the one registry of every method
-#
-# Choices the cited papers leave open are ours:
-#  * HACPO (arXiv 2603.02604): every prompt pools both models' n rollouts (no failure gating). The
-#    capability ratio c = (peer success rate) / (own success rate), each a mean over the last 5 steps,
-#    clamped to [0.1, 10] (10 when the own rate is 0). Baseline = capability-weighted pooled mean
-#    (sum r_own + c sum r_peer) / (n + c n); scale = unbiased std of the 2n pooled rewards. Own rows:
-#    sequence-level ratio exp(mean_t log rho_t), clip [1 - 3e-4, 1 + 4e-4]. Peer rows (retokenised):
-#    cross-tokenizer sequence ratio exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), lower clip
-#    bound 0.8 + 0.025 k in minibatch k (capped at 0.999), upper bound 1 + eps_high, loss weight c,
-#    peer loss coefficient 1.0; one shared token-mean denominator.
-#  * SGT (arXiv 2605.07244): plain GRPO rows, plus, for every prompt where the receiver fails all n
-#    and the peer succeeds at least once (all-pass peers included), one correct peer response drawn
-#    uniformly (seeded per step), retokenised, with loss 0.1 x its token-mean NLL; the NLL term has its
-#    own token-mean denominator. Both directions, no weighting, no balancing.
-#  * LUFFY-style: GRAFT's selection and weights; peer tokens use -w f(pi) a with f(pi) = pi / (pi + 0.1),
-#    behaviour probability 1, no clip, in the same token-mean as the own tokens.
-# The ablations of GRAFT itself (random selection/acceptance, pooled advantages, success-only, SGT's
-# selection rule, orders, no balancing, no weight, sequence ratio) are flags on GRAFT's own path (section 3).
-# --variant sgt is the SGT baseline (its NLL loss); --selection sgt only borrows its rescue rule for GRAFT.
-# ------------------------------------------------------------------------------------------------
-
-
-def nll_loss(logp: torch.Tensor, mask: torch.Tensor, *, coef: float, loss_denominator: float | None = None):
-    """SGT's supervised term: coef * token-mean negative log-likelihood of the rows given.
-
-    logp, mask: (B, T). Returns (loss, metrics): nll a Mean over tokens, nll_tokens a count.
-    loss_denominator as in policy_loss (None = the tokens here).
-    """
-    m = mask.float()
-    denom = float(loss_denominator) if loss_denominator is not None else m.sum().clamp(min=1)
-    loss = -coef * (logp * m).sum() / denom
-    return loss, {"nll": Mean(float(-(logp.detach() * m).sum()), float(m.sum())), "nll_tokens": float(m.sum())}
-
-
-def luffy_peer_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, gamma: float = 0.1,
-                    weights: torch.Tensor | None = None, loss_denominator: float | None = None):
-    """LUFFY-style off-policy term for peer tokens: -sum_t w_j f(pi_t) a_j / D, f(pi) = pi / (pi + gamma).
-
-    logp, mask: (B, T) current-policy log-probs of peer tokens; advantages, weights: (B,).
-    The behaviour probability is taken as 1 (so the "ratio" is pi itself) and nothing is clipped;
-    f' = gamma / (pi + gamma)^2 reweights low-probability tokens up (policy shaping). Returns (loss, metrics):
-    peer_prob_mean a Mean of pi over the retained tokens, peer_tokens a count.
-    """
-    weights = torch.ones_like(advantages, dtype=torch.float32) if weights is None else weights.float()
-    tok = mask.float() * (weights > 0).float()[:, None]  # (B, T)
-    pi = logp.exp()  # (B, T)
-    f = pi / (pi + gamma)  # (B, T)
-    denom = float(loss_denominator) if loss_denominator is not None else tok.sum().clamp(min=1)
-    loss = -(f * advantages.float()[:, None] * weights[:, None] * tok).sum() / denom
-    return loss, {"peer_prob_mean": Mean(float((pi.detach() * tok).sum()), float(tok.sum())),
-                  "peer_tokens": float(tok.sum())}
-
-
-def hacpo_advantages(*, r_own: torch.Tensor, r_peer: torch.Tensor, capability_ratio: float, eps: float = 1e-6):
-    """HACPO's pooled advantages for one receiver (arXiv 2603.02604 as the GRAFT paper ran it).
-
-    r_own: (G, n) own rewards; r_peer: (G, M) the peer's rewards on the same prompts.
-    capability_ratio c = peer success rate / own success rate (rolling, clamped by the caller).
-    The baseline is the capability-weighted mean of the pooled group, (sum r_own + c sum r_peer) /
-    (n + c M), and the scale is the unbiased std of the pooled 2n rewards. Returns (adv_own (G, n),
-    adv_peer (G, M)); groups whose pooled rewards are constant get 0.
-    """
-    n, M = r_own.shape[1], r_peer.shape[1]
-    r_own, r_peer = r_own.float(), r_peer.float()
-    base = ((r_own.sum(1, keepdim=True) + capability_ratio * r_peer.sum(1, keepdim=True))
-            / (n + capability_ratio * M))  # (G, 1)
-    pooled = torch.cat([r_own, r_peer], dim=1)  # (G, n + M)
-    std = pooled.std(dim=1, keepdim=True)  # (G, 1)
-    constant = (pooled == pooled[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
-    adv = torch.where(constant, torch.zeros_like(pooled), (pooled - base) / (std + eps))  # (G, n + M)
-    return adv[:, :n], adv[:, n:]
-
-
-def hacpo_select(tr: Trainer, step: int, own: StepRollouts,
-                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
-    """HACPO: every prompt, no failure gating."""
-    _, _, m = exchange_counts(own, peers, tr.cfg.n)
-    G = own.rewards.shape[0]
-    return {name: torch.ones(G, dtype=torch.bool) for name in peers}, m | {"selected": G}
-
-
-def hacpo_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
-                selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
-    """HACPO: every peer response retokenised and scored under the receiver (hacpo_rows uses its
-    retokenisation and the source's lbar, not w)."""
-    (name, peer), = peers.items()
-    got, dropped_len = score_peer(tr, step, peer, torch.nonzero(selected[name]).squeeze(1).tolist(), batch)
-    return {name: got}, {"accepted": len(got), "dropped_length": dropped_len}
-
-
-def hacpo_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-               selected: dict[str, torch.Tensor],
-               scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
-    """HACPO: both models' rollouts pooled on every prompt; capability-weighted baseline, pooled std;
-    own rows with a tight sequence-level clip, peer rows with the cross-tokenizer sequence ratio and the
-    capability coefficient (see hacpo_advantages)."""
-    cfg, n, G = tr.cfg, tr.cfg.n, len(batch)
-    (name, peer), = peers.items()
-    history = tr.baseline_state.setdefault("hacpo_history", [])  # (own, peer) success rate per step
-    history.append((float(own.rewards.mean()), float(peer.rewards.mean())))
-    recent = history[-5:]  # rolling success rates, window 5 steps
-    own_rate = sum(h[0] for h in recent) / len(recent)
-    peer_rate = sum(h[1] for h in recent) / len(recent)
-    c = min(10.0, max(0.1, peer_rate / own_rate)) if own_rate > 0 else 10.0
-    adv_own, adv_peer = hacpo_advantages(r_own=own.rewards, r_peer=peer.rewards, capability_ratio=c)  # (G, n), (G, n)
-    out = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]),
-               kind="hacpo_own") for g in range(G) for i in range(n)]
-    lbar_src = peer.lbar(cfg.compat_norm).view(-1)  # (G * n,)
-    for p in scored[name]:
-        # The peer's "old" log-prob per token is its own per-token mean: the sequence ratio is then
-        # exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), the cross-tokenizer ratio.
-        old = torch.full((len(p.ids),), float(lbar_src[p.index]))  # (T,)
-        out.append(Row(p.group, tr.prompt_ids[batch[p.group]], p.ids, old,
-                       float(adv_peer[p.group, p.index % n]), weight=c, is_peer=True, kind="hacpo_peer"))
-    return out, torch.zeros(G, dtype=torch.bool), {"capability_ratio": c}
-
-
-def sgt_select(tr: Trainer, step: int, own: StepRollouts,
-               peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict]:
-    """SGT's rescue rule: the receiver failed all n and the peer solved at least once (all-pass included)."""
-    k_own, k, m = exchange_counts(own, peers, tr.cfg.n)
-    selected = {name: rescue_candidates(k_recv=k_own, k_src=k[name]) for name in peers}
-    return selected, m | {"selected": sum(int(r.sum()) for r in selected.values())}
-
-
-def sgt_score(tr: Trainer, step: int, batch: list[int], peers: dict[str, StepRollouts],
-              selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict]:
-    """SGT: on each rescue prompt one correct peer response drawn uniformly (seeded per step) and
-    retokenised; nothing is scored under the receiver (the NLL term needs no behaviour log-probs)."""
-    cfg = tr.cfg
-    (name, peer), = peers.items()
-    gen = seeded_generator(cfg.seed, step, "sgt")
-    picked = []
-    for g in torch.nonzero(selected[name]).squeeze(1).tolist():
-        correct = torch.nonzero(is_success(peer.rewards[g])).squeeze(1)  # (k,)
-        i = int(correct[torch.randint(correct.numel(), (1,), generator=gen)])
-        ids = retokenize(peer.texts[g * peer.width + i], bool(peer.eos[g, i]), tr.tok,
-                         max_response_tokens=cfg.max_response_tokens, eos_token_id=tr.eos_id)
-        if ids:  # s is not computed: NaN
-            picked.append(PeerResponse(g, g * peer.width + i, ids, torch.zeros(len(ids)), 1.0, float("nan")))
-    return {name: picked}, {"accepted": len(picked)}
-
-
-def sgt_rows(tr: Trainer, batch: list[int], own: StepRollouts, peers: dict[str, StepRollouts],
-             selected: dict[str, torch.Tensor],
-             scored: dict[str, list[PeerResponse]]) -> tuple[list[Row], torch.Tensor, dict]:
-    """SGT: plain GRPO rows plus one NLL row per picked rescue response (no weighting, no replacement)."""
-    n, G = tr.cfg.n, len(batch)
-    out = [Row(g, tr.prompt_ids[batch[g]], own.tokens[g * n + i], own.logprobs[g * n + i],
-               float(own.advantages[g, i])) for g in range(G) for i in range(n)]
-    out += [Row(x.group, tr.prompt_ids[batch[x.group]], x.ids, x.old_logp, 0.0, is_peer=True, kind="nll")
-            for got in scored.values() for x in got]
-    return out, torch.zeros(G, dtype=torch.bool), {}
-
-
-def _luffy(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
-    return luffy_peer_loss(b.logp, b.advantages, b.mask, gamma=cfg.luffy_gamma, weights=b.weights,
-                           loss_denominator=loss_denominator)
-
-
-def _hacpo_own(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
-    return policy_loss(logp=b.logp, old_logp=b.old_logp, advantages=b.advantages, mask=b.mask, eps_low=3e-4,
-                       eps_high=4e-4, ratio_level="sequence", loss_denominator=loss_denominator)
-
-
-def _hacpo_peer(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
-    low = min(0.8 + 0.025 * minibatch, 0.999)  # the lower bound tightens towards 1 minibatch by minibatch
-    return policy_loss(logp=b.logp, old_logp=b.old_logp, advantages=b.advantages, mask=b.mask, weights=b.weights,
-                       eps_low=1 - low, eps_high=cfg.eps_high, ratio_level="sequence", is_peer=b.is_peer,
-                       loss_denominator=loss_denominator)
-
-
-def _sgt_nll(b: RowBatch, *, cfg: Config, loss_denominator: int, minibatch: int):
-    return nll_loss(b.logp, b.mask, coef=cfg.sgt_coef, loss_denominator=loss_denominator)
-
-
-@dataclass(frozen=True)
-class LossKind:
-    """How the update treats the rows of one Row.kind (the table is LOSS_KINDS)."""
-
-    fn: Callable | None = None  # None = policy_loss (Eqs. 9-10); else fn(batch, cfg=, loss_denominator=, minibatch=)
-    pool: str = "policy"  # the token-mean pool: rows whose kinds name the same pool share one loss denominator
-    uses_advantage: bool = True  # True: rows with a = 0 give exactly zero gradient and skip the forward
-
-
-LOSS_KINDS: dict[str, LossKind] = {  # every Row.kind and how the update treats it: declared once
-    "pg": LossKind(),  # Eqs. 9-10: GRPO, GRAFT and its ablations
-    "luffy": LossKind(fn=_luffy),
-    "hacpo_own": LossKind(fn=_hacpo_own),
-    "hacpo_peer": LossKind(fn=_hacpo_peer),
-    "nll": LossKind(fn=_sgt_nll, pool="nll", uses_advantage=False),  # SGT's NLL: its own token-mean
-}
-
-
-class Variant(NamedTuple):
-    """One method as the three phases of Trainer.step that differ between methods: which groups a side
-    receives (select), which of their responses it keeps, retokenised and scored (score), and the update
-    rows they become (rows). Adding a variant is one entry of VARIANTS and one value of config.Config.variant."""
-
-    select: Callable  # (trainer, step, own, peers) -> ({peer: (G,) bool}, metrics)
-    score: Callable  # (trainer, step, batch, peers, selected) -> ({peer: [PeerResponse]}, metrics)
-    rows: Callable  # (trainer, batch, own, peers, selected, scored) -> (rows, (G,) bool from a peer, metrics)
-    peer_kind: str = "pg"  # the Row.kind of received responses in graft_rows (LUFFY: its peer-token loss)
-
-
-VARIANTS: dict[str, Variant] = {
-    "graft": Variant(graft_select, graft_score, graft_rows),  # section 2
-    "luffy": Variant(graft_select, graft_score, graft_rows, peer_kind="luffy"),  # GRAFT's rows, LUFFY's loss
-    "hacpo": Variant(hacpo_select, hacpo_score, hacpo_rows),
-    "sgt": Variant(sgt_select, sgt_score, sgt_rows),
-}
-assert set(VARIANTS) == set(CHOICES["variant"]), "config.Config.variant must list exactly the entries of VARIANTS"
-
-
-# ------------------------------------------------------------------------------------------------
-# 5. Evaluation: avg@k = pass@1 with the training prompt and verifier (paper: T = 0.6, top-p 0.95, k = 8)
-# ------------------------------------------------------------------------------------------------
-
-BENCHMARKS = {"math500": "math500.jsonl", "aime2024": "aime2024.jsonl", "aime2025": "aime2025.jsonl",
-              "amc23": "amc23.jsonl", "minerva": "minerva.jsonl"}
-
-
-def benchmark_files(spec: str, data_dir: str) -> dict[str, Path]:
-    """--benchmarks: 'all', a comma list of names, or paths to prompt JSONL files -> {name: path}."""
-    names = list(BENCHMARKS) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-    out = {}
-    for name in names:
-        path = Path(data_dir) / BENCHMARKS[name] if name in BENCHMARKS else Path(name)
-        if not path.is_file():
-            hint = "python -m data.prepare writes it" if name in BENCHMARKS else f"known names: {', '.join(BENCHMARKS)}"
-            raise SystemExit(f"--benchmarks: {path} not found ({hint})")
-        out[name if name in BENCHMARKS else path.stem] = path
-    return out
-
-
-def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist_info: DistInfo, *,
-             progress: bool = True, desc: str = "eval", rel_tol: float | None = None,
-             max_batch_size: int | None = None) -> list[dict]:
-    """Sample cfg.eval_samples responses per problem and verify them; rows split over ranks.
-
-    rel_tol: the verifier's numeric tolerance for decimals (None = its MATH default; Minerva's
-    three-significant-figure golds need verify.MINERVA_REL_TOL). max_batch_size: None = --gen-batch-size.
-    Returns one dict per problem, in order: id, answer, correct (list of 0/1), and the responses
-    when cfg.save_responses.
-    """
-    k = cfg.eval_samples
-    jobs = [(p, j) for p in range(len(problems)) for j in range(k)]
-    mine = shard(jobs, dist_info)
-    prompts = [encode_prompt(problems[p]["problem"], tokenizer, template=cfg.prompt_template, chat=cfg.chat_template)
-               for p, _ in mine]
-    gen = seeded_generator(cfg.seed, 0, "eval", rank=dist_info.rank, device=dist_info.device)
-    max_new = cfg.eval_max_tokens or cfg.max_response_tokens
-    was_training = model.training
-    if progress and dist_info.main:
-        print(f"[eval] {desc}: {len(problems)} problems x {k} samples", file=sys.stderr, flush=True)
-    outs = sample(model, prompts, max_new_tokens=max_new, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                  eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen,
-                  max_batch_size=max_batch_size or cfg.gen_batch_size, static=cfg.static_decode,
-                  max_cache_bytes=kv_budget(dist_info.device) if cfg.static_decode else None,
-                  stop_strings=cfg.stop, tokenizer=tokenizer, progress=progress and dist_info.main)
-    texts = [verifier_text(decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids, stop=cfg.stop)[0], cfg.stop)
-             for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
-    model.train(was_training)
-    tol = {} if rel_tol is None else {"rel_tol": rel_tol}
-    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], **reward_options(cfg), **tol)
-    results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
-    out = []
-    for p, prob in enumerate(problems):
-        chunk = results[p * k: (p + 1) * k]
-        row = {"id": prob["id"], "answer": prob["answer"], "correct": [float(s) for s, _ in chunk]}
-        if cfg.save_responses:
-            row["responses"] = [t for _, t in chunk]
-        out.append(row)
-    return out
-
-
-def summarize(per_problem: list[dict]) -> dict:
-    """pass@1 = mean correctness over all samples (avg@k); pass@k = a problem solved by any sample."""
-    if not per_problem:
-        return {"pass@1": 0.0, "pass@k": 0.0, "problems": 0}
-    p1 = sum(sum(r["correct"]) / len(r["correct"]) for r in per_problem) / len(per_problem)
-    pk = sum(1.0 for r in per_problem if max(r["correct"]) > 0) / len(per_problem)
-    return {"pass@1": p1, "pass@k": pk, "problems": len(per_problem)}
-
-
-def evaluate_benchmarks(model, tokenizer, stop_ids, cfg: Config, dist_info: DistInfo, *, progress: bool = True,
-                        max_batch_size: int | None = None) -> dict:
-    """Every benchmark of --benchmarks; 'mean' is the unweighted mean of their pass@1 (the paper's score)."""
-    files = benchmark_files(cfg.benchmarks, cfg.data_dir)
-    res, per = {}, {}
-    for name, path in files.items():
-        problems = load_prompt_file(str(path))
-        if cfg.eval_max_problems:
-            problems = problems[: cfg.eval_max_problems]
-        tol = None
-        if name == "minerva":
-            from verify import MINERVA_REL_TOL as tol  # Minerva golds carry ~3 significant figures
-        per[name] = evaluate(model, tokenizer, stop_ids, problems, cfg, dist_info, progress=progress, desc=name,
-                             rel_tol=tol, max_batch_size=max_batch_size)
-        res[name] = summarize(per[name])
-    mean = sum(r["pass@1"] for r in res.values()) / max(1, len(res))
-    return {"benchmarks": res, "mean": mean, "problems": per}
-
-
-def print_eval_table(res: dict, k: int) -> None:
-    print(f"{'benchmark':<12} {'problems':>8} {'pass@1':>8} {f'pass@{k}':>8}")
-    for name, r in res["benchmarks"].items():
-        print(f"{name:<12} {r['problems']:>8} {100 * r['pass@1']:>8.2f} {100 * r['pass@k']:>8.2f}")
-    print(f"{'mean':<12} {'':>8} {100 * res['mean']:>8.2f}")
-
-
-def run_eval(cfg: Config) -> dict:
-    dist_info = setup_distributed(cfg)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if not cfg.model:
-        raise SystemExit("--model is required")
-    model, tok, stop = load_policy(cfg.model, cfg, dist_info, for_training=False)
-    t0 = time.time()
-    res = evaluate_benchmarks(model, tok, stop, cfg, dist_info)
-    if dist_info.main:
-        print_eval_table(res, cfg.eval_samples)
-        print(f"[eval] {time.time() - t0:.0f}s; settings: {cfg.eval_samples} samples, T={cfg.eval_temperature}, "
-              f"top-p={cfg.eval_top_p}")
-        default = Path(cfg.model) if Path(cfg.model).is_dir() else Path(cfg.out)
-        path = Path(cfg.eval_out) if cfg.eval_out else default / "eval_results.json"
-        settings = {"samples": cfg.eval_samples, "temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p,
-                    "max_tokens": cfg.eval_max_tokens or cfg.max_response_tokens}
-        payload = {"model": cfg.model, "settings": settings, **res}
-        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1)))
-        print(f"[eval] per-problem results -> {path}")
-    return res
-
-
-
-# ------------------------------------------------------------------------------------------------
-# 6. CLI: config.build_parser's flags (field names with dashes, help = field docstrings), dispatched
+# 5. CLI: config.build_parser's flags (field names with dashes, help = field docstrings), dispatched
 # ------------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    # The tools are graft.py's commands, so this dispatch imports tools/ (inside main only); none imports graft.py.
     if argv[:1] == ["complement"]:  # its own flags (complement.py): sources, --n, --batch-size
         from tools import complement
         return complement.main(argv[1:])

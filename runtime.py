@@ -692,7 +692,8 @@ class RunFiles:
         Under --fsdp every rank takes part in gathering the full state dicts; rank 0 writes them.
         A failed write (full disk, read-only folder) removes the temp folder and stops the run with
         the path and the OS error; the last complete checkpoint stays the one --resume takes."""
-        model_state, opt_state = full_state_dicts(self.policy, self.opt) if self.policy is not None else (None, None)
+        root = self.fsdp_root
+        model_state, opt_state = full_state_dicts(root, self.opt) if root is not None else (None, None)
         if not self.dist.main:
             return
         dest = dest or self.ckpt_dir / f"step_{step:06d}"

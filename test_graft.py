@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import baselines
+import evaluation
 import graft
 from config import Config, build_parser, flags_document, validate_config
 from core import (Mean, balanced_swap, batch_indices, compatibility_weights, decode_response, graft_candidates,
@@ -694,19 +696,20 @@ def planted(tiny, tmp_path, monkeypatch, **overrides):
               lr=1e-3, delta=0.0)
     kw.update(overrides)
     tr = graft.Trainer(Config(**kw))
-    own, _ = tr.rollout(0, batch)
+    own, _, _ = tr.rollout(0, batch)
     own.rewards.zero_()
     own.advantages.zero_()
-    return tr, batch, own, tr.wait_for_peers(0, own)
+    return tr, batch, own, tr.wait_for_peers(0, own)[0]
 
 
 def exchange_phases(tr, step, batch, own, peers):
-    """Trainer.step's exchange phases, select -> score -> build_rows: the rows, the (G,) replaced mask and the
-    three phases' metrics merged."""
-    selected, m_select = tr.select(step, own, peers)
-    scored, m_score = tr.score(step, batch, peers, selected)
-    rows, replaced, m_rows = tr.build_rows(batch, own, peers, selected, scored)
-    return rows, replaced, m_select | m_score | m_rows
+    """Trainer.step's exchange phases, the variant's select -> score -> rows on the trainer's Context: the rows, the
+    (G,) replaced mask and the three phases' metrics and counts merged."""
+    v, prompts = tr.variant, [tr.prompt_ids[i] for i in batch]
+    selected, m_select, c_select = v.select(tr.ctx, step, own, peers)
+    received, m_score, c_score = v.score(tr.ctx, step, prompts, peers, selected)
+    built, m_rows, c_rows = v.rows(tr.ctx, prompts, own, peers, selected, received, tr.baseline_state)
+    return built.rows, built.replaced, m_select | m_score | m_rows | c_select | c_score | c_rows
 
 
 def test_sgt_nll_only_on_rescue_prompts_one_response_each(tiny, tmp_path, monkeypatch):
@@ -722,7 +725,7 @@ def test_sgt_nll_only_on_rescue_prompts_one_response_each(tiny, tmp_path, monkey
     assert sum(1 for r in out if r.kind == "pg") == 32 and not replaced.any()  # plain GRPO rows untouched
     # the NLL term: coef * token-mean NLL, and nothing else from those rows
     lp = torch.tensor([[-1.0, -2.0], [-3.0, 0.0]], requires_grad=True)
-    loss, _ = graft.nll_loss(lp, torch.tensor([[1, 1], [1, 0]], dtype=torch.bool), coef=0.1)
+    loss, _ = baselines.nll_loss(lp, torch.tensor([[1, 1], [1, 0]], dtype=torch.bool), coef=0.1)
     assert loss.item() == pytest.approx(0.1 * 6 / 3)
     m = tr.update(0, out, replaced)
     assert m["nll/nll_tokens"] == sum(len(r.response) for r in nll)
@@ -733,14 +736,14 @@ def test_luffy_gradient_is_the_analytic_derivative_of_f():
     g, a = 0.1, torch.tensor([0.7, -1.3])
     lp = torch.tensor([[-0.5, -2.0], [-0.1, -4.0]], requires_grad=True)
     mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, _ = graft.luffy_peer_loss(lp, a, mask, gamma=g)
+    loss, _ = baselines.luffy_peer_loss(lp, a, mask, gamma=g)
     loss.backward()
     pi = lp.detach().exp()
     expected = -(g / (pi + g) ** 2) * pi * a[:, None] / 4
     torch.testing.assert_close(lp.grad, expected)
     # no clipping anywhere: a ratio far above 1 + eps still has a gradient
     lp2 = torch.tensor([[0.0]], requires_grad=True)
-    graft.luffy_peer_loss(lp2, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), gamma=g)[0].backward()
+    baselines.luffy_peer_loss(lp2, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), gamma=g)[0].backward()
     assert lp2.grad.item() == pytest.approx(-g / (1 + g) ** 2)
 
 
@@ -790,7 +793,7 @@ def test_a_format_bonus_is_no_success_when_picking_correct_responses(tiny, tmp_p
 def test_random_acceptance_keeps_the_rate(tiny, tmp_path, monkeypatch):
     tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, delta=0.8)
     _, _, m_gate = exchange_phases(tr, 0, batch, own, peer)
-    tr.cfg.acceptance = "random"
+    tr.ctx = tr.ctx._replace(acceptance="random")  # the rule reads its Context, built from the config at start
     _, _, m_rand = exchange_phases(tr, 0, batch, own, peer)
     assert m_rand["accepted"] == m_gate["accepted"] and m_rand["selected"] == m_gate["selected"] == 4
 
@@ -809,13 +812,13 @@ def test_sgt_selection_rule_with_grafts_update(tiny, tmp_path, monkeypatch):
 
 def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
     tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch)
-    base = tr.select(0, own, peer)[0]["log"]
+    base = graft.graft_select(tr.ctx, 0, own, peer)[0]["log"]
     own.rewards[3] = 1.0  # make group 3 not a candidate; random selection may still draw it (peer is mixed)
     own.rewards[3, 0] = 0.0
-    tr.cfg.selection = "random"
+    tr.ctx = tr.ctx._replace(selection="random")  # the rule reads its Context, built from the config at start
     counts = set()
     for step in range(20):
-        sel = tr.select(step, own, peer)[0]["log"]
+        sel = graft.graft_select(tr.ctx, step, own, peer)[0]["log"]
         k_peer = success_counts(peer["log"].rewards)
         k_own = success_counts(own.rewards)
         assert int(sel.sum()) == int(graft_candidates(k_recv=k_own, k_src=k_peer, n=4).sum())
@@ -826,8 +829,8 @@ def test_random_selection_same_count_among_mixed(tiny, tmp_path, monkeypatch):
 
 def test_hacpo_advantages_hand_computed_and_rows(tiny, tmp_path, monkeypatch):
     # own (1, 0), peer (1, 1), c = 2: baseline (1 + 2 * 2) / (2 + 2 * 2) = 5/6; pooled std of (1,0,1,1) = 0.5
-    a_own, a_peer = graft.hacpo_advantages(r_own=torch.tensor([[1.0, 0.0]]), r_peer=torch.tensor([[1.0, 1.0]]),
-                                     capability_ratio=2.0)
+    a_own, a_peer = baselines.hacpo_advantages(r_own=torch.tensor([[1.0, 0.0]]), r_peer=torch.tensor([[1.0, 1.0]]),
+                                               capability_ratio=2.0)
     torch.testing.assert_close(a_own, torch.tensor([[1 / 6, -5 / 6]]) / (0.5 + 1e-6))
     torch.testing.assert_close(a_peer, torch.tensor([[1 / 6, 1 / 6]]) / (0.5 + 1e-6))
     tr, batch, own, peer = planted(tiny, tmp_path, monkeypatch, variant="hacpo")
@@ -880,6 +883,7 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
 import torch
+import evaluation
 import graft
 from sampler import Rollout
 from transformers import AutoTokenizer
@@ -898,7 +902,7 @@ def planted_sample(model, prompts, *, eos_token_id, **kw):
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         out.append(Rollout(tokens=ids, logprobs=torch.zeros(len(ids)), ended_with_eos=True))
     return out
-graft.sample = planted_sample
+evaluation.sample = planted_sample
 graft.main(sys.argv[1:])
 '''
 
@@ -949,7 +953,7 @@ def test_zero_advantage_rows_have_exactly_zero_gradient():
         assert torch.equal(lp.grad[0], torch.zeros(5)) and torch.equal(lp.grad[2], torch.zeros(5))
         assert lp.grad[1].abs().sum() > 0
     lp.grad = None
-    graft.luffy_peer_loss(lp, adv, mask)[0].backward()
+    baselines.luffy_peer_loss(lp, adv, mask)[0].backward()
     assert torch.equal(lp.grad[0], torch.zeros(5)) and lp.grad[1].abs().sum() > 0
 
 
@@ -993,11 +997,11 @@ def test_stop_strings_in_rollout_eval_and_retokenisation(tiny, tmp_path, monkeyp
              save_responses=True, eval_max_tokens=16, reward_timeout=0)  # 0: the planted reward runs here, read fills
     tr = graft.Trainer(cfg)
     rows = batch_indices(16, 0, 8, 0)
-    free, _ = tr.rollout(0, rows)
+    free, _, _ = tr.rollout(0, rows)
     stop = commonest_pair(free.texts)  # one token a character here: the string spans two tokens
     tr.cfg.stop = [stop]
     read.clear()
-    own, _ = tr.rollout(0, rows)
+    own, _, _ = tr.rollout(0, rows)
     stopped = 0
     for r, (ft, t) in enumerate(zip(free.texts, own.texts)):
         k = ft.find(stop)
@@ -1014,10 +1018,10 @@ def test_stop_strings_in_rollout_eval_and_retokenisation(tiny, tmp_path, monkeyp
     assert 0 < stopped < len(own.texts), f"want rows that stop on {stop!r} and rows that do not, got {stopped}"
     problems = tr.data[:4]
     tr.cfg.stop = []
-    plain = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, DistInfo(), progress=False)
+    plain = evaluation.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, DistInfo(), progress=False)
     plain = [x for p in plain for x in p["responses"]]
     tr.cfg.stop = [commonest_pair(plain)]
-    cut = graft.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, DistInfo(), progress=False)
+    cut = evaluation.evaluate(tr.model, tr.tok, tr.stop_ids, problems, tr.cfg, DistInfo(), progress=False)
     got = [x for p in cut for x in p["responses"]]
     assert got == [verifier_text(x, tr.cfg.stop) for x in plain] and got != plain
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import evaluation
 import graft
 from test_graft import ROOT, common_flags, planted, read_metrics, run_py, tiny  # noqa: F401  (tiny: fixture)
 
@@ -57,7 +58,7 @@ def test_update_under_bf16_autocast_matches_fp32(tiny, tmp_path, monkeypatch):
     tr, rows, own, peers = planted(tiny, tmp_path, monkeypatch, minibatches=1)
     with torch.no_grad():
         tr.model.lm_head.weight.mul_(30.0)
-    own, _ = tr.rollout(0, rows)  # confident samples: mean log-prob about -1.3
+    own, _, _ = tr.rollout(0, rows)  # confident samples: mean log-prob about -1.3
     n = 4
     out = [graft.Row(g, tr.prompt_ids[rows[g]], own.tokens[g * n + i], own.logprobs[g * n + i],
                      1.0 if (g + i) % 2 else -1.0) for g in range(8) for i in range(n)]
@@ -95,7 +96,7 @@ def test_validate_samples_under_autocast_with_its_own_row_budget(tiny, tmp_path,
                                    eval_max_tokens=40, benchmarks=str(tiny / "p.jsonl"), eval_samples=2,
                                    eval_max_problems=3)
     calls = []
-    real_sample = graft.sample
+    real_sample = evaluation.sample
 
     def recording(*args, **kw):
         stats = {}
@@ -103,7 +104,7 @@ def test_validate_samples_under_autocast_with_its_own_row_budget(tiny, tmp_path,
         calls.append((torch.is_autocast_enabled("cpu"), kw["max_batch_size"], stats["kv_dtypes"]))
         return out
 
-    monkeypatch.setattr(graft, "sample", recording)
+    monkeypatch.setattr(evaluation, "sample", recording)
     tr.amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     m = tr.validate(1)
     assert "eval/mean" in m

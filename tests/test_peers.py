@@ -153,10 +153,10 @@ def test_foreign_log_groups_of_any_size_enter_the_update(tiny, tmp_path, monkeyp
                     {"problem": p["problem"], "response": t, "lbar": -0.5} for t in texts]
     tr = foreign_trainer(tiny, tmp_path, monkeypatch, records)
     batch = batch_indices(len(tr.data), 0, 8, 0)
-    own, _ = tr.rollout(0, batch)
+    own, _, _ = tr.rollout(0, batch)
     own.rewards.zero_()  # the receiver failed every prompt: every mixed foreign group is a candidate
     own.advantages.zero_()
-    peers = tr.wait_for_peers(0, own)
+    peers, _ = tr.wait_for_peers(0, own)
     out, replaced, m = exchange_phases(tr, 0, batch, own, peers)
     assert m["selected"] == 8 and replaced.all() and not any(not r.is_peer for r in out)
     assert m["peer_responses"] == sum(len(groups[own.prompt_ids[g]]) for g in range(8))  # padding never offered
@@ -177,8 +177,8 @@ def test_foreign_log_without_lbar_needs_a_peer_model(tiny, tmp_path, monkeypatch
     tr = foreign_trainer(tiny, tmp_path, monkeypatch, records, peer_model=str(tiny / "mb"), out=str(tmp_path / "r2"))
     assert list(tmp_path.glob(".foreign.jsonl.lbar-*.json")), "the computed lbar is cached beside the file"
     batch = batch_indices(len(tr.data), 0, 8, 0)
-    own, _ = tr.rollout(0, batch)
-    lbar = tr.wait_for_peers(0, own)["log"].lbar("token")  # (G, M)
+    own, _, _ = tr.rollout(0, batch)
+    lbar = tr.wait_for_peers(0, own)[0]["log"].lbar("token")  # (G, M)
     assert torch.isfinite(lbar).all() and (lbar < 0).any()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import baselines
 import graft
 from test_graft import ROOT, exchange_phases, planted, tiny  # noqa: F401  (tiny: fixture)
 from core import (Mean, add_metrics, balance_directions, balanced_swap, compatibility_scores, compatibility_weights,
@@ -103,7 +104,7 @@ def test_each_core_docstring_names_the_core_functions_it_calls():
     lambda k, x: compatibility_weights(x, x),
     lambda k, x: sequence_mean_logprob(x[None], torch.ones(1, 3)),
     lambda k, x: policy_loss(x[None], x[None], torch.ones(1), torch.ones(1, 3)),
-    lambda k, x: graft.hacpo_advantages(x[None], x[None], capability_ratio=1.0),
+    lambda k, x: baselines.hacpo_advantages(x[None], x[None], capability_ratio=1.0),
 ], ids=["graft_candidates", "balanced_swap", "balance_directions", "received_groups", "rescue_candidates",
         "compatibility_scores", "compatibility_weights", "sequence_mean_logprob", "policy_loss", "hacpo_advantages"])
 def test_positional_direction_arguments_are_a_type_error(call):

@@ -24,7 +24,7 @@ from tools import preflight
 import verify
 from runtime import DistInfo
 from config import Config
-from core import graft_candidates, success_counts
+from core import graft_candidates, score_peer, success_counts
 from test_graft import exchange_phases
 
 torch.set_num_threads(1)
@@ -217,12 +217,15 @@ def test_cross_scores_match_a_plain_forward(run):
 
 
 def receiver_trainer(side, peer_name: str, **cfg_changes):
-    """A Trainer of one side with its model, tokenizer and prompts, for its exchange phases (no run directory)."""
+    """A Trainer of one side with its model, tokenizer and prompts, for its exchange phases (no run directory):
+    what exchange_phases reads (its variant, its rule Context, its prompts, its baseline state)."""
     tr = graft.Trainer.__new__(graft.Trainer)
     tr.cfg = Config(**{**side.cfg.__dict__, "peer_exchange": "unused", "peer_name": peer_name, **cfg_changes})
-    tr.mode, tr.peer_names, tr.dist, tr.policy = "online", [peer_name], DistInfo(), None
+    tr.dist, tr.fsdp_root, tr.baseline_state = DistInfo(), None, {}
     tr.model, tr.tok, tr.stop_ids, tr.eos_id = side.model, side.tok, side.stop_ids, side.eos_id
     tr.prompt_ids, tr.amp, tr.variant = side.prompt_ids, nullcontext, graft.VARIANTS["graft"]
+    tr.ctx = graft.rule_context(tr.cfg, tokenizer=side.tok, eos_id=side.eos_id, logprob_fn=tr.sharded_logprobs,
+                                both_ways=True)
     return tr
 
 
@@ -235,7 +238,7 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         tr = receiver_trainer(recv, src.name, balance=balance)
         d = report["directions"][key]
         part = d["received"] if balance else d["no_balance"]
-        into = tr.select(0, recv.rollouts, {src.name: src.rollouts})[0][src.name]
+        into = graft.graft_select(tr.ctx, 0, recv.rollouts, {src.name: src.rollouts})[0][src.name]
         groups = d["received_groups"] if balance else [g for g in range(G) if g in set(
             torch.nonzero(graft_candidates(k_recv=success_counts(recv.rollouts.rewards),
                                            k_src=success_counts(src.rollouts.rewards), n=N)).view(-1)
@@ -253,11 +256,11 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         if part["accepted"]:
             assert m["mean_w"] == pytest.approx(part["mean_w"], rel=1e-5)
         # and per response: the step's s of every scored response is the preflight's cross-score
-        got, dropped = graft.score_peer(tr, 0, src.rollouts, groups, batch)
+        got, dropped, _ = score_peer(tr.ctx, 0, src.rollouts, groups, [tr.prompt_ids[i] for i in batch])
         recs = report["responses"][key]
         assert dropped == part["dropped_length"]
         for x in got:
-            assert x.score == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
+            assert x.s == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
         assert m["s_each"] == pytest.approx([recs[x.index]["s"] for x in got], rel=1e-5)  # the logged lists, in order
         assert m["s_index"] == [x.index for x in got]
 
@@ -415,15 +418,14 @@ def test_a_response_whose_round_trip_loses_text_is_dropped_and_counted(run):
     ids = recv.tok.encode(texts[1], add_special_tokens=False)
     assert not decodes_back(ids, texts[1], recv.tok) and decodes_back(recv.tok.encode(texts[0]), texts[0], recv.tok)
     got = score_received(texts, [True, True, False], torch.zeros(3), [recv.prompt_ids[0]] * 3, tokenizer=recv.tok,
-                         eos_token_id=recv.eos_id, logprobs=recv.logprobs, max_response_tokens=CAP)
+                         eos_token_id=recv.eos_id, logprob_fn=recv.logprobs, max_response_tokens=CAP)
     assert got.index == [0, 2] and got.lost == [1]
     tr = receiver_trainer(recv, "a")
-    tr.counts = {}
     peer = sides[0].rollouts
     saved = list(peer.texts)
     peer.texts[0], peer.texts[1] = texts[1], texts[1] + " 3"  # two planted losses in group 0
     try:
-        out, dropped = graft.score_peer(tr, 0, peer, [0], list(range(G)))
+        out, dropped, counts = score_peer(tr.ctx, 0, peer, [0], tr.prompt_ids[:G])
     finally:
         peer.texts[:] = saved
-    assert tr.counts["dropped_roundtrip"] >= 2 and {x.index for x in out}.isdisjoint({0, 1})
+    assert counts["dropped_roundtrip"] >= 2 and {x.index for x in out}.isdisjoint({0, 1})

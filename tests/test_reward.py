@@ -150,8 +150,8 @@ def test_the_step_counts_only_the_stopped_responses(tiny, tmp_path, planted, mon
         texts[k] = "hang" if k in (2, 19) else text
         return texts[k], eos
     monkeypatch.setattr(graft, "decode_response", decode)
-    own, _ = tr.rollout(0, batch)
-    assert tr.counts["reward_timeouts"] == 16 and tr.counts["reward_crashes"] == 0
+    own, counts, _ = tr.rollout(0, batch)
+    assert counts["reward_timeouts"] == 16 and counts["reward_crashes"] == 0
     assert own.rewards.view(-1)[0:8].tolist() == [0.0] * 8 and own.rewards.view(-1)[16:24].tolist() == [0.0] * 8
 
 

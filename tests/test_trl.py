@@ -463,11 +463,13 @@ def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch
                                       peer_log=str(log), steps=1, prompts_per_step=G, n=N, minibatches=2,
                                       max_response_tokens=limit, prompt_template="{problem}=", lr=1e-3, threads=1))
     rows = graft.batch_indices(G, 0, G, 0)
-    own, _ = ours.rollout(0, rows)
-    peers = ours.wait_for_peers(0, own)  # the trainer's phases of step 0, in its order
-    selected, m = ours.select(0, own, peers)
-    scored, m_score = ours.score(0, rows, peers, selected)
-    train_rows, replaced, m_rows = ours.build_rows(rows, own, peers, selected, scored)
+    own, _, _ = ours.rollout(0, rows)
+    peers, _ = ours.wait_for_peers(0, own)  # the trainer's phases of step 0, in its order
+    prompts, v = [ours.prompt_ids[i] for i in rows], ours.variant
+    selected, m, _ = v.select(ours.ctx, 0, own, peers)
+    received, m_score, _ = v.score(ours.ctx, 0, prompts, peers, selected)
+    built, m_rows, _ = v.rows(ours.ctx, prompts, own, peers, selected, received, {})
+    train_rows, replaced = built.rows, built.replaced
     m |= m_score | m_rows
     assert m["dropped_length"] >= 1
 

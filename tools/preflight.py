@@ -169,7 +169,7 @@ def cross_scores(src: Side, recv: Side) -> Received:
     G, n = ro.rewards.shape
     return score_received(ro.texts, ro.eos.view(-1).tolist(), ro.lbar(cfg.compat_norm).view(-1),
                                [recv.prompt_ids[r // n] for r in range(G * n)], tokenizer=recv.tok,
-                               eos_token_id=recv.eos_id, logprobs=recv.logprobs,
+                               eos_token_id=recv.eos_id, logprob_fn=recv.logprobs,
                                max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
                                delta=cfg.delta, compat_weight=cfg.compat_weight)
 
