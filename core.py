@@ -688,7 +688,7 @@ class PeerResponse(NamedTuple):
 
 
 class StepRows(NamedTuple):
-    """The rows phase's answer: what the update takes, and what the variant keeps for the next step."""
+    """The rows phase's answer: what the update takes (a list of Row), and what the variant keeps for the next step."""
 
     rows: list[Row]  # the step's update rows
     replaced: torch.Tensor  # (G,) bool, the groups that reached the update from a peer (updated last)
@@ -718,9 +718,10 @@ def score_peer(ctx: Context, step: int, peer, groups: list[int], prompts: list[l
 
     peer: one peer step (.texts, .eos (G, width), .rewards, .mask, .width, .lbar(norm) (G, width)); groups: the
     prompt positions received; prompts: the step's G receiver prompt ids. only_correct: the peer's correct
-    responses only (the success-only transfer ablation). Returns a PeerResponse for every response that survived the length
-    limit and the round trip, the number dropped by length, and the counts ({"dropped_roundtrip": lost text}).
-    Calls score_received and, under ctx.acceptance "random", random_acceptance."""
+    responses only (the success-only transfer ablation). Returns a PeerResponse for every response that
+    survived the length limit and the round trip, the number dropped by length, and the counts
+    ({"dropped_roundtrip": lost text}). Reads a Context; calls is_success, score_received and, under
+    ctx.acceptance "random", random_acceptance with seeded_generator."""
     width = peer.width  # slots per prompt, the stride of r = g * width + i
     ok = is_success(peer.rewards) if only_correct else peer.mask  # (G, width) the responses it may take
     picked = [(g, i) for g in groups for i in range(width) if peer.mask[g, i] and ok[g, i]]
@@ -766,7 +767,8 @@ def random_acceptance(s: torch.Tensor, w: torch.Tensor, *, compat_weight: bool,
 def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, peer_mask: torch.Tensor, *,
                       std_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Ablation, pooled advantages: the receiver's group (n,) and the peer's (M,), masked, merged into
-    one group; GRPO advantages over both. Returns (n,) own and (M,) peer advantages (0 on padding)."""
+    one group; GRPO advantages over both (group_advantages). Returns (n,) own and (M,) peer advantages (0 on
+    padding)."""
     n = own_rewards.numel()
     pooled = group_advantages(torch.cat([own_rewards, peer_rewards[peer_mask]])[None],
                               std_normalize=std_normalize)[0]  # (n + size,)

@@ -19,19 +19,21 @@ One GRAFT step (Trainer.step, one call per phase; each side of the pair runs the
                            group_advantages, behaviour log-probs by one forward
     Trainer.publish        write this side's rollout file (exchange.save_rollouts)
     Trainer.wait_for_peers wait for and read each peer's file (exchange.load_rollouts), or the stored log
-    Trainer.select         graft_select: graft_candidates (Eq. 4) -> the balanced swap, computed once
-    Trainer.score          graft_score: score_peer -> core.score_received: retokenize ->
-                           receiver log-probs -> compatibility_weights (Eqs. 6-8); `graft.py preflight` too
-    Trainer.build_rows     graft_rows: own groups + the peer's retained responses with the peer's
-                           advantages and w: one Row per response
-    Trainer.update         minibatch_order (peer-last) -> per minibatch Trainer.minibatch_loss
+    graft_select           graft_candidates (Eq. 4) -> core.balanced_swap (three or more sides: multi_peer_sources)
+    graft_score            core.score_peer -> core.score_received: retokenize -> receiver log-probs ->
+                           compatibility_weights (Eqs. 6-8); `graft.py preflight` too
+    graft_rows             own groups + the peer's retained responses with the peer's advantages and w: one Row each
+    Trainer.update         minibatch_order (peer-last) -> per minibatch Trainer.accumulate -> Trainer.minibatch_loss
                            -> policy_loss (Eqs. 9-10) -> one AdamW step
 then Trainer.fit logs the step (one line; a JSON metrics line, keys metrics.METRICS) and keeps atomic checkpoints.
+The three rule phases take data and return data, (results, metrics, counts), and read one read-only core.Context
+(the run's settings, the receiver's tokenizer and log-prob function): no phase takes the Trainer, so the three
+functions of section 2 and core.py are GRAFT as another trainer needs it (tests/test_port.py runs them alone).
 
-Sections: 1 records -> 2 GRAFT's rule (select, score, rows, and its ablations, as the paper states them) -> 3 the
-trainer, whose select, score and build_rows run the variant's three functions -> 4 baselines (HACPO, SGT, LUFFY),
-LOSS_KINDS and VARIANTS, the one registry of methods -> 5 evaluation -> 6 CLI. README "The method, equation by
-equation" maps each equation to its function; README "Files" says what each imported module holds.
+Sections: 1 records -> 2 GRAFT's rule (select, score, rows, as the paper states them; its tensor functions and
+ablations are core.py's) -> 3 the registry of methods (VARIANTS: GRAFT's phases or a baseline's from baselines.py;
+LOSS_KINDS) -> 4 the trainer, the loop that calls them -> 5 CLI. evaluation.py holds the evaluation. README "The
+method, equation by equation" maps each equation to its function; README "Files" says what each module holds.
 
 Departures from the paper or from vanilla GRPO (each is also said on the line that does it):
   1. Retokenisation encodes the peer's response text on its own after the receiver's prompt ids (no BPE merge
