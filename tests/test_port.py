@@ -275,3 +275,143 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
     for key, value in ours.items():
         assert trainer[f"pg/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert {k for k in trainer if k.startswith("pg/")} == {f"pg/{k}" for k in ours}
+
+
+# ------------------------------------------------------------------------------------------------
+# The porter's proof: core.py and the rule's three phases, copied into a fresh folder, run one GRAFT step's
+# selection, scoring and rows on plain tensors and a stub log-prob function (no Trainer, no files, no ranks)
+# ------------------------------------------------------------------------------------------------
+
+RULE_PHASES = ("graft_select", "graft_score", "graft_rows")
+
+PORTER_DRIVER = '''
+import json, math, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the folder off the path: the copy only
+import torch
+from core import Context, balanced_swap, multi_peer_sources, assignment_digest
+from rule import graft_select, graft_score, graft_rows
+try:
+    import graft  # noqa: F401
+    sys.exit("the repository is on the path: this run would not prove the copy stands alone")
+except ModuleNotFoundError:
+    pass
+
+
+class CharTokenizer:
+    """One id per character (ord), EOS 0: enough for retokenize and decodes_back."""
+    eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+class Step:
+    """A step's rollouts of one side as the phases read them: G prompts x n, row-major."""
+    def __init__(self, texts, rewards, token_logp):
+        G, n = rewards.shape
+        self.prompt_ids = [f"q{g}" for g in range(G)]
+        self.texts, self.rewards, self.width, self.sizes = texts, rewards, n, torch.full((G,), n)
+        self.tokens = [[ord(c) for c in t] + [0] for t in texts]
+        self.logprobs = [torch.full((len(t),), lp) for t, lp in zip(self.tokens, token_logp)]
+        self.eos = torch.ones(G, n, dtype=torch.bool)
+        self.mask = torch.ones(G, n, dtype=torch.bool)
+        mean = rewards.mean(1, keepdim=True)
+        std = rewards.std(1, keepdim=True)
+        self.advantages = torch.where(std > 0, (rewards - mean) / (std + 1e-6), torch.zeros_like(rewards))
+
+    def lbar(self, norm):
+        return torch.stack([lp.mean() for lp in self.logprobs]).view_as(self.rewards)
+
+
+calls = []
+def stub_logprob_fn(prompts, responses):  # every receiver token at log-prob -0.5
+    calls.append(len(responses))
+    return [torch.full((len(r),), -0.5) for r in responses]
+
+
+ctx = Context(side="a", n=2, seed=0, tokenizer=CharTokenizer(), eos_id=0, logprob_fn=stub_logprob_fn,
+              max_response_tokens=8, delta=0.8)
+own = Step(["0", "1", "2", "3", "4", "5"], torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]), [-1.0] * 6)
+peer = Step(["12", "x", "7", "8", "9", "99"], torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]),
+            [-0.4, -0.2, -1.0, -1.0, -1.0, -1.0])
+prompts = [[1, 2], [3], [4, 5]]
+selected, m_select, _ = graft_select(ctx, 0, own, {"b": peer})
+received, m_score, counts = graft_score(ctx, 0, prompts, {"b": peer}, selected)
+built, _, _ = graft_rows(ctx, prompts, own, {"b": peer}, selected, received, {})
+k = torch.stack([(own.rewards >= 0.5).sum(1), (peer.rewards >= 0.5).sum(1)])  # (2, G) sides a, b
+print(json.dumps({
+    "selected": selected["b"].tolist(), "assignment": m_select["assignment"],
+    "n_sided": assignment_digest(multi_peer_sources(k, 2), own.prompt_ids),
+    "s": [x.s for x in received["b"]], "w": [x.weight for x in received["b"]], "counts": counts, "calls": calls,
+    "rows": [[r.group, r.prompt, r.response, r.adv, r.weight, r.is_peer] for r in built.rows],
+    "replaced": built.replaced.tolist()}))
+'''
+
+
+def test_the_rule_runs_copied_alone_on_plain_tensors(tmp_path):
+    """A porter's copy: core.py as it is, and graft.py's three phases pasted below `from core import *`, in a fresh
+    folder, run by a Python that cannot see the repository. One planted step (side a, peer b, G = 3, n = 2): a fails
+    q0 where b is mixed, b fails q1 where a is mixed, so the balanced swap gives a q0; b's two responses on q0 score
+    s = exp(-0.5 - lbar_src) under the stub receiver (every token -0.5): exp(-0.1) passes delta = 0.8, exp(-0.3)
+    does not. Hand-computed rows: a's own groups q1, q2, and b's accepted response on q0 with b's advantage."""
+    import json
+    import subprocess
+    import sys
+    source = (ROOT / "graft.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    phases = [ast.get_source_segment(source, n) for n in tree.body
+              if isinstance(n, ast.FunctionDef) and n.name in RULE_PHASES]
+    assert len(phases) == 3
+    folder = tmp_path / "porter"
+    folder.mkdir()
+    (folder / "core.py").write_text((ROOT / "core.py").read_text(encoding="utf-8"), encoding="utf-8")
+    (folder / "rule.py").write_text("from __future__ import annotations\nimport torch\nfrom core import *\n\n\n"
+                                    + "\n\n\n".join(phases) + "\n", encoding="utf-8")
+    (folder / "run.py").write_text(PORTER_DRIVER, encoding="utf-8")
+    r = subprocess.run([sys.executable, "-I", str(folder / "run.py")], cwd=folder, capture_output=True, text=True,
+                       timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["selected"] == [True, False, False]  # Eq. 4 both ways, m = 1: a receives b's group on q0
+    assert got["assignment"] == got["n_sided"]  # the paper's swap and the N-sided extension agree on two sides
+    assert got["s"] == pytest.approx([math.exp(-0.1), math.exp(-0.3)], rel=1e-6)
+    assert got["w"] == pytest.approx([math.exp(-0.1), 0.0], rel=1e-6)  # Eqs. 7-8: min(s, 1) above delta, else 0
+    assert got["counts"] == {"dropped_roundtrip": 0} and got["calls"] == [2]  # one scoring call, both responses
+    adv = 0.5 / (2 ** -0.5 + 1e-6)  # b's group on q0: rewards (1, 0), mean 0.5, unbiased std 1/sqrt(2)
+    want = [[1, [3], [ord("2"), 0], 0.5 / (2 ** -0.5 + 1e-6), 1.0, False],
+            [1, [3], [ord("3"), 0], -0.5 / (2 ** -0.5 + 1e-6), 1.0, False],
+            [2, [4, 5], [ord("4"), 0], 0.0, 1.0, False], [2, [4, 5], [ord("5"), 0], 0.0, 1.0, False],
+            [0, [1, 2], [ord("1"), ord("2"), 0], adv, math.exp(-0.1), True]]
+    assert len(got["rows"]) == len(want)
+    for row, w in zip(got["rows"], want):
+        assert row[:3] == w[:3] and row[5] == w[5] and row[3] == pytest.approx(w[3], rel=1e-5)
+        assert row[4] == pytest.approx(w[4], rel=1e-6)
+    assert got["replaced"] == [True, False, False]
+
+
+def test_two_sided_selection_is_the_paper_swap_and_the_n_sided_rule():
+    """graft_select on two live sides runs balanced_swap; on the same counts multi_peer_sources (the extension to
+    three or more sides) selects the same groups, with and without balancing, on 300 random steps."""
+    from core import Context, multi_peer_sources
+
+    class Counts:
+        def __init__(self, rewards):
+            self.rewards, self.prompt_ids = rewards, [str(i) for i in range(rewards.shape[0])]
+            self.mask, self.sizes = torch.ones_like(rewards, dtype=torch.bool), torch.full((rewards.shape[0],), 4)
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        G = int(torch.randint(1, 20, (1,), generator=g))
+        ra, rb = (torch.rand(G, 4, generator=g) < torch.rand(G, 1, generator=g)).float(), \
+            (torch.rand(G, 4, generator=g) < torch.rand(G, 1, generator=g)).float()
+        balance = trial % 2 == 0
+        for me, other, r_me, r_other in (("a", "b", ra, rb), ("b", "a", rb, ra)):
+            ctx = Context(side=me, n=4, seed=0, tokenizer=None, eos_id=0, logprob_fn=None, max_response_tokens=8,
+                          balance=balance)
+            sel, m, _ = graft.graft_select(ctx, 0, Counts(r_me), {other: Counts(r_other)})
+            src = multi_peer_sources(torch.stack([success_counts(ra), success_counts(rb)]), 4, balance=balance)
+            mine, theirs = (0, 1) if me == "a" else (1, 0)
+            assert torch.equal(sel[other], src[mine] == theirs), (trial, me)
