@@ -76,7 +76,7 @@ class StepRollouts:
 
     @property
     def width(self) -> int:
-        """Slots per prompt, the stride of r = g * width + i: n here, as in a foreign log's ForeignStep."""
+        """Slots per prompt, the stride of r = g * width + i: n here (a foreign log's ForeignStep: its widest group)."""
         return self.n
 
     @property
@@ -265,6 +265,32 @@ def load_rollouts(path: Path, *, n: int | None = None, prompt_ids: list[str] | N
     r = StepRollouts(prompt_ids=ids, tokens=tokens, logprobs=logprobs, texts=texts, eos=t["eos"].bool(),
                      rewards=t["rewards"].float(), advantages=t["advantages"].float())
     return r, meta
+
+
+class OnlinePeers:
+    """The online peers as a peer source (one of three: foreign.StoredRun and foreign.ForeignLog are the others, with
+    the same `read` and `both_ways`): each live side's rollout file of the step, waited for in the exchange
+    directory. They receive from this side too, so the selection balances the two directions (both_ways)."""
+
+    both_ways = True
+
+    def __init__(self, exchange: Path, names: list[str], *, me: str, n: int, timeout: float, dead_after: float):
+        self.exchange, self.names, self.me, self.n = Path(exchange), list(names), me, n
+        self.timeout, self.dead_after = timeout, dead_after
+        self.run_id: str | None = None  # the pair's run identity and attempt, set when this side joins the run
+        self.attempt = 0
+        self.join_by: float | None = None  # the peers' join deadline, set once this side's model has loaded
+
+    def read(self, step: int, own: StepRollouts) -> tuple[dict[str, StepRollouts], dict]:
+        """Each peer's rollouts of this step, by side name, checked against this side's batch (own.prompt_ids)
+        and run; no counts. Waits for each file (wait_for_file: a dead or departed peer stops the wait)."""
+        out = {}
+        for name in self.names:
+            path = rollout_path(self.exchange, name, step)
+            wait_for_file(path, timeout=self.timeout, run_id=self.run_id, attempt=self.attempt, join_by=self.join_by,
+                          me=self.me, dead_after=self.dead_after)
+            out[name], _ = load_rollouts(path, n=self.n, prompt_ids=own.prompt_ids, run_id=self.run_id)
+        return out, {}
 
 
 def file_run_id(path: Path) -> str | None:

@@ -76,7 +76,7 @@ from typing import Callable
 
 import torch
 
-from core import (LBAR_FLOOR, PeerRecord, first_stop, graft_candidates, is_success,  # Eq. 4
+from core import (LBAR_FLOOR, PeerRecord, first_stop, graft_candidates, group_advantages, is_success,  # Eq. 4
                   masked_group_advantages, parse_peer_records, success_counts,  # ragged groups (choice 1), one parser
                   verifier_text)
 from data.prompts import jsonl_objects
@@ -273,6 +273,12 @@ class ForeignLog:
             raise ValueError(f"{self.path}:{lines[0]}: no {what} on {len(lines)} used records; give it in the file "
                              f"or compute it with --peer-model PATH (the model that wrote them, or a proxy)")
 
+    both_ways = False  # a peer source (exchange.OnlinePeers): nothing goes back to a log
+
+    def read(self, step: int, own) -> tuple[dict[str, ForeignStep], dict]:
+        """The peer source's answer for one step: {"log": the batch's groups} (re-verified at start), no counts."""
+        return {"log": self.step(own.prompt_ids)}, {}
+
     def step(self, prompt_ids: list[str]) -> ForeignStep:
         """The foreign peer data for one batch, prompts in the batch's order (absent ones: size 0)."""
         G, M = len(prompt_ids), self.width
@@ -370,10 +376,9 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     log = ForeignLog(path, groups, counts, std_normalize=std_normalize)
     gold = {p["id"]: p["answer"] for p in prompts}
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]
-    texts = [verifier_text(log.texts[p][i], tuple(stop)) for p, i in flat]  # cut before a stop string
     golds = [gold[log.prompt_ids[p]] for p, _ in flat]
-    scores = rewards(reward, texts, golds, workers=verify_workers, timeout=reward_timeout,
-                     **({} if rel_tol is None else {"rel_tol": rel_tol}))
+    scores = peer_rewards([log.texts[p][i] for p, i in flat], golds, reward=reward, stop=stop, workers=verify_workers,
+                          timeout=reward_timeout, **({} if rel_tol is None else {"rel_tol": rel_tol}))
     table = torch.zeros(log.mask.shape)  # (P, M)
     if flat:
         rows, cols = zip(*flat)
@@ -469,16 +474,49 @@ def fill_lbar(log: ForeignLog, model, tokenizer, *, model_path: str, encode_prom
 # ------------------------------------------------------------------------------------------------
 
 
-def open_peer_log(cfg, data: list[dict], dist, *, start_step: int) -> tuple[str | None, ForeignLog | None]:
-    """--peer-log, checked once at start. Returns (the rollout folder's run id, None) for a finished
-    run's rollout files, or (None, the loaded ForeignLog) for a JSONL of foreign trajectories.
+def peer_rewards(texts: list[str], golds: list[str], *, reward: str, stop, workers: int, timeout: float, **tol):
+    """The one place a stored peer's responses get their rewards (a finished run's files, each step; a foreign
+    log's records, once): our reward (reward.rewards, --reward) on each text cut before a stop string, against our
+    gold answers; another run's verdicts are never trusted. Returns rewards' list (with .faults)."""
+    return rewards(reward, [verifier_text(t, tuple(stop)) for t in texts], golds, workers=workers, timeout=timeout,
+                   **tol)
+
+
+class StoredRun:
+    """A finished run's rollout folder as the stored peer (the paper's stored-trajectory variant), a peer source
+    like exchange.OnlinePeers: its file of each step, re-scored with our reward (peer_rewards) and given GRPO
+    advantages from that; one-way (both_ways False: nothing goes back to a finished run)."""
+
+    both_ways = False
+
+    def __init__(self, folder: Path, *, run_id: str | None, n: int, golds: dict[str, str], reward: str, stop,
+                 workers: int, timeout: float, std_normalize: bool):
+        self.folder, self.run_id, self.n, self.golds = Path(folder), run_id, n, golds
+        self.reward, self.stop, self.workers, self.timeout = reward, list(stop), workers, timeout
+        self.std_normalize = std_normalize
+
+    def read(self, step: int, own) -> tuple[dict, dict]:
+        """{"log": the step's rollouts, re-scored}, and the reward's fault counts."""
+        peer, _ = load_rollouts(self.folder / f"step_{step:06d}.safetensors", n=self.n, prompt_ids=own.prompt_ids,
+                                run_id=self.run_id)
+        golds = [self.golds[i] for i in peer.prompt_ids for _ in range(self.n)]
+        scores = peer_rewards(peer.texts, golds, reward=self.reward, stop=self.stop, workers=self.workers,
+                              timeout=self.timeout)
+        peer.rewards = torch.tensor(scores).view_as(peer.rewards)  # (G, n)
+        peer.advantages = group_advantages(peer.rewards, std_normalize=self.std_normalize)  # (G, n)
+        return {"log": peer}, dict(scores.faults)
+
+
+def open_peer_log(cfg, data: list[dict], dist, *, start_step: int) -> StoredRun | ForeignLog:
+    """--peer-log, checked once at start: the stored peer as a peer source. Returns a StoredRun for a finished
+    run's rollout files, or the loaded ForeignLog for a JSONL of foreign trajectories.
 
     cfg: the trainer's Config; data: the run's prompts (--prompts); dist: runtime.DistInfo. A rollout
     folder must hold a file of this n for every step the run will take, from start_step on. Bad input
     raises SystemExit naming the flag and the file (and line, for JSONL records)."""
     log = Path(cfg.peer_log)
     if log.is_file():
-        return None, load_foreign(cfg, data, dist)
+        return load_foreign(cfg, data, dist)
     if not log.is_dir():
         raise SystemExit(f"--peer-log {cfg.peer_log!r}: no such folder of rollout files or JSONL file")
     missing = [t for t in range(start_step, cfg.steps) if not (log / f"step_{t:06d}.safetensors").is_file()]
@@ -491,7 +529,9 @@ def open_peer_log(cfg, data: list[dict], dist, *, start_step: int) -> tuple[str 
         _, meta = load_rollouts(log / f"step_{start_step:06d}.safetensors", n=cfg.n)
     except ValueError as e:
         raise SystemExit(f"--peer-log: {e}") from None
-    return meta.get("run_id"), None
+    return StoredRun(log, run_id=meta.get("run_id"), n=cfg.n, golds={r["id"]: r["answer"] for r in data},
+                     reward=cfg.reward, stop=cfg.stop, workers=cfg.verify_workers, timeout=cfg.reward_timeout,
+                     std_normalize=cfg.std_normalize)
 
 
 def load_foreign(cfg, data: list[dict], dist) -> ForeignLog:

@@ -118,9 +118,8 @@ from core import (Context, Mean, PeerResponse, Row, StepRows, add_counts, add_me
                   pooled_advantages, random_selection, rescue_candidates, score_peer, seeded_generator,
                   success_counts, verifier_text)  # the copyable core
 from evaluation import benchmark_files, evaluate_benchmarks, run_eval  # --eval-every and `graft.py eval`
-from foreign import ForeignLog, open_peer_log  # --peer-log: the stored peer, checked at start
-from exchange import (Heartbeat, StepRollouts, load_rollouts, rollout_path, save_rollouts,
-                      wait_for_file)  # the rollout file
+from foreign import ForeignLog, StoredRun, open_peer_log  # --peer-log: the stored peer, checked at start
+from exchange import Heartbeat, OnlinePeers, StepRollouts, rollout_path, save_rollouts  # the rollout file, live peers
 from metrics import LiveReport  # --report-to
 from plan import check_at_start, run_plan  # the memory plan on fake tensors: at start, and `graft.py plan`
 from reward import check_golds, load_reward, reward_options, rewards  # the reward seam, called in one place
@@ -333,12 +332,12 @@ class Trainer(RunFiles):
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out)
         self.ckpt_dir = self.out / "checkpoints"
-        self.mode = "online" if cfg.peer_exchange else "stored" if cfg.peer_log else "none"
         self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
-        self.peer_names = {"online": cfg.peer_name.split(","), "stored": ["log"]}.get(self.mode, [])
         # The method's select, score and rows phases (section 3's registry); without a peer each is plain GRPO's.
-        self.variant = VARIANTS[cfg.variant] if self.mode != "none" else VARIANTS["graft"]
-        self.foreign: ForeignLog | None = None  # a JSONL --peer-log of foreign trajectories
+        self.variant = VARIANTS[cfg.variant] if cfg.peer_exchange or cfg.peer_log else VARIANTS["graft"]
+        # The peer source, one interface (read, both_ways) over three kinds of peer: exchange.OnlinePeers (live
+        # sides), foreign.StoredRun (a finished run's files), foreign.ForeignLog (a JSONL log); None = plain GRPO.
+        self.peers: OnlinePeers | StoredRun | ForeignLog | None = None
         self.start_step, self.best_score = 0, -1.0
         self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)
         self.heartbeat: Heartbeat | None = None
@@ -361,12 +360,13 @@ class Trainer(RunFiles):
             raise SystemExit(f"--prompts {cfg.prompts}: {len(self.data)} prompts < --prompts-per-step "
                              f"{cfg.prompts_per_step}")
         check_golds(self.data, cfg, main=self.dist.main)
-        if self.mode == "stored":  # a rollout folder's run id, or a JSONL of foreign trajectories loaded once
-            self.peer_log_run, self.foreign = open_peer_log(cfg, self.data, self.dist,
-                                                                    start_step=self.start_step)
-        else:
-            self.peer_log_run = None
+        if cfg.peer_log:  # a rollout folder's files, or a JSONL of foreign trajectories loaded once, checked here
+            self.peers = open_peer_log(cfg, self.data, self.dist, start_step=self.start_step)
         self.run_id = self.join_pair()
+        if cfg.peer_exchange:
+            self.peers = OnlinePeers(self.exchange, self.peer_names, me=cfg.name, n=cfg.n,
+                                     timeout=cfg.exchange_timeout, dead_after=cfg.peer_dead_after)
+            self.peers.run_id, self.peers.attempt = self.run_id, self.attempt
         try:
             check_at_start(cfg, self.dist, benchmark_files)  # the memory plan: a misfit stops before any weight loads
             self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
@@ -390,7 +390,8 @@ class Trainer(RunFiles):
                                  f"{cfg.max_prompt_tokens} (first: {too_long[0]}); raise the limit or filter the file")
             # what the rule's phases read (section 2): settings, the receiver's tokenizer and log-prob function
             self.ctx = rule_context(cfg, tokenizer=self.tok, eos_id=self.eos_id, logprob_fn=self.sharded_logprobs,
-                                    both_ways=self.mode == "online", peer_kind=self.variant.peer_kind)
+                                    both_ways=self.peers is not None and self.peers.both_ways,
+                                    peer_kind=self.variant.peer_kind)
         except BaseException as e:
             self.leave_pair(e)  # the peer may already wait on us: tell it now
             raise
@@ -475,30 +476,10 @@ class Trainer(RunFiles):
                            "run_id": self.run_id})
 
     def wait_for_peers(self, step: int, own: StepRollouts) -> tuple[dict[str, StepRollouts], dict]:
-        """The peers' rollouts of this step, by side name: each live peer's file (online, waited for), a
-        stored run's file or a foreign log's groups (stored, under the name "log"), or none (GRPO); and counts."""
-        cfg = self.cfg
-        if self.mode == "none":
-            return {}, {}
-        if self.foreign is not None:  # matched, re-verified and given advantages once, at start
-            return {"log": self.foreign.step(own.prompt_ids)}, {}
-        if self.mode == "online":
-            out = {}
-            for name in self.peer_names:
-                path = rollout_path(self.exchange, name, step)
-                wait_for_file(path, timeout=cfg.exchange_timeout, run_id=self.run_id, attempt=self.attempt,
-                              join_by=self.join_by, me=cfg.name, dead_after=cfg.peer_dead_after)
-                out[name], _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.run_id)
-            return out, {}
-        path = Path(cfg.peer_log) / f"step_{step:06d}.safetensors"
-        peer, _ = load_rollouts(path, n=cfg.n, prompt_ids=own.prompt_ids, run_id=self.peer_log_run)
-        # Stored logs are re-scored with our reward and their advantages recomputed from that
-        # (the paper's stored-trajectory variant): another run's verifier may have disagreed.
-        golds = [self.data_by_id[i]["answer"] for i in peer.prompt_ids for _ in range(cfg.n)]
-        scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in peer.texts], golds, **reward_options(cfg))
-        peer.rewards = torch.tensor(scores).view_as(peer.rewards)  # (G, n)
-        peer.advantages = group_advantages(peer.rewards, std_normalize=cfg.std_normalize)  # (G, n)
-        return {"log": peer}, dict(scores.faults)
+        """The peers' rollouts of this step, by side name, and counts, from the run's peer source: each live peer's
+        file, waited for (exchange.OnlinePeers); a stored run's file, re-scored (foreign.StoredRun); a foreign log's
+        groups (foreign.ForeignLog); none without a peer (GRPO)."""
+        return self.peers.read(step, own) if self.peers is not None else ({}, {})
 
     # -- what the phases call ----------------------------------------------------------------------
 
@@ -711,8 +692,8 @@ class Trainer(RunFiles):
 
     def fit(self):
         cfg = self.cfg
-        if self.mode == "online":  # the clock starts once this side's own model has loaded
-            self.join_by = time.time() + cfg.join_timeout
+        if isinstance(self.peers, OnlinePeers):  # the clock starts once this side's own model has loaded
+            self.join_by = self.peers.join_by = time.time() + cfg.join_timeout
             if self.dist.main:
                 print(f"[graft] run {self.run_id} attempt {self.attempt} in {self.exchange}: waiting up to "
                       f"--join-timeout {cfg.join_timeout:.0f}s for {', '.join(self.peer_names)} to join")

@@ -480,6 +480,16 @@ def lost_rank_message(error: BaseException, name: str, world: int) -> str:
 class RunFiles:
     """Run directory, resume checks, the pair's run identity, metrics trimming, checkpoints."""
 
+    @property
+    def mode(self) -> str:
+        """The kind of peer as the run's files record it: online (--peer-exchange), stored (--peer-log) or none."""
+        return "online" if self.cfg.peer_exchange else "stored" if self.cfg.peer_log else "none"
+
+    @property
+    def peer_names(self) -> list[str]:
+        """The side names of the peers (the online run's --peer-name list, "log" for a stored peer)."""
+        return {"online": self.cfg.peer_name.split(","), "stored": ["log"]}.get(self.mode, [])
+
     def check_resume_settings(self) -> None:
         """--resume: refuse any change of what defines the run (against <out>/run.json), before the
         model loads; apply and print the changes that may be made (RESUMABLE)."""
