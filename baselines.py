@@ -152,7 +152,7 @@ def hacpo_score(ctx: Context, step: int, prompts: list[list[int]], peers: dict,
 
 
 def hacpo_rows(ctx: Context, prompts: list[list[int]], own, peers: dict, selected: dict[str, torch.Tensor],
-               scored: dict[str, list[PeerResponse]], state: dict) -> tuple[StepRows, dict, dict]:
+               received: dict[str, list[PeerResponse]], state: dict) -> tuple[StepRows, dict, dict]:
     """HACPO: both models' rollouts pooled on every prompt; capability-weighted baseline, pooled std;
     own rows with a tight sequence-level clip, peer rows with the cross-tokenizer sequence ratio and the
     capability coefficient (see hacpo_advantages). state["hacpo_history"]: the (own, peer) success rate of
@@ -168,7 +168,7 @@ def hacpo_rows(ctx: Context, prompts: list[list[int]], own, peers: dict, selecte
     out = [Row(g, prompts[g], own.tokens[g * n + i], own.logprobs[g * n + i], float(adv_own[g, i]),
                kind="hacpo_own") for g in range(G) for i in range(n)]
     lbar_src = peer.lbar(ctx.compat_norm).view(-1)  # (G * n,)
-    for p in scored[name]:
+    for p in received[name]:
         # The peer's "old" log-prob per token is its own per-token mean: the sequence ratio is then
         # exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), the cross-tokenizer ratio.
         old = torch.full((len(p.ids),), float(lbar_src[p.index]))  # (T,)
@@ -208,11 +208,11 @@ def sgt_score(ctx: Context, step: int, prompts: list[list[int]], peers: dict,
 
 
 def sgt_rows(ctx: Context, prompts: list[list[int]], own, peers: dict, selected: dict[str, torch.Tensor],
-             scored: dict[str, list[PeerResponse]], state: dict) -> tuple[StepRows, dict, dict]:
+             received: dict[str, list[PeerResponse]], state: dict) -> tuple[StepRows, dict, dict]:
     """SGT: plain GRPO rows plus one NLL row per picked rescue response (no weighting, no replacement)."""
     n, G = ctx.n, len(prompts)
     out = [Row(g, prompts[g], own.tokens[g * n + i], own.logprobs[g * n + i], float(own.advantages[g, i]))
            for g in range(G) for i in range(n)]
     out += [Row(x.group, prompts[x.group], x.ids, x.old_logp, 0.0, is_peer=True, kind="nll")
-            for got in scored.values() for x in got]
+            for got in received.values() for x in got]
     return StepRows(out, torch.zeros(G, dtype=torch.bool), state), {}, {}

@@ -76,8 +76,8 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
              for o in outs]  # what the verifier reads: cut before a stop string (departure 11)
     model.train(was_training)
     tol = {} if rel_tol is None else {"rel_tol": rel_tol}
-    scores = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], **reward_options(cfg), **tol)
-    results = unshard(gather_lists(list(zip(scores, texts)), dist_info), len(jobs), dist_info)
+    verdicts = rewards(cfg.reward, texts, [problems[p]["answer"] for p, _ in mine], **reward_options(cfg), **tol)
+    results = unshard(gather_lists(list(zip(verdicts, texts)), dist_info), len(jobs), dist_info)
     out = []
     for p, prob in enumerate(problems):
         chunk = results[p * k: (p + 1) * k]

@@ -338,7 +338,7 @@ class Trainer(RunFiles):
         # The peer source, one interface (read, both_ways) over three kinds of peer: exchange.OnlinePeers (live
         # sides), foreign.StoredRun (a finished run's files), foreign.ForeignLog (a JSONL log); None = plain GRPO.
         self.peers: OnlinePeers | StoredRun | ForeignLog | None = None
-        self.start_step, self.best_score = 0, -1.0
+        self.start_step, self.best_eval_mean = 0, -1.0
         self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)
         self.heartbeat: Heartbeat | None = None
         # Everything that can fail on bad input fails here, before the first rollout: the run
@@ -348,7 +348,7 @@ class Trainer(RunFiles):
             self.check_resume_settings()  # refuses a change of what defines the run, before anything loads
         latest, state = self.resume_checkpoint() if cfg.resume else (None, None)
         if latest is not None:
-            self.start_step, self.best_score = int(state["step"]), float(state["best_score"])
+            self.start_step, self.best_eval_mean = int(state["step"]), float(state["best_eval_mean"])
             self.baseline_state = state.get("baseline_state", {})
         elif cfg.resume and self.dist.main:
             print(f"--resume: no checkpoint in {self.ckpt_dir}, starting from --model")
@@ -448,16 +448,16 @@ class Trainer(RunFiles):
         with timed(timings, "verify"):
             # stored text: through the first stop string; the verifier reads it cut before (departure 11)
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
-            scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
+            verdicts = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
                              [self.data[batch[r // n]]["answer"] for r in mine], **reward_options(cfg))
-            counts = add_counts(gather_lists([scores.faults | canonical_counts(  # the step's, over all ranks
+            counts = add_counts(gather_lists([verdicts.faults | canonical_counts(  # the step's, over all ranks
                 [o.tokens for o in outs], prompts, self.tok, eos_token_ids=self.stop_ids)], self.dist))
         with gathered(self.fsdp_root), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
             old = self.behaviour_logprobs(prompts, [o.tokens for o in outs])
         sampled = [SampledResponse(o.tokens, lp, txt, o.ended_with_eos, rw)
-                   for o, lp, txt, rw in zip(outs, old, texts, scores)]
+                   for o, lp, txt, rw in zip(outs, old, texts, verdicts)]
         every = unshard(gather_lists(sampled, self.dist), G * n, self.dist)  # G * n, response r = g * n + i
         reward_values = torch.tensor([x.reward for x in every], dtype=torch.float32).view(G, n)  # (G, n)
         return StepRollouts(
@@ -490,9 +490,9 @@ class Trainer(RunFiles):
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.amp():
-            share = self.cfg.share_prefix  # as self.logprobs decides it without grad
+            share = self.cfg.share_prefix  # as self.policy_logprobs decides it without grad
             for idx in batches_by_length(prompts, responses, self.cfg.micro_batch_size, share_prefix=share):
-                lp, mask = self.logprobs([prompts[i] for i in idx], [responses[i] for i in idx])
+                lp, mask = self.policy_logprobs([prompts[i] for i in idx], [responses[i] for i in idx])
                 for j, i in enumerate(idx):
                     out[i] = lp[j, : int(mask[j].sum())].float().cpu()
         self.model.train(was_training)
@@ -504,7 +504,8 @@ class Trainer(RunFiles):
             mine = self.behaviour_logprobs(shard(prompts, self.dist), shard(responses, self.dist))
         return unshard(gather_lists(mine, self.dist), len(prompts), self.dist)
 
-    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def policy_logprobs(self, prompts: list[list[int]],
+                        responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs of the responses: (B, T) float and the (B, T) bool mask,
         through the chunked kernel; under --fsdp inside the FSDP root's forward (runtime.PolicyForward)."""
         # --fsdp with grad gathers the weights in every forward, so all ranks must make the same number of calls:
@@ -626,7 +627,7 @@ class Trainer(RunFiles):
         Returns the summed loss and {row kind: that kind's loss metrics, with its "loss" part}.
         """
         cfg = self.cfg
-        lp, mask = self.logprobs([r.prompt for r in rows], [r.response for r in rows])  # (B, T)
+        lp, mask = self.policy_logprobs([r.prompt for r in rows], [r.response for r in rows])  # (B, T)
         old = torch.zeros_like(lp)  # (B, T)
         for j, r in enumerate(rows):
             old[j, : len(r.response)] = r.old_logp.to(lp.device)
@@ -728,14 +729,14 @@ class Trainer(RunFiles):
         with gathered(self.fsdp_root), self.amp():
             res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False,
                                       max_batch_size=eval_rows(cfg))
-        score = res["mean"]
+        eval_mean = res["mean"]
         if self.dist.main:
             print(f"[eval] step {step}: " + ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in res["benchmarks"].items())
-                  + f" | mean {score:.4f} (best {max(score, self.best_score):.4f})")
-        if score > self.best_score:
-            self.best_score = score
+                  + f" | mean {eval_mean:.4f} (best {max(eval_mean, self.best_eval_mean):.4f})")
+        if eval_mean > self.best_eval_mean:
+            self.best_eval_mean = eval_mean
             self.save_checkpoint(step, dest=self.ckpt_dir / "best")
-        return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": score}
+        return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": eval_mean}
 
 # ------------------------------------------------------------------------------------------------
 # 5. CLI: config.build_parser's flags (field names with dashes, help = field docstrings), dispatched

@@ -653,7 +653,7 @@ class RunFiles:
             if problem is None:
                 try:
                     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
-                    int(state["step"]), float(state["best_score"]), state["optimizer"]
+                    int(state["step"]), float(state["best_eval_mean"]), state["optimizer"]
                 except Exception as e:  # missing, truncated or not a trainer state
                     problem = f"{ckpt / 'trainer_state.pt'}: does not load ({type(e).__name__}: {e})"
             if problem is None:
@@ -713,7 +713,8 @@ class RunFiles:
             self.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
             self.tok.save_pretrained(tmp)
             torch.save({"step": step, "optimizer": opt_state if opt_state is not None else self.opt.state_dict(),
-                        "best_score": self.best_score, "baseline_state": self.baseline_state}, tmp / "trainer_state.pt")
+                        "best_eval_mean": self.best_eval_mean, "baseline_state": self.baseline_state},
+                       tmp / "trainer_state.pt")
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             latest = self.latest_checkpoint()

@@ -968,7 +968,7 @@ def test_periodic_validation_keeps_the_best_checkpoint(tiny, tmp_path):
     best = tmp_path / "v" / "checkpoints" / "best"
     assert (best / "model.safetensors").is_file() and (best / "trainer_state.pt").is_file()
     state = torch.load(best / "trainer_state.pt", weights_only=True)
-    assert state["best_score"] == pytest.approx(max(m["eval/mean"] for m in ms))
+    assert state["best_eval_mean"] == pytest.approx(max(m["eval/mean"] for m in ms))
 
 
 def test_flag_document_is_the_config():

@@ -128,7 +128,7 @@ def test_behaviour_logprobs_by_length_equal_rollout_order_per_row(tiny, tmp_path
     old = []
     with torch.no_grad():
         for i in range(0, len(prompts), 5):  # the old cut, in rollout order
-            lp, mask = tr.logprobs(prompts[i: i + 5], responses[i: i + 5])
+            lp, mask = tr.policy_logprobs(prompts[i: i + 5], responses[i: i + 5])
             old += [lp[j, : int(mask[j].sum())] for j in range(lp.shape[0])]
     assert len(new) == len(old) == len(responses)
     for i, (a, b) in enumerate(zip(new, old)):

@@ -79,7 +79,7 @@ def naive_step_metrics(tr: graft.Trainer, rows: list[graft.Row]) -> dict:
     s = dict.fromkeys(["surrogate", "clip_own", "own", "clip_peer", "peer", "kl", "k1", "ratio", "w", "w_peer"], 0.0)
     with torch.no_grad():
         for r in live:
-            lp, _ = tr.logprobs([r.prompt], [r.response])  # (1, T)
+            lp, _ = tr.policy_logprobs([r.prompt], [r.response])  # (1, T)
             for t in range(len(r.response)):
                 log_rho = float(lp[0, t]) - float(r.old_logp[t])
                 rho = math.exp(log_rho)

@@ -229,7 +229,7 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
             if ids:
                 cand.append((g, r, ids))
     prompts = [tr.prompt_ids[batch[g]] for g, _, _ in cand]
-    lp, mask = tr.logprobs(prompts, [ids for _, _, ids in cand])  # (C, T) the trainer's forward, no grad needed
+    lp, mask = tr.policy_logprobs(prompts, [ids for _, _, ids in cand])  # (C, T) the trainer's forward, no grad needed
     lp, mask = lp.detach(), mask
     lbar_recv = core.sequence_mean_logprob(logp=lp, mask=mask)  # (C,)
     lbar_src = peer.lbar("token").view(-1)[torch.tensor([r for _, r, _ in cand])]  # (C,)
@@ -258,7 +258,7 @@ def test_copied_core_drives_a_graft_step_equal_to_the_trainer(tiny, tmp_path, mo
             core.add_metrics(sums, {"loss": core.Mean(0.0, float(denom))})
             continue
         with torch.no_grad():
-            lp_mb, mask_mb = tr.logprobs([r.prompt for r in live], [r.response for r in live])  # (B, T)
+            lp_mb, mask_mb = tr.policy_logprobs([r.prompt for r in live], [r.response for r in live])  # (B, T)
         old = torch.zeros_like(lp_mb)
         for j, r in enumerate(live):
             old[j, : len(r.response)] = r.old_logp

@@ -418,7 +418,7 @@ def test_a_response_whose_round_trip_loses_text_is_dropped_and_counted(run):
     ids = recv.tok.encode(texts[1], add_special_tokens=False)
     assert not decodes_back(ids, texts[1], recv.tok) and decodes_back(recv.tok.encode(texts[0]), texts[0], recv.tok)
     got = score_received(texts, [True, True, False], torch.zeros(3), [recv.prompt_ids[0]] * 3, tokenizer=recv.tok,
-                         eos_token_id=recv.eos_id, logprob_fn=recv.logprobs, max_response_tokens=CAP)
+                         eos_token_id=recv.eos_id, logprob_fn=recv.policy_logprobs, max_response_tokens=CAP)
     assert got.index == [0, 2] and got.lost == [1]
     tr = receiver_trainer(recv, "a")
     peer = sides[0].rollouts

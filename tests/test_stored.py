@@ -448,7 +448,8 @@ def test_the_trainer_applies_its_response_bound_when_it_opens_a_foreign_log(tmp_
         {"id": "p1", "response": boxed("5"), "lbar": -0.5}])
     cfg = Config(model="unused", peer_log=str(path), max_response_tokens=2)
     log = foreign.open_peer_log(cfg, PROMPTS, DistInfo(), start_step=0)  # the peer source: a ForeignLog
-    assert isinstance(log, foreign.ForeignLog) and not log.both_ways and log.counts["too_long"] == 1 and log.counts["too_long_lines"] == [2]
+    assert isinstance(log, foreign.ForeignLog) and not log.both_ways
+    assert log.counts["too_long"] == 1 and log.counts["too_long_lines"] == [2]
     assert "dropped 1 longer than 256 characters" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--peer-log 'nowhere': no such folder of rollout files or JSONL file"):
         foreign.open_peer_log(Config(model="unused", peer_log="nowhere"), PROMPTS, DistInfo(), start_step=0)

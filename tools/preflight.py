@@ -19,7 +19,7 @@ Per direction src -> recv (the receiver learns from the source's groups) it repo
     source length, the share dropped as longer than --max-response-tokens (and how many of those the
     source had cut at its own cap already), the quantiles of s, the share accepted at --delta and
     at --deltas, mean w over the accepted, and the groups and responses per step that reach the update;
-  * the same figures over every sampled response of the source ("cross-scores"), so a one-sided or weak
+  * the same figures over every sampled response of the source ("cross-verdicts"), so a one-sided or weak
     pair still shows how the gate treats its text, with s apart for responses that ended (EOS or a --stop
     string) and responses cut at the cap (a cut response's lbar is an average over an unfinished text), and
     apart for the source's successes and failures with how many of each the gate keeps (a receiver that
@@ -36,7 +36,7 @@ Our choices (numbered so that reviews can cite them):
   2. The sample is one batch: selection runs on its G prompts as a step of those prompts would. Per-step
      figures at --prompts-per-step P scale the sample's counts by P / G; for the swap's m that is an upper
      estimate (the mean of a per-step min is at most the min of the means; complement.py choice 3).
-  3. The received figures are the cross-scores restricted to the received groups: score_received on all
+  3. The received figures are the cross-verdicts restricted to the received groups: score_received on all
      responses gives per response what graft.score_peer gives on those groups (test_preflight.py drives
      the trainer on the same samples and compares).
   4. Step time = max over the two sides (each waits for the other's file) of: sampling P x n responses
@@ -115,7 +115,7 @@ class Side:
     def eos_id(self) -> int:
         return self.stop_ids[0]
 
-    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
+    def policy_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
         """Behaviour log-probs (no grad) through the chunked kernel, micro-batched as Trainer.behaviour_logprobs."""
         cfg, out = self.cfg, []
         with torch.no_grad(), compute_context(cfg, self.dist):  # bf16 autocast on GPU, as the trainer
@@ -150,17 +150,17 @@ def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
     side.finish = [o.finish for o in outs]  # a stopped row has no EOS but is not cut at the cap either
     # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
     texts = [decode_response(o.tokens, side.tok, eos_token_ids=side.stop_ids, stop=cfg.stop)[0] for o in outs]
-    scores = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
+    verdicts = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
                      [rows[r // n]["answer"] for r in range(G * n)], workers=cfg.verify_workers,
                      timeout=cfg.reward_timeout)
     t0 = time.time()
-    old = side.logprobs(prompts, [o.tokens for o in outs])
+    old = side.policy_logprobs(prompts, [o.tokens for o in outs])
     side.logprob_s = time.time() - t0
-    rewards_t = torch.tensor(scores, dtype=torch.float32).view(G, n)  # (G, n)
+    reward_values = torch.tensor(verdicts, dtype=torch.float32).view(G, n)  # (G, n)
     side.rollouts = StepRollouts(
         prompt_ids=[r["id"] for r in rows], tokens=[o.tokens for o in outs], logprobs=old, texts=texts,
-        eos=torch.tensor([o.ended_with_eos for o in outs]).view(G, n), rewards=rewards_t,
-        advantages=group_advantages(rewards_t, std_normalize=cfg.std_normalize))
+        eos=torch.tensor([o.ended_with_eos for o in outs]).view(G, n), rewards=reward_values,
+        advantages=group_advantages(reward_values, std_normalize=cfg.std_normalize))
 
 
 def cross_scores(src: Side, recv: Side) -> Received:
@@ -169,7 +169,7 @@ def cross_scores(src: Side, recv: Side) -> Received:
     G, n = ro.rewards.shape
     return score_received(ro.texts, ro.eos.view(-1).tolist(), ro.lbar(cfg.compat_norm).view(-1),
                                [recv.prompt_ids[r // n] for r in range(G * n)], tokenizer=recv.tok,
-                               eos_token_id=recv.eos_id, logprob_fn=recv.logprobs,
+                               eos_token_id=recv.eos_id, logprob_fn=recv.policy_logprobs,
                                max_response_tokens=cfg.max_response_tokens, compat_norm=cfg.compat_norm,
                                delta=cfg.delta, compat_weight=cfg.compat_weight)
 
@@ -191,7 +191,7 @@ def round_trip(src: Side, cross: Received) -> dict:
         canon = [source_canonical(t, src.tok, eos_token_ids=src.stop_ids,
                                   prompt_ids=src.prompt_ids[r // n] if ctx else None) for r, t in enumerate(ro.tokens)]
         off = [r for r, (ok, ids) in enumerate(canon) if ok is False and ids]  # re-scorable: canonical ids exist
-        lps = src.logprobs([src.prompt_ids[r // n] for r in off],
+        lps = src.policy_logprobs([src.prompt_ids[r // n] for r in off],
                            [canon[r][1] + ([src.eos_id] if eos[r] else []) for r in off]) if off else []
         lbar_canon = torch.tensor([float(lp.mean()) for lp in lps])  # (K,)
         diff = lbar_canon - own[off] if off else torch.zeros(0)  # (K,)
@@ -351,7 +351,7 @@ def format_report(report: dict) -> str:
     ]
     swap = "balanced swap" if st["balance"] else "--no-balance"
     for key, title in (("received", f"received ({swap})"), ("no_balance", "received with --no-balance"),
-                       ("all", "every sampled response (cross-scores)")):
+                       ("all", "every sampled response (cross-verdicts)")):
         x, y = ab[key], ba[key]
         rows += [
             (f"{title}: responses", x["responses"], y["responses"], "n"),
@@ -422,7 +422,7 @@ def notes(report: dict) -> list[str]:
                    + (f"only {', '.join(one)} has candidates, so --no-balance would exchange them"
                       if one else "neither direction has a candidate (no prompt where one model fails all n "
                                   "and the other is mixed); easier prompts or more samples (--n) give some")
-                   + "; the cross-scores show how the gate would treat each model's text")
+                   + "; the cross-verdicts show how the gate would treat each model's text")
     for d in (ab, ba):
         x = d["all"]
         if x["responses"] and x["dropped_share"] and x["dropped_share"] > 0.2:
