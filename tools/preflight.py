@@ -19,7 +19,7 @@ Per direction src -> recv (the receiver learns from the source's groups) it repo
     source length, the share dropped as longer than --max-response-tokens (and how many of those the
     source had cut at its own cap already), the quantiles of s, the share accepted at --delta and
     at --deltas, mean w over the accepted, and the groups and responses per step that reach the update;
-  * the same figures over every sampled response of the source ("cross-verdicts"), so a one-sided or weak
+  * the same figures over every sampled response of the source ("cross-scores"), so a one-sided or weak
     pair still shows how the gate treats its text, with s apart for responses that ended (EOS or a --stop
     string) and responses cut at the cap (a cut response's lbar is an average over an unfinished text), and
     apart for the source's successes and failures with how many of each the gate keeps (a receiver that
@@ -36,7 +36,7 @@ Our choices (numbered so that reviews can cite them):
   2. The sample is one batch: selection runs on its G prompts as a step of those prompts would. Per-step
      figures at --prompts-per-step P scale the sample's counts by P / G; for the swap's m that is an upper
      estimate (the mean of a per-step min is at most the min of the means; complement.py choice 3).
-  3. The received figures are the cross-verdicts restricted to the received groups: score_received on all
+  3. The received figures are the cross-scores restricted to the received groups: score_received on all
      responses gives per response what graft.score_peer gives on those groups (test_preflight.py drives
      the trainer on the same samples and compares).
   4. Step time = max over the two sides (each waits for the other's file) of: sampling P x n responses
@@ -351,7 +351,7 @@ def format_report(report: dict) -> str:
     ]
     swap = "balanced swap" if st["balance"] else "--no-balance"
     for key, title in (("received", f"received ({swap})"), ("no_balance", "received with --no-balance"),
-                       ("all", "every sampled response (cross-verdicts)")):
+                       ("all", "every sampled response (cross-scores)")):
         x, y = ab[key], ba[key]
         rows += [
             (f"{title}: responses", x["responses"], y["responses"], "n"),
@@ -422,7 +422,7 @@ def notes(report: dict) -> list[str]:
                    + (f"only {', '.join(one)} has candidates, so --no-balance would exchange them"
                       if one else "neither direction has a candidate (no prompt where one model fails all n "
                                   "and the other is mixed); easier prompts or more samples (--n) give some")
-                   + "; the cross-verdicts show how the gate would treat each model's text")
+                   + "; the cross-scores show how the gate would treat each model's text")
     for d in (ab, ba):
         x = d["all"]
         if x["responses"] and x["dropped_share"] and x["dropped_share"] > 0.2:
