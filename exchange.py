@@ -57,18 +57,26 @@ ROLLOUT_VERSION = "1"
 
 @dataclass
 class StepRollouts:
-    """One model's rollouts of one step, for the whole batch: G prompts x n responses, row-major.
+    """One side's rollouts of one step, for the whole batch: G prompts x n responses, row-major. The one peer-step
+    type: an online peer's and a stored run's (a rollout file) and a foreign log's (foreign.ForeignLog.step).
 
-    Response r = g * n + i is rollout i of prompt g. This is exactly what goes into a rollout file.
+    Response r = g * n + i is rollout i of prompt g. The required fields are exactly what goes into a rollout
+    file. A foreign log's step fills G x M slots instead, M its widest group: `slots` says which exist (padding:
+    text "", eos False, reward 0, advantage 0), and the source's lbar comes given per response (`given_lbar`,
+    `num_tokens`), not from token log-probs (tokens and logprobs are empty lists then).
     """
 
     prompt_ids: list[str]  # (G,) dataset ids
-    tokens: list[list[int]]  # G*n response token ids (EOS included when it ended with EOS)
-    logprobs: list[torch.Tensor]  # G*n (len,) float32 behaviour log-probs
+    tokens: list[list[int]]  # G*n response token ids (EOS included when it ended with EOS); [] for a foreign log
+    logprobs: list[torch.Tensor]  # G*n (len,) float32 behaviour log-probs; [] for a foreign log
     texts: list[str]  # G*n decoded response text (no special tokens, EOS dropped)
     eos: torch.Tensor  # (G, n) bool
     rewards: torch.Tensor  # (G, n) float32
     advantages: torch.Tensor  # (G, n) float32, on the full group, before any filtering
+    slots: torch.Tensor | None = None  # (G, M) bool, which slots hold a response (a foreign log); None = all
+    given_lbar: torch.Tensor | None = None  # (G, M) float32, the source's lbar per source token (NaN: unknown)
+    num_tokens: torch.Tensor | None = None  # (G, M) int64, source token counts (-1: unknown), with given_lbar
+    lines: torch.Tensor | None = None  # (G, M) int64, a foreign response's line in its file (0 on padding)
 
     @property
     def n(self) -> int:
@@ -76,25 +84,36 @@ class StepRollouts:
 
     @property
     def width(self) -> int:
-        """Slots per prompt, the stride of r = g * width + i: n here (a foreign log's ForeignStep: its widest group)."""
+        """Slots per prompt, the stride of r = g * width + i: n (a foreign log's step: its widest group M)."""
         return self.n
 
     @property
     def mask(self) -> torch.Tensor:
-        """(G, n) bool, all True: every slot holds a response (a foreign log's groups may not)."""
-        return torch.ones_like(self.rewards, dtype=torch.bool)
+        """(G, width) bool: which slots hold a response (all of a rollout file's; a foreign log's groups may not)."""
+        return self.slots if self.slots is not None else torch.ones_like(self.rewards, dtype=torch.bool)
 
     @property
     def sizes(self) -> torch.Tensor:
-        """(G,) responses per prompt: n for every prompt of a rollout file."""
-        return torch.full((self.rewards.shape[0],), self.n, dtype=torch.long)
+        """(G,) int64 responses per prompt: the n of graft_candidates (mixed: 1 <= k < size)."""
+        return self.mask.sum(dim=1)
 
     def num_bytes(self) -> torch.Tensor:
         """(G, n) UTF-8 length of each response text (for --compat-norm byte; at least 1)."""
         return torch.tensor([max(1, len(t.encode("utf-8"))) for t in self.texts]).view_as(self.rewards)
 
     def lbar(self, norm: str) -> torch.Tensor:
-        """(G, n) mean behaviour log-prob per token ('token', Eq. 6) or per byte ('byte', departure 2)."""
+        """(G, n) mean behaviour log-prob per token ('token', Eq. 6) or per byte ('byte', departure 2); 0 on padding.
+
+        A foreign log's step must have what the norm needs on every existing slot (ForeignLog.require_lbar
+        checks this up front)."""
+        assert norm in ("token", "byte"), f"norm must be token or byte, got {norm!r}"
+        if self.given_lbar is not None:
+            lb = torch.where(self.mask, self.given_lbar, torch.zeros_like(self.given_lbar))  # (G, M)
+            assert not bool(lb.isnan().any()), "a foreign response has no lbar: call ForeignLog.require_lbar first"
+            if norm == "token":
+                return lb
+            assert not bool((self.mask & (self.num_tokens < 1)).any()), "byte norm needs num_tokens for every response"
+            return lb * self.num_tokens.clamp(min=0).float() / self.num_bytes()
         sums = torch.stack([lp.sum() if lp.numel() else lp.new_zeros(()) for lp in self.logprobs]).view_as(self.rewards)
         if norm == "byte":
             return sums / self.num_bytes()

@@ -15,8 +15,8 @@ trajectories is read here, once. It holds any collection of solutions, one JSON 
    Records are matched to the run's prompts, de-duplicated and length-checked (choice 4), grouped per
    prompt, re-verified and given GRPO advantages
    within their group; `ForeignLog.step(prompt_ids)` then hands the trainer the peer data of one batch
-   in the shape of exchange.StepRollouts plus a mask. Where "lbar" is missing, `fill_lbar` computes it
-   with a given model (`--peer-model PATH`) and caches it beside the file.
+   as an exchange.StepRollouts (the one peer-step type) with its slots mask. Where "lbar" is missing,
+   `fill_lbar` computes it with a given model (`--peer-model PATH`) and caches it beside the file.
 
 It imports core.py (advantages within ragged groups), reward.py (the reward seam), runtime.py (prompt
 encoding, the peer model's loading), data/prompts.py (the JSONL reader), exchange.py (atomic writes, the rollout
@@ -80,7 +80,7 @@ from core import (LBAR_FLOOR, PeerRecord, first_stop, graft_candidates, group_ad
                   masked_group_advantages, parse_peer_records, success_counts,  # ragged groups (choice 1), one parser
                   verifier_text)
 from data.prompts import jsonl_objects
-from exchange import atomic_write, file_sha256, load_rollouts
+from exchange import StepRollouts, atomic_write, file_sha256, load_rollouts
 from reward import DEFAULT_REWARD, rewards  # the reward seam (--reward)
 from runtime import compute_context, encode_prompt, load_policy
 from sampler import response_logprobs
@@ -169,54 +169,6 @@ def match_records(records: list[ForeignRecord], prompts: list[dict]) -> tuple[li
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ForeignStep:
-    """The foreign peer data of one batch: G prompts x M slots, row-major, like exchange.StepRollouts.
-
-    Slot r = g * M + i is response i of prompt g; mask[g, i] says whether it exists (a prompt has
-    sizes[g] = mask[g].sum() responses, 0 if the log has none for it). Padding slots hold text "",
-    eos False, reward 0, advantage 0. M = ForeignLog.width, the largest group of the whole log, so it
-    is the same at every step.
-    """
-
-    prompt_ids: list[str]  # (G,)
-    texts: list[str]  # G*M
-    eos: torch.Tensor  # (G, M) bool
-    rewards: torch.Tensor  # (G, M) float32, re-verified
-    advantages: torch.Tensor  # (G, M) float32, within each group
-    mask: torch.Tensor  # (G, M) bool
-    mean_logprob: torch.Tensor  # (G, M) float32, source lbar per source token (NaN: unknown)
-    num_tokens: torch.Tensor  # (G, M) int64, source token count (-1: unknown)
-    lines: torch.Tensor  # (G, M) int64, line in the file (0 on padding), for messages
-
-    @property
-    def width(self) -> int:
-        """Slots per prompt (M), the stride of the flat index r = g * width + i."""
-        return self.rewards.shape[1]
-
-    @property
-    def sizes(self) -> torch.Tensor:
-        """(G,) int64 responses per prompt: the n of graft_candidates (mixed: 1 <= k < size)."""
-        return self.mask.sum(dim=1)
-
-    def num_bytes(self) -> torch.Tensor:
-        """(G, M) UTF-8 length of each response text (at least 1)."""
-        return torch.tensor([max(1, len(t.encode("utf-8"))) for t in self.texts]).view_as(self.rewards)
-
-    def lbar(self, norm: str) -> torch.Tensor:
-        """(G, M) the source's mean log-prob per token ('token', Eq. 6) or per byte ('byte'); 0 on padding.
-
-        Every existing slot must have what the norm needs (ForeignLog.require_lbar checks this up front).
-        """
-        assert norm in ("token", "byte"), f"norm must be token or byte, got {norm!r}"
-        lb = torch.where(self.mask, self.mean_logprob, torch.zeros_like(self.mean_logprob))  # (G, M)
-        assert not bool(lb.isnan().any()), "a foreign response has no lbar: call ForeignLog.require_lbar first"
-        if norm == "token":
-            return lb
-        assert not bool((self.mask & (self.num_tokens < 1)).any()), "byte norm needs num_tokens for every response"
-        return lb * self.num_tokens.clamp(min=0).float() / self.num_bytes()
-
-
 class ForeignLog:
     """A foreign JSONL file matched to a run's prompts: one group per prompt, stored as a padded table.
 
@@ -275,11 +227,11 @@ class ForeignLog:
 
     both_ways = False  # a peer source (exchange.OnlinePeers): nothing goes back to a log
 
-    def read(self, step: int, own) -> tuple[dict[str, ForeignStep], dict]:
+    def read(self, step: int, own) -> tuple[dict[str, StepRollouts], dict]:
         """The peer source's answer for one step: {"log": the batch's groups} (re-verified at start), no counts."""
         return {"log": self.step(own.prompt_ids)}, {}
 
-    def step(self, prompt_ids: list[str]) -> ForeignStep:
+    def step(self, prompt_ids: list[str]) -> StepRollouts:
         """The foreign peer data for one batch, prompts in the batch's order (absent ones: size 0)."""
         G, M = len(prompt_ids), self.width
         idx = torch.tensor([self.row.get(pid, -1) for pid in prompt_ids], dtype=torch.int64)  # (G,)
@@ -291,10 +243,11 @@ class ForeignLog:
             return torch.where(has[:, None], out, torch.full_like(out, fill))
 
         texts = [s for g in range(G) for s in (self.texts[int(idx[g])] if has[g] else [""] * M)]
-        return ForeignStep(prompt_ids=list(prompt_ids), texts=texts, eos=take(self.eos, False),
-                           rewards=take(self.rewards, 0.0), advantages=take(self.advantages, 0.0),
-                           mask=take(self.mask, False), mean_logprob=take(self.mean_logprob, 0.0),
-                           num_tokens=take(self.num_tokens, -1), lines=take(self.lines, 0))
+        return StepRollouts(prompt_ids=list(prompt_ids), tokens=[], logprobs=[], texts=texts,
+                            eos=take(self.eos, False), rewards=take(self.rewards, 0.0),
+                            advantages=take(self.advantages, 0.0), slots=take(self.mask, False),
+                            given_lbar=take(self.mean_logprob, 0.0), num_tokens=take(self.num_tokens, -1),
+                            lines=take(self.lines, 0))
 
     def report(self) -> str:
         """Lines for the log: what was read, matched, dropped and verified."""
