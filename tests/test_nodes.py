@@ -34,16 +34,18 @@ import verify
 verify.verify_batch = lambda responses, golds, *, workers=0: [
     1.0 if zlib.crc32(r.encode()) % 4 == 0 else 0.0 for r in responses]
 import graft
-select, step = graft.Trainer.select, graft.Trainer.step
-def recorded(self, t, own, peers):
-    selected, m = select(self, t, own, peers)
-    with open(os.path.join(self.cfg.out, f"assignment.rank{{self.dist.rank}}.jsonl"), "a") as f:
+select, step, where = graft.VARIANTS["graft"].select, graft.Trainer.step, {{}}
+def recorded(ctx, t, own, peers):  # GRAFT's select phase, its assignment appended to this rank's file
+    selected, m, counts = select(ctx, t, own, peers)
+    with open(os.path.join(where["out"], f"assignment.rank{{where['rank']}}.jsonl"), "a") as f:
         f.write(json.dumps({{"step": t, "assignment": m.get("assignment")}}) + "\\n")
-    return selected, m
+    return selected, m, counts
 def slow(self, t):
+    where.update(out=self.cfg.out, rank=self.dist.rank)
     time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
     return step(self, t)
-graft.Trainer.select, graft.Trainer.step = recorded, slow
+graft.VARIANTS["graft"] = graft.VARIANTS["graft"]._replace(select=recorded)
+graft.Trainer.step = slow
 graft.main(sys.argv[1:])
 '''
 

@@ -1,6 +1,6 @@
 """Tests of preflight.py on the committed tiny models: every figure of the report recomputed from the
 sampled groups by plain loops (and a few cross-scores by a plain transformers forward), the report equal
-to what a GRAFT step of the same samples selects and accepts (Trainer.select and Trainer.build_rows
+to what a GRAFT step of the same samples selects and accepts (graft_select and graft_rows
 driven on them), and the messages for bad input.
 
 Rewards are planted (a hash of the response text, as test_graft's planted verifier) so that both

@@ -2,7 +2,7 @@
 cuts equals core.policy_loss (Eq. 10) in value and gradient in every layout it accepts, and every layout it
 refuses is one where stock TRL is off; peer-last survives TRL's minibatching; two GRAFT steps run end to end
 on a tiny receiver with the real Qwen3 tokenizer, reading a peer log that this project's trainer wrote with
-SmolLM3's, and on a planted step its rows, weights and loss equal this project's Trainer.build_rows and update.
+SmolLM3's, and on a planted step its rows, weights and loss equal this project's graft_rows and Trainer.update.
 The command line as a user meets it: each bad input one line on stderr, exit code 2, before the model loads (TRL's
 __init__ patched to fail if reached), on one process and under torchrun (rank 0 alone); a reward's non-number
 named; the reward under its wall-time limit; --help opening on GRAFT's flags and the log format; README's command
@@ -449,7 +449,7 @@ def test_two_graft_steps_in_trl_end_to_end_peer_last(pair, monkeypatch):
 def test_planted_step_rows_weights_and_loss_equal_the_trainers(pair, monkeypatch, tmp_path):
     """One planted step (the project's own rollouts fed to TRL): received groups, peer rows, weights, folded
     advantages, the receiver's old log-probs of the peer tokens, and the step's token-mean loss equal
-    Trainer.build_rows and Trainer.update (optimizer step disabled, so every minibatch sees one policy)."""
+    graft.py's rule phases and Trainer.update (optimizer step disabled, so every minibatch sees one policy)."""
     import graft
     import verify
     d, log, peer, passing, mixed = pair
