@@ -4,9 +4,11 @@ The method of Jang et al. (arXiv 2609.37868) as another trainer needs it: the pr
 of a pair share (batch_indices), GRPO advantages (also within groups of any size), the selection of
 failed groups and the balanced swap (Eq. 4), the retokenisation of a peer's text and its scoring under
 the receiver (score_received), the compatibility weight (Eqs. 6-8), the clipped token-level loss
-(Eqs. 9-10) and the peer-last minibatch order. graft.py is this repository's trainer around these
-functions; README "The method, equation by equation" maps each equation to its function, "Porting to
-verl or TRL" says where each plugs in.
+(Eqs. 9-10) and the peer-last minibatch order; and the records GRAFT's phases pass (Context, Row,
+PeerResponse, StepRows), the peer scoring they share (score_peer) and the ablations' draws (random_selection,
+random_acceptance, pooled_advantages). graft.py's three rule phases run on these, and its trainer around
+them; README "The method, equation by equation" maps each equation to its function, "Porting to verl or TRL"
+says where each plugs in.
 
 Copy this file alone into another trainer: it imports only the standard library and torch
 (test_port.py runs a copy of it in a fresh module, and drives a planted GRAFT step with it).
