@@ -37,6 +37,7 @@ said on its line):
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -665,8 +666,10 @@ class Context(NamedTuple):
     peer_kind: str = "pg"  # the Row.kind of received responses (LUFFY's baseline: "luffy")
 
 
-class Row(NamedTuple):
-    """One response that enters the update: the receiver's tokenisation, fixed behaviour log-probs."""
+@dataclass
+class Row:
+    """One response that enters the update: the receiver's tokenisation, fixed behaviour log-probs (a mutable record:
+    a trainer may fill or adjust a field before its update)."""
 
     group: int  # prompt position in the step's batch (minibatches are cut by group)
     prompt: list[int]  # the receiver's prompt ids

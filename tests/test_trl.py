@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import core
+from exchange import load_rollouts
 from test_graft import SHARED, make_tiny_model, write_prompts
 
 torch.set_num_threads(1)
@@ -395,7 +396,7 @@ def pair(tmp_path_factory):
                                steps=1, prompts_per_step=G, n=N, minibatches=1, max_response_tokens=6,
                                prompt_template="{problem}=", lr=1e-3, threads=1)).fit()
     log = d / "peer_run" / "exchange" / "b"
-    peer, _ = graft.load_rollouts(log / "step_000000.safetensors")
+    peer, _ = load_rollouts(log / "step_000000.safetensors")
     # The verdict: two of the peer's groups are mixed (Eq. 4), two fail; nothing the receiver samples passes.
     mixed = {peer.prompt_ids[0]: [0, 2], peer.prompt_ids[2]: [1]}
     passing = {peer.texts[g * N + i] for g, pid in enumerate(peer.prompt_ids) for i in mixed.get(pid, [])}
