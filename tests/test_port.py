@@ -39,7 +39,9 @@ def core_source() -> str:
 
 def copied_core() -> types.ModuleType:
     """core.py executed alone with its five imports: a module the way another trainer would hold it."""
+    import sys
     mod = types.ModuleType("copied_core")
+    sys.modules["copied_core"] = mod  # as an import would: dataclass reads its module's namespace
     exec(compile(CORE_IMPORTS + core_source(), "copied_core.py", "exec"), mod.__dict__)
     return mod
 
