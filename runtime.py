@@ -653,6 +653,7 @@ class RunFiles:
             if problem is None:
                 try:
                     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+                    state.setdefault("best_eval_mean", state.get("best_score"))  # older checkpoints' key resumes too
                     int(state["step"]), float(state["best_eval_mean"]), state["optimizer"]
                 except Exception as e:  # missing, truncated or not a trainer state
                     problem = f"{ckpt / 'trainer_state.pt'}: does not load ({type(e).__name__}: {e})"
