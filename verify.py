@@ -714,9 +714,10 @@ def _same_value(a: str, b: str) -> bool:
 def _final_group(text: str) -> list | None:
     """(start, end, content) of the boxes that make the answer: the last box and the boxes just before
     it joined only by ',', ';', 'and', 'or' (departure 16). None when there is no box, the last one is
-    unclosed, or the group is not an answer: a box that is an operand ('\\boxed{7} + \\boxed{1}',
-    '-\\boxed{7}', '\\frac{\\boxed{7}}{2}'), disowned ('not \\boxed{7}', '\\boxed{7} (wrong)') or hedged right
-    after ('\\boxed{7} or 8'). Decided from the response alone: the gold is never looked at."""
+    unclosed, anything but closing marks follows the last one (``_closing_tail``: the tail rule), or the
+    group is not an answer: a box that is an operand ('-\\boxed{7}', '\\frac{\\boxed{7}}{2}'), negated before
+    ('not \\boxed{7}') or not asserted by its sentence. Decided from the response alone: the gold is never
+    looked at."""
     boxes = _outer_boxes(text)
     if not boxes:
         return None
@@ -728,32 +729,56 @@ def _final_group(text: str) -> list | None:
         if len(out) >= _MAX_JOIN:
             return None     # more joined boxes than the cap: a suffix of them is no answer
         out.insert(0, b)
-    if any(_is_operand(text, a, b) for a, b, _ in out):
-        return None
-    after = _MARKDOWN_AFTER_RE.sub("", _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 240]).lstrip(" "))
+    unit = _UNIT_AFTER_RE.match(text, out[-1][1]) if len(out) == 1 else None
+    if unit and all(w in _UNIT_WORDS or w in _UNIT_DIMS for w in re.findall(r"[A-Za-z]+", unit.group(1) or unit.group(2))):
+        out = [(out[0][0], unit.end(), out[0][2] + " \\text{ " + (unit.group(1) or unit.group(2)) + "}")]
+    if not _closing_tail(text[out[-1][1]:]) or any(_is_operand(text, a, b) for a, b, _ in out):
+        return None     # the tail rule: only closing marks (or one known unit) may follow the final box
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
-    if _DISOWN_AFTER_RE.match(after) and not _restates(after, out[-1][2]) or _DISOWN_BEFORE_RE.search(before):
+    if _DISOWN_BEFORE_RE.search(before):
         return None
     if _logic_around(text, out[0][0], out[-1][1]) or not _asserted(text, out[0][0], out[-1][1]):
         return None
     return out
 
 
+# The tail rule (fail closed on position): what may follow the final box, a whitelist. Closing punctuation (not
+# '!' (a factorial) nor '?'), math delimiters and environment ends, spacing, markdown emphasis, end-of-proof
+# marks, end-of-turn and end-of-answer markers, and Minerva's closing formula. Anything else (a digit, a word, a
+# cue, another turn, markup, code fences, a reasoning tag's end) can carry a value or a retraction: no answer.
+_TAIL_TOKEN_RE = re.compile(
+    r"\s+|[.,;:)\]。．，]|\$|\\[)\]]|\\\\|\*+|_{2}|\\(?:quad|qquad|[,;! ])|"
+    r"\\end\s*\{(?:align|aligned|equation|gather|gathered|split|multline|eqnarray|array|displaymath)\*?\}|"
+    r"\\(?:blacksquare|qed|square|Box)(?![A-Za-z])|[∎□]|</answer>|<\|end_of_solution\|>|" + _TURN_END_RE.pattern +
+    r"|I\s+hope\s+it\s+is\s+correct", re.IGNORECASE)
+_MAX_TAIL = 300             # a longer tail is more than closing marks
+# One known unit right after the final box is part of the answer: Minerva's '\\boxed{1.6} \\mathrm{~cm}'.
+_UNIT_AFTER_RE = re.compile(r"\s*(?:\$\s*)?(?:\\[,;! ]|~|\s)*(?:\\(?:text|mathrm|mbox|rm)\s*\{\s*~?\s*([A-Za-z]+(?:\s*/\s*[A-Za-z]+)?)"
+                            r"\s*\}|([A-Za-z]+(?:/[A-Za-z]+)?)(?![A-Za-z]))")
+
+
+def _closing_tail(tail: str) -> bool:
+    """The text after the final box holds only closing marks (the whitelist above): ``\\boxed{12}.``,
+    ``$\\boxed{12}$.<|im_end|>``, ``\\boxed{12} I hope it is correct.``, not ``\\boxed{12}.5`` nor
+    ``\\boxed{12}. Correction: 15``."""
+    if len(tail) > _MAX_TAIL:
+        return False
+    pos = 0
+    while pos < len(tail):
+        m = _TAIL_TOKEN_RE.match(tail, pos)
+        if m is None or m.end() == pos:
+            return False
+        pos = m.end()
+    return True
+
+
 # A box is an operand when an operator, a number or a command taking it as an argument stands right
-# before it, or an operator right after it ('^\\circ' after it is a degree sign, not an operator).
+# before it (what follows it is the tail rule's).
 _OPERAND_BEFORE_RE = re.compile(r"(?:[-*/^_)\]|\d]|(?<![=(,&\s])\s*\+|"
                                 r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
                                 r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
-_OPERAND_AFTER_RE = re.compile(r"^(?:[(\d]|\s*(?![\^_]\s*\{?\s*\\(?:circ|prime))(?![/=]\s*\\(?:mathrm|text))"
-                               r"(?:[*^_]|/(?=\s*[\d(A-Za-z\\])|=(?!\s*[A-Za-z](?![A-Za-z(]))|\}\s*\{|"
-                               r"[-+]\s*(?:[\d\\(]|[A-Za-z](?![A-Za-z]))|"
-                               r"\\(?:cdot|times|div|sqrt|frac|dfrac|pi)(?![A-Za-z])))")
-# Markdown around a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
+# Markdown before a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
 _MARKDOWN_BEFORE_RE = re.compile(r"(?:(?:^|(?<=[\s:(A-Za-z]))(?:\*+|__+)\s*)+$")
-_MARKDOWN_AFTER_RE = re.compile(r"^(?:\*+|__+)(?=\s|$|[.,;:!?)])")
-# '\\boxed{\\frac12}, or 0.5': an 'or' that restates the boxed value is no hedge.
-_OR_VALUE_RE = re.compile(r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*or\s*\}?\s+(?:equivalently\s+|in\s+decimal\s+form\s+|"
-                          r"as\s+a\s+decimal\s+|about\s+|approximately\s+|,\s*)*(.+?)\)?[\s.,;]*$")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
 # A box disowned or hedged by the words right after it, or negated by the words right before it.
 _DISOWN_AFTER_RE = re.compile(r"^[\s,.;:}_^{]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
@@ -913,24 +938,12 @@ def _asserted(text: str, start: int, end: int) -> bool:
     return other is None or _same_value(other.group(1), _outer_boxes(text[start:end])[-1][2])
 
 
-def _restates(after: str, content: str) -> bool:
-    """The words after a box are 'or' and the same value again ('\\boxed{\\frac12}, or 0.5.')."""
-    m = _OR_VALUE_RE.match(after.split("\n", 1)[0])
-    if m is None:
-        return False
-    return _same_value(m.group(1), content)
-
-
 def _is_operand(text: str, start: int, end: int) -> bool:
     """The box text[start:end] is part of a larger expression, not an answer of its own."""
     before = text[max(0, start - 12):start]
     if "$" in before:
         before = before[before.rindex("$") + 1:]
-    after = text[end:end + 12]
-    if "$" in after:
-        after = after[:after.index("$")]
-    before, after = _MARKDOWN_BEFORE_RE.sub("", before), _MARKDOWN_AFTER_RE.sub("", after)
-    return _OPERAND_BEFORE_RE.search(before) is not None or _OPERAND_AFTER_RE.match(after) is not None
+    return _OPERAND_BEFORE_RE.search(_MARKDOWN_BEFORE_RE.sub("", before)) is not None
 
 
 def _is_join_gap(gap: str) -> bool:
@@ -951,18 +964,16 @@ def _join(parts: list[str]) -> str:
 
 
 def _end_of_turn(text: str) -> str:
-    """The response up to its first end-of-turn marker (leading markers are skipped), and without a
-    next few-shot problem that a base model goes on to write after giving its answer."""
+    """The response up to its first end-of-turn marker (leading markers are skipped), and, in a response
+    without a box, without a next few-shot problem that a base model goes on to write after its answer
+    cue. After a box a next problem or turn is the tail rule's: no answer."""
     for m in _TURN_END_RE.finditer(text):
         if text[:m.start()].strip() and not _TURN_END_RE.fullmatch(text[:m.start()].strip()):
             text = text[:m.start()]
             break
-    marks = [p for p in (text.find("\\boxed"), text.find("\\fbox")) if p >= 0]
-    phrase = _ANSWER_PHRASE_RE.search(text)
-    if phrase:
-        marks.append(phrase.start())
-    if marks:                # a next problem counts only after the response has given an answer
-        m = _NEXT_PROBLEM_RE.search(text, min(marks) + 1)
+    phrase = None if "\\boxed" in text or "\\fbox" in text else _ANSWER_PHRASE_RE.search(text)
+    if phrase:               # a next problem counts only after the response has given an answer
+        m = _NEXT_PROBLEM_RE.search(text, phrase.start() + 1)
         if m:
             return text[:m.start()]
     return text
@@ -3036,8 +3047,9 @@ _NARY_EVAL = {
 # Comparison of structures.
 
 def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False) -> bool:
-    cands_a = [(a, Fraction(1))] + ([(a, Fraction(1, 100))] if a.percent else [])
-    cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent else [])
+    # The percent dual reading (departure 4) only when exactly one side has a percent: 0.12% is not 12%.
+    cands_a = [(a, Fraction(1))] + ([(a, Fraction(1, 100))] if a.percent and not b.percent else [])
+    cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent and not a.percent else [])
     use_tol = tol if (a.inexact or b.inexact) else EXACT_REL_TOL
     names = sorted((_free_names(a.expr) | _free_names(b.expr)) - {"__pm__"})
     # '\\sum_{j=1}^{m} j' against 'm(m+1)/2': integer points for m. a is the prediction: its bounds
@@ -3050,20 +3062,32 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     for va, sa in cands_a:
         for vb, sb in cands_b:
             if _agree(va, sa, vb, sb, points, use_tol, budget) and (
-                    signed or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget)):
+                    signed or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget)) and (
+                    bounds or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget, _wide_points(names))):
                 return True
     return False
 
 
-def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
+def _wide_points(names: list) -> list[dict]:
+    """Points far from the first ones, of both signs and of small and large magnitude (about 0.003, 4,000
+    to 80,000 and their negatives), where piecewise forms part from the gold: '\\min(x, 1000)', '\\max(x, -1000)',
+    '\\min(x^2, 10^6)' agree with x or x^2 at every point below 20 (departure 2)."""
+    first = _points(names)[0]
+    return [{}] + [{n: v * f + c for n, v in first.items()} for f, c in (
+        (Fraction(1, 1000), Fraction(1, 997)), (Fraction(-1, 1000), Fraction(-1, 991)), (Fraction(4001), Fraction(1, 3)),
+        (Fraction(-3989), Fraction(-1, 5)))]
+
+
+def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget, points=None) -> bool:
     """Agreement at points of both signs wherever both sides stay real (departure 2): |u| is not u,
-    but \\ln(u^2) and 2\\ln u (complex for u < 0) are not told apart by a negative u."""
-    for p in _points(names, signed=True)[1:]:
+    but \\ln(u^2) and 2\\ln u (complex for u < 0) are not told apart by a negative u. A point where either
+    side is undefined or beyond the caps (e^x at x = 80,000) is skipped."""
+    for p in (points or _points(names, signed=True))[1:]:
         budget.left_reals, budget.scale = False, 0
         try:
             x = _ev(a.expr, {**p, **a.env}, budget)
             y = _ev(b.expr, {**p, **b.env}, budget)
-        except _Undefined:
+        except (_Undefined, _Limit):
             continue
         if budget.left_reals:
             continue
@@ -3099,6 +3123,8 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
         # A lone decimal against an exact value must also be that value correctly rounded to the
         # decimal's own digits: 100.01 is not 100 and 1.000001 is not 1, though within rel_tol.
         # A looser rel_tol (Minerva) says the golds are rounded themselves, so only rel_tol counts.
+        if tol <= APPROX_GOLD_TOL and b.half_ulp is not None and isinstance(x, Fraction) and x != y:
+            return False    # an exact decimal gold (0.5) is met exactly by a rational answer: 0.50004 is not it
         for v, s, other in ((a, sa, b), (b, sb, a)):
             if tol <= APPROX_GOLD_TOL and v.half_ulp is not None and not other.inexact and not _close(
                     x, y, 0.0, abs_tol=v.half_ulp * s * (1 + Fraction(1, 10 ** 9))):
@@ -3785,6 +3811,8 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     up, ug = _unit_of(pred), _unit_of(gold)
     if up is not None and ug is not None and (up[0] != ug[0] or abs(up[1] / ug[1] - 1) > 1e-9):
         return False        # '5 km' against '5 m': a unit is dropped only against none or the same one
+    if not _same_marks(pred, gold, up, ug):
+        return False
     cp, cg = _clean(pred), _clean(gold)
     if not cp or not cg:
         return False
@@ -3844,6 +3872,38 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     except _ParseError:
         return _decimal_comma_equal(up, ug, rel_tol, budget)
     return _equal(pa, ga, rel_tol, budget) or _decimal_comma_equal(up, ug, rel_tol, budget)
+
+
+# Fail closed on value: unit text after a number (\\text, \\mathrm, \\si, \\unit), congruence moduli.
+_UNIT_GROUP_RE = re.compile(r"(?<=[\d}.%])\s*(?:\\[,;! ]|~|\s)*\\(?:text|mathrm|mbox|textrm|rm|si|unit|SI)\s*\{"
+                            r"([^{}]*)\}")
+_TRIG_NAME_RE = re.compile(r"\\?(?:sin|cos|tan|sec|csc|cot)")
+_KNOWN_UNIT_EXTRA = frozenset(("square", "squared", "cubic", "cubed", "per", "of", "sq", "units", "unit", "exactly"))
+_MODULUS_RE = re.compile(r"\\pmod\s*(\{[^{}]*\}|\w+)|\(\s*\\?(?:bmod|mod)\s*(\w+)\s*\)")
+
+
+def _unknown_units(s: str) -> str:
+    """The words of the unit text after a number in s that this file does not know ('' when none):
+    '12 \\text{ MHz}' gives 'mhz'; '12 \\text{ cm}' and '12 \\text{ square units}' give ''."""
+    words = [w for m in _UNIT_GROUP_RE.finditer(s) for w in re.findall(r"[A-Za-z]+", m.group(1))]
+    return " ".join(w.lower() for w in words if w not in _UNIT_WORDS and w not in _UNIT_DIMS and
+                    w.lower() not in _UNIT_WORDS and w.lower() not in _KNOWN_UNIT_EXTRA)
+
+
+def _same_marks(pred: str, gold: str, up, ug) -> bool:
+    """The marks a value carries that the comparison would drop agree (fail closed on value): a unit the
+    unit table does not know is met only by the same text ('12 \\text{ MHz}' is not '12 \\text{ Hz}' nor '12');
+    a degree sign never vanishes against a gold in radians ('\\frac{\\pi}{6}^\\circ' is not '\\frac{\\pi}{6}');
+    two congruences keep their moduli ('2 \\pmod 3' is not '2 \\pmod 5')."""
+    kp, kg = _unknown_units(pred), _unknown_units(gold)
+    if (kp or kg) and kp != kg and (kp or up is not None or _UNIT_GROUP_RE.search(pred)):
+        return False
+    if _ANGLE_RE.search(pred) and not _ANGLE_RE.search(gold) and not _TRIG_NAME_RE.search(pred) and \
+            re.search(r"\\pi|π|rad", gold):
+        return False
+    mp, mg = _MODULUS_RE.findall(pred), _MODULUS_RE.findall(gold)
+    norm = [{re.sub(r"[{}\s]", "", a or b) for a, b in m} for m in (mp, mg)]
+    return not (mp and mg and norm[0] != norm[1])
 
 
 # Decimal commas (departure 19): '3,25' and '0,125' cannot be thousands separators; '1,250' can.
