@@ -600,7 +600,8 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 # Where a turn ends: chat-template markers; and (after an answer) a base model's next few-shot problem.
 _TURN_END_RE = re.compile(r"<\|(?:im_end|im_start|eot_id|end_of_text|endoftext|start_header_id|end|user|"
                           r"assistant|eot)\|>|</s>|<end_of_turn>|<start_of_turn>|<eos>")
-_NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question)\s*\d*\s*:", re.IGNORECASE)
+_NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question|Exercise|Q|User|Human|Assistant|###\s*(?:Instruction|Response))"
+                              r"\s*\d*\s*[:.]", re.IGNORECASE)
 # What may stand between two boxes (or two math spans) that together give one answer:
 # "\boxed{2}, \boxed{5}", "$\boxed{1}$ and $\boxed{3}$", "x=\boxed{2}, y=\boxed{5}" (departure 16).
 _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|\\quad|\\qquad)\s*){0,3}"
@@ -729,10 +730,10 @@ def _final_group(text: str) -> list | None:
         if len(out) >= _MAX_JOIN:
             return None     # more joined boxes than the cap: a suffix of them is no answer
         out.insert(0, b)
-    unit = _UNIT_AFTER_RE.match(text, out[-1][1]) if len(out) == 1 else None
-    if unit and all(w in _UNIT_WORDS or w in _UNIT_DIMS for w in re.findall(r"[A-Za-z]+", unit.group(1) or unit.group(2))):
-        out = [(out[0][0], unit.end(), out[0][2] + " \\text{ " + (unit.group(1) or unit.group(2)) + "}")]
-    if not _closing_tail(text[out[-1][1]:]) or any(_is_operand(text, a, b) for a, b, _ in out):
+    unit_end, unit = _unit_after(text, out[-1][1]) if len(out) == 1 else (out[-1][1], "")
+    if unit:            # '\\boxed{1.6} \\mathrm{~cm}': the unit is part of the answer, compared as such
+        out = [(out[0][0], unit_end, out[0][2] + unit)]
+    if not _closing_tail(text[out[-1][1]:], _bare_groups(text[:out[0][0]])) or any(_is_operand(text, a, b) for a, b, _ in out):
         return None     # the tail rule: only closing marks (or one known unit) may follow the final box
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
     if _DISOWN_BEFORE_RE.search(before):
@@ -752,12 +753,49 @@ _TAIL_TOKEN_RE = re.compile(
     r"\\(?:blacksquare|qed|square|Box)(?![A-Za-z])|[∎□]|</answer>|<\|end_of_solution\|>|" + _TURN_END_RE.pattern +
     r"|I\s+hope\s+it\s+is\s+correct", re.IGNORECASE)
 _MAX_TAIL = 300             # a longer tail is more than closing marks
-# One known unit right after the final box is part of the answer: Minerva's '\\boxed{1.6} \\mathrm{~cm}'.
-_UNIT_AFTER_RE = re.compile(r"\s*(?:\$\s*)?(?:\\[,;! ]|~|\s)*(?:\\(?:text|mathrm|mbox|rm)\s*\{\s*~?\s*([A-Za-z]+(?:\s*/\s*[A-Za-z]+)?)"
-                            r"\s*\}|([A-Za-z]+(?:/[A-Za-z]+)?)(?![A-Za-z]))")
+# Known units right after the final box are part of the answer: Minerva's '\\boxed{1.6} \\mathrm{~cm}',
+# '\\boxed{5}$ inches per second.', '\\boxed{30}^\\circ'. Only words of the unit tables, powers, '/', degree and
+# percent signs; the answer with them is then compared under the unit rules.
+_UNIT_PIECE_RE = re.compile(r"\s+|\\q?quad(?![A-Za-z])|\{\s*~?\s*([A-Za-z]+)\s*\}|\\(AA)(?![A-Za-z])|\\pmod\s*(?:\{\s*\w+\s*\}|\w+)|\$|\\[,;! ]|~|/|\\cdot(?![A-Za-z])|\^\s*\{?\s*-?[123]\s*\}?|\^\s*\{?\s*\\circ\s*\}?|°|\\?%|"
+                            r"\\(?:text|mathrm|mbox|rm|operatorname)\s*\{\s*~?\s*([A-Za-z]+)\s*\}|([A-Za-z]+)(?![A-Za-z])")
+_WRAPPERS_RE = re.compile(r"(?:^|[^\\A-Za-z])\{\s*$|\\(?:textbf|mathbf|boldsymbol|bm|displaystyle)\s*\{\s*$")
 
 
-def _closing_tail(tail: str) -> bool:
+def _unit_after(text: str, pos: int) -> tuple[int, str]:
+    """(end, unit) of the known unit right after text[pos] ((pos, '') when none): every word in the unit
+    tables ('per' joins them), at most 8 pieces, and a sign or word actually there."""
+    words, signs, end, k = [], [], pos, pos
+    for _ in range(16):
+        m = _UNIT_PIECE_RE.match(text, k)
+        if m is None or m.end() == k:
+            break
+        w, piece = next((g for g in m.groups() if g), None), m.group(0).strip()
+        if w is not None and w not in _UNIT_DIMS and w not in _UNIT_WORDS and w != "per":
+            break
+        k = m.end()
+        if w is not None or piece == "/":
+            words.append(w or "/")
+        elif piece not in ("", "$", "~") and not piece.startswith("\\") or "circ" in piece or "%" in piece:
+            signs.append(piece)
+        else:
+            continue
+        end = k
+    text_part = " ".join(words).replace(" / ", "/").strip("/ ")
+    unit = (" \\text{ " + text_part + "}" if text_part else "") + "".join(signs)
+    return (end, unit) if text_part or any(t in x for x in signs for t in ("%", "circ", "°", "pmod")) else (pos, "")
+
+
+def _bare_groups(before: str) -> int:
+    """How many groups open right before a box that only wrap it: '{\\boxed{7}}' (what '\\textcolor{red}'
+    leaves) and '\\textbf{\\boxed{7}}'; their '}' may follow it. A '\\hcancel{' is not one."""
+    n = 0
+    while n < 4 and _WRAPPERS_RE.search(before):
+        before = before[:before.rindex("{")]
+        n += 1
+    return n
+
+
+def _closing_tail(tail: str, braces: int = 0) -> bool:
     """The text after the final box holds only closing marks (the whitelist above): ``\\boxed{12}.``,
     ``$\\boxed{12}$.<|im_end|>``, ``\\boxed{12} I hope it is correct.``, not ``\\boxed{12}.5`` nor
     ``\\boxed{12}. Correction: 15``."""
@@ -766,6 +804,9 @@ def _closing_tail(tail: str) -> bool:
     pos = 0
     while pos < len(tail):
         m = _TAIL_TOKEN_RE.match(tail, pos)
+        if tail[pos] == "}" and braces:
+            braces, pos = braces - 1, pos + 1
+            continue
         if m is None or m.end() == pos:
             return False
         pos = m.end()
@@ -966,16 +1007,17 @@ def _join(parts: list[str]) -> str:
 def _end_of_turn(text: str) -> str:
     """The response up to its first end-of-turn marker (leading markers are skipped), and, in a response
     without a box, without a next few-shot problem that a base model goes on to write after its answer
-    cue. After a box a next problem or turn is the tail rule's: no answer."""
+    cue. A next problem or turn ('Question:', 'User:', '### Instruction') after a box: '' (no answer)."""
     for m in _TURN_END_RE.finditer(text):
         if text[:m.start()].strip() and not _TURN_END_RE.fullmatch(text[:m.start()].strip()):
             text = text[:m.start()]
             break
-    phrase = None if "\\boxed" in text or "\\fbox" in text else _ANSWER_PHRASE_RE.search(text)
-    if phrase:               # a next problem counts only after the response has given an answer
-        m = _NEXT_PROBLEM_RE.search(text, phrase.start() + 1)
+    box = min((p for p in (text.find("\\boxed"), text.find("\\fbox")) if p >= 0), default=-1)
+    phrase = _ANSWER_PHRASE_RE.search(text) if box < 0 else None
+    if box >= 0 or phrase:   # a next problem counts only after the response has given an answer
+        m = _NEXT_PROBLEM_RE.search(text, (box if box >= 0 else phrase.start()) + 1)
         if m:
-            return text[:m.start()]
+            return "" if box >= 0 else text[:m.start()]     # after a box: another turn, no answer
     return text
 
 
@@ -1171,6 +1213,8 @@ _UNIT_WORDS = frozenset((
     "integers", "digits", "numbers", "edges", "faces", "vertices", "multiples", "terms", "gm", "apples", "coins",
     "marbles", "cards", "balls", "books", "pages", "boxes", "pieces", "games", "rows", "seats", "chairs",
     "children", "boys", "girls", "men", "women", "friends", "hits", "handshakes", "triangles", "squares",
+    "erg", "ergs", "parsec", "parsecs", "arcsec", "arcsecs", "arcseconds", "arcmin", "angstrom", "angstroms",
+    "Angstrom", "Angstroms", "AA", "amu", "Gyr", "Myr", "bits", "magnitudes", "kcal", "Volt", "volts", "mole",
 ))
 _REALS_RE = re.compile(r"\\mathbb\s*\{\s*R\s*\}|\\R(?![a-zA-Z])|ℝ")
 _EMPTY_RE = re.compile(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|∅")
@@ -3804,7 +3848,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     budget = _Budget()
     if len(pred) > MAX_RESPONSE_CHARS or len(gold) > MAX_RESPONSE_CHARS:
         raise _Limit("input length")
-    pred, gold = _unwrap_answer(pred), _unwrap_answer(gold)    # a worked solution -> its box
+    pred, gold = _unwrap_answer(pred), _unwrap_answer(gold, gold=True)    # a worked solution -> its box
     _check_words(pred)
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
@@ -3876,7 +3920,7 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 
 # Fail closed on value: unit text after a number (\\text, \\mathrm, \\si, \\unit), congruence moduli.
 _UNIT_GROUP_RE = re.compile(r"(?<=[\d}.%])\s*(?:\\[,;! ]|~|\s)*\\(?:text|mathrm|mbox|textrm|rm|si|unit|SI)\s*\{"
-                            r"([^{}]*)\}")
+                            r"([^{}]*)\}(?=(?:\s|\^\s*\{?\s*[23]\s*\}?|\.|\\(?:text|mathrm|mbox|textrm|rm)\s*\{[^{}]*\}|/)*$)")
 _TRIG_NAME_RE = re.compile(r"\\?(?:sin|cos|tan|sec|csc|cot)")
 _KNOWN_UNIT_EXTRA = frozenset(("square", "squared", "cubic", "cubed", "per", "of", "sq", "units", "unit", "exactly"))
 _MODULUS_RE = re.compile(r"\\pmod\s*(\{[^{}]*\}|\w+)|\(\s*\\?(?:bmod|mod)\s*(\w+)\s*\)")
@@ -3886,8 +3930,8 @@ def _unknown_units(s: str) -> str:
     """The words of the unit text after a number in s that this file does not know ('' when none):
     '12 \\text{ MHz}' gives 'mhz'; '12 \\text{ cm}' and '12 \\text{ square units}' give ''."""
     words = [w for m in _UNIT_GROUP_RE.finditer(s) for w in re.findall(r"[A-Za-z]+", m.group(1))]
-    return " ".join(w.lower() for w in words if w not in _UNIT_WORDS and w not in _UNIT_DIMS and
-                    w.lower() not in _UNIT_WORDS and w.lower() not in _KNOWN_UNIT_EXTRA)
+    return " ".join(w.lower() for w in words if w not in _UNIT_WORDS and w not in _UNIT_DIMS and w.lower() not in
+                    _UNIT_WORDS and w.lower() not in _KNOWN_UNIT_EXTRA and w.lower() not in _MULTIPLIERS)
 
 
 def _same_marks(pred: str, gold: str, up, ug) -> bool:
@@ -3971,12 +4015,13 @@ def _decimal_comma_equal(cp: str, cg: str, rel_tol: float, budget: _Budget) -> b
         and not _free_names(qb.expr) and _equal(qa, qb, rel_tol, budget)
 
 
-def _unwrap_answer(s: str) -> str:
+def _unwrap_answer(s: str, gold: bool = False) -> str:
     """An answer string without what surrounds it: the box(es) of a boxed answer or of a whole worked
-    solution, or the math delimiters around it ('$\\frac25.$', '\\[ 7 \\]', '\\( 7 \\)')."""
+    solution, or the math delimiters around it ('$\\frac25.$', '\\[ 7 \\]', '\\( 7 \\)'). A gold's last box
+    is its answer whatever follows it (the tail rule judges responses, not golds)."""
     s = _LEAD_CUE_RE.sub("", s.strip(), count=1)     # 'Answer: \\[ 14 \\]', 'Answer $ 14 $'
     if "\\boxed" in s or "\\fbox" in s:
-        boxes = _last_boxes(_end_of_turn(s))
+        boxes = _last_boxes(_end_of_turn(s)) or (gold and last_boxed(s) is not None and [last_boxed(s)])
         if boxes:
             return _join(boxes)
     m = _MATH_SPAN_RE.fullmatch(s.rstrip(" .,;"))
