@@ -775,7 +775,7 @@ def _unit_after(text: str, pos: int) -> tuple[int, str]:
         k = m.end()
         if w is not None or piece == "/":
             words.append(w or "/")
-        elif piece not in ("", "$", "~") and not piece.startswith("\\") or "circ" in piece or "%" in piece:
+        elif piece not in ("", "$", "~") and not piece.startswith("\\") or any(t in piece for t in ("circ", "%", "pmod")):
             signs.append(piece)
         else:
             continue
