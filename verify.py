@@ -69,78 +69,46 @@ How answers are compared
 What counts as an answer (the strictness rule)
 ----------------------------------------------
 Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
+So the reward fails closed (issue 55). The principle: every leniency is a whitelist; what this file does
+not fully understand pays 0, so the next unseen hack is refused by rule, not by a new word list.
 
-One answer, one reward: what a response's answer is is decided from the response alone, before the
-gold is looked at (``extract_answer``), and only then compared (``is_equivalent``). So the golds one
-response is paid for form one equivalence class: a hedge (``\\boxed{2} \\boxed{4} \\boxed{6}``, "I tried
-\\boxed{2}; no, it is \\boxed{9}") is paid for its last answer only, never for a list of its boxes nor
-for a suffix of a list. The one dual reading kept is percent (departure 4: ``7\\%`` is paid for 7 and
-for 0.07). test_verify.py checks it over every case file: each response is judged against every
-box, join of boxes, math span and number in it.
+One answer, one reward: the response's answer is decided from the response alone (``extract_answer``),
+then compared (``is_equivalent``), so a hedge (``\\boxed{2} \\boxed{4}``, "I tried \\boxed{2}; no, it is
+\\boxed{9}") is paid for its last answer only. The one dual reading kept is percent (departure 4).
+test_verify.py checks it over every case file against every box, join, math span and number in it.
 
-So a prediction is an answer only when it is written in the notation of the table below (numbers,
-names, operators, functions, relations, structures, plain words for a text answer). These are not
-answers, and each is unequal to every gold; ``_check_math`` and ``_check_product`` are the one place
-that decides it, and no other reading or leniency is tried after it:
+- Position (the tail rule, ``_closing_tail``): the final box is the answer only when what follows it is,
+  by a whitelist, closing punctuation (``.`` ``,`` ``;`` ``:`` ``)`` ``]``; not ``!`` nor ``?``), math
+  delimiters and environment ends, spacing, markdown emphasis, end-of-proof marks, end-of-turn markers
+  (``<|im_end|>`` ``</s>`` ``<|eot_id|>`` ``<end_of_turn>`` ...), ``</answer>``, Minerva's "I hope it is
+  correct", the ``}`` of a group that only wraps the box (``\\textbf{..}``, what ``\\textcolor`` leaves) and
+  one run of known units (``_unit_after``: words of the unit tables, ``/``, powers, ``^\\circ``, ``\\%``,
+  ``\\pmod{m}``), which joins the answer and is compared under the unit rules. Anything else (a digit, a
+  word, a cue, a retraction in any language, another turn, markup, a code fence, the end of a reasoning tag
+  other than ``<think>``) makes no answer; a next "Question:" / "User:" / "### Instruction" after a box does
+  too. Human worked solutions go on after the box: that cost is counted (bench.verify against).
+- Before the box (kept, not extended): a box is no answer when it is an operand (``-\\boxed{7}``,
+  ``\\frac{\\boxed{7}}{2}``), hidden (``\\phantom``, ``\\cancel``, ``\\sout``, a comment, white text,
+  ``~~struck~~``), negated ("not \\boxed{7}", ``\\ne \\boxed{7}``), under a logic operator (``\\lnot``), or not
+  asserted by its sentence (``_asserted``: inside a condition, attributed to an error; "If $x = 3$, then
+  $y = \\boxed{12}$" stays one); a box inside a box beside other content and an unclosed box are none.
+- Value (``_same_marks``, ``_val_equal``): a unit, scale word or macro the unit table does not know makes
+  the answer unequal to any gold without the same text (``12 \\text{ MHz}`` is not ``12 \\text{ Hz}`` nor 12);
+  known units are dropped only against none or the same one (``5 km`` is not ``5 m``); percent is read
+  both ways only when exactly one side has it; a degree sign never vanishes against a gold in radians; an
+  exact decimal gold is met exactly by a rational answer (``0.50004`` is not ``0.5``); two congruences keep
+  their moduli; expressions must also agree at wide points of both signs (``\\min(x, 1000)`` is not x).
+- Not answers, unequal to every gold (``_check_math``, ``_check_product``, ``_same_marks``): program syntax
+  (quotes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names, ``import`` / ``lambda``; only ``np.`` /
+  ``math.`` before a known function is dropped), a call of an unknown name (``print(4)``), a literal ``0``
+  factor beside a non-number (``k0``, ``0x``), qualifying words in a box's text (``12 \\text{ or thirteen}``,
+  ``\\text{about } 12``), false chains (``x = 2+2 = 5``, an approximation of no one value), open lists, numbers
+  side by side (``7 0``), a choice letter followed by anything but its value.
+- Without a box (``strict=False``, evaluation only): the answer cue's math, the last math span or the last
+  number is read under the same sentence rule, with the word lists of hedges and doubts after it.
 
-- program syntax: quotes that are not primes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names
-  (``os.path``, ``x.real``), ``__``, ``import`` / ``lambda`` / ``return``. Only ``np.``, ``numpy.`` or
-  ``math.`` before a known function or ``pi`` is dropped (Minerva's gold ``np.arcsin(10/13)``);
-- a call of a name that is not a known function (``run(0)``, ``print(4)``);
-- a product in which a factor written as the literal ``0`` stands next to a factor that is not a
-  number (``k0``, ``v0w``, ``0x``, ``\\frac{0}{k}``: each would equal every gold 0).
-
-Every leniency is bounded by what a policy could exploit with it:
-
-- text after a value is a unit only when it holds no digit, bracket or word that changes, negates
-  or bounds it (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}``, ``\\text{ doubled}``,
-  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies), and a
-  prediction with such words in any ``\\text{..}`` beside its value is no answer (``12 \\text{ or thirteen}``,
-  ``12 \\text{ modulo five}``, ``\\text{about } 12``; ``_check_words``), while unit words stay
-  (``12 \\text{ square units}``, ``12 \\text{ units squared}``, ``12 \\text{ ways}``); a unit is
-  dropped only when the other side has none or the same one (``_unit_of``: lengths, times, masses,
-  volumes, speeds, money, angles, temperatures): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``,
-  ``30 rad`` is not ``30^\\circ``, ``5^\\circ C`` is not ``5^\\circ F``, and ``7\\mathbb{N}`` is no 7 newtons;
-- a box is no answer when it is an operand (``\\boxed{7} + \\boxed{1}``, ``-\\boxed{7}``,
-  ``\\frac{\\boxed{7}}{2}``), hidden or struck (``\\phantom``, ``\\cancel``, ``\\sout``, ``\\iffalse``, a
-  comment, white text, ``~~struck~~``), disowned (``\\boxed{7} (wrong)``, ``\\boxed{7} ✗``, "the answer is
-  not \\boxed{7}"), bounded ("the answer is at least \\boxed{7}", ``\\boxed{7} or more``), changed
-  (``\\boxed{7} squared``) or hedged (``\\boxed{7} or 8``, not ``\\boxed{\\frac12}, or 0.5``) by the words
-  right around it; ``\\text{not } x = 7`` is no answer. Worked solutions stay answers: "at most
-  \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
-  MATH-500's and Minerva's solutions as responses);
-- a box (and, without one, an answer cue's math or the last math span) is an answer only when the
-  sentence around it asserts it (``_asserted``): not inside a condition ("Were it \\boxed{12}, ...",
-  "If the count were \\boxed{12}, ...", "\\boxed{12} if n is even", "we would get \\boxed{12}" beside a
-  condition or a contrast), not attributed to an error ("The usual slip gives \\boxed{12}", unless words
-  between assert: "Avoiding the mistake, we get"), not questioned ("\\boxed{12}?"), doubted or retracted
-  ("\\boxed{12}. Unsure.", "(unverified)", "no wait"), and not followed by another value stated for it
-  ("\\boxed{12}; the right count is 13"). "If $x = 3$, then $y = \\boxed{12}$", "she would have saved
-  \\boxed{550} gallons" and "true if and only if $x \\ge \\boxed{\\frac{11}{2}}$" stay answers;
-- a logic operator applied to a box makes no answer (``\\lnot\\boxed{12}``, ``\\boxed{12} \\lor \\boxed{13}``,
-  "xor", ``\\boxed{12} \\land x > 0``; an implication before a box is "hence");
-- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), an
-  approximation farther than half a unit in its last place from the value it follows
-  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``), or
-  approximations that hold no one value (rounded twice: ``y \\approx 11.46 \\approx 11.5 \\approx 12``); the
-  value after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
-  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``, and when every side after it is the same
-  constant (``\\int_0^1 2x\\,dx = 1 = 12`` states nothing);
-- expressions must also agree at points of both signs wherever both sides stay real (``|u|``,
-  ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``; departure 2);
-- an open list (any spelling of the ellipsis, inside or outside braces, with or without dollars)
-  is never a finite list;
-- a box inside a box beside other content, and an unclosed last box, are no answer;
-- a whole response without a box that is one short line (one token, a line of code, or no words)
-  is read whole (``3 or 4`` is two answers, ``1,3,5`` is not 135, ``abc0`` is not 0); the last
-  number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``,
-  ``4 meters, not 5.``);
-- a choice letter followed by anything but its value is no choice (``(C) or (D)``, ``(C)+1``);
-- numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
-  answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
-
-``data/verify_hacking.jsonl``, ``data/verify_rl.jsonl`` and ``data/verify_asserts.jsonl`` hold the forms a
-policy could try, by kind, each with honest controls.
+``data/verify_hacking.jsonl``, ``verify_rl.jsonl``, ``verify_asserts.jsonl`` and ``verify_failclosed.jsonl``
+hold the forms a policy could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
@@ -155,7 +123,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    compared at points of both signs and two far points (about 97 and -89 times the first), so
    ``y = \\sqrt{x^2}`` is not ``y = x`` and ``|x - 10| = 3`` is not ``x = 7``.
    (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_eqn_equal``)
-3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
+3. An exact decimal gold (``0.5``) is met exactly by a rational answer. Decimals vs other exact values:
+   equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
    digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
    rel_tol; math-verify accepts it) and ``100.01`` does not equal ``100`` (within rel_tol but not a
@@ -165,11 +134,11 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a ``rel_tol`` above 1e-3 treats
    integers as rounded too (``901.8`` equals ``900``) and drops both checks.
    (``_agree``, ``_close``)
-4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted): the one dual reading
-   kept, so the one named exception to "one answer, one reward".
+4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted) when the other side has no
+   percent: the one dual reading kept, the one named exception to "one answer, one reward".
    (``_val_equal``)
-5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``.
-   (``_clean (_DEGREE_RE)``)
+5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``; never against a
+   gold in radians (``\\frac{\\pi}{6}^\\circ`` is not ``\\frac{\\pi}{6}``). (``_clean (_DEGREE_RE)``, ``_same_marks``)
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
    (``_Parser.parse_postfix``)
 7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals
@@ -191,8 +160,9 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     (``_Parser.parse_letters``, ``_word_products``)
 11. A number directly followed by an integer ``\\frac`` is a mixed number (``1\\frac{4}{5}`` = 9/5).
     (``_Parser._try_mixed``)
-12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped; as a last try a
-    known plain unit word (``cm``, ``inches``, ``m`` ...) after a number is dropped too.
+12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped when its words are in
+    the unit tables (or the gold carries the same text); as a last try a known plain unit word (``cm``,
+    ``inches``, ``m`` ...) after a number is dropped too.
     (``_clean``, ``_unit_of``, ``_strip_plain_unit``)
 13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX.
     (``_clean``)
@@ -262,7 +232,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``a \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter
     before a parenthesised integer) are one symbol, the function's value, not ``f`` times 0;
     ``\\pmod{m}`` is dropped, so
-    ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it).
+    ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it), but
+    two congruences must have the same modulus.
     ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
     is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
     (``_ev_gcd``, ``_ev_extreme``, ``_clean (_PMOD_RE)``)
@@ -345,8 +316,9 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 Benchmark
 ---------
 ``python -m bench.verify`` (its docstring says what it prints): accuracy, false positives, hedges and
-speed on the six case files of ``data/``, with math-verify beside it on the same cases;
-``python -m bench.verify golds`` checks every benchmark gold against itself.
+speed on the seven case files of ``data/``, with math-verify beside it on the same cases;
+``python -m bench.verify golds`` checks every benchmark gold against itself; ``python -m bench.verify against
+REF`` lists the verdicts that differ from another copy of this file, with reasons.
 """
 from __future__ import annotations
 
@@ -1560,26 +1532,11 @@ _NEGATED_RE = re.compile(r"\\text\s*\{\s*(?:not|no|never|wrong|false|incorrect|i
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
 
 
-# Words inside a box's text that qualify its value: '12 \\text{ at least}', '12 \\text{ or thirteen}',
-# '12 \\text{ (not checked)}', '12 \\text{ modulo five}', '\\text{about } 12'. Unit words stay ('12 \\text{ square
-# units}', '12 \\text{ units squared}'); so do 'or' / 'and' alone between values and a piecewise 'if'.
-_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox)\s*\{([^{}]*)\}")
-_QUALIFIER_RE = re.compile(r"[\d()\[\]=<>?]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
-                           r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|answer|"
-                           r"guess|correct|incorrect|depending|about|around|approximately|roughly|to|between|plus|"
-                           r"minus|etc|doubled|halved|tripled|squared|cubed|factorial|onwards?|up|above|below|under|"
-                           r"over|inverse|reciprocal|mod|modulo|false|impossible|excluded|off|invalid|rejected|"
-                           r"negative|opposite|rounded|later|earlier|ago|before|after|greater|beyond|minimum|maximum|"
-                           r"upwards?|downwards?|negated|inverted|so|give|take|unverified|verified|checked|unchecked|"
-                           r"untested|tentative(?:ly)?|estimated?|estimates|ish|nearly|almost|circa|ca|close|"
-                           r"increase|decrease|excess|gain|loss|presumably|likely|unlikely|hopefully|supposedly|"
-                           r"apparently|allegedly|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
-                           r"twelve|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty|"
-                           r"forty|fifty|sixty|seventy|eighty|ninety)(?![A-Za-z])", re.IGNORECASE)
+# The text groups of an answer beside a value: their words must be known (units, scale words, 'or' / 'and',
+# 'exactly', a choice letter) or carried by the gold too (``_unknown_units``): '12 \\text{ or thirteen}',
+# '12 \\text{ modulo five}', '\\text{about } 12' are unequal to 12 by rule, not by a list of qualifiers.
+_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox|si|unit|SI)\s*\{([^{}]*)\}")
 _UNIT_EXPONENT_RE = re.compile(r"(?<=[A-Za-z])\s*\^\s*\{?\s*-?\d\s*\}?")
-# Kept: a choice '(E)', '(exactly)', one token with digits ('\\text{A5}_{11}', '\\text{cm2}')
-_KEPT_TEXT_RE = re.compile(r"\s*\(?\s*(?:[A-E]|exactly)\s*\)?\s*|\s*[A-Za-z]{0,3}\d+[A-Za-z\d]*\s*")
-_SEPARATOR_TEXT_RE = re.compile(r"[\s,;]*(?:(?:or|and)[\s,;]*)?", re.IGNORECASE)
 _UNIT_POWER_WORD_RE = re.compile(r"(?<![A-Za-z])([A-Za-z]+)\.?\s+(squared|cubed)(?![A-Za-z])", re.IGNORECASE)
 
 
@@ -1588,24 +1545,6 @@ def _unit_power_words(t: str, power: str = "^{}") -> str:
     formats the exponent ('' drops it)."""
     return _UNIT_POWER_WORD_RE.sub(lambda m: m.group(1) + power.format(2 if m.group(2).lower() == "squared" else 3)
                                    if m.group(1) in _UNIT_WORDS or m.group(1) in _UNIT_DIMS else m.group(0), t)
-
-
-def _check_words(pred: str) -> None:
-    """Raises _NotMath when a \\text{..} of the (uncleaned) prediction holds words that qualify a value
-    written outside it. A whole text answer ('\\text{no solution}') and a piecewise 'cases' are not judged."""
-    if "\\text" not in pred and "box" not in pred and "\\math" not in pred or "{cases}" in pred:
-        return
-    outside = _TEXT_GROUP_RE.sub(" ", pred)
-    if not re.search(r"[\dA-Za-z]", outside.replace("\\boxed", "")):
-        return          # the whole answer is text
-    for m in _TEXT_GROUP_RE.finditer(pred):
-        words = _UNIT_EXPONENT_RE.sub(" ", m.group(1))       # 'm/s^2', 'cm^{3}': powers of a unit
-        if _SEPARATOR_TEXT_RE.fullmatch(words) or words.strip().lower() in _MULTIPLIERS or \
-                words.strip() in _UNIT_WORDS or _KEPT_TEXT_RE.fullmatch(words):
-            continue
-        q = _QUALIFIER_RE.search(_unit_power_words(words, ""))
-        if q is not None and q.group(0).lower() not in _UNIT_WORDS:
-            raise _NotMath(f"words that qualify the value: {words.strip()!r}")
 
 
 def _check_math(s: str) -> None:
@@ -3849,7 +3788,6 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     if len(pred) > MAX_RESPONSE_CHARS or len(gold) > MAX_RESPONSE_CHARS:
         raise _Limit("input length")
     pred, gold = _unwrap_answer(pred), _unwrap_answer(gold, gold=True)    # a worked solution -> its box
-    _check_words(pred)
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
     up, ug = _unit_of(pred), _unit_of(gold)
@@ -3919,19 +3857,23 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 
 
 # Fail closed on value: unit text after a number (\\text, \\mathrm, \\si, \\unit), congruence moduli.
-_UNIT_GROUP_RE = re.compile(r"(?<=[\d}.%])\s*(?:\\[,;! ]|~|\s)*\\(?:text|mathrm|mbox|textrm|rm|si|unit|SI)\s*\{"
-                            r"([^{}]*)\}(?=(?:\s|\^\s*\{?\s*[23]\s*\}?|\.|\\(?:text|mathrm|mbox|textrm|rm)\s*\{[^{}]*\}|/)*$)")
 _TRIG_NAME_RE = re.compile(r"\\?(?:sin|cos|tan|sec|csc|cot)")
-_KNOWN_UNIT_EXTRA = frozenset(("square", "squared", "cubic", "cubed", "per", "of", "sq", "units", "unit", "exactly"))
+_KNOWN_UNIT_EXTRA = frozenset(("square", "cubic", "per", "sq", "units", "unit", "exactly", "or", "and", "th", "st",
+                               "nd", "rd"))
 _MODULUS_RE = re.compile(r"\\pmod\s*(\{[^{}]*\}|\w+)|\(\s*\\?(?:bmod|mod)\s*(\w+)\s*\)")
 
 
 def _unknown_units(s: str) -> str:
-    """The words of the unit text after a number in s that this file does not know ('' when none):
-    '12 \\text{ MHz}' gives 'mhz'; '12 \\text{ cm}' and '12 \\text{ square units}' give ''."""
-    words = [w for m in _UNIT_GROUP_RE.finditer(s) for w in re.findall(r"[A-Za-z]+", m.group(1))]
-    return " ".join(w.lower() for w in words if w not in _UNIT_WORDS and w not in _UNIT_DIMS and w.lower() not in
-                    _UNIT_WORDS and w.lower() not in _KNOWN_UNIT_EXTRA and w.lower() not in _MULTIPLIERS)
+    """The words of s's text groups beside a value that this file does not know ('' when none):
+    '12 \\text{ MHz}' gives 'mhz', '\\text{about } 12' 'about'; '12 \\text{ square units}', '1 \\text{ or } 2',
+    '\\text{A5}_{11}' give ''. A whole text answer and a piecewise 'cases' are compared as they are."""
+    if "{cases}" in s or not re.search(r"[\dA-Za-z]", _TEXT_GROUP_RE.sub(" ", s).replace("\\boxed", "")):
+        return ""
+    s = s.rsplit("=", 1)[-1]        # '\\text{Area} = 50': a name left of '=', not a unit
+    words = [w for m in _TEXT_GROUP_RE.finditer(s) for w in re.findall(r"[A-Za-z]+\d*", _unit_power_words(m.group(1), ""))]
+    return " ".join(w.lower() for w in words if not (w in _UNIT_WORDS or w in _UNIT_DIMS or len(w) == 1 or
+                    re.search(r"\d", w) or w.lower() in _UNIT_WORDS or w.lower() in _KNOWN_UNIT_EXTRA or
+                    w.lower() in _MULTIPLIERS or w.lower() in _FUNCS or w.lower() in _FN_WORDS))
 
 
 def _same_marks(pred: str, gold: str, up, ug) -> bool:
@@ -3940,7 +3882,7 @@ def _same_marks(pred: str, gold: str, up, ug) -> bool:
     a degree sign never vanishes against a gold in radians ('\\frac{\\pi}{6}^\\circ' is not '\\frac{\\pi}{6}');
     two congruences keep their moduli ('2 \\pmod 3' is not '2 \\pmod 5')."""
     kp, kg = _unknown_units(pred), _unknown_units(gold)
-    if (kp or kg) and kp != kg and (kp or up is not None or _UNIT_GROUP_RE.search(pred)):
+    if (kp or kg) and kp != kg and (kp or up is not None or _TEXT_GROUP_RE.search(pred)):
         return False
     if _ANGLE_RE.search(pred) and not _ANGLE_RE.search(gold) and not _TRIG_NAME_RE.search(pred) and \
             re.search(r"\\pi|π|rad", gold):

@@ -892,9 +892,10 @@ def test_qualifiers_inside_a_box_text_and_unit_words():
             ("7 \\text{ squared}", "7", False), ("9.8\\,\\mathrm{m/s^2}", "9.8", True),
             ("\\text{A5}_{11}", "\\text{A5}_{11}", True), ("\\text{no solution}", "\\text{no solution}", True),
             ("x = 1 \\text{ or } x = 2", "1, 2", True), ("7 \\text{ (exactly)}", "7", True)])
-    with pytest.raises(V._NotMath):
-        V._check_words("12 \\text{ give or take}")
-    V._check_words("\\begin{cases} 1 & \\text{if } x > 0 \\\\ 0 & \\text{otherwise} \\end{cases}")    # piecewise
+    # issue 55: words the unit tables do not hold make the answer unequal unless the gold carries them too
+    _check([("12 \\text{ give or take}", "12", False), ("12 \\text{ give or take}", "12 \\text{ give or take}", True),
+            ("\\text{Area} = 50", "50", True), ("7^{\\text{th}}", "7", True), ("\\mathrm{lcm}(3,5)", "15", True)])
+    assert V._unknown_units("\\begin{cases} 1 & \\text{if } x > 0 \\\\ 0 & \\text{otherwise} \\end{cases}") == ""
 
 
 def test_chains_whose_sides_disagree_state_nothing():
