@@ -9,22 +9,14 @@ answer and decides whether it is mathematically the same as the gold. Used for t
 Public API
 ----------
 ``extract_answer(text, *, strict=False, last_number=True) -> str | None``
-    The response's answer, decided from the response alone (the gold is never looked at). The
-    response is cut at its first end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``</s>`` ...)
-    and before a next few-shot "Problem:" written after an answer; nothing inside ``<think>`` counts
-    (departure 24); comments, ``\\phantom``, ``\\cancel``, ``\\sout`` and white text are not read.
-    Then: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces
-    allowed), joined with the boxes just before it when only ``,`` / ``;`` / ``and`` / ``or`` /
-    ``x =`` separate them (departure 16); a last box that is an operand, disowned, hedged, under a
-    logic operator or not asserted by its sentence gives no answer at all. ``strict=True`` (what
-    training uses) is boxed only. With ``strict=False`` a response without a box falls back to the
-    last ``<answer>..</answer>``, then to the math (or sentence) after the last "answer is" / "Answer:"
-    / "####" / ``所以`` / ``答え:`` (Minerva's "Final Answer: The final answer is $X$. I hope it is
-    correct."), then to the last math span
-    (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last number
-    (``last_number=True``) with the unit word after it. A whole response that is one short line
-    without words is its own answer. An unclosed last box is no answer in either mode (a truncated
-    response).
+    The response's answer, decided from the response alone (the gold is never looked at): cut at its
+    first end-of-turn marker, nothing inside ``<think>`` (departure 24), nothing hidden. Then the last
+    ``\\boxed{...}`` / ``\\fbox{...}``, joined with the boxes just before it when only ``,`` / ``and`` /
+    ``x =`` separate them (departure 16), under the strictness rule below (the tail rule first); an
+    unclosed or refused last box is no answer. ``strict=True`` (training) is boxed only. With
+    ``strict=False`` a response without a box falls back to ``<answer>..</answer>``, the math after the
+    last answer cue ("answer is", "Answer:", "####", ``所以``, Minerva's "The final answer is $X$. I hope it
+    is correct."), the last math span, then (``last_number=True``) the last number with its unit word.
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
     Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
     delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
@@ -572,8 +564,8 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 # Where a turn ends: chat-template markers; and (after an answer) a base model's next few-shot problem.
 _TURN_END_RE = re.compile(r"<\|(?:im_end|im_start|eot_id|end_of_text|endoftext|start_header_id|end|user|"
                           r"assistant|eot)\|>|</s>|<end_of_turn>|<start_of_turn>|<eos>")
-_NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question|Exercise|Q|User|Human|Assistant|###\s*(?:Instruction|Response))"
-                              r"\s*\d*\s*[:.]", re.IGNORECASE)
+_NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question|Exercise|Q|User|Human|Assistant|###\s*(?:Instruction|"
+                              r"Response))\s*\d*\s*[:.]", re.IGNORECASE)
 # What may stand between two boxes (or two math spans) that together give one answer:
 # "\boxed{2}, \boxed{5}", "$\boxed{1}$ and $\boxed{3}$", "x=\boxed{2}, y=\boxed{5}" (departure 16).
 _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|\\quad|\\qquad)\s*){0,3}"
@@ -705,12 +697,13 @@ def _final_group(text: str) -> list | None:
     unit_end, unit = _unit_after(text, out[-1][1]) if len(out) == 1 else (out[-1][1], "")
     if unit:            # '\\boxed{1.6} \\mathrm{~cm}': the unit is part of the answer, compared as such
         out = [(out[0][0], unit_end, out[0][2] + unit)]
-    if not _closing_tail(text[out[-1][1]:], _bare_groups(text[:out[0][0]])) or any(_is_operand(text, a, b) for a, b, _ in out):
+    if not _closing_tail(text[out[-1][1]:], _bare_groups(text[:out[0][0]])) or \
+            any(_is_operand(text, a, b) for a, b, _ in out):
         return None     # the tail rule: only closing marks (or one known unit) may follow the final box
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
     if _DISOWN_BEFORE_RE.search(before):
         return None
-    if _logic_around(text, out[0][0], out[-1][1]) or not _asserted(text, out[0][0], out[-1][1]):
+    if _logic_before(text, out[0][0]) or not _asserted(text, out[0][0], out[-1][1]):
         return None
     return out
 
@@ -719,23 +712,27 @@ def _final_group(text: str) -> list | None:
 # '!' (a factorial) nor '?'), math delimiters and environment ends, spacing, markdown emphasis, end-of-proof
 # marks, end-of-turn and end-of-answer markers, and Minerva's closing formula. Anything else (a digit, a word, a
 # cue, another turn, markup, code fences, a reasoning tag's end) can carry a value or a retraction: no answer.
-_TAIL_TOKEN_RE = re.compile(
-    r"\s+|[.,;:)\]。．，]|\$|\\[)\]]|\\\\|\*+|_{2}|\\(?:quad|qquad|[,;! ])|"
+_TAIL_RE = re.compile(
+    r"(?:\s|[.,;:)\]。．，*]|\$|\\[)\]]|\\\\|_{2}|\\(?:quad|qquad|[,;! ])|"     # one alternative per character: linear
     r"\\end\s*\{(?:align|aligned|equation|gather|gathered|split|multline|eqnarray|array|displaymath)\*?\}|"
     r"\\(?:blacksquare|qed|square|Box)(?![A-Za-z])|[∎□]|</answer>|<\|end_of_solution\|>|" + _TURN_END_RE.pattern +
-    r"|I\s+hope\s+it\s+is\s+correct", re.IGNORECASE)
+    r"|I\s+hope\s+it\s+is\s+correct)*", re.IGNORECASE)
 _MAX_TAIL = 300             # a longer tail is more than closing marks
 # Known units right after the final box are part of the answer: Minerva's '\\boxed{1.6} \\mathrm{~cm}',
 # '\\boxed{5}$ inches per second.', '\\boxed{30}^\\circ'. Only words of the unit tables, powers, '/', degree and
 # percent signs; the answer with them is then compared under the unit rules.
-_UNIT_PIECE_RE = re.compile(r"\s+|\\q?quad(?![A-Za-z])|\{\s*~?\s*([A-Za-z]+)\s*\}|\\(AA)(?![A-Za-z])|\\pmod\s*(?:\{\s*\w+\s*\}|\w+)|\$|\\[,;! ]|~|/|\\cdot(?![A-Za-z])|\^\s*\{?\s*-?[123]\s*\}?|\^\s*\{?\s*\\circ\s*\}?|°|\\?%|"
-                            r"\\(?:text|mathrm|mbox|rm|operatorname)\s*\{\s*~?\s*([A-Za-z]+)\s*\}|([A-Za-z]+)(?![A-Za-z])")
+# Pieces: spacing and delimiters (skipped), '/', signs (powers, degree, percent, \\pmod), then unit words.
+_UNIT_PIECE_RE = re.compile(r"\s+|\$|\\[,;! ]|~|/|\\q?quad(?![A-Za-z])|\\cdot(?![A-Za-z])|"
+                            r"\\pmod\s*(?:\{\s*\w+\s*\}|\w+)|\^\s*\{?\s*-?[123]\s*\}?|\^\s*\{?\s*\\circ\s*\}?|°|\\?%|"
+                            r"\{\s*~?\s*([A-Za-z]+)\s*\}|\\(AA)(?![A-Za-z])|\\(?:text|mathrm|mbox|rm|operatorname)\s*"
+                            r"\{\s*~?\s*([A-Za-z]+)\s*\}|([A-Za-z]+)(?![A-Za-z])")
+_SIGNS = ("circ", "°", "%", "pmod")
 _WRAPPERS_RE = re.compile(r"(?:^|[^\\A-Za-z])\{\s*$|\\(?:textbf|mathbf|boldsymbol|bm|displaystyle)\s*\{\s*$")
 
 
 def _unit_after(text: str, pos: int) -> tuple[int, str]:
-    """(end, unit) of the known unit right after text[pos] ((pos, '') when none): every word in the unit
-    tables ('per' joins them), at most 8 pieces, and a sign or word actually there."""
+    """(end, unit) of the known unit right after text[pos] ((pos, '') when none): words of the unit tables
+    ('per' joins them), '/', powers and signs."""
     words, signs, end, k = [], [], pos, pos
     for _ in range(16):
         m = _UNIT_PIECE_RE.match(text, k)
@@ -747,14 +744,14 @@ def _unit_after(text: str, pos: int) -> tuple[int, str]:
         k = m.end()
         if w is not None or piece == "/":
             words.append(w or "/")
-        elif piece not in ("", "$", "~") and not piece.startswith("\\") or any(t in piece for t in ("circ", "%", "pmod")):
+        elif piece not in ("", "$", "~") and not piece.startswith("\\") or any(t in piece for t in _SIGNS):
             signs.append(piece)
         else:
             continue
         end = k
     text_part = " ".join(words).replace(" / ", "/").strip("/ ")
     unit = (" \\text{ " + text_part + "}" if text_part else "") + "".join(signs)
-    return (end, unit) if text_part or any(t in x for x in signs for t in ("%", "circ", "°", "pmod")) else (pos, "")
+    return (end, unit) if text_part or any(t in x for x in signs for t in _SIGNS) else (pos, "")
 
 
 def _bare_groups(before: str) -> int:
@@ -768,21 +765,11 @@ def _bare_groups(before: str) -> int:
 
 
 def _closing_tail(tail: str, braces: int = 0) -> bool:
-    """The text after the final box holds only closing marks (the whitelist above): ``\\boxed{12}.``,
-    ``$\\boxed{12}$.<|im_end|>``, ``\\boxed{12} I hope it is correct.``, not ``\\boxed{12}.5`` nor
-    ``\\boxed{12}. Correction: 15``."""
-    if len(tail) > _MAX_TAIL:
-        return False
-    pos = 0
-    while pos < len(tail):
-        m = _TAIL_TOKEN_RE.match(tail, pos)
-        if tail[pos] == "}" and braces:
-            braces, pos = braces - 1, pos + 1
-            continue
-        if m is None or m.end() == pos:
-            return False
-        pos = m.end()
-    return True
+    """The text after the final box holds only closing marks (the whitelist above) and at most ``braces``
+    '}': ``\\boxed{12}.``, ``$\\boxed{12}$.<|im_end|>``, ``\\boxed{12} I hope it is correct.``, not
+    ``\\boxed{12}.5`` nor ``\\boxed{12}. Correction: 15``."""
+    tail = tail.rstrip().replace("}", "", braces)
+    return len(tail) <= _MAX_TAIL and _TAIL_RE.fullmatch(tail) is not None
 
 
 # A box is an operand when an operator, a number or a command taking it as an argument stands right
@@ -793,19 +780,7 @@ _OPERAND_BEFORE_RE = re.compile(r"(?:[-*/^_)\]|\d]|(?<![=(,&\s])\s*\+|"
 # Markdown before a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
 _MARKDOWN_BEFORE_RE = re.compile(r"(?:(?:^|(?<=[\s:(A-Za-z]))(?:\*+|__+)\s*)+$")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
-# A box disowned or hedged by the words right after it, or negated by the words right before it.
-_DISOWN_AFTER_RE = re.compile(r"^[\s,.;:}_^{]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
-                              r"(?:is|was|are)\s+)?(?:wrong|incorrect|false|"
-                              r"(?:is\s+)?not\s+(?:correct|right|the\s+answer)|"
-                              r"impossible|invalid|excluded|rejected|discarded)(?![A-Za-z])|[\s}]*[✗✘❌]|"
-                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or(?=\s*\}?\s*(?:[\d$\\(+\-.]|[A-Za-z](?![A-Za-z])|"
-                              r"maybe|perhaps|possibly|probably|more|less|fewer|greater|higher|lower|above|below))|"
-                              r"maybe|perhaps|possibly|probably|doubled|halved|"
-                              r"tripled|squared|cubed|factorial|plus|minus|times\s+(?:\d|two|three|four|five|ten)|"
-                              r"divided|onwards?|"
-                              r"and\s+(?:up|above|beyond|over)|"
-                              r"at\s+(?:least|most)|or\s+(?:more|less|fewer|greater))(?![A-Za-z])",
-                              re.IGNORECASE)
+# A box negated by the words right before it.
 _DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't|"
                                r"(?:answer|result)\s+(?:is\s+)?at\s+(?:least|most)|"
                                r"(?:more|less|fewer|greater|other)\s+than)|"
@@ -819,8 +794,6 @@ _LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
 _LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
 _LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS +
                               r")\s*$", re.IGNORECASE)
-_LOGIC_AFTER_RE = re.compile(r"^\s*(?:\\(?:" + _LOGIC_OPS + r")(?![A-Za-z])|[∨∧⊕⇔]|" + _LOGIC_WORDS + ")",
-                             re.IGNORECASE)
 _LOGIC_WRAP_RE = re.compile(r"\\(?:text|mathrm|mathrel|mathbin|operatorname|textsf|textit|textbf|mbox)\s*\{|[{}]")
 # The sentence around a box: where it starts and ends, outside math. A '.' ends a sentence only
 # before a space or the end ('3.5' does not).
@@ -879,11 +852,11 @@ _RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|truth|(
                           re.IGNORECASE)
 
 
-def _logic_around(text: str, start: int, end: int) -> bool:
-    """A logic operator stands right before or after the boxes text[start:end] (delimiters skipped)."""
-    before = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[max(0, start - 40):start]))
-    after = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[end:end + 40]))      # '\\mathrel{\\vee}', '\\text{ xor }'
-    return _LOGIC_BEFORE_RE.search(before) is not None or _LOGIC_AFTER_RE.match(after) is not None
+def _logic_before(text: str, start: int) -> bool:
+    """A logic operator stands right before the boxes at text[start] (delimiters skipped; after them it is
+    the tail rule's)."""
+    before = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[max(0, start - 40):start]))   # '\\mathrel{\\lnot}'
+    return _LOGIC_BEFORE_RE.search(before) is not None
 
 
 def _sentence_of(text: str, start: int, end: int) -> tuple[str, str, str, str]:
@@ -1098,13 +1071,11 @@ def _after_phrase(text: str) -> str | None:
             if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
                 break
             joined.append(s)
-        after = rest[joined[-1][1]:joined[-1][1] + 80]
         off = len(text) - len(rest)
-        if _DISOWN_AFTER_RE.match(_DELIMS_RE.sub(" ", after)) or (
-                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])) or \
-                not _asserted(text, off + joined[0][0], off + joined[-1][1]):
-            return ""       # 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$': hedged, no answer
-        return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
+        end, unit = _unit_after(rest, joined[-1][1]) if len(joined) == 1 else (joined[-1][1], "")
+        if not _closing_tail(rest[end:]) or not _asserted(text, off + joined[0][0], off + joined[-1][1]):
+            return ""       # the tail rule: 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$'
+        return _tidy(_join([_tidy(c) for _, _, c in joined]) + unit) or None
     line = rest.split("\n", 1)[0]
     said_line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$)", line, maxsplit=1)[0]
     if "?" in line[:200] or _COND_AFTER_RE.search(said_line) or _DOUBT_RE.search(said_line) or \
@@ -1535,8 +1506,8 @@ _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): 
 # The text groups of an answer beside a value: their words must be known (units, scale words, 'or' / 'and',
 # 'exactly', a choice letter) or carried by the gold too (``_unknown_units``): '12 \\text{ or thirteen}',
 # '12 \\text{ modulo five}', '\\text{about } 12' are unequal to 12 by rule, not by a list of qualifiers.
-_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox|si|unit|SI)\s*\{([^{}]*)\}")
-_UNIT_EXPONENT_RE = re.compile(r"(?<=[A-Za-z])\s*\^\s*\{?\s*-?\d\s*\}?")
+_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox|si|unit|SI)\s*"
+                            r"\{([^{}]*)\}")
 _UNIT_POWER_WORD_RE = re.compile(r"(?<![A-Za-z])([A-Za-z]+)\.?\s+(squared|cubed)(?![A-Za-z])", re.IGNORECASE)
 
 
@@ -3052,13 +3023,11 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
 
 
 def _wide_points(names: list) -> list[dict]:
-    """Points far from the first ones, of both signs and of small and large magnitude (about 0.003, 4,000
-    to 80,000 and their negatives), where piecewise forms part from the gold: '\\min(x, 1000)', '\\max(x, -1000)',
-    '\\min(x^2, 10^6)' agree with x or x^2 at every point below 20 (departure 2)."""
-    first = _points(names)[0]
+    """Points of both signs, small and large (about 0.003 and 4,000 to 80,000), where piecewise forms part
+    from the gold: '\\min(x, 1000)', '\\max(x, -1000)' agree with x at every point below 20 (departure 2)."""
+    first, F = _points(names)[0], Fraction
     return [{}] + [{n: v * f + c for n, v in first.items()} for f, c in (
-        (Fraction(1, 1000), Fraction(1, 997)), (Fraction(-1, 1000), Fraction(-1, 991)), (Fraction(4001), Fraction(1, 3)),
-        (Fraction(-3989), Fraction(-1, 5)))]
+        (F(1, 1000), F(1, 997)), (F(-1, 1000), F(-1, 991)), (F(4001), F(1, 3)), (F(-3989), F(-1, 5)))]
 
 
 def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget, points=None) -> bool:
@@ -3857,9 +3826,8 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
 
 
 # Fail closed on value: unit text after a number (\\text, \\mathrm, \\si, \\unit), congruence moduli.
-_TRIG_NAME_RE = re.compile(r"\\?(?:sin|cos|tan|sec|csc|cot)")
-_KNOWN_UNIT_EXTRA = frozenset(("square", "cubic", "per", "sq", "units", "unit", "exactly", "or", "and", "th", "st",
-                               "nd", "rd"))
+_KNOWN_WORDS = frozenset(("square", "cubic", "per", "sq", "units", "unit", "exactly", "or", "and", "th", "st", "nd",
+                          "rd", *(w.lower() for w in _UNIT_WORDS), *_MULTIPLIERS, *_FUNCS, *_FN_WORDS))
 _MODULUS_RE = re.compile(r"\\pmod\s*(\{[^{}]*\}|\w+)|\(\s*\\?(?:bmod|mod)\s*(\w+)\s*\)")
 
 
@@ -3870,22 +3838,20 @@ def _unknown_units(s: str) -> str:
     if "{cases}" in s or not re.search(r"[\dA-Za-z]", _TEXT_GROUP_RE.sub(" ", s).replace("\\boxed", "")):
         return ""
     s = s.rsplit("=", 1)[-1]        # '\\text{Area} = 50': a name left of '=', not a unit
-    words = [w for m in _TEXT_GROUP_RE.finditer(s) for w in re.findall(r"[A-Za-z]+\d*", _unit_power_words(m.group(1), ""))]
-    return " ".join(w.lower() for w in words if not (w in _UNIT_WORDS or w in _UNIT_DIMS or len(w) == 1 or
-                    re.search(r"\d", w) or w.lower() in _UNIT_WORDS or w.lower() in _KNOWN_UNIT_EXTRA or
-                    w.lower() in _MULTIPLIERS or w.lower() in _FUNCS or w.lower() in _FN_WORDS))
+    words = [w for m in _TEXT_GROUP_RE.finditer(s) for w in re.findall(r"[A-Za-z]+\d*",
+                                                                        _unit_power_words(m.group(1), ""))]
+    return " ".join(w.lower() for w in words if not (w in _UNIT_DIMS or len(w) == 1 or w[-1].isdigit() or
+                                                     w.lower() in _KNOWN_WORDS))
 
 
 def _same_marks(pred: str, gold: str, up, ug) -> bool:
-    """The marks a value carries that the comparison would drop agree (fail closed on value): a unit the
-    unit table does not know is met only by the same text ('12 \\text{ MHz}' is not '12 \\text{ Hz}' nor '12');
-    a degree sign never vanishes against a gold in radians ('\\frac{\\pi}{6}^\\circ' is not '\\frac{\\pi}{6}');
-    two congruences keep their moduli ('2 \\pmod 3' is not '2 \\pmod 5')."""
+    """The marks the comparison would drop agree: unknown unit text is met only by the same text; a degree sign
+    never vanishes against a gold in radians; two congruences keep their moduli (fail closed on value)."""
     kp, kg = _unknown_units(pred), _unknown_units(gold)
     if (kp or kg) and kp != kg and (kp or up is not None or _TEXT_GROUP_RE.search(pred)):
         return False
-    if _ANGLE_RE.search(pred) and not _ANGLE_RE.search(gold) and not _TRIG_NAME_RE.search(pred) and \
-            re.search(r"\\pi|π|rad", gold):
+    if _ANGLE_RE.search(pred) and not _ANGLE_RE.search(gold) and re.search(r"\\pi|π|rad", gold) and \
+            not re.search(r"sin|cos|tan|sec|csc|cot", pred):
         return False
     mp, mg = _MODULUS_RE.findall(pred), _MODULUS_RE.findall(gold)
     norm = [{re.sub(r"[{}\s]", "", a or b) for a, b in m} for m in (mp, mg)]

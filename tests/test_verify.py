@@ -792,12 +792,13 @@ def test_an_answer_hedged_or_disowned_after_its_cue_or_box_is_none():
             "So $\\boxed{7}$ or 8.", "So $\\boxed{7}$ (or 8).", "It is not $\\boxed{7}$.", "$x \\ne \\boxed{7}$",
             "So $\\boxed{7} + \\boxed{1}$.", "So $2\\boxed{7}$.", "So $\\frac{\\boxed{7}}{2}$."]
     assert [r for r in none if V.extract_answer(r) is not None] == []
-    some = [("The answer is $7$, since 3+4=7.", "7"), ("So $\\boxed{30}^\\circ$.", "30^\\circ"),
+    some = [("So $\\boxed{30}^\\circ$.", "30^\\circ"),
             ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
             ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"), ("**Final Answer:** **\\boxed{7}**", "7")]
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
     # issue 55, the tail rule: whatever follows the final box but closing marks makes no answer, honest or not
     assert [r for r in ("The answer is \\boxed{5}!", "The answer is \\boxed{7} (from step 3).",
+                        "The answer is $7$, since 3+4=7.",
                         "Answer: \\boxed{7} - Alice has 7 apples.", "\\boxed{\\frac12}, or 0.5.")
             if V.extract_answer(r) is not None] == []
     assert [r for r in ("\\boxed{\\frac12} or 0.6", "2*\\boxed{7}", "\\boxed{7}-1", "\\boxed{7} - x", "\\boxed{7}(2)")
@@ -938,7 +939,8 @@ def test_unboxed_answers_follow_the_same_sentence_rule():
             if V.verify(r, "12", strict=False)] == []
     assert V.verify("Thus the answer is 12.", "12", strict=False) == 1.0
     some = [("We have $3\\cdot 4=12$ apples.\nFinal Answer: The final answer is $12$. I hope it is correct.", "12"),
-            ("If $x = 3$, then $y = 12$.", "y = 12"), ("The answer is $12$, since $n$ is even.", "12")]
+            ("If $x = 3$, then $y = 12$.", "y = 12")]
+    assert V.extract_answer("The answer is $12$, since $n$ is even.") is None    # the tail rule after a cue's math
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
 
 
@@ -959,7 +961,7 @@ def test_failclosed_file_shape():
     assert sum(not c["label"] for c in _FAILCLOSED) >= 130 and sum(c["label"] for c in _FAILCLOSED) >= 70
     assert all(not c["label"] for c in _FAILCLOSED if c["category"] != "control")
     assert all(c.get("reason") for c in _FAILCLOSED if "was" in c)       # a relabelled row says why
-    assert len([k for k in kinds if k.startswith("position_")]) >= 9 and len([k for k in kinds if k.startswith("value_")]) >= 7
+    assert sum(k.startswith("position_") for k in kinds) >= 9 and sum(k.startswith("value_") for k in kinds) >= 7
 
 
 @pytest.mark.parametrize("k", range(len(_FAILCLOSED)))
@@ -973,7 +975,8 @@ def test_the_tail_rule():
     """What may follow the final box is a whitelist; each refused tail below would be paid without the rule."""
     ok = ["", ".", " .\n\n", "$.", "$$", "\\]", "\\).", "**.", "$ \\blacksquare", "<|im_end|>", "</answer>",
           " I hope it is correct.", "\n\\end{align*}", " \\quad", ";", ")."]
-    bad = [".5", "^2", "0", "!", "'", " 15", ". Correction: 15", "\n\nAnswer: 15", "</del>", "\n```", "。不对，是15。",
+    bad = [".5", "^2", "0", "!", "'", " 15", ". Correction: 15", "\n\nAnswer: 15", "</del>", "\n```",
+           "。不对，是15。",
            " (checked)", " is the answer.", "</reasoning>", "}", " hmm"]
     assert [t for t in ok if not V._closing_tail(t)] == [] and [t for t in bad if V._closing_tail(t)] == []
     assert V._closing_tail("}", 1) and not V._closing_tail("}}", 1)
@@ -1009,5 +1012,6 @@ def test_value_rules_fail_closed():
     assert V._unknown_units("12 \\text{ MHz}") == "mhz" and V._unknown_units("12 \\text{ square units}") == ""
     names = ["x"]
     wide = V._wide_points(names)[1:]
-    assert min(abs(p["x"]) for p in wide) < 0.1 and max(p["x"] for p in wide) > 1000 and min(p["x"] for p in wide) < -1000
+    xs = [p["x"] for p in wide]
+    assert min(map(abs, xs)) < 0.1 and max(xs) > 1000 and min(xs) < -1000
 
