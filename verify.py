@@ -96,8 +96,8 @@ test_verify.py checks it over every case file against every box, join, math span
   factor beside a non-number (``k0``, ``0x``), qualifying words in a box's text (``12 \\text{ or thirteen}``,
   ``\\text{about } 12``), false chains (``x = 2+2 = 5``, an approximation of no one value), open lists, numbers
   side by side (``7 0``), a choice letter followed by anything but its value.
-- Without a box (``strict=False``, evaluation only): the answer cue's math, the last math span or the last
-  number is read under the same sentence rule, with the word lists of hedges and doubts after it.
+- Without a box (``strict=False``, evaluation only): the answer cue's math is read under the tail rule; the
+  last math span or the last number under the sentence rule, with word lists of hedges and doubts after it.
 
 ``data/verify_hacking.jsonl``, ``verify_rl.jsonl``, ``verify_asserts.jsonl`` and ``verify_failclosed.jsonl``
 hold the forms a policy could try, by kind, each with honest controls.
@@ -477,7 +477,6 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
     return num
 
 
-
 def last_boxed(text: str) -> str | None:
     """Content of the last outermost \\boxed{...} / \\fbox{...} of text, brace-matched (escaped braces are
     literal; '\\boxed 5' gives the next token); None when there is none or a box is unclosed. The reader
@@ -837,19 +836,8 @@ _DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:\S+\s+){0,2}?(?:sure|ce
                        r"or\s+is\s+it|(?:right|correct)\s*\?|no,?\s+wait|wait,?\s+no|scratch\s+that|"
                        r"on\s+second\s+thought|i\s+was\s+wrong|(?:that|this)(?:'s|\s+is)\s+wrong)(?![A-Za-z])",
                        re.IGNORECASE)
-# A retraction that opens what follows the box ('\\boxed{12}. Oops', '\\boxed{12} - wait', 'Correction: 13').
-_RETRACT_START_RE = re.compile(r"^[\s\-—–,.;:!)]*(?:oops|wait|correction|not\s+quite|actually,?\s+no)(?![A-Za-z])",
-                               re.IGNORECASE)
 _DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|presumably|i\s+guess|i\s+suppose|"
                            r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
-
-
-# After a box, a sentence that states another value for the answer: '\\boxed{12}; the right count is 13',
-# '\\boxed{12} is what the table says; it is 1'.
-_RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|truth|(?:right|correct|true|actual|real)\s+"
-                          r"(?:answer|value|count|total|number|result|one)))\s+(?:is|equals|was)\s+"
-                          r"(?:actually\s+|really\s+|in\s+fact\s+)?\$?\s*(-?\d[\d.,]*\d|-?\d)(?![\d.,]*\s*[/^])",
-                          re.IGNORECASE)
 
 
 def _logic_before(text: str, start: int) -> bool:
@@ -887,19 +875,17 @@ def _in_math(text: str, pos: int) -> bool:
 
 
 def _asserted(text: str, start: int, end: int) -> bool:
-    """The sentence around the boxes text[start:end] asserts them: not questioned ('\\boxed{12}?'),
-    not doubted or retracted right after ('\\boxed{12}. Unsure.', '\\boxed{12}. Oops'), not inside a condition
-    ('Were it \\boxed{12}, ...', '\\boxed{12} if n is even', 'we would get \\boxed{12}' beside a condition or a
-    contrast), not attributed to an error ('The usual slip gives \\boxed{12}') and not followed by another
-    value stated for it ('\\boxed{12}; the right count is 13'). Decided from the response alone."""
+    """The sentence around the boxes (or math span) text[start:end] asserts them: not inside a condition ('Were
+    it \\boxed{12}, ...', 'we would get \\boxed{12}' beside a condition or a contrast), not attributed to an error
+    ('The usual slip gives \\boxed{12}'); for a last math span without the tail rule also not questioned or
+    doubted after it ('$12$? Unsure.', '$12$ if n is even'). Decided from the response alone."""
     head, tail, end_mark, nxt = _sentence_of(text, start, end)
     if _in_math(text, start):       # the math the box sits in ('$x = \\boxed{12}$') is not words
         head = re.sub(r"(?:\$\$?|\\[(\[])[^$]*$", " ", head)
         tail = re.sub(r"^[^$]*?(?:\$\$?|\\[)\]])", " ", tail, count=1)
     head, tail = _MATH_SPAN_RE.sub(" $ ", head), _MATH_SPAN_RE.sub(" $ ", tail)     # words, not math
-    retracted = _RETRACT_START_RE.match(tail) or not tail.strip() and _RETRACT_START_RE.match(nxt)
     if end_mark in ("?", "？") or "?" in tail or _DOUBT_RE.search(tail) or _DOUBT_OWN_RE.search(tail) or \
-            _DOUBT_RE.search(nxt) or retracted:
+            _DOUBT_RE.search(nxt):
         return False
     opener = None
     for opener in _COND_OPEN_RE.finditer(head):
@@ -920,8 +906,7 @@ def _asserted(text: str, start: int, end: int) -> bool:
     if err is not None and not _ASSERT_MARK_RE.search(head[err.end():]) and \
             not _ERROR_EXEMPT_BEFORE_RE.search(head[:err.start()]):
         return False
-    other = _RESTATED_RE.search(tail + " " + nxt)
-    return other is None or _same_value(other.group(1), _outer_boxes(text[start:end])[-1][2])
+    return True
 
 
 def _is_operand(text: str, start: int, end: int) -> bool:
