@@ -1,7 +1,7 @@
 """Benchmark of verify.py (README, Benchmarks): accuracy, false positives, hedges and speed on the labelled case
 files, with math-verify 0.9.0 beside it on the same cases in the same run when it is installed.
 
-    python -m bench.verify                                  # the six case files below
+    python -m bench.verify                                  # the seven case files below
     python -m bench.verify --cases data/verify_rl.jsonl --show-errors
     python -m bench.verify --hedges                         # also count math-verify's hedges (slow: ~3 min)
     python -m bench.verify golds [FILES ...]                # every benchmark gold against itself
@@ -177,7 +177,7 @@ def run_cases(cases: list[dict], judge) -> dict:
 def bench(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.verify")
     ap.add_argument("--cases", action="append", default=None,
-                    help="labelled case file (repeatable); default: the six files of data/ named in this "
+                    help="labelled case file (repeatable); default: the seven files of data/ named in this "
                          "file's docstring")
     ap.add_argument("--no-math-verify", action="store_true", help="verify.py's rows only")
     ap.add_argument("--hedges", action="store_true", help="also count math-verify's hedges (slow)")
@@ -318,6 +318,8 @@ def _tail_kind(text: str) -> str:
     if not boxes:
         return "no box"
     tail = text[boxes[-1][1]:].lstrip(" $.,;:\n\\)]*")
+    if re.match(r"[A-Za-z]+(?:\s+[A-Za-z]+)?\s*[.,;]?\s*$", tail):
+        return "position: a count noun or unit not in the unit tables after the final box ('240 outfits.')"
     for name, pat in (("words", r"[A-Za-z]{2,}"), ("digits", r"[\d+\-=<>/^_'!]"), ("a command", r"\\[A-Za-z]+"),
                       ("a parenthesis or brace", r"[({}]"), ("another script", r"[^\x00-\x7f]")):
         if re.match(pat, tail):
@@ -330,7 +332,12 @@ def _reason(ref, c: dict, gold: str) -> str:
     if "response" in c:
         a_new, a_ref = V.extract_answer(c["response"]), ref.extract_answer(c["response"])
         if a_new is None and a_ref is not None:
-            return _tail_kind(V._visible(V._after_thinking(V._end_of_turn(c["response"]))))
+            cut = V._end_of_turn(V._after_thinking(c["response"]))
+            if not cut:
+                return "position: another turn after the box"
+            if not V._outer_boxes(cut):
+                return "position: text after the answer cue's math"
+            return _tail_kind(V._visible(cut))
         if a_new != a_ref:
             return f"extraction: {a_ref!r} -> {a_new!r}"
         pred = a_new or ""
