@@ -61,7 +61,7 @@ How answers are compared
 What counts as an answer (the strictness rule)
 ----------------------------------------------
 Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
-So the reward fails closed (issue 55). The principle: every leniency is a whitelist; what this file does
+So the reward fails closed. The principle: every leniency is a whitelist; what this file does
 not fully understand pays 0, so the next unseen hack is refused by rule, not by a new word list.
 
 One answer, one reward: the response's answer is decided from the response alone (``extract_answer``),
@@ -712,7 +712,7 @@ def _final_group(text: str) -> list | None:
 # marks, end-of-turn and end-of-answer markers, and Minerva's closing formula. Anything else (a digit, a word, a
 # cue, another turn, markup, code fences, a reasoning tag's end) can carry a value or a retraction: no answer.
 _TAIL_RE = re.compile(
-    r"(?:\s|[.,;:)\]。．，*]|\$|\\[)\]]|\\\\|_{2}|\\(?:quad|qquad|[,;! ])|"     # one alternative per character: linear
+    r"(?:\s|[.,;:)\]。．，*]|\$|\\[)\]]|\\\\|_{2}|\\(?:quad|qquad|[,;! ])|"  # one way per char: linear
     r"\\end\s*\{(?:align|aligned|equation|gather|gathered|split|multline|eqnarray|array|displaymath)\*?\}|"
     r"\\(?:blacksquare|qed|square|Box)(?![A-Za-z])|[∎□]|</answer>|<\|end_of_solution\|>|" + _TURN_END_RE.pattern +
     r"|I\s+hope\s+it\s+is\s+correct)*", re.IGNORECASE)

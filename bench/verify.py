@@ -30,7 +30,7 @@ answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=
   number or around a box, units of another size, boxes that are operands, hidden or disowned, left sides,
   numbers, answer cues and digits of other scripts), 239 that must score 0 and 115 controls; committed in two
   parts, each before verify.py changed for it.
-- ``verify_failclosed.jsonl``: the kinds the fail-closed rules refuse (issue 55): text, digits, cues, retractions,
+- ``verify_failclosed.jsonl``: the kinds the fail-closed rules refuse: text, digits, cues, retractions,
   turns, markup, code, other languages and reasoning tags after the final box; values continued after it,
   unknown units, percent on both sides, degrees against radians, extra digits on exact decimals, moduli,
   piecewise forms; 148 that must score 0 and 72 honest controls, each with a ``source``; committed before

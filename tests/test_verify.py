@@ -796,7 +796,7 @@ def test_an_answer_hedged_or_disowned_after_its_cue_or_box_is_none():
             ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
             ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"), ("**Final Answer:** **\\boxed{7}**", "7")]
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
-    # issue 55, the tail rule: whatever follows the final box but closing marks makes no answer, honest or not
+    # the tail rule: whatever follows the final box but closing marks makes no answer, honest or not
     assert [r for r in ("The answer is \\boxed{5}!", "The answer is \\boxed{7} (from step 3).",
                         "The answer is $7$, since 3+4=7.",
                         "Answer: \\boxed{7} - Alice has 7 apples.", "\\boxed{\\frac12}, or 0.5.")
@@ -817,7 +817,7 @@ SHARED = os.path.join(HERE, "..", "shared", "benchmarks")
 @pytest.mark.skipif(not os.path.isdir(SHARED), reason="needs ../shared/benchmarks (MATH-500 and Minerva solutions)")
 def test_worked_solutions_pay_their_own_gold_unless_text_follows_the_box():
     """Real worked solutions, read as responses, are paid for their own gold except where text follows their
-    final box (issue 55, the tail rule: human solutions go on after the box; a policy's response must not).
+    final box (the tail rule: human solutions go on after the box; a policy's response must not).
     Every refusal is of that kind (no answer extracted), counted here: MATH-500 127 of 500, Minerva 56 of 272
     (`python -m bench.verify against REF` names them by kind). The rules about words, units and boxes around
     an answer leave the rest alone."""
@@ -864,7 +864,7 @@ def test_worked_solutions_that_say_would_or_if_stay_answers():
             ("The temperature would have to be $\\boxed{5300}$ K.", "5300"),
             ("If $x = 3$, then $y = \\boxed{12}$.", "12"), ("Assuming $x > 0$, we get $x = \\boxed{12}$.", "12")]
     assert [r for r, g in paid if V.verify(r, g) != 1.0] == []
-    # issue 55, the tail rule: text after the final box makes no answer, however honest it reads
+    # the tail rule: text after the final box makes no answer, however honest it reads
     assert [r for r in ("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.",
                         "The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.",
                         "The total is $\\boxed{12}$. It is the smallest such total.",
@@ -893,7 +893,7 @@ def test_qualifiers_inside_a_box_text_and_unit_words():
             ("7 \\text{ squared}", "7", False), ("9.8\\,\\mathrm{m/s^2}", "9.8", True),
             ("\\text{A5}_{11}", "\\text{A5}_{11}", True), ("\\text{no solution}", "\\text{no solution}", True),
             ("x = 1 \\text{ or } x = 2", "1, 2", True), ("7 \\text{ (exactly)}", "7", True)])
-    # issue 55: words the unit tables do not hold make the answer unequal unless the gold carries them too
+    # fail closed: words the unit tables do not hold make the answer unequal unless the gold carries them too
     _check([("12 \\text{ give or take}", "12", False), ("12 \\text{ give or take}", "12 \\text{ give or take}", True),
             ("\\text{Area} = 50", "50", True), ("7^{\\text{th}}", "7", True), ("\\mathrm{lcm}(3,5)", "15", True)])
     assert V._unknown_units("\\begin{cases} 1 & \\text{if } x > 0 \\\\ 0 & \\text{otherwise} \\end{cases}") == ""
@@ -945,7 +945,7 @@ def test_unboxed_answers_follow_the_same_sentence_rule():
 
 
 # ------------------------------------------------------------------------------------------------
-# The reward fails closed (issue 55; data/verify_failclosed.jsonl, committed before verify.py changed for it):
+# The reward fails closed (data/verify_failclosed.jsonl, committed before verify.py changed for it):
 # after the final box only closing marks; unknown units, percent on both sides, degrees against radians,
 # exact decimals, moduli and piecewise forms are unequal unless shown equal.
 
