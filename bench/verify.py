@@ -10,7 +10,8 @@ files, with math-verify 0.9.0 beside it on the same cases in the same run when i
 
 ``against``: ``git show main:verify.py > /tmp/verify_main.py; python -m bench.verify against /tmp/verify_main.py``
 runs both copies on every case file and on MATH-500's and Minerva's worked solutions read as responses
-(../shared/benchmarks), lists every changed verdict by file with its reason (the tail after the final box, or
+(../shared/benchmarks) and, with ``--tiny N``, the tiny preset's sampled responses to N test problems, lists every
+changed verdict by file with its reason (the tail after the final box, or
 the value rule), counts the worked solutions refused by kind, and gives the CPU time per case of each copy
 in the same run (interleaved, so load affects both alike).
 
@@ -349,12 +350,39 @@ def _reason(ref, c: dict, gold: str) -> str:
     return "value: comparison (percent, exact decimal or wide points)"
 
 
+def tiny_rollouts(n: int, samples: int = 4) -> list[dict]:
+    """Responses of the tiny preset's models (A, B, C) to n test problems, sampled at T=1 as in training, with
+    their golds: honest model outputs. Label: the last box holds the gold exactly (the answers are integers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from data import tiny_tasks
+    from tools.tiny import PROMPT_TEMPLATE
+    torch.manual_seed(0)
+    _, test = tiny_tasks.generate(seed=0, n_train=50, n_test=n)
+    out = []
+    for name in sorted(os.listdir(os.path.join(HERE, "data", "tiny_models"))):
+        folder = os.path.join(HERE, "data", "tiny_models", name)
+        tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+        for row in test:
+            ids = tok.encode(PROMPT_TEMPLATE.replace("{problem}", row["problem"]), add_special_tokens=False)
+            with torch.no_grad():
+                seqs = model.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=True, temperature=1.0,
+                                      num_return_sequences=samples, pad_token_id=tok.eos_token_id)
+            for seq in seqs[:, len(ids):].tolist():
+                text = tok.decode(seq, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                out.append({"response": text, "gold": row["answer"], "category": f"tiny {name}",
+                            "label": V.last_boxed(text) == row["answer"]})
+    return out
+
+
 def against(argv: list[str]) -> int:
     """Verdicts of this verify.py against a reference copy (a path) on every case file and the worked solutions."""
     import importlib.util
     ap = argparse.ArgumentParser(prog="python -m bench.verify against")
     ap.add_argument("ref", help="path of the reference verify.py (e.g. git show main:verify.py > /tmp/verify_main.py)")
     ap.add_argument("--show", type=int, default=40, help="changed verdicts listed per file")
+    ap.add_argument("--tiny", type=int, default=0, metavar="N",
+                    help="also N test problems x 4 samples (T=1) of each tiny preset model (data/tiny_models)")
     args = ap.parse_args(argv)
     spec = importlib.util.spec_from_file_location("verify_ref", args.ref)
     ref = importlib.util.module_from_spec(spec)
@@ -368,6 +396,8 @@ def against(argv: list[str]) -> int:
                 sets.append((name + " worked solutions", [
                     {"response": r["solution"], "gold": r["answer"], "label": True, "category": "solution",
                      "rel_tol": tol, "id": r.get("id")} for r in map(json.loads, f) if r.get("answer")]))
+    if args.tiny:
+        sets.append(("tiny preset rollouts", tiny_rollouts(args.tiny)))
     time_new = time_ref = 0.0
     n_all = 0
     for name, cases in sets:
