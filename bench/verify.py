@@ -34,8 +34,9 @@ answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=
 - ``verify_failclosed.jsonl``: the kinds the fail-closed rules refuse: text, digits, cues, retractions,
   turns, markup, code, other languages and reasoning tags after the final box; values continued after it,
   unknown units, percent on both sides, degrees against radians, extra digits on exact decimals, moduli,
-  piecewise forms; 148 that must score 0 and 72 honest controls, each with a ``source``; committed before
-  verify.py changed for it. Written alongside the rules: its figures flatter them.
+  piecewise forms; 148 that must score 0 and 79 honest controls, each with a ``source``; committed before
+  verify.py changed for it, but for seven rows with a ``note`` taken from math-verify's tests after it.
+  Written alongside the rules: its figures flatter them.
 - ``verify_asserts.jsonl``: boxes their sentence does not assert (conditional, attributed to an error, questioned
   or doubted), logic operators on boxes, qualifying words inside a box's text, chains and approximation chains
   whose sides disagree, and exact tiny terms; 86 that must score 0, each with near-miss controls (56), some
