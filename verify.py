@@ -111,10 +111,11 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    not by ``simplify``: positive points first, then points of both signs at which neither side
    leaves the real numbers (a square root or logarithm of a negative value, found as a complex value
    from real arguments, skips the point). So ``\\sqrt{x^2}`` is ``|x|`` and not ``x``, while
-   ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal. Equations are solution sets:
+   ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal; then at wide points (about
+   +-0.003 and +-4,000 to 80,000), so ``\\min(x, 1000)`` is not x. Equations are solution sets:
    compared at points of both signs and two far points (about 97 and -89 times the first), so
    ``y = \\sqrt{x^2}`` is not ``y = x`` and ``|x - 10| = 3`` is not ``x = 7``.
-   (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_eqn_equal``)
+   (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_wide_points``, ``_eqn_equal``)
 3. An exact decimal gold (``0.5``) is met exactly by a rational answer. Decimals vs other exact values:
    equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
