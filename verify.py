@@ -9,22 +9,14 @@ answer and decides whether it is mathematically the same as the gold. Used for t
 Public API
 ----------
 ``extract_answer(text, *, strict=False, last_number=True) -> str | None``
-    The response's answer, decided from the response alone (the gold is never looked at). The
-    response is cut at its first end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``</s>`` ...)
-    and before a next few-shot "Problem:" written after an answer; nothing inside ``<think>`` counts
-    (departure 24); comments, ``\\phantom``, ``\\cancel``, ``\\sout`` and white text are not read.
-    Then: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x`` (nested braces
-    allowed), joined with the boxes just before it when only ``,`` / ``;`` / ``and`` / ``or`` /
-    ``x =`` separate them (departure 16); a last box that is an operand, disowned, hedged, under a
-    logic operator or not asserted by its sentence gives no answer at all. ``strict=True`` (what
-    training uses) is boxed only. With ``strict=False`` a response without a box falls back to the
-    last ``<answer>..</answer>``, then to the math (or sentence) after the last "answer is" / "Answer:"
-    / "####" / ``所以`` / ``答え:`` (Minerva's "Final Answer: The final answer is $X$. I hope it is
-    correct."), then to the last math span
-    (``$..$``, ``\\(..\\)``, ``\\[..\\]``, ``$$..$$``, joined like boxes), then to the last number
-    (``last_number=True``) with the unit word after it. A whole response that is one short line
-    without words is its own answer. An unclosed last box is no answer in either mode (a truncated
-    response).
+    The response's answer, decided from the response alone (the gold is never looked at): cut at its
+    first end-of-turn marker, nothing inside ``<think>`` (departure 24), nothing hidden. Then the last
+    ``\\boxed{...}`` / ``\\fbox{...}``, joined with the boxes just before it when only ``,`` / ``and`` /
+    ``x =`` separate them (departure 16), under the strictness rule below (the tail rule first); an
+    unclosed or refused last box is no answer. ``strict=True`` (training) is boxed only. With
+    ``strict=False`` a response without a box falls back to ``<answer>..</answer>``, the math after the
+    last answer cue ("answer is", "Answer:", "####", ``所以``, Minerva's "The final answer is $X$. I hope it
+    is correct."), the last math span, then (``last_number=True``) the last number with its unit word.
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
     Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
     delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
@@ -69,78 +61,46 @@ How answers are compared
 What counts as an answer (the strictness rule)
 ----------------------------------------------
 Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
+So the reward fails closed. The principle: every leniency is a whitelist; what this file does
+not fully understand pays 0, so the next unseen hack is refused by rule, not by a new word list.
 
-One answer, one reward: what a response's answer is is decided from the response alone, before the
-gold is looked at (``extract_answer``), and only then compared (``is_equivalent``). So the golds one
-response is paid for form one equivalence class: a hedge (``\\boxed{2} \\boxed{4} \\boxed{6}``, "I tried
-\\boxed{2}; no, it is \\boxed{9}") is paid for its last answer only, never for a list of its boxes nor
-for a suffix of a list. The one dual reading kept is percent (departure 4: ``7\\%`` is paid for 7 and
-for 0.07). test_verify.py checks it over every case file: each response is judged against every
-box, join of boxes, math span and number in it.
+One answer, one reward: the response's answer is decided from the response alone (``extract_answer``),
+then compared (``is_equivalent``), so a hedge (``\\boxed{2} \\boxed{4}``, "I tried \\boxed{2}; no, it is
+\\boxed{9}") is paid for its last answer only. The one dual reading kept is percent (departure 4).
+test_verify.py checks it over every case file against every box, join, math span and number in it.
 
-So a prediction is an answer only when it is written in the notation of the table below (numbers,
-names, operators, functions, relations, structures, plain words for a text answer). These are not
-answers, and each is unequal to every gold; ``_check_math`` and ``_check_product`` are the one place
-that decides it, and no other reading or leniency is tried after it:
+- Position (the tail rule, ``_closing_tail``): the final box is the answer only when what follows it is,
+  by a whitelist, closing punctuation (``.`` ``,`` ``;`` ``:`` ``)`` ``]``; not ``!`` nor ``?``), math
+  delimiters and environment ends, spacing, markdown emphasis, end-of-proof marks, end-of-turn markers
+  (``<|im_end|>`` ``</s>`` ``<|eot_id|>`` ``<end_of_turn>`` ...), ``</answer>``, Minerva's "I hope it is
+  correct", the ``}`` of a group that only wraps the box (``\\textbf{..}``, what ``\\textcolor`` leaves) and
+  one run of known units (``_unit_after``: words of the unit tables, ``/``, powers, ``^\\circ``, ``\\%``,
+  ``\\pmod{m}``), which joins the answer and is compared under the unit rules. Anything else (a digit, a
+  word, a cue, a retraction in any language, another turn, markup, a code fence, the end of a reasoning tag
+  other than ``<think>``) makes no answer; a next "Question:" / "User:" / "### Instruction" after a box does
+  too. Human worked solutions go on after the box: that cost is counted (bench.verify against).
+- Before the box (kept, not extended): a box is no answer when it is an operand (``-\\boxed{7}``,
+  ``\\frac{\\boxed{7}}{2}``), hidden (``\\phantom``, ``\\cancel``, ``\\sout``, a comment, white text,
+  ``~~struck~~``), negated ("not \\boxed{7}", ``\\ne \\boxed{7}``), under a logic operator (``\\lnot``), or not
+  asserted by its sentence (``_asserted``: inside a condition, attributed to an error; "If $x = 3$, then
+  $y = \\boxed{12}$" stays one); a box inside a box beside other content and an unclosed box are none.
+- Value (``_same_marks``, ``_val_equal``): a unit, scale word or macro the unit table does not know makes
+  the answer unequal to any gold without the same text (``12 \\text{ MHz}`` is not ``12 \\text{ Hz}`` nor 12);
+  known units are dropped only against none or the same one (``5 km`` is not ``5 m``); percent is read
+  both ways only when exactly one side has it; a degree sign never vanishes against a gold in radians; an
+  exact decimal gold is met exactly by a rational answer (``0.50004`` is not ``0.5``); two congruences keep
+  their moduli; expressions must also agree at wide points of both signs (``\\min(x, 1000)`` is not x).
+- Not answers, unequal to every gold (``_check_math``, ``_check_product``, ``_same_marks``): program syntax
+  (quotes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names, ``import`` / ``lambda``; only ``np.`` /
+  ``math.`` before a known function is dropped), a call of an unknown name (``print(4)``), a literal ``0``
+  factor beside a non-number (``k0``, ``0x``), qualifying words in a box's text (``12 \\text{ or thirteen}``,
+  ``\\text{about } 12``), false chains (``x = 2+2 = 5``, an approximation of no one value), open lists, numbers
+  side by side (``7 0``), a choice letter followed by anything but its value.
+- Without a box (``strict=False``, evaluation only): the answer cue's math is read under the tail rule; the
+  last math span or the last number under the sentence rule, with word lists of hedges and doubts after it.
 
-- program syntax: quotes that are not primes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names
-  (``os.path``, ``x.real``), ``__``, ``import`` / ``lambda`` / ``return``. Only ``np.``, ``numpy.`` or
-  ``math.`` before a known function or ``pi`` is dropped (Minerva's gold ``np.arcsin(10/13)``);
-- a call of a name that is not a known function (``run(0)``, ``print(4)``);
-- a product in which a factor written as the literal ``0`` stands next to a factor that is not a
-  number (``k0``, ``v0w``, ``0x``, ``\\frac{0}{k}``: each would equal every gold 0).
-
-Every leniency is bounded by what a policy could exploit with it:
-
-- text after a value is a unit only when it holds no digit, bracket or word that changes, negates
-  or bounds it (``\\text{ or 5}``, ``\\text{ (not sure)}``, ``\\text{ or more}``, ``\\text{ doubled}``,
-  ``\\text{ onwards}``, ``\\text{ factorial}`` are not units; ``\\text{ thousand}`` multiplies), and a
-  prediction with such words in any ``\\text{..}`` beside its value is no answer (``12 \\text{ or thirteen}``,
-  ``12 \\text{ modulo five}``, ``\\text{about } 12``; ``_check_words``), while unit words stay
-  (``12 \\text{ square units}``, ``12 \\text{ units squared}``, ``12 \\text{ ways}``); a unit is
-  dropped only when the other side has none or the same one (``_unit_of``: lengths, times, masses,
-  volumes, speeds, money, angles, temperatures): ``5 km`` is not ``5 m``, ``7 cents`` is not ``\\$7``,
-  ``30 rad`` is not ``30^\\circ``, ``5^\\circ C`` is not ``5^\\circ F``, and ``7\\mathbb{N}`` is no 7 newtons;
-- a box is no answer when it is an operand (``\\boxed{7} + \\boxed{1}``, ``-\\boxed{7}``,
-  ``\\frac{\\boxed{7}}{2}``), hidden or struck (``\\phantom``, ``\\cancel``, ``\\sout``, ``\\iffalse``, a
-  comment, white text, ``~~struck~~``), disowned (``\\boxed{7} (wrong)``, ``\\boxed{7} ✗``, "the answer is
-  not \\boxed{7}"), bounded ("the answer is at least \\boxed{7}", ``\\boxed{7} or more``), changed
-  (``\\boxed{7} squared``) or hedged (``\\boxed{7} or 8``, not ``\\boxed{\\frac12}, or 0.5``) by the words
-  right around it; ``\\text{not } x = 7`` is no answer. Worked solutions stay answers: "at most
-  \\boxed{2}", ``\\boxed{17} = x``, ``**\\boxed{7}**``, ``\\boxed{41585} \\pm 5730`` (test_verify.py reads
-  MATH-500's and Minerva's solutions as responses);
-- a box (and, without one, an answer cue's math or the last math span) is an answer only when the
-  sentence around it asserts it (``_asserted``): not inside a condition ("Were it \\boxed{12}, ...",
-  "If the count were \\boxed{12}, ...", "\\boxed{12} if n is even", "we would get \\boxed{12}" beside a
-  condition or a contrast), not attributed to an error ("The usual slip gives \\boxed{12}", unless words
-  between assert: "Avoiding the mistake, we get"), not questioned ("\\boxed{12}?"), doubted or retracted
-  ("\\boxed{12}. Unsure.", "(unverified)", "no wait"), and not followed by another value stated for it
-  ("\\boxed{12}; the right count is 13"). "If $x = 3$, then $y = \\boxed{12}$", "she would have saved
-  \\boxed{550} gallons" and "true if and only if $x \\ge \\boxed{\\frac{11}{2}}$" stay answers;
-- a logic operator applied to a box makes no answer (``\\lnot\\boxed{12}``, ``\\boxed{12} \\lor \\boxed{13}``,
-  "xor", ``\\boxed{12} \\land x > 0``; an implication before a box is "hence");
-- a false chain states no value: constants that differ (``4 = 5``, ``x = 2+2 = 5``), an
-  approximation farther than half a unit in its last place from the value it follows
-  (``5 \\approx 5.1``) or of something that is not a constant (``y = 2x+3 \\approx 7.5``), or
-  approximations that hold no one value (rounded twice: ``y \\approx 11.46 \\approx 11.5 \\approx 12``); the
-  value after the last ``=`` of an unparsed left side counts only when that side is an operator the parser
-  does not read (``\\lim``, ``\\int``), not ``7 \\text{ or } = 15``, and when every side after it is the same
-  constant (``\\int_0^1 2x\\,dx = 1 = 12`` states nothing);
-- expressions must also agree at points of both signs wherever both sides stay real (``|u|``,
-  ``\\sqrt{u^2}``, ``\\max(u, -u)`` are not ``u``; departure 2);
-- an open list (any spelling of the ellipsis, inside or outside braces, with or without dollars)
-  is never a finite list;
-- a box inside a box beside other content, and an unclosed last box, are no answer;
-- a whole response without a box that is one short line (one token, a line of code, or no words)
-  is read whole (``3 or 4`` is two answers, ``1,3,5`` is not 135, ``abc0`` is not 0); the last
-  number of a sentence is no answer when its last line hedges (``It is either 4 or 5.``,
-  ``4 meters, not 5.``);
-- a choice letter followed by anything but its value is no choice (``(C) or (D)``, ``(C)+1``);
-- numbers side by side are no product (``7 0``, ``4 5``; ``10 000`` is read only as a whole
-  answer), and a number's subscript must be a base (``52_8``, not ``4_{\\text{or }5}``).
-
-``data/verify_hacking.jsonl``, ``data/verify_rl.jsonl`` and ``data/verify_asserts.jsonl`` hold the forms a
-policy could try, by kind, each with honest controls.
+``data/verify_hacking.jsonl``, ``verify_rl.jsonl``, ``verify_asserts.jsonl`` and ``verify_failclosed.jsonl``
+hold the forms a policy could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
@@ -151,11 +111,13 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    not by ``simplify``: positive points first, then points of both signs at which neither side
    leaves the real numbers (a square root or logarithm of a negative value, found as a complex value
    from real arguments, skips the point). So ``\\sqrt{x^2}`` is ``|x|`` and not ``x``, while
-   ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal. Equations are solution sets:
+   ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal; then at wide points (about
+   +-0.003 and +-4,000 to 80,000), so ``\\min(x, 1000)`` is not x. Equations are solution sets:
    compared at points of both signs and two far points (about 97 and -89 times the first), so
    ``y = \\sqrt{x^2}`` is not ``y = x`` and ``|x - 10| = 3`` is not ``x = 7``.
-   (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_eqn_equal``)
-3. Decimals vs exact values: equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
+   (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_wide_points``, ``_eqn_equal``)
+3. An exact decimal gold (``0.5``) is met exactly by a rational answer. Decimals vs other exact values:
+   equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
    decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
    digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
    rel_tol; math-verify accepts it) and ``100.01`` does not equal ``100`` (within rel_tol but not a
@@ -165,11 +127,11 @@ Where this departs from math-verify / common practice (numbered so that reviews 
    ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a ``rel_tol`` above 1e-3 treats
    integers as rounded too (``901.8`` equals ``900``) and drops both checks.
    (``_agree``, ``_close``)
-4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted): the one dual reading
-   kept, so the one named exception to "one answer, one reward".
+4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted) when the other side has no
+   percent: the one dual reading kept, the one named exception to "one answer, one reward".
    (``_val_equal``)
-5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``.
-   (``_clean (_DEGREE_RE)``)
+5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``; never against a
+   gold in radians (``\\frac{\\pi}{6}^\\circ`` is not ``\\frac{\\pi}{6}``). (``_clean (_DEGREE_RE)``, ``_same_marks``)
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
    (``_Parser.parse_postfix``)
 7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals
@@ -191,8 +153,9 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     (``_Parser.parse_letters``, ``_word_products``)
 11. A number directly followed by an integer ``\\frac`` is a mixed number (``1\\frac{4}{5}`` = 9/5).
     (``_Parser._try_mixed``)
-12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped; as a last try a
-    known plain unit word (``cm``, ``inches``, ``m`` ...) after a number is dropped too.
+12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped when its words are in
+    the unit tables (or the gold carries the same text); as a last try a known plain unit word (``cm``,
+    ``inches``, ``m`` ...) after a number is dropped too.
     (``_clean``, ``_unit_of``, ``_strip_plain_unit``)
 13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX.
     (``_clean``)
@@ -262,7 +225,8 @@ Where this departs from math-verify / common practice (numbered so that reviews 
     ``a \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter
     before a parenthesised integer) are one symbol, the function's value, not ``f`` times 0;
     ``\\pmod{m}`` is dropped, so
-    ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it).
+    ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it), but
+    two congruences must have the same modulus.
     ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
     is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
     (``_ev_gcd``, ``_ev_extreme``, ``_clean (_PMOD_RE)``)
@@ -345,8 +309,9 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 Benchmark
 ---------
 ``python -m bench.verify`` (its docstring says what it prints): accuracy, false positives, hedges and
-speed on the six case files of ``data/``, with math-verify beside it on the same cases;
-``python -m bench.verify golds`` checks every benchmark gold against itself.
+speed on the seven case files of ``data/``, with math-verify beside it on the same cases;
+``python -m bench.verify golds`` checks every benchmark gold against itself; ``python -m bench.verify against
+REF`` lists the verdicts that differ from another copy of this file, with reasons.
 """
 from __future__ import annotations
 
@@ -513,7 +478,6 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
     return num
 
 
-
 def last_boxed(text: str) -> str | None:
     """Content of the last outermost \\boxed{...} / \\fbox{...} of text, brace-matched (escaped braces are
     literal; '\\boxed 5' gives the next token); None when there is none or a box is unclosed. The reader
@@ -600,7 +564,8 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 # Where a turn ends: chat-template markers; and (after an answer) a base model's next few-shot problem.
 _TURN_END_RE = re.compile(r"<\|(?:im_end|im_start|eot_id|end_of_text|endoftext|start_header_id|end|user|"
                           r"assistant|eot)\|>|</s>|<end_of_turn>|<start_of_turn>|<eos>")
-_NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question)\s*\d*\s*:", re.IGNORECASE)
+_NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question|Exercise|Q|User|Human|Assistant|###\s*(?:Instruction|"
+                              r"Response))\s*\d*\s*[:.]", re.IGNORECASE)
 # What may stand between two boxes (or two math spans) that together give one answer:
 # "\boxed{2}, \boxed{5}", "$\boxed{1}$ and $\boxed{3}$", "x=\boxed{2}, y=\boxed{5}" (departure 16).
 _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|\\quad|\\qquad)\s*){0,3}"
@@ -714,9 +679,10 @@ def _same_value(a: str, b: str) -> bool:
 def _final_group(text: str) -> list | None:
     """(start, end, content) of the boxes that make the answer: the last box and the boxes just before
     it joined only by ',', ';', 'and', 'or' (departure 16). None when there is no box, the last one is
-    unclosed, or the group is not an answer: a box that is an operand ('\\boxed{7} + \\boxed{1}',
-    '-\\boxed{7}', '\\frac{\\boxed{7}}{2}'), disowned ('not \\boxed{7}', '\\boxed{7} (wrong)') or hedged right
-    after ('\\boxed{7} or 8'). Decided from the response alone: the gold is never looked at."""
+    unclosed, anything but closing marks follows the last one (``_closing_tail``: the tail rule), or the
+    group is not an answer: a box that is an operand ('-\\boxed{7}', '\\frac{\\boxed{7}}{2}'), negated before
+    ('not \\boxed{7}') or not asserted by its sentence. Decided from the response alone: the gold is never
+    looked at."""
     boxes = _outer_boxes(text)
     if not boxes:
         return None
@@ -728,46 +694,93 @@ def _final_group(text: str) -> list | None:
         if len(out) >= _MAX_JOIN:
             return None     # more joined boxes than the cap: a suffix of them is no answer
         out.insert(0, b)
-    if any(_is_operand(text, a, b) for a, b, _ in out):
-        return None
-    after = _MARKDOWN_AFTER_RE.sub("", _DELIMS_RE.sub(" ", text[out[-1][1]:out[-1][1] + 240]).lstrip(" "))
+    unit_end, unit = _unit_after(text, out[-1][1]) if len(out) == 1 else (out[-1][1], "")
+    if unit:            # '\\boxed{1.6} \\mathrm{~cm}': the unit is part of the answer, compared as such
+        out = [(out[0][0], unit_end, out[0][2] + unit)]
+    if not _closing_tail(text[out[-1][1]:], _bare_groups(text[:out[0][0]])) or \
+            any(_is_operand(text, a, b) for a, b, _ in out):
+        return None     # the tail rule: only closing marks (or one known unit) may follow the final box
     before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
-    if _DISOWN_AFTER_RE.match(after) and not _restates(after, out[-1][2]) or _DISOWN_BEFORE_RE.search(before):
+    if _DISOWN_BEFORE_RE.search(before):
         return None
-    if _logic_around(text, out[0][0], out[-1][1]) or not _asserted(text, out[0][0], out[-1][1]):
+    if _logic_before(text, out[0][0]) or not _asserted(text, out[0][0], out[-1][1]):
         return None
     return out
 
 
+# The tail rule (fail closed on position): what may follow the final box, a whitelist. Closing punctuation (not
+# '!' (a factorial) nor '?'), math delimiters and environment ends, spacing, markdown emphasis, end-of-proof
+# marks, end-of-turn and end-of-answer markers, and Minerva's closing formula. Anything else (a digit, a word, a
+# cue, another turn, markup, code fences, a reasoning tag's end) can carry a value or a retraction: no answer.
+_TAIL_RE = re.compile(
+    r"(?:\s|[.,;:)\]。．，*]|\$|\\[)\]]|\\\\|_{2}|\\(?:quad|qquad|[,;! ])|"  # one way per char: linear
+    r"\\end\s*\{(?:align|aligned|equation|gather|gathered|split|multline|eqnarray|array|displaymath)\*?\}|"
+    r"\\(?:blacksquare|qed|square|Box)(?![A-Za-z])|[∎□]|</answer>|<\|end_of_solution\|>|" + _TURN_END_RE.pattern +
+    r"|I\s+hope\s+it\s+is\s+correct)*", re.IGNORECASE)
+_MAX_TAIL = 300             # a longer tail is more than closing marks
+# Known units right after the final box are part of the answer: Minerva's '\\boxed{1.6} \\mathrm{~cm}',
+# '\\boxed{5}$ inches per second.', '\\boxed{30}^\\circ'. Only words of the unit tables, powers, '/', degree and
+# percent signs; the answer with them is then compared under the unit rules.
+# Pieces: spacing and delimiters (skipped), '/', signs (powers, degree, percent, \\pmod), then unit words.
+_UNIT_PIECE_RE = re.compile(r"\s+|\$|\\[,;! ]|~|/|\\q?quad(?![A-Za-z])|\\cdot(?![A-Za-z])|"
+                            r"\\pmod\s*(?:\{\s*\w+\s*\}|\w+)|\^\s*\{?\s*-?[123]\s*\}?|\^\s*\{?\s*\\circ\s*\}?|°|\\?%|"
+                            r"\{\s*~?\s*([A-Za-z]+)\s*\}|\\(AA)(?![A-Za-z])|\\(?:text|mathrm|mbox|rm|operatorname)\s*"
+                            r"\{\s*~?\s*([A-Za-z]+)\s*\}|([A-Za-z]+)(?![A-Za-z])")
+_SIGNS = ("circ", "°", "%", "pmod")
+_WRAPPERS_RE = re.compile(r"(?:^|[^\\A-Za-z])\{\s*$|\\(?:textbf|mathbf|boldsymbol|bm|displaystyle)\s*\{\s*$")
+
+
+def _unit_after(text: str, pos: int) -> tuple[int, str]:
+    """(end, unit) of the known unit right after text[pos] ((pos, '') when none): words of the unit tables
+    ('per' joins them), '/', powers and signs."""
+    words, signs, end, k = [], [], pos, pos
+    for _ in range(16):
+        m = _UNIT_PIECE_RE.match(text, k)
+        if m is None or m.end() == k:
+            break
+        w, piece = next((g for g in m.groups() if g), None), m.group(0).strip()
+        if w is not None and w not in _UNIT_DIMS and w not in _UNIT_WORDS and w != "per":
+            break
+        k = m.end()
+        if w is not None or piece == "/":
+            words.append(w or "/")
+        elif piece not in ("", "$", "~") and not piece.startswith("\\") or any(t in piece for t in _SIGNS):
+            signs.append(piece)
+        else:
+            continue
+        end = k
+    text_part = " ".join(words).replace(" / ", "/").strip("/ ")
+    unit = (" \\text{ " + text_part + "}" if text_part else "") + "".join(signs)
+    return (end, unit) if text_part or any(t in x for x in signs for t in _SIGNS) else (pos, "")
+
+
+def _bare_groups(before: str) -> int:
+    """How many groups open right before a box that only wrap it: '{\\boxed{7}}' (what '\\textcolor{red}'
+    leaves) and '\\textbf{\\boxed{7}}'; their '}' may follow it. A '\\hcancel{' is not one."""
+    n = 0
+    while n < 4 and _WRAPPERS_RE.search(before):
+        before = before[:before.rindex("{")]
+        n += 1
+    return n
+
+
+def _closing_tail(tail: str, braces: int = 0) -> bool:
+    """The text after the final box holds only closing marks (the whitelist above) and at most ``braces``
+    '}': ``\\boxed{12}.``, ``$\\boxed{12}$.<|im_end|>``, ``\\boxed{12} I hope it is correct.``, not
+    ``\\boxed{12}.5`` nor ``\\boxed{12}. Correction: 15``."""
+    tail = tail.rstrip().replace("}", "", braces)
+    return len(tail) <= _MAX_TAIL and _TAIL_RE.fullmatch(tail) is not None
+
+
 # A box is an operand when an operator, a number or a command taking it as an argument stands right
-# before it, or an operator right after it ('^\\circ' after it is a degree sign, not an operator).
+# before it (what follows it is the tail rule's).
 _OPERAND_BEFORE_RE = re.compile(r"(?:[-*/^_)\]|\d]|(?<![=(,&\s])\s*\+|"
                                 r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
                                 r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
-_OPERAND_AFTER_RE = re.compile(r"^(?:[(\d]|\s*(?![\^_]\s*\{?\s*\\(?:circ|prime))(?![/=]\s*\\(?:mathrm|text))"
-                               r"(?:[*^_]|/(?=\s*[\d(A-Za-z\\])|=(?!\s*[A-Za-z](?![A-Za-z(]))|\}\s*\{|"
-                               r"[-+]\s*(?:[\d\\(]|[A-Za-z](?![A-Za-z]))|"
-                               r"\\(?:cdot|times|div|sqrt|frac|dfrac|pi)(?![A-Za-z])))")
-# Markdown around a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
+# Markdown before a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
 _MARKDOWN_BEFORE_RE = re.compile(r"(?:(?:^|(?<=[\s:(A-Za-z]))(?:\*+|__+)\s*)+$")
-_MARKDOWN_AFTER_RE = re.compile(r"^(?:\*+|__+)(?=\s|$|[.,;:!?)])")
-# '\\boxed{\\frac12}, or 0.5': an 'or' that restates the boxed value is no hedge.
-_OR_VALUE_RE = re.compile(r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*or\s*\}?\s+(?:equivalently\s+|in\s+decimal\s+form\s+|"
-                          r"as\s+a\s+decimal\s+|about\s+|approximately\s+|,\s*)*(.+?)\)?[\s.,;]*$")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
-# A box disowned or hedged by the words right after it, or negated by the words right before it.
-_DISOWN_AFTER_RE = re.compile(r"^[\s,.;:}_^{]*(?:\\text\s*\{\s*)?[\s(]*(?:(?:which|that|this|it)\s+(?:is|was)\s+|"
-                              r"(?:is|was|are)\s+)?(?:wrong|incorrect|false|"
-                              r"(?:is\s+)?not\s+(?:correct|right|the\s+answer)|"
-                              r"impossible|invalid|excluded|rejected|discarded)(?![A-Za-z])|[\s}]*[✗✘❌]|"
-                              r"^[\s,]*(?:\\text\s*\{\s*)?[\s(]*(?:or(?=\s*\}?\s*(?:[\d$\\(+\-.]|[A-Za-z](?![A-Za-z])|"
-                              r"maybe|perhaps|possibly|probably|more|less|fewer|greater|higher|lower|above|below))|"
-                              r"maybe|perhaps|possibly|probably|doubled|halved|"
-                              r"tripled|squared|cubed|factorial|plus|minus|times\s+(?:\d|two|three|four|five|ten)|"
-                              r"divided|onwards?|"
-                              r"and\s+(?:up|above|beyond|over)|"
-                              r"at\s+(?:least|most)|or\s+(?:more|less|fewer|greater))(?![A-Za-z])",
-                              re.IGNORECASE)
+# A box negated by the words right before it.
 _DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't|"
                                r"(?:answer|result)\s+(?:is\s+)?at\s+(?:least|most)|"
                                r"(?:more|less|fewer|greater|other)\s+than)|"
@@ -781,8 +794,6 @@ _LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
 _LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
 _LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS +
                               r")\s*$", re.IGNORECASE)
-_LOGIC_AFTER_RE = re.compile(r"^\s*(?:\\(?:" + _LOGIC_OPS + r")(?![A-Za-z])|[∨∧⊕⇔]|" + _LOGIC_WORDS + ")",
-                             re.IGNORECASE)
 _LOGIC_WRAP_RE = re.compile(r"\\(?:text|mathrm|mathrel|mathbin|operatorname|textsf|textit|textbf|mbox)\s*\{|[{}]")
 # The sentence around a box: where it starts and ends, outside math. A '.' ends a sentence only
 # before a space or the end ('3.5' does not).
@@ -826,26 +837,15 @@ _DOUBT_RE = re.compile(r"(?<![A-Za-z])(?:unsure|not\s+(?:\S+\s+){0,2}?(?:sure|ce
                        r"or\s+is\s+it|(?:right|correct)\s*\?|no,?\s+wait|wait,?\s+no|scratch\s+that|"
                        r"on\s+second\s+thought|i\s+was\s+wrong|(?:that|this)(?:'s|\s+is)\s+wrong)(?![A-Za-z])",
                        re.IGNORECASE)
-# A retraction that opens what follows the box ('\\boxed{12}. Oops', '\\boxed{12} - wait', 'Correction: 13').
-_RETRACT_START_RE = re.compile(r"^[\s\-—–,.;:!)]*(?:oops|wait|correction|not\s+quite|actually,?\s+no)(?![A-Za-z])",
-                               re.IGNORECASE)
 _DOUBT_OWN_RE = re.compile(r"(?<![A-Za-z])(?:maybe|perhaps|possibly|probably|presumably|i\s+guess|i\s+suppose|"
                            r"or\s+so)(?![A-Za-z])", re.IGNORECASE)
 
 
-# After a box, a sentence that states another value for the answer: '\\boxed{12}; the right count is 13',
-# '\\boxed{12} is what the table says; it is 1'.
-_RESTATED_RE = re.compile(r"(?<![A-Za-z])(?:it|this|that|the\s+(?:answer|truth|(?:right|correct|true|actual|real)\s+"
-                          r"(?:answer|value|count|total|number|result|one)))\s+(?:is|equals|was)\s+"
-                          r"(?:actually\s+|really\s+|in\s+fact\s+)?\$?\s*(-?\d[\d.,]*\d|-?\d)(?![\d.,]*\s*[/^])",
-                          re.IGNORECASE)
-
-
-def _logic_around(text: str, start: int, end: int) -> bool:
-    """A logic operator stands right before or after the boxes text[start:end] (delimiters skipped)."""
-    before = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[max(0, start - 40):start]))
-    after = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[end:end + 40]))      # '\\mathrel{\\vee}', '\\text{ xor }'
-    return _LOGIC_BEFORE_RE.search(before) is not None or _LOGIC_AFTER_RE.match(after) is not None
+def _logic_before(text: str, start: int) -> bool:
+    """A logic operator stands right before the boxes at text[start] (delimiters skipped; after them it is
+    the tail rule's)."""
+    before = _LOGIC_WRAP_RE.sub(" ", _DELIMS_RE.sub(" ", text[max(0, start - 40):start]))   # '\\mathrel{\\lnot}'
+    return _LOGIC_BEFORE_RE.search(before) is not None
 
 
 def _sentence_of(text: str, start: int, end: int) -> tuple[str, str, str, str]:
@@ -876,19 +876,17 @@ def _in_math(text: str, pos: int) -> bool:
 
 
 def _asserted(text: str, start: int, end: int) -> bool:
-    """The sentence around the boxes text[start:end] asserts them: not questioned ('\\boxed{12}?'),
-    not doubted or retracted right after ('\\boxed{12}. Unsure.', '\\boxed{12}. Oops'), not inside a condition
-    ('Were it \\boxed{12}, ...', '\\boxed{12} if n is even', 'we would get \\boxed{12}' beside a condition or a
-    contrast), not attributed to an error ('The usual slip gives \\boxed{12}') and not followed by another
-    value stated for it ('\\boxed{12}; the right count is 13'). Decided from the response alone."""
+    """The sentence around the boxes (or math span) text[start:end] asserts them: not inside a condition ('Were
+    it \\boxed{12}, ...', 'we would get \\boxed{12}' beside a condition or a contrast), not attributed to an error
+    ('The usual slip gives \\boxed{12}'); for a last math span without the tail rule also not questioned or
+    doubted after it ('$12$? Unsure.', '$12$ if n is even'). Decided from the response alone."""
     head, tail, end_mark, nxt = _sentence_of(text, start, end)
     if _in_math(text, start):       # the math the box sits in ('$x = \\boxed{12}$') is not words
         head = re.sub(r"(?:\$\$?|\\[(\[])[^$]*$", " ", head)
         tail = re.sub(r"^[^$]*?(?:\$\$?|\\[)\]])", " ", tail, count=1)
     head, tail = _MATH_SPAN_RE.sub(" $ ", head), _MATH_SPAN_RE.sub(" $ ", tail)     # words, not math
-    retracted = _RETRACT_START_RE.match(tail) or not tail.strip() and _RETRACT_START_RE.match(nxt)
     if end_mark in ("?", "？") or "?" in tail or _DOUBT_RE.search(tail) or _DOUBT_OWN_RE.search(tail) or \
-            _DOUBT_RE.search(nxt) or retracted:
+            _DOUBT_RE.search(nxt):
         return False
     opener = None
     for opener in _COND_OPEN_RE.finditer(head):
@@ -909,16 +907,7 @@ def _asserted(text: str, start: int, end: int) -> bool:
     if err is not None and not _ASSERT_MARK_RE.search(head[err.end():]) and \
             not _ERROR_EXEMPT_BEFORE_RE.search(head[:err.start()]):
         return False
-    other = _RESTATED_RE.search(tail + " " + nxt)
-    return other is None or _same_value(other.group(1), _outer_boxes(text[start:end])[-1][2])
-
-
-def _restates(after: str, content: str) -> bool:
-    """The words after a box are 'or' and the same value again ('\\boxed{\\frac12}, or 0.5.')."""
-    m = _OR_VALUE_RE.match(after.split("\n", 1)[0])
-    if m is None:
-        return False
-    return _same_value(m.group(1), content)
+    return True
 
 
 def _is_operand(text: str, start: int, end: int) -> bool:
@@ -926,11 +915,7 @@ def _is_operand(text: str, start: int, end: int) -> bool:
     before = text[max(0, start - 12):start]
     if "$" in before:
         before = before[before.rindex("$") + 1:]
-    after = text[end:end + 12]
-    if "$" in after:
-        after = after[:after.index("$")]
-    before, after = _MARKDOWN_BEFORE_RE.sub("", before), _MARKDOWN_AFTER_RE.sub("", after)
-    return _OPERAND_BEFORE_RE.search(before) is not None or _OPERAND_AFTER_RE.match(after) is not None
+    return _OPERAND_BEFORE_RE.search(_MARKDOWN_BEFORE_RE.sub("", before)) is not None
 
 
 def _is_join_gap(gap: str) -> bool:
@@ -951,20 +936,19 @@ def _join(parts: list[str]) -> str:
 
 
 def _end_of_turn(text: str) -> str:
-    """The response up to its first end-of-turn marker (leading markers are skipped), and without a
-    next few-shot problem that a base model goes on to write after giving its answer."""
+    """The response up to its first end-of-turn marker (leading markers are skipped), and, in a response
+    without a box, without a next few-shot problem that a base model goes on to write after its answer
+    cue. A next problem or turn ('Question:', 'User:', '### Instruction') after a box: '' (no answer)."""
     for m in _TURN_END_RE.finditer(text):
         if text[:m.start()].strip() and not _TURN_END_RE.fullmatch(text[:m.start()].strip()):
             text = text[:m.start()]
             break
-    marks = [p for p in (text.find("\\boxed"), text.find("\\fbox")) if p >= 0]
-    phrase = _ANSWER_PHRASE_RE.search(text)
-    if phrase:
-        marks.append(phrase.start())
-    if marks:                # a next problem counts only after the response has given an answer
-        m = _NEXT_PROBLEM_RE.search(text, min(marks) + 1)
+    box = min((p for p in (text.find("\\boxed"), text.find("\\fbox")) if p >= 0), default=-1)
+    phrase = _ANSWER_PHRASE_RE.search(text) if box < 0 else None
+    if box >= 0 or phrase:   # a next problem counts only after the response has given an answer
+        m = _NEXT_PROBLEM_RE.search(text, (box if box >= 0 else phrase.start()) + 1)
         if m:
-            return text[:m.start()]
+            return "" if box >= 0 else text[:m.start()]     # after a box: another turn, no answer
     return text
 
 
@@ -1073,13 +1057,11 @@ def _after_phrase(text: str) -> str | None:
             if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
                 break
             joined.append(s)
-        after = rest[joined[-1][1]:joined[-1][1] + 80]
         off = len(text) - len(rest)
-        if _DISOWN_AFTER_RE.match(_DELIMS_RE.sub(" ", after)) or (
-                _CJK_RE.search(after) and _CJK_HEDGE_RE.search(re.split(r"[。！？\n]", after, maxsplit=1)[0])) or \
-                not _asserted(text, off + joined[0][0], off + joined[-1][1]):
-            return ""       # 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$': hedged, no answer
-        return _tidy(_join([_tidy(c) for _, _, c in joined])) or None
+        end, unit = _unit_after(rest, joined[-1][1]) if len(joined) == 1 else (joined[-1][1], "")
+        if not _closing_tail(rest[end:]) or not _asserted(text, off + joined[0][0], off + joined[-1][1]):
+            return ""       # the tail rule: 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$'
+        return _tidy(_join([_tidy(c) for _, _, c in joined]) + unit) or None
     line = rest.split("\n", 1)[0]
     said_line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$)", line, maxsplit=1)[0]
     if "?" in line[:200] or _COND_AFTER_RE.search(said_line) or _DOUBT_RE.search(said_line) or \
@@ -1155,11 +1137,13 @@ _UNIT_WORDS = frozenset((
     "minutes", "minute", "hours", "hour", "hrs", "h", "days", "day", "weeks", "years", "kg", "g",
     "grams", "gram", "lb", "lbs", "pounds", "mph", "kph", "J", "K", "N", "W", "Hz", "eV", "keV",
     "MeV", "GeV", "nm", "um", "AU", "pc", "kpc", "Mpc", "ly", "V", "A", "Pa", "atm", "mol", "L",
-    "ml", "mL", "C", "F", "people", "ways", "students", "times", "percent", "points", "USD", "EUR", "GBP", "euros",
-    "euro", "hr", "ms", "cm2", "liters", "litres", "gallons", "ounces", "oz", "tons", "mi", "km2",
+    "ml", "mL", "C", "F", "people", "ways", "students", "times", "percent", "pct", "points", "USD", "EUR", "GBP",
+    "euros", "euro", "hr", "ms", "cm2", "liters", "litres", "gallons", "ounces", "oz", "tons", "mi", "km2",
     "integers", "digits", "numbers", "edges", "faces", "vertices", "multiples", "terms", "gm", "apples", "coins",
     "marbles", "cards", "balls", "books", "pages", "boxes", "pieces", "games", "rows", "seats", "chairs",
     "children", "boys", "girls", "men", "women", "friends", "hits", "handshakes", "triangles", "squares",
+    "erg", "ergs", "parsec", "parsecs", "arcsec", "arcsecs", "arcseconds", "arcmin", "angstrom", "angstroms",
+    "Angstrom", "Angstroms", "AA", "amu", "Gyr", "Myr", "bits", "magnitudes", "kcal", "Volt", "volts", "mole",
 ))
 _REALS_RE = re.compile(r"\\mathbb\s*\{\s*R\s*\}|\\R(?![a-zA-Z])|ℝ")
 _EMPTY_RE = re.compile(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|∅")
@@ -1505,26 +1489,11 @@ _NEGATED_RE = re.compile(r"\\text\s*\{\s*(?:not|no|never|wrong|false|incorrect|i
 _CALL_RE = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{3,})\(")   # run(0), print(x): a call of a name
 
 
-# Words inside a box's text that qualify its value: '12 \\text{ at least}', '12 \\text{ or thirteen}',
-# '12 \\text{ (not checked)}', '12 \\text{ modulo five}', '\\text{about } 12'. Unit words stay ('12 \\text{ square
-# units}', '12 \\text{ units squared}'); so do 'or' / 'and' alone between values and a piecewise 'if'.
-_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox)\s*\{([^{}]*)\}")
-_QUALIFIER_RE = re.compile(r"[\d()\[\]=<>?]|(?<![A-Za-z])(?:or|and|not|no|maybe|perhaps|possibly|probably|either|"
-                           r"unless|if|except|but|more|less|fewer|least|most|than|at|is|are|was|wrong|sure|answer|"
-                           r"guess|correct|incorrect|depending|about|around|approximately|roughly|to|between|plus|"
-                           r"minus|etc|doubled|halved|tripled|squared|cubed|factorial|onwards?|up|above|below|under|"
-                           r"over|inverse|reciprocal|mod|modulo|false|impossible|excluded|off|invalid|rejected|"
-                           r"negative|opposite|rounded|later|earlier|ago|before|after|greater|beyond|minimum|maximum|"
-                           r"upwards?|downwards?|negated|inverted|so|give|take|unverified|verified|checked|unchecked|"
-                           r"untested|tentative(?:ly)?|estimated?|estimates|ish|nearly|almost|circa|ca|close|"
-                           r"increase|decrease|excess|gain|loss|presumably|likely|unlikely|hopefully|supposedly|"
-                           r"apparently|allegedly|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
-                           r"twelve|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty|"
-                           r"forty|fifty|sixty|seventy|eighty|ninety)(?![A-Za-z])", re.IGNORECASE)
-_UNIT_EXPONENT_RE = re.compile(r"(?<=[A-Za-z])\s*\^\s*\{?\s*-?\d\s*\}?")
-# Kept: a choice '(E)', '(exactly)', one token with digits ('\\text{A5}_{11}', '\\text{cm2}')
-_KEPT_TEXT_RE = re.compile(r"\s*\(?\s*(?:[A-E]|exactly)\s*\)?\s*|\s*[A-Za-z]{0,3}\d+[A-Za-z\d]*\s*")
-_SEPARATOR_TEXT_RE = re.compile(r"[\s,;]*(?:(?:or|and)[\s,;]*)?", re.IGNORECASE)
+# The text groups of an answer beside a value: their words must be known (units, scale words, 'or' / 'and',
+# 'exactly', a choice letter) or carried by the gold too (``_unknown_units``): '12 \\text{ or thirteen}',
+# '12 \\text{ modulo five}', '\\text{about } 12' are unequal to 12 by rule, not by a list of qualifiers.
+_TEXT_GROUP_RE = re.compile(r"\\(?:text|mbox|textrm|textnormal|textit|textbf|textsf|mathrm|hbox|si|unit|SI)\s*"
+                            r"\{([^{}]*)\}")
 _UNIT_POWER_WORD_RE = re.compile(r"(?<![A-Za-z])([A-Za-z]+)\.?\s+(squared|cubed)(?![A-Za-z])", re.IGNORECASE)
 
 
@@ -1533,24 +1502,6 @@ def _unit_power_words(t: str, power: str = "^{}") -> str:
     formats the exponent ('' drops it)."""
     return _UNIT_POWER_WORD_RE.sub(lambda m: m.group(1) + power.format(2 if m.group(2).lower() == "squared" else 3)
                                    if m.group(1) in _UNIT_WORDS or m.group(1) in _UNIT_DIMS else m.group(0), t)
-
-
-def _check_words(pred: str) -> None:
-    """Raises _NotMath when a \\text{..} of the (uncleaned) prediction holds words that qualify a value
-    written outside it. A whole text answer ('\\text{no solution}') and a piecewise 'cases' are not judged."""
-    if "\\text" not in pred and "box" not in pred and "\\math" not in pred or "{cases}" in pred:
-        return
-    outside = _TEXT_GROUP_RE.sub(" ", pred)
-    if not re.search(r"[\dA-Za-z]", outside.replace("\\boxed", "")):
-        return          # the whole answer is text
-    for m in _TEXT_GROUP_RE.finditer(pred):
-        words = _UNIT_EXPONENT_RE.sub(" ", m.group(1))       # 'm/s^2', 'cm^{3}': powers of a unit
-        if _SEPARATOR_TEXT_RE.fullmatch(words) or words.strip().lower() in _MULTIPLIERS or \
-                words.strip() in _UNIT_WORDS or _KEPT_TEXT_RE.fullmatch(words):
-            continue
-        q = _QUALIFIER_RE.search(_unit_power_words(words, ""))
-        if q is not None and q.group(0).lower() not in _UNIT_WORDS:
-            raise _NotMath(f"words that qualify the value: {words.strip()!r}")
 
 
 def _check_math(s: str) -> None:
@@ -3036,8 +2987,9 @@ _NARY_EVAL = {
 # Comparison of structures.
 
 def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False) -> bool:
-    cands_a = [(a, Fraction(1))] + ([(a, Fraction(1, 100))] if a.percent else [])
-    cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent else [])
+    # The percent dual reading (departure 4) only when exactly one side has a percent: 0.12% is not 12%.
+    cands_a = [(a, Fraction(1))] + ([(a, Fraction(1, 100))] if a.percent and not b.percent else [])
+    cands_b = [(b, Fraction(1))] + ([(b, Fraction(1, 100))] if b.percent and not a.percent else [])
     use_tol = tol if (a.inexact or b.inexact) else EXACT_REL_TOL
     names = sorted((_free_names(a.expr) | _free_names(b.expr)) - {"__pm__"})
     # '\\sum_{j=1}^{m} j' against 'm(m+1)/2': integer points for m. a is the prediction: its bounds
@@ -3050,20 +3002,30 @@ def _val_equal(a: Val, b: Val, tol: float, budget: _Budget, signed: bool = False
     for va, sa in cands_a:
         for vb, sb in cands_b:
             if _agree(va, sa, vb, sb, points, use_tol, budget) and (
-                    signed or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget)):
+                    signed or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget)) and (
+                    bounds or not names or _agree_signed(va, sa, vb, sb, names, use_tol, budget, _wide_points(names))):
                 return True
     return False
 
 
-def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget) -> bool:
+def _wide_points(names: list) -> list[dict]:
+    """Points of both signs, small and large (about 0.003 and 4,000 to 80,000), where piecewise forms part
+    from the gold: '\\min(x, 1000)', '\\max(x, -1000)' agree with x at every point below 20 (departure 2)."""
+    first, F = _points(names)[0], Fraction
+    return [{}] + [{n: v * f + c for n, v in first.items()} for f, c in (
+        (F(1, 1000), F(1, 997)), (F(-1, 1000), F(-1, 991)), (F(4001), F(1, 3)), (F(-3989), F(-1, 5)))]
+
+
+def _agree_signed(a: Val, sa, b: Val, sb, names, tol, budget, points=None) -> bool:
     """Agreement at points of both signs wherever both sides stay real (departure 2): |u| is not u,
-    but \\ln(u^2) and 2\\ln u (complex for u < 0) are not told apart by a negative u."""
-    for p in _points(names, signed=True)[1:]:
+    but \\ln(u^2) and 2\\ln u (complex for u < 0) are not told apart by a negative u. A point where either
+    side is undefined or beyond the caps (e^x at x = 80,000) is skipped."""
+    for p in (points or _points(names, signed=True))[1:]:
         budget.left_reals, budget.scale = False, 0
         try:
             x = _ev(a.expr, {**p, **a.env}, budget)
             y = _ev(b.expr, {**p, **b.env}, budget)
-        except _Undefined:
+        except (_Undefined, _Limit):
             continue
         if budget.left_reals:
             continue
@@ -3099,6 +3061,8 @@ def _agree(a: Val, sa, b: Val, sb, points, tol, budget) -> bool:
         # A lone decimal against an exact value must also be that value correctly rounded to the
         # decimal's own digits: 100.01 is not 100 and 1.000001 is not 1, though within rel_tol.
         # A looser rel_tol (Minerva) says the golds are rounded themselves, so only rel_tol counts.
+        if tol <= APPROX_GOLD_TOL and b.half_ulp is not None and isinstance(x, Fraction) and x != y:
+            return False    # an exact decimal gold (0.5) is met exactly by a rational answer: 0.50004 is not it
         for v, s, other in ((a, sa, b), (b, sb, a)):
             if tol <= APPROX_GOLD_TOL and v.half_ulp is not None and not other.inexact and not _close(
                     x, y, 0.0, abs_tol=v.half_ulp * s * (1 + Fraction(1, 10 ** 9))):
@@ -3778,13 +3742,14 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     budget = _Budget()
     if len(pred) > MAX_RESPONSE_CHARS or len(gold) > MAX_RESPONSE_CHARS:
         raise _Limit("input length")
-    pred, gold = _unwrap_answer(pred), _unwrap_answer(gold)    # a worked solution -> its box
-    _check_words(pred)
+    pred, gold = _unwrap_answer(pred), _unwrap_answer(gold, gold=True)    # a worked solution -> its box
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         raise _Limit("answer length")
     up, ug = _unit_of(pred), _unit_of(gold)
     if up is not None and ug is not None and (up[0] != ug[0] or abs(up[1] / ug[1] - 1) > 1e-9):
         return False        # '5 km' against '5 m': a unit is dropped only against none or the same one
+    if not _same_marks(pred, gold, up, ug):
+        return False
     cp, cg = _clean(pred), _clean(gold)
     if not cp or not cg:
         return False
@@ -3844,6 +3809,39 @@ def _compare(pred: str, gold: str, rel_tol: float) -> bool:
     except _ParseError:
         return _decimal_comma_equal(up, ug, rel_tol, budget)
     return _equal(pa, ga, rel_tol, budget) or _decimal_comma_equal(up, ug, rel_tol, budget)
+
+
+# Fail closed on value: unit text after a number (\\text, \\mathrm, \\si, \\unit), congruence moduli.
+_KNOWN_WORDS = frozenset(("square", "cubic", "per", "sq", "units", "unit", "exactly", "or", "and", "th", "st", "nd",
+                          "rd", *(w.lower() for w in _UNIT_WORDS), *_MULTIPLIERS, *_FUNCS, *_FN_WORDS))
+_MODULUS_RE = re.compile(r"\\pmod\s*(\{[^{}]*\}|\w+)|\(\s*\\?(?:bmod|mod)\s*(\w+)\s*\)")
+
+
+def _unknown_units(s: str) -> str:
+    """The words of s's text groups beside a value that this file does not know ('' when none):
+    '12 \\text{ MHz}' gives 'mhz', '\\text{about } 12' 'about'; '12 \\text{ square units}', '1 \\text{ or } 2',
+    '\\text{A5}_{11}' give ''. A whole text answer and a piecewise 'cases' are compared as they are."""
+    if "{cases}" in s or not re.search(r"[\dA-Za-z]", _TEXT_GROUP_RE.sub(" ", s).replace("\\boxed", "")):
+        return ""
+    s = s.rsplit("=", 1)[-1]        # '\\text{Area} = 50': a name left of '=', not a unit
+    words = [w for m in _TEXT_GROUP_RE.finditer(s) for w in re.findall(r"[A-Za-z]+\d*",
+                                                                        _unit_power_words(m.group(1), ""))]
+    return " ".join(w.lower() for w in words if not (w in _UNIT_DIMS or len(w) == 1 or w[-1].isdigit() or
+                                                     w.lower() in _KNOWN_WORDS))
+
+
+def _same_marks(pred: str, gold: str, up, ug) -> bool:
+    """The marks the comparison would drop agree: unknown unit text is met only by the same text; a degree sign
+    never vanishes against a gold in radians; two congruences keep their moduli (fail closed on value)."""
+    kp, kg = _unknown_units(pred), _unknown_units(gold)
+    if (kp or kg) and kp != kg and (kp or up is not None or _TEXT_GROUP_RE.search(pred)):
+        return False
+    if _ANGLE_RE.search(pred) and not _ANGLE_RE.search(gold) and re.search(r"\\pi|π|rad", gold) and \
+            not re.search(r"sin|cos|tan|sec|csc|cot", pred):
+        return False
+    mp, mg = _MODULUS_RE.findall(pred), _MODULUS_RE.findall(gold)
+    norm = [{re.sub(r"[{}\s]", "", a or b) for a, b in m} for m in (mp, mg)]
+    return not (mp and mg and norm[0] != norm[1])
 
 
 # Decimal commas (departure 19): '3,25' and '0,125' cannot be thousands separators; '1,250' can.
@@ -3911,12 +3909,13 @@ def _decimal_comma_equal(cp: str, cg: str, rel_tol: float, budget: _Budget) -> b
         and not _free_names(qb.expr) and _equal(qa, qb, rel_tol, budget)
 
 
-def _unwrap_answer(s: str) -> str:
+def _unwrap_answer(s: str, gold: bool = False) -> str:
     """An answer string without what surrounds it: the box(es) of a boxed answer or of a whole worked
-    solution, or the math delimiters around it ('$\\frac25.$', '\\[ 7 \\]', '\\( 7 \\)')."""
+    solution, or the math delimiters around it ('$\\frac25.$', '\\[ 7 \\]', '\\( 7 \\)'). A gold's last box
+    is its answer whatever follows it (the tail rule judges responses, not golds)."""
     s = _LEAD_CUE_RE.sub("", s.strip(), count=1)     # 'Answer: \\[ 14 \\]', 'Answer $ 14 $'
     if "\\boxed" in s or "\\fbox" in s:
-        boxes = _last_boxes(_end_of_turn(s))
+        boxes = _last_boxes(_end_of_turn(s)) or (gold and last_boxed(s) is not None and [last_boxed(s)])
         if boxes:
             return _join(boxes)
     m = _MATH_SPAN_RE.fullmatch(s.rstrip(" .,;"))

@@ -1,11 +1,19 @@
 """Benchmark of verify.py (README, Benchmarks): accuracy, false positives, hedges and speed on the labelled case
 files, with math-verify 0.9.0 beside it on the same cases in the same run when it is installed.
 
-    python -m bench.verify                                  # the six case files below
+    python -m bench.verify                                  # the seven case files below
     python -m bench.verify --cases data/verify_rl.jsonl --show-errors
     python -m bench.verify --hedges                         # also count math-verify's hedges (slow: ~3 min)
     python -m bench.verify golds [FILES ...]                # every benchmark gold against itself
     python -m bench.verify seam                             # its speed through reward.py's seam, beside direct
+    python -m bench.verify against REF                      # verdicts changed vs another verify.py, with reasons
+
+``against``: ``git show main:verify.py > /tmp/verify_main.py; python -m bench.verify against /tmp/verify_main.py``
+runs both copies on every case file and on MATH-500's and Minerva's worked solutions read as responses
+(../shared/benchmarks) and, with ``--tiny N``, the tiny preset's sampled responses to N test problems, lists every
+changed verdict by file with its reason (the tail after the final box, or
+the value rule), counts the worked solutions refused by kind, and gives the CPU time per case of each copy
+in the same run (interleaved, so load affects both alike).
 
 math-verify is optional (``pip install math-verify==0.9.0``, best in a venv made with
 ``--system-site-packages`` so that the system sympy stays as it is); without it only verify.py's rows print.
@@ -23,6 +31,12 @@ answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=
   number or around a box, units of another size, boxes that are operands, hidden or disowned, left sides,
   numbers, answer cues and digits of other scripts), 239 that must score 0 and 115 controls; committed in two
   parts, each before verify.py changed for it.
+- ``verify_failclosed.jsonl``: the kinds the fail-closed rules refuse: text, digits, cues, retractions,
+  turns, markup, code, other languages and reasoning tags after the final box; values continued after it,
+  unknown units, percent on both sides, degrees against radians, extra digits on exact decimals, moduli,
+  piecewise forms; 148 that must score 0 and 79 honest controls, each with a ``source``; committed before
+  verify.py changed for it, but for seven rows with a ``note`` taken from math-verify's tests after it.
+  Written alongside the rules: its figures flatter them.
 - ``verify_asserts.jsonl``: boxes their sentence does not assert (conditional, attributed to an error, questioned
   or doubted), logic operators on boxes, qualifying words inside a box's text, chains and approximation chains
   whose sides disagree, and exact tiny terms; 86 that must score 0, each with near-miss controls (56), some
@@ -52,7 +66,7 @@ import verify as V
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 FILES = ("verify_cases.jsonl", "verify_test.jsonl", "verify_outside.jsonl", "verify_hacking.jsonl",
-         "verify_rl.jsonl", "verify_asserts.jsonl")
+         "verify_rl.jsonl", "verify_asserts.jsonl", "verify_failclosed.jsonl")
 
 # ------------------------------------------------------------------------------------------------
 # Cases and judges
@@ -165,7 +179,7 @@ def run_cases(cases: list[dict], judge) -> dict:
 def bench(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.verify")
     ap.add_argument("--cases", action="append", default=None,
-                    help="labelled case file (repeatable); default: the six files of data/ named in this "
+                    help="labelled case file (repeatable); default: the seven files of data/ named in this "
                          "file's docstring")
     ap.add_argument("--no-math-verify", action="store_true", help="verify.py's rows only")
     ap.add_argument("--hedges", action="store_true", help="also count math-verify's hedges (slow)")
@@ -300,7 +314,131 @@ def seam(argv: list[str]) -> int:
     return 0
 
 
+def _tail_kind(text: str) -> str:
+    """A short name for what follows the last box of a response: what the tail rule refused."""
+    boxes = V._outer_boxes(text) or []
+    if not boxes:
+        return "no box"
+    tail = text[boxes[-1][1]:].lstrip(" $.,;:\n\\)]*")
+    if re.match(r"[A-Za-z]+(?:\s+[A-Za-z]+)?\s*[.,;]?\s*$", tail):
+        return "position: a count noun or unit not in the unit tables after the final box ('240 outfits.')"
+    for name, pat in (("words", r"[A-Za-z]{2,}"), ("digits", r"[\d+\-=<>/^_'!]"), ("a command", r"\\[A-Za-z]+"),
+                      ("a parenthesis or brace", r"[({}]"), ("another script", r"[^\x00-\x7f]")):
+        if re.match(pat, tail):
+            return f"position: {name} after the final box"
+    return "position: other text after the final box"
+
+
+def _reason(ref, c: dict, gold: str) -> str:
+    """Why this verify.py and ref differ on a case: where the answer is read, or which value rule."""
+    if "response" in c:
+        a_new, a_ref = V.extract_answer(c["response"]), ref.extract_answer(c["response"])
+        if a_new is None and a_ref is not None:
+            cut = V._end_of_turn(V._after_thinking(c["response"]))
+            if not cut:
+                return "position: another turn after the box"
+            if not V._outer_boxes(cut):
+                return "position: text after the answer cue's math"
+            return _tail_kind(V._visible(cut))
+        if a_new != a_ref:
+            return f"extraction: {a_ref!r} -> {a_new!r}"
+        pred = a_new or ""
+    else:
+        pred = c["pred"]
+    p, g = V._unwrap_answer(pred), V._unwrap_answer(gold)
+    if not V._same_marks(p, g, V._unit_of(p), V._unit_of(g)):
+        return "value: unit, degree or modulus marks differ"
+    return "value: comparison (percent, exact decimal or wide points)"
+
+
+def tiny_rollouts(n: int, samples: int = 4) -> list[dict]:
+    """Responses of the tiny preset's models (A, B, C) to n test problems, sampled at T=1 as in training, with
+    their golds: honest model outputs. Label: the last box holds the gold exactly (the answers are integers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from data import tiny_tasks
+    from tools.tiny import PROMPT_TEMPLATE
+    torch.manual_seed(0)
+    _, test = tiny_tasks.generate(seed=0, n_train=50, n_test=n)
+    out = []
+    for name in sorted(os.listdir(os.path.join(HERE, "data", "tiny_models"))):
+        folder = os.path.join(HERE, "data", "tiny_models", name)
+        tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+        for row in test:
+            ids = tok.encode(PROMPT_TEMPLATE.replace("{problem}", row["problem"]), add_special_tokens=False)
+            with torch.no_grad():
+                seqs = model.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=True, temperature=1.0,
+                                      num_return_sequences=samples, pad_token_id=tok.eos_token_id)
+            for seq in seqs[:, len(ids):].tolist():
+                text = tok.decode(seq, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                out.append({"response": text, "gold": row["answer"], "category": f"tiny {name}",
+                            "label": V.last_boxed(text) == row["answer"]})
+    return out
+
+
+def against(argv: list[str]) -> int:
+    """Verdicts of this verify.py against a reference copy (a path) on every case file and the worked solutions."""
+    import importlib.util
+    ap = argparse.ArgumentParser(prog="python -m bench.verify against")
+    ap.add_argument("ref", help="path of the reference verify.py (e.g. git show main:verify.py > /tmp/verify_main.py)")
+    ap.add_argument("--show", type=int, default=40, help="changed verdicts listed per file")
+    ap.add_argument("--tiny", type=int, default=0, metavar="N",
+                    help="also N test problems x 4 samples (T=1) of each tiny preset model (data/tiny_models)")
+    args = ap.parse_args(argv)
+    spec = importlib.util.spec_from_file_location("verify_ref", args.ref)
+    ref = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ref        # its dataclasses look their module up
+    spec.loader.exec_module(ref)
+    sets = [(name, load_cases(os.path.join(HERE, "data", name))) for name in FILES]
+    for name, tol in (("math500", V.DEFAULT_REL_TOL), ("minerva_math", V.MINERVA_REL_TOL)):
+        path = os.path.join(HERE, "..", "shared", "benchmarks", name + ".jsonl")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                sets.append((name + " worked solutions", [
+                    {"response": r["solution"], "gold": r["answer"], "label": True, "category": "solution",
+                     "rel_tol": tol, "id": r.get("id")} for r in map(json.loads, f) if r.get("answer")]))
+    if args.tiny:
+        sets.append(("tiny preset rollouts", tiny_rollouts(args.tiny)))
+    time_new = time_ref = 0.0
+    n_all = 0
+    for name, cases in sets:
+        right = {"new": 0, "ref": 0}
+        changed, kinds = [], {}
+        for c in cases:
+            tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
+            got = {}
+            for key, mod in (("ref", ref), ("new", V)):
+                t0 = time.process_time()
+                got[key] = (mod.verify(c["response"], c["gold"], strict=False, rel_tol=tol) == 1.0
+                            if "response" in c else mod.is_equivalent(c["pred"], c["gold"], rel_tol=tol))
+                dt = time.process_time() - t0
+                if key == "new":
+                    time_new += dt
+                else:
+                    time_ref += dt
+                right[key] += got[key] == c["label"]
+            if got["new"] != got["ref"]:
+                why = _reason(ref, c, c["gold"])
+                changed.append((c, got["new"], why))
+                kinds[why] = kinds.get(why, 0) + 1
+        n_all += len(cases)
+        now_wrong = sum(v != c["label"] for c, v, _ in changed)
+        print(f"\n{name}: {len(cases)} cases; right {right['ref']} -> {right['new']}; changed {len(changed)} "
+              f"({len(changed) - now_wrong} now right, {now_wrong} now wrong)")
+        for why, k in sorted(kinds.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:>4}  {why}")
+        for c, v, why in changed[:args.show]:
+            text = c.get("response", c.get("pred"))
+            print(f"    {'paid' if v else 'refused'} (label {c['label']}) [{c.get('category')}] {why}: "
+                  f"{text[-120:]!r} vs {c['gold']!r}")
+    print(f"\nCPU time per case over {n_all} cases: reference {time_ref / n_all * 1e3:.3f} ms, this "
+          f"{time_new / n_all * 1e3:.3f} ms, ratio {time_new / time_ref:.2f}x (one run, interleaved)")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "against":
+        return against(argv[1:])
     if argv and argv[0] == "golds":
         return golds(argv[1:])
     if argv and argv[0] == "seam":

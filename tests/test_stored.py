@@ -312,7 +312,7 @@ def test_load_groups_verify_and_advantages(tmp_path):
         {"id": "p1", "response": boxed("3"), "lbar": -0.7, "reward": False},
         {"id": "p1", "response": "no box: 2", "lbar": -0.1, "eos": False},  # strict verifier: 0
         {"id": "p2", "response": boxed("8"), "lbar": -0.3},
-        {"id": "p2", "response": boxed("9") + " (twice)", "lbar": -0.4},
+        {"id": "p2", "response": "Twice: " + boxed("9"), "lbar": -0.4},
         {"id": "p2", "response": "So " + boxed("9"), "lbar": -0.6, "reward": 1},
         {"id": "p5", "response": boxed("2"), "lbar": -0.9},  # single record: dropped
         {"id": "nope", "response": boxed("2")},  # unmatched

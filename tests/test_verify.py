@@ -687,11 +687,12 @@ def test_verify_batch_workers_match():
 
 RL = os.path.join(HERE, "data", "verify_rl.jsonl")
 ASSERTS = os.path.join(HERE, "data", "verify_asserts.jsonl")
+FAILCLOSED = os.path.join(HERE, "data", "verify_failclosed.jsonl")
 
 
 def test_one_answer_one_reward_over_every_case_file():
     hedges, n_paid = [], 0
-    for path in (CASES, FROZEN, OUTSIDE, HACKING, RL, ASSERTS):
+    for path in (CASES, FROZEN, OUTSIDE, HACKING, RL, ASSERTS, FAILCLOSED):
         for c in _load(path):
             hedge = B.hedge_of(c, B.judge_ours)
             if hedge is not None:
@@ -791,13 +792,15 @@ def test_an_answer_hedged_or_disowned_after_its_cue_or_box_is_none():
             "So $\\boxed{7}$ or 8.", "So $\\boxed{7}$ (or 8).", "It is not $\\boxed{7}$.", "$x \\ne \\boxed{7}$",
             "So $\\boxed{7} + \\boxed{1}$.", "So $2\\boxed{7}$.", "So $\\frac{\\boxed{7}}{2}$."]
     assert [r for r in none if V.extract_answer(r) is not None] == []
-    some = [("The answer is $7$, since 3+4=7.", "7"), ("The answer is \\boxed{5}!", "5"),
-            ("So $\\boxed{30}^\\circ$.", "30"), ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
-            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"),
-            # markdown, prose brackets and dashes, and an 'or' that restates the value are no hedge
-            ("**Final Answer:** **\\boxed{7}**", "7"), ("The answer is \\boxed{7} (from step 3).", "7"),
-            ("Answer: \\boxed{7} - Alice has 7 apples.", "7"), ("\\boxed{\\frac12}, or 0.5.", "\\frac12")]
+    some = [("So $\\boxed{30}^\\circ$.", "30^\\circ"),
+            ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
+            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"), ("**Final Answer:** **\\boxed{7}**", "7")]
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
+    # the tail rule: whatever follows the final box but closing marks makes no answer, honest or not
+    assert [r for r in ("The answer is \\boxed{5}!", "The answer is \\boxed{7} (from step 3).",
+                        "The answer is $7$, since 3+4=7.",
+                        "Answer: \\boxed{7} - Alice has 7 apples.", "\\boxed{\\frac12}, or 0.5.")
+            if V.extract_answer(r) is not None] == []
     assert [r for r in ("\\boxed{\\frac12} or 0.6", "2*\\boxed{7}", "\\boxed{7}-1", "\\boxed{7} - x", "\\boxed{7}(2)")
             if V.extract_answer(r) is not None] == []
 
@@ -812,15 +815,18 @@ SHARED = os.path.join(HERE, "..", "shared", "benchmarks")
 
 
 @pytest.mark.skipif(not os.path.isdir(SHARED), reason="needs ../shared/benchmarks (MATH-500 and Minerva solutions)")
-def test_worked_solutions_pay_their_own_gold():
-    """Real worked solutions, read as responses, are paid for their own gold: the rules about words, units
-    and boxes around an answer leave human-written text alone. The one miss is named: Minerva's
-    '\\\\boxed{I \\\\dot\\\\omega + 2B\\\\omega = T} or <the same equation divided by I>', where I reads as the
-    imaginary unit, so the 'or' restates nothing this verifier can show equal and is read as a hedge."""
-    for name, tol, most_missed in (("math500", V.DEFAULT_REL_TOL, 0), ("minerva_math", V.MINERVA_REL_TOL, 1)):
+def test_worked_solutions_pay_their_own_gold_unless_text_follows_the_box():
+    """Real worked solutions, read as responses, are paid for their own gold except where text follows their
+    final box (the tail rule: human solutions go on after the box; a policy's response must not).
+    Every refusal is of that kind (no answer extracted), counted here: MATH-500 127 of 500, Minerva 56 of 272
+    (`python -m bench.verify against REF` names them by kind). The rules about words, units and boxes around
+    an answer leave the rest alone."""
+    for name, tol, most_missed in (("math500", V.DEFAULT_REL_TOL, 127), ("minerva_math", V.MINERVA_REL_TOL, 56)):
         rows = [json.loads(line) for line in open(os.path.join(SHARED, name + ".jsonl"), encoding="utf-8")]
-        missed = [r["id"] for r in rows if V.verify(r["solution"], r["answer"], rel_tol=tol) != 1.0]
-        assert len(rows) > 250 and len(missed) <= most_missed, (name, missed)
+        missed = [r for r in rows if V.verify(r["solution"], r["answer"], rel_tol=tol) != 1.0]
+        assert len(rows) > 250 and len(missed) <= most_missed, (name, len(missed))
+        by_value = [r["id"] for r in missed if V.extract_answer(r["solution"]) is not None]
+        assert len(by_value) <= (0 if name == "math500" else 4), (name, by_value)   # Minerva: units, 'I' as i
 
 
 # ------------------------------------------------------------------------------------------------
@@ -855,12 +861,15 @@ def test_worked_solutions_that_say_would_or_if_stay_answers():
     paid = [("Therefore, she would have saved $800 - 250 = \\boxed{550}$ gallons.", "550"),
             ("which is true if and only if $x\\ge \\frac{8+3}{2} = \\boxed{\\frac{11}{2}}$.", "\\frac{11}{2}"),
             ("We also could have noted that $\\tan A = \\boxed{2}$.", "2"),
-            ("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.", "5300"),
-            ("If $x = 3$, then $y = \\boxed{12}$.", "12"), ("Assuming $x > 0$, we get $x = \\boxed{12}$.", "12"),
-            ("The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.", "12"),
-            ("The total is $\\boxed{12}$. It is the smallest such total.", "12"),
-            ("The answer is $\\boxed{12}$. Let me double-check: $3 \\cdot 4 = 12$. Yes.", "12")]
+            ("The temperature would have to be $\\boxed{5300}$ K.", "5300"),
+            ("If $x = 3$, then $y = \\boxed{12}$.", "12"), ("Assuming $x > 0$, we get $x = \\boxed{12}$.", "12")]
     assert [r for r, g in paid if V.verify(r, g) != 1.0] == []
+    # the tail rule: text after the final box makes no answer, however honest it reads
+    assert [r for r in ("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.",
+                        "The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.",
+                        "The total is $\\boxed{12}$. It is the smallest such total.",
+                        "The answer is $\\boxed{12}$. Let me double-check: $3 \\cdot 4 = 12$. Yes.")
+            if V.extract_answer(r) is not None] == []
     unpaid = ["Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?", "So $\\boxed{12}$? Unsure.",
               "The usual slip gives $\\boxed{12}$.", "So $\\boxed{12}$; the right count is 13.",
               "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$.",
@@ -884,9 +893,10 @@ def test_qualifiers_inside_a_box_text_and_unit_words():
             ("7 \\text{ squared}", "7", False), ("9.8\\,\\mathrm{m/s^2}", "9.8", True),
             ("\\text{A5}_{11}", "\\text{A5}_{11}", True), ("\\text{no solution}", "\\text{no solution}", True),
             ("x = 1 \\text{ or } x = 2", "1, 2", True), ("7 \\text{ (exactly)}", "7", True)])
-    with pytest.raises(V._NotMath):
-        V._check_words("12 \\text{ give or take}")
-    V._check_words("\\begin{cases} 1 & \\text{if } x > 0 \\\\ 0 & \\text{otherwise} \\end{cases}")    # piecewise
+    # fail closed: words the unit tables do not hold make the answer unequal unless the gold carries them too
+    _check([("12 \\text{ give or take}", "12", False), ("12 \\text{ give or take}", "12 \\text{ give or take}", True),
+            ("\\text{Area} = 50", "50", True), ("7^{\\text{th}}", "7", True), ("\\mathrm{lcm}(3,5)", "15", True)])
+    assert V._unknown_units("\\begin{cases} 1 & \\text{if } x > 0 \\\\ 0 & \\text{otherwise} \\end{cases}") == ""
 
 
 def test_chains_whose_sides_disagree_state_nothing():
@@ -929,5 +939,81 @@ def test_unboxed_answers_follow_the_same_sentence_rule():
             if V.verify(r, "12", strict=False)] == []
     assert V.verify("Thus the answer is 12.", "12", strict=False) == 1.0
     some = [("We have $3\\cdot 4=12$ apples.\nFinal Answer: The final answer is $12$. I hope it is correct.", "12"),
-            ("If $x = 3$, then $y = 12$.", "y = 12"), ("The answer is $12$, since $n$ is even.", "12")]
+            ("If $x = 3$, then $y = 12$.", "y = 12")]
+    assert V.extract_answer("The answer is $12$, since $n$ is even.") is None    # the tail rule after a cue's math
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The reward fails closed (data/verify_failclosed.jsonl, committed before verify.py changed for it):
+# after the final box only closing marks; unknown units, percent on both sides, degrees against radians,
+# exact decimals, moduli and piecewise forms are unequal unless shown equal.
+
+_FAILCLOSED = _load(FAILCLOSED)
+
+
+def test_failclosed_file_shape():
+    kinds = {}
+    for c in _FAILCLOSED:
+        assert "response" in c and isinstance(c["label"], bool) and c.get("source"), c
+        kinds.setdefault(c["category"], 0)
+        kinds[c["category"]] += 1
+    assert sum(not c["label"] for c in _FAILCLOSED) >= 130 and sum(c["label"] for c in _FAILCLOSED) >= 70
+    assert all(not c["label"] for c in _FAILCLOSED if c["category"] != "control")
+    assert all(c.get("reason") for c in _FAILCLOSED if "was" in c)       # a relabelled row says why
+    assert sum(k.startswith("position_") for k in kinds) >= 9 and sum(k.startswith("value_") for k in kinds) >= 7
+
+
+@pytest.mark.parametrize("k", range(len(_FAILCLOSED)))
+def test_a_response_is_paid_only_for_what_it_holds_closed(k):
+    c = _FAILCLOSED[k]
+    assert _judge(c) is c["label"], c
+    boxed = "\\boxed" in c["response"]       # training (strict) pays boxed answers only
+    tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
+    assert V.verify(c["response"], c["gold"], rel_tol=tol) == float(c["label"] and boxed), c
+
+
+def test_the_tail_rule():
+    """What may follow the final box is a whitelist; each refused tail below would be paid without the rule."""
+    ok = ["", ".", " .\n\n", "$.", "$$", "\\]", "\\).", "**.", "$ \\blacksquare", "<|im_end|>", "</answer>",
+          " I hope it is correct.", "\n\\end{align*}", " \\quad", ";", ")."]
+    bad = [".5", "^2", "0", "!", "'", " 15", ". Correction: 15", "\n\nAnswer: 15", "</del>", "\n```",
+           "。不对，是15。",
+           " (checked)", " is the answer.", "</reasoning>", "}", " hmm"]
+    assert [t for t in ok if not V._closing_tail(t)] == [] and [t for t in bad if V._closing_tail(t)] == []
+    assert V._closing_tail("}", 1) and not V._closing_tail("}}", 1)
+    assert V.extract_answer("So $\\textcolor{red}{\\boxed{7}}$.") == "7"          # a wrapper's brace
+    assert V.extract_answer("So \\hcancel{\\boxed{7}}") is None                    # a command not known to wrap
+    assert V.extract_answer("So \\boxed{1.6} \\mathrm{~cm}.") == "1.6 \\text{ cm}"   # a known unit joins the answer
+    assert V.extract_answer("So \\boxed{12} dozen.") is None and V.extract_answer("So \\boxed{12} MHz.") is None
+    assert V.extract_answer("So $\\boxed{3} \\pmod{7}$.") == "3\\pmod{7}"
+    # another turn after a box is no answer, also when it ends in a box of its own
+    assert V.extract_answer("So \\boxed{12}.\n\nQuestion: what is 3+4?\nAnswer: \\boxed{7}") is None
+    assert V.extract_answer("So \\boxed{12}.\nUser: sure?\nAssistant: \\boxed{7}") is None
+    # without a box a base model's next few-shot problem is still cut after its answer cue
+    assert V.extract_answer("Final Answer: The final answer is $2$.\n\nProblem:\nFind $z$.\n") == "2"
+
+
+def test_value_rules_fail_closed():
+    _check([("12 \\text{ MHz}", "12 \\text{ Hz}", False), ("12 \\text{ MHz}", "12", False),
+            ("12 \\text{ MHz}", "12 \\text{ MHz}", True), ("12", "12 \\text{ MHz}", True),
+            ("12 \\text{ cm}", "12", True), ("12 \\text{ kJ}", "12 \\text{ J}", False),
+            ("7 \\text{ dozen}", "84", True), ("1 \\text{ or } -2", "1, -2", True),                 # known words
+            ("0.12\\%", "12\\%", False), ("1200\\%", "12\\%", False), ("12\\%", "12\\%", True),
+            ("12\\%", "0.12", True), ("0.12", "12\\%", True), ("12\\%", "12", True),            # one side: dual
+            ("\\frac{\\pi}{6}^\\circ", "\\frac{\\pi}{6}", False), ("\\pi^{\\circ}", "\\pi", False),
+            ("30^\\circ", "30", True), ("\\sin 30^\\circ", "\\sin\\frac{\\pi}{6}", True),
+            ("0.50004", "0.5", False), ("2.2501", "2.25", False), ("0.50", "0.5", True), ("\\frac12", "0.5", True),
+            ("1.4142", "\\sqrt2", True), ("0.8333", "\\frac56", True),
+            ("x \\equiv 2 \\pmod{7}", "x \\equiv 2 \\pmod{5}", False), ("2 \\pmod 5", "2 \\pmod{5}", True),
+            ("x \\equiv 2 \\pmod{5}", "2", True),
+            ("\\min(x, 1000)", "x", False), ("\\max(x, -1000)", "x", False), ("\\min(x^2, 10^6)", "x^2", False),
+            ("\\max(x, 0.01)", "x", False), ("\\lfloor x \\rfloor + (x - \\lfloor x \\rfloor)", "x", True),
+            ("\\min(x, y) + \\max(x, y)", "x + y", True), ("e^{\\ln x}", "x", True), ("\\sqrt{x^2}", "|x|", True)])
+    assert V.is_equivalent("4.46e19", "4.5e19", rel_tol=V.MINERVA_REL_TOL)       # Minerva's golds are rounded
+    assert V._unknown_units("12 \\text{ MHz}") == "mhz" and V._unknown_units("12 \\text{ square units}") == ""
+    names = ["x"]
+    wide = V._wide_points(names)[1:]
+    xs = [p["x"] for p in wide]
+    assert min(map(abs, xs)) < 0.1 and max(xs) > 1000 and min(xs) < -1000
+
