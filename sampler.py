@@ -181,18 +181,23 @@ __all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample",
 # Chunked log-prob of target tokens: log_softmax(h @ W.T / T)[target] without ever holding (N, V) logits
 # ------------------------------------------------------------------------------------------------
 
-# When the caller does not choose a vocabulary chunk, a (tokens x vocab) tile holds at most this many float32 logits
-# (2**23 = 32 MiB). Large enough that each tile's matmul runs at full speed, small enough that the few tiles alive at
-# once (logits, their exp, the gradient) stay far below the naive path's N x V.
-_TILE_ELEMENTS = 2**23
+# When the caller does not choose a vocabulary slice, a (tokens x vocab) tile holds at most this many float32 logits
+# (2**24 = 64 MiB). Every tile costs a few host-side op launches, and on a GPU those launches, not the arithmetic, set
+# the pace of small tiles (the H200 row of issue 54: ~6,600 ops, 3.1x the naive path); at this size a pass over
+# N 8,192 x V 151,936 is 80 tiles, each a few hundred microseconds of GPU work, while the few fp32 tiles alive at
+# once stay a small fraction of the naive path's (N, V) float32 copies.
+_TILE_ELEMENTS = 2**24
+
+_PLAIN = (1.0, 1.0, None)  # (temperature, logit_scale, softcap) of a plain head: no float32 transform of the tile
 
 
-def _vocab_chunk(vocab_size: int, chunk_size: int, vocab_chunk_size: int | None) -> int:
-    """Vocabulary rows per tile: the caller's choice, else the whole vocabulary if the tile stays under budget."""
+def _vocab_chunk(n_tok: int, vocab_size: int, chunk_size: int, vocab_chunk_size: int | None) -> int:
+    """Vocabulary rows per slice: the caller's choice, else as many as keep a (rows, slice) tile under budget."""
     if vocab_chunk_size is not None:
         assert vocab_chunk_size > 0, f"vocab_chunk_size must be positive, got {vocab_chunk_size}"
         return vocab_chunk_size
-    return max(1, min(vocab_size, _TILE_ELEMENTS // max(chunk_size, 1)))
+    rows = max(1, min(n_tok, chunk_size))  # a short call gets the whole vocabulary in one slice
+    return max(1, min(vocab_size, _TILE_ELEMENTS // rows))
 
 
 def _head_transform_(z: torch.Tensor, logit_scale: float, softcap: float | None) -> torch.Tensor:
@@ -207,62 +212,122 @@ def _head_transform_(z: torch.Tensor, logit_scale: float, softcap: float | None)
     return z
 
 
-def _tile_logits(h: torch.Tensor, w: torch.Tensor, temperature: float, logit_scale: float,
-                 softcap: float | None) -> torch.Tensor:
-    """Logits of one tile. h (n, H), w (v, H) in the compute dtype -> (n, v) in float32 (float64 for float64
-    inputs): the head's transform applied, then divided by the temperature (generate's order: the model's logits,
-    then the temperature)."""
-    z = torch.mm(h, w.t())  # (n, v)
-    z = z.to(torch.promote_types(z.dtype, torch.float32))  # free for float32 / float64 inputs
-    z = _head_transform_(z, logit_scale, softcap)
+def _transformed(z: torch.Tensor, head: tuple, adt: torch.dtype) -> torch.Tensor:
+    """A new (r, v) tensor in adt: the head's transform of the raw tile z (r, v), then divided by the temperature
+    (generate's order: the model's logits, then the temperature). z is left as it is (it may be a saved tile)."""
+    temperature, logit_scale, softcap = head
+    zf = z.to(adt, copy=True)  # (r, v)
+    zf = _head_transform_(zf, logit_scale, softcap)
     if temperature != 1.0:
-        z = z.div_(temperature)  # division, not multiplication by 1/T, so it rounds as `logits / T` does in the sampler
-    return z
+        zf = zf.div_(temperature)  # division, not multiplication by 1/T, so it rounds as `logits / T` does in sample
+    return zf
 
 
-def _target_index(targets: torch.Tensor, v0: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each target falls inside the vocabulary slice [v0, v0 + v): (in_slice (n,) bool, column (n, 1) long)."""
-    col = targets - v0
-    inside = (col >= 0) & (col < v)
-    return inside, col.clamp(0, v - 1).unsqueeze(1)  # (n, 1): a valid column even for targets outside the slice
+def _slice_cols(col: torch.Tensor, width: int, vocab_chunk: int) -> torch.Tensor:
+    """Each row's target column in a slice of ``width`` <= vocab_chunk columns: col (N, 1) is the target's column in
+    its own slice; clamped for a narrower (last) slice, so that every index is valid where the target lies
+    elsewhere (the values read or written there are then discarded or zero)."""
+    return col if width == vocab_chunk else col.clamp(max=width - 1)  # (N, 1)
+
+
+def _tile_forward(z: torch.Tensor, col: torch.Tensor, head: tuple,
+                  adt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile's share of the log-sum-exp. z (r, v) raw logits h @ W.T in the compute dtype, col (r, 1) ->
+    (max, sum of exp(z' - max), z' at col), each (r, 1) in adt, with z' = head(z) / T the tile's logits."""
+    if head == _PLAIN:
+        m = z.amax(1, keepdim=True).to(adt)  # (r, 1): exact, the max of bf16 values is one of them
+        e = torch.sub(z, m)  # (r, v) in adt: bf16 - float32 promotes, so this is z.float() - m in one pass
+        zt = z.gather(1, col).to(adt)  # (r, 1) the target logit, read from the same values the normaliser uses
+    else:
+        e = _transformed(z, head, adt)  # (r, v)
+        m = e.amax(1, keepdim=True)  # (r, 1)
+        zt = e.gather(1, col)  # (r, 1)
+        e = e.sub_(m)
+    return m, e.exp_().sum(1, keepdim=True), zt
+
+
+def _tile_backward_(z: torch.Tensor, lse: torch.Tensor, neg_g: torch.Tensor, col: torch.Tensor, hit: torch.Tensor,
+                    head: tuple, adt: torch.dtype) -> None:
+    """Overwrite the raw logits tile z (r, v) with the gradient of sum_i g_i logp_i w.r.t. it, in z's dtype.
+
+    With z' = head(z) / T and p = exp(z' - lse): d logp_i / d z'_ij = 1[j = t_i] - p_ij, so the gradient of the raw
+    logits is g s / T (onehot - p) (1 - (c / cap)**2), c = z' T the capped logit, s the logit scale (departure 1).
+    neg_g (r, 1) = -g s / T; hit (r, 1) = -1 where the row's target lies in this slice, else 0; col (r, 1) its column.
+    """
+    temperature, _, softcap = head
+    dcap = None
+    if head == _PLAIN:
+        p = torch.sub(z, lse).exp_()  # (r, v) in adt: z.float() - lse in one pass, then the softmax in place
+    else:
+        zf = _transformed(z, head, adt)  # (r, v)
+        if softcap is not None:  # soft-cap derivative 1 - (c / cap)**2, read off the tile before zf is overwritten
+            dcap = (zf * (temperature / softcap)).square_().neg_().add_(1.0)  # (r, v)
+        p = zf.sub_(lse).exp_()  # (r, v)
+    p = p.scatter_add_(1, col, hit)  # p - onehot(target) where the target lies in this slice
+    if dcap is not None:
+        p = p.mul_(dcap)
+    # -g s / T (p - onehot) = g s / T (onehot - p), rounded once to the compute dtype as the naive path's
+    # gradient of `logits.float()` is, and written over the logits the tile no longer needs
+    torch.mul(p, neg_g, out=z)
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc float32 (or float64): fused in place when a, b share its dtype, else their product is added."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(torch.mm(a, b))
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Autograd function behind ``token_logprobs``; see there for shapes. Saves only the (N,) log-sum-exp."""
+    """Autograd function behind ``token_logprobs``; see there for shapes. Saves the (N,) log-sum-exp, and the raw
+    logits tiles in the compute dtype when ``save`` (departure 15)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt):
+    def forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt, save):
         # head: (temperature, logit_scale, softcap). cdt: the dtype both matmul operands are brought to, fixed by
         # token_logprobs before autograd runs, so the forward and the backward (which may run under another autocast
         # state, or none) compute the same tiles
         with torch.autocast(hidden.device.type, enabled=False):
-            return _TokenLogprobs._forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt)
+            return _TokenLogprobs._forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt, save)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt):
+    def _forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt, save):
+        # Vocabulary slices outside, rows inside: each slice of W is cast to the compute dtype once per pass (never
+        # once per tile), and each tile's max, sum of exponentials and target logit are kept per (slice, row); the
+        # log-sum-exp is put together from them once, after the last slice.
         n_tok, vocab = hidden.shape[0], weight.shape[0]
         adt = torch.promote_types(cdt, torch.float32)  # softmax arithmetic: float32, float64 only for float64 inputs
-        lse = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
-        logp = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
-        for n0 in range(0, n_tok, chunk_size):
-            h = hidden[n0 : n0 + chunk_size].to(cdt)  # (n, H)
-            t = targets[n0 : n0 + chunk_size]  # (n,)
-            run_max = torch.full((h.shape[0],), float("-inf"), dtype=adt, device=h.device)  # (n,)
-            run_sum = torch.zeros(h.shape[0], dtype=adt, device=h.device)  # (n,)
-            tgt = torch.zeros(h.shape[0], dtype=adt, device=h.device)  # (n,)
-            for v0 in range(0, vocab, vocab_chunk):
-                z = _tile_logits(h, weight[v0 : v0 + vocab_chunk].to(cdt), *head)  # (n, v)
-                inside, col = _target_index(t, v0, z.shape[1])
-                # the target logit is read from the same tile values the normaliser uses, so they round alike
-                tgt = tgt + torch.where(inside, z.gather(1, col).squeeze(1), 0.0)
-                # online log-sum-exp: rescale the running sum to the new running max, then add this tile
-                new_max = torch.maximum(run_max, z.amax(dim=1))  # (n,)
-                run_sum = run_sum * torch.exp(run_max - new_max) + z.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
-                run_max = new_max
-            lse[n0 : n0 + chunk_size] = run_max + torch.log(run_sum)
-            logp[n0 : n0 + chunk_size] = tgt - lse[n0 : n0 + chunk_size]
+        n_slices = -(-vocab // vocab_chunk)
+        h = hidden.to(cdt)  # (N, H), cast once per pass
+        slot = torch.div(targets, vocab_chunk, rounding_mode="floor")  # (N,) the slice holding each target
+        col = (targets - slot * vocab_chunk).unsqueeze(1)  # (N, 1) its column there
+        group = max(n_tok, 1) if save else chunk_size  # rows per matmul: all of them when the tiles are kept
+        blocks, maxes, sums, tgts = [], [], [], []
+        for v0 in range(0, vocab, vocab_chunk):
+            w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
+            col_k = _slice_cols(col, w.shape[0], vocab_chunk)  # (N, 1)
+            for g0 in range(0, n_tok, group):
+                z = torch.mm(h[g0 : g0 + group], w.t())  # (g, v) raw logits in the compute dtype
+                if save:
+                    blocks.append(z)
+                for a in range(0, z.shape[0], chunk_size):
+                    m, s, zt = _tile_forward(z[a : a + chunk_size], col_k[g0 + a : g0 + a + chunk_size], head, adt)
+                    maxes.append(m)
+                    sums.append(s)
+                    tgts.append(zt)
+        if n_tok == 0:
+            lse = torch.zeros(0, 1, dtype=adt, device=hidden.device)  # (0, 1)
+            logp = torch.zeros(0, dtype=adt, device=hidden.device)  # (0,)
+        else:
+            mx = torch.cat(maxes).view(n_slices, n_tok, 1)  # (S, N, 1): tiles were appended slice-major, rows in order
+            top = mx.amax(0)  # (N, 1)
+            lse = top + torch.log((torch.cat(sums).view(n_slices, n_tok, 1) * torch.exp(mx - top)).sum(0))  # (N, 1)
+            tgt = torch.cat(tgts).view(n_slices, n_tok, 1).gather(0, slot.view(1, n_tok, 1)).view(n_tok, 1)  # (N, 1)
+            logp = (tgt - lse).view(n_tok)  # (N,)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.cfg = (head, chunk_size, vocab_chunk, cdt)
+        ctx.blocks = blocks if save else None  # (S x (N, v)) raw logits; consumed by the first backward
         return logp
 
     @staticmethod
@@ -275,57 +340,54 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logp):
-        # With c = head(s * h @ W.T) the head's logits and z = c / T: d logp_i / d z_ij = 1[j = t_i] - p_ij, so with the
-        # upstream gradient g_i, grad_z = g[:, None] * (onehot(t) - p). Through the temperature (1/T), the soft-cap
-        # (d c / d u = 1 - tanh(u / cap)**2 = 1 - (c / cap)**2 for u = s * h @ W.T) and the scale (s), the gradient of
-        # the matmul output is grad_z * (1 - (c / cap)**2) * s / T. Each tile's p is recomputed from the saved
-        # log-sum-exp; the scalars s / T are folded into g once.
+        # Per vocabulary slice: every tile's gradient of the raw logits (_tile_backward_) is written over the saved
+        # logits (or over a recomputed tile), then two matmuls: the slice's rows of grad_W, and its share of grad_h.
+        # With saved logits a slice's matmuls run over all N rows at once, so grad_W's rows are one matmul each, as
+        # in the naive path, and the saved tiles are freed slice by slice as they are used.
         hidden, weight, targets, lse = ctx.saved_tensors
         head, chunk_size, vocab_chunk, cdt = ctx.cfg
-        temperature, logit_scale, softcap = head
+        blocks, ctx.blocks = ctx.blocks, None  # overwritten below: a second backward (retain_graph) recomputes
+        temperature, logit_scale, _ = head
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_tok, vocab = hidden.shape[0], weight.shape[0]
         adt = lse.dtype  # float32 (float64 for float64 inputs)
-        grad_h = torch.empty_like(hidden) if need_h else None  # (N, H) in hidden's dtype
-        # float32 accumulator for the weight gradient: many token chunks add into every row of it
-        grad_w = torch.zeros(weight.shape, dtype=adt, device=weight.device) if need_w else None  # (V, H)
-        g_scaled = grad_logp.to(adt) / temperature  # (N,)
-        if logit_scale != 1.0:
-            g_scaled = g_scaled * logit_scale
-        for n0 in range(0, n_tok, chunk_size):
-            h = hidden[n0 : n0 + chunk_size].to(cdt)  # (n, H)
-            t = targets[n0 : n0 + chunk_size]  # (n,)
-            g = g_scaled[n0 : n0 + chunk_size]  # (n,)
-            acc_h = torch.zeros(h.shape, dtype=adt, device=h.device) if need_h else None  # (n, H)
-            for v0 in range(0, vocab, vocab_chunk):
-                w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
-                z = _tile_logits(h, w, *head)  # (n, v)
-                # soft-cap derivative 1 - (c / cap)**2 with c = z * T, read off the tile before z is overwritten
-                dcap = None if softcap is None else (z * (temperature / softcap)).square_().neg_().add_(1.0)  # (n, v)
-                p = z.sub_(lse[n0 : n0 + chunk_size].unsqueeze(1)).exp_()  # (n, v) softmax probabilities, in place
-                gz = p.mul_(-g.unsqueeze(1))  # (n, v) = -(g s / T) p
-                inside, col = _target_index(t, v0, gz.shape[1])
-                gz.scatter_add_(1, col, torch.where(inside, g, 0.0).unsqueeze(1))  # + (g s / T) at the target column
-                if dcap is not None:
-                    gz = gz.mul_(dcap)
-                gz = gz.to(cdt)  # no-op for float32; bf16 matmuls for bf16 inputs (departure 3)
-                if need_h:
-                    _add_matmul(acc_h, gz, w)  # (n, H) += (n, v) @ (v, H)
+        h = hidden.to(cdt)  # (N, H), cast once per pass
+        g = grad_logp.to(adt) / temperature  # (N,)
+        neg_g = (g * logit_scale if logit_scale != 1.0 else g).neg().unsqueeze(1)  # (N, 1) = -g s / T
+        slot = torch.div(targets, vocab_chunk, rounding_mode="floor")  # (N,)
+        col = (targets - slot * vocab_chunk).unsqueeze(1)  # (N, 1)
+        minus_one, zero = torch.tensor(-1.0, dtype=adt, device=hidden.device), torch.zeros((), dtype=adt,
+                                                                                            device=hidden.device)
+        grad_h = torch.zeros(hidden.shape, dtype=adt, device=hidden.device) if need_h else None  # (N, H)
+        # float32 accumulator for the weight gradient when several row groups add into a slice (no saved tiles)
+        grad_w = torch.empty(weight.shape, dtype=adt, device=weight.device) if need_w else None  # (V, H)
+        group = max(n_tok, 1) if blocks is not None else chunk_size
+        for k, v0 in enumerate(range(0, vocab, vocab_chunk)):
+            w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
+            col_k = _slice_cols(col, w.shape[0], vocab_chunk)  # (N, 1)
+            hit = torch.where(slot.unsqueeze(1) == k, minus_one, zero)  # (N, 1)
+            if need_w and n_tok == 0:
+                grad_w[v0 : v0 + vocab_chunk].zero_()
+            for g0 in range(0, n_tok, group):
+                z = blocks[k] if blocks is not None else torch.mm(h[g0 : g0 + group], w.t())  # (g, v)
+                for a in range(g0, g0 + z.shape[0], chunk_size):
+                    b = min(a + chunk_size, g0 + z.shape[0])
+                    _tile_backward_(z[a - g0 : b - g0], lse[a:b], neg_g[a:b], col_k[a:b], hit[a:b], head, adt)
                 if need_w:
-                    _add_matmul(grad_w[v0 : v0 + vocab_chunk], gz.t(), h)  # (v, H) += (v, n) @ (n, H)
-            if need_h:
-                grad_h[n0 : n0 + chunk_size] = acc_h
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)  # no copy for float32 weights
-        return grad_h, grad_w, None, None, None, None, None
-
-
-def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc float32 (or float64): fused in place when a, b share its dtype, else their product is added."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc.add_(torch.mm(a, b))
+                    part = grad_w[v0 : v0 + vocab_chunk]  # (v, H)
+                    if g0 == 0 and z.dtype == adt:
+                        torch.mm(z.t(), h[g0 : g0 + group], out=part)  # (v, H) = (v, g) @ (g, H)
+                    elif g0 == 0:
+                        part.copy_(torch.mm(z.t(), h[g0 : g0 + group]))  # one rounding to bf16, as the naive path's
+                    else:
+                        _add_matmul(part, z.t(), h[g0 : g0 + group])
+                if need_h:
+                    _add_matmul(grad_h[g0 : g0 + group], z, w)  # (g, H) += (g, v) @ (v, H)
+            if blocks:  # (empty when N is 0)
+                blocks[k] = None  # this slice's logits are spent: free them before the next slice's work
+        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)  # (N, H)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)  # (V, H); no copy for float32 weights
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -338,6 +400,7 @@ def token_logprobs(
     softcap: float | None = None,
     chunk_size: int = 1024,
     vocab_chunk_size: int | None = None,
+    save_logits: bool = True,
 ) -> torch.Tensor:
     """log_softmax(head(hidden @ weight.T) / temperature)[i, targets[i]] for every token i, in float32.
 
@@ -353,17 +416,21 @@ def token_logprobs(
         logit_scale: > 0, multiplies the logits (Cohere's ``logit_scale``; 1 / ``logits_scaling`` for Granite).
         softcap: None, or > 0: logits become softcap * tanh(logits / softcap) after the scaling (Gemma-2's
             ``final_logit_softcapping``).
-        chunk_size: tokens per chunk.
-        vocab_chunk_size: vocabulary rows per chunk; None picks the whole vocabulary if a chunk_size x V tile holds
-            at most 2**23 logits, else the largest slice that does.
+        chunk_size: token rows per float32 tile.
+        vocab_chunk_size: vocabulary rows per slice; None picks the whole vocabulary if a min(N, chunk_size) x V
+            tile holds at most 2**24 logits, else the largest slice that does.
+        save_logits: when a gradient will be needed, keep the raw (N, V) logits in the matmul's dtype (2 bytes a
+            logit under bf16) for the backward instead of recomputing them (departure 15). False: recompute.
 
     Returns:
         (N,) float32 log-probabilities (float64 for float64 inputs, so that gradcheck can run). Differentiable w.r.t.
         hidden and weight; gradients come back in their dtypes.
 
-    Memory: the forward keeps one (chunk_size, vocab_chunk) float32 tile alive at a time and saves only the (N,)
-    log-sum-exp; the backward recomputes each tile (one extra matmul per tile) instead of storing (N, V) logits. A
-    soft-cap costs one tanh per logit in each pass and one more tile in the backward (its derivative).
+    Memory and time: never more than a few (chunk_size, vocab slice) float32 tiles at once; the forward saves the
+    (N,) log-sum-exp and, with ``save_logits`` and grad enabled, the (N, V) logits in the matmul dtype, which the
+    backward overwrites with their gradient and frees slice by slice: three matmuls of N x H x V in all, as the naive
+    path (four when recomputing). Without grad (the behaviour pass) nothing is kept. A soft-cap costs one tanh per
+    logit in each pass and one more tile in the backward (its derivative).
     """
     assert hidden.dim() == 2 and weight.dim() == 2, f"hidden (N, H), weight (V, H); got {hidden.shape}, {weight.shape}"
     assert hidden.shape[1] == weight.shape[1], f"hidden size mismatch: hidden {hidden.shape}, weight {weight.shape}"
@@ -373,10 +440,11 @@ def token_logprobs(
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     assert logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}"
     assert softcap is None or softcap > 0, f"softcap must be None or > 0, got {softcap}"
-    vocab_chunk = _vocab_chunk(weight.shape[0], chunk_size, vocab_chunk_size)
+    vocab_chunk = _vocab_chunk(hidden.shape[0], weight.shape[0], chunk_size, vocab_chunk_size)
     cdt = _matmul_dtype(hidden, weight)
     head = (float(temperature), float(logit_scale), None if softcap is None else float(softcap))
-    return _TokenLogprobs.apply(hidden, weight, targets.long(), head, int(chunk_size), vocab_chunk, cdt)
+    save = bool(save_logits) and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _TokenLogprobs.apply(hidden, weight, targets.long(), head, int(chunk_size), vocab_chunk, cdt, save)
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
