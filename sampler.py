@@ -233,11 +233,12 @@ def _slice_cols(col: torch.Tensor, width: int, vocab_chunk: int) -> torch.Tensor
 def _tile_forward(z: torch.Tensor, col: torch.Tensor, head: tuple,
                   adt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tile's share of the log-sum-exp. z (r, v) raw logits h @ W.T in the compute dtype, col (r, 1) ->
-    (max, sum of exp(z' - max), z' at col), each (r, 1) in adt, with z' = head(z) / T the tile's logits."""
+    (max, sum of exp(z' - max), z' at col), each (r, 1), in adt (z' at col: in z's dtype for a plain head), with
+    z' = head(z) / T the tile's logits."""
     if head == _PLAIN:
         m = z.amax(1, keepdim=True).to(adt)  # (r, 1): exact, the max of bf16 values is one of them
         e = torch.sub(z, m)  # (r, v) in adt: bf16 - float32 promotes, so this is z.float() - m in one pass
-        zt = z.gather(1, col).to(adt)  # (r, 1) the target logit, read from the same values the normaliser uses
+        zt = z.gather(1, col)  # (r, 1) the target logit, read from the same values the normaliser uses (in z's dtype)
     else:
         e = _transformed(z, head, adt)  # (r, v)
         m = e.amax(1, keepdim=True)  # (r, 1)
@@ -303,16 +304,17 @@ class _TokenLogprobs(torch.autograd.Function):
         slot = torch.div(targets, vocab_chunk, rounding_mode="floor")  # (N,) the slice holding each target
         col = (targets - slot * vocab_chunk).unsqueeze(1)  # (N, 1) its column there
         group = max(n_tok, 1) if save else chunk_size  # rows per matmul: all of them when the tiles are kept
+        h_groups = h.split(group)  # views made once per pass: every slice, every tile is a host-side call on a GPU
         blocks, maxes, sums, tgts = [], [], [], []
         for v0 in range(0, vocab, vocab_chunk):
             w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
-            col_k = _slice_cols(col, w.shape[0], vocab_chunk)  # (N, 1)
-            for g0 in range(0, n_tok, group):
-                z = torch.mm(h[g0 : g0 + group], w.t())  # (g, v) raw logits in the compute dtype
+            cols = iter(_slice_cols(col, w.shape[0], vocab_chunk).split(chunk_size))  # (r, 1) per tile, in row order
+            for h_g in h_groups:
+                z = torch.mm(h_g, w.t())  # (g, v) raw logits in the compute dtype
                 if save:
                     blocks.append(z)
-                for a in range(0, z.shape[0], chunk_size):
-                    m, s, zt = _tile_forward(z[a : a + chunk_size], col_k[g0 + a : g0 + a + chunk_size], head, adt)
+                for z_tile in z.split(chunk_size):  # (r, v); a group is a whole number of tiles
+                    m, s, zt = _tile_forward(z_tile, next(cols), head, adt)
                     maxes.append(m)
                     sums.append(s)
                     tgts.append(zt)
@@ -323,7 +325,8 @@ class _TokenLogprobs(torch.autograd.Function):
             mx = torch.cat(maxes).view(n_slices, n_tok, 1)  # (S, N, 1): tiles were appended slice-major, rows in order
             top = mx.amax(0)  # (N, 1)
             lse = top + torch.log((torch.cat(sums).view(n_slices, n_tok, 1) * torch.exp(mx - top)).sum(0))  # (N, 1)
-            tgt = torch.cat(tgts).view(n_slices, n_tok, 1).gather(0, slot.view(1, n_tok, 1)).view(n_tok, 1)  # (N, 1)
+            tgt = torch.cat(tgts).view(n_slices, n_tok, 1).gather(0, slot.view(1, n_tok, 1))  # (1, N, 1)
+            tgt = tgt.view(n_tok, 1).to(adt)  # (N, 1); plain heads gathered the compute dtype's values
             logp = (tgt - lse).view(n_tok)  # (N,)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.cfg = (head, chunk_size, vocab_chunk, cdt)
@@ -362,27 +365,30 @@ class _TokenLogprobs(torch.autograd.Function):
         # float32 accumulator for the weight gradient when several row groups add into a slice (no saved tiles)
         grad_w = torch.empty(weight.shape, dtype=adt, device=weight.device) if need_w else None  # (V, H)
         group = max(n_tok, 1) if blocks is not None else chunk_size
+        h_groups, lses, negs = h.split(group), lse.split(chunk_size), neg_g.split(chunk_size)  # views made once
+        gh_groups = grad_h.split(group) if need_h else None
         for k, v0 in enumerate(range(0, vocab, vocab_chunk)):
             w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
-            col_k = _slice_cols(col, w.shape[0], vocab_chunk)  # (N, 1)
-            hit = torch.where(slot.unsqueeze(1) == k, minus_one, zero)  # (N, 1)
+            cols = _slice_cols(col, w.shape[0], vocab_chunk).split(chunk_size)  # (r, 1) per tile
+            hits = torch.where(slot.unsqueeze(1) == k, minus_one, zero).split(chunk_size)  # (r, 1) per tile
             if need_w and n_tok == 0:
                 grad_w[v0 : v0 + vocab_chunk].zero_()
-            for g0 in range(0, n_tok, group):
-                z = blocks[k] if blocks is not None else torch.mm(h[g0 : g0 + group], w.t())  # (g, v)
-                for a in range(g0, g0 + z.shape[0], chunk_size):
-                    b = min(a + chunk_size, g0 + z.shape[0])
-                    _tile_backward_(z[a - g0 : b - g0], lse[a:b], neg_g[a:b], col_k[a:b], hit[a:b], head, adt)
+            tile = 0
+            for gi, h_g in enumerate(h_groups):
+                z = blocks[k] if blocks is not None else torch.mm(h_g, w.t())  # (g, v)
+                for z_tile in z.split(chunk_size):  # (r, v)
+                    _tile_backward_(z_tile, lses[tile], negs[tile], cols[tile], hits[tile], head, adt)
+                    tile += 1
                 if need_w:
                     part = grad_w[v0 : v0 + vocab_chunk]  # (v, H)
-                    if g0 == 0 and z.dtype == adt:
-                        torch.mm(z.t(), h[g0 : g0 + group], out=part)  # (v, H) = (v, g) @ (g, H)
-                    elif g0 == 0:
-                        part.copy_(torch.mm(z.t(), h[g0 : g0 + group]))  # one rounding to bf16, as the naive path's
+                    if gi == 0 and z.dtype == adt:
+                        torch.mm(z.t(), h_g, out=part)  # (v, H) = (v, g) @ (g, H)
+                    elif gi == 0:
+                        part.copy_(torch.mm(z.t(), h_g))  # one rounding to bf16, as the naive path's
                     else:
-                        _add_matmul(part, z.t(), h[g0 : g0 + group])
+                        _add_matmul(part, z.t(), h_g)
                 if need_h:
-                    _add_matmul(grad_h[g0 : g0 + group], z, w)  # (g, H) += (g, v) @ (v, H)
+                    _add_matmul(gh_groups[gi], z, w)  # (g, H) += (g, v) @ (v, H)
             if blocks:  # (empty when N is 0)
                 blocks[k] = None  # this slice's logits are spent: free them before the next slice's work
         grad_h = None if grad_h is None else grad_h.to(hidden.dtype)  # (N, H)
