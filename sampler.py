@@ -230,6 +230,15 @@ def _slice_cols(col: torch.Tensor, width: int, vocab_chunk: int) -> torch.Tensor
     return col if width == vocab_chunk else col.clamp(max=width - 1)  # (N, 1)
 
 
+def _sub_in(z: torch.Tensor, c: torch.Tensor, adt: torch.dtype) -> torch.Tensor:
+    """A new (r, v) tensor z - c in adt, z (r, v) in any float dtype, c (r, 1) in adt. On a GPU one pass: bf16 -
+    float32 promotes, and the kernel converts as it reads. On CPU a mixed-dtype op converts through a slow
+    unvectorised path (4x the two passes below at 1,024 x 32,768, bench.logprob), so there the cast comes first."""
+    if z.device.type == "cpu" and z.dtype != adt:
+        return z.to(adt).sub_(c)
+    return torch.sub(z, c)
+
+
 def _tile_forward(z: torch.Tensor, col: torch.Tensor, head: tuple,
                   adt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tile's share of the log-sum-exp. z (r, v) raw logits h @ W.T in the compute dtype, col (r, 1) ->
@@ -237,7 +246,7 @@ def _tile_forward(z: torch.Tensor, col: torch.Tensor, head: tuple,
     z' = head(z) / T the tile's logits."""
     if head == _PLAIN:
         m = z.amax(1, keepdim=True).to(adt)  # (r, 1): exact, the max of bf16 values is one of them
-        e = torch.sub(z, m)  # (r, v) in adt: bf16 - float32 promotes, so this is z.float() - m in one pass
+        e = _sub_in(z, m, adt)  # (r, v) z.float() - m
         zt = z.gather(1, col)  # (r, 1) the target logit, read from the same values the normaliser uses (in z's dtype)
     else:
         e = _transformed(z, head, adt)  # (r, v)
@@ -258,7 +267,7 @@ def _tile_backward_(z: torch.Tensor, lse: torch.Tensor, neg_g: torch.Tensor, col
     temperature, _, softcap = head
     dcap = None
     if head == _PLAIN:
-        p = torch.sub(z, lse).exp_()  # (r, v) in adt: z.float() - lse in one pass, then the softmax in place
+        p = _sub_in(z, lse, adt).exp_()  # (r, v) z.float() - lse, then the softmax in place
     else:
         zf = _transformed(z, head, adt)  # (r, v)
         if softcap is not None:  # soft-cap derivative 1 - (c / cap)**2, read off the tile before zf is overwritten
