@@ -230,11 +230,16 @@ def _slice_cols(col: torch.Tensor, width: int, vocab_chunk: int) -> torch.Tensor
     return col if width == vocab_chunk else col.clamp(max=width - 1)  # (N, 1)
 
 
+# Devices whose mixed-dtype elementwise ops (bf16 - float32) are slower than a cast and a same-dtype op: on CPU the
+# promoted sub goes through an unvectorised path (~4x the two passes at 1,024 x 32,768, profiled for bench.logprob);
+# on a GPU the kernel converts as it reads, one pass.
+_SLOW_MIXED_DTYPES = {"cpu"}
+
+
 def _sub_in(z: torch.Tensor, c: torch.Tensor, adt: torch.dtype) -> torch.Tensor:
-    """A new (r, v) tensor z - c in adt, z (r, v) in any float dtype, c (r, 1) in adt. On a GPU one pass: bf16 -
-    float32 promotes, and the kernel converts as it reads. On CPU a mixed-dtype op converts through a slow
-    unvectorised path (4x the two passes below at 1,024 x 32,768, bench.logprob), so there the cast comes first."""
-    if z.device.type == "cpu" and z.dtype != adt:
+    """A new (r, v) tensor z - c in adt, z (r, v) in any float dtype, c (r, 1) in adt: one promoted pass, or a cast
+    first where that is faster (_SLOW_MIXED_DTYPES)."""
+    if z.dtype != adt and z.device.type in _SLOW_MIXED_DTYPES:
         return z.to(adt).sub_(c)
     return torch.sub(z, c)
 

@@ -10,7 +10,7 @@ What it prints, for each path (``naive``: log_softmax((h @ W.T).float()).gather,
 a random upstream gradient:
 
 1. At the real shape (default N 8,192, H 2,048, V 151,936, the H200 row of issue 54), on fake tensors
-   (``FakeTensorMode``: shapes only, nothing allocated, nothing computed):
+   (``FakeTensorMode``: shapes only, nothing allocated, nothing computed; the kernel's GPU branch, ``sampler._sub_in``):
    * aten ops dispatched (views included: every one is a host-side call; on a GPU each non-view op is a launch);
    * W casts: calls that cast W or a slice of it, and the elements they cast in units of W (1.0 = one full cast);
    * peak memory above the inputs (torch's MemTracker on the fake tensors, the plan's method, plan.py), which
@@ -37,10 +37,12 @@ import statistics
 import sys
 import time
 import warnings
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import sampler
 from sampler import token_logprobs
 
 # ------------------------------------------------------------------------------------------------
@@ -135,7 +137,8 @@ def fake_profile(fn, n: int, h: int, v: int, *, flops_per_s: float, bytes_per_s:
     """Ops, W casts, roofline seconds and MemTracker peak above the inputs of one forward + backward at (n, h, v)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
-    with FakeTensorMode():
+    # the fake tensors live on CPU, but the figures are a GPU's: take the kernel's GPU branch (sampler._sub_in)
+    with FakeTensorMode(), mock.patch.object(sampler, "_SLOW_MIXED_DTYPES", set()):
         hidden, weight = torch.randn(n, h), torch.randn(v, h)  # float32 masters
         targets, upstream = torch.randint(0, v, (n,)), torch.randn(n)
         hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
