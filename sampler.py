@@ -9,18 +9,21 @@ most models; departure 1). This file computes that quantity in two places that m
 
 * ``sample`` draws responses token by token and records the log-prob of each drawn token (behaviour log-probs);
 * ``response_logprobs`` recomputes the same log-probs with one forward pass over prompt + response (training and
-  compatibility), through ``token_logprobs``, which never materialises the (N, V) logits.
+  compatibility), through ``token_logprobs``, which never materialises the (N, V) float32 logits (with grad it
+  keeps them in the matmul's dtype for the backward, departure 15).
 
 It imports torch, transformers' KV-cache classes and tqdm only; nothing of GRAFT's, so it can be copied alone.
 
 API
 ---
 ``token_logprobs(hidden, weight, targets, *, temperature=1.0, logit_scale=1.0, softcap=None, chunk_size=1024,
-               vocab_chunk_size=None) -> (N,) float32``
+               vocab_chunk_size=None, save_logits=True) -> (N,) float32``
     hidden (N, H) any float dtype, weight (V, H), targets (N,) long. log p(target) at the given temperature, the logits
     scaled by ``logit_scale`` and then soft-capped to softcap * tanh(z / softcap) when ``softcap`` is set, computed in
-    chunks of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows with an online log-sum-exp; backward
-    recomputes each chunk. Differentiable w.r.t. hidden and weight. (float64 inputs give float64 log-probs.)
+    float32 tiles of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows, the log-sum-exp put together from
+    the tiles' maxima and sums; the backward reuses the raw logits the forward kept in the matmul's dtype
+    (``save_logits``, departure 15) or recomputes them. Differentiable w.r.t. hidden and weight. (float64 inputs
+    give float64 log-probs.)
 ``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024, share_prefix=True)
 -> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
@@ -150,6 +153,19 @@ Departures and shortcuts (read these before copying)
    longest first; copies of a prompt together, prompts by their longest row (keeps the shared prefill where the
    lengths are narrow). Each row's log-probs are its own whatever its batch mates, up to float round-off of
    other batch shapes (tested), so only the padding changes.
+15. ``token_logprobs`` keeps the raw logits for its backward when a gradient will be needed (``save_logits=True``,
+   the default): (N, V) in the matmul's dtype, 2 bytes a logit under bf16 autocast, against the naive path's ~10-12
+   bytes a logit (its bf16 logits, their float32 copy, the float32 log-softmax it saves, the float32 gradient).
+   The backward writes each tile's gradient over its logits and frees them one vocabulary slice at a time, so a
+   pass is three N x H x V matmuls, as the naive path's, where recomputing (``save_logits=False``, the kernel before
+   issue 54) needs four; the rest is a few float32 passes over (chunk_size x slice) tiles, W cast to the matmul
+   dtype once per pass a slice at a time (never once per tile), and ~1,000 aten calls at N 8,192 x V 151,936
+   (``python -m bench.logprob``: ops, W casts, peak on fake tensors at that shape; 1.02x the naive time projected
+   for an H200, 0.18x its peak above the inputs; a projection, not a GPU measurement). Without grad (the behaviour
+   pass) nothing is kept. The first backward consumes the kept logits; a second one (``retain_graph``) recomputes
+   them. The one-hot term of the gradient is added to each tile before its single rounding to the matmul dtype,
+   as the naive path rounds g (onehot - p); the weight gradient of a slice is one matmul over all N rows when the
+   logits are kept (a float32 sum of per-chunk bf16 products when recomputing, as before).
 
 Benchmark
 ---------
@@ -160,6 +176,10 @@ Benchmarks). ``python -m bench.sampler --only prefill`` measures departure 11: a
 its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
 ``python -m bench.sampler --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
 strings against the copy before stop strings existed, side by side, and what a stop-string check costs per step.
+``python -m bench.logprob [--baseline OLD/sampler.py]`` measures departure 15 without a GPU: aten ops, W casts and
+peak memory of ``token_logprobs`` (kept and recomputed logits) beside the naive path and another copy, on fake
+tensors at the H200 row's shape, a roofline projection of GPU time, and CPU time at a small shape (direction only);
+``python -m bench.gpu --only kernel`` times it on a GPU.
 """
 
 from __future__ import annotations
@@ -230,9 +250,9 @@ def _slice_cols(col: torch.Tensor, width: int, vocab_chunk: int) -> torch.Tensor
     return col if width == vocab_chunk else col.clamp(max=width - 1)  # (N, 1)
 
 
-# Devices whose mixed-dtype elementwise ops (bf16 - float32) are slower than a cast and a same-dtype op: on CPU the
-# promoted sub goes through an unvectorised path (~4x the two passes at 1,024 x 32,768, profiled for bench.logprob);
-# on a GPU the kernel converts as it reads, one pass.
+# Devices whose mixed-dtype elementwise ops (bf16 - float32, or a float32 product written to bf16) are slower than
+# a cast and a same-dtype op: on CPU they go through an unvectorised path (the promoted sub ~4x the two passes at
+# 1,024 x 32,768, profiled for bench.logprob); on a GPU the kernel converts as it reads, one pass.
 _SLOW_MIXED_DTYPES = {"cpu"}
 
 
@@ -283,7 +303,10 @@ def _tile_backward_(z: torch.Tensor, lse: torch.Tensor, neg_g: torch.Tensor, col
         p = p.mul_(dcap)
     # -g s / T (p - onehot) = g s / T (onehot - p), rounded once to the compute dtype as the naive path's
     # gradient of `logits.float()` is, and written over the logits the tile no longer needs
-    torch.mul(p, neg_g, out=z)
+    if z.dtype != adt and z.device.type in _SLOW_MIXED_DTYPES:
+        z.copy_(p.mul_(neg_g))  # (same values: one float32 product, one rounding)
+    else:
+        torch.mul(p, neg_g, out=z)
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
