@@ -17,7 +17,7 @@ It imports torch, transformers' KV-cache classes and tqdm only; nothing of GRAFT
 API
 ---
 ``token_logprobs(hidden, weight, targets, *, temperature=1.0, logit_scale=1.0, softcap=None, chunk_size=1024,
-               vocab_chunk_size=None, save_logits=True) -> (N,) float32``
+               vocab_chunk_size=None, save_logits=None) -> (N,) float32``
     hidden (N, H) any float dtype, weight (V, H), targets (N,) long. log p(target) at the given temperature, the logits
     scaled by ``logit_scale`` and then soft-capped to softcap * tanh(z / softcap) when ``softcap`` is set, computed in
     float32 tiles of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows, the log-sum-exp put together from
@@ -153,9 +153,11 @@ Departures and shortcuts (read these before copying)
    longest first; copies of a prompt together, prompts by their longest row (keeps the shared prefill where the
    lengths are narrow). Each row's log-probs are its own whatever its batch mates, up to float round-off of
    other batch shapes (tested), so only the padding changes.
-15. ``token_logprobs`` keeps the raw logits for its backward when a gradient will be needed (``save_logits=True``,
-   the default): (N, V) in the matmul's dtype, 2 bytes a logit under bf16 autocast, against the naive path's ~10-12
-   bytes a logit (its bf16 logits, their float32 copy, the float32 log-softmax it saves, the float32 gradient).
+15. ``token_logprobs`` keeps the raw logits for its backward when a gradient will be needed and the matmul runs in
+   a 2-byte dtype (bf16 autocast, the GPU trainer; ``save_logits`` forces either way): (N, V) in that dtype, 2
+   bytes a logit, against the naive path's ~10-12 (its bf16 logits, their float32 copy, the float32 log-softmax it
+   saves, the float32 gradient). In float32 (the CPU's regime) kept logits would be 4 bytes a logit, a third of the
+   naive path's peak (0.36x at N 2,048 x V 151,936, ``bench.sampler --only logprobs``), so there it recomputes.
    The backward writes each tile's gradient over its logits and frees them one vocabulary slice at a time, so a
    pass is three N x H x V matmuls, as the naive path's, where recomputing (``save_logits=False``, the kernel before
    issue 54) needs four; the rest is a few float32 passes over (chunk_size x slice) tiles, W cast to the matmul
@@ -443,7 +445,7 @@ def token_logprobs(
     softcap: float | None = None,
     chunk_size: int = 1024,
     vocab_chunk_size: int | None = None,
-    save_logits: bool = True,
+    save_logits: bool | None = None,
 ) -> torch.Tensor:
     """log_softmax(head(hidden @ weight.T) / temperature)[i, targets[i]] for every token i, in float32.
 
@@ -462,8 +464,10 @@ def token_logprobs(
         chunk_size: token rows per float32 tile.
         vocab_chunk_size: vocabulary rows per slice; None picks the whole vocabulary if a min(N, chunk_size) x V
             tile holds at most 2**24 logits, else the largest slice that does.
-        save_logits: when a gradient will be needed, keep the raw (N, V) logits in the matmul's dtype (2 bytes a
-            logit under bf16) for the backward instead of recomputing them (departure 15). False: recompute.
+        save_logits: when a gradient will be needed, keep the raw (N, V) logits in the matmul's dtype for the
+            backward instead of recomputing them (departure 15). None (default): keep them when that dtype has 2
+            bytes (bf16 / fp16: autocast, the GPU trainer), recompute in float32 / float64 (the CPU's regime).
+            True / False: always / never.
 
     Returns:
         (N,) float32 log-probabilities (float64 for float64 inputs, so that gradcheck can run). Differentiable w.r.t.
@@ -486,7 +490,8 @@ def token_logprobs(
     vocab_chunk = _vocab_chunk(hidden.shape[0], weight.shape[0], chunk_size, vocab_chunk_size)
     cdt = _matmul_dtype(hidden, weight)
     head = (float(temperature), float(logit_scale), None if softcap is None else float(softcap))
-    save = bool(save_logits) and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    keep = save_logits if save_logits is not None else torch.finfo(cdt).bits <= 16
+    save = bool(keep) and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _TokenLogprobs.apply(hidden, weight, targets.long(), head, int(chunk_size), vocab_chunk, cdt, save)
 
 

@@ -99,7 +99,7 @@ def test_masked_positions_zero_gradient():
     # must contribute nothing, whatever their (valid) target id
     hidden, weight, targets, upstream = problem(seed=2)
     upstream[::3] = 0.0
-    got = ours(hidden, weight, targets, upstream, chunk_size=8, vocab_chunk_size=40)
+    got = ours(hidden, weight, targets, upstream, chunk_size=8, vocab_chunk_size=40, save_logits=True)
     keep = upstream != 0
     ref = reference(hidden[keep], weight, targets[keep], upstream[keep])
     assert torch.equal(got[1][~keep], torch.zeros_like(got[1][~keep]))
@@ -110,7 +110,7 @@ def test_second_backward_with_retain_graph_recomputes():
     # the first backward writes the gradient over the kept logits; a second one (retain_graph) must not read them
     hidden, weight, targets, upstream = problem(seed=3)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    lp = token_logprobs(h, w, targets, chunk_size=8, vocab_chunk_size=50)
+    lp = token_logprobs(h, w, targets, chunk_size=8, vocab_chunk_size=50, save_logits=True)
     loss = (lp.double() * upstream).sum()
     loss.backward(retain_graph=True)
     first = (h.grad.clone(), w.grad.clone())
@@ -164,12 +164,13 @@ def test_bf16_autocast_no_worse_than_naive(save):
 def test_logits_kept_only_when_a_gradient_will_be_needed():
     hidden, weight, targets, _ = problem(n=30, v=97)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    kept = token_logprobs(h, w, targets, chunk_size=8, vocab_chunk_size=40).grad_fn.blocks
+    kept = token_logprobs(h, w, targets, chunk_size=8, vocab_chunk_size=40, save_logits=True).grad_fn.blocks
     assert sum(b.numel() for b in kept) == 30 * 97 and all(b.dtype == torch.float32 for b in kept)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # kept in the matmul's dtype: 2 bytes a logit
+    assert token_logprobs(h, w, targets).grad_fn.blocks is None, "float32 (4 bytes a logit): recompute by default"
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the GPU trainer's regime: kept, 2 bytes a logit
         kept = token_logprobs(h, w, targets).grad_fn.blocks
-    assert all(b.dtype == torch.bfloat16 for b in kept)
-    assert token_logprobs(h, w, targets, save_logits=False).grad_fn.blocks is None
+        assert sum(b.numel() for b in kept) == 30 * 97 and all(b.dtype == torch.bfloat16 for b in kept)
+        assert token_logprobs(h, w, targets, save_logits=False).grad_fn.blocks is None
     with torch.no_grad():  # the behaviour pass keeps nothing
         assert token_logprobs(h, w, targets).grad_fn is None
     assert token_logprobs(hidden, weight, targets).grad_fn is None
