@@ -159,9 +159,9 @@ Departures and shortcuts (read these before copying)
    saves, the float32 gradient). In float32 (the CPU's regime) kept logits would be 4 bytes a logit, a third of the
    naive path's peak (0.36x at N 2,048 x V 151,936, ``bench.sampler --only logprobs``), so there it recomputes.
    The backward writes each tile's gradient over its logits and frees them one vocabulary slice at a time, so a
-   pass is three N x H x V matmuls, as the naive path's, where recomputing (``save_logits=False``, the kernel before
-   issue 54) needs four; the rest is a few float32 passes over (chunk_size x slice) tiles, W cast to the matmul
-   dtype once per pass a slice at a time (never once per tile), and ~1,000 aten calls at N 8,192 x V 151,936
+   pass is three N x H x V matmuls, as the naive path's, where recomputing (``save_logits=False``) needs four; the
+   rest is a few float32 passes over (chunk_size x slice) tiles, W cast to the matmul dtype once per pass a slice at
+   a time (never once per tile), and ~1,000 aten calls at N 8,192 x V 151,936
    (``python -m bench.logprob``: ops, W casts, peak on fake tensors at that shape; 1.02x the naive time projected
    for an H200, 0.18x its peak above the inputs; a projection, not a GPU measurement). Without grad (the behaviour
    pass) nothing is kept. The first backward consumes the kept logits; a second one (``retain_graph``) recomputes
@@ -204,10 +204,10 @@ __all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample",
 # ------------------------------------------------------------------------------------------------
 
 # When the caller does not choose a vocabulary slice, a (tokens x vocab) tile holds at most this many float32 logits
-# (2**24 = 64 MiB). Every tile costs a few host-side op launches, and on a GPU those launches, not the arithmetic, set
-# the pace of small tiles (the H200 row of issue 54: ~6,600 ops, 3.1x the naive path); at this size a pass over
-# N 8,192 x V 151,936 is 80 tiles, each a few hundred microseconds of GPU work, while the few fp32 tiles alive at
-# once stay a small fraction of the naive path's (N, V) float32 copies.
+# (2**24 = 64 MiB). Every tile costs a few host-side op launches, and on a GPU those launches, not the arithmetic,
+# set the pace of small tiles (an H200 measured a kernel of 2**23-logit tiles with per-tile W casts at 3.1x the naive
+# path); at this size a pass over N 8,192 x V 151,936 is 80 tiles, each a few hundred microseconds of GPU work,
+# while the few fp32 tiles alive at once stay a small fraction of the naive path's (N, V) float32 copies.
 _TILE_ELEMENTS = 2**24
 
 _PLAIN = (1.0, 1.0, None)  # (temperature, logit_scale, softcap) of a plain head: no float32 transform of the tile

@@ -20,7 +20,7 @@ Parts, in this order (the cheap and decisive ones first):
    naive log_softmax(h @ W.T).gather, forward under bf16 autocast and backward outside it (the trainer's regime),
    N=8192, H=2048, V=151,936, interleaved: time, peak memory (absolute, and above the inputs), and the relative
    error of values and both gradients against an fp32 reference (check: not worse than the naive path's, within
-   1.25x); time_x, peak_x and targets_met against issue 54's targets (<= 1.2x the naive time, <= 1/3 its peak).
+   1.25x); time_x, peak_x and targets_met against the targets (<= 1.2x the naive time, <= 1/3 its peak).
 2. rollout (the trainer's regime): Qwen3-1.7B shape, float32 master weights under bf16 autocast, 256 rows x 1,024
    new tokens, as Trainer.rollout calls the sampler: the cached K/V dtypes and bytes per token (read off the stored
    tensors, sampler stats; check: bf16, 2 x layers x kv_heads x head_dim x 2 bytes), peak GiB, ms per decode step,
@@ -199,7 +199,7 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 
 def bench_kernel(b: Bench, sz: dict) -> None:
     """token_logprobs (kept logits, the default; and recomputing, save_logits=False) against the naive path, fwd + bwd,
-    interleaved; time and peak ratios against issue 54's targets (<= 1.2x the naive time, <= 1/3 of its peak)."""
+    interleaved; time and peak ratios against the targets (<= 1.2x the naive time, <= 1/3 of its peak)."""
     from sampler import token_logprobs
     device = b.device
     n, h, v = sz["kernel"]

@@ -1,4 +1,4 @@
-"""The log-prob kernel against the naive path, by what sets its pace on a GPU, measured without one (issue 54 item 4).
+"""The log-prob kernel against the naive path, by what sets its pace on a GPU, measured without one.
 
     python -m bench.logprob                                  # the H200 row's shape, plus CPU time at a small shape
     python -m bench.logprob --baseline OLD/sampler.py        # also another copy's token_logprobs, side by side
@@ -9,7 +9,7 @@ What it prints, for each path (``naive``: log_softmax((h @ W.T).float()).gather,
 ``baseline``: the --baseline copy), forward + backward of float32 masters under bf16 autocast (the trainer's regime),
 a random upstream gradient:
 
-1. At the real shape (default N 8,192, H 2,048, V 151,936, the H200 row of issue 54), on fake tensors
+1. At the real shape (default N 8,192, H 2,048, V 151,936, bench.gpu's kernel row), on fake tensors
    (``FakeTensorMode``: shapes only, nothing allocated, nothing computed; the kernel's GPU branch, ``sampler._sub_in``):
    * aten ops dispatched (views included: every one is a host-side call; on a GPU each non-view op is a launch);
    * W casts: calls that cast W or a slice of it, and the elements they cast in units of W (1.0 = one full cast);
@@ -19,13 +19,13 @@ a random upstream gradient:
      (GEMM FLOPs 2mnk; bytes = the nbytes of its tensor inputs and outputs; gathers and scatters: their indexed
      entries only), against a host floor of ops x c. F, B and c are flags; defaults for an H200: 700 TFLOP/s and
      4.0 TB/s (with which this model puts the naive path at 36.5 ms, the H200's measured 37.7) and 13 us per op
-     (the old kernel, HEAD before issue 54 item 4: 117 ms measured on the H200 over the 8,846 ops counted here).
+     (the per-tile kernel, `--baseline`: 117 ms measured on an H200 over the 8,846 ops counted here).
      A model, not a measurement: it shows direction and where the time goes.
 2. At a small shape on this CPU (default N 1,024, H 256, V 32,768), the median wall time of forward + backward,
    the paths interleaved, and the error of values and gradients against float64: direction only (a CPU's bf16
    matmuls and memory system are not a GPU's).
 
-The targets (issue 54): ours <= 1.2x naive's time and <= 1/3 of its peak on a GPU. Only bench.gpu's kernel row,
+The targets: ours <= 1.2x naive's time and <= 1/3 of its peak on a GPU. Only bench.gpu's kernel row,
 on a GPU, measures the first.
 """
 
