@@ -266,15 +266,16 @@ def _sub_in(z: torch.Tensor, c: torch.Tensor, adt: torch.dtype) -> torch.Tensor:
     return torch.sub(z, c)
 
 
-def _tile_forward(z: torch.Tensor, col: torch.Tensor, head: tuple,
-                  adt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tile_forward(z: torch.Tensor, col: torch.Tensor, head: tuple, adt: torch.dtype,
+                  scratch: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tile's share of the log-sum-exp. z (r, v) raw logits h @ W.T in the compute dtype, col (r, 1) ->
     (max, sum of exp(z' - max), z' at col), each (r, 1), in adt (z' at col: in z's dtype for a plain head), with
-    z' = head(z) / T the tile's logits."""
+    z' = head(z) / T the tile's logits. scratch: z is not kept, so a float32 tile may be worked on in place."""
     if head == _PLAIN:
         m = z.amax(1, keepdim=True).to(adt)  # (r, 1): exact, the max of bf16 values is one of them
-        e = _sub_in(z, m, adt)  # (r, v) z.float() - m
         zt = z.gather(1, col)  # (r, 1) the target logit, read from the same values the normaliser uses (in z's dtype)
+        # (r, v) z.float() - m; in place where allowed: a fresh 64 MiB tile per step costs page faults on CPU
+        e = z.sub_(m) if scratch and z.dtype == adt else _sub_in(z, m, adt)
     else:
         e = _transformed(z, head, adt)  # (r, v)
         m = e.amax(1, keepdim=True)  # (r, 1)
@@ -293,8 +294,8 @@ def _tile_backward_(z: torch.Tensor, lse: torch.Tensor, neg_g: torch.Tensor, col
     """
     temperature, _, softcap = head
     dcap = None
-    if head == _PLAIN:
-        p = _sub_in(z, lse, adt).exp_()  # (r, v) z.float() - lse, then the softmax in place
+    if head == _PLAIN:  # (r, v) z.float() - lse, then the softmax in place; a float32 tile is overwritten anyway
+        p = z.sub_(lse).exp_() if z.dtype == adt else _sub_in(z, lse, adt).exp_()
     else:
         zf = _transformed(z, head, adt)  # (r, v)
         if softcap is not None:  # soft-cap derivative 1 - (c / cap)**2, read off the tile before zf is overwritten
@@ -305,7 +306,9 @@ def _tile_backward_(z: torch.Tensor, lse: torch.Tensor, neg_g: torch.Tensor, col
         p = p.mul_(dcap)
     # -g s / T (p - onehot) = g s / T (onehot - p), rounded once to the compute dtype as the naive path's
     # gradient of `logits.float()` is, and written over the logits the tile no longer needs
-    if z.dtype != adt and z.device.type in _SLOW_MIXED_DTYPES:
+    if p is z:
+        z.mul_(neg_g)
+    elif z.dtype != adt and z.device.type in _SLOW_MIXED_DTYPES:
         z.copy_(p.mul_(neg_g))  # (same values: one float32 product, one rounding)
     else:
         torch.mul(p, neg_g, out=z)
@@ -353,7 +356,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 if save:
                     blocks.append(z)
                 for z_tile in z.split(chunk_size):  # (r, v); a group is a whole number of tiles
-                    m, s, zt = _tile_forward(z_tile, next(cols), head, adt)
+                    m, s, zt = _tile_forward(z_tile, next(cols), head, adt, scratch=not save)
                     maxes.append(m)
                     sums.append(s)
                     tgts.append(zt)
