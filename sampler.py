@@ -65,7 +65,9 @@ Departures and shortcuts (read these before copying)
    are slow, pass float32 tensors. float64 inputs are computed and returned in float64 (the contract says float32;
    float64 is what ``gradcheck`` needs).
 4. ``token_logprobs`` does not check that targets lie in [0, V) (that would need a host sync on every call);
-   ``response_logprobs`` and ``sample`` check their Python inputs instead.
+   ``response_logprobs`` and ``sample`` check their Python inputs instead. A target outside the range (an ignore
+   index such as -100) gives a meaningless log-prob and no error; with a zero upstream gradient there, as a masked
+   loss gives it, it adds nothing to the gradients (tested).
 5. ``sample`` switches the model to eval mode for the duration of the call (dropout off while sampling) and restores
    its previous mode afterwards. Its decode loop runs under ``torch.inference_mode`` (cheaper per op than
    ``no_grad``); the returned log-prob tensors are ordinary tensors.
@@ -367,7 +369,10 @@ class _TokenLogprobs(torch.autograd.Function):
             mx = torch.cat(maxes).view(n_slices, n_tok, 1)  # (S, N, 1): tiles were appended slice-major, rows in order
             top = mx.amax(0)  # (N, 1)
             lse = top + torch.log((torch.cat(sums).view(n_slices, n_tok, 1) * torch.exp(mx - top)).sum(0))  # (N, 1)
-            tgt = torch.cat(tgts).view(n_slices, n_tok, 1).gather(0, slot.view(1, n_tok, 1))  # (1, N, 1)
+            # clamped: a target outside [0, V) (an ignore index such as -100) reads some logit instead of indexing
+            # out of range (a device-side assert on CUDA); its value is garbage, its one-hot term absent (departure 4)
+            where = slot.clamp(0, n_slices - 1).view(1, n_tok, 1)  # (1, N, 1)
+            tgt = torch.cat(tgts).view(n_slices, n_tok, 1).gather(0, where)  # (1, N, 1)
             tgt = tgt.view(n_tok, 1).to(adt)  # (N, 1); plain heads gathered the compute dtype's values
             logp = (tgt - lse).view(n_tok)  # (N,)
         ctx.save_for_backward(hidden, weight, targets, lse)

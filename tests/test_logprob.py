@@ -107,6 +107,23 @@ def test_masked_positions_zero_gradient():
     assert max_rel(got[1][keep], ref[1]) < 2e-5 and max_rel(got[2], ref[2]) < 2e-5
 
 
+@pytest.mark.parametrize("save", [True, False])
+def test_ignore_index_targets_with_zero_gradient_add_nothing(save):
+    # -100 (and ids past V) at masked positions: no error, and with a zero upstream gradient there no contribution
+    hidden, weight, targets, upstream = problem(seed=4)
+    bad = torch.zeros_like(targets, dtype=torch.bool)
+    bad[::4] = True
+    targets = targets.clone()
+    targets[::8] = -100
+    targets[4::8] = weight.shape[0] + 7
+    upstream[bad] = 0.0
+    got = ours(hidden, weight, targets, upstream, chunk_size=8, vocab_chunk_size=50, save_logits=save)
+    ref = reference(hidden[~bad], weight, targets[~bad], upstream[~bad])
+    assert (got[0][~bad] - ref[0]).abs().max() < 1e-5
+    assert torch.equal(got[1][bad], torch.zeros_like(got[1][bad]))
+    assert max_rel(got[1][~bad], ref[1]) < 2e-5 and max_rel(got[2], ref[2]) < 2e-5
+
+
 def test_second_backward_with_retain_graph_recomputes():
     # the first backward writes the gradient over the kept logits; a second one (retain_graph) must not read them
     hidden, weight, targets, upstream = problem(seed=3)
