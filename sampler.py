@@ -9,18 +9,21 @@ most models; departure 1). This file computes that quantity in two places that m
 
 * ``sample`` draws responses token by token and records the log-prob of each drawn token (behaviour log-probs);
 * ``response_logprobs`` recomputes the same log-probs with one forward pass over prompt + response (training and
-  compatibility), through ``token_logprobs``, which never materialises the (N, V) logits.
+  compatibility), through ``token_logprobs``, which never materialises the (N, V) float32 logits (with grad it
+  keeps them in the matmul's dtype for the backward, departure 15).
 
 It imports torch, transformers' KV-cache classes and tqdm only; nothing of GRAFT's, so it can be copied alone.
 
 API
 ---
 ``token_logprobs(hidden, weight, targets, *, temperature=1.0, logit_scale=1.0, softcap=None, chunk_size=1024,
-               vocab_chunk_size=None) -> (N,) float32``
+               vocab_chunk_size=None, save_logits=None) -> (N,) float32``
     hidden (N, H) any float dtype, weight (V, H), targets (N,) long. log p(target) at the given temperature, the logits
     scaled by ``logit_scale`` and then soft-capped to softcap * tanh(z / softcap) when ``softcap`` is set, computed in
-    chunks of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows with an online log-sum-exp; backward
-    recomputes each chunk. Differentiable w.r.t. hidden and weight. (float64 inputs give float64 log-probs.)
+    float32 tiles of ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary rows, the log-sum-exp put together from
+    the tiles' maxima and sums; the backward reuses the raw logits the forward kept in the matmul's dtype
+    (``save_logits``, departure 15) or recomputes them. Differentiable w.r.t. hidden and weight. (float64 inputs
+    give float64 log-probs.)
 ``response_logprobs(model, prompts, responses, *, pad_token_id, temperature=1.0, chunk_size=1024, share_prefix=True)
 -> (logp, mask)``
     logp (B, T) float32 and mask (B, T) bool, T = longest response; logp[i, t] = log p(responses[i][t] | prompts[i] +
@@ -62,7 +65,9 @@ Departures and shortcuts (read these before copying)
    are slow, pass float32 tensors. float64 inputs are computed and returned in float64 (the contract says float32;
    float64 is what ``gradcheck`` needs).
 4. ``token_logprobs`` does not check that targets lie in [0, V) (that would need a host sync on every call);
-   ``response_logprobs`` and ``sample`` check their Python inputs instead.
+   ``response_logprobs`` and ``sample`` check their Python inputs instead. A target outside the range (an ignore
+   index such as -100) gives a meaningless log-prob and no error; with a zero upstream gradient there, as a masked
+   loss gives it, it adds nothing to the gradients (tested).
 5. ``sample`` switches the model to eval mode for the duration of the call (dropout off while sampling) and restores
    its previous mode afterwards. Its decode loop runs under ``torch.inference_mode`` (cheaper per op than
    ``no_grad``); the returned log-prob tensors are ordinary tensors.
@@ -150,6 +155,21 @@ Departures and shortcuts (read these before copying)
    longest first; copies of a prompt together, prompts by their longest row (keeps the shared prefill where the
    lengths are narrow). Each row's log-probs are its own whatever its batch mates, up to float round-off of
    other batch shapes (tested), so only the padding changes.
+15. ``token_logprobs`` keeps the raw logits for its backward when a gradient will be needed and the matmul runs in
+   a 2-byte dtype (bf16 autocast, the GPU trainer; ``save_logits`` forces either way): (N, V) in that dtype, 2
+   bytes a logit, against the naive path's ~10-12 (its bf16 logits, their float32 copy, the float32 log-softmax it
+   saves, the float32 gradient). In float32 (the CPU's regime) kept logits would be 4 bytes a logit, a third of the
+   naive path's peak (0.36x at N 2,048 x V 151,936, ``bench.sampler --only logprobs``), so there it recomputes.
+   The backward writes each tile's gradient over its logits and frees them one vocabulary slice at a time, so a
+   pass is three N x H x V matmuls, as the naive path's, where recomputing (``save_logits=False``) needs four; the
+   rest is a few float32 passes over (chunk_size x slice) tiles, W cast to the matmul dtype once per pass a slice at
+   a time (never once per tile), and ~1,000 aten calls at N 8,192 x V 151,936
+   (``python -m bench.logprob``: ops, W casts, peak on fake tensors at that shape; 1.02x the naive time projected
+   for an H200, 0.18x its peak above the inputs; a projection, not a GPU measurement). Without grad (the behaviour
+   pass) nothing is kept. The first backward consumes the kept logits; a second one (``retain_graph``) recomputes
+   them. The one-hot term of the gradient is added to each tile before its single rounding to the matmul dtype,
+   as the naive path rounds g (onehot - p); the weight gradient of a slice is one matmul over all N rows when the
+   logits are kept (a float32 sum of per-chunk bf16 products when recomputing, as before).
 
 Benchmark
 ---------
@@ -160,6 +180,10 @@ Benchmarks). ``python -m bench.sampler --only prefill`` measures departure 11: a
 its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
 ``python -m bench.sampler --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
 strings against the copy before stop strings existed, side by side, and what a stop-string check costs per step.
+``python -m bench.logprob [--baseline OLD/sampler.py]`` measures departure 15 without a GPU: aten ops, W casts and
+peak memory of ``token_logprobs`` (kept and recomputed logits) beside the naive path and another copy, on fake
+tensors at the H200 row's shape, a roofline projection of GPU time, and CPU time at a small shape (direction only);
+``python -m bench.gpu --only kernel`` times it on a GPU.
 """
 
 from __future__ import annotations
@@ -181,18 +205,23 @@ __all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample",
 # Chunked log-prob of target tokens: log_softmax(h @ W.T / T)[target] without ever holding (N, V) logits
 # ------------------------------------------------------------------------------------------------
 
-# When the caller does not choose a vocabulary chunk, a (tokens x vocab) tile holds at most this many float32 logits
-# (2**23 = 32 MiB). Large enough that each tile's matmul runs at full speed, small enough that the few tiles alive at
-# once (logits, their exp, the gradient) stay far below the naive path's N x V.
-_TILE_ELEMENTS = 2**23
+# When the caller does not choose a vocabulary slice, a (tokens x vocab) tile holds at most this many float32 logits
+# (2**24 = 64 MiB). Every tile costs a few host-side op launches, and on a GPU those launches, not the arithmetic,
+# set the pace of small tiles (an H200 measured a kernel of 2**23-logit tiles with per-tile W casts at 3.1x the naive
+# path); at this size a pass over N 8,192 x V 151,936 is 80 tiles, each a few hundred microseconds of GPU work,
+# while the few fp32 tiles alive at once stay a small fraction of the naive path's (N, V) float32 copies.
+_TILE_ELEMENTS = 2**24
+
+_PLAIN = (1.0, 1.0, None)  # (temperature, logit_scale, softcap) of a plain head: no float32 transform of the tile
 
 
-def _vocab_chunk(vocab_size: int, chunk_size: int, vocab_chunk_size: int | None) -> int:
-    """Vocabulary rows per tile: the caller's choice, else the whole vocabulary if the tile stays under budget."""
+def _vocab_chunk(n_tok: int, vocab_size: int, chunk_size: int, vocab_chunk_size: int | None) -> int:
+    """Vocabulary rows per slice: the caller's choice, else as many as keep a (rows, slice) tile under budget."""
     if vocab_chunk_size is not None:
         assert vocab_chunk_size > 0, f"vocab_chunk_size must be positive, got {vocab_chunk_size}"
         return vocab_chunk_size
-    return max(1, min(vocab_size, _TILE_ELEMENTS // max(chunk_size, 1)))
+    rows = max(1, min(n_tok, chunk_size))  # a short call gets the whole vocabulary in one slice
+    return max(1, min(vocab_size, _TILE_ELEMENTS // rows))
 
 
 def _head_transform_(z: torch.Tensor, logit_scale: float, softcap: float | None) -> torch.Tensor:
@@ -207,62 +236,148 @@ def _head_transform_(z: torch.Tensor, logit_scale: float, softcap: float | None)
     return z
 
 
-def _tile_logits(h: torch.Tensor, w: torch.Tensor, temperature: float, logit_scale: float,
-                 softcap: float | None) -> torch.Tensor:
-    """Logits of one tile. h (n, H), w (v, H) in the compute dtype -> (n, v) in float32 (float64 for float64
-    inputs): the head's transform applied, then divided by the temperature (generate's order: the model's logits,
-    then the temperature)."""
-    z = torch.mm(h, w.t())  # (n, v)
-    z = z.to(torch.promote_types(z.dtype, torch.float32))  # free for float32 / float64 inputs
-    z = _head_transform_(z, logit_scale, softcap)
+def _transformed(z: torch.Tensor, head: tuple, adt: torch.dtype) -> torch.Tensor:
+    """A new (r, v) tensor in adt: the head's transform of the raw tile z (r, v), then divided by the temperature
+    (generate's order: the model's logits, then the temperature). z is left as it is (it may be a saved tile)."""
+    temperature, logit_scale, softcap = head
+    zf = z.to(adt, copy=True)  # (r, v)
+    zf = _head_transform_(zf, logit_scale, softcap)
     if temperature != 1.0:
-        z = z.div_(temperature)  # division, not multiplication by 1/T, so it rounds as `logits / T` does in the sampler
-    return z
+        zf = zf.div_(temperature)  # division, not multiplication by 1/T, so it rounds as `logits / T` does in sample
+    return zf
 
 
-def _target_index(targets: torch.Tensor, v0: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each target falls inside the vocabulary slice [v0, v0 + v): (in_slice (n,) bool, column (n, 1) long)."""
-    col = targets - v0
-    inside = (col >= 0) & (col < v)
-    return inside, col.clamp(0, v - 1).unsqueeze(1)  # (n, 1): a valid column even for targets outside the slice
+def _slice_cols(col: torch.Tensor, width: int, vocab_chunk: int) -> torch.Tensor:
+    """Each row's target column in a slice of ``width`` <= vocab_chunk columns: col (N, 1) is the target's column in
+    its own slice; clamped for a narrower (last) slice, so that every index is valid where the target lies
+    elsewhere (the values read or written there are then discarded or zero)."""
+    return col if width == vocab_chunk else col.clamp(max=width - 1)  # (N, 1)
+
+
+# Devices whose mixed-dtype elementwise ops (bf16 - float32, or a float32 product written to bf16) are slower than
+# a cast and a same-dtype op: on CPU they go through an unvectorised path (the promoted sub ~4x the two passes at
+# 1,024 x 32,768, profiled for bench.logprob); on a GPU the kernel converts as it reads, one pass.
+_SLOW_MIXED_DTYPES = {"cpu"}
+
+
+def _sub_in(z: torch.Tensor, c: torch.Tensor, adt: torch.dtype) -> torch.Tensor:
+    """A new (r, v) tensor z - c in adt, z (r, v) in any float dtype, c (r, 1) in adt: one promoted pass, or a cast
+    first where that is faster (_SLOW_MIXED_DTYPES)."""
+    if z.dtype != adt and z.device.type in _SLOW_MIXED_DTYPES:
+        return z.to(adt).sub_(c)
+    return torch.sub(z, c)
+
+
+def _tile_forward(z: torch.Tensor, col: torch.Tensor, head: tuple, adt: torch.dtype,
+                  scratch: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile's share of the log-sum-exp. z (r, v) raw logits h @ W.T in the compute dtype, col (r, 1) ->
+    (max, sum of exp(z' - max), z' at col), each (r, 1), in adt (z' at col: in z's dtype for a plain head), with
+    z' = head(z) / T the tile's logits. scratch: z is not kept, so a float32 tile may be worked on in place."""
+    if head == _PLAIN:
+        m = z.amax(1, keepdim=True).to(adt)  # (r, 1): exact, the max of bf16 values is one of them
+        zt = z.gather(1, col)  # (r, 1) the target logit, read from the same values the normaliser uses (in z's dtype)
+        # (r, v) z.float() - m; in place where allowed: a fresh 64 MiB tile per step costs page faults on CPU
+        e = z.sub_(m) if scratch and z.dtype == adt else _sub_in(z, m, adt)
+    else:
+        e = _transformed(z, head, adt)  # (r, v)
+        m = e.amax(1, keepdim=True)  # (r, 1)
+        zt = e.gather(1, col)  # (r, 1)
+        e = e.sub_(m)
+    return m, e.exp_().sum(1, keepdim=True), zt
+
+
+def _tile_backward_(z: torch.Tensor, lse: torch.Tensor, neg_g: torch.Tensor, col: torch.Tensor, hit: torch.Tensor,
+                    head: tuple, adt: torch.dtype) -> None:
+    """Overwrite the raw logits tile z (r, v) with the gradient of sum_i g_i logp_i w.r.t. it, in z's dtype.
+
+    With z' = head(z) / T and p = exp(z' - lse): d logp_i / d z'_ij = 1[j = t_i] - p_ij, so the gradient of the raw
+    logits is g s / T (onehot - p) (1 - (c / cap)**2), c = z' T the capped logit, s the logit scale (departure 1).
+    neg_g (r, 1) = -g s / T; hit (r, 1) = -1 where the row's target lies in this slice, else 0; col (r, 1) its column.
+    """
+    temperature, _, softcap = head
+    dcap = None
+    if head == _PLAIN:  # (r, v) z.float() - lse, then the softmax in place; a float32 tile is overwritten anyway
+        p = z.sub_(lse).exp_() if z.dtype == adt else _sub_in(z, lse, adt).exp_()
+    else:
+        zf = _transformed(z, head, adt)  # (r, v)
+        if softcap is not None:  # soft-cap derivative 1 - (c / cap)**2, read off the tile before zf is overwritten
+            dcap = (zf * (temperature / softcap)).square_().neg_().add_(1.0)  # (r, v)
+        p = zf.sub_(lse).exp_()  # (r, v)
+    p = p.scatter_add_(1, col, hit)  # p - onehot(target) where the target lies in this slice
+    if dcap is not None:
+        p = p.mul_(dcap)
+    # -g s / T (p - onehot) = g s / T (onehot - p), rounded once to the compute dtype as the naive path's
+    # gradient of `logits.float()` is, and written over the logits the tile no longer needs
+    if p is z:
+        z.mul_(neg_g)
+    elif z.dtype != adt and z.device.type in _SLOW_MIXED_DTYPES:
+        z.copy_(p.mul_(neg_g))  # (same values: one float32 product, one rounding)
+    else:
+        torch.mul(p, neg_g, out=z)
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc float32 (or float64): fused in place when a, b share its dtype, else their product is added."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(torch.mm(a, b))
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Autograd function behind ``token_logprobs``; see there for shapes. Saves only the (N,) log-sum-exp."""
+    """Autograd function behind ``token_logprobs``; see there for shapes. Saves the (N,) log-sum-exp, and the raw
+    logits tiles in the compute dtype when ``save`` (departure 15)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt):
+    def forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt, save):
         # head: (temperature, logit_scale, softcap). cdt: the dtype both matmul operands are brought to, fixed by
         # token_logprobs before autograd runs, so the forward and the backward (which may run under another autocast
         # state, or none) compute the same tiles
         with torch.autocast(hidden.device.type, enabled=False):
-            return _TokenLogprobs._forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt)
+            return _TokenLogprobs._forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt, save)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt):
+    def _forward(ctx, hidden, weight, targets, head, chunk_size, vocab_chunk, cdt, save):
+        # Vocabulary slices outside, rows inside: each slice of W is cast to the compute dtype once per pass (never
+        # once per tile), and each tile's max, sum of exponentials and target logit are kept per (slice, row); the
+        # log-sum-exp is put together from them once, after the last slice.
         n_tok, vocab = hidden.shape[0], weight.shape[0]
         adt = torch.promote_types(cdt, torch.float32)  # softmax arithmetic: float32, float64 only for float64 inputs
-        lse = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
-        logp = torch.empty(n_tok, dtype=adt, device=hidden.device)  # (N,)
-        for n0 in range(0, n_tok, chunk_size):
-            h = hidden[n0 : n0 + chunk_size].to(cdt)  # (n, H)
-            t = targets[n0 : n0 + chunk_size]  # (n,)
-            run_max = torch.full((h.shape[0],), float("-inf"), dtype=adt, device=h.device)  # (n,)
-            run_sum = torch.zeros(h.shape[0], dtype=adt, device=h.device)  # (n,)
-            tgt = torch.zeros(h.shape[0], dtype=adt, device=h.device)  # (n,)
-            for v0 in range(0, vocab, vocab_chunk):
-                z = _tile_logits(h, weight[v0 : v0 + vocab_chunk].to(cdt), *head)  # (n, v)
-                inside, col = _target_index(t, v0, z.shape[1])
-                # the target logit is read from the same tile values the normaliser uses, so they round alike
-                tgt = tgt + torch.where(inside, z.gather(1, col).squeeze(1), 0.0)
-                # online log-sum-exp: rescale the running sum to the new running max, then add this tile
-                new_max = torch.maximum(run_max, z.amax(dim=1))  # (n,)
-                run_sum = run_sum * torch.exp(run_max - new_max) + z.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
-                run_max = new_max
-            lse[n0 : n0 + chunk_size] = run_max + torch.log(run_sum)
-            logp[n0 : n0 + chunk_size] = tgt - lse[n0 : n0 + chunk_size]
+        n_slices = -(-vocab // vocab_chunk)
+        h = hidden.to(cdt)  # (N, H), cast once per pass
+        slot = torch.div(targets, vocab_chunk, rounding_mode="floor")  # (N,) the slice holding each target
+        col = (targets - slot * vocab_chunk).unsqueeze(1)  # (N, 1) its column there
+        group = max(n_tok, 1) if save else chunk_size  # rows per matmul: all of them when the tiles are kept
+        h_groups = h.split(group)  # views made once per pass: every slice, every tile is a host-side call on a GPU
+        blocks, maxes, sums, tgts = [], [], [], []
+        for v0 in range(0, vocab, vocab_chunk):
+            w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
+            cols = iter(_slice_cols(col, w.shape[0], vocab_chunk).split(chunk_size))  # (r, 1) per tile, in row order
+            for h_g in h_groups:
+                z = torch.mm(h_g, w.t())  # (g, v) raw logits in the compute dtype
+                if save:
+                    blocks.append(z)
+                for z_tile in z.split(chunk_size):  # (r, v); a group is a whole number of tiles
+                    m, s, zt = _tile_forward(z_tile, next(cols), head, adt, scratch=not save)
+                    maxes.append(m)
+                    sums.append(s)
+                    tgts.append(zt)
+        if n_tok == 0:
+            lse = torch.zeros(0, 1, dtype=adt, device=hidden.device)  # (0, 1)
+            logp = torch.zeros(0, dtype=adt, device=hidden.device)  # (0,)
+        else:
+            mx = torch.cat(maxes).view(n_slices, n_tok, 1)  # (S, N, 1): tiles were appended slice-major, rows in order
+            top = mx.amax(0)  # (N, 1)
+            lse = top + torch.log((torch.cat(sums).view(n_slices, n_tok, 1) * torch.exp(mx - top)).sum(0))  # (N, 1)
+            # clamped: a target outside [0, V) (an ignore index such as -100) reads some logit instead of indexing
+            # out of range (a device-side assert on CUDA); its value is garbage, its one-hot term absent (departure 4)
+            where = slot.clamp(0, n_slices - 1).view(1, n_tok, 1)  # (1, N, 1)
+            tgt = torch.cat(tgts).view(n_slices, n_tok, 1).gather(0, where)  # (1, N, 1)
+            tgt = tgt.view(n_tok, 1).to(adt)  # (N, 1); plain heads gathered the compute dtype's values
+            logp = (tgt - lse).view(n_tok)  # (N,)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.cfg = (head, chunk_size, vocab_chunk, cdt)
+        ctx.blocks = blocks if save else None  # (S x (N, v)) raw logits; consumed by the first backward
         return logp
 
     @staticmethod
@@ -275,57 +390,57 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logp):
-        # With c = head(s * h @ W.T) the head's logits and z = c / T: d logp_i / d z_ij = 1[j = t_i] - p_ij, so with the
-        # upstream gradient g_i, grad_z = g[:, None] * (onehot(t) - p). Through the temperature (1/T), the soft-cap
-        # (d c / d u = 1 - tanh(u / cap)**2 = 1 - (c / cap)**2 for u = s * h @ W.T) and the scale (s), the gradient of
-        # the matmul output is grad_z * (1 - (c / cap)**2) * s / T. Each tile's p is recomputed from the saved
-        # log-sum-exp; the scalars s / T are folded into g once.
+        # Per vocabulary slice: every tile's gradient of the raw logits (_tile_backward_) is written over the saved
+        # logits (or over a recomputed tile), then two matmuls: the slice's rows of grad_W, and its share of grad_h.
+        # With saved logits a slice's matmuls run over all N rows at once, so grad_W's rows are one matmul each, as
+        # in the naive path, and the saved tiles are freed slice by slice as they are used.
         hidden, weight, targets, lse = ctx.saved_tensors
         head, chunk_size, vocab_chunk, cdt = ctx.cfg
-        temperature, logit_scale, softcap = head
+        blocks, ctx.blocks = ctx.blocks, None  # overwritten below: a second backward (retain_graph) recomputes
+        temperature, logit_scale, _ = head
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_tok, vocab = hidden.shape[0], weight.shape[0]
         adt = lse.dtype  # float32 (float64 for float64 inputs)
-        grad_h = torch.empty_like(hidden) if need_h else None  # (N, H) in hidden's dtype
-        # float32 accumulator for the weight gradient: many token chunks add into every row of it
-        grad_w = torch.zeros(weight.shape, dtype=adt, device=weight.device) if need_w else None  # (V, H)
-        g_scaled = grad_logp.to(adt) / temperature  # (N,)
-        if logit_scale != 1.0:
-            g_scaled = g_scaled * logit_scale
-        for n0 in range(0, n_tok, chunk_size):
-            h = hidden[n0 : n0 + chunk_size].to(cdt)  # (n, H)
-            t = targets[n0 : n0 + chunk_size]  # (n,)
-            g = g_scaled[n0 : n0 + chunk_size]  # (n,)
-            acc_h = torch.zeros(h.shape, dtype=adt, device=h.device) if need_h else None  # (n, H)
-            for v0 in range(0, vocab, vocab_chunk):
-                w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
-                z = _tile_logits(h, w, *head)  # (n, v)
-                # soft-cap derivative 1 - (c / cap)**2 with c = z * T, read off the tile before z is overwritten
-                dcap = None if softcap is None else (z * (temperature / softcap)).square_().neg_().add_(1.0)  # (n, v)
-                p = z.sub_(lse[n0 : n0 + chunk_size].unsqueeze(1)).exp_()  # (n, v) softmax probabilities, in place
-                gz = p.mul_(-g.unsqueeze(1))  # (n, v) = -(g s / T) p
-                inside, col = _target_index(t, v0, gz.shape[1])
-                gz.scatter_add_(1, col, torch.where(inside, g, 0.0).unsqueeze(1))  # + (g s / T) at the target column
-                if dcap is not None:
-                    gz = gz.mul_(dcap)
-                gz = gz.to(cdt)  # no-op for float32; bf16 matmuls for bf16 inputs (departure 3)
-                if need_h:
-                    _add_matmul(acc_h, gz, w)  # (n, H) += (n, v) @ (v, H)
+        h = hidden.to(cdt)  # (N, H), cast once per pass
+        g = grad_logp.to(adt) / temperature  # (N,)
+        neg_g = (g * logit_scale if logit_scale != 1.0 else g).neg().unsqueeze(1)  # (N, 1) = -g s / T
+        slot = torch.div(targets, vocab_chunk, rounding_mode="floor")  # (N,)
+        col = (targets - slot * vocab_chunk).unsqueeze(1)  # (N, 1)
+        minus_one, zero = torch.tensor(-1.0, dtype=adt, device=hidden.device), torch.zeros((), dtype=adt,
+                                                                                            device=hidden.device)
+        grad_h = torch.zeros(hidden.shape, dtype=adt, device=hidden.device) if need_h else None  # (N, H)
+        # float32 accumulator for the weight gradient when several row groups add into a slice (no saved tiles)
+        grad_w = torch.empty(weight.shape, dtype=adt, device=weight.device) if need_w else None  # (V, H)
+        group = max(n_tok, 1) if blocks is not None else chunk_size
+        h_groups, lses, negs = h.split(group), lse.split(chunk_size), neg_g.split(chunk_size)  # views made once
+        gh_groups = grad_h.split(group) if need_h else None
+        for k, v0 in enumerate(range(0, vocab, vocab_chunk)):
+            w = weight[v0 : v0 + vocab_chunk].to(cdt)  # (v, H)
+            cols = _slice_cols(col, w.shape[0], vocab_chunk).split(chunk_size)  # (r, 1) per tile
+            hits = torch.where(slot.unsqueeze(1) == k, minus_one, zero).split(chunk_size)  # (r, 1) per tile
+            if need_w and n_tok == 0:
+                grad_w[v0 : v0 + vocab_chunk].zero_()
+            tile = 0
+            for gi, h_g in enumerate(h_groups):
+                z = blocks[k] if blocks is not None else torch.mm(h_g, w.t())  # (g, v)
+                for z_tile in z.split(chunk_size):  # (r, v)
+                    _tile_backward_(z_tile, lses[tile], negs[tile], cols[tile], hits[tile], head, adt)
+                    tile += 1
                 if need_w:
-                    _add_matmul(grad_w[v0 : v0 + vocab_chunk], gz.t(), h)  # (v, H) += (v, n) @ (n, H)
-            if need_h:
-                grad_h[n0 : n0 + chunk_size] = acc_h
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)  # no copy for float32 weights
-        return grad_h, grad_w, None, None, None, None, None
-
-
-def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc float32 (or float64): fused in place when a, b share its dtype, else their product is added."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc.add_(torch.mm(a, b))
+                    part = grad_w[v0 : v0 + vocab_chunk]  # (v, H)
+                    if gi == 0 and z.dtype == adt:
+                        torch.mm(z.t(), h_g, out=part)  # (v, H) = (v, g) @ (g, H)
+                    elif gi == 0:
+                        part.copy_(torch.mm(z.t(), h_g))  # one rounding to bf16, as the naive path's
+                    else:
+                        _add_matmul(part, z.t(), h_g)
+                if need_h:
+                    _add_matmul(gh_groups[gi], z, w)  # (g, H) += (g, v) @ (v, H)
+            if blocks:  # (empty when N is 0)
+                blocks[k] = None  # this slice's logits are spent: free them before the next slice's work
+        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)  # (N, H)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)  # (V, H); no copy for float32 weights
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -338,6 +453,7 @@ def token_logprobs(
     softcap: float | None = None,
     chunk_size: int = 1024,
     vocab_chunk_size: int | None = None,
+    save_logits: bool | None = None,
 ) -> torch.Tensor:
     """log_softmax(head(hidden @ weight.T) / temperature)[i, targets[i]] for every token i, in float32.
 
@@ -353,17 +469,23 @@ def token_logprobs(
         logit_scale: > 0, multiplies the logits (Cohere's ``logit_scale``; 1 / ``logits_scaling`` for Granite).
         softcap: None, or > 0: logits become softcap * tanh(logits / softcap) after the scaling (Gemma-2's
             ``final_logit_softcapping``).
-        chunk_size: tokens per chunk.
-        vocab_chunk_size: vocabulary rows per chunk; None picks the whole vocabulary if a chunk_size x V tile holds
-            at most 2**23 logits, else the largest slice that does.
+        chunk_size: token rows per float32 tile.
+        vocab_chunk_size: vocabulary rows per slice; None picks the whole vocabulary if a min(N, chunk_size) x V
+            tile holds at most 2**24 logits, else the largest slice that does.
+        save_logits: when a gradient will be needed, keep the raw (N, V) logits in the matmul's dtype for the
+            backward instead of recomputing them (departure 15). None (default): keep them when that dtype has 2
+            bytes (bf16 / fp16: autocast, the GPU trainer), recompute in float32 / float64 (the CPU's regime).
+            True / False: always / never.
 
     Returns:
         (N,) float32 log-probabilities (float64 for float64 inputs, so that gradcheck can run). Differentiable w.r.t.
         hidden and weight; gradients come back in their dtypes.
 
-    Memory: the forward keeps one (chunk_size, vocab_chunk) float32 tile alive at a time and saves only the (N,)
-    log-sum-exp; the backward recomputes each tile (one extra matmul per tile) instead of storing (N, V) logits. A
-    soft-cap costs one tanh per logit in each pass and one more tile in the backward (its derivative).
+    Memory and time: never more than a few (chunk_size, vocab slice) float32 tiles at once; the forward saves the
+    (N,) log-sum-exp and, with ``save_logits`` and grad enabled, the (N, V) logits in the matmul dtype, which the
+    backward overwrites with their gradient and frees slice by slice: three matmuls of N x H x V in all, as the naive
+    path (four when recomputing). Without grad (the behaviour pass) nothing is kept. A soft-cap costs one tanh per
+    logit in each pass and one more tile in the backward (its derivative).
     """
     assert hidden.dim() == 2 and weight.dim() == 2, f"hidden (N, H), weight (V, H); got {hidden.shape}, {weight.shape}"
     assert hidden.shape[1] == weight.shape[1], f"hidden size mismatch: hidden {hidden.shape}, weight {weight.shape}"
@@ -373,10 +495,12 @@ def token_logprobs(
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     assert logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}"
     assert softcap is None or softcap > 0, f"softcap must be None or > 0, got {softcap}"
-    vocab_chunk = _vocab_chunk(weight.shape[0], chunk_size, vocab_chunk_size)
+    vocab_chunk = _vocab_chunk(hidden.shape[0], weight.shape[0], chunk_size, vocab_chunk_size)
     cdt = _matmul_dtype(hidden, weight)
     head = (float(temperature), float(logit_scale), None if softcap is None else float(softcap))
-    return _TokenLogprobs.apply(hidden, weight, targets.long(), head, int(chunk_size), vocab_chunk, cdt)
+    keep = save_logits if save_logits is not None else torch.finfo(cdt).bits <= 16
+    save = bool(keep) and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _TokenLogprobs.apply(hidden, weight, targets.long(), head, int(chunk_size), vocab_chunk, cdt, save)
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
