@@ -276,7 +276,11 @@ def test_greedy_matches_generate_with_early_eos(kind, attn):
     assert torch.allclose(logp[mask], torch.cat([r.logprobs for r in ours]), atol=1e-5)
 
 
-def test_finished_rows_leave_the_batch():
+@pytest.mark.parametrize("sync_every", [1, 4, 8])
+def test_finished_rows_leave_the_batch(sync_every):
+    # departure 15: the host reads which rows ended every sync_every steps, so a row that ends at its n-th token
+    # leaves the batch at the first read at or after step n (reads at multiples of sync_every, and once every row
+    # has drawn the cap); sync_every=1 is the old schedule, each row fed to exactly len - 1 decode steps
     model = tiny_model("qwen3", seed=9)
     free = sample(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=1000)
     eos = [free[0].tokens[2], free[3].tokens[5]]
@@ -284,12 +288,20 @@ def test_finished_rows_leave_the_batch():
     base = model.model
     hook = base.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
-        ours = sample(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=eos)
+        stats = {}
+        ours = sample(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=eos, sync_every=sync_every,
+                      stats=stats)
     finally:
         hook.remove()
-    alive = [sum(len(r.tokens) > s for r in ours) for s in range(16)]  # rows still running when token s is drawn
-    assert seen == alive[: len(seen)] and len(seen) == max(len(r.tokens) for r in ours)
+    assert [r.tokens for r in ours] == [r.tokens[: len(o.tokens)] for r, o in zip(free, ours)]
+    assert sorted({len(r.tokens) for r in ours}) == [3, 6, 16], "two rows end at EOS, the rest at the cap"
+    left = [min(-(-len(r.tokens) // sync_every) * sync_every, 16) for r in ours]  # the step each row leaves at
+    expected = [len(PROMPTS)] + [sum(x > s for x in left) for s in range(1, 16)]  # the prefill, then decode steps
+    assert seen == [n for n in expected if n > 0]
     assert seen[-1] < seen[0]
+    assert stats["decode_steps"] == len(seen) - 1
+    # reads: at every multiple of sync_every that has rows left, and at step 16 (every row at the cap)
+    assert stats["host_reads"] == len({s for s in range(sync_every, 16, sync_every) if s <= max(left)} | {16})
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -564,8 +576,9 @@ def test_refills_fill_freed_slots_and_save_forward_calls(share):
     )
     try:
         stats = {}
+        # sync_every=1: the host learns of a finished row at once (departure 15), so none is carried along
         ours = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=eos, max_batch_size=4,
-                      min_refill=1, share_prefix=share, stats=stats)
+                      min_refill=1, share_prefix=share, stats=stats, sync_every=1)
     finally:
         hook.remove()
     lengths = [len(r.tokens) for r in ours]
