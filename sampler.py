@@ -33,11 +33,13 @@ API
     when it stopped on one), (len(tokens),) float32 CPU log-probs; ``finish`` says how it ended: "eos", "stop" or
     "length".
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
-         generator=None, max_batch_size=None, min_refill=None, static=False, share_prefix=True, stop_strings=None,
-         tokenizer=None, progress=False, stats=None, max_cache_bytes=None)``
+         generator=None, max_batch_size=None, min_refill=None, static="auto", share_prefix=True, stop_strings=None,
+         tokenizer=None, progress=False, stats=None, max_cache_bytes=None, sync_every=8, cast_once=True)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
     most ``max_batch_size`` rows in flight; rows that finish (EOS, a stop string, the cap) leave the batch and
     waiting prompts take their places.
+``resolve_static(static, model, device) -> True | "auto" | False``
+    which decode path ``sample`` takes for ``static`` ("auto", "on", "off") on this model and device (departure 10).
 
 Departures and shortcuts (read these before copying)
 ----------------------------------------------------
@@ -96,15 +98,21 @@ Departures and shortcuts (read these before copying)
    untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
    would produce, minus the per-step cost. Other attention implementations get the 2D mask.
 9. ``pad_token_id`` defaults to 0 in ``sample``: padding is masked out, so any id in [0, V) gives the same result.
-10. ``static=True``: each of the S = max_batch_size slots owns a preallocated (L = longest prompt + max_new_tokens)
-   stretch of KV cache, written from column 0; a decode step runs all S slots over all L columns with a mask, so its
-   shapes never change, and on CUDA it is captured once as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed.
-   Refill prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L
-   columns whatever the rows' lengths, as gpt-fast's static cache) and attention over all L columns every step.
-   Supports full-attention models with sdpa or eager attention; a model with a sliding-window layer is refused with a
-   ValueError (its slots would need a second, windowed mask per step and layer type, and its prefill an untrimmed
-   cache). On CPU it runs the same step eagerly: tested there for parity with the default path; the graph capture and
-   its speed are not yet measured on a GPU.
+10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere): each of the S =
+   max_batch_size slots owns a preallocated (L = longest prompt + max_new_tokens) stretch of KV cache, written from
+   column 0; a decode step draws every slot's next token and runs all S slots over all L columns with a mask, so its
+   shapes never change, and on CUDA the whole step (the draw at any temperature with top-p = 1, the forward, the
+   bookkeeping) is captured once per call as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed; with top-p < 1
+   the draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's word). Refill
+   prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L columns
+   whatever the rows' lengths, as gpt-fast's static cache; ``max_cache_bytes`` cuts S to a budget) and attention
+   over all L columns every step. One graph per call at S slots: no buckets, so a tail of few rows still runs S.
+   Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
+   (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
+   there is no graph and the static step's all-L attention costs more; "on" refuses them with a ValueError. On CPU
+   the static step runs eagerly: tested there for parity with the default path, and the warm-up that precedes a
+   capture is tested to leave the state as it found it; the capture itself and its speed are measured only by
+   ``python -m bench.gpu`` on a GPU (none was lent to this change: see docs/RESULTS.md, Decoding on a GPU).
 11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
    each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
    prefills each distinct prompt of a refill once; every copy gets its own copy of the prompt's cache rows (so the
@@ -130,8 +138,8 @@ Departures and shortcuts (read these before copying)
    one ``batch_decode``, only each running row's last k tokens that carry text, k = the longest string's UTF-8
    length + 1 (every such token adds at least one byte, so the window holds the whole of any string the new token
    completes, and an earlier occurrence would have stopped the row earlier); special tokens that the decode skips
-   are left out of the window. It needs the drawn tokens on the host every step: one transfer, which replaces the
-   step's ``done.any()`` sync. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
+   are left out of the window. It needs the drawn tokens on the host every step: one transfer, departure 15's read made
+   every step. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
    (tested on the architecture sweep with the real Qwen3, SmolLM3 and Llama-3.2 tokenizers). Without stop strings
    none of this runs (``bench_sampler.py --only stop``).
 13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes
@@ -151,6 +159,21 @@ Departures and shortcuts (read these before copying)
    lengths are narrow). Each row's log-probs are its own whatever its batch mates, up to float round-off of
    other batch shapes (tested), so only the padding changes.
 
+15. No host read inside a decode step. ``_Run.draw`` writes each drawn token and its log-prob into device buffers
+   and records on the device when a row ends (EOS or the cap); the host reads which rows have ended in one
+   device-to-host copy every ``sync_every`` = 8 steps (and when every row has drawn the cap), not every step. A
+   row that ended keeps running until that read: up to sync_every - 1 wasted row-steps each, whose draws are never
+   read (the buffers and each row's cache room hold max_new_tokens + sync_every columns). Refills wait for a read
+   too. With stop strings the tokens must reach the host every step to be decoded (departure 12), so the read is
+   every step there: checking stop strings without that is not done.
+16. Sampling weights cast once. Under autocast with float32 weights (the trainer's regime on a GPU), every
+   nn.Linear weight is cast to autocast's dtype once per ``sample`` call (``_cast_once``) and the layers read that
+   copy. Under ``torch.inference_mode`` autocast caches no casts, so before this every decode step re-cast every
+   weight (``python -m bench.decode`` counts the casts per step). The operands of every matmul are the same
+   values as autocast's own casts, so tokens and log-probs are unchanged (tested); the price is a bf16 copy of the
+   Linear weights for the duration of the call (plan.py's ``bf16 sampling copy`` term). Not refreshed after each
+   optimizer step as a kept copy would be: the cast runs at each call, one pass over the weights per rollout.
+
 Benchmark
 ---------
 ``python -m bench.sampler [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
@@ -160,6 +183,8 @@ Benchmarks). ``python -m bench.sampler --only prefill`` measures departure 11: a
 its behaviour log-probs with and without ``share_prefix``, on the tiny models and on two real ones.
 ``python -m bench.sampler --only stop --baseline OLD/sampler.py`` measures departure 12: rollouts without stop
 strings against the copy before stop strings existed, side by side, and what a stop-string check costs per step.
+``python -m bench.decode`` measures departures 10, 15 and 16 on the host: one decode step at real depth and toy
+width (ms, aten ops, weight casts, host reads per step), default path vs static vs ``generate``.
 """
 
 from __future__ import annotations
@@ -175,7 +200,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "Rollout"]
+__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "resolve_static", "Rollout"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -704,6 +704,133 @@ def test_continuous_batching_bad_input():
     assert len(sample(sliding, ARCH_PROMPTS, max_new_tokens=4, eos_token_id=1, max_batch_size=2)) == len(ARCH_PROMPTS)
 
 
+def test_static_auto_resolves_per_device_and_architecture():
+    # departure 10: "auto" is the default path on CPU (nothing to capture), the static path on CUDA for full
+    # attention with sdpa or eager; sliding-window models stay on the default path under "auto" and are refused
+    # under "on" with a ValueError naming the config field
+    from sampler import resolve_static
+
+    full, eager, sliding = tiny_model("qwen3", seed=9), tiny_model("llama", seed=9, attn="eager"), arch_model(
+        "qwen3-window")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_static("auto", full, cpu) is False and resolve_static("auto", sliding, cpu) is False
+    assert resolve_static("auto", full, cuda) == "auto" and resolve_static("auto", eager, cuda) == "auto"
+    assert resolve_static("auto", sliding, cuda) is False
+    assert resolve_static("on", full, cpu) is True and resolve_static(True, full, cpu) is True
+    assert resolve_static("off", full, cuda) is False and resolve_static(False, full, cuda) is False
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        resolve_static("on", sliding, cuda)
+    with pytest.raises(ValueError, match="'auto', 'on', 'off'"):
+        resolve_static("yes", full, cpu)
+    stats = {}
+    sample(full, PROMPTS, max_new_tokens=4, temperature=0, eos_token_id=1, stats=stats)  # the default: "auto"
+    assert stats["static"] is False and "slots" not in stats
+    sample(full, PROMPTS, max_new_tokens=4, temperature=0, eos_token_id=1, static="on", stats=stats)
+    assert stats["static"] is True and stats["slots"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 8])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_and_default_paths_draw_the_same_tokens_in_float32(sync_every, temperature):
+    # the issue's CPU check: static and eager outputs identical in float32, with refills (3 slots, 10 rows of
+    # different lengths), greedy and sampled (the same seeds), whatever the host's read cadence (departure 15)
+    model = tiny_model("qwen3", seed=11)
+    prompts = PROMPTS * 2
+    free = sample(model, prompts, max_new_tokens=12, temperature=0, eos_token_id=1000)
+    eos = [free[0].tokens[3], free[1].tokens[6], free[4].tokens[1]]
+    out = {}
+    for static in ("off", "on"):
+        stats = {}
+        out[static] = sample(model, prompts, max_new_tokens=12, temperature=temperature, eos_token_id=eos,
+                             max_batch_size=3, min_refill=1, static=static, sync_every=sync_every, stats=stats,
+                             generator=torch.Generator().manual_seed(5))
+        assert stats["host_reads"] <= -(-stats["decode_steps"] // sync_every) + len(prompts), stats
+    assert len({len(r.tokens) for r in out["off"]}) > 2, "want rows of several lengths, so that refills happen"
+    assert [r.tokens for r in out["on"]] == [r.tokens for r in out["off"]]
+    assert [r.finish for r in out["on"]] == [r.finish for r in out["off"]]
+    for a, b in zip(out["on"], out["off"]):
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_static_warm_up_leaves_the_state_as_it_found_it(monkeypatch):
+    # a CUDA capture is preceded by two warm-up runs of the step (departure 10); on CPU the same warm-up is forced
+    # before every step: each run draws, moves the counters and writes K/V, and the restore must undo all of it
+    # but the writes the real step repeats, so the outputs are those of the plain static path
+    model = tiny_model("llama", seed=12)
+    kw = dict(max_new_tokens=10, temperature=1.0, eos_token_id=[1, 2], max_batch_size=3, min_refill=1, static="on",
+              sync_every=2)
+    plain = sample(model, PROMPTS * 2, generator=torch.Generator().manual_seed(3), **kw)
+    calls = []
+    real_call = sampler._StaticStep.__call__
+
+    def warm_then_call(self):
+        calls.append(1)
+        self.warm_up()
+        return real_call(self)
+
+    monkeypatch.setattr(sampler._StaticStep, "__call__", warm_then_call)
+    warmed = sample(model, PROMPTS * 2, generator=torch.Generator().manual_seed(3), **kw)
+    assert calls, "the static step ran"
+    assert [r.tokens for r in warmed] == [r.tokens for r in plain]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(warmed, plain))
+
+
+class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten ops, and the casts (``to`` / ``_to_copy``) whose input is one of the given weights' storage."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.ptrs = {w.data_ptr() for w in weights}
+        self.ops, self.casts = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to) and args[0].data_ptr() in self.ptrs:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("static", ["off", "on"])
+def test_cast_once_gives_autocast_numbers_without_per_step_casts(static):
+    # departure 16: under bf16 autocast with float32 weights, the Linear weights cast once per call give the same
+    # tokens and log-probs as autocast's own per-step casts (the same rounding), and no weight is cast inside the
+    # decode loop; without cast_once every step casts every Linear weight (inference_mode: no autocast cache)
+    model = tiny_model("qwen3", seed=13, head_scale=10.0, tie=True)
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    runs, casts, steps = {}, {}, {}
+    for once in (False, True):
+        stats = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16), _WeightCasts(linear) as mode:
+            runs[once] = sample(model, PROMPTS * 2, max_new_tokens=8, temperature=0.8, eos_token_id=[1, 2],
+                                max_batch_size=4, min_refill=1, static=static, cast_once=once, stats=stats,
+                                generator=torch.Generator().manual_seed(0))
+        casts[once], steps[once] = mode.casts, stats["decode_steps"]
+        assert (stats["cast_bytes"] > 0) == once
+    assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(runs[True], runs[False]))
+    # 2 layers x 7 projections per forward (prefills and decode steps) + the lm_head in each draw, tied to the
+    # embedding: each distinct weight once per call with cast_once (the tied one counted once)
+    assert casts[True] == len({w.data_ptr() for w in linear})
+    assert casts[False] >= steps[False] * 2 * 7, (casts, steps)
+    # the model's own weights are back, float32 Parameters, the tie intact
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.float32
+    assert all(isinstance(m.weight, torch.nn.Parameter) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_stop_strings_read_the_host_every_step():
+    # departure 15: stop strings need each step's tokens on the host, so the read is every step whatever sync_every
+    model = tiny_model("qwen3", seed=9)
+
+    class Tok:  # decodes ids as letters: a stop string that never occurs
+        def batch_decode(self, ids, **kw):
+            return ["".join(chr(97 + i % 26) for i in row) for row in ids]
+
+    stats = {}
+    sample(model, PROMPTS, max_new_tokens=6, temperature=0, eos_token_id=1000, stop_strings=["#"], tokenizer=Tok(),
+           sync_every=8, stats=stats)
+    assert stats["host_reads"] == stats["decode_steps"] == 6
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_continuous_batching_under_bf16_autocast(static):
     # the trainer's call: all prompts at once under bf16 autocast with a few rows in flight; the behaviour log-probs
