@@ -40,6 +40,9 @@ API
     waiting prompts take their places.
 ``resolve_static(static, model, device) -> True | "auto" | False``
     which decode path ``sample`` takes for ``static`` ("auto", "on", "off") on this model and device (departure 10).
+``with cast_weights_once(model, device) as nbytes:``
+    under autocast, the model's float32 nn.Linear weights served as autocast-dtype copies for the block (departure
+    16); nbytes: the copies' bytes (plan.py counts them).
 
 Departures and shortcuts (read these before copying)
 ----------------------------------------------------
@@ -167,8 +170,8 @@ Departures and shortcuts (read these before copying)
    too. With stop strings the tokens must reach the host every step to be decoded (departure 12), so the read is
    every step there: checking stop strings without that is not done.
 16. Sampling weights cast once. Under autocast with float32 weights (the trainer's regime on a GPU), every
-   nn.Linear weight is cast to autocast's dtype once per ``sample`` call (``_cast_once``) and the layers read that
-   copy. Under ``torch.inference_mode`` autocast caches no casts, so before this every decode step re-cast every
+   nn.Linear weight is cast to autocast's dtype once per ``sample`` call (``cast_weights_once``) and the layers read
+   that copy. Under ``torch.inference_mode`` autocast caches no casts, so before this every decode step re-cast every
    weight (``python -m bench.decode`` counts the casts per step). The operands of every matmul are the same
    values as autocast's own casts, so tokens and log-probs are unchanged (tested); the price is a bf16 copy of the
    Linear weights for the duration of the call (plan.py's ``bf16 sampling copy`` term). Not refreshed after each
@@ -200,7 +203,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "resolve_static", "Rollout"]
+__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "resolve_static",
+           "cast_weights_once", "Rollout"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1122,7 +1126,7 @@ def resolve_static(static, model, device: torch.device, windows: list[int | None
 
 
 @contextlib.contextmanager
-def _cast_once(model, device: torch.device, *, enabled: bool = True):
+def cast_weights_once(model, device: torch.device, *, enabled: bool = True):
     """Departure 16: while autocast is on for the device, every nn.Linear whose weight is float32 serves a copy of
     it in autocast's dtype for the block (cast once here), then gets its own weight back. Yields the bytes cast.
 
@@ -1292,7 +1296,7 @@ def sample(
     # small model's decode step. Its tensors never escape: the rollouts' tensors are copied out after it.
     cast_bytes = 0
     try:
-        with torch.inference_mode(), _cast_once(model, device, enabled=cast_once) as cast:
+        with torch.inference_mode(), cast_weights_once(model, device, enabled=cast_once) as cast:
             run.head, cast_bytes = _head(model), cast  # the lm_head weight as cast (departure 16)
             if static:
                 _decode_static(model, base, run, pad_token_id)
