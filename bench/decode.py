@@ -16,7 +16,9 @@ time per step is the host's share and the op count is the launch count. Four way
   10), run eagerly here (a CPU has no graph): its op count is what one graph replay stands for on a GPU;
 * ``generate``: transformers' greedy ``generate`` on the same model under the same autocast.
 
-Per step = (run with N2 new tokens - run with N1) / (N2 - N1), so the prefill and the fixed costs cancel. Ops and
+Per step = (run with N2 new tokens - run with N1) / (N2 - N1), so the prefill and the fixed costs cancel. For the
+static path the ops are also counted with the step's captured body left out (``captured_paused``): what the host
+still dispatches per step when CUDA replays that body as one graph. Ops and
 casts are counted by a ``TorchDispatchMode`` (below autocast, so its casts are seen); a weight cast is a ``to`` /
 ``_to_copy`` whose input is a Linear weight's storage. Host reads: the sampler's own count (``stats["host_reads"]``,
 each one device-to-host copy on a GPU) and, for ``generate``, the ops that read a scalar back
@@ -24,7 +26,10 @@ each one device-to-host copy on a GPU) and, for ``generate``, the ops that read 
 
 Departures: the model is a random Qwen3 at Qwen3-1.7B's depth (28 layers) and toy width (hidden 64, 4 heads, 2
 KV heads, MLP 128, vocabulary 2,048), float32 weights under CPU bf16 autocast (the trainer's regime on a GPU); on
-a GPU the width adds compute that overlaps with the host's dispatch. The greedy tokens of all four are compared.
+a GPU the width adds compute that overlaps with the host's dispatch. The greedy tokens of all four are compared
+with generate's, and ``parity`` compares the static and default paths in float32 and under autocast, and (issue 54
+item 6) on a bf16 copy of the model the sampler's log-probs against a plain forward and the behaviour log-prob pass
+against the update pass.
 
 Launch: ``OMP_NUM_THREADS=1 python -m bench.decode [--quick] [--rows 32] [--layers 28]`` (docs/RESULTS.md,
 "Decoding on a GPU", has the figures and the machine).
@@ -33,6 +38,7 @@ Launch: ``OMP_NUM_THREADS=1 python -m bench.decode [--quick] [--rows 32] [--laye
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -66,8 +72,11 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ptrs = {w.data_ptr() for w in weights}
         self.ops = self.casts = self.reads = 0
+        self.paused = False  # set while a CUDA graph's body runs (captured_ops): not dispatched by the host there
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
         self.ops += 1
         packet = func.overloadpacket
         if packet in (torch.ops.aten._to_copy, torch.ops.aten.to) and isinstance(args[0], torch.Tensor) \
@@ -115,6 +124,27 @@ def arms(model, prompts: list[list[int]]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def captured_paused(counter: OpCounter):
+    """While the static step's captured body (sampler._StaticStep._captured: the draw and the forward) runs, the
+    counter counts nothing: what it still counts is what the host dispatches per step around a graph replay."""
+    import sampler
+    real = sampler._StaticStep._captured
+
+    def body(self):
+        counter.paused = True
+        try:
+            return real(self)
+        finally:
+            counter.paused = False
+
+    sampler._StaticStep._captured = body
+    try:
+        yield
+    finally:
+        sampler._StaticStep._captured = real
+
+
 def per_step(model, prompts, *, short: int, long: int, repeats: int) -> dict[str, dict]:
     """Per decode step of each arm under bf16 autocast: ms (median of interleaved repeats), aten ops, weight
     casts, host reads; and each arm's tokens at `long`. Each call runs in its own autocast block, as the trainer
@@ -129,6 +159,13 @@ def per_step(model, prompts, *, short: int, long: int, repeats: int) -> dict[str
 
     out = {}
     for name in runs:
+        if "static" in name:  # also: the ops left on the host once the step is a graph replay (CUDA)
+            with OpCounter(weights) as c, captured_paused(c):
+                call(name, long)
+                n_long = c.ops
+            with OpCounter(weights) as c, captured_paused(c):
+                call(name, short)
+                host_only = (n_long - c.ops) / (long - short)
         counts = {}
         for new in (short, long):
             with OpCounter(weights) as c:
@@ -137,6 +174,8 @@ def per_step(model, prompts, *, short: int, long: int, repeats: int) -> dict[str
         d = long - short
         out[name] = dict(ops=(counts[long][0] - counts[short][0]) / d, casts=(counts[long][1] - counts[short][1]) / d,
                          reads=(counts[long][2] - counts[short][2]) / d, tokens=tokens, ms=[])
+        if "static" in name:
+            out[name]["host_ops_with_graph"] = host_only
     for rep in range(repeats):
         for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):  # interleaved, the order alternating
             t = {}
@@ -145,6 +184,31 @@ def per_step(model, prompts, *, short: int, long: int, repeats: int) -> dict[str
                 call(name, new)
                 t[new] = time.perf_counter() - t0
             out[name]["ms"].append(1000 * (t[long] - t[short]) / (long - short))
+    return out
+
+
+def parity(model, prompts, *, new: int) -> dict:
+    """The static and default paths' greedy tokens, float32 (must be identical) and under bf16 autocast (round-off
+    of the static step's all-L attention may flip a near tie); and, on a bf16 copy of the model, issue 54 item 6:
+    the sampler's log-probs against a plain forward (what bench.gpu used to check) and the behaviour pass against
+    the update pass (what the trainer's ratio compares), mean |d logp| in nats."""
+    from bench.gpu import teacher_forced, trainer_passes
+    never = model.config.vocab_size
+    out = {}
+    for amp in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            toks = {st: [o.tokens for o in sample(model, prompts, max_new_tokens=new, temperature=0.0,
+                                                  eos_token_id=never, static=st)] for st in ("off", "on")}
+        same = sum(a == b for a, b in zip(toks["on"], toks["off"]))
+        out["bf16 autocast" if amp else "float32"] = f"{same}/{len(prompts)} rows identical"
+    m16 = toy_model(model.config.num_hidden_layers, vocab=model.config.vocab_size).to(torch.bfloat16)
+    m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    rolls = sample(m16, prompts, max_new_tokens=new, temperature=1.0, eos_token_id=never,
+                   generator=torch.Generator().manual_seed(0))
+    out["bf16 weights: sampler vs plain forward, mean |d logp|"] = round(float(
+        teacher_forced(m16, prompts, rolls, torch.device("cpu")).mean()), 4)
+    out["bf16 weights: behaviour vs update pass, mean |d logp|"] = float(
+        f"{float(trainer_passes(m16, prompts, rolls, torch.device('cpu')).mean()):.2e}")
     return out
 
 
@@ -174,8 +238,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, r in res.items():
         ms = statistics.median(r["ms"])
-        print(f"| {name} | {ms:.1f} ({' '.join(f'{x:.1f}' for x in r['ms'])}) | {r['ops']:,.0f} | {r['casts']:.1f} | "
+        ops = f"{r['ops']:,.0f}" + (f" ({r['host_ops_with_graph']:.1f} outside the captured step)"
+                                    if "host_ops_with_graph" in r else "")
+        print(f"| {name} | {ms:.1f} ({' '.join(f'{x:.1f}' for x in r['ms'])}) | {ops} | {r['casts']:.1f} | "
               f"{r['reads']:.3f} | {r['tokens'] == ref} |", flush=True)
+    print(f"# parity, {args.rows} rows x {long} greedy tokens (static vs default path; item 6 on a bf16 copy, T=1):")
+    for k, v in parity(model, prompts, new=long).items():
+        print(f"  {k}: {v}", flush=True)
 
 
 if __name__ == "__main__":
