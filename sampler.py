@@ -1125,6 +1125,11 @@ def resolve_static(static, model, device: torch.device, windows: list[int | None
     return "auto" if torch.device(device).type == "cuda" and capturable else False
 
 
+# With static="auto" and no max_cache_bytes, the static path's preallocated K/V may take this share of the device's
+# free memory at the call (the rest for the prefill's activations and the logits), as runtime.kv_budget gives it.
+_AUTO_CACHE_SHARE = 0.8
+
+
 @contextlib.contextmanager
 def cast_weights_once(model, device: torch.device, *, enabled: bool = True):
     """Departure 16: while autocast is on for the device, every nn.Linear whose weight is float32 serves a copy of
@@ -1233,7 +1238,8 @@ def sample(
             ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls and the device-to-host reads of
             ended rows (departure 15); ``stats["cast_bytes"]`` the bytes of the weights cast once (departure 16).
         max_cache_bytes: with the static path, the bytes the preallocated K/V may take: the slot count is cut to fit
-            (departure 13). None: max_batch_size slots. The default path ignores it.
+            (departure 13). None: max_batch_size slots with "on"; with "auto", 80% of the device's free memory. The
+            default path ignores it.
         sync_every: decode steps between the host's reads of which rows have ended (departure 15); 1 reads every
             step. Stop strings read every step whatever it says.
         cast_once: under autocast with float32 weights, cast every nn.Linear weight to autocast's dtype once for the
@@ -1267,6 +1273,9 @@ def sample(
                          f"(config.layer_types={getattr(model.config, 'layer_types', None)})")
     kv_dtype = _kv_dtype(device)  # departure 13: under autocast, K and V are cached in autocast's dtype
     static = resolve_static(static, model, device, windows)
+    if static == "auto" and max_cache_bytes is None:
+        # "auto" must never preallocate past the card for a caller that gave no budget: the free memory's share
+        max_cache_bytes = int(_AUTO_CACHE_SHARE * torch.cuda.mem_get_info(device)[0])
     if static and max_cache_bytes is not None:
         length = max(len(p) for p in prompts) + max_new_tokens
         per_slot = length * _kv_token_bytes(model, kv_dtype)

@@ -729,6 +729,22 @@ def test_static_auto_resolves_per_device_and_architecture():
     assert stats["static"] is True and stats["slots"] == len(PROMPTS)
 
 
+def test_static_auto_sizes_its_cache_to_the_free_memory(monkeypatch):
+    # "auto" with no max_cache_bytes takes 80% of the device's free memory as the budget (a caller that gives none,
+    # as tools/preflight.py, must not preallocate past the card): the slot count is cut to it, and a budget below
+    # one slot falls back to the default path instead of raising as "on" does. The CUDA side is faked on CPU.
+    model = tiny_model("qwen3", seed=9)
+    monkeypatch.setattr(sampler, "resolve_static", lambda static, *a, **k: "auto" if static == "auto" else static)
+    per_slot = (max(map(len, PROMPTS)) + 4) * sampler._kv_token_bytes(model, None)
+    kw = dict(max_new_tokens=4, temperature=0, eos_token_id=1000, max_batch_size=5)
+    ref = [r.tokens for r in sample(model, PROMPTS, static="off", **kw)]
+    for free, slots in ((per_slot * 3 / 0.8 + 1, 3), (per_slot * 0.5, None)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (int(free), 10 * int(free)))
+        stats = {}
+        assert [r.tokens for r in sample(model, PROMPTS, stats=stats, **kw)] == ref
+        assert stats["static"] is (slots is not None) and stats.get("slots") == slots, stats
+
+
 @pytest.mark.parametrize("sync_every", [1, 3, 8])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_static_and_default_paths_draw_the_same_tokens_in_float32(sync_every, temperature):
