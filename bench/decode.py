@@ -1,4 +1,4 @@
-"""The host's share of one decode step (issue 54): ms, aten ops, weight casts and host reads per step, on CPU.
+"""The host's share of one decode step: ms, aten ops, weight casts and host reads per step, on CPU.
 
 What this measures
 ------------------
@@ -27,9 +27,9 @@ each one device-to-host copy on a GPU) and, for ``generate``, the ops that read 
 Departures: the model is a random Qwen3 at Qwen3-1.7B's depth (28 layers) and toy width (hidden 64, 4 heads, 2
 KV heads, MLP 128, vocabulary 2,048), float32 weights under CPU bf16 autocast (the trainer's regime on a GPU); on
 a GPU the width adds compute that overlaps with the host's dispatch. The greedy tokens of all four are compared
-with generate's, and ``parity`` compares the static and default paths in float32 and under autocast, and (issue 54
-item 6) on a bf16 copy of the model the sampler's log-probs against a plain forward and the behaviour log-prob pass
-against the update pass.
+with generate's, and ``parity`` compares the static and default paths in float32 and under autocast, and (the
+bf16 tolerance row) on a bf16 copy of the model the sampler's log-probs against a plain forward and the behaviour
+log-prob pass against the update pass.
 
 Launch: ``OMP_NUM_THREADS=1 python -m bench.decode [--quick] [--rows 32] [--layers 28]`` (docs/RESULTS.md,
 "Decoding on a GPU", has the figures and the machine).
@@ -89,6 +89,60 @@ class OpCounter(TorchDispatchMode):
 
 def linear_weights(model) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-prob references (bench/gpu.py's sampler rows use them too)
+# ------------------------------------------------------------------------------------------------
+
+
+def teacher_forced(model, prompts, rolls, device, chunk: int = 8) -> torch.Tensor:
+    """|sampler log-prob - plain forward log-prob| of every sampled token: the model's own forward (full logits,
+    log_softmax) on prompt + the sampler's tokens, right-padded in chunks of rows. -> (N,) float32."""
+    diffs = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), chunk):
+            ps, rs = prompts[i: i + chunk], rolls[i: i + chunk]
+            width = max(len(p) + len(r.tokens) for p, r in zip(ps, rs))
+            ids = torch.zeros(len(ps), width, dtype=torch.long)
+            att = torch.zeros_like(ids)
+            for j, (p, r) in enumerate(zip(ps, rs)):
+                seq = p + r.tokens
+                ids[j, : len(seq)], att[j, : len(seq)] = torch.tensor(seq), 1
+            logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float(),
+                                     dim=-1)  # (b, W, V)
+            for j, (p, r) in enumerate(zip(ps, rs)):
+                pos = torch.arange(len(p) - 1, len(p) + len(r.tokens) - 1, device=device)  # predicting each token
+                ref = logp[j, pos, torch.tensor(r.tokens, device=device)]  # (len(r),)
+                diffs.append((ref.cpu() - r.logprobs).abs())
+    return torch.cat(diffs)
+
+
+def trainer_passes(model, prompts, rolls, device, *, behaviour_rows: int = 16,
+                   update_rows: int = 4) -> torch.Tensor:
+    """|behaviour log-prob - update log-prob| of every sampled token: what the trainer consumes (graft.py's
+    departure 7 recomputes the behaviour log-probs with a fresh forward; the sampler's own are never used in the
+    loss). The behaviour pass runs as Trainer.rollout runs it (no grad, micro-batches of --micro-batch-size 16 cut
+    by batches_by_length), the update pass as the loss does (grad enabled, micro-batches of the launcher's 4 in
+    rollout order). -> (N,) float32."""
+    from sampler import batches_by_length, response_logprobs
+    responses = [r.tokens for r in rolls]
+    pad = 0
+
+    def pass_(cuts, grad: bool) -> list[torch.Tensor]:
+        out: list = [None] * len(prompts)
+        with torch.set_grad_enabled(grad):
+            for idx in cuts:
+                lp, mask = response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx],
+                                             pad_token_id=pad)  # (b, T)
+                for j, i in enumerate(idx):
+                    out[i] = lp[j, : int(mask[j].sum())].detach().float().cpu()
+        return out
+
+    behaviour = pass_(batches_by_length(prompts, responses, behaviour_rows), grad=False)
+    update = pass_([list(range(i, min(i + update_rows, len(prompts)))) for i in range(0, len(prompts), update_rows)],
+                   grad=True)
+    return torch.cat([(a - b).abs() for a, b in zip(behaviour, update)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,10 +243,9 @@ def per_step(model, prompts, *, short: int, long: int, repeats: int) -> dict[str
 
 def parity(model, prompts, *, new: int) -> dict:
     """The static and default paths' greedy tokens, float32 (must be identical) and under bf16 autocast (round-off
-    of the static step's all-L attention may flip a near tie); and, on a bf16 copy of the model, issue 54 item 6:
-    the sampler's log-probs against a plain forward (what bench.gpu used to check) and the behaviour pass against
+    of the static step's all-L attention may flip a near tie); and, on a bf16 copy of the model (the bf16 tolerance
+    row): the sampler's log-probs against a plain forward (what bench.gpu used to check) and the behaviour pass against
     the update pass (what the trainer's ratio compares), mean |d logp| in nats."""
-    from bench.gpu import teacher_forced, trainer_passes
     never = model.config.vocab_size
     out = {}
     for amp in (False, True):
@@ -242,7 +295,8 @@ def main() -> None:
                                     if "host_ops_with_graph" in r else "")
         print(f"| {name} | {ms:.1f} ({' '.join(f'{x:.1f}' for x in r['ms'])}) | {ops} | {r['casts']:.1f} | "
               f"{r['reads']:.3f} | {r['tokens'] == ref} |", flush=True)
-    print(f"# parity, {args.rows} rows x {long} greedy tokens (static vs default path; item 6 on a bf16 copy, T=1):")
+    print(f"# parity, {args.rows} rows x {long} greedy tokens (static vs default path; the bf16 tolerance row on a "
+          f"bf16 copy, T=1):")
     for k, v in parity(model, prompts, new=long).items():
         print(f"  {k}: {v}", flush=True)
 

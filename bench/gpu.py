@@ -3,7 +3,7 @@
     python -m bench.gpu --tokenizers ../shared/tokenizers             # a GPU machine (qwen3/ and smollm3/ inside)
     python -m bench.gpu --tiny                                         # toy sizes on CPU (the test suite runs this)
     python -m bench.gpu --tokenizers DIR --budget 300 --only kernel,rollout --jsonl runs/bench_gpu.jsonl
-    python -m bench.gpu --tokenizers DIR --only sampler,launcher,profile     # issue 54's decode rows only
+    python -m bench.gpu --tokenizers DIR --only sampler,launcher,profile     # the decode rows only
 
 Every row is printed and appended to the JSONL file (--jsonl, default runs/bench_gpu.jsonl) the moment it is
 measured. Each part runs in its own try/except: an exception becomes a row (the error, its last frames, the peak
@@ -41,7 +41,7 @@ Parts, in this order (the cheap and decisive ones first):
 6. prefill: one prefill per prompt (share_prefix) on a GRPO rollout (32 prompts x 8, 256 rows in flight), bf16:
    tokens/s, peak, identical rows; the behaviour log-probs with and without sharing: time, peak, max difference.
 
-7. launcher (issue 54 item 5): the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
+7. launcher: the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
    float32 masters under bf16 autocast, 32 rows in flight (GEN_BATCH), --launch-rows rollouts at T=1 with a cap of
    --launch-cap and a long-tailed length distribution (stop ids drawn so that ~30% of rows reach the cap:
    ``tail_eos``; the measured share is printed), then the behaviour log-prob pass (micro-batches of 16 by length)
@@ -51,12 +51,12 @@ Parts, in this order (the cheap and decisive ones first):
    4,096 cap's width at 4.8 TB/s added as a named term), the pair at its slower side.
 8. profile: per decode step at 32 rows, fp32 + bf16 autocast: aten ops, weight casts, host reads (all devices)
    and, on CUDA, kernels launched from the host, CUDA graph launches, device-to-host copies and stream syncs
-   (torch.profiler), for the sampler before issue 54 (casts per step, a read per step), the default path with
+   (torch.profiler), for the sampler's old settings (casts per step, a read per step), the default path with
    static="off", and the static path.
 
 bf16 tolerance (rows 5-6): mean |d logp| <= 0.02 and max <= 0.25 nats, as tests/test_sampler.py's bf16 checks. Row
-5's check is the behaviour log-prob pass against the update pass, the two the trainer's ratio compares (issue 54
-item 6: it used to check the sampler's own log-probs against a plain forward, which the trainer never consumes,
+5's check is the behaviour log-prob pass against the update pass, the two the trainer's ratio compares (it
+used to check the sampler's own log-probs against a plain forward, which the trainer never consumes,
 and reported 0.022 on the H200; that figure is still printed, as sampler_vs_forward). The share of identical rows
 is reported, not checked (two bf16 paths with other batch shapes round differently, and a greedy argmax can flip on
 a near tie, after which a random model's rows part ways).
@@ -77,6 +77,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from bench.decode import OpCounter, linear_weights, teacher_forced, trainer_passes
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 BF16_MEAN, BF16_MAX = 0.02, 0.25  # nats: the bf16 tolerance of the module docstring
@@ -462,28 +464,6 @@ def generate_rows(model, prompts, *, new: int, eos: int, pad: int, device) -> li
     return rows
 
 
-def teacher_forced(model, prompts, rolls, device, chunk: int = 8) -> torch.Tensor:
-    """|sampler log-prob - plain forward log-prob| of every sampled token: the model's own forward (full logits,
-    log_softmax) on prompt + the sampler's tokens, right-padded in chunks of rows. -> (N,) float32."""
-    diffs = []
-    with torch.no_grad():
-        for i in range(0, len(prompts), chunk):
-            ps, rs = prompts[i: i + chunk], rolls[i: i + chunk]
-            width = max(len(p) + len(r.tokens) for p, r in zip(ps, rs))
-            ids = torch.zeros(len(ps), width, dtype=torch.long)
-            att = torch.zeros_like(ids)
-            for j, (p, r) in enumerate(zip(ps, rs)):
-                seq = p + r.tokens
-                ids[j, : len(seq)], att[j, : len(seq)] = torch.tensor(seq), 1
-            logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float(),
-                                     dim=-1)  # (b, W, V)
-            for j, (p, r) in enumerate(zip(ps, rs)):
-                pos = torch.arange(len(p) - 1, len(p) + len(r.tokens) - 1, device=device)  # predicting each token
-                ref = logp[j, pos, torch.tensor(r.tokens, device=device)]  # (len(r),)
-                diffs.append((ref.cpu() - r.logprobs).abs())
-    return torch.cat(diffs)
-
-
 def compare(ours, theirs) -> dict:
     """Share of identical rows and the first position where any row differs (None: all identical)."""
     same = [a == b for a, b in zip(ours, theirs)]
@@ -491,32 +471,6 @@ def compare(ours, theirs) -> dict:
               for a, b, s in zip(ours, theirs, same) if not s]
     return dict(identical=f"{sum(same)}/{len(same)}", first_divergence=min(firsts) if firsts else None,
                 all_identical=all(same))
-
-
-def trainer_passes(model, prompts, rolls, device, *, behaviour_rows: int = 16, update_rows: int = 4) -> torch.Tensor:
-    """|behaviour log-prob - update log-prob| of every sampled token: what the trainer consumes (graft.py's
-    departure 7 recomputes the behaviour log-probs with a fresh forward; the sampler's own are never used in the
-    loss). The behaviour pass runs as Trainer.rollout runs it (no grad, micro-batches of --micro-batch-size 16 cut
-    by batches_by_length), the update pass as the loss does (grad enabled, micro-batches of the launcher's 4 in
-    rollout order). -> (N,) float32."""
-    from sampler import batches_by_length, response_logprobs
-    responses = [r.tokens for r in rolls]
-    pad = 0
-
-    def pass_(cuts, grad: bool) -> list[torch.Tensor]:
-        out: list = [None] * len(prompts)
-        with torch.set_grad_enabled(grad):
-            for idx in cuts:
-                lp, mask = response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx],
-                                             pad_token_id=pad)  # (b, T)
-                for j, i in enumerate(idx):
-                    out[i] = lp[j, : int(mask[j].sum())].detach().float().cpu()
-        return out
-
-    behaviour = pass_(batches_by_length(prompts, responses, behaviour_rows), grad=False)
-    update = pass_([list(range(i, min(i + update_rows, len(prompts)))) for i in range(0, len(prompts), update_rows)],
-                   grad=True)
-    return torch.cat([(a - b).abs() for a, b in zip(behaviour, update)])
 
 
 def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
@@ -534,7 +488,7 @@ def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
     b.row("sampler", f"sampler vs generate, float32, batch {len(small)}, greedy (strict)", **cmp,
           ok=cmp["all_identical"])
     del m32
-    # bf16: by tolerance. Issue 54 item 6: the check used to be the sampler's log-probs against a plain forward
+    # bf16: by tolerance. The check used to be the sampler's log-probs against a plain forward
     # (mean 0.022 on the H200: FAILED), but the trainer never consumes the sampler's log-probs: it recomputes the
     # behaviour log-probs (graft.py departure 7), and its ratio compares them with the update pass's. The check is
     # now behaviour pass vs update pass; the sampler vs a plain forward is reported beside it, not checked.
@@ -736,8 +690,7 @@ def bench_profile(b: Bench, sz: dict, tok, tiny: bool) -> None:
     """Per decode step, eager (the default path) and static: aten ops, weight casts (a dispatch counter, as
     bench/decode.py), host reads (the sampler's count); on CUDA also kernels launched from the host, CUDA graph
     launches, device-to-host copies and stream syncs (torch.profiler), between two run lengths so the prefill
-    cancels. fp32 weights under bf16 autocast, 32 rows in flight, the before-issue-54 settings beside them."""
-    from bench.decode import OpCounter, linear_weights
+    cancels. fp32 weights under bf16 autocast, 32 rows in flight, the old settings beside them."""
     from sampler import sample
     device = b.device
     rows, short, long = (4, 8, 24) if tiny else (32, 16, 80)

@@ -262,9 +262,9 @@ def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
     smoke = by["smoke"][0]
     assert smoke["ok"] and all(s["steps"] == [0, 1] and s["evaluated"] for s in smoke["sides"].values()), smoke
     assert by["sampler"][0]["all_identical"], by["sampler"][0]  # float32: strict identity with generate
-    # issue 54 item 6: the bf16 check is the behaviour pass against the update pass (what the trainer consumes)
+    # the bf16 check is the behaviour pass against the update pass (what the trainer consumes)
     assert by["sampler"][1]["behaviour_vs_update_mean"] <= 0.02 and "sampler_vs_forward_mean" in by["sampler"][1]
-    # item 5: the projection's arithmetic from its own per-side terms (174 steps x 8 GPUs, the slower side)
+    # the launcher part: the projection's arithmetic from its own per-side terms (174 steps x 8 GPUs, the slower side)
     proj = by["launcher"][2]
     step = max(v["step_s"] for v in proj["per_side"].values())
     assert proj["gpu_hours"] == pytest.approx(174 * step * 8 / 3600, abs=0.1)
