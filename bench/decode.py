@@ -7,8 +7,8 @@ kernel launch the GPU waits for, every weight cast a kernel and a pass over the 
 a stall of the whole queue. On a CPU with a model at real depth but toy width the compute is negligible, so the
 time per step is the host's share and the op count is the launch count. Four ways to run the same greedy decode:
 
-* ``sampler, before``: ``sample(static="off", cast_once=False, sync_every=1)``, the sampler as it was before issue
-  54's change: autocast re-casts every float32 Linear weight on every step (under ``torch.inference_mode`` it
+* ``sampler, before``: ``sample(static="off", cast_once=False, sync_every=1)``, the sampler's old settings
+  (before departures 15 and 16): autocast re-casts every float32 Linear weight on every step (under ``torch.inference_mode`` it
   caches nothing) and the host reads the finished rows every step;
 * ``sampler, default path``: ``sample(static="off")``: weights cast once per call (sampler.py departure 16),
   ended rows read every 8 steps (departure 15);
