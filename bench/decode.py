@@ -8,8 +8,8 @@ a stall of the whole queue. On a CPU with a model at real depth but toy width th
 time per step is the host's share and the op count is the launch count. Four ways to run the same greedy decode:
 
 * ``sampler, before``: ``sample(static="off", cast_once=False, sync_every=1)``, the sampler's old settings
-  (before departures 15 and 16): autocast re-casts every float32 Linear weight on every step (under ``torch.inference_mode`` it
-  caches nothing) and the host reads the finished rows every step;
+  (before departures 15 and 16): autocast re-casts every float32 Linear weight on every step (under
+  ``torch.inference_mode`` it caches nothing) and the host reads the finished rows every step;
 * ``sampler, default path``: ``sample(static="off")``: weights cast once per call (sampler.py departure 16),
   ended rows read every 8 steps (departure 15);
 * ``sampler, static path``: ``sample(static="on")``: the fixed-shape step that CUDA captures as a graph (departure
