@@ -791,6 +791,49 @@ def test_static_warm_up_leaves_the_state_as_it_found_it(monkeypatch):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(warmed, plain))
 
 
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops dispatched while ``inside`` is set that a CUDA graph cannot hold: reads of a value by the
+    host and ops whose output shape depends on the data."""
+
+    BAD = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "masked_select", "unique", "_unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.ops, self.bad = False, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside:
+            self.ops += 1
+            if func.overloadpacket.__name__ in self.BAD:
+                self.bad.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("temperature,top_p,attn", [(0.0, 1.0, "sdpa"), (1.0, 1.0, "sdpa"), (0.7, 1.0, "eager")])
+def test_the_captured_step_reads_nothing_on_the_host(monkeypatch, temperature, top_p, attn):
+    # departures 10 and 15: what CUDA captures (_StaticStep._captured: the draw, the forward, the bookkeeping) must
+    # not read a value back to the host or make a data-dependent shape, or the capture fails; checked on CPU by
+    # watching every op dispatched inside it, with refills and rows ending at EOS and at the cap
+    model = tiny_model("qwen3" if attn == "sdpa" else "llama", seed=14, attn=attn)
+    mode = _HostReads()
+    real = sampler._StaticStep._captured
+
+    def watched(self):
+        mode.inside = True
+        try:
+            return real(self)
+        finally:
+            mode.inside = False
+
+    monkeypatch.setattr(sampler._StaticStep, "_captured", watched)
+    with mode:
+        rolls = sample(model, PROMPTS * 2, max_new_tokens=9, temperature=temperature, top_p=top_p,
+                       eos_token_id=[1, 2, 3], max_batch_size=3, min_refill=1, static="on",
+                       generator=torch.Generator().manual_seed(0))
+    assert mode.ops > 0 and mode.bad == [], mode.bad[:5]
+    assert len({len(r.tokens) for r in rolls}) > 1 or temperature == 0
+
+
 class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts aten ops, and the casts (``to`` / ``_to_copy``) whose input is one of the given weights' storage."""
 
