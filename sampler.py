@@ -113,8 +113,9 @@ Departures and shortcuts (read these before copying)
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
    there is no graph and the static step's all-L attention costs more; "on" refuses them with a ValueError. On CPU
-   the static step runs eagerly: tested there for parity with the default path, and the warm-up that precedes a
-   capture is tested to leave the state as it found it; the capture itself and its speed are measured only by
+   the static step runs eagerly: tested there for parity with the default path, the body a capture records is
+   watched to dispatch no host read and no data-dependent shape, and the warm-up that precedes a capture is tested
+   to leave the state as it found it; the capture itself and its speed are measured only by
    ``python -m bench.gpu`` on a GPU (none was lent to this change: see docs/RESULTS.md, Decoding on a GPU).
 11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
    each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
