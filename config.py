@@ -140,8 +140,8 @@ class Config:
     """auto (fp32 weights + bf16 autocast on GPU, fp32 on CPU) | float32 | bfloat16 (bf16 weights, less memory)."""
     gen_batch_size: int = 256
     """Rows in flight in the sampler at most (bounds the KV cache; finished rows are refilled; typ. 64-512)."""
-    static_decode: bool = False
-    """Sampler's static-shape decode (preallocated KV cache, CUDA graph on GPU); unmeasured on GPU, so off."""
+    static_decode: Literal["auto", "on", "off"] = "auto"
+    """CUDA-graph decode (sampler.py departure 10): auto = on CUDA for full-attention models; bare flag = on."""
     share_prefix: bool = True
     """Run each prompt once for its n samples and their log-prob passes (sampler.py departure 11)."""
     micro_batch_size: int = 16
@@ -326,6 +326,11 @@ def add_config_flags(parser: argparse.ArgumentParser, names: list[str], *,
         if isinstance(f.default, bool):
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=help_)
+        elif {"on", "off"} <= set(CHOICES.get(name, ())):
+            # an on/off/auto switch: --x alone means on (as a bool flag would), --x VALUE any choice, --no-x off
+            parser.add_argument(*flags, dest=name, nargs="?", const="on", default=f.default, help=help_)
+            parser.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_const", const="off",
+                                help=argparse.SUPPRESS)
         elif f.default is dataclasses.MISSING:  # a list field (--stop): repeat the flag for each item
             parser.add_argument(*flags, dest=name, action="append", default=f.default_factory(), metavar="STR",
                                 help=help_)

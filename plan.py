@@ -9,7 +9,8 @@ torch.distributed._tools.mem_tracker.MemTracker records the peak and what held i
 optimizer state, activations). The phases, at the worst case the flags allow (every row at the longest
 prompt + the cap):
 
-    rollout      the state (weights, gradients and AdamW moments kept from the last step) + the prefill of
+    rollout      the state (weights, gradients and AdamW moments kept from the last step) + the sampler's bf16
+                 copy of the Linear weights under autocast (sampler.py departure 16) + the prefill of
                  --gen-batch-size rows + the KV cache of those rows at full length, in the bytes per token the
                  sampler really stores (kv_bytes_per_token: sampler.sample run on a narrow model of the same
                  family, its cache read back; nothing computed from the config)
@@ -64,7 +65,7 @@ import torch
 
 from config import Config  # the train flags; plan.py adds none of its own
 from runtime import adamw_kernel, encode_prompt, eval_rows  # the trainer's choices, read where they live
-from sampler import response_logprobs, sample  # the code whose memory is measured
+from sampler import cast_weights_once, response_logprobs, sample  # the code whose memory is measured
 
 GIB = 1024 ** 3
 MARGIN = 0.95
@@ -161,7 +162,7 @@ def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return []
 
 
-def kv_bytes_per_token(config, *, autocast: bool, static: bool = False,
+def kv_bytes_per_token(config, *, autocast: bool, static: bool | str = False,
                        dtype: torch.dtype = torch.float32) -> tuple[int, str]:
     """Bytes of KV cache per token that sampler.sample stores for this config, and their dtypes ("K float32,
     V bfloat16"): the sampler runs (2 prompts, 2 new tokens) on a random model with the config's layers, KV heads
@@ -232,6 +233,8 @@ class Measured:
     step_temp: int  # the AdamW step's temporaries above the state
     prefill_act: int  # the rollout's prefill of all rows: peak above weights and its own cache
     eval_prefill_act: int  # the same at the evaluation's shapes and precision
+    cast_copy: int  # the sampler's copy of the Linear weights cast once under autocast (rollout; 0 without autocast)
+    eval_cast_copy: int  # the same in the evaluation's precision
     kv_token: int  # sampler's KV bytes per token under autocast (rollout)
     kv_dtypes: str
     eval_kv_token: int  # the same in the evaluation's precision
@@ -340,6 +343,12 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
                 run.kv = sum(k.nbytes + v.nbytes for k, v in _cache_tensors(cache))
             return run
 
+        # the bf16 copy sample() makes of the Linear weights under autocast (sampler.py departure 16), read from the
+        # same context manager on the fake model (tied weights counted once)
+        with amp(cfg.dtype == "auto"), cast_weights_once(model, torch.device("cpu")) as cast_copy:
+            pass
+        with amp(cfg.dtype == "auto" and EVAL_AUTOCAST), cast_weights_once(model, torch.device("cpu")) as eval_cast:
+            pass
         model.train()
         logprob_peak = _tracked(logprob_pass, model, opt)["Total"]
         update_peak = _tracked(forward_backward, model, opt)["Total"]
@@ -354,8 +363,8 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
                     grads=params, opt_state=state - 2 * params, logprob_act=logprob_peak - state,
                     update_act=update_peak - state, step_temp=step_peak - state,
                     prefill_act=roll_peak - state - roll.kv, eval_prefill_act=eval_peak - state - ev.kv,
-                    kv_token=kv_token, kv_dtypes=kv_dtypes, eval_kv_token=eval_kv, eval_kv_dtypes=eval_dtypes,
-                    seconds=0.0)
+                    cast_copy=cast_copy, eval_cast_copy=eval_cast if cfg.eval_every else 0, kv_token=kv_token,
+                    kv_dtypes=kv_dtypes, eval_kv_token=eval_kv, eval_kv_dtypes=eval_dtypes, seconds=0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,13 +399,14 @@ def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt
     eval_kv = eval_rows(cfg) * (eval_prompt_len + eval_cap) * m.eval_kv_token  # Trainer.validate's row budget
     units = {"gathered root + 2 layers + 1 layer's grads": m.root_params + 3 * m.layer_params} if cfg.fsdp else {}
     out = [
-        Phase("rollout", state | gathered | {"prefill activations": m.prefill_act, "KV cache": kv},
-              "--gen-batch-size"),
+        Phase("rollout", state | gathered | {"bf16 sampling copy": m.cast_copy, "prefill activations": m.prefill_act,
+                                             "KV cache": kv}, "--gen-batch-size"),
         Phase("logprob", state | gathered | {"activations": m.logprob_act}, "--micro-batch-size"),
         Phase("update", state | units | {"activations": m.update_act},
               "--micro-batch-size" if cfg.gradient_checkpointing else "--gradient-checkpointing"),
         Phase("optimizer step", state | {"AdamW temporaries": m.step_temp // r}, "--fsdp"),
-        Phase("evaluation", state | gathered | {"prefill activations": m.eval_prefill_act, "KV cache": eval_kv},
+        Phase("evaluation", state | gathered | {"bf16 sampling copy": m.eval_cast_copy,
+                                                "prefill activations": m.eval_prefill_act, "KV cache": eval_kv},
               "--gen-batch-size"),
     ]
     if cfg.fsdp:

@@ -36,11 +36,16 @@ API
     when it stopped on one), (len(tokens),) float32 CPU log-probs; ``finish`` says how it ended: "eos", "stop" or
     "length".
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
-         generator=None, max_batch_size=None, min_refill=None, static=False, share_prefix=True, stop_strings=None,
-         tokenizer=None, progress=False, stats=None, max_cache_bytes=None)``
+         generator=None, max_batch_size=None, min_refill=None, static="auto", share_prefix=True, stop_strings=None,
+         tokenizer=None, progress=False, stats=None, max_cache_bytes=None, sync_every=8, cast_once=True)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
     most ``max_batch_size`` rows in flight; rows that finish (EOS, a stop string, the cap) leave the batch and
     waiting prompts take their places.
+``resolve_static(static, model, device) -> True | "auto" | False``
+    which decode path ``sample`` takes for ``static`` ("auto", "on", "off") on this model and device (departure 10).
+``with cast_weights_once(model, device) as nbytes:``
+    under autocast, the model's float32 nn.Linear weights served as autocast-dtype copies for the block (departure
+    16); nbytes: the copies' bytes (plan.py counts them).
 
 Departures and shortcuts (read these before copying)
 ----------------------------------------------------
@@ -101,15 +106,22 @@ Departures and shortcuts (read these before copying)
    untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
    would produce, minus the per-step cost. Other attention implementations get the 2D mask.
 9. ``pad_token_id`` defaults to 0 in ``sample``: padding is masked out, so any id in [0, V) gives the same result.
-10. ``static=True``: each of the S = max_batch_size slots owns a preallocated (L = longest prompt + max_new_tokens)
-   stretch of KV cache, written from column 0; a decode step runs all S slots over all L columns with a mask, so its
-   shapes never change, and on CUDA it is captured once as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed.
-   Refill prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L
-   columns whatever the rows' lengths, as gpt-fast's static cache) and attention over all L columns every step.
-   Supports full-attention models with sdpa or eager attention; a model with a sliding-window layer is refused with a
-   ValueError (its slots would need a second, windowed mask per step and layer type, and its prefill an untrimmed
-   cache). On CPU it runs the same step eagerly: tested there for parity with the default path; the graph capture and
-   its speed are not yet measured on a GPU.
+10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere): each of the S =
+   max_batch_size slots owns a preallocated (L = longest prompt + max_new_tokens) stretch of KV cache, written from
+   column 0; a decode step draws every slot's next token and runs all S slots over all L columns with a mask, so its
+   shapes never change, and on CUDA the whole step (the draw at any temperature with top-p = 1, the forward, the
+   bookkeeping) is captured once per call as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed; with top-p < 1
+   the draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's word). Refill
+   prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L columns
+   whatever the rows' lengths, as gpt-fast's static cache; ``max_cache_bytes`` cuts S to a budget) and attention
+   over all L columns every step. One graph per call at S slots: no buckets, so a tail of few rows still runs S.
+   Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
+   (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
+   there is no graph and the static step's all-L attention costs more; "on" refuses them with a ValueError. On CPU
+   the static step runs eagerly: tested there for parity with the default path, the body a capture records is
+   watched to dispatch no host read and no data-dependent shape, and the warm-up that precedes a capture is tested
+   to leave the state as it found it; the capture itself and its speed are measured only by
+   ``python -m bench.gpu`` on a GPU (none was lent to this change: see docs/RESULTS.md, Decoding on a GPU).
 11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
    each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
    prefills each distinct prompt of a refill once; every copy gets its own copy of the prompt's cache rows (so the
@@ -135,8 +147,8 @@ Departures and shortcuts (read these before copying)
    one ``batch_decode``, only each running row's last k tokens that carry text, k = the longest string's UTF-8
    length + 1 (every such token adds at least one byte, so the window holds the whole of any string the new token
    completes, and an earlier occurrence would have stopped the row earlier); special tokens that the decode skips
-   are left out of the window. It needs the drawn tokens on the host every step: one transfer, which replaces the
-   step's ``done.any()`` sync. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
+   are left out of the window. It needs the drawn tokens on the host every step: one transfer, departure 16's read made
+   every step. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
    (tested on the architecture sweep with the real Qwen3, SmolLM3 and Llama-3.2 tokenizers). Without stop strings
    none of this runs (``bench_sampler.py --only stop``).
 13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes
@@ -171,6 +183,21 @@ Departures and shortcuts (read these before copying)
    as the naive path rounds g (onehot - p); the weight gradient of a slice is one matmul over all N rows when the
    logits are kept (a float32 sum of per-chunk bf16 products when recomputing, as before).
 
+16. No host read inside a decode step. ``_Run.draw`` writes each drawn token and its log-prob into device buffers
+   and records on the device when a row ends (EOS or the cap); the host reads which rows have ended in one
+   device-to-host copy every ``sync_every`` = 8 steps (and when every row has drawn the cap), not every step. A
+   row that ended keeps running until that read: up to sync_every - 1 wasted row-steps each, whose draws are never
+   read (the buffers and each row's cache room hold max_new_tokens + sync_every columns). Refills wait for a read
+   too. With stop strings the tokens must reach the host every step to be decoded (departure 12), so the read is
+   every step there: checking stop strings without that is not done.
+17. Sampling weights cast once. Under autocast with float32 weights (the trainer's regime on a GPU), every
+   nn.Linear weight is cast to autocast's dtype once per ``sample`` call (``cast_weights_once``) and the layers read
+   that copy. Under ``torch.inference_mode`` autocast caches no casts, so before this every decode step re-cast every
+   weight (``python -m bench.decode`` counts the casts per step). The operands of every matmul are the same
+   values as autocast's own casts, so tokens and log-probs are unchanged (tested); the price is a bf16 copy of the
+   Linear weights for the duration of the call (plan.py's ``bf16 sampling copy`` term). Not refreshed after each
+   optimizer step as a kept copy would be: the cast runs at each call, one pass over the weights per rollout.
+
 Benchmark
 ---------
 ``python -m bench.sampler [--quick]`` prints peak memory, time and error of ``token_logprobs`` against the naive
@@ -184,10 +211,13 @@ strings against the copy before stop strings existed, side by side, and what a s
 peak memory of ``token_logprobs`` (kept and recomputed logits) beside the naive path and another copy, on fake
 tensors at the H200 row's shape, a roofline projection of GPU time, and CPU time at a small shape (direction only);
 ``python -m bench.gpu --only kernel`` times it on a GPU.
+``python -m bench.decode`` measures departures 10, 16 and 17 on the host: one decode step at real depth and toy
+width (ms, aten ops, weight casts, host reads per step), default path vs static vs ``generate``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -198,7 +228,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "Rollout"]
+__all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "resolve_static",
+           "cast_weights_once", "Rollout"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1051,12 +1082,15 @@ class _StopStrings:
 class _Run:
     """What every decode loop shares: the settings, the queue of prompts not started yet, and the draws so far.
 
-    Each draw appends four (B_alive,) tensors (original row, index of the token in its response, token, log-prob);
-    one scatter at the end assembles them, instead of indexed writes into output buffers on every step."""
+    The draws live on the device: ``draw`` writes each token and its log-prob into (B + 1, max_new_tokens +
+    sync_every) buffers at (row, index in its response) and records on the device when a row ends (EOS or the
+    cap), so a decode step needs nothing from the host. ``check`` reads which rows have ended, one device-to-host
+    copy, every ``sync_every`` steps (departure 16). Row B is a trash row: the static path's free slots draw into
+    it (duplicate writes there are never read)."""
 
     prompts: list[list[int]]
     head: _Head  # lm_head weight (V, H) and the transform of its output
-    seeds: torch.Tensor  # (B,) int64, one per prompt
+    seeds: torch.Tensor  # (B,) int64, one per prompt (B + 1 after __post_init__: the trash row's seed appended)
     eos: torch.Tensor  # (E,) long
     max_new_tokens: int
     temperature: float
@@ -1065,13 +1099,15 @@ class _Run:
     min_refill: int  # free slots that trigger a refill while rows are still running
     keys: list[int] | None = None  # per row, the first row with the same prompt ids (departure 11); None: no sharing
     stops: _StopStrings | None = None  # stop strings (departure 12); None: EOS and the cap only
+    sync_every: int = 8  # decode steps between host reads of the ended rows (departure 16); 1 with stop strings
     bar: object = None
     queue: list[int] | None = None  # prompt indices not started yet, in order (consumed from the front)
-    draws: list | None = None
     out_len: list[int] | None = None
     ended: list[bool] | None = None
     stopped: list | None = None  # per row, the stop string that ended it (None: EOS or the cap)
     forward_calls: int = 0  # prefill + decode calls of the model body (the benchmark's GPU cost proxy)
+    decode_steps: int = 0  # decode calls of the model body
+    host_reads: int = 0  # device-to-host reads of the ended rows (``check``), the decode loop's only syncs
     prefill_tokens: int = 0  # prompt tokens (padding excluded) fed to the model body
     pending: dict | None = None  # prompt key -> its rows not taken yet (sharing only)
     stash: object = None  # prefilled prompts whose copies still wait in the queue (sharing only; per decode loop)
@@ -1087,8 +1123,24 @@ class _Run:
             for k in self.keys:
                 self.pending[k] = self.pending.get(k, 0) + 1
         self.queue = order[::-1]  # reversed: pop() takes the next prompt in order
-        self.draws, self.out_len, self.ended = [], [0] * len(self.prompts), [False] * len(self.prompts)
-        self.stopped = [None] * len(self.prompts)
+        n_rows, device = len(self.prompts), self.seeds.device
+        self.out_len, self.ended = [0] * n_rows, [False] * n_rows
+        self.stopped = [None] * n_rows
+        if self.stops is not None:
+            self.sync_every = 1  # the stop check needs every step's tokens on the host anyway
+        self.trash = n_rows  # the row index free static slots draw into
+        self.seeds = torch.cat([self.seeds, self.seeds.new_zeros(1)])  # (B + 1,)
+        # a row can draw up to sync_every - 1 tokens past its end before the host sees it ended: room for them
+        self.width = self.max_new_tokens + self.sync_every
+        self.out_tokens = torch.zeros(n_rows + 1, self.width, dtype=torch.long, device=device)  # (B + 1, W)
+        self.out_logp = torch.zeros(n_rows + 1, self.width, dtype=torch.float32, device=device)  # (B + 1, W)
+        self.end_len = torch.zeros(n_rows + 1, dtype=torch.long, device=device)  # (B + 1,) 0 while running
+        self.end_eos = torch.zeros(n_rows + 1, dtype=torch.bool, device=device)  # (B + 1,) ended at EOS
+
+    @property
+    def room(self) -> int:
+        """Cache columns a row may write after its prompt: the cap, plus the steps it may run past its end."""
+        return self.max_new_tokens + self.sync_every
 
     def share(self, rows: list[int]) -> list[int]:
         """The prompt keys of the rows just taken (departure 11); each key's count of rows still queued drops."""
@@ -1111,49 +1163,51 @@ class _Run:
             return []
         return [self.queue.pop() for _ in range(want)]
 
-    def draw(self, hidden: torch.Tensor, rows: torch.Tensor, n_out: torch.Tensor, may_cap: bool):
-        """Draw the next token of each running row. hidden (A, H), rows (A,) original row ids, n_out (A,) tokens
-        drawn so far; may_cap: whether some row can reach max_new_tokens now (known on the host, so the check is
-        skipped otherwise) -> tokens (A,), done (A,) bool (EOS drawn or the cap reached), is_eos (A,) bool."""
+    def draw(self, hidden: torch.Tensor, rows: torch.Tensor, n_out: torch.Tensor) -> torch.Tensor:
+        """Draw the next token of each row, entirely on the device (no host read: the static path captures it in
+        its CUDA graph). hidden (A, H), rows (A,) original row ids (the trash row for free slots), n_out (A,)
+        tokens drawn so far -> tokens (A,). Writes each token and log-prob at (row, n_out) and, for a row that
+        ends now (EOS, or its max_new_tokens-th token), its length and whether it was EOS."""
         logits = torch.mm(hidden, self.head.weight.t()).float()  # (A, V), the same expressions token_logprobs uses
         logits = _head_transform_(logits, self.head.logit_scale, self.head.softcap)  # the model's own logits
         u = None if self.temperature == 0 else _uniforms(self.seeds[rows], n_out)  # (A,)
         tokens, logp = _draw(logits, self.temperature, self.top_p, u)  # (A,), (A,)
-        self.draws.append((rows, n_out, tokens, logp))
-        is_eos = tokens == self.eos[0] if len(self.eos) == 1 else torch.isin(tokens, self.eos)  # (A,)
-        return tokens, (is_eos | (n_out + 1 >= self.max_new_tokens)) if may_cap else is_eos, is_eos
+        col = n_out.clamp(max=self.width - 1)  # (A,) only free slots and rows long past their end get clamped
+        self.out_tokens[rows, col] = tokens
+        self.out_logp[rows, col] = logp
+        is_eos = (tokens.unsqueeze(1) == self.eos).any(dim=1)  # (A,) a compare, not isin: nothing to sync
+        ended = self.end_len[rows]  # (A,)
+        now = (ended == 0) & (is_eos | (n_out + 1 >= self.max_new_tokens))  # (A,) rows that end with this token
+        self.end_len[rows] = torch.where(now, n_out + 1, ended)
+        self.end_eos[rows] = self.end_eos[rows] | (now & is_eos)
+        return tokens
 
-    def finish(self, rows: list[int], n_out: list[int], tokens: torch.Tensor, done: torch.Tensor,
-               is_eos: torch.Tensor) -> list[bool] | None:
-        """Record the rows that just finished. rows, n_out: host lists (A,); tokens (A,), done, is_eos (A,) bool on
-        the device. Called when done.any(), or on every step with stop strings. Returns which rows finished as a
-        host list, or None when none did (with stop strings only)."""
+    def check(self, rows: list[int], rows_t: torch.Tensor, n_out: list[int], tokens: torch.Tensor | None
+              ) -> list[bool]:
+        """Which running rows have ended, read from the device in one transfer (departure 16). rows: host list (A,)
+        of original row ids, rows_t the same on the device; n_out: host list (A,) of tokens each row has drawn;
+        tokens (A,): the tokens drawn at this step (needed with stop strings only, whose check runs every step).
+        Records the ended rows' lengths and how they ended; returns a host list (A,) of ended flags."""
+        self.host_reads += 1
         if self.stops is None:
-            done_h, eos_h = torch.stack([done, is_eos]).tolist()  # one transfer
+            end_h, eos_h = torch.stack([self.end_len[rows_t], self.end_eos[rows_t].long()]).tolist()  # one transfer
             hits = [None] * len(rows)
-        else:  # departure 12: the tokens come over on every step (one transfer, in place of the done.any() sync)
-            toks, done_h, eos_h = torch.stack([tokens, done.long(), is_eos.long()]).tolist()
+        else:  # departure 12: the tokens come over on every step too, in the same transfer
+            toks, end_h, eos_h = torch.stack([tokens, self.end_len[rows_t], self.end_eos[rows_t].long()]).tolist()
             hits = self.stops.scan(rows, toks, eos_h)
-            done_h = [bool(d) or h is not None for d, h in zip(done_h, hits)]
-            if not any(done_h):
-                return None
-        for r, n, d, e, h in zip(rows, n_out, done_h, eos_h, hits):
+        done = [e > 0 or h is not None for e, h in zip(end_h, hits)]
+        for r, n, d, e, x, h in zip(rows, n_out, done, end_h, eos_h, hits):
             if d:
-                self.out_len[r], self.ended[r], self.stopped[r] = n + 1, bool(e), h
+                self.out_len[r], self.ended[r], self.stopped[r] = (e if e > 0 else n), bool(x), h
                 if self.stops is not None:
                     self.stops.forget(r)
         if self.bar is not None:
-            self.bar.update(sum(done_h))
-        return done_h
+            self.bar.update(sum(done))
+        return done
 
-    def rollouts(self, device) -> list[Rollout]:
+    def rollouts(self) -> list[Rollout]:
         n_rows = len(self.prompts)
-        rows, cols, toks, logps = (torch.cat(x) for x in zip(*self.draws))  # (sum of A,) each
-        out_tokens = torch.zeros(n_rows, self.max_new_tokens, dtype=torch.long, device=device)  # (B, max_new)
-        out_logp = torch.zeros(n_rows, self.max_new_tokens, dtype=torch.float32, device=device)  # (B, max_new)
-        out_tokens[rows, cols] = toks
-        out_logp[rows, cols] = logps
-        tokens_cpu, logp_cpu = out_tokens.cpu(), out_logp.cpu()
+        tokens_cpu, logp_cpu = self.out_tokens[:n_rows].cpu(), self.out_logp[:n_rows].cpu()
         out = []
         for i in range(n_rows):
             n = self.out_len[i]
@@ -1161,6 +1215,79 @@ class _Run:
                                                      or n == self.max_new_tokens), f"row {i}: {n} tokens"
             out.append(Rollout(tokens_cpu[i, :n].tolist(), logp_cpu[i, :n].clone(), self.ended[i], self.stopped[i]))
         return out
+
+
+def resolve_static(static, model, device: torch.device, windows: list[int | None] | None = None) -> bool | str:
+    """sample()'s ``static`` resolved for this model and device (departure 10): True for the static path, False
+    for the default one, "auto" when auto chose the static path (it may still fall back if the cache budget holds
+    no slot). "on" / True on a model the static path cannot run raises a ValueError naming the config field.
+
+    The static path (and so its CUDA graph) needs every layer to be full attention, with sdpa or eager attention:
+    its per-slot mask is one (S, 1, 1, L) mask for every layer. Sliding-window layers (Mistral, Gemma-2/3,
+    Cohere-2, Qwen's max_window_layers) would need a second, windowed mask per layer type and a prefill whose cache
+    is not trimmed to the window; hybrid models with recurrent or chunked-attention layers keep state that is not a
+    slot of K/V; flash-attention and flex kernels take their masks in other forms. These run the default path, and
+    "auto" picks it for them, as on CPU, where there is no graph to capture and the static path's attention over all
+    L columns per slot costs more than the default path's (bench/sampler.py --only tiny-eval)."""
+    windows = _layer_windows(model.config) if windows is None else windows
+    if static is True or static == "on":
+        if windows is None or any(w is not None for w in windows):
+            raise ValueError(f"sampler.py sample(): static=True needs full attention in every layer; "
+                             f"{type(model).__name__} has sliding-window or other layers (config.sliding_window="
+                             f"{getattr(model.config, 'sliding_window', None)}, config.layer_types="
+                             f"{getattr(model.config, 'layer_types', None)}); the default path (static='off') "
+                             f"supports sliding windows")
+        if model.config._attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"sampler.py sample(): static=True supports sdpa and eager attention, not "
+                             f"{model.config._attn_implementation!r}")
+        return True
+    if static is False or static == "off":
+        return False
+    if static != "auto":
+        raise ValueError(f"sampler.py sample(): static must be 'auto', 'on', 'off', True or False, got {static!r}")
+    capturable = (windows is not None and all(w is None for w in windows)
+                  and model.config._attn_implementation in ("sdpa", "eager"))
+    return "auto" if torch.device(device).type == "cuda" and capturable else False
+
+
+# With static="auto" and no max_cache_bytes, the static path's preallocated K/V may take this share of the device's
+# free memory at the call (the rest for the prefill's activations and the logits), as runtime.kv_budget gives it.
+_AUTO_CACHE_SHARE = 0.8
+
+
+@contextlib.contextmanager
+def cast_weights_once(model, device: torch.device, *, enabled: bool = True):
+    """Departure 16: while autocast is on for the device, every nn.Linear whose weight is float32 serves a copy of
+    it in autocast's dtype for the block (cast once here), then gets its own weight back. Yields the bytes cast.
+
+    Why: the decode loop runs under ``torch.inference_mode``, where autocast keeps no cache of weight casts, so
+    without this every decode step re-casts every float32 weight (one cast per matmul: ~200 kernels and ~10 GB of
+    traffic per step for Qwen3-1.7B; ``bench/decode.py`` counts them). Autocast's cast of a float32 tensor is the
+    same rounding as ``.to()``, and autocast leaves a tensor already in its dtype alone, so every matmul sees the
+    same operands as before: the same tokens and log-probs (tested). Only nn.Linear weights are swapped (those are
+    what autocast casts; norms and embeddings stay float32 as autocast leaves them), per module, so a tied
+    embedding keeps its float32 table while the lm_head reads the copy. Weights used through other ops (MoE experts
+    held as bare Parameters) are still cast per step by autocast. Memory: one copy of the Linear weights in 2 bytes
+    per parameter for the call (plan.py counts it); FSDP2's sharded DTensor parameters are left alone."""
+    if not enabled or not torch.is_autocast_enabled(device.type):
+        yield 0
+        return
+    dtype = torch.get_autocast_dtype(device.type)
+    casts: dict[int, torch.Tensor] = {}
+    swapped = []
+    for module in model.modules():
+        weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
+        if weight is None or weight.dtype != torch.float32 or type(weight.data).__name__ == "DTensor":
+            continue
+        if id(weight) not in casts:
+            casts[id(weight)] = weight.detach().to(dtype)
+        swapped.append((module, weight))
+        module._parameters["weight"] = casts[id(weight)]  # not a Parameter: the block runs without grad
+    try:
+        yield sum(c.numel() * c.element_size() for c in casts.values())
+    finally:
+        for module, weight in swapped:
+            module._parameters["weight"] = weight
 
 
 def _stop_strings(stop_strings, tokenizer) -> _StopStrings | None:
@@ -1189,13 +1316,15 @@ def sample(
     generator: torch.Generator | None = None,
     max_batch_size: int | None = None,
     min_refill: int | None = None,
-    static: bool = False,
+    static: bool | str = "auto",
     share_prefix: bool = True,
     stop_strings: str | list[str] | None = None,
     tokenizer=None,
     progress: bool = False,
     stats: dict | None = None,
     max_cache_bytes: int | None = None,
+    sync_every: int = 8,
+    cast_once: bool = True,
 ) -> list[Rollout]:
     """Sample one response per prompt from a transformers causal LM, with continuous batching.
 
@@ -1214,8 +1343,11 @@ def sample(
             waiting prompts take their places (departure 6).
         min_refill: while rows are running, waiting prompts are prefilled only once this many slots are free (or the
             whole queue fits), so that one prefill call serves several; default max(1, max_batch_size // 8).
-        static: the static-shape decode path (departure 10): a preallocated per-slot KV cache and a fixed-shape decode
-            step, captured as a CUDA graph on CUDA. Same results as the default path up to float round-off.
+        static: "auto" (default), "on" / True or "off" / False: the static-shape decode path (departure 10), a
+            preallocated per-slot KV cache and a fixed-shape decode step captured as a CUDA graph on CUDA. "auto"
+            takes it on CUDA for models it supports (every layer full attention, sdpa or eager attention) when
+            max_cache_bytes holds a slot, the default path elsewhere (``resolve_static``). Same results as the
+            default path up to float round-off.
         share_prefix: rows with the same prompt ids share one prefill (departure 11); same results as False up to
             float round-off. Only for models whose layers all use full or sliding-window attention.
         stop_strings: a string or a list of them (departure 12): a row ends at the first token after which its
@@ -1227,9 +1359,16 @@ def sample(
             ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded); ``stats["kv_dtypes"]`` the
             (K, V) dtypes of the cache (its first layer) and ``stats["kv_bytes_per_token"]`` the bytes one token's K
             and V take over all layers, both read off the stored tensors (departure 13); with static=True,
-            ``stats["slots"]`` the slot count S.
-        max_cache_bytes: with static=True, the bytes the preallocated K/V may take: the slot count is cut to fit
-            (departure 13). None: max_batch_size slots. The default path ignores it.
+            ``stats["slots"]`` the slot count S; ``stats["static"]`` whether the static path ran;
+            ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls and the device-to-host reads of
+            ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights cast once (departure 17).
+        max_cache_bytes: with the static path, the bytes the preallocated K/V may take: the slot count is cut to fit
+            (departure 13). None: max_batch_size slots with "on"; with "auto", 80% of the device's free memory. The
+            default path ignores it.
+        sync_every: decode steps between the host's reads of which rows have ended (departure 16); 1 reads every
+            step. Stop strings read every step whatever it says.
+        cast_once: under autocast with float32 weights, cast every nn.Linear weight to autocast's dtype once for the
+            call instead of autocast re-casting it on every decode step (departure 17); the same numbers.
 
     Returns:
         B Rollouts, in prompt order.
@@ -1257,30 +1396,31 @@ def sample(
         raise ValueError(f"sampler.py sample(): max_batch_size < len(prompts) needs every layer to use full or "
                          f"sliding-window attention; {type(model).__name__} has other KV-cache layers "
                          f"(config.layer_types={getattr(model.config, 'layer_types', None)})")
-    if static and (windows is None or any(w is not None for w in windows)):
-        raise ValueError(f"sampler.py sample(): static=True needs full attention in every layer; "
-                         f"{type(model).__name__} has sliding-window or other layers (config.sliding_window="
-                         f"{getattr(model.config, 'sliding_window', None)}, config.layer_types="
-                         f"{getattr(model.config, 'layer_types', None)}); the default path (static=False) supports "
-                         f"sliding windows")
-    if static and model.config._attn_implementation not in ("sdpa", "eager"):
-        raise ValueError(f"sampler.py sample(): static=True supports sdpa and eager attention, not "
-                         f"{model.config._attn_implementation!r}")
-    # departure 13: under autocast, K and V are cached in autocast's dtype (what its attention computes in)
-    kv_dtype = _kv_dtype(device)
+    kv_dtype = _kv_dtype(device)  # departure 13: under autocast, K and V are cached in autocast's dtype
+    static = resolve_static(static, model, device, windows)
+    if static == "auto" and max_cache_bytes is None:
+        # "auto" must never preallocate past the card for a caller that gave no budget: the free memory's share
+        max_cache_bytes = int(_AUTO_CACHE_SHARE * torch.cuda.mem_get_info(device)[0])
     if static and max_cache_bytes is not None:
         length = max(len(p) for p in prompts) + max_new_tokens
         per_slot = length * _kv_token_bytes(model, kv_dtype)
-        if max_cache_bytes < per_slot:
+        if max_cache_bytes < per_slot and static == "auto":
+            static = False  # "auto" only takes the static path where it fits; the default path's cache grows
+        elif max_cache_bytes < per_slot:
             raise ValueError(f"sampler.py sample(): max_cache_bytes={max_cache_bytes} holds no slot of the static path "
                              f"(one slot of {length} columns takes {per_slot} bytes); raise it, lower "
-                             f"max_new_tokens, or use static=False")
-        capacity = min(capacity, max_cache_bytes // per_slot)
+                             f"max_new_tokens, or use static='off'")
+        else:
+            capacity = min(capacity, max_cache_bytes // per_slot)
+    static = bool(static)
+    if sync_every < 1:
+        raise ValueError(f"sampler.py sample(): sync_every must be >= 1, got {sync_every}")
     run = _Run(
         prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
         capacity, max(1, capacity // 8) if min_refill is None else max(1, int(min_refill)),
-        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None, stops=stops, kv_dtype=kv_dtype,
+        keys=_prompt_keys(prompts) if share_prefix and windows is not None else None, stops=stops,
+        sync_every=int(sync_every), kv_dtype=kv_dtype,
     )
     base = _base_model(model)
     was_training = model.training
@@ -1288,8 +1428,10 @@ def sample(
     run.bar = tqdm(total=n_rows, desc="sampling", unit="row") if progress else None
     # inference_mode rather than no_grad: it also skips view and version-counter bookkeeping, a visible share of a
     # small model's decode step. Its tensors never escape: the rollouts' tensors are copied out after it.
+    cast_bytes = 0
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), cast_weights_once(model, device, enabled=cast_once) as cast:
+            run.head, cast_bytes = _head(model), cast  # the lm_head weight as cast (departure 17)
             if static:
                 _decode_static(model, base, run, pad_token_id)
             else:
@@ -1301,9 +1443,11 @@ def sample(
     if stats is not None:
         stats["forward_calls"], stats["prefill_tokens"] = run.forward_calls, run.prefill_tokens
         stats["kv_dtypes"], stats["kv_bytes_per_token"] = run.kv_stored, run.kv_bytes_per_token
+        stats["static"], stats["decode_steps"], stats["host_reads"] = static, run.decode_steps, run.host_reads
+        stats["cast_bytes"] = cast_bytes
         if static:
             stats["slots"] = capacity
-    return run.rollouts(device)
+    return run.rollouts()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1353,7 +1497,7 @@ def _prefill(model, base, run: _Run, rows: list[int], pad_token_id: int, step: i
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (b, P)
     for i, r in enumerate(rows):
         ids[i, width - lens[i] :] = torch.tensor(run.prompts[r], dtype=torch.long)
-    attn = torch.ones(len(rows), width + run.max_new_tokens, dtype=torch.bool)  # (b, P + max_new)
+    attn = torch.ones(len(rows), width + run.room, dtype=torch.bool)  # (b, P + room)
     attn[:, :width] = torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)
     # position of prompt column j in row i is j - (number of pads); pads get 0 (they are masked out anyway)
     positions = (torch.arange(width).unsqueeze(0) - (width - lens).unsqueeze(1)).clamp(min=0)  # (b, P)
@@ -1454,7 +1598,7 @@ def _prefill_shared(model, base, run: _Run, rows: list[int], pad_token_id: int, 
     src = stash
     if new:
         fresh = _prefill(model, base, run, new, pad_token_id, step)  # rows_host = keys: a key is one of its rows
-        src = fresh if stash is None else _merge(stash, fresh, run.max_new_tokens, windows)
+        src = fresh if stash is None else _merge(stash, fresh, run.room, windows)
     at = {k: i for i, k in enumerate(src.rows_host)}
     waiting = [i for i, k in enumerate(src.rows_host) if run.pending[k] > 0]
     run.stash = _select(src, waiting, windows) if waiting else None
@@ -1481,18 +1625,19 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
         return _prefill_shared(model, base, run, rows, pad_token_id, step, windows)
 
     batch = prefill(run.take(run.capacity, 0))
+    since = 0  # decode steps since the last host read
     while batch is not None:
-        may_cap = step - min(batch.starts) + 1 >= run.max_new_tokens  # the oldest row is at its last token
-        tokens, done, is_eos = run.draw(batch.hidden, batch.rows, batch.n_out, may_cap)  # (B,) each
-        # one host sync per step (the batch shape of the next step depends on it): done.any(), or with stop strings
-        # the tokens themselves (departure 12)
-        flags = None
-        if run.stops is not None or done.any():
-            flags = run.finish(batch.rows_host, [step - s for s in batch.starts], tokens, done, is_eos)
-        if flags is not None:
-            keep = [i for i, d in enumerate(flags) if not d]
-            batch, tokens = (_keep(batch, keep, windows), tokens[keep]) if keep else (None, None)
+        tokens = run.draw(batch.hidden, batch.rows, batch.n_out)  # (B,)
         step += 1
+        since += 1
+        # departure 16: the host learns which rows ended every sync_every steps (every step with stop strings), or
+        # as soon as every row has drawn max_new_tokens (known on the host: nothing left to run)
+        if since >= run.sync_every or step - max(batch.starts) >= run.max_new_tokens:
+            since = 0
+            flags = run.check(batch.rows_host, batch.rows, [step - s for s in batch.starts], tokens)
+            keep = [i for i, d in enumerate(flags) if not d]
+            if len(keep) < len(flags):
+                batch, tokens = (_keep(batch, keep, windows), tokens[keep]) if keep else (None, None)
         if batch is not None:
             cur = batch.width + 1  # cache columns once this step's token is in
             mask = batch.attn[:, None, None, :cur] if ready_4d else batch.attn[:, :cur]  # (B, 1, 1, cur) / (B, cur)
@@ -1501,12 +1646,13 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
                 **{cache_arg: batch.cache},
             ).last_hidden_state[:, -1]  # (B, H)
             run.forward_calls += 1
+            run.decode_steps += 1
             batch.width, batch.next_pos, batch.n_out = cur, batch.next_pos + 1, batch.n_out + 1
         alive = 0 if batch is None else len(batch.rows_host)
-        new = run.take(run.capacity - alive, alive)
+        new = run.take(run.capacity - alive, alive)  # slots free up only at a check: between them this takes none
         if new:
             fresh = prefill(new)
-            batch = fresh if batch is None else _merge(batch, fresh, run.max_new_tokens, windows)
+            batch = fresh if batch is None else _merge(batch, fresh, run.room, windows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1549,49 +1695,93 @@ class _SlotCache:
 
 
 class _StaticStep:
-    """One decode step over all S slots from fixed buffers: tokens (S, 1), positions (S, 1), cache.write_pos (S,)
-    -> hidden (S, H). On CUDA the step is captured once as a CUDA graph and replayed; elsewhere it runs eagerly
-    (the same computation, which is what the CPU parity tests check)."""
+    """One decode step over all S slots from fixed buffers: draw each slot's next token from ``hidden`` (S, H) (its
+    log-prob and end recorded by ``_Run.draw``), then run the model on those tokens at ``positions`` (S, 1), writing
+    their K/V at ``cache.write_pos`` (S,), into the next ``hidden``. Nothing reads the host: on CUDA the whole step
+    is captured once as a CUDA graph and replayed (the draw inside it; for top-p < 1, whose nucleus search may sort
+    on the host's word, the draw runs eagerly before the replay of the forward). Elsewhere it runs eagerly: the same
+    computation, which is what the CPU parity tests check."""
 
-    def __init__(self, model, base, cache: _SlotCache, device):
-        self.base, self.cache, self.cache_arg = base, cache, _cache_kwarg(base)
-        self.tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)  # (S, 1)
-        self.positions = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)  # (S, 1)
+    def __init__(self, model, base, cache: _SlotCache, run: _Run, device):
+        self.base, self.cache, self.run, self.cache_arg = base, cache, run, _cache_kwarg(base)
+        slots = cache.slots
+        self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)  # (S, 1) each slot's latest token
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)  # (S, 1)
+        self.slot_row = torch.full((slots,), run.trash, dtype=torch.long, device=device)  # (S,) row of each slot
+        self.n_out = torch.zeros(slots, dtype=torch.long, device=device)  # (S,) tokens each slot's row has drawn
+        self.hidden = None  # (S, H) the state that predicts each slot's next token; allocated by the first admit,
+        # in the dtype the model's forward returns (float32 under autocast with float32 weights), before any capture
         self.columns = torch.arange(cache.length, device=device)  # (L,)
         # eager attention adds its mask to the scores; sdpa takes a boolean one
         self.additive = model.config._attn_implementation == "eager"
         self.dtype = next(model.parameters()).dtype
         self.neg = torch.finfo(self.dtype).min
         self.use_graph = torch.device(device).type == "cuda"
-        self.graph, self.out = None, None
+        # the draw is capturable (no host read) except top-p's nucleus search, which may sort a row whole
+        self.draw_inside = run.temperature == 0 or run.top_p == 1.0
+        self.graph = None
 
-    def _step(self) -> torch.Tensor:
+    def _draw(self) -> None:
+        tokens = self.run.draw(self.hidden, self.slot_row, self.n_out)  # (S,)
+        self.tokens.copy_(tokens.unsqueeze(1))
+        self.n_out.add_(1)
+
+    def _forward(self) -> None:
         allowed = self.columns.unsqueeze(0) <= self.cache.write_pos.unsqueeze(1)  # (S, L): cached columns + this one
         mask = allowed[:, None, None, :]  # (S, 1, 1, L)
         if self.additive:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
-        return self.base(
+        hidden = self.base(
             input_ids=self.tokens, attention_mask=mask, position_ids=self.positions, use_cache=True,
             **{self.cache_arg: self.cache},
         ).last_hidden_state[:, -1]  # (S, H)
+        self.hidden.copy_(hidden)
+        # a free slot, or a row past its end, keeps counting: clamp inside the buffer and the position table (a
+        # running row never gets there: its prompt + max_new_tokens columns fit)
+        last = self.cache.length - 1
+        self.positions.add_(1).clamp_(max=last)
+        self.cache.write_pos.add_(1).clamp_(max=last)
 
-    def __call__(self) -> torch.Tensor:
-        if not self.use_graph:
-            return self._step()
-        if self.graph is None:
-            # warm up on a side stream (lazy inits, allocator), then record. The warm-up steps write the current
-            # tokens' K/V at write_pos, exactly what the replay below writes again: nothing is disturbed.
-            side = torch.cuda.Stream()
+    def _captured(self) -> None:
+        """What the graph records: the whole step, or only its forward when the draw cannot be captured."""
+        if self.draw_inside:
+            self._draw()
+        self._forward()
+
+    def _state(self) -> list[torch.Tensor]:
+        """The buffers a step changes besides the K/V and the draws' outputs (which a rerun of the same step
+        overwrites with the same values)."""
+        run = self.run
+        return [self.tokens, self.positions, self.n_out, self.hidden, self.cache.write_pos, run.end_len, run.end_eos]
+
+    def warm_up(self) -> None:
+        """Run the step twice (lazy initialisations, the allocator; on a side stream on CUDA) and restore the state
+        after each, so the step that follows computes exactly what it would have without the warm-up."""
+        saved = [t.clone() for t in self._state()]
+        cuda = self.use_graph
+        side = torch.cuda.Stream() if cuda else None
+        if cuda:
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step()
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            for _ in range(2):
+                self._captured()
+                for t, v in zip(self._state(), saved):
+                    t.copy_(v)
+        if cuda:
             torch.cuda.current_stream().wait_stream(side)
+
+    def __call__(self) -> None:
+        if self.use_graph and self.graph is None:
+            self.warm_up()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self._step()
-        self.graph.replay()
-        return self.out.clone()  # (S, H): the graph overwrites its output buffer on the next replay
+            with torch.cuda.graph(self.graph):  # records, runs nothing
+                self._captured()
+        if not self.draw_inside:
+            self._draw()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._captured()
 
 
 def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -> tuple[DynamicCache, torch.Tensor,
@@ -1668,18 +1858,14 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
     n_slots = run.capacity
     length = max(len(p) for p in run.prompts) + run.max_new_tokens  # every row fits from column 0
     cache = _SlotCache(n_slots, length, device, run.kv_dtype)
-    decode = _StaticStep(model, base, cache, device)
-    slot_row = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) prompt index of each slot's row
-    n_out = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,) tokens drawn so far
-    hidden = None  # (S, H)
+    decode = _StaticStep(model, base, cache, run, device)
     free = list(range(n_slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
-    row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step of its row's first draw
+    row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step before its row's first draw
     run.stash = {}  # departure 11: prompt key -> its prefilled K/V, while copies of it are queued
     step = 0
 
     def admit(rows: list[int]) -> None:
-        nonlocal hidden
         slots = [free.pop() for _ in rows]
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
         if run.keys is None:
@@ -1690,36 +1876,35 @@ def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
         if not run.kv_bytes_per_token:
             run.note_cache(list(zip(cache.keys, cache.values)))
         decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
-        slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
-        n_out.index_fill_(0, slots_t, 0)
-        if hidden is None:
-            hidden = pre_hidden.new_zeros(n_slots, pre_hidden.shape[1])  # (S, H)
-        hidden.index_copy_(0, slots_t, pre_hidden)
+        decode.slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
+        decode.n_out.index_fill_(0, slots_t, 0)
+        if decode.hidden is None:
+            decode.hidden = pre_hidden.new_zeros(n_slots, pre_hidden.shape[1])  # (S, H)
+        decode.hidden.index_copy_(0, slots_t, pre_hidden)
         active.extend(slots)
         row_of.update(zip(slots, rows))
         start_of.update((s, step) for s in slots)
 
     admit(run.take(run.capacity, 0))
+    since = 0  # decode steps since the last host read
     while active:
-        act = torch.tensor(active, dtype=torch.long, device=device)  # (A,)
-        may_cap = step - min(start_of[s] for s in active) + 1 >= run.max_new_tokens
-        tokens, done, is_eos = run.draw(hidden[act], slot_row[act], n_out[act], may_cap)  # (A,) each
-        flags = None
-        if run.stops is not None or done.any():  # host sync, as in the default path
-            flags = run.finish([row_of[s] for s in active], [step - start_of[s] for s in active], tokens, done,
-                               is_eos)
-        if flags is not None:
-            free.extend(sorted((s for s, d in zip(active, flags) if d), reverse=True))
-            active = [s for s, d in zip(active, flags) if not d]
-        decode.tokens.index_copy_(0, act, tokens.unsqueeze(1))
-        n_out.index_add_(0, act, torch.ones_like(act))
+        decode()  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
+        run.forward_calls += 1
+        run.decode_steps += 1
         step += 1
-        if active:
-            hidden = decode()  # (S, H); free slots compute garbage that nobody reads
-            run.forward_calls += 1
-            decode.positions.add_(1)
-            # a free slot's write_pos keeps counting: clamp it inside the buffer (a running row never gets there)
-            cache.write_pos.add_(1).clamp_(max=length - 1)
-        new = run.take(len(free), len(active))
-        if new:
-            admit(new)
+        since += 1
+        # departure 16: ended rows are read every sync_every steps, or once every row has drawn max_new_tokens
+        if since >= run.sync_every or step - max(start_of[s] for s in active) >= run.max_new_tokens:
+            since = 0
+            act = torch.tensor(active, dtype=torch.long, device=device)  # (A,)
+            flags = run.check([row_of[s] for s in active], decode.slot_row[act], [step - start_of[s] for s in active],
+                              decode.tokens[act, 0] if run.stops is not None else None)
+            done = [s for s, d in zip(active, flags) if d]
+            if done:
+                # the freed slots draw into the trash row until a refill takes them
+                decode.slot_row.index_fill_(0, torch.tensor(done, dtype=torch.long, device=device), run.trash)
+                free.extend(sorted(done, reverse=True))
+                active = [s for s, d in zip(active, flags) if not d]
+            new = run.take(len(free), len(active))
+            if new:
+                admit(new)

@@ -251,7 +251,8 @@ def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
     assert "all checks passed" in r.stdout, r.stdout
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["part"] for x in rows] == ["setup", "kernel", "rollout", "microbatch", "smoke", "sampler", "sampler",
-                                         "sampler", "sampler", "prefill", "prefill", "setup"], rows
+                                         "sampler", "sampler", "prefill", "prefill", "launcher", "launcher",
+                                         "launcher", "profile", "profile", "profile", "setup"], rows
     by = {}
     for x in rows:
         by.setdefault(x["part"], []).append(x)
@@ -262,6 +263,20 @@ def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
     smoke = by["smoke"][0]
     assert smoke["ok"] and all(s["steps"] == [0, 1] and s["evaluated"] for s in smoke["sides"].values()), smoke
     assert by["sampler"][0]["all_identical"], by["sampler"][0]  # float32: strict identity with generate
+    # the bf16 check is the behaviour pass against the update pass (what the trainer consumes)
+    assert by["sampler"][1]["behaviour_vs_update_mean"] <= 0.02 and "sampler_vs_forward_mean" in by["sampler"][1]
+    # the launcher part: the projection's arithmetic from its own per-side terms (174 steps x 8 GPUs, the slower side)
+    proj = by["launcher"][2]
+    step = max(v["step_s"] for v in proj["per_side"].values())
+    assert proj["gpu_hours"] == pytest.approx(174 * step * 8 / 3600, abs=0.1)
+    assert proj["gpu_hours_without_eval"] < proj["gpu_hours"]
+    for side in by["launcher"][:2]:
+        assert side["host_reads_per_step"] < 0.2 and side["new_tokens"] > 0, side
+    # the profiler row: the old settings cast every Linear weight every step (2 layers x 7 + the head) and read the
+    # host every step; the default and static paths cast none and read every 8 steps
+    before, eager, static = by["profile"]
+    assert before["casts"] == 15 and before["reads"] == 1
+    assert eager["casts"] == static["casts"] == 0 and eager["reads"] < 0.2 and static["reads"] < 0.2
     assert all(x.get("ok", True) for x in rows) and rows[-1]["failed"] == []
 
 

@@ -170,6 +170,26 @@ def test_kv_bytes_per_token_through_the_sampler():
     assert deeper == 2 * amp  # read from every layer of the sampler's cache, not from the config
 
 
+def test_plan_counts_the_samplers_bf16_copy_of_the_linear_weights():
+    # sampler.py departure 17: under autocast sample() holds a bf16 copy of every nn.Linear weight for the call; the
+    # plan's rollout and evaluation phases carry it as a term, by hand: 2 bytes x the Linear weights (the tied
+    # lm_head is the embedding, counted once), and nothing for bf16 weights (no autocast, no copy)
+    config = tiny_config(num_hidden_layers=2)
+    h, i, q, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], 4 * 16, 2 * 16
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i  # q, k, v, o, gate, up, down
+    expected = 2 * (2 * per_layer + SHAPE["vocab_size"] * h)
+    base = dict(model="tiny", micro_batch_size=2, max_response_tokens=16, max_prompt_tokens=8, gen_batch_size=2,
+                logprob_chunk=16, eval_every=1)
+    m = plan.measure(config, Config(**base), prompt_len=8, eval_prompt_len=8)
+    assert m.cast_copy == expected and m.eval_cast_copy == expected
+    phases = {ph.name: ph for ph in plan.phases(m, Config(**base), ranks=1, prompt_len=8, eval_prompt_len=8)}
+    assert phases["rollout"].terms["bf16 sampling copy"] == expected
+    assert phases["evaluation"].terms["bf16 sampling copy"] == expected
+    assert "bf16 sampling copy" not in phases["update"].terms
+    bf16 = plan.measure(config, Config(**base, dtype="bfloat16"), prompt_len=8, eval_prompt_len=8)
+    assert bf16.cast_copy == 0 and bf16.eval_cast_copy == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # run_pair.sh: FSDP=auto follows the plan's exit status
 # ------------------------------------------------------------------------------------------------

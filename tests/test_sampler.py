@@ -276,7 +276,11 @@ def test_greedy_matches_generate_with_early_eos(kind, attn):
     assert torch.allclose(logp[mask], torch.cat([r.logprobs for r in ours]), atol=1e-5)
 
 
-def test_finished_rows_leave_the_batch():
+@pytest.mark.parametrize("sync_every", [1, 4, 8])
+def test_finished_rows_leave_the_batch(sync_every):
+    # departure 16: the host reads which rows ended every sync_every steps, so a row that ends at its n-th token
+    # leaves the batch at the first read at or after step n (reads at multiples of sync_every, and once every row
+    # has drawn the cap); sync_every=1 is the old schedule, each row fed to exactly len - 1 decode steps
     model = tiny_model("qwen3", seed=9)
     free = sample(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=1000)
     eos = [free[0].tokens[2], free[3].tokens[5]]
@@ -284,12 +288,20 @@ def test_finished_rows_leave_the_batch():
     base = model.model
     hook = base.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
-        ours = sample(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=eos)
+        stats = {}
+        ours = sample(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=eos, sync_every=sync_every,
+                      stats=stats)
     finally:
         hook.remove()
-    alive = [sum(len(r.tokens) > s for r in ours) for s in range(16)]  # rows still running when token s is drawn
-    assert seen == alive[: len(seen)] and len(seen) == max(len(r.tokens) for r in ours)
+    assert [r.tokens for r in ours] == [r.tokens[: len(o.tokens)] for r, o in zip(free, ours)]
+    assert sorted({len(r.tokens) for r in ours}) == [3, 6, 16], "two rows end at EOS, the rest at the cap"
+    left = [min(-(-len(r.tokens) // sync_every) * sync_every, 16) for r in ours]  # the step each row leaves at
+    expected = [len(PROMPTS)] + [sum(x > s for x in left) for s in range(1, 16)]  # the prefill, then decode steps
+    assert seen == [n for n in expected if n > 0]
     assert seen[-1] < seen[0]
+    assert stats["decode_steps"] == len(seen) - 1
+    # reads: at every multiple of sync_every that has rows left, and at step 16 (every row at the cap)
+    assert stats["host_reads"] == len({s for s in range(sync_every, 16, sync_every) if s <= max(left)} | {16})
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -564,8 +576,9 @@ def test_refills_fill_freed_slots_and_save_forward_calls(share):
     )
     try:
         stats = {}
+        # sync_every=1: the host learns of a finished row at once (departure 16), so none is carried along
         ours = sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=eos, max_batch_size=4,
-                      min_refill=1, share_prefix=share, stats=stats)
+                      min_refill=1, share_prefix=share, stats=stats, sync_every=1)
     finally:
         hook.remove()
     lengths = [len(r.tokens) for r in ours]
@@ -689,6 +702,194 @@ def test_continuous_batching_bad_input():
     with pytest.raises(ValueError, match="static=True needs full attention.*sliding_window=4"):
         sample(sliding, ARCH_PROMPTS, max_new_tokens=4, eos_token_id=1, max_batch_size=2, static=True)
     assert len(sample(sliding, ARCH_PROMPTS, max_new_tokens=4, eos_token_id=1, max_batch_size=2)) == len(ARCH_PROMPTS)
+
+
+def test_static_auto_resolves_per_device_and_architecture():
+    # departure 10: "auto" is the default path on CPU (nothing to capture), the static path on CUDA for full
+    # attention with sdpa or eager; sliding-window models stay on the default path under "auto" and are refused
+    # under "on" with a ValueError naming the config field
+    from sampler import resolve_static
+
+    full, eager, sliding = tiny_model("qwen3", seed=9), tiny_model("llama", seed=9, attn="eager"), arch_model(
+        "qwen3-window")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_static("auto", full, cpu) is False and resolve_static("auto", sliding, cpu) is False
+    assert resolve_static("auto", full, cuda) == "auto" and resolve_static("auto", eager, cuda) == "auto"
+    assert resolve_static("auto", sliding, cuda) is False
+    assert resolve_static("on", full, cpu) is True and resolve_static(True, full, cpu) is True
+    assert resolve_static("off", full, cuda) is False and resolve_static(False, full, cuda) is False
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        resolve_static("on", sliding, cuda)
+    with pytest.raises(ValueError, match="'auto', 'on', 'off'"):
+        resolve_static("yes", full, cpu)
+    stats = {}
+    sample(full, PROMPTS, max_new_tokens=4, temperature=0, eos_token_id=1, stats=stats)  # the default: "auto"
+    assert stats["static"] is False and "slots" not in stats
+    sample(full, PROMPTS, max_new_tokens=4, temperature=0, eos_token_id=1, static="on", stats=stats)
+    assert stats["static"] is True and stats["slots"] == len(PROMPTS)
+
+
+def test_static_auto_sizes_its_cache_to_the_free_memory(monkeypatch):
+    # "auto" with no max_cache_bytes takes 80% of the device's free memory as the budget (a caller that gives none,
+    # as tools/preflight.py, must not preallocate past the card): the slot count is cut to it, and a budget below
+    # one slot falls back to the default path instead of raising as "on" does. The CUDA side is faked on CPU.
+    model = tiny_model("qwen3", seed=9)
+    monkeypatch.setattr(sampler, "resolve_static", lambda static, *a, **k: "auto" if static == "auto" else static)
+    per_slot = (max(map(len, PROMPTS)) + 4) * sampler._kv_token_bytes(model, None)
+    kw = dict(max_new_tokens=4, temperature=0, eos_token_id=1000, max_batch_size=5)
+    ref = [r.tokens for r in sample(model, PROMPTS, static="off", **kw)]
+    for free, slots in ((per_slot * 3 / 0.8 + 1, 3), (per_slot * 0.5, None)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (int(free), 10 * int(free)))
+        stats = {}
+        assert [r.tokens for r in sample(model, PROMPTS, stats=stats, **kw)] == ref
+        assert stats["static"] is (slots is not None) and stats.get("slots") == slots, stats
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 8])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_and_default_paths_draw_the_same_tokens_in_float32(sync_every, temperature):
+    # the issue's CPU check: static and eager outputs identical in float32, with refills (3 slots, 10 rows of
+    # different lengths), greedy and sampled (the same seeds), whatever the host's read cadence (departure 16)
+    model = tiny_model("qwen3", seed=11)
+    prompts = PROMPTS * 2
+    free = sample(model, prompts, max_new_tokens=12, temperature=0, eos_token_id=1000)
+    eos = [free[0].tokens[3], free[1].tokens[6], free[4].tokens[1]]
+    out = {}
+    for static in ("off", "on"):
+        stats = {}
+        out[static] = sample(model, prompts, max_new_tokens=12, temperature=temperature, eos_token_id=eos,
+                             max_batch_size=3, min_refill=1, static=static, sync_every=sync_every, stats=stats,
+                             generator=torch.Generator().manual_seed(5))
+        assert stats["host_reads"] <= -(-stats["decode_steps"] // sync_every) + len(prompts), stats
+    assert len({len(r.tokens) for r in out["off"]}) > 2, "want rows of several lengths, so that refills happen"
+    assert [r.tokens for r in out["on"]] == [r.tokens for r in out["off"]]
+    assert [r.finish for r in out["on"]] == [r.finish for r in out["off"]]
+    for a, b in zip(out["on"], out["off"]):
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_static_warm_up_leaves_the_state_as_it_found_it(monkeypatch):
+    # a CUDA capture is preceded by two warm-up runs of the step (departure 10); on CPU the same warm-up is forced
+    # before every step: each run draws, moves the counters and writes K/V, and the restore must undo all of it
+    # but the writes the real step repeats, so the outputs are those of the plain static path
+    model = tiny_model("llama", seed=12)
+    kw = dict(max_new_tokens=10, temperature=1.0, eos_token_id=[1, 2], max_batch_size=3, min_refill=1, static="on",
+              sync_every=2)
+    plain = sample(model, PROMPTS * 2, generator=torch.Generator().manual_seed(3), **kw)
+    calls = []
+    real_call = sampler._StaticStep.__call__
+
+    def warm_then_call(self):
+        calls.append(1)
+        self.warm_up()
+        return real_call(self)
+
+    monkeypatch.setattr(sampler._StaticStep, "__call__", warm_then_call)
+    warmed = sample(model, PROMPTS * 2, generator=torch.Generator().manual_seed(3), **kw)
+    assert calls, "the static step ran"
+    assert [r.tokens for r in warmed] == [r.tokens for r in plain]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(warmed, plain))
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops dispatched while ``inside`` is set that a CUDA graph cannot hold: reads of a value by the
+    host and ops whose output shape depends on the data."""
+
+    BAD = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "masked_select", "unique", "_unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.ops, self.bad = False, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside:
+            self.ops += 1
+            if func.overloadpacket.__name__ in self.BAD:
+                self.bad.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("temperature,top_p,attn", [(0.0, 1.0, "sdpa"), (1.0, 1.0, "sdpa"), (0.7, 1.0, "eager")])
+def test_the_captured_step_reads_nothing_on_the_host(monkeypatch, temperature, top_p, attn):
+    # departures 10 and 15: what CUDA captures (_StaticStep._captured: the draw, the forward, the bookkeeping) must
+    # not read a value back to the host or make a data-dependent shape, or the capture fails; checked on CPU by
+    # watching every op dispatched inside it, with refills and rows ending at EOS and at the cap
+    model = tiny_model("qwen3" if attn == "sdpa" else "llama", seed=14, attn=attn)
+    mode = _HostReads()
+    real = sampler._StaticStep._captured
+
+    def watched(self):
+        mode.inside = True
+        try:
+            return real(self)
+        finally:
+            mode.inside = False
+
+    monkeypatch.setattr(sampler._StaticStep, "_captured", watched)
+    with mode:
+        rolls = sample(model, PROMPTS * 2, max_new_tokens=9, temperature=temperature, top_p=top_p,
+                       eos_token_id=[1, 2, 3], max_batch_size=3, min_refill=1, static="on",
+                       generator=torch.Generator().manual_seed(0))
+    assert mode.ops > 0 and mode.bad == [], mode.bad[:5]
+    assert len({len(r.tokens) for r in rolls}) > 1 or temperature == 0
+
+
+class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten ops, and the casts (``to`` / ``_to_copy``) whose input is one of the given weights' storage."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.ptrs = {w.data_ptr() for w in weights}
+        self.ops, self.casts = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to) and args[0].data_ptr() in self.ptrs:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("static", ["off", "on"])
+def test_cast_once_gives_autocast_numbers_without_per_step_casts(static):
+    # departure 17: under bf16 autocast with float32 weights, the Linear weights cast once per call give the same
+    # tokens and log-probs as autocast's own per-step casts (the same rounding), and no weight is cast inside the
+    # decode loop; without cast_once every step casts every Linear weight (inference_mode: no autocast cache)
+    model = tiny_model("qwen3", seed=13, head_scale=10.0, tie=True)
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    runs, casts, steps = {}, {}, {}
+    for once in (False, True):
+        stats = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16), _WeightCasts(linear) as mode:
+            runs[once] = sample(model, PROMPTS * 2, max_new_tokens=8, temperature=0.8, eos_token_id=[1, 2],
+                                max_batch_size=4, min_refill=1, static=static, cast_once=once, stats=stats,
+                                generator=torch.Generator().manual_seed(0))
+        casts[once], steps[once] = mode.casts, stats["decode_steps"]
+        assert (stats["cast_bytes"] > 0) == once
+    assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(runs[True], runs[False]))
+    # 2 layers x 7 projections per forward (prefills and decode steps) + the lm_head in each draw, tied to the
+    # embedding: each distinct weight once per call with cast_once (the tied one counted once)
+    assert casts[True] == len({w.data_ptr() for w in linear})
+    assert casts[False] >= steps[False] * 2 * 7, (casts, steps)
+    # the model's own weights are back, float32 Parameters, the tie intact
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.float32
+    assert all(isinstance(m.weight, torch.nn.Parameter) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("static", ["off", "on"])
+def test_stop_strings_read_the_host_every_step(static):
+    # departure 16: stop strings need each step's tokens on the host, so the read is every drawn token whatever
+    # sync_every (6 draws; the default path's last draw needs no decode step after it, the static step draws inside)
+    model = tiny_model("qwen3", seed=9)
+
+    class Tok:  # decodes ids as letters: a stop string that never occurs
+        def batch_decode(self, ids, **kw):
+            return ["".join(chr(97 + i % 26) for i in row) for row in ids]
+
+    stats = {}
+    sample(model, PROMPTS, max_new_tokens=6, temperature=0, eos_token_id=1000, stop_strings=["#"], tokenizer=Tok(),
+           sync_every=8, stats=stats, static=static)
+    assert stats["host_reads"] == 6 and stats["decode_steps"] == (5 if static == "off" else 6), stats
 
 
 @pytest.mark.parametrize("static", [False, True])

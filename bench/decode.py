@@ -1,0 +1,305 @@
+"""The host's share of one decode step: ms, aten ops, weight casts and host reads per step, on CPU.
+
+What this measures
+------------------
+A GPU decode step of a small model is bound by what the host dispatches, not by the card: every aten op is a
+kernel launch the GPU waits for, every weight cast a kernel and a pass over the weight, every device-to-host read
+a stall of the whole queue. On a CPU with a model at real depth but toy width the compute is negligible, so the
+time per step is the host's share and the op count is the launch count. Four ways to run the same greedy decode:
+
+* ``sampler, before``: ``sample(static="off", cast_once=False, sync_every=1)``, the sampler's old settings
+  (before departures 16 and 17): autocast re-casts every float32 Linear weight on every step (under
+  ``torch.inference_mode`` it caches nothing) and the host reads the finished rows every step;
+* ``sampler, default path``: ``sample(static="off")``: weights cast once per call (sampler.py departure 17),
+  ended rows read every 8 steps (departure 16);
+* ``sampler, static path``: ``sample(static="on")``: the fixed-shape step that CUDA captures as a graph (departure
+  10), run eagerly here (a CPU has no graph): its op count is what one graph replay stands for on a GPU;
+* ``generate``: transformers' greedy ``generate`` on the same model under the same autocast.
+
+Per step = (run with N2 new tokens - run with N1) / (N2 - N1), so the prefill and the fixed costs cancel. For the
+static path the ops are also counted with the step's captured body left out (``captured_paused``): what the host
+still dispatches per step when CUDA replays that body as one graph. Ops and
+casts are counted by a ``TorchDispatchMode`` (below autocast, so its casts are seen); a weight cast is a ``to`` /
+``_to_copy`` whose input is a Linear weight's storage. Host reads: the sampler's own count (``stats["host_reads"]``,
+each one device-to-host copy on a GPU) and, for ``generate``, the ops that read a scalar back
+(``_local_scalar_dense``, ``is_nonzero``: each a sync on a GPU). Times are medians of interleaved repeats.
+
+Departures: the model is a random Qwen3 at Qwen3-1.7B's depth (28 layers) and toy width (hidden 64, 4 heads, 2
+KV heads, MLP 128, vocabulary 2,048), float32 weights under CPU bf16 autocast (the trainer's regime on a GPU); on
+a GPU the width adds compute that overlaps with the host's dispatch. The greedy tokens of all four are compared
+with generate's, and ``parity`` compares the static and default paths in float32 and under autocast, and (the
+bf16 tolerance row) on a bf16 copy of the model the sampler's log-probs against a plain forward and the behaviour
+log-prob pass against the update pass.
+
+Launch: ``OMP_NUM_THREADS=1 python -m bench.decode [--quick] [--rows 32] [--layers 28]`` (docs/RESULTS.md,
+"Decoding on a GPU", has the figures and the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from sampler import sample
+
+# ------------------------------------------------------------------------------------------------
+# The model and the counters
+# ------------------------------------------------------------------------------------------------
+
+
+def toy_model(layers: int = 28, *, vocab: int = 2048, seed: int = 0, attn: str = "sdpa"):
+    """A random Qwen3 at real depth and toy width (float32 weights), in eval mode."""
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+_READS = ("_local_scalar_dense", "is_nonzero", "item")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops, casts of the given weights (``to`` / ``_to_copy`` of their storage) and scalar reads."""
+
+    def __init__(self, weights=()):
+        super().__init__()
+        self.ptrs = {w.data_ptr() for w in weights}
+        self.ops = self.casts = self.reads = 0
+        self.paused = False  # set while a CUDA graph's body runs (captured_ops): not dispatched by the host there
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        self.ops += 1
+        packet = func.overloadpacket
+        if packet in (torch.ops.aten._to_copy, torch.ops.aten.to) and isinstance(args[0], torch.Tensor) \
+                and args[0].data_ptr() in self.ptrs:
+            self.casts += 1
+        if packet.__name__ in _READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def linear_weights(model) -> list[torch.Tensor]:
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-prob references (bench/gpu.py's sampler rows use them too)
+# ------------------------------------------------------------------------------------------------
+
+
+def teacher_forced(model, prompts, rolls, device, chunk: int = 8) -> torch.Tensor:
+    """|sampler log-prob - plain forward log-prob| of every sampled token: the model's own forward (full logits,
+    log_softmax) on prompt + the sampler's tokens, right-padded in chunks of rows. -> (N,) float32."""
+    diffs = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), chunk):
+            ps, rs = prompts[i: i + chunk], rolls[i: i + chunk]
+            width = max(len(p) + len(r.tokens) for p, r in zip(ps, rs))
+            ids = torch.zeros(len(ps), width, dtype=torch.long)
+            att = torch.zeros_like(ids)
+            for j, (p, r) in enumerate(zip(ps, rs)):
+                seq = p + r.tokens
+                ids[j, : len(seq)], att[j, : len(seq)] = torch.tensor(seq), 1
+            logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float(),
+                                     dim=-1)  # (b, W, V)
+            for j, (p, r) in enumerate(zip(ps, rs)):
+                pos = torch.arange(len(p) - 1, len(p) + len(r.tokens) - 1, device=device)  # predicting each token
+                ref = logp[j, pos, torch.tensor(r.tokens, device=device)]  # (len(r),)
+                diffs.append((ref.cpu() - r.logprobs).abs())
+    return torch.cat(diffs)
+
+
+def trainer_passes(model, prompts, rolls, device, *, behaviour_rows: int = 16,
+                   update_rows: int = 4) -> torch.Tensor:
+    """|behaviour log-prob - update log-prob| of every sampled token: what the trainer consumes (graft.py's
+    departure 7 recomputes the behaviour log-probs with a fresh forward; the sampler's own are never used in the
+    loss). The behaviour pass runs as Trainer.rollout runs it (no grad, micro-batches of --micro-batch-size 16 cut
+    by batches_by_length), the update pass as the loss does (grad enabled, micro-batches of the launcher's 4 in
+    rollout order). -> (N,) float32."""
+    from sampler import batches_by_length, response_logprobs
+    responses = [r.tokens for r in rolls]
+    pad = 0
+
+    def pass_(cuts, grad: bool) -> list[torch.Tensor]:
+        out: list = [None] * len(prompts)
+        with torch.set_grad_enabled(grad):
+            for idx in cuts:
+                lp, mask = response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx],
+                                             pad_token_id=pad)  # (b, T)
+                for j, i in enumerate(idx):
+                    out[i] = lp[j, : int(mask[j].sum())].detach().float().cpu()
+        return out
+
+    behaviour = pass_(batches_by_length(prompts, responses, behaviour_rows), grad=False)
+    update = pass_([list(range(i, min(i + update_rows, len(prompts)))) for i in range(0, len(prompts), update_rows)],
+                   grad=True)
+    return torch.cat([(a - b).abs() for a, b in zip(behaviour, update)])
+
+
+# ------------------------------------------------------------------------------------------------
+# The four ways to decode
+# ------------------------------------------------------------------------------------------------
+
+
+def arms(model, prompts: list[list[int]]) -> dict:
+    """name -> fn(new_tokens) -> (token lists, host reads counted by the sampler or None)."""
+    never = model.config.vocab_size  # an id outside the vocabulary: no row stops before the cap
+
+    def ours(**kw):
+        def run(new):
+            stats = {}
+            out = sample(model, prompts, max_new_tokens=new, temperature=0.0, eos_token_id=never, stats=stats, **kw)
+            return [o.tokens for o in out], stats["host_reads"]
+        return run
+
+    def generate(new):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # (B, P) left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, P)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+        return out[:, width:].tolist(), None
+
+    return {
+        "sampler, before (cast per step, read every step)": ours(static="off", cast_once=False, sync_every=1),
+        "sampler, default path": ours(static="off"),
+        "sampler, static path (eager on CPU)": ours(static="on"),
+        "generate": generate,
+    }
+
+
+@contextlib.contextmanager
+def captured_paused(counter: OpCounter):
+    """While the static step's captured body (sampler._StaticStep._captured: the draw and the forward) runs, the
+    counter counts nothing: what it still counts is what the host dispatches per step around a graph replay."""
+    import sampler
+    real = sampler._StaticStep._captured
+
+    def body(self):
+        counter.paused = True
+        try:
+            return real(self)
+        finally:
+            counter.paused = False
+
+    sampler._StaticStep._captured = body
+    try:
+        yield
+    finally:
+        sampler._StaticStep._captured = real
+
+
+def per_step(model, prompts, *, short: int, long: int, repeats: int) -> dict[str, dict]:
+    """Per decode step of each arm under bf16 autocast: ms (median of interleaved repeats), aten ops, weight
+    casts, host reads; and each arm's tokens at `long`. Each call runs in its own autocast block, as the trainer
+    enters one per rollout (autocast's cast cache, which generate's no_grad can use and the sampler's
+    inference_mode cannot, lasts one block)."""
+    weights = linear_weights(model)
+    runs = arms(model, prompts)
+
+    def call(name: str, new: int):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return runs[name](new)
+
+    out = {}
+    for name in runs:
+        if "static" in name:  # also: the ops left on the host once the step is a graph replay (CUDA)
+            with OpCounter(weights) as c, captured_paused(c):
+                call(name, long)
+                n_long = c.ops
+            with OpCounter(weights) as c, captured_paused(c):
+                call(name, short)
+                host_only = (n_long - c.ops) / (long - short)
+        counts = {}
+        for new in (short, long):
+            with OpCounter(weights) as c:
+                tokens, reads = call(name, new)
+            counts[new] = (c.ops, c.casts, reads if reads is not None else c.reads)
+        d = long - short
+        out[name] = dict(ops=(counts[long][0] - counts[short][0]) / d, casts=(counts[long][1] - counts[short][1]) / d,
+                         reads=(counts[long][2] - counts[short][2]) / d, tokens=tokens, ms=[])
+        if "static" in name:
+            out[name]["host_ops_with_graph"] = host_only
+    for rep in range(repeats):
+        for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):  # interleaved, the order alternating
+            t = {}
+            for new in (short, long):
+                t0 = time.perf_counter()
+                call(name, new)
+                t[new] = time.perf_counter() - t0
+            out[name]["ms"].append(1000 * (t[long] - t[short]) / (long - short))
+    return out
+
+
+def parity(model, prompts, *, new: int) -> dict:
+    """The static and default paths' greedy tokens, float32 (must be identical) and under bf16 autocast (round-off
+    of the static step's all-L attention may flip a near tie); and, on a bf16 copy of the model (the bf16 tolerance
+    row): the sampler's log-probs against a plain forward (what bench.gpu used to check) and the behaviour pass against
+    the update pass (what the trainer's ratio compares), mean |d logp| in nats."""
+    never = model.config.vocab_size
+    out = {}
+    for amp in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            toks = {st: [o.tokens for o in sample(model, prompts, max_new_tokens=new, temperature=0.0,
+                                                  eos_token_id=never, static=st)] for st in ("off", "on")}
+        same = sum(a == b for a, b in zip(toks["on"], toks["off"]))
+        out["bf16 autocast" if amp else "float32"] = f"{same}/{len(prompts)} rows identical"
+    m16 = toy_model(model.config.num_hidden_layers, vocab=model.config.vocab_size).to(torch.bfloat16)
+    m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    rolls = sample(m16, prompts, max_new_tokens=new, temperature=1.0, eos_token_id=never,
+                   generator=torch.Generator().manual_seed(0))
+    out["bf16 weights: sampler vs plain forward, mean |d logp|"] = round(float(
+        teacher_forced(m16, prompts, rolls, torch.device("cpu")).mean()), 4)
+    out["bf16 weights: behaviour vs update pass, mean |d logp|"] = float(
+        f"{float(trainer_passes(m16, prompts, rolls, torch.device('cpu')).mean()):.2e}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=32, help="rows in flight (the launcher's --gen-batch-size)")
+    ap.add_argument("--layers", type=int, default=28, help="decoder layers (Qwen3-1.7B: 28)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and repeats (a smoke run)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    short, long, repeats = (8, 24, 1) if args.quick else (8, 40, 3)
+    model = toy_model(args.layers)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, model.config.vocab_size, (16,), generator=g).tolist() for _ in range(args.rows)]
+    print(f"# one decode step, {args.rows} rows, {args.layers} layers at toy width, fp32 weights under CPU bf16 "
+          f"autocast; torch {torch.__version__}, {torch.get_num_threads()} thread; steps {short}->{long}, "
+          f"{repeats} repeat(s)")
+    res = per_step(model, prompts, short=short, long=long, repeats=repeats)
+    ref = res["generate"]["tokens"]
+    print("| path | ms per step | aten ops per step | weight casts per step | host reads per step | greedy tokens "
+          "= generate's |")
+    print("|---|---|---|---|---|---|")
+    for name, r in res.items():
+        ms = statistics.median(r["ms"])
+        ops = f"{r['ops']:,.0f}" + (f" ({r['host_ops_with_graph']:.1f} outside the captured step)"
+                                    if "host_ops_with_graph" in r else "")
+        print(f"| {name} | {ms:.1f} ({' '.join(f'{x:.1f}' for x in r['ms'])}) | {ops} | {r['casts']:.1f} | "
+              f"{r['reads']:.3f} | {r['tokens'] == ref} |", flush=True)
+    print(f"# parity, {args.rows} rows x {long} greedy tokens (static vs default path; the bf16 tolerance row on a "
+          f"bf16 copy, T=1):")
+    for k, v in parity(model, prompts, new=long).items():
+        print(f"  {k}: {v}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
