@@ -155,9 +155,10 @@ def test_a_rank_that_does_not_see_rank_0s_files_stops_every_rank(tmp_path, monke
     """Rank 1 of 2 (its node mounts another --out and --peer-exchange) and rank 0's view, as all_gather_object
     would bring it: every rank raises the same message, naming the rank, its host, the files and the steps."""
     files = runtime.RunFiles()
-    files.cfg = type("Cfg", (), {"name": "a"})()
+    files.cfg = type("Cfg", (), {"name": "a", "peer_exchange": str(tmp_path / "ex"), "peer_log": None})()  # online
     files.dist = runtime.DistInfo(rank=1, world=2)
-    files.out, files.exchange, files.mode, files.start_step = tmp_path / "a", tmp_path / "ex", "online", 0
+    files.out, files.exchange, files.start_step = tmp_path / "a", tmp_path / "ex", 0
+    assert files.mode == "online"
 
     def gather(views, mine):  # rank 0 saw its files and resumes at step 2
         views[:] = [("node0", "", 2), mine]
