@@ -209,6 +209,69 @@ def test_fsdp_gradients_equal_one_process(tiny, tmp_path):
         assert two["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-4, abs=1e-7), k
 
 
+FSDP_CAST = '''
+import sys
+sys.path[:0] = [{root!r}]
+import torch, graft
+from config import Config
+from runtime import gathered
+from sampler import sample
+cfg = Config(model={model!r}, prompts={prompts!r}, out=sys.argv[1], steps=1, prompts_per_step=4, n=2,
+             minibatches=1, max_response_tokens=12, prompt_template="{{problem}}=", lr=1e-3, threads=1,
+             fsdp=sys.argv[2] == "fsdp", device="cpu")
+tr = graft.Trainer(cfg)
+before = {{n: (type(p.data).__name__, p.data_ptr()) for n, p in tr.model.named_parameters()}}
+out = {{}}
+for once in (False, True):
+    stats = {{}}
+    # the trainer's rollout (Trainer.rollout): weights gathered, then the forward under bf16 autocast (CUDA there)
+    with gathered(tr.fsdp_root), torch.autocast("cpu", dtype=torch.bfloat16):
+        rs = sample(tr.model, tr.prompt_ids[:4] * 2, max_new_tokens=12, temperature=1.0, eos_token_id=tr.stop_ids,
+                    pad_token_id=tr.tok.pad_token_id, generator=torch.Generator().manual_seed(5),
+                    max_batch_size=4, cast_once=once, stats=stats)
+    out[once] = {{"tokens": [r.tokens for r in rs], "logp": [r.logprobs for r in rs],
+                 "cast_bytes": stats["cast_bytes"]}}
+after = {{n: (type(p.data).__name__, p.data_ptr()) for n, p in tr.model.named_parameters()}}
+out["params_back"] = before == after
+out["kinds"] = sorted({{k for k, _ in before.values()}})
+if tr.dist.main:
+    torch.save(out, sys.argv[3])
+sys.stdout.flush()
+import os
+os._exit(0)
+'''
+
+
+def test_cast_once_under_fsdp2_casts_the_gathered_weights_and_changes_no_number(tiny, tmp_path):
+    # sampler.py departure 17 under FSDP2: inside runtime.gathered the layers hold their full float32 weights as
+    # plain tensors (the shards, DTensors, come back when the block ends), so cast_weights_once casts them once for
+    # the call; the tokens and log-probs equal autocast's own per-step casts, and equal one process without FSDP;
+    # after the block every parameter is the same sharded DTensor as before (FSDP's own, not the cast copy)
+    script = tmp_path / "fsdp_cast.py"
+    script.write_text(FSDP_CAST.format(root=str(ROOT), model=str(tiny / "mb"), prompts=str(tiny / "p.jsonl")))
+    res = {}
+    for mode, ranks in (("dp", 0), ("fsdp", 2)):
+        out = tmp_path / f"cast_{mode}.pt"
+        prefix = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", "29537"] \
+            if ranks else []
+        r = run_py(prefix + [str(script), str(tmp_path / f"run_{mode}"), mode, str(out)], tmp_path,
+                   {"PYTHONPATH": str(ROOT)}, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res[mode] = torch.load(out, weights_only=False)
+    assert res["fsdp"]["kinds"] == ["DTensor"] and res["dp"]["kinds"] == ["Tensor"]  # the sharding was real
+    for mode in ("dp", "fsdp"):
+        once, per_step = res[mode][True], res[mode][False]
+        assert per_step["cast_bytes"] == 0 and once["cast_bytes"] > 0, mode  # the gathered weights were cast
+        assert once["tokens"] == per_step["tokens"], mode
+        assert all(torch.equal(a, b) for a, b in zip(once["logp"], per_step["logp"])), mode
+        assert res[mode]["params_back"], f"{mode}: the model's parameters were not given back"
+    # the full weights' copy is the same size either way: FSDP gathered all of them
+    assert res["fsdp"][True]["cast_bytes"] == res["dp"][True]["cast_bytes"]
+    assert res["fsdp"][True]["tokens"] == res["dp"][True]["tokens"]
+    for a, b in zip(res["fsdp"][True]["logp"], res["dp"][True]["logp"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_fsdp_checkpoint_loads_and_resume_equals_uninterrupted(tiny, tmp_path):
     def torchrun(out, steps, *extra, port):
         args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
