@@ -227,6 +227,10 @@ class ForeignLog:
 
     both_ways = False  # a peer source (exchange.OnlinePeers): nothing goes back to a log
 
+    def describe(self) -> str:
+        """The peer source in a few words, for the trainer's start-up lines."""
+        return f"a foreign log ({self.path})"
+
     def read(self, step: int, own) -> tuple[dict[str, StepRollouts], dict]:
         """The peer source's answer for one step: {"log": the batch's groups} (re-verified at start), no counts."""
         return {"log": self.step(own.prompt_ids)}, {}
@@ -447,6 +451,10 @@ class StoredRun:
         self.folder, self.run_id, self.n, self.golds = Path(folder), run_id, n, golds
         self.reward, self.stop, self.workers, self.timeout = reward, list(stop), workers, timeout
         self.std_normalize = std_normalize
+
+    def describe(self) -> str:
+        """The peer source in a few words, for the trainer's start-up lines."""
+        return f"a stored run's rollout files ({self.folder})"
 
     def read(self, step: int, own) -> tuple[dict, dict]:
         """{"log": the step's rollouts, re-scored}, and the reward's fault counts."""
