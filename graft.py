@@ -316,10 +316,9 @@ assert set(VARIANTS) == set(CHOICES["variant"]), "config.Config.variant must lis
 class Trainer:
     """One side of GRAFT (or plain GRPO): owns the model, the optimizer and the step loop.
 
-    Its file keeping is an object it holds, self.files (runtime.RunFiles), not the method: the run directory
-    (refuse to overwrite, --force, writability), the --resume checks, the pair's run identity and heartbeat,
-    metrics trimming and atomic checkpoints. It keeps its own paths and run identity; the trainer hands it the
-    model, optimizer and state to save."""
+    Its file keeping, not the method, is an object it holds, self.files (runtime.RunFiles), which keeps its own
+    paths, the pair's run identity and heartbeat: the run directory (refuse to overwrite, --force, writability),
+    the --resume checks, metrics trimming and atomic checkpoints of the model, optimizer and state handed to it."""
 
     live: LiveReport | None = None  # --report-to, opened by the first log()
 
@@ -334,8 +333,8 @@ class Trainer:
         self.files = RunFiles(cfg, self.dist)  # out, checkpoints, the exchange folder, the run's identity
         # The method's select, score and rows phases (section 3's registry); without a peer each is plain GRPO's.
         self.variant = VARIANTS[cfg.variant] if cfg.peer_exchange or cfg.peer_log else VARIANTS["graft"]
-        # The peer source, one interface (read, both_ways) over three kinds of peer: exchange.OnlinePeers (live
-        # sides), foreign.StoredRun (a finished run's files), foreign.ForeignLog (a JSONL log); None = plain GRPO.
+        # The peer source, one interface (read, both_ways, describe) over three kinds of peer: exchange.OnlinePeers
+        # (live sides), foreign.StoredRun (a finished run's files), foreign.ForeignLog (a JSONL log); None = GRPO.
         self.peers: OnlinePeers | StoredRun | ForeignLog | None = None
         self.best_eval_mean = -1.0
         self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)

@@ -20,10 +20,11 @@ exchange.py, never back.
     stop_signals, raise_stopped   SIGINT and SIGTERM as exceptions, kept for the step loop to raise again
     shard_policy, gathered, full_state_dicts, load_full_optimizer_state,
     clip_sharded_grad_norm_   FSDP2 (--fsdp)
-    RunFiles            the trainer's file keeping: run directory, the settings check of --resume,
-                        run identity, attempt and heartbeat (exchange.py), the check that every rank
-                        sees rank 0's files, metrics trimming, atomic checkpoints and the fall-back
-                        over broken ones; a lost rank named as such (lost_rank_message)
+    RunFiles            the trainer's file keeping, an object graft.Trainer holds (its own paths, run identity
+                        and resume step; what it saves comes as arguments): run directory, the settings check
+                        of --resume, run identity, attempt and heartbeat (exchange.py), the check that every
+                        rank sees rank 0's files, metrics trimming, atomic checkpoints and the fall-back over
+                        broken ones; a lost rank named as such (lost_rank_message)
     check_weight_files  a model folder's safetensors files, checked before loading (names the file)
 """
 
