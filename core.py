@@ -214,9 +214,9 @@ def multi_peer_sources(k: torch.Tensor, n: int, *, balance: bool = True) -> torc
     assert k.dim() == 2, f"k must be (S, G), got {tuple(k.shape)}"
     S, G = k.shape
     mixed = (k >= 1) & (k < n)  # (S, G)
-    score = torch.where(mixed, k, torch.full_like(k, -1))  # (S, G): only mixed sides can give
-    best = score.argmax(dim=0)  # (G,) first maximum = lowest side index on ties
-    any_mixed = score.max(dim=0).values >= 1  # (G,)
+    k_givers = torch.where(mixed, k, torch.full_like(k, -1))  # (S, G): only mixed sides can give
+    best = k_givers.argmax(dim=0)  # (G,) first maximum = lowest side index on ties
+    any_mixed = k_givers.max(dim=0).values >= 1  # (G,)
     src = torch.where((k == 0) & any_mixed[None], best[None].expand(S, G), torch.full_like(k, -1))  # (S, G)
     if balance:
         for x in range(S):

@@ -288,7 +288,7 @@ def load_rollouts(path: Path, *, n: int | None = None, prompt_ids: list[str] | N
 
 class OnlinePeers:
     """The online peers as a peer source (one of three: foreign.StoredRun and foreign.ForeignLog are the others, with
-    the same `read` and `both_ways`): each live side's rollout file of the step, waited for in the exchange
+    the same `read`, `both_ways` and `describe`): each live side's rollout file of the step, waited for in the exchange
     directory. They receive from this side too, so the selection balances the two directions (both_ways)."""
 
     both_ways = True
@@ -299,6 +299,10 @@ class OnlinePeers:
         self.run_id: str | None = None  # the pair's run identity and attempt, set when this side joins the run
         self.attempt = 0
         self.join_by: float | None = None  # the peers' join deadline, set once this side's model has loaded
+
+    def describe(self) -> str:
+        """The peer source in a few words, for the trainer's start-up lines."""
+        return f"online (exchange {self.exchange}, peers {', '.join(self.names)})"
 
     def read(self, step: int, own: StepRollouts) -> tuple[dict[str, StepRollouts], dict]:
         """Each peer's rollouts of this step, by side name, checked against this side's batch (own.prompt_ids)

@@ -227,6 +227,10 @@ class ForeignLog:
 
     both_ways = False  # a peer source (exchange.OnlinePeers): nothing goes back to a log
 
+    def describe(self) -> str:
+        """The peer source in a few words, for the trainer's start-up lines."""
+        return f"a foreign log ({self.path})"
+
     def read(self, step: int, own) -> tuple[dict[str, StepRollouts], dict]:
         """The peer source's answer for one step: {"log": the batch's groups} (re-verified at start), no counts."""
         return {"log": self.step(own.prompt_ids)}, {}
@@ -330,12 +334,13 @@ def load_foreign_log(path: str | os.PathLike, prompts: list[dict], *, std_normal
     gold = {p["id"]: p["answer"] for p in prompts}
     flat = [(p, i) for p, pid in enumerate(log.prompt_ids) for i in range(len(groups[pid]))]
     golds = [gold[log.prompt_ids[p]] for p, _ in flat]
-    scores = peer_rewards([log.texts[p][i] for p, i in flat], golds, reward=reward, stop=stop, workers=verify_workers,
-                          timeout=reward_timeout, **({} if rel_tol is None else {"rel_tol": rel_tol}))
+    verdicts = peer_rewards([log.texts[p][i] for p, i in flat], golds, reward=reward, stop=stop,
+                            workers=verify_workers, timeout=reward_timeout,
+                            **({} if rel_tol is None else {"rel_tol": rel_tol}))
     table = torch.zeros(log.mask.shape)  # (P, M)
     if flat:
         rows, cols = zip(*flat)
-        table[list(rows), list(cols)] = torch.tensor(scores, dtype=torch.float32)
+        table[list(rows), list(cols)] = torch.tensor(verdicts, dtype=torch.float32)
     log.set_rewards(table)
     given = log.mask & ~log.source_reward.isnan()  # (P, M)
     log.counts["reward_disagreements"] = int((is_success(log.source_reward) != is_success(log.rewards))[given].sum())
@@ -448,16 +453,20 @@ class StoredRun:
         self.reward, self.stop, self.workers, self.timeout = reward, list(stop), workers, timeout
         self.std_normalize = std_normalize
 
+    def describe(self) -> str:
+        """The peer source in a few words, for the trainer's start-up lines."""
+        return f"a stored run's rollout files ({self.folder})"
+
     def read(self, step: int, own) -> tuple[dict, dict]:
         """{"log": the step's rollouts, re-scored}, and the reward's fault counts."""
         peer, _ = load_rollouts(self.folder / f"step_{step:06d}.safetensors", n=self.n, prompt_ids=own.prompt_ids,
                                 run_id=self.run_id)
         golds = [self.golds[i] for i in peer.prompt_ids for _ in range(self.n)]
-        scores = peer_rewards(peer.texts, golds, reward=self.reward, stop=self.stop, workers=self.workers,
-                              timeout=self.timeout)
-        peer.rewards = torch.tensor(scores).view_as(peer.rewards)  # (G, n)
+        verdicts = peer_rewards(peer.texts, golds, reward=self.reward, stop=self.stop, workers=self.workers,
+                                timeout=self.timeout)
+        peer.rewards = torch.tensor(verdicts).view_as(peer.rewards)  # (G, n)
         peer.advantages = group_advantages(peer.rewards, std_normalize=self.std_normalize)  # (G, n)
-        return {"log": peer}, dict(scores.faults)
+        return {"log": peer}, dict(verdicts.faults)
 
 
 def open_peer_log(cfg, data: list[dict], dist, *, start_step: int) -> StoredRun | ForeignLog:

@@ -119,7 +119,7 @@ from core import (Context, Mean, PeerResponse, Row, StepRows, add_counts, add_me
                   success_counts, verifier_text)  # the copyable core
 from evaluation import benchmark_files, evaluate_benchmarks, run_eval  # --eval-every and `graft.py eval`
 from foreign import ForeignLog, StoredRun, open_peer_log  # --peer-log: the stored peer, checked at start
-from exchange import Heartbeat, OnlinePeers, StepRollouts, rollout_path, save_rollouts  # the rollout file, live peers
+from exchange import OnlinePeers, StepRollouts, rollout_path, save_rollouts  # the rollout file, live peers
 from metrics import LiveReport  # --report-to
 from plan import check_at_start, run_plan  # the memory plan on fake tensors: at start, and `graft.py plan`
 from reward import check_golds, load_reward, reward_options, rewards  # the reward seam, called in one place
@@ -313,12 +313,12 @@ assert set(VARIANTS) == set(CHOICES["variant"]), "config.Config.variant must lis
 # ------------------------------------------------------------------------------------------------
 
 
-class Trainer(RunFiles):
+class Trainer:
     """One side of GRAFT (or plain GRPO): owns the model, the optimizer and the step loop.
 
-    What it inherits from runtime.RunFiles is file keeping, not the method: the run directory
-    (refuse to overwrite, --force, writability), the stored peer log's checks, the pair's run
-    identity and heartbeat, metrics trimming and atomic checkpoints."""
+    Its file keeping, not the method, is an object it holds, self.files (runtime.RunFiles), which keeps its own
+    paths, the pair's run identity and heartbeat: the run directory (refuse to overwrite, --force, writability),
+    the --resume checks, metrics trimming and atomic checkpoints of the model, optimizer and state handed to it."""
 
     live: LiveReport | None = None  # --report-to, opened by the first log()
 
@@ -330,30 +330,26 @@ class Trainer(RunFiles):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.out = Path(cfg.out)
-        self.ckpt_dir = self.out / "checkpoints"
-        self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
+        self.files = RunFiles(cfg, self.dist)  # out, checkpoints, the exchange folder, the run's identity
         # The method's select, score and rows phases (section 3's registry); without a peer each is plain GRPO's.
         self.variant = VARIANTS[cfg.variant] if cfg.peer_exchange or cfg.peer_log else VARIANTS["graft"]
-        # The peer source, one interface (read, both_ways) over three kinds of peer: exchange.OnlinePeers (live
-        # sides), foreign.StoredRun (a finished run's files), foreign.ForeignLog (a JSONL log); None = plain GRPO.
+        # The peer source, one interface (read, both_ways, describe) over three kinds of peer: exchange.OnlinePeers
+        # (live sides), foreign.StoredRun (a finished run's files), foreign.ForeignLog (a JSONL log); None = GRPO.
         self.peers: OnlinePeers | StoredRun | ForeignLog | None = None
-        self.start_step, self.best_eval_mean = 0, -1.0
+        self.best_eval_mean = -1.0
         self.baseline_state: dict = {}  # what a baseline keeps across steps (HACPO's success history)
-        self.heartbeat: Heartbeat | None = None
         # Everything that can fail on bad input fails here, before the first rollout: the run
         # directory, the prompts, the stored peer log, the pair's run identity, then the model.
-        self.attempt, self.join_by = 0, None  # the pair's attempt (runtime.join_pair); the peers' join deadline
+        files = self.files
         if cfg.resume:
-            self.check_resume_settings()  # refuses a change of what defines the run, before anything loads
-        latest, state = self.resume_checkpoint() if cfg.resume else (None, None)
+            files.check_resume_settings()  # refuses a change of what defines the run, before anything loads
+        latest, state = files.resume_checkpoint() if cfg.resume else (None, None)  # sets files.start_step
         if latest is not None:
-            self.start_step, self.best_eval_mean = int(state["step"]), float(state["best_eval_mean"])
-            self.baseline_state = state.get("baseline_state", {})
+            self.best_eval_mean, self.baseline_state = float(state["best_eval_mean"]), state.get("baseline_state", {})
         elif cfg.resume and self.dist.main:
-            print(f"--resume: no checkpoint in {self.ckpt_dir}, starting from --model")
+            print(f"--resume: no checkpoint in {files.ckpt_dir}, starting from --model")
         if self.dist.main:
-            self.prepare_run_dir()
+            files.prepare_run_dir()
         self.data = load_prompt_file(cfg.prompts)
         self.data_by_id = {r["id"]: r for r in self.data}
         if len(self.data) < cfg.prompts_per_step:
@@ -361,12 +357,12 @@ class Trainer(RunFiles):
                              f"{cfg.prompts_per_step}")
         check_golds(self.data, cfg, main=self.dist.main)
         if cfg.peer_log:  # a rollout folder's files, or a JSONL of foreign trajectories loaded once, checked here
-            self.peers = open_peer_log(cfg, self.data, self.dist, start_step=self.start_step)
-        self.run_id = self.join_pair()
+            self.peers = open_peer_log(cfg, self.data, self.dist, start_step=files.start_step)
+        files.join_pair()  # files.run_id, files.attempt; online, the heartbeat
         if cfg.peer_exchange:
-            self.peers = OnlinePeers(self.exchange, self.peer_names, me=cfg.name, n=cfg.n,
+            self.peers = OnlinePeers(files.exchange, cfg.peer_name.split(","), me=cfg.name, n=cfg.n,
                                      timeout=cfg.exchange_timeout, dead_after=cfg.peer_dead_after)
-            self.peers.run_id, self.peers.attempt = self.run_id, self.attempt
+            self.peers.run_id, self.peers.attempt = files.run_id, files.attempt
         try:
             check_at_start(cfg, self.dist, benchmark_files)  # the memory plan: a misfit stops before any weight loads
             self.model, self.tok, self.stop_ids = load_policy(str(latest or cfg.model), cfg, self.dist)
@@ -393,7 +389,7 @@ class Trainer(RunFiles):
                                     both_ways=self.peers is not None and self.peers.both_ways,
                                     peer_kind=self.variant.peer_kind)
         except BaseException as e:
-            self.leave_pair(e)  # the peer may already wait on us: tell it now
+            files.leave_pair(e)  # the peer may already wait on us: tell it now
             raise
         if self.dist.main:
             self.print_derived()
@@ -470,10 +466,10 @@ class Trainer(RunFiles):
         """Write this side's rollout file of the step (rank 0; atomic): what the peers read, and the stored log."""
         cfg = self.cfg
         if self.dist.main:
-            save_rollouts(rollout_path(self.exchange, cfg.name, step), own,
+            save_rollouts(rollout_path(self.files.exchange, cfg.name, step), own,
                           {"model": cfg.model, "tokenizer": getattr(self.tok, "name_or_path", ""), "step": step,
                            "temperature": cfg.temperature, "name": cfg.name, "data_seed": cfg.data_seed,
-                           "run_id": self.run_id})
+                           "run_id": self.files.run_id})
 
     def wait_for_peers(self, step: int, own: StepRollouts) -> tuple[dict[str, StepRollouts], dict]:
         """The peers' rollouts of this step, by side name, and counts, from the run's peer source: each live peer's
@@ -585,7 +581,7 @@ class Trainer(RunFiles):
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise FloatingPointError(f"step {step}, minibatch {mb_index}: the loss is {value}; stopped before "
-                                         f"the optimizer step ({self.resume_hint()})")
+                                         f"the optimizer step ({self.files.resume_hint()})")
             loss.backward()
             for kind, mt in per_kind.items():
                 add_metrics(mb_sums, mt, prefix=f"{kind}/")
@@ -617,7 +613,7 @@ class Trainer(RunFiles):
                      else clip_sharded_grad_norm_(params, self.cfg.grad_clip))
         if not math.isfinite(norm):
             raise FloatingPointError(f"step {step}, minibatch {mb_index}: the gradient norm is {norm}; stopped "
-                                     f"before the optimizer step ({self.resume_hint()})")
+                                     f"before the optimizer step ({self.files.resume_hint()})")
         self.opt.step()
         return norm
 
@@ -659,23 +655,21 @@ class Trainer(RunFiles):
         n_params = sum(p.numel() for p in self.model.parameters())
         print(f"[graft] side {cfg.name!r} model {cfg.model} ({n_params / 1e6:.1f}M params, "
               f"{next(self.model.parameters()).dtype}) on {self.dist.device} x{self.dist.world}")
-        print(f"[graft] peer mode: {self.mode}"
-              + (f" (exchange {self.exchange}, peers {', '.join(self.peer_names)})" if self.mode == "online" else "")
-              + (f" (log {cfg.peer_log})" if self.mode == "stored" else "") + f", variant {cfg.variant}")
+        print(f"[graft] peer: {self.peers.describe() if self.peers is not None else 'none'}, variant {cfg.variant}")
         print(f"[graft] {len(self.data)} prompts; per step {G} prompts x n={cfg.n} = {G * cfg.n} rollouts, "
               f"{cfg.minibatches} minibatches of ~{G // cfg.minibatches} groups; {cfg.steps} steps "
-              f"= {cfg.steps * G / len(self.data):.2f} epochs; starting at step {self.start_step}")
-        print(f"[graft] stop ids {self.stop_ids}; rollout files -> {self.exchange / cfg.name}; "
-              f"metrics -> {self.out / 'metrics.jsonl'}")
+              f"= {cfg.steps * G / len(self.data):.2f} epochs; starting at step {self.files.start_step}")
+        print(f"[graft] stop ids {self.stop_ids}; rollout files -> {self.files.exchange / cfg.name}; "
+              f"metrics -> {self.files.out / 'metrics.jsonl'}")
 
     def log(self, m: dict):
         """One step's metrics (keys: METRICS): a line of metrics.jsonl, --report-to, a console line."""
         if not self.dist.main:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
+        with open(self.files.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(m) + "\n")
         if self.cfg.report_to != "none":
-            self.live = self.live or LiveReport(self.cfg.report_to, self.out, self.cfg)
+            self.live = self.live or LiveReport(self.cfg.report_to, self.files.out, self.cfg)
             self.live.log(m)
 
         def g(k, fmt="{:.3f}"):
@@ -692,36 +686,37 @@ class Trainer(RunFiles):
               f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}", flush=True)
 
     def fit(self):
-        cfg = self.cfg
+        cfg, files = self.cfg, self.files
         if isinstance(self.peers, OnlinePeers):  # the clock starts once this side's own model has loaded
-            self.join_by = self.peers.join_by = time.time() + cfg.join_timeout
+            self.peers.join_by = time.time() + cfg.join_timeout
             if self.dist.main:
-                print(f"[graft] run {self.run_id} attempt {self.attempt} in {self.exchange}: waiting up to "
-                      f"--join-timeout {cfg.join_timeout:.0f}s for {', '.join(self.peer_names)} to join")
+                print(f"[graft] run {files.run_id} attempt {files.attempt} in {files.exchange}: waiting up to "
+                      f"--join-timeout {cfg.join_timeout:.0f}s for {', '.join(self.peers.names)} to join")
         # SIGTERM (a scheduler's kill, Ctrl-C of a launcher) and SIGINT become exceptions, so the FAILED marker
         # below is written (kill -9 writes nothing: the heartbeat tells); raised again at every step boundary,
         # as Python can lose one (runtime.stop_signals).
         with stop_signals() as caught:
             try:
-                for step in range(self.start_step, cfg.steps):
+                for step in range(files.start_step, cfg.steps):
                     raise_stopped(caught)
-                    if self.heartbeat is not None:
-                        self.heartbeat.step = step
-                        if self.heartbeat.left_behind():
-                            raise SystemExit(f"side {cfg.name!r} was relaunched (a newer process took part in a "
-                                             f"later attempt of run {self.run_id}); this process stops")
+                    files.at_step(step)  # the heartbeat's step; a process a relaunch left behind stops here
                     m = self.step(step)
                     if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                         m.update(self.validate(step + 1))
                     self.log(m)
                     if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                        self.save_checkpoint(step + 1)
+                        self.checkpoint(step + 1)
                 raise_stopped(caught)  # one during the last checkpoint: saved, but not a clean finish
             except BaseException as e:
-                self.leave_pair(e)  # tell a waiting peer at once instead of letting it time out
+                files.leave_pair(e)  # tell a waiting peer at once instead of letting it time out
                 raise
-        if self.heartbeat is not None:
-            self.heartbeat.stop("finished")
+        files.finish()
+
+    def checkpoint(self, step: int, dest: Path | None = None) -> None:
+        """The model, tokenizer, optimizer and trainer state after `step` steps, atomically (runtime.RunFiles)."""
+        self.files.save_checkpoint(step, model=self.model, tok=self.tok, opt=self.opt, fsdp_root=self.fsdp_root,
+                                   state={"best_eval_mean": self.best_eval_mean, "baseline_state": self.baseline_state},
+                                   dest=dest)
 
     def validate(self, step: int) -> dict:
         """--eval-every: sampled in the rollouts' precision (self.amp) and KV budget (runtime.eval_rows)."""
@@ -735,7 +730,7 @@ class Trainer(RunFiles):
                   + f" | mean {eval_mean:.4f} (best {max(eval_mean, self.best_eval_mean):.4f})")
         if eval_mean > self.best_eval_mean:
             self.best_eval_mean = eval_mean
-            self.save_checkpoint(step, dest=self.ckpt_dir / "best")
+            self.checkpoint(step, dest=self.files.ckpt_dir / "best")
         return {f"eval/{k}": v["pass@1"] for k, v in res["benchmarks"].items()} | {"eval/mean": eval_mean}
 
 # ------------------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ exchange.py, never back.
     stop_signals, raise_stopped   SIGINT and SIGTERM as exceptions, kept for the step loop to raise again
     shard_policy, gathered, full_state_dicts, load_full_optimizer_state,
     clip_sharded_grad_norm_   FSDP2 (--fsdp)
-    RunFiles            the trainer's file keeping: run directory, the settings check of --resume,
-                        run identity, attempt and heartbeat (exchange.py), the check that every rank
-                        sees rank 0's files, metrics trimming, atomic checkpoints and the fall-back
-                        over broken ones; a lost rank named as such (lost_rank_message)
+    RunFiles            the trainer's file keeping, an object graft.Trainer holds (its own paths, run identity
+                        and resume step; what it saves comes as arguments): run directory, the settings check
+                        of --resume, run identity, attempt and heartbeat (exchange.py), the check that every
+                        rank sees rank 0's files, metrics trimming, atomic checkpoints and the fall-back over
+                        broken ones; a lost rank named as such (lost_rank_message)
     check_weight_files  a model folder's safetensors files, checked before loading (names the file)
 """
 
@@ -431,7 +432,7 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torc
 
 
 # ------------------------------------------------------------------------------------------------
-# The trainer's file keeping (a mixin of graft.Trainer: it reads self.cfg, self.dist, self.out, ...)
+# The trainer's file keeping: an object graft.Trainer holds (Trainer.files), with its own state
 # ------------------------------------------------------------------------------------------------
 
 # What --resume may change: run length, checkpoint and eval cadence, waits and timeouts, speed and
@@ -453,12 +454,23 @@ RESUMABLE = frozenset({
 PAIR_SETTINGS = ("prompts_sha256", "n", "prompts_per_step", "data_seed", "balance", "selection", "variant")
 
 
-def run_settings(cfg: Config, mode: str) -> dict:
-    """Every Config field, the pair mode and a digest of the prompts file's content (run.json)."""
+def run_settings(cfg: Config) -> dict:
+    """Every Config field, whether the peers are live and a digest of the prompts file's content (run.json).
+    "online" is recorded apart because --peer-exchange, the folder, may move on --resume; a live peer may not come
+    or go (--peer-log, the other kind of peer, is a field that defines the run)."""
     out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    out["mode"] = mode
+    out["online"] = bool(cfg.peer_exchange)
     out["prompts_sha256"] = file_sha256(cfg.prompts) if Path(cfg.prompts).is_file() else ""
     return out
+
+
+def recorded_settings(record: dict) -> dict:
+    """A run.json's settings as run_settings writes them now: an older record names the kind of peer by a "mode"
+    string ("online", "stored" or "none"), read here as the "online" flag."""
+    old = dict(record["settings"])
+    if "mode" in old and "online" not in old:
+        old["online"] = old.pop("mode") == "online"
+    return old
 
 
 # Words of the errors that gloo and NCCL raise when a peer process of the group is gone.
@@ -478,17 +490,22 @@ def lost_rank_message(error: BaseException, name: str, world: int) -> str:
 
 
 class RunFiles:
-    """Run directory, resume checks, the pair's run identity, metrics trimming, checkpoints."""
+    """Run directory, resume checks, the pair's run identity, metrics trimming, checkpoints.
 
-    @property
-    def mode(self) -> str:
-        """The kind of peer as the run's files record it: online (--peer-exchange), stored (--peer-log) or none."""
-        return "online" if self.cfg.peer_exchange else "stored" if self.cfg.peer_log else "none"
+    Its own state, set here and by its methods: out, ckpt_dir, exchange (the rollout files' folder), online (live
+    peers meet in the exchange folder: a run record, attempts, a heartbeat), run_id, attempt, heartbeat and
+    start_step (the step a --resume continues from). It reads its cfg (config.Config) and dist (DistInfo); what
+    it saves (model, tokenizer, optimizer, the trainer's state) comes as arguments."""
 
-    @property
-    def peer_names(self) -> list[str]:
-        """The side names of the peers (the online run's --peer-name list, "log" for a stored peer)."""
-        return {"online": self.cfg.peer_name.split(","), "stored": ["log"]}.get(self.mode, [])
+    def __init__(self, cfg: Config, dist: DistInfo):
+        self.cfg, self.dist = cfg, dist
+        self.out = Path(cfg.out)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.exchange = Path(cfg.peer_exchange) if cfg.peer_exchange else self.out / "exchange"
+        self.online = bool(cfg.peer_exchange)
+        self.run_id, self.attempt = "", 0  # set by join_pair
+        self.heartbeat: Heartbeat | None = None  # online, on rank 0: started by join_pair
+        self.start_step = 0  # set by resume_checkpoint
 
     def check_resume_settings(self) -> None:
         """--resume: refuse any change of what defines the run (against <out>/run.json), before the
@@ -499,8 +516,8 @@ class RunFiles:
             if self.dist.main and (self.out / "checkpoints").exists():
                 print(f"--resume: {path} holds no settings: the run's settings cannot be checked")
             return
-        old, new = record["settings"], run_settings(cfg, self.mode)
-        labels = {"mode": "the peer mode (--peer-exchange, --peer-log or neither)",
+        old, new = recorded_settings(record), run_settings(cfg)
+        labels = {"online": "a live peer (--peer-exchange, or none)",
                   "prompts_sha256": "the content of --prompts (sha256)"}
         flag = lambda k: labels.get(k, "--" + k.replace("_", "-"))
         refused = [f"{flag(k)}: {old[k]!r} in the run, {new[k]!r} now" for k in sorted(new)
@@ -524,7 +541,7 @@ class RunFiles:
         if parts and not cfg.resume and not cfg.force:
             raise SystemExit(f"--out {self.out}: already holds a run ({', '.join(parts)}); pass --resume to "
                              f"continue it, --force to delete it and start over, or choose a new --out")
-        if cfg.force and self.mode == "online":
+        if cfg.force and self.online:
             try:  # first: it refuses while the run it would delete is alive, before anything is deleted
                 leave_run(self.exchange, cfg.name, dead_after=cfg.peer_dead_after)
             except RuntimeError as e:
@@ -546,8 +563,8 @@ class RunFiles:
         self.clean_partial_checkpoints()
         self.trim_metrics()
 
-    def join_pair(self) -> str:
-        """This run's identity: written into every rollout file and checked on every peer file.
+    def join_pair(self) -> None:
+        """This run's identity (self.run_id): written into every rollout file and checked on every peer file.
 
         Online, rank 0 founds or joins the run of the exchange folder (exchange.join_run), takes part
         in an attempt of it (0 for a fresh start, a new one for --resume: exchange.join_attempt) and
@@ -559,10 +576,10 @@ class RunFiles:
         if self.dist.main:
             record = read_json(self.out / "run.json") if cfg.resume else None
             previous = str(record["run_id"]) if record and "run_id" in record else ""
-            settings = run_settings(cfg, self.mode)
-            if self.mode == "online":
+            settings = run_settings(cfg)
+            if self.online:
                 try:
-                    rid = join_run(self.exchange, cfg.name, peer_names=self.peer_names,
+                    rid = join_run(self.exchange, cfg.name, peer_names=cfg.peer_name.split(","),
                                    pair={k: settings[k] for k in PAIR_SETTINGS}, previous=previous,
                                    run_id=cfg.run_id, dead_after=cfg.peer_dead_after)
                     if previous:
@@ -580,7 +597,7 @@ class RunFiles:
             torch.distributed.broadcast_object_list(box, src=0)
             rid, self.attempt = box
             self.check_shared_files(rid)
-        return rid
+        self.run_id = rid
 
     def check_shared_files(self, rid: str, *, wait: float = 30.0) -> None:
         """Every rank sees the files rank 0 keeps, or the run stops here with one message on every rank.
@@ -591,7 +608,7 @@ class RunFiles:
         for files it never sees. Each rank waits up to ``wait`` s for run.json (and RUN) of run ``rid``
         (a network filesystem may show a new file late), then all compare that and their resume step."""
         need = [(self.out / "run.json", "--out")] + ([(self.exchange / "RUN", "--peer-exchange")]
-                                                     if self.mode == "online" else [])
+                                                     if self.online else [])
         deadline = time.time() + wait
         while True:
             unseen = [(path, flag) for path, flag in need if (read_json(path) or {}).get("run_id") != rid]
@@ -616,7 +633,7 @@ class RunFiles:
         lost = lost_rank_message(error, self.cfg.name, self.dist.world)
         if lost:
             print(f"[graft] rank {self.dist.rank}: {lost}", file=sys.stderr, flush=True)
-        if not (self.dist.main and self.mode == "online" and self.heartbeat is not None):
+        if not (self.dist.main and self.online and self.heartbeat is not None):
             return
         import traceback
         try:  # on a full disk these writes fail too; the peer then sees the heartbeat go stale
@@ -630,6 +647,20 @@ class RunFiles:
             print(f"[graft] could not leave the FAILED marker for the peer: {e}")
         self.heartbeat = None
 
+    def at_step(self, step: int) -> None:
+        """The heartbeat's step (online, rank 0); stops a process that a relaunch of its side left behind."""
+        if self.heartbeat is None:
+            return
+        self.heartbeat.step = step
+        if self.heartbeat.left_behind():
+            raise SystemExit(f"side {self.cfg.name!r} was relaunched (a newer process took part in a later attempt "
+                             f"of run {self.run_id}); this process stops")
+
+    def finish(self) -> None:
+        """A clean finish: the heartbeat's last beat says so."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop("finished")
+
     def resume_hint(self) -> str:
         latest = self.latest_checkpoint()
         where = f"the last good checkpoint is {latest}" if latest else "no checkpoint was written yet"
@@ -641,9 +672,9 @@ class RunFiles:
         return steps[-1] if steps else None
 
     def resume_checkpoint(self) -> tuple[Path | None, dict | None]:
-        """--resume: the newest step checkpoint that loads, with its trainer state; (None, None) when
-        the run wrote none. A checkpoint that does not load (truncated or missing file, bad header)
-        is reported by path and the previous one is taken; with none left that loads, it stops."""
+        """--resume: the newest step checkpoint that loads, with its trainer state (its step becomes start_step);
+        (None, None) when the run wrote none. A checkpoint that does not load (truncated or missing file, bad
+        header) is reported by path and the previous one is taken; with none left that loads, it stops."""
         found = sorted(self.ckpt_dir.glob("step_[0-9]*")) if self.ckpt_dir.is_dir() else []
         broken = []
         for ckpt in reversed(found):
@@ -658,6 +689,7 @@ class RunFiles:
                 except Exception as e:  # missing, truncated or not a trainer state
                     problem = f"{ckpt / 'trainer_state.pt'}: does not load ({type(e).__name__}: {e})"
             if problem is None:
+                self.start_step = int(state["step"])
                 return ckpt, state
             broken.append(ckpt)
             if self.dist.main:
@@ -698,23 +730,25 @@ class RunFiles:
         keep = [json.dumps(r) for r in records if r.get("step", 0) < self.start_step]  # as the trainer writes them
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
 
-    def save_checkpoint(self, step: int, dest: Path | None = None):
+    def save_checkpoint(self, step: int, *, model, tok, opt: torch.optim.Optimizer, fsdp_root: torch.nn.Module | None,
+                        state: dict, dest: Path | None = None):
         """save_pretrained (safetensors) + optimizer/step state, into a temp folder renamed into place.
-        Under --fsdp every rank takes part in gathering the full state dicts; rank 0 writes them.
-        A failed write (full disk, read-only folder) removes the temp folder and stops the run with
-        the path and the OS error; the last complete checkpoint stays the one --resume takes."""
-        root = self.fsdp_root
-        model_state, opt_state = full_state_dicts(root, self.opt) if root is not None else (None, None)
+        model, tok: the policy and its tokenizer; opt: its optimizer; fsdp_root: the FSDP2 root under --fsdp (every
+        rank takes part in gathering the full state dicts; rank 0 writes them), else None; state: the trainer's
+        own state to keep beside the step and the optimizer (best_eval_mean, baseline_state); dest: a folder other
+        than checkpoints/step_<step> (the best evaluation's). A failed write (full disk, read-only folder) removes
+        the temp folder and stops the run with the path and the OS error; the last complete checkpoint stays the
+        one --resume takes."""
+        model_state, opt_state = full_state_dicts(fsdp_root, opt) if fsdp_root is not None else (None, None)
         if not self.dist.main:
             return
         dest = dest or self.ckpt_dir / f"step_{step:06d}"
         tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            self.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
-            self.tok.save_pretrained(tmp)
-            torch.save({"step": step, "optimizer": opt_state if opt_state is not None else self.opt.state_dict(),
-                        "best_eval_mean": self.best_eval_mean, "baseline_state": self.baseline_state},
+            model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            torch.save({"step": step, "optimizer": opt_state if opt_state is not None else opt.state_dict(), **state},
                        tmp / "trainer_state.pt")
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)

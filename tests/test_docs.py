@@ -402,7 +402,8 @@ def test_the_rule_takes_data_not_the_trainer():
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef) and id(fn) not in methods:
                 for a in fn.args.args + fn.args.kwonlyargs:
-                    if a.arg == "tr" or (a.annotation is not None and "Trainer" == ast.unparse(a.annotation)):
+                    note = ast.unparse(a.annotation) if a.annotation is not None else ""
+                    if a.arg in ("tr", "trainer") or "Trainer" in note:
                         takers.append(f"{rel}:{fn.lineno} {fn.name}({a.arg})")
     assert not takers, f"functions that take the Trainer: {takers}"
     tree = ast.parse((ROOT / "graft.py").read_text(encoding="utf-8"))
@@ -412,6 +413,32 @@ def test_the_rule_takes_data_not_the_trainer():
     assert "balanced_swap" in called_names(fns["graft_select"])  # step -> variant.select = graft_select -> swap
     chain = ["step", "update", "accumulate", "minibatch_loss", "policy_loss"]
     assert all(b in called_names(fns[a]) for a, b in zip(chain, chain[1:])), chain
+
+
+def test_the_file_keeping_reads_only_its_own_state():
+    """runtime.RunFiles is an object the Trainer holds, not a base class of it: every self.X that RunFiles reads is
+    its own method or an attribute that RunFiles itself sets, so it works without the Trainer (test_nodes.py builds
+    one alone), and what it saves comes as arguments. The kind of peer is no string read in the trainer or the file
+    keeping (the `online` flag and the peer source say it); only the reader of older run.json records sees "mode"."""
+    tree = ast.parse((ROOT / "runtime.py").read_text(encoding="utf-8"))
+    files = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunFiles")
+    own = {n.name for n in files.body if isinstance(n, ast.FunctionDef)}
+    attrs = [n for n in ast.walk(files) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+             and n.value.id == "self"]
+    own |= {a.attr for a in attrs if isinstance(a.ctx, ast.Store)}
+    assert {"out", "ckpt_dir", "exchange", "online", "run_id", "attempt", "heartbeat", "start_step"} <= own, own
+    foreign = sorted({a.attr for a in attrs if isinstance(a.ctx, ast.Load)} - own)
+    assert not foreign, f"RunFiles reads attributes it does not set: {foreign}"
+    graft = ast.parse((ROOT / "graft.py").read_text(encoding="utf-8"))
+    trainer = next(n for n in graft.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert not trainer.bases, [ast.unparse(b) for b in trainer.bases]
+    for rel in ("graft.py", "runtime.py", "exchange.py", "foreign.py", "core.py", "baselines.py"):
+        for n in ast.walk(ast.parse((ROOT / rel).read_text(encoding="utf-8"))):
+            assert not (isinstance(n, ast.Attribute) and n.attr == "mode"), f"{rel}:{n.lineno} reads .mode"
+            assert not (isinstance(n, ast.Constant) and n.value == "mode") or rel == "runtime.py", f"{rel}:{n.lineno}"
+    reader = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "recorded_settings")
+    uses = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "mode"]
+    assert uses and all(reader.lineno <= u <= reader.end_lineno for u in uses), uses
 
 
 def test_the_test_command_sets_itself_up():

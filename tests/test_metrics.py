@@ -197,7 +197,7 @@ def two_runs(tiny, tmp_path, monkeypatch):
     tr.log(m)
     grpo = graft.Trainer(planted_config(tiny, tmp_path / "grpo", steps=2, minibatches=2, save_every=5))
     grpo.fit()
-    return tr.out, grpo.out, tr
+    return tr.files.out, grpo.files.out, tr
 
 
 def test_every_logged_key_is_in_the_metrics_table(two_runs):

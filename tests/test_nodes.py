@@ -154,11 +154,9 @@ def test_one_side_launch_runs_torchrun_and_names_the_nodes_log(tmp_path):
 def test_a_rank_that_does_not_see_rank_0s_files_stops_every_rank(tmp_path, monkeypatch):
     """Rank 1 of 2 (its node mounts another --out and --peer-exchange) and rank 0's view, as all_gather_object
     would bring it: every rank raises the same message, naming the rank, its host, the files and the steps."""
-    files = runtime.RunFiles()
-    files.cfg = type("Cfg", (), {"name": "a", "peer_exchange": str(tmp_path / "ex"), "peer_log": None})()  # online
-    files.dist = runtime.DistInfo(rank=1, world=2)
-    files.out, files.exchange, files.start_step = tmp_path / "a", tmp_path / "ex", 0
-    assert files.mode == "online"
+    cfg = type("Cfg", (), {"name": "a", "out": str(tmp_path / "a"), "peer_exchange": str(tmp_path / "ex")})()  # online
+    files = runtime.RunFiles(cfg, runtime.DistInfo(rank=1, world=2))
+    assert files.online and files.exchange == tmp_path / "ex" and files.start_step == 0
 
     def gather(views, mine):  # rank 0 saw its files and resumes at step 2
         views[:] = [("node0", "", 2), mine]

@@ -217,8 +217,24 @@ def test_resume_applies_and_prints_changeable_settings(tiny, finished_run, capsy
     tr = graft.Trainer(resume_cfg(tiny, out, prompts, steps=3, lr=1e-2, eval_every=0, keep_checkpoints=3))
     said = capsys.readouterr().out
     assert "--resume: applying changed settings:" in said and "--lr 0.001 -> 0.01" in said and "--steps 2 -> 3" in said
-    assert tr.start_step == 2 and [g["lr"] for g in tr.opt.param_groups] == [1e-2] * len(tr.opt.param_groups)
+    assert tr.files.start_step == 2 and [g["lr"] for g in tr.opt.param_groups] == [1e-2] * len(tr.opt.param_groups)
     assert tr.opt.state  # the optimizer's moments were restored; only the lr is the new one
+
+
+def test_resume_reads_an_older_run_record_that_names_the_peer_kind_by_a_mode_string(tiny, finished_run, monkeypatch):
+    """run.json of an older run names the kind of peer by "mode" ("none", "stored", "online") where the trainer now
+    records "online": such a run resumes, and one that had a live peer is refused without one, before loading."""
+    out, prompts = finished_run
+    run_json = out / "run.json"
+    record = json.loads(run_json.read_text())
+    assert record["settings"].pop("online") is False  # what the trainer writes now
+    run_json.write_text(json.dumps(record | {"settings": record["settings"] | {"mode": "none"}}))
+    assert graft.Trainer(resume_cfg(tiny, out, prompts, steps=3)).files.start_step == 2
+    assert json.loads(run_json.read_text())["settings"]["online"] is False  # rewritten as the trainer writes it now
+    run_json.write_text(json.dumps(record | {"settings": record["settings"] | {"mode": "online"}}))
+    monkeypatch.setattr(graft, "load_policy", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    with pytest.raises(SystemExit, match=r"a live peer \(--peer-exchange, or none\): True in the run, False now"):
+        graft.Trainer(resume_cfg(tiny, out, prompts, steps=3))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +255,7 @@ def test_resume_falls_back_over_a_broken_latest_checkpoint(tiny, finished_run, c
     tr = graft.Trainer(resume_cfg(tiny, out, prompts))
     said = capsys.readouterr().out
     assert str(weights) in said or str(weights.parent) in said, said
-    assert "falling back to the previous checkpoint" in said and tr.start_step == 1
+    assert "falling back to the previous checkpoint" in said and tr.files.start_step == 1
     (out / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"cut")
     with pytest.raises(SystemExit, match="no checkpoint in .* loads"):
         graft.Trainer(resume_cfg(tiny, out, prompts))
@@ -266,13 +282,13 @@ def test_full_disk_while_checkpointing(tiny, finished_run, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(runtime.torch, "save", full_disk)
     with pytest.raises(SystemExit) as e:
-        tr.save_checkpoint(3)
+        tr.checkpoint(3)
     msg = str(e.value)
     assert ".step_000003.tmp" in msg and "No space left on device [ENOSPC]" in msg and "MiB free" in msg, msg
     assert "step_000002" in msg  # the checkpoint --resume takes
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]  # tmp removed
     monkeypatch.setattr(runtime.torch, "save", real_save)
-    assert graft.Trainer(resume_cfg(tiny, out, prompts, steps=3)).start_step == 2
+    assert graft.Trainer(resume_cfg(tiny, out, prompts, steps=3)).files.start_step == 2
     # a small atomic file (a rollout file, the metrics) on a full disk: named, no temp file left
     target = out.parent / "small" / "x.json"
 
