@@ -360,7 +360,12 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
                 model.eval()
                 cache = DynamicCache(config=config)
                 ids = torch.tensor(_ids(n_rows, length, vocab))  # (R, P)
-                with torch.no_grad(), amp(autocast):  # no_grad: MemTracker hooks cannot see inference tensors
+                # autocast's cast cache off: sample() serves the Linear weights from their bf16 copy (counted apart, as
+                # the bf16 sampling copy), where a cache that no_grad keeps would count a second copy; uncached, each
+                # cast lives for its one matmul. no_grad: MemTracker's hooks cannot see inference tensors
+                on = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast \
+                    else contextlib.nullcontext()
+                with torch.no_grad(), on:
                     model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
                                         past_key_values=cache)
                 model.train()
@@ -385,7 +390,8 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
         logprob_peak = _tracked(logprob_pass, model, opt)["Total"]
         update_peak = _tracked(forward_backward, model, opt)["Total"]
         step_peak = _tracked(optimizer_step, model, opt)["Total"]
-        roll_peak = _tracked(prefill(roll_prompts, prompt_len, cfg.dtype == "auto"), model, opt)["Total"]
+        roll = prefill(roll_prompts, prompt_len, cfg.dtype == "auto")
+        roll_peak = _tracked(roll, model, opt)["Total"]
         ev = prefill(eval_prompts, eval_prompt_len, cfg.dtype == "auto" and EVAL_AUTOCAST)
         eval_peak = state
         if cfg.eval_every:  # Trainer.validate runs
@@ -412,6 +418,8 @@ class Rows:
     pool_tokens: int  # tokens the KV term holds
     expected_tokens: int  # a row at expected lengths: the mean prompt + EXPECTED_RESPONSE of the cap + ROOM
     worst_tokens: int  # a row at the worst case: the longest prompt + the cap + ROOM
+    copies: int = 1  # rows per distinct prompt one prefill runs once (--rollouts or --eval-samples; 1 unshared)
+    prefill_prompts: int = 1  # prompts the phase's prefill term was measured at (prefill_prompts(slots, copies))
 
     @property
     def expected(self) -> int:
@@ -469,7 +477,8 @@ def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt
     mean_prompt = prompt_len if mean_prompt is None else mean_prompt
     mean_eval_prompt = eval_prompt_len if mean_eval_prompt is None else mean_eval_prompt
 
-    def kv(slots: int, longest: int, mean: int, cap: int, kv_token: int, copy: int) -> tuple[dict, Rows]:
+    def kv(slots: int, longest: int, mean: int, cap: int, kv_token: int, copy: int, copies: int,
+           prompts: int) -> tuple[dict, Rows]:
         worst_row = longest + cap + ROOM
         if m.paged:
             pool = pool_bytes(card, held, copy) if card else slots * worst_row * kv_token
@@ -478,12 +487,16 @@ def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt
             pool = slots * (longest + cap) * kv_token
             term = {"KV cache": pool}
         rows = Rows(slots=slots, paged=m.paged, pool_tokens=pool // max(1, kv_token),
-                    expected_tokens=mean + round(EXPECTED_RESPONSE * cap) + ROOM, worst_tokens=worst_row)
+                    expected_tokens=mean + round(EXPECTED_RESPONSE * cap) + ROOM, worst_tokens=worst_row,
+                    copies=copies, prefill_prompts=prompts)
         return term, rows
 
-    roll_kv, roll_rows = kv(cfg.gen_batch_size, prompt_len, mean_prompt, cap, m.kv_token, m.cast_copy)
+    shared = cfg.share_prefix
+    roll_kv, roll_rows = kv(cfg.gen_batch_size, prompt_len, mean_prompt, cap, m.kv_token, m.cast_copy,
+                            cfg.n if shared else 1, m.prefill_prompts)
     eval_kv, eval_rows_ = kv(eval_rows(cfg, paged=m.paged), eval_prompt_len, mean_eval_prompt, eval_cap,
-                             m.eval_kv_token, m.eval_cast_copy)  # Trainer.validate's slots
+                             m.eval_kv_token, m.eval_cast_copy, cfg.eval_samples if shared else 1,
+                             m.eval_prefill_prompts)  # Trainer.validate's slots
     units = {"gathered root + 2 layers + 1 layer's grads": m.root_params + 3 * m.layer_params} if cfg.fsdp else {}
     out = [
         Phase("rollout", state | gathered | {"bf16 sampling copy": m.cast_copy, "prefill": m.prefill_act} | roll_kv,
@@ -555,16 +568,28 @@ LAUNCH_LINE = "slots for the launcher: --gen-batch-size"
 """The line of `graft.py plan` that run_pair.sh reads its --gen-batch-size from (the number after it)."""
 
 
+def at_slots(ph: Phase, slots: int, planned: int) -> int:
+    """A rollout or evaluation phase's bytes with the rollout's --gen-batch-size at `slots` instead of `planned`: the
+    phase's own slots scaled alike, its prefill in proportion to the prompts one prefill runs (prefill_prompts), a
+    dense KV cache in proportion to the slots; a pool stays (its bytes follow the card, not the slots)."""
+    r = ph.rows
+    own = max(1, r.slots * slots // planned)
+    prefill = ph.terms.get("prefill", 0)
+    total = ph.total - prefill + prefill * prefill_prompts(own, r.copies) / r.prefill_prompts
+    if not r.paged:
+        total += ph.terms["KV cache"] * (own / r.slots - 1)
+    return int(total)
+
+
 def launch_slots(plan: list[Phase], card: int, *, rows: int) -> int:
-    """The slot count (--gen-batch-size) for this card: on the static path the rows at expected lengths the rollout's
-    pool holds (Rows.pool_rows), on the default path the slots whose dense cache fits; in both at most the slots at
-    which the rollout and the evaluation fit MARGIN of the card (largest_fit: the prefill, and a dense cache, taken as
-    linear in the rows, measured at `rows` = the planned --gen-batch-size); rounded down to a multiple of
-    LAUNCH_ALIGN when above it; 0 when not one row fits."""
+    """The slot count (--gen-batch-size) for this card: the most slots at which the rollout and the evaluation fit
+    MARGIN of the card (at_slots, from the phases planned at `rows` = --gen-batch-size), on the static path at most
+    the rows at expected lengths the rollout's pool holds (Rows.pool_rows: more slots would only wait for blocks);
+    rounded down to a multiple of LAUNCH_ALIGN when above it; 0 when not one row fits."""
     roll = next(ph for ph in plan if ph.name == "rollout")
-    fit = largest_fit(plan, card, rows=rows, phase_names=("rollout", "evaluation"),
-                      per_row_terms=("prefill",) if roll.rows.paged else ("prefill", "KV cache"))
-    slots = min(fit, roll.rows.pool_rows) if roll.rows.paged else fit
+    sampled = [ph for ph in plan if ph.rows is not None]
+    most = roll.rows.pool_rows if roll.rows.paged else max(rows, 4096)
+    slots = next((s for s in range(most, 0, -1) if all(at_slots(ph, s, rows) <= MARGIN * card for ph in sampled)), 0)
     return slots // LAUNCH_ALIGN * LAUNCH_ALIGN if slots >= LAUNCH_ALIGN else slots
 
 
