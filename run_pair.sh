@@ -22,8 +22,9 @@
 # prints the slots its KV pool holds at expected lengths within what fits the card, and the launcher passes that.
 # GEN_BATCH set wins (no plan run for it); without a GPU, with DRY_RUN=1, with both sides on the same GPUs (each
 # would plan the whole card) or when the plan fails, GEN_BATCH_FALLBACK (32). Flags after the preset override them.
-# FSDP=auto (default): for a side with two or more GPUs that plan is data parallel, and when it does not fit the card
-# the launcher passes --fsdp (and plans the slots again, sharded); FSDP=1 / 0 forces FSDP2 sharding on / off.
+# FSDP=auto (default): for a side with two or more GPUs that plan is data parallel; when it does not fit the card, or
+# gives fewer slots than FSDP_MIN_SLOTS (128) where a sharded plan gives more, the launcher passes --fsdp (with the
+# sharded plan's slots); FSDP=1 / 0 forces FSDP2 sharding on / off.
 # A pair splits the GPUs in two halves (printed); with one GPU both sides share it, with none both run
 # on the CPU. When one side exits non-zero the other is stopped at once. Each launch passes both sides
 # a fresh --run-id (not with --resume, which keeps the run's), so two pairs started in one exchange
@@ -80,6 +81,7 @@ MICRO_BATCH=${MICRO_BATCH:-4}
 GEN_BATCH=${GEN_BATCH:-}  # empty: each side's slots from the memory plan (plan_flags)
 GEN_BATCH_FALLBACK=${GEN_BATCH_FALLBACK:-32}
 PLAN_SLOTS=${PLAN_SLOTS:-8}
+FSDP_MIN_SLOTS=${FSDP_MIN_SLOTS:-128}
 LAUNCH_FLAGS=(--gradient-checkpointing --micro-batch-size "$MICRO_BATCH")
 
 first_host() {  # first_host NODELIST: the first host of a Slurm node list ("gpu-[003-006,010],cpu1" -> gpu-003)
@@ -132,6 +134,14 @@ plan_flags() {  # plan_flags GPUS RANKS MODEL [train flags...]: prints, one per 
       [ -n "$GEN_BATCH" ] || slots=$(plan_run "$gpus" "$ranks" "$model" "$@" "${probe[@]}" --fsdp) || true
     elif [ "$rc" -ne 0 ]; then
       echo "run_pair.sh: the memory plan of $model failed (status $rc): FSDP stays off (FSDP=1 forces it)" >&2
+    elif [ -z "$GEN_BATCH" ] && [[ "$slots" =~ ^[0-9]+$ ]] && [ "$slots" -lt "$FSDP_MIN_SLOTS" ]; then
+      local sharded  # data parallel fits with few rows in flight: sharded, the state leaves the pool more
+      sharded=$(plan_run "$gpus" "$ranks" "$model" "$@" "${probe[@]}" --fsdp) || true
+      if [[ "$sharded" =~ ^[0-9]+$ ]] && [ "$sharded" -gt "$slots" ]; then
+        echo "run_pair.sh: $model: $slots slots data parallel (under FSDP_MIN_SLOTS=$FSDP_MIN_SLOTS), $sharded" \
+          "sharded: --fsdp" >&2
+        fsdp=--fsdp; slots=$sharded
+      fi
     fi
   elif [ -n "$GEN_BATCH" ]; then
     :
@@ -143,8 +153,8 @@ plan_flags() {  # plan_flags GPUS RANKS MODEL [train flags...]: prints, one per 
   if [ -n "$GEN_BATCH" ]; then
     slots=$GEN_BATCH
   elif ! [[ "$slots" =~ ^[1-9][0-9]*$ ]]; then
-    echo "run_pair.sh: $model: --gen-batch-size $GEN_BATCH_FALLBACK (GEN_BATCH_FALLBACK: ${why:-the memory plan" \
-      "gave no slot count})" >&2
+    why=${why:-the memory plan gave no slot count}
+    echo "run_pair.sh: $model: --gen-batch-size $GEN_BATCH_FALLBACK (GEN_BATCH_FALLBACK: $why)" >&2
     slots=$GEN_BATCH_FALLBACK
   fi
   printf '%s\n' $fsdp --gen-batch-size "$slots"

@@ -141,9 +141,12 @@ def compute_context(cfg: Config, dist_info: DistInfo):
     return contextlib.nullcontext()
 
 
-KV_BUDGET_SHARE = 0.8
+KV_BUDGET_SHARE = 0.75
 """The share of what the card has left at a sample() call that the static path's KV pool may take (kv_budget); the
-rest holds the prefill (its activations and its own K/V before they are copied into the pool) and the logits."""
+rest holds the prefill (its activations and its own K/V before they are copied into the pool) and the logits. 0.75
+by the memory plan of pair1's models (docs/RESULTS.md, "The memory plan"): a larger share leaves the worst-case
+prefill of fewer slots than the pool holds rows (0.8: Qwen3-1.7B 120 slots on an H100, its pool 175 rows), a
+smaller one a pool of fewer rows."""
 
 
 def cast_copy_bytes(model, device: torch.device) -> int:

@@ -191,34 +191,78 @@ def test_plan_counts_the_samplers_bf16_copy_of_the_linear_weights():
 
 
 # ------------------------------------------------------------------------------------------------
-# run_pair.sh: FSDP=auto follows the plan's exit status
+# run_pair.sh: FSDP=auto follows the plan's exit status; --gen-batch-size is the plan's slot count
 # ------------------------------------------------------------------------------------------------
 
 FAKE_PYTHON = '''#!/usr/bin/env bash
-# stands for python: `graft.py plan` exits 3 (does not fit) for the model named in $MISFIT, 0 for the others;
-# every call logs its arguments
-if [ "$2" = plan ]; then echo "plan $*" >> "$LOG"; case " $* " in *" --model $MISFIT "*) exit 3 ;; esac; exit 0; fi
+# stands for python: `graft.py plan` prints plan.LAUNCH_LINE with 96 slots data parallel, 160 with --fsdp (none when
+# $NOLINE is set) and exits 3 (does not fit) for the model named in $MISFIT unless --fsdp; every call logs its arguments
+if [ "$2" = plan ]; then
+  echo "plan $*" >> "$LOG"
+  case " $* " in *" --fsdp "*) slots=160 ;; *) slots=96 ;; esac
+  [ -n "$NOLINE" ] || echo "$LAUNCH_LINE $slots"
+  case " $* " in *" --fsdp "*) ;; *" --model $MISFIT "*) exit 3 ;; esac
+  exit 0
+fi
 echo "$*" >> "$LOG"
 '''
 
 
-@pytest.mark.parametrize("misfit, sharded", [("Qwen/Qwen3-1.7B-Base", "b"), ("none", "")])
-def test_run_pair_switches_fsdp_by_the_plan(tmp_path, misfit, sharded):
+def launch_pair(tmp_path, **env) -> tuple[list[str], dict[str, str], subprocess.CompletedProcess]:
+    """`bash run_pair.sh pair1` on 8 GPUs (NGPU) with FAKE_PYTHON: (the plan calls, {side: its train line}, result)."""
+    tmp_path.mkdir(exist_ok=True)
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
-    (tmp_path / "data").mkdir()
+    (tmp_path / "data").mkdir(exist_ok=True)
     (tmp_path / "data" / "math_train.jsonl").write_text("")
     log = tmp_path / "log"
-    env = dict(os.environ, PYTHON=str(fake), DATA=str(tmp_path / "data"), RUNS=str(tmp_path / "runs"), LOG=str(log),
-               STEPS="1", NGPU="8", MISFIT=misfit)
+    e = dict(os.environ, PYTHON=str(fake), DATA=str(tmp_path / "data"), RUNS=str(tmp_path / "runs"), LOG=str(log),
+             STEPS="1", NGPU="8", MISFIT="none", LAUNCH_LINE=plan.LAUNCH_LINE)
+    e.pop("GEN_BATCH", None)
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(["bash", str(root / "run_pair.sh"), "pair1"], env=env, capture_output=True, text=True,
+    r = subprocess.run(["bash", str(root / "run_pair.sh"), "pair1"], env=e | env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = log.read_text().splitlines()
-    plans = [x for x in lines if x.startswith("plan ")]
-    assert len(plans) == 2 and all("--ranks 4 " in x and "--gradient-checkpointing" in x for x in plans), plans
+    lines = log.read_text().splitlines() if log.is_file() else []
+    if env.get("DRY_RUN") == "1":  # the commands are printed, not run
+        lines = [x.removeprefix("+ ") for x in r.stdout.splitlines()]
     trains = {x.split("--name ")[1].split()[0]: x for x in lines if " train " in x}
     assert set(trains) == {"a", "b"}, lines
+    return [x for x in lines if x.startswith("plan ")], trains, r
+
+
+def gen_batch(train_line: str) -> int:
+    """The --gen-batch-size a train line passes (the last one: argparse keeps the last)."""
+    return int(train_line.split("--gen-batch-size ")[-1].split()[0])
+
+
+@pytest.mark.parametrize("misfit, least, sharded", [("Qwen/Qwen3-1.7B-Base", "64", "b"), ("none", "64", ""),
+                                                    ("none", "128", "ab")])
+def test_run_pair_switches_fsdp_and_takes_the_slots_from_the_plan(tmp_path, misfit, least, sharded):
+    plans, trains, _ = launch_pair(tmp_path, MISFIT=misfit, FSDP_MIN_SLOTS=least)
+    # every plan: the side's ranks and flags, probed at PLAN_SLOTS (8) slots; a side planned again sharded when data
+    # parallel does not fit (misfit) or gives fewer slots (96) than FSDP_MIN_SLOTS where sharded gives more (160)
+    assert all("--ranks 4 " in x and "--gradient-checkpointing" in x and "--gen-batch-size 8" in x for x in plans)
+    assert len(plans) == 2 + len(sharded), plans
+    assert len([x for x in plans if x.endswith("--fsdp")]) == len(sharded)
     assert {s for s, x in trains.items() if " --fsdp" in x} == set(sharded), trains
+    # each side launched with the slots its own plan printed: 160 sharded, 96 data parallel
+    assert {s: gen_batch(x) for s, x in trains.items()} == {s: 160 if s in sharded else 96 for s in "ab"}
+
+
+def test_run_pair_gen_batch_set_wins_and_the_fallback(tmp_path):
+    plans, trains, _ = launch_pair(tmp_path, MISFIT="Qwen/Qwen3-1.7B-Base", GEN_BATCH="48")
+    # GEN_BATCH: the plan runs for FSDP=auto only (once a side, at those slots), and the user's count is launched
+    assert len(plans) == 2 and all("--gen-batch-size 48" in x for x in plans), plans
+    assert {s: gen_batch(x) for s, x in trains.items()} == {"a": 48, "b": 48} and "--fsdp" in trains["b"]
+    # a plan that prints no slot count: GEN_BATCH_FALLBACK, said on stderr
+    plans, trains, r = launch_pair(tmp_path / "noline", NOLINE="1", GEN_BATCH_FALLBACK="24", FSDP_MIN_SLOTS="64")
+    assert len(plans) == 2 and {s: gen_batch(x) for s, x in trains.items()} == {"a": 24, "b": 24}
+    assert "the memory plan gave no slot count" in (tmp_path / "noline" / "runs" / "pair1" / "a.log").read_text()
+    # a dry run plans nothing (no GPU needed): the fallback, or GEN_BATCH
+    plans, trains, r = launch_pair(tmp_path / "dry", DRY_RUN="1")
+    assert plans == [] and {s: gen_batch(x) for s, x in trains.items()} == {"a": 32, "b": 32}
+    assert "DRY_RUN: the memory plan is not run" in r.stderr
+    plans, trains, _ = launch_pair(tmp_path / "dry64", DRY_RUN="1", GEN_BATCH="64")
+    assert plans == [] and {s: gen_batch(x) for s, x in trains.items()} == {"a": 64, "b": 64}
