@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
 import graft
 import plan
+import runtime
 from config import Config
-from sampler import response_logprobs
+from sampler import cast_weights_once, response_logprobs
 from core import policy_loss
 from runtime import adamw_kernel
 
@@ -188,6 +189,105 @@ def test_plan_counts_the_samplers_bf16_copy_of_the_linear_weights():
     assert "bf16 sampling copy" not in phases["update"].terms
     bf16 = plan.measure(config, Config(**base, dtype="bfloat16"), prompt_len=8, eval_prompt_len=8)
     assert bf16.cast_copy == 0 and bf16.eval_cast_copy == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The KV pool: the trainer's budget, the rows in flight it holds, the launcher's slots; dense for the default path
+# ------------------------------------------------------------------------------------------------
+
+POOL_CFG = dict(model="tiny", micro_batch_size=2, max_response_tokens=16, max_prompt_tokens=8, gen_batch_size=16,
+                logprob_chunk=16, eval_every=1, eval_max_tokens=24)
+
+
+def test_pool_rows_in_flight_against_a_direct_computation():
+    """The static path (a full-attention Qwen3 on CUDA): the rollout's and the evaluation's KV term is the pool
+    runtime.kv_budget gives on this card, and the rows in flight are its tokens // a row's, capped by the slots."""
+    cfg = Config(**POOL_CFG)
+    m = plan.measure(tiny_config(num_hidden_layers=2), cfg, prompt_len=8, eval_prompt_len=6)
+    assert m.paged and m.kv_token == 2 * 2 * 2 * 16 * 2  # bf16 K and V: 2 layers x 2 heads x 16
+    held = m.params + m.grads + m.opt_state  # at the sample() call, data parallel
+    card = held + m.cast_copy + int(450 * m.kv_token / runtime.KV_BUDGET_SHARE)  # a pool of ~450 tokens
+    by = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=card,
+                                            mean_prompt=5, mean_eval_prompt=3)}
+    pool = int(runtime.KV_BUDGET_SHARE * (card - held - m.cast_copy))
+    tokens = pool // m.kv_token
+    for name, longest, mean, cap in (("rollout", 8, 5, 16), ("evaluation", 6, 3, 24)):
+        ph = by[name]
+        assert ph.terms["KV pool"] == pool and "KV cache" not in ph.terms
+        expected_row, worst_row = mean + cap // 2 + 8, longest + cap + 8  # half the cap; sync_every's 8 columns
+        assert (ph.rows.expected_tokens, ph.rows.worst_tokens, ph.rows.pool_tokens) == (expected_row, worst_row, tokens)
+        assert ph.rows.pool_rows == tokens // expected_row
+        assert ph.rows.expected == min(16, tokens // expected_row) and ph.rows.worst == min(16, tokens // worst_row)
+        assert ph.rows.slots == 16  # the evaluation gets the rollout's slots on the static path, whatever its cap
+    assert by["rollout"].rows.pool_rows > 16 > by["rollout"].rows.worst > 0  # capped by the slots; the worst not
+    # the phase's total is its parts: the state, the copy, the prefill (measured at its prompts) and the pool
+    assert by["rollout"].total == held + m.cast_copy + m.prefill_act + pool
+    assert m.prefill_prompts == plan.prefill_prompts(16, cfg.n) == 3  # 16 slots of n = 8 copies: 2 prompts + 1 split
+    # under --fsdp the pool is what the shard and the gathered weights leave: bigger
+    fs = plan.phases(m, dataclasses.replace(cfg, fsdp=True), ranks=4, prompt_len=8, eval_prompt_len=6, card=card)
+    held4 = (m.params + m.grads + m.opt_state) // 4 + m.params
+    assert fs[0].terms["KV pool"] == int(runtime.KV_BUDGET_SHARE * (card - held4 - m.cast_copy)) > pool
+
+
+@pytest.mark.parametrize("how", ["sliding window", "static off"])
+def test_default_path_keeps_the_dense_cache(how):
+    """Models the static path cannot run (a sliding window: sampler.resolve_static) and --static-decode off: a dense
+    cache of every slot at the longest prompt + cap, whatever the card; the rows in flight are the slots."""
+    cfg = Config(**POOL_CFG)
+    if how == "sliding window":
+        config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)
+    else:
+        config, cfg = tiny_config(num_hidden_layers=2), dataclasses.replace(cfg, static_decode="off")
+    m = plan.measure(config, cfg, prompt_len=8, eval_prompt_len=6)
+    assert not m.paged
+    by = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=4 * 2**20)}
+    assert by["rollout"].terms["KV cache"] == 16 * (8 + 16) * m.kv_token and "KV pool" not in by["rollout"].terms
+    slots = runtime.eval_rows(cfg)  # dense: the rollout's KV tokens on rows of the eval cap: 16 x 24 // 32 = 12
+    assert slots == 12 and by["evaluation"].terms["KV cache"] == slots * (6 + 24) * m.eval_kv_token
+    assert by["rollout"].rows.expected == by["rollout"].rows.worst == 16
+
+
+def test_launch_slots_by_hand():
+    """launch_slots on planted phases: the most slots whose prefill (in proportion to the prompts it runs) fits 95%
+    of the card, at most the pool's rows at expected lengths, a multiple of 8; dense: the cache grows with them."""
+    gib = plan.GIB
+    card = round(80 * gib)  # 95%: 76 GiB
+    rows = plan.Rows(slots=32, paged=True, pool_tokens=100 * 1000, expected_tokens=1000, worst_tokens=5000,
+                     copies=8, prefill_prompts=5)  # the pool holds 100 rows at expected lengths
+    roll = plan.Phase("rollout", {"weights": 40 * gib, "KV pool": 21 * gib, "prefill": 5 * gib}, "", rows)
+    # fixed 61 GiB + 1 GiB a prompt <= 76: 15 prompts = ceil(s / 8) + 1, so s <= 112; the pool: 100 -> 96
+    assert plan.launch_slots([roll], card, rows=32) == 96
+    rows.pool_tokens = 200 * 1000
+    assert plan.launch_slots([roll], card, rows=32) == 112
+    dense = plan.Rows(slots=32, paged=False, pool_tokens=0, expected_tokens=1000, worst_tokens=5000, copies=1,
+                      prefill_prompts=32)
+    roll = plan.Phase("rollout", {"weights": 40 * gib, "KV cache": 32 * gib, "prefill": 0}, "", dense)
+    assert plan.launch_slots([roll], card, rows=32) == 32  # 40 + s GiB <= 76: 36 -> 32
+    assert plan.prefill_prompts(8, 8) == 2 and plan.prefill_prompts(3, 8) == 2 and plan.prefill_prompts(5, 1) == 5
+
+
+def test_kv_budget_is_the_plans_pool(monkeypatch):
+    """runtime.kv_budget on a GPU: KV_BUDGET_SHARE of the driver's free memory plus the allocator's unused cache, less
+    the bf16 copy sample() will make (cast_copy_bytes: cast_weights_once's bytes, counted without casting); the
+    plan's pool_bytes is the same formula on the card."""
+    model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=2), dtype=torch.float32)
+    cpu = torch.device("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cast_weights_once(model, cpu) as cast:
+            pass
+        assert runtime.cast_copy_bytes(model, cpu) == cast > 0
+    assert runtime.cast_copy_bytes(model, cpu) == 0  # no autocast, no copy
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (7_000_000, 10_000_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2_500_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 2_000_000)
+    monkeypatch.setattr(runtime, "cast_copy_bytes", lambda model, device: 300_000)
+    want = int(runtime.KV_BUDGET_SHARE * (7_000_000 + 500_000 - 300_000))
+    assert runtime.kv_budget(cuda, model) == want
+    assert runtime.kv_budget(cuda) == int(runtime.KV_BUDGET_SHARE * 7_500_000)  # no model: no copy left out
+    assert runtime.kv_budget(cpu, model) is None
+    assert plan.pool_bytes(10_000_000, 2_500_000, 300_000) == int(runtime.KV_BUDGET_SHARE * 7_200_000)
 
 
 # ------------------------------------------------------------------------------------------------
