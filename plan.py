@@ -10,19 +10,25 @@ optimizer state, activations). The phases, at the worst case the flags allow (ev
 prompt + the cap):
 
     rollout      the state (weights, gradients and AdamW moments kept from the last step) + the sampler's bf16
-                 copy of the Linear weights under autocast (sampler.py departure 16) + the prefill of
-                 --gen-batch-size rows + the KV cache of those rows at full length, in the bytes per token the
-                 sampler really stores (kv_bytes_per_token: sampler.sample run on a narrow model of the same
-                 family, its cache read back; nothing computed from the config)
+                 copy of the Linear weights under autocast (sampler.py departure 17) + the prefill of the prompts
+                 that fill --gen-batch-size slots (its activations and its own K/V) + the KV term: on the static
+                 decode path (sampler.resolve_static: full-attention models on CUDA, every paper model) the pool of
+                 runtime.kv_budget bytes, KV_BUDGET_SHARE of what the card has left at the sample() call, which
+                 rows fill by their real lengths, with the rows in flight it holds at expected lengths and at the
+                 worst case (departure 8); on the default path a dense cache of every slot at full length. Bytes per
+                 token as the sampler really stores them (kv_bytes_per_token: sampler.sample run on a narrow model
+                 of the same family, its cache read back; nothing computed from the config)
     logprob      the behaviour log-prob pass: --micro-batch-size rows, no grad
     update       one micro-batch: forward + backward (--gradient-checkpointing as set), then the AdamW step
                  (the kernel the trainer picks on a GPU: runtime.adamw_kernel)
-    evaluation   Trainer.validate's sampling: the rollout's terms at the benchmarks' shapes, its own row budget
-                 (runtime.eval_rows) and precision
+    evaluation   Trainer.validate's sampling: the rollout's terms at the benchmarks' shapes, its own slots
+                 (runtime.eval_rows: the rollout's on the static path) and precision
     fsdp         --fsdp: the state divided by the ranks plus the largest gathered unit
 
 `graft.py plan` prints a table per side against the card (the device's memory, or --gpu-memory) and the
-ranks; the trainer runs the same plan at start (check_at_start): on CUDA it refuses, before any weight is
+ranks, the rows in flight of the rollout and the evaluation, and the slot count for the launcher (launch_slots: the
+most slots that fit, at most the rows the pool holds at expected lengths; run_pair.sh passes it as
+--gen-batch-size); the trainer runs the same plan at start (check_at_start): on CUDA it refuses, before any weight is
 loaded, a setting that cannot fit, naming the phase and the flag that fixes it; on CPU it prints the plan.
 
 Departures and shortcuts (what the figures are and are not):
@@ -36,8 +42,11 @@ Departures and shortcuts (what the figures are and are not):
   3. The FSDP2 figures are the data-parallel measurement with the state divided by the ranks and the
      gathered units added (the root: embeddings, final norm, head; two decoder layers, the running one and
      the prefetched one; one layer's unsharded gradients); no process group is started.
-  4. The rollout adds the prefill of all --gen-batch-size rows at the longest prompt to the cache of all of
-     them at full length; they never peak together (a refill prefills at most the free slots): an upper bound.
+  4. The prefill runs every prompt that fills the slots at once, each at the longest prompt: with --share-prefix
+     (sampler.py departure 11) ceil(slots / n) + 1 distinct prompts (n = --rollouts; --eval-samples for the
+     evaluation), else one per slot; its peak holds its own K/V (copied into the pool or the batch after it) and
+     the activations of one layer, under autocast with its cast cache off (sample() serves the Linear weights from
+     the bf16 copy, counted apart). Refills later prefill fewer: an upper bound for them.
   5. The update's micro-batch holds distinct prompts (no shared prefix), its rows all at the longest prompt +
      the cap, with the gradients of an earlier micro-batch already held: the worst micro-batch of a step.
   6. The update's loss is a masked sum of the log-probs, not core.policy_loss (which reads metrics back to the
@@ -45,10 +54,21 @@ Departures and shortcuts (what the figures are and are not):
   7. A model deeper than 8 layers is measured at its real width at 4 and 8 layers and extrapolated linearly to
      its depth (exact for a stack of alike layers: the state, the cache and the checkpointed inputs grow by
      layer, the transient of one layer does not); docs/RESULTS.md checks it against a full-depth measurement.
+  8. The KV pool and its rows in flight. The pool is runtime.kv_budget's formula on the card: KV_BUDGET_SHARE x
+     (card - the state - under --fsdp the gathered weights - the bf16 copy); the CUDA context is left to MARGIN.
+     It holds pool bytes // KV bytes per token tokens, and a row holds its prompt + the tokens drawn + ROOM, so
+     rows in flight = those tokens // a row's, at most the slots: at expected lengths, the mean prompt (measured
+     like the longest) + EXPECTED_RESPONSE (half) of the cap, an assumption (the paper states no mean response
+     length), and at the worst case, the longest prompt + the cap. The whole budget is counted as pool: what a
+     sampler spends of it otherwise (a gathered layer's K/V, whole blocks) holds fewer rows, and a long-tailed
+     rollout's rows in flight are mid-way through their lengths with the long ones over-represented, so the
+     expected figure is a guide, the worst case a floor; the sampler preempts rows when the pool runs dry rather
+     than overrun it. Without a card (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case,
+     what sample() reserves without a budget.
 
 Launch lines:
-    python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.2 --ranks 4 \\
-        --gradient-checkpointing --micro-batch-size 4 --gen-batch-size 32 --eval-every 5
+    python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.19 --ranks 4 \\
+        --gradient-checkpointing --micro-batch-size 4 --gen-batch-size 8 --eval-every 5   (as run_pair.sh asks it)
     python -m bench.plan_check --model Qwen/Qwen3-1.7B-Base --prompt 2048   (the update against a full-depth run)
 """
 
@@ -683,7 +703,8 @@ def check_at_start(cfg: Config, dist, benchmark_files=None) -> list[Phase]:
 
 def run_plan(base: Config, *, benchmark_files=None) -> int:
     """`graft.py plan` (config.build_parser's train flags): one table per side of --model (comma-separated) at
-    --ranks; returns MISFIT (3) when a phase does not fit the card (--gpu-memory or the device's), else 0.
+    --ranks, ending, when the card is known, with LAUNCH_LINE and the side's slot count (run_pair.sh reads it);
+    returns MISFIT (3) when a phase does not fit the card (--gpu-memory or the device's) at these flags, else 0.
     benchmark_files: graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
     models = [m for m in base.model.split(",") if m]
     ranks = base.ranks or 1
