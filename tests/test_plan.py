@@ -366,3 +366,42 @@ def test_run_pair_gen_batch_set_wins_and_the_fallback(tmp_path):
     assert "DRY_RUN: the memory plan is not run" in r.stderr
     plans, trains, _ = launch_pair(tmp_path / "dry64", DRY_RUN="1", GEN_BATCH="64")
     assert plans == [] and {s: gen_batch(x) for s, x in trains.items()} == {"a": 64, "b": 64}
+
+
+# ------------------------------------------------------------------------------------------------
+# bench/gpu.py's launcher part: the layout run_pair.sh picks, and the GPU-hours arithmetic
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dp, sharded, fits, want", [(96, 160, True, True), (200, 260, True, False),
+                                                    (96, 80, True, False), (0, 40, False, True)])
+def test_bench_launched_slots_follows_run_pair_rule(monkeypatch, dp, sharded, fits, want):
+    """Data parallel unless it does not fit, or gives fewer than FSDP_MIN_SLOTS (128) slots where sharded gives more."""
+    from bench import gpu as bench_gpu
+    rows = plan.Rows(slots=8, paged=True, pool_tokens=0, expected_tokens=1, worst_tokens=1)
+    monkeypatch.setattr(plan, "measure", lambda config, cfg, **kw: cfg.fsdp)
+    monkeypatch.setattr(plan, "phases", lambda fsdp, cfg, **kw: [plan.Phase("rollout", {"KV pool": 1}, "", rows), fsdp])
+    monkeypatch.setattr(plan, "launch_slots", lambda phases, card, rows: sharded if phases[1] else dp)
+    monkeypatch.setattr(plan, "verdict", lambda phases, card: None if fits or phases[1] else phases[0])
+    got = bench_gpu.launched_slots(None, "qwen3", 2**30, tiny=False)
+    assert got["fsdp"] is want and got["slots"] == (sharded if want else dp)
+
+
+def test_bench_projection_by_hand():
+    """project_pair1 on planted per-token times: each term recomputed by hand, the pair at its slower side."""
+    from bench import gpu as bench_gpu
+    P = dict(rollouts=10, prompt=5, mean_response=20, cap=100, eval_every=2, eval_samples=30, steps=3, gpus=8)
+    slow = dict(sample_s_per_token=0.5, logprob_s_per_token=0.1, update_s_per_token=0.2, kv_token=1000, rows=4, cap=60)
+    fast = dict(slow, sample_s_per_token=0.25)
+    got = bench_gpu.project_pair1({"a": slow, "b": fast}, bandwidth=1e6, P=P)
+    kv = 4 * (100 - 60) * 1000 / 1e6 * (10 * 20) / 4  # rows x extra columns x bytes / bandwidth x decode steps = 8 s
+    sampling = 10 * 20 * 0.5 + kv  # 108
+    train = 10 * (5 + 20) * (0.1 + 0.2)  # 75
+    evaluation = (30 * 20 * 0.5 + kv * 30 / 10) / 2  # 162
+    a = got["per_side"]["a"]
+    assert (a["kv_width_s"], a["sampling_s"], a["logprob_update_s"], a["eval_s"]) == pytest.approx(
+        (kv, sampling, train, evaluation)) == (8, 108, 75, 162)
+    assert a["step_s"] == pytest.approx(sampling + train + evaluation) and a["step_no_eval_s"] == 183
+    assert got["per_side"]["b"]["step_s"] < a["step_s"]
+    assert got["gpu_hours"] == round(3 * (sampling + train + evaluation) * 8 / 3600, 1)
+    assert got["gpu_hours_without_eval"] == round(3 * (sampling + train) * 8 / 3600, 1)
