@@ -45,13 +45,14 @@ Parts, in this order (the cheap and decisive ones first):
 7. launcher: the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
    float32 masters under bf16 autocast, the rows in flight run_pair.sh launches 4 GPUs of this card with (the
    memory plan's slots, data parallel or FSDP2 by the launcher's rule: launched_slots) and the KV pool that layout's
-   trainer gets (max_cache_bytes), --launch-rows rollouts (default twice the slots) at T=1 with a cap of
-   --launch-cap and a long-tailed length distribution (stop ids drawn so that ~30% of rows reach the cap:
-   ``tail_eos``; the measured share is printed), then the behaviour log-prob pass (micro-batches of 16 by length)
-   and one update (micro-batches of 4, checkpointing, AdamW). From the measured seconds per token, pair1's
-   GPU-hours for 174 steps with and without the in-training evaluation (project_pair1), at RESULTS' shapes (PAIR1:
-   256 rollouts per rank of ~150 + 1,509 tokens, 1,744 evaluation samples every 5 steps, 4 + 4 GPUs; the extra KV
-   read of the 4,096 cap's width at the card's bandwidth added as a named term), the pair at its slower side.
+   trainer gets (max_cache_bytes), --launch-rows rollouts (default twice the slots, at most 512) at T=1, cap
+   --launch-cap, a long-tailed length distribution (stop ids drawn so that ~30% of rows reach the cap:
+   ``tail_eos``; the measured share is printed), then over the first 64 rollouts the behaviour log-prob pass
+   (micro-batches of 16 by length) and one update (micro-batches of 4, checkpointing, AdamW). From the measured
+   seconds per token, pair1's GPU-hours for 174 steps with and without the in-training evaluation (project_pair1),
+   at RESULTS' shapes (PAIR1: 256 rollouts per rank of ~150 + 1,509 tokens, 1,744 evaluation samples every 5 steps,
+   4 + 4 GPUs; the extra KV read of the 4,096 cap's width at the card's bandwidth added as a named term), the pair
+   at its slower side.
    The plan runs on fake tensors (CPU, ~10-30 s a layout); the bench's one GPU holds the side's weights, not the
    layout's gradients and AdamW moments, so the pool is given as the plan's bytes.
 8. profile: per decode step at 32 rows, fp32 + bf16 autocast: aten ops, weight casts, host reads (all devices)
@@ -612,6 +613,7 @@ PAIR1 = dict(rollouts=256, prompt=150, mean_response=1509, cap=4096, micro=4, ev
 # the evaluation's. The bench has no data files; the plan's own measurement is what run_pair.sh passes on a node.
 PAIR1_PROMPTS = {"qwen3": (1669, 90, 845, 110), "smollm3": (1569, 88, 814, 107)}
 AT_CAP = 0.30  # share of rollouts at the cap in the launcher row's length distribution
+TRAIN_ROWS = 64  # rollouts the launcher row's behaviour pass and update run over (their seconds per token)
 FSDP_MIN_SLOTS = 128  # run_pair.sh's: data parallel with fewer slots shards when sharded gives more
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the extra KV width's read, by the card's name (else H200's)
 
@@ -660,7 +662,7 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 2**26  # toy: 64 MiB
     launch = launched_slots(config, kind, card, tiny=tiny)
     in_flight = min(launch["slots"], 4) if tiny else launch["slots"]  # toy sizes: a few rows
-    rows = 2 * in_flight if tiny else (args.launch_rows or min(2 * in_flight, 1024))  # twice: refills happen
+    rows = 2 * in_flight if tiny else (args.launch_rows or min(2 * in_flight, 512))  # twice: refills happen
     cap, micro = (24, 2) if tiny else (args.launch_cap, PAIR1["micro"])
     budget = launch["pool"] if device.type == "cuda" else None  # the pool the launched layout's trainer gets
     model = random_model(kind, tok, tiny=tiny, dtype=torch.float32, device=device, seed=31)
@@ -679,6 +681,9 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     outs, t_roll = timed(device, rollout)
     responses = [o.tokens for o in outs]
     new_tokens = sum(map(len, responses))
+    # the behaviour pass and the update over the first TRAIN_ROWS rollouts: their per-token times are the terms
+    trained = min(rows, TRAIN_ROWS)
+    prompts, responses = prompts[:trained], responses[:trained]
     fed = sum(len(p) + len(r) for p, r in zip(prompts, responses))
 
     def behaviour():
@@ -692,7 +697,7 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **adamw_kernel(device))
 
     def update():
-        for i in range(0, rows, micro):
+        for i in range(0, trained, micro):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 lp, mask = response_logprobs(model, prompts[i: i + micro], responses[i: i + micro], pad_token_id=0)
             (lp * mask).sum().backward()
@@ -704,13 +709,13 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     _, t_lp = timed(device, behaviour)
     model.train()
     _, t_up = timed(device, update)
-    lengths = sorted(map(len, responses))
+    lengths = sorted(len(o.tokens) for o in outs)
     side = dict(sample_s_per_token=t_roll / new_tokens, logprob_s_per_token=t_lp / fed, update_s_per_token=t_up / fed,
                 kv_token=stats["kv_bytes_per_token"], rows=in_flight, cap=cap)
     b.row("launcher", f"{kind} shape, pair1's launcher settings: fp32 + bf16 autocast, {in_flight} rows in flight "
           f"(the plan's slots as run_pair.sh launches 4 GPUs of this card: {'FSDP2' if launch['fsdp'] else 'DP'}), "
-          f"{rows} rollouts, cap {cap}, T=1, ~{AT_CAP:.0%} of rows at the cap; behaviour pass; update (micro-batches "
-          f"of {micro}, checkpointing, AdamW)", static=stats["static"], launch=launch,
+          f"{rows} rollouts, cap {cap}, T=1, ~{AT_CAP:.0%} of rows at the cap; behaviour pass and update over "
+          f"{trained} of them (micro-batches of {micro}, checkpointing, AdamW)", static=stats["static"], launch=launch,
           rollout_s=round(t_roll, 2), new_tokens=new_tokens, tokens_per_s=round(new_tokens / t_roll),
           decode_steps=stats["decode_steps"], ms_per_step=round(t_roll / max(1, stats["decode_steps"]) * 1e3, 2),
           host_reads_per_step=round(stats["host_reads"] / max(1, stats["decode_steps"]), 3),
@@ -827,7 +832,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke-layers", type=int, default=2, help="smoke part: decoder layers of the full-width models")
     p.add_argument("--smoke-timeout", type=float, default=300.0, help="smoke part: seconds per launch")
     p.add_argument("--launch-rows", type=int, default=0,
-                   help="launcher part: rollouts per side (0 = twice the plan's slots, at most 1,024)")
+                   help="launcher part: rollouts per side (0 = twice the plan's slots, at most 512)")
     p.add_argument("--launch-cap", type=int, default=1024, help="launcher part: the cap of the measured rollouts")
     args = p.parse_args(argv)
     chosen = [x for x in (args.only.split(",") if args.only else PARTS) if x]
