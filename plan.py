@@ -595,7 +595,7 @@ def at_slots(ph: Phase, slots: int, planned: int) -> int:
     r = ph.rows
     own = max(1, r.slots * slots // planned)
     prefill = ph.terms.get("prefill", 0)
-    total = ph.total - prefill + prefill * prefill_prompts(own, r.copies) / r.prefill_prompts
+    total = ph.total - prefill + prefill * prefill_prompts(own, r.copies) / max(1, r.prefill_prompts)
     if not r.paged:
         total += ph.terms["KV cache"] * (own / r.slots - 1)
     return int(total)
