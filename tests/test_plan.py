@@ -248,6 +248,25 @@ def test_default_path_keeps_the_dense_cache(how):
     assert by["rollout"].rows.expected == by["rollout"].rows.worst == 16
 
 
+def test_prompt_lengths_longest_and_mean_by_loop(tmp_path):
+    """The plan's prompt lengths: the longest and the mean of the prompts as the trainer encodes them, each capped at
+    --max-prompt-tokens; --max-prompt-tokens for both without a file."""
+    from runtime import encode_prompt
+    from transformers import AutoTokenizer
+    model = Path(__file__).resolve().parents[1] / "data" / "tiny_models" / "A"
+    problems = ["1+1", "what is 12 times 13, and why?", "x" * 400]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"problem": p}) + "\n" for p in problems))
+    cfg = Config(model=str(model), prompts=str(tmp_path / "p.jsonl"), max_prompt_tokens=100,
+                 prompt_template="{problem}\n")
+    tok = AutoTokenizer.from_pretrained(model)
+    want = [min(100, len(encode_prompt(p, tok, template=cfg.prompt_template, chat=cfg.chat_template)))
+            for p in problems]
+    assert want[-1] == 100 and len(set(want)) == 3  # one capped, all different
+    longest, mean, how = plan.prompt_lengths(cfg, [cfg.prompts])
+    assert (longest, mean) == (100, round(sum(want) / 3)) and how == "measured in 1 file(s)"
+    assert plan.prompt_lengths(cfg, [str(tmp_path / "none.jsonl")]) == (100, 100, "--max-prompt-tokens")
+
+
 def test_launch_slots_by_hand():
     """launch_slots on planted phases: the most slots whose prefill (in proportion to the prompts it runs) fits 95%
     of the card, at most the pool's rows at expected lengths, a multiple of 8; dense: the cache grows with them."""
