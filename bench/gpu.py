@@ -637,20 +637,24 @@ def launched_slots(config, kind: str, card: int, *, tiny: bool) -> dict:
     cfg = Config(model=kind, gradient_checkpointing=True, micro_batch_size=PAIR1["micro"],
                  gen_batch_size=plan.LAUNCH_ALIGN, eval_every=PAIR1["eval_every"],
                  max_response_tokens=24 if tiny else PAIR1["cap"])
-    out = {}
-    for fsdp in (False, True):
+    t0 = time.time()
+
+    def layout(fsdp: bool) -> dict:
         c = dataclasses.replace(cfg, fsdp=fsdp)
         m = plan.measure(config, c, prompt_len=longest, eval_prompt_len=eval_longest)
         phases = plan.phases(m, c, ranks=PAIR1["ranks"], prompt_len=longest, eval_prompt_len=eval_longest, card=card,
                              mean_prompt=mean, mean_eval_prompt=eval_mean)
         roll = phases[0]
-        out[fsdp] = dict(slots=plan.launch_slots(phases, card, rows=c.gen_batch_size), fsdp=fsdp,
-                         fits=plan.verdict(phases, card) is None, pool=roll.terms.get("KV pool"),
-                         pool_rows=roll.rows.pool_rows, worst_rows=roll.rows.pool_tokens // roll.rows.worst_tokens)
-    dp, sharded = out[False], out[True]
-    if not dp["fits"] or (dp["slots"] < FSDP_MIN_SLOTS and sharded["slots"] > dp["slots"]):
-        return sharded
-    return dp
+        return dict(slots=plan.launch_slots(phases, card, rows=c.gen_batch_size), fsdp=fsdp,
+                    fits=plan.verdict(phases, card) is None, pool=roll.terms.get("KV pool"),
+                    pool_rows=roll.rows.pool_rows, worst_rows=roll.rows.pool_tokens // roll.rows.worst_tokens)
+
+    chosen = dp = layout(False)
+    if not dp["fits"] or dp["slots"] < FSDP_MIN_SLOTS:  # as run_pair.sh: sharded only then, and only if it gains
+        sharded = layout(True)
+        if not dp["fits"] or sharded["slots"] > dp["slots"]:
+            chosen = sharded
+    return chosen | dict(plan_s=round(time.time() - t0, 1))
 
 
 def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
