@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
+import evaluation
 import graft
 import plan
 import runtime
@@ -25,6 +26,7 @@ from config import Config
 from sampler import cast_weights_once, response_logprobs
 from core import policy_loss
 from runtime import adamw_kernel
+from test_graft import planted, tiny  # noqa: F401  (tiny: fixture)
 
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -284,6 +286,38 @@ def test_launch_slots_by_hand():
     roll = plan.Phase("rollout", {"weights": 40 * gib, "KV cache": 32 * gib, "prefill": 0}, "", dense)
     assert plan.launch_slots([roll], card, rows=32) == 32  # 40 + s GiB <= 76: 36 -> 32
     assert plan.prefill_prompts(8, 8) == 2 and plan.prefill_prompts(3, 8) == 2 and plan.prefill_prompts(5, 1) == 5
+
+
+def test_trainer_passes_the_pool_and_the_evaluation_gets_the_slots(tiny, tmp_path, monkeypatch):
+    """Trainer.rollout and Trainer.validate hand sample() runtime.kv_budget(device, model) (a planted figure here: the
+    CPU has none); the evaluation runs --gen-batch-size slots on the static path (its pool decides the rows) and
+    the dense rule's rows on the default path, with an eval cap longer than the rollout's."""
+    tr, batch, _, _ = planted(tiny, tmp_path, monkeypatch, gen_batch_size=6, max_prompt_tokens=20, eval_max_tokens=40,
+                              benchmarks=str(tiny / "p.jsonl"), eval_samples=2, eval_max_problems=3)
+    asked, given = [], []
+
+    def budget(device, model):
+        asked.append((device, model))
+        return 987_654_321
+
+    def recording(module):
+        real = module.sample
+
+        def spy(model, prompts, **kw):
+            given.append((kw["max_cache_bytes"], kw["max_batch_size"]))
+            return real(model, prompts, **kw)
+        return spy
+
+    for module in (graft, evaluation):
+        monkeypatch.setattr(module, "kv_budget", budget)
+        monkeypatch.setattr(module, "sample", recording(module))
+    tr.rollout(1, batch)
+    assert given == [(987_654_321, 6)] and asked == [(tr.dist.device, tr.model)]
+    for paged, rows in ((True, 6), (False, 6 * (20 + 16) // (20 + 40))):
+        given.clear()
+        monkeypatch.setattr(graft, "resolve_static", lambda static, model, device, paged=paged: paged)
+        tr.validate(1)
+        assert given == [(987_654_321, rows)], (paged, given)
 
 
 def test_kv_budget_is_the_plans_pool(monkeypatch):
