@@ -20,8 +20,9 @@
 # of ours, and each side's --gen-batch-size (rows in flight at most: the static decode path's slots) from the memory
 # plan (plan.py; RESULTS.md "The memory plan"): `graft.py plan` for the side on its GPUs, at PLAN_SLOTS (8) slots,
 # prints the slots its KV pool holds at expected lengths within what fits the card, and the launcher passes that.
-# GEN_BATCH set wins (no plan run for it); without a GPU, with DRY_RUN=1, with both sides on the same GPUs (each
-# would plan the whole card) or when the plan fails, GEN_BATCH_FALLBACK (32). Flags after the preset override them.
+# GEN_BATCH set wins (the plan then runs for FSDP=auto only); without a GPU, with DRY_RUN=1, with both sides on the
+# same GPUs (each would plan the whole card) or when the plan fails, GEN_BATCH_FALLBACK (32). Flags after the preset
+# override them.
 # FSDP=auto (default): for a side with two or more GPUs that plan is data parallel; when it does not fit the card, or
 # gives fewer slots than FSDP_MIN_SLOTS (128) where a sharded plan gives more, the launcher passes --fsdp (with the
 # sharded plan's slots); FSDP=1 / 0 forces FSDP2 sharding on / off.
