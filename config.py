@@ -139,7 +139,7 @@ class Config:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto (fp32 weights + bf16 autocast on GPU, fp32 on CPU) | float32 | bfloat16 (bf16 weights, less memory)."""
     gen_batch_size: int = 256
-    """Rows in flight in the sampler at most (bounds the KV cache; finished rows are refilled; typ. 64-512)."""
+    """Rows in flight at most (the static path's slots; its KV pool fills by real lengths); run_pair.sh: the plan's."""
     static_decode: Literal["auto", "on", "off"] = "auto"
     """CUDA-graph decode (sampler.py departure 10): auto = on CUDA for full-attention models; bare flag = on."""
     share_prefix: bool = True

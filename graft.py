@@ -127,7 +127,7 @@ from runtime import (RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_co
                      eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
                      load_prompt_file, raise_stopped, setup_distributed, shard, shard_policy, stop_signals,
                      timed, unshard)  # ranks, files: plumbing
-from sampler import Rollout, batches_by_length, response_logprobs, sample  # the sampler, the chunked log-prob
+from sampler import Rollout, batches_by_length, resolve_static, response_logprobs, sample  # sampler, chunked log-prob
 
 
 # ------------------------------------------------------------------------------------------------
@@ -438,7 +438,7 @@ class Trainer:
                 self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
                 max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, share_prefix=cfg.share_prefix,
-                max_cache_bytes=kv_budget(self.dist.device) if cfg.static_decode != "off" else None,
+                max_cache_bytes=kv_budget(self.dist.device, self.model) if cfg.static_decode != "off" else None,
                 stop_strings=cfg.stop, tokenizer=self.tok,
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())
         with timed(timings, "verify"):
@@ -723,7 +723,8 @@ class Trainer:
         cfg = self.cfg
         with gathered(self.fsdp_root), self.amp():
             res = evaluate_benchmarks(self.model, self.tok, self.stop_ids, cfg, self.dist, progress=False,
-                                      max_batch_size=eval_rows(cfg))
+                                      max_batch_size=eval_rows(cfg, paged=bool(resolve_static(
+                                          cfg.static_decode, self.model, self.dist.device))))
         eval_mean = res["mean"]
         if self.dist.main:
             print(f"[eval] step {step}: " + ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in res["benchmarks"].items())

@@ -10,19 +10,25 @@ optimizer state, activations). The phases, at the worst case the flags allow (ev
 prompt + the cap):
 
     rollout      the state (weights, gradients and AdamW moments kept from the last step) + the sampler's bf16
-                 copy of the Linear weights under autocast (sampler.py departure 16) + the prefill of
-                 --gen-batch-size rows + the KV cache of those rows at full length, in the bytes per token the
-                 sampler really stores (kv_bytes_per_token: sampler.sample run on a narrow model of the same
-                 family, its cache read back; nothing computed from the config)
+                 copy of the Linear weights under autocast (sampler.py departure 17) + the prefill of the prompts
+                 that fill --gen-batch-size slots (its activations and its own K/V) + the KV term: on the static
+                 decode path (sampler.resolve_static: full-attention models on CUDA, every paper model) the pool of
+                 runtime.kv_budget bytes, KV_BUDGET_SHARE of what the card has left at the sample() call, which
+                 rows fill by their real lengths, with the rows in flight it holds at expected lengths and at the
+                 worst case (departure 8); on the default path a dense cache of every slot at full length. Bytes per
+                 token as the sampler really stores them (kv_bytes_per_token: sampler.sample run on a narrow model
+                 of the same family, its cache read back; nothing computed from the config)
     logprob      the behaviour log-prob pass: --micro-batch-size rows, no grad
     update       one micro-batch: forward + backward (--gradient-checkpointing as set), then the AdamW step
                  (the kernel the trainer picks on a GPU: runtime.adamw_kernel)
-    evaluation   Trainer.validate's sampling: the rollout's terms at the benchmarks' shapes, its own row budget
-                 (runtime.eval_rows) and precision
+    evaluation   Trainer.validate's sampling: the rollout's terms at the benchmarks' shapes, its own slots
+                 (runtime.eval_rows: the rollout's on the static path) and precision
     fsdp         --fsdp: the state divided by the ranks plus the largest gathered unit
 
 `graft.py plan` prints a table per side against the card (the device's memory, or --gpu-memory) and the
-ranks; the trainer runs the same plan at start (check_at_start): on CUDA it refuses, before any weight is
+ranks, the rows in flight of the rollout and the evaluation, and the slot count for the launcher (launch_slots: the
+most slots that fit, at most the rows the pool holds at expected lengths; run_pair.sh passes it as
+--gen-batch-size); the trainer runs the same plan at start (check_at_start): on CUDA it refuses, before any weight is
 loaded, a setting that cannot fit, naming the phase and the flag that fixes it; on CPU it prints the plan.
 
 Departures and shortcuts (what the figures are and are not):
@@ -36,8 +42,11 @@ Departures and shortcuts (what the figures are and are not):
   3. The FSDP2 figures are the data-parallel measurement with the state divided by the ranks and the
      gathered units added (the root: embeddings, final norm, head; two decoder layers, the running one and
      the prefetched one; one layer's unsharded gradients); no process group is started.
-  4. The rollout adds the prefill of all --gen-batch-size rows at the longest prompt to the cache of all of
-     them at full length; they never peak together (a refill prefills at most the free slots): an upper bound.
+  4. The prefill runs every prompt that fills the slots at once, each at the longest prompt: with --share-prefix
+     (sampler.py departure 11) ceil(slots / n) + 1 distinct prompts (n = --rollouts; --eval-samples for the
+     evaluation), else one per slot; its peak holds its own K/V (copied into the pool or the batch after it) and
+     the activations of one layer, under autocast with its cast cache off (sample() serves the Linear weights from
+     the bf16 copy, counted apart). Refills later prefill fewer: an upper bound for them.
   5. The update's micro-batch holds distinct prompts (no shared prefix), its rows all at the longest prompt +
      the cap, with the gradients of an earlier micro-batch already held: the worst micro-batch of a step.
   6. The update's loss is a masked sum of the log-probs, not core.policy_loss (which reads metrics back to the
@@ -45,10 +54,21 @@ Departures and shortcuts (what the figures are and are not):
   7. A model deeper than 8 layers is measured at its real width at 4 and 8 layers and extrapolated linearly to
      its depth (exact for a stack of alike layers: the state, the cache and the checkpointed inputs grow by
      layer, the transient of one layer does not); docs/RESULTS.md checks it against a full-depth measurement.
+  8. The KV pool and its rows in flight. The pool is runtime.kv_budget's formula on the card: KV_BUDGET_SHARE x
+     (card - the state - under --fsdp the gathered weights - the bf16 copy); the CUDA context is left to MARGIN.
+     It holds pool bytes // KV bytes per token tokens, and a row holds its prompt + the tokens drawn + ROOM, so
+     rows in flight = those tokens // a row's, at most the slots: at expected lengths, the mean prompt (measured
+     like the longest) + EXPECTED_RESPONSE (half) of the cap, an assumption (the paper states no mean response
+     length), and at the worst case, the longest prompt + the cap. The whole budget is counted as pool: what a
+     sampler spends of it otherwise (a gathered layer's K/V, whole blocks) holds fewer rows, and a long-tailed
+     rollout's rows in flight are mid-way through their lengths with the long ones over-represented, so the
+     expected figure is a guide, the worst case a floor; the sampler preempts rows when the pool runs dry rather
+     than overrun it. Without a card (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case,
+     what sample() reserves without a budget.
 
 Launch lines:
-    python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.2 --ranks 4 \\
-        --gradient-checkpointing --micro-batch-size 4 --gen-batch-size 32 --eval-every 5
+    python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.19 --ranks 4 \\
+        --gradient-checkpointing --micro-batch-size 4 --gen-batch-size 8 --eval-every 5   (as run_pair.sh asks it)
     python -m bench.plan_check --model Qwen/Qwen3-1.7B-Base --prompt 2048   (the update against a full-depth run)
 """
 
@@ -56,7 +76,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +86,8 @@ from pathlib import Path
 import torch
 
 from config import Config  # the train flags; plan.py adds none of its own
-from runtime import adamw_kernel, encode_prompt, eval_rows  # the trainer's choices, read where they live
-from sampler import cast_weights_once, response_logprobs, sample  # the code whose memory is measured
+from runtime import KV_BUDGET_SHARE, adamw_kernel, encode_prompt, eval_rows  # the trainer's choices, where they live
+from sampler import cast_weights_once, resolve_static, response_logprobs, sample  # the code whose memory is measured
 
 GIB = 1024 ** 3
 MARGIN = 0.95
@@ -76,6 +98,15 @@ MISFIT = 3
 """`graft.py plan`'s exit status when a phase does not fit (run_pair.sh switches FSDP2 on by it)."""
 EVAL_AUTOCAST = True
 """Trainer.validate samples under the trainer's autocast, as the rollouts (graft.py departure 6)."""
+EXPECTED_RESPONSE = 0.5
+"""The expected response length as a share of the cap, for the rows in flight a KV pool holds (departure 8): an
+assumption, half the cap. The paper states no mean response length (../shared/DESIGN.md gives the 4,096 cap only);
+docs/RESULTS.md's GPU-hours assume 1,509 of 4,096 (30% at the cap, the rest ~400), 0.37 of the cap."""
+ROOM = inspect.signature(sample).parameters["sync_every"].default
+"""Columns a row holds past its tokens: sampler.sample's sync_every (departure 16: a row runs on until the host's
+next read), its default read off the signature."""
+LAUNCH_ALIGN = 8
+"""The launcher's slot count is rounded down to a multiple of this (one prompt's n = 8 copies)."""
 
 # The paper's models, for a machine without network (their config.json files' shape fields, transformers 5).
 KNOWN_SHAPES = {
@@ -123,26 +154,28 @@ def attention_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
 
 
-def longest_prompt(cfg: Config, files: list[str]) -> tuple[int, str]:
-    """(tokens, how it was found) of the longest prompt in the JSONL files under --model's tokenizer and
-    --prompt-template; --max-prompt-tokens (the trainer refuses longer ones) when the tokenizer or a file is
-    not at hand."""
+def prompt_lengths(cfg: Config, files: list[str]) -> tuple[int, int, str]:
+    """(longest, mean, how they were found): the tokens of the prompts in the JSONL files under --model's tokenizer and
+    --prompt-template, each at most --max-prompt-tokens (the trainer refuses longer ones); --max-prompt-tokens for
+    both when the tokenizer or a file is not at hand."""
     present = [f for f in files if Path(f).is_file()]
     if not present:
-        return cfg.max_prompt_tokens, "--max-prompt-tokens"
+        return cfg.max_prompt_tokens, cfg.max_prompt_tokens, "--max-prompt-tokens"
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except Exception:  # offline or no tokenizer in the folder
-        return cfg.max_prompt_tokens, "--max-prompt-tokens (no tokenizer)"
-    most = 0
+        return cfg.max_prompt_tokens, cfg.max_prompt_tokens, "--max-prompt-tokens (no tokenizer)"
+    lengths = []
     for f in present:
         for line in Path(f).read_text().splitlines():
             if line.strip():
                 problem = json.loads(line)["problem"]
-                most = max(most, len(encode_prompt(problem, tok, template=cfg.prompt_template,
-                                                   chat=cfg.chat_template)))
-    return min(most, cfg.max_prompt_tokens), f"measured in {len(present)} file(s)"
+                lengths.append(min(cfg.max_prompt_tokens, len(encode_prompt(problem, tok, template=cfg.prompt_template,
+                                                                            chat=cfg.chat_template))))
+    if not lengths:
+        return cfg.max_prompt_tokens, cfg.max_prompt_tokens, "--max-prompt-tokens (empty files)"
+    return max(lengths), round(sum(lengths) / len(lengths)), f"measured in {len(present)} file(s)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,14 +264,17 @@ class Measured:
     logprob_act: int  # the behaviour pass's peak above the state
     update_act: int  # forward + backward's peak above the state (activations and temporaries)
     step_temp: int  # the AdamW step's temporaries above the state
-    prefill_act: int  # the rollout's prefill of all rows: peak above weights and its own cache
+    prefill_act: int  # the rollout's prefill (prefill_prompts prompts): peak above the state, its own K/V included
     eval_prefill_act: int  # the same at the evaluation's shapes and precision
+    prefill_prompts: int  # prompts one prefill runs at most (departure 4)
+    eval_prefill_prompts: int
     cast_copy: int  # the sampler's copy of the Linear weights cast once under autocast (rollout; 0 without autocast)
     eval_cast_copy: int  # the same in the evaluation's precision
     kv_token: int  # sampler's KV bytes per token under autocast (rollout)
     kv_dtypes: str
     eval_kv_token: int  # the same in the evaluation's precision
     eval_kv_dtypes: str
+    paged: bool  # sample takes the static path, its KV a pool of kv_budget bytes (sampler.resolve_static on CUDA)
     seconds: float  # wall time of the measurement
 
 
@@ -255,6 +291,14 @@ def with_layers(config, layers: int):
             d[k] = v[:layers]
     d["num_hidden_layers"] = layers
     return type(config).from_dict(d)
+
+
+def prefill_prompts(rows: int, copies: int) -> int:
+    """Prompts one prefill runs at most when `rows` slots are filled with prompts of `copies` copies each
+    (--share-prefix: each distinct prompt prefilled once, sampler.py departure 11; the queue keeps a prompt's copies
+    together, so a fill of the slots starts at most one prompt split over two refills): ceil(rows / copies) + 1,
+    at most rows. copies 1: every row its own prefill."""
+    return rows if copies <= 1 else min(rows, math.ceil(rows / copies) + 1)
 
 
 DEPTHS = (4, 8)
@@ -332,16 +376,29 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
             opt.step()
 
         def prefill(n_rows: int, length: int, autocast: bool):
-            def run():
+            def run():  # its own cache is part of its peak: the rows' K/V before they join the batch or the pool
                 model.eval()
                 cache = DynamicCache(config=config)
                 ids = torch.tensor(_ids(n_rows, length, vocab))  # (R, P)
-                with torch.no_grad(), amp(autocast):  # no_grad: MemTracker hooks cannot see inference tensors
+                # autocast's cast cache off: sample() serves the Linear weights from their bf16 copy (counted apart, as
+                # the bf16 sampling copy), where a cache that no_grad keeps would count a second copy; uncached, each
+                # cast lives for its one matmul. no_grad: MemTracker's hooks cannot see inference tensors
+                on = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast \
+                    else contextlib.nullcontext()
+                with torch.no_grad(), on:
                     model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
                                         past_key_values=cache)
                 model.train()
-                run.kv = sum(k.nbytes + v.nbytes for k, v in _cache_tensors(cache))
             return run
+
+        # the decode path sample() takes on the GPU (the paged static path, or the dense default one)
+        try:
+            paged = bool(resolve_static(cfg.static_decode, model, PLANNED_DEVICE))
+        except ValueError:  # --static-decode on for a model the static path cannot run: sample() refuses it
+            paged = False
+        slots, eval_slots = cfg.gen_batch_size, eval_rows(cfg, paged=paged)
+        roll_prompts = prefill_prompts(slots, cfg.n if cfg.share_prefix else 1)
+        eval_prompts = prefill_prompts(eval_slots, cfg.eval_samples if cfg.share_prefix else 1)
 
         # the bf16 copy sample() makes of the Linear weights under autocast (sampler.py departure 16), read from the
         # same context manager on the fake model (tied weights counted once)
@@ -353,16 +410,17 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
         logprob_peak = _tracked(logprob_pass, model, opt)["Total"]
         update_peak = _tracked(forward_backward, model, opt)["Total"]
         step_peak = _tracked(optimizer_step, model, opt)["Total"]
-        roll = prefill(cfg.gen_batch_size, prompt_len, cfg.dtype == "auto")
+        roll = prefill(roll_prompts, prompt_len, cfg.dtype == "auto")
         roll_peak = _tracked(roll, model, opt)["Total"]
-        ev = prefill(eval_rows(cfg), eval_prompt_len, cfg.dtype == "auto" and EVAL_AUTOCAST)
-        ev.kv, eval_peak = 0, state
+        ev = prefill(eval_prompts, eval_prompt_len, cfg.dtype == "auto" and EVAL_AUTOCAST)
+        eval_peak = state
         if cfg.eval_every:  # Trainer.validate runs
             eval_peak = _tracked(ev, model, opt)["Total"]
     return Measured(params=params, layer_params=layer_params, root_params=root_params,
                     grads=params, opt_state=state - 2 * params, logprob_act=logprob_peak - state,
                     update_act=update_peak - state, step_temp=step_peak - state,
-                    prefill_act=roll_peak - state - roll.kv, eval_prefill_act=eval_peak - state - ev.kv,
+                    prefill_act=roll_peak - state, eval_prefill_act=eval_peak - state, prefill_prompts=roll_prompts,
+                    eval_prefill_prompts=eval_prompts if cfg.eval_every else 0, paged=paged,
                     cast_copy=cast_copy, eval_cast_copy=eval_cast if cfg.eval_every else 0, kv_token=kv_token,
                     kv_dtypes=kv_dtypes, eval_kv_token=eval_kv, eval_kv_dtypes=eval_dtypes, seconds=0.0)
 
@@ -373,10 +431,38 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
 
 
 @dataclass
+class Rows:
+    """The rows in flight a phase's KV term holds (tokens of one row: prompt + response + ROOM)."""
+    slots: int  # --gen-batch-size (sample's max_batch_size): rows in flight at most
+    paged: bool  # a pool filled by real lengths (the static path), else a dense cache of slots x the longest row
+    pool_tokens: int  # tokens the KV term holds
+    expected_tokens: int  # a row at expected lengths: the mean prompt + EXPECTED_RESPONSE of the cap + ROOM
+    worst_tokens: int  # a row at the worst case: the longest prompt + the cap + ROOM
+    copies: int = 1  # rows per distinct prompt one prefill runs once (--rollouts or --eval-samples; 1 unshared)
+    prefill_prompts: int = 1  # prompts the phase's prefill term was measured at (prefill_prompts(slots, copies))
+
+    @property
+    def expected(self) -> int:
+        """Rows in flight at expected lengths: the pool's tokens // a row's, at most the slots (dense: the slots)."""
+        return min(self.slots, self.pool_tokens // self.expected_tokens) if self.paged else self.slots
+
+    @property
+    def worst(self) -> int:
+        """Rows in flight when every row is at the longest prompt + the cap (dense: the slots, by construction)."""
+        return min(self.slots, self.pool_tokens // self.worst_tokens) if self.paged else self.slots
+
+    @property
+    def pool_rows(self) -> int:
+        """Rows at expected lengths the pool holds, whatever the slots (what the launcher's slot count aims at)."""
+        return self.pool_tokens // self.expected_tokens if self.paged else self.slots
+
+
+@dataclass
 class Phase:
     name: str
     terms: dict[str, int]  # what holds memory in the phase, bytes per rank
     fix: str  # the flag that lowers the phase's dominant term
+    rows: Rows | None = None  # rollout and evaluation: the rows in flight the KV term holds
 
     @property
     def total(self) -> int:
@@ -387,32 +473,65 @@ class Phase:
         return max(self.terms, key=self.terms.get)
 
 
-def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt_len: int) -> list[Phase]:
+def pool_bytes(card: int, held: int, cast_copy: int) -> int:
+    """The KV pool the trainer gets (runtime.kv_budget): KV_BUDGET_SHARE of the card less what is held at the sample()
+    call (the state, and under --fsdp the gathered weights) and the sampler's bf16 copy of the Linear weights."""
+    return max(0, int(KV_BUDGET_SHARE * (card - held - cast_copy)))
+
+
+def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt_len: int, card: int | None = None,
+           mean_prompt: int | None = None, mean_eval_prompt: int | None = None) -> list[Phase]:
     """Each phase's terms per rank. With --fsdp the state is divided by the ranks, sampling and the behaviour
-    pass hold a gathered full copy of the weights (runtime.gathered), the update the root and two layers."""
+    pass hold a gathered full copy of the weights (runtime.gathered), the update the root and two layers.
+
+    The rollout's and the evaluation's KV term: on the static path (m.paged) the pool of runtime.kv_budget bytes on
+    this card (pool_bytes; without a card, the slots at the worst case, what sample() takes without a budget), its
+    rows in flight at expected lengths (mean prompt + EXPECTED_RESPONSE of the cap) and at the worst case (longest
+    prompt + cap); on the default path a dense cache of every slot at the worst case. prompt_len, eval_prompt_len:
+    the longest prompts; mean_prompt, mean_eval_prompt: their means (default: the longest)."""
     r = ranks if cfg.fsdp else 1
     state = {"weights": m.params // r, "gradients": m.grads // r, "AdamW moments": m.opt_state // r}
     gathered = {"gathered weights": m.params} if cfg.fsdp else {}
-    rows, cap = cfg.gen_batch_size, cfg.max_response_tokens
-    eval_cap = cfg.eval_max_tokens or cap
-    kv = rows * (prompt_len + cap) * m.kv_token
-    eval_kv = eval_rows(cfg) * (eval_prompt_len + eval_cap) * m.eval_kv_token  # Trainer.validate's row budget
+    held = sum(state.values()) + sum(gathered.values())  # at the sample() call, before its copy and prefill
+    cap, eval_cap = cfg.max_response_tokens, cfg.eval_max_tokens or cfg.max_response_tokens
+    mean_prompt = prompt_len if mean_prompt is None else mean_prompt
+    mean_eval_prompt = eval_prompt_len if mean_eval_prompt is None else mean_eval_prompt
+
+    def kv(slots: int, longest: int, mean: int, cap: int, kv_token: int, copy: int, copies: int,
+           prompts: int) -> tuple[dict, Rows]:
+        worst_row = longest + cap + ROOM
+        if m.paged:
+            pool = pool_bytes(card, held, copy) if card else slots * worst_row * kv_token
+            term = {"KV pool": pool}
+        else:
+            pool = slots * (longest + cap) * kv_token
+            term = {"KV cache": pool}
+        rows = Rows(slots=slots, paged=m.paged, pool_tokens=pool // max(1, kv_token),
+                    expected_tokens=mean + round(EXPECTED_RESPONSE * cap) + ROOM, worst_tokens=worst_row,
+                    copies=copies, prefill_prompts=prompts)
+        return term, rows
+
+    shared = cfg.share_prefix
+    roll_kv, roll_rows = kv(cfg.gen_batch_size, prompt_len, mean_prompt, cap, m.kv_token, m.cast_copy,
+                            cfg.n if shared else 1, m.prefill_prompts)
+    eval_kv, eval_rows_ = kv(eval_rows(cfg, paged=m.paged), eval_prompt_len, mean_eval_prompt, eval_cap,
+                             m.eval_kv_token, m.eval_cast_copy, cfg.eval_samples if shared else 1,
+                             m.eval_prefill_prompts)  # Trainer.validate's slots
     units = {"gathered root + 2 layers + 1 layer's grads": m.root_params + 3 * m.layer_params} if cfg.fsdp else {}
     out = [
-        Phase("rollout", state | gathered | {"bf16 sampling copy": m.cast_copy, "prefill activations": m.prefill_act,
-                                             "KV cache": kv}, "--gen-batch-size"),
+        Phase("rollout", state | gathered | {"bf16 sampling copy": m.cast_copy, "prefill": m.prefill_act} | roll_kv,
+              "--gen-batch-size", roll_rows),
         Phase("logprob", state | gathered | {"activations": m.logprob_act}, "--micro-batch-size"),
         Phase("update", state | units | {"activations": m.update_act},
               "--micro-batch-size" if cfg.gradient_checkpointing else "--gradient-checkpointing"),
         Phase("optimizer step", state | {"AdamW temporaries": m.step_temp // r}, "--fsdp"),
-        Phase("evaluation", state | gathered | {"bf16 sampling copy": m.eval_cast_copy,
-                                                "prefill activations": m.eval_prefill_act, "KV cache": eval_kv},
-              "--gen-batch-size"),
+        Phase("evaluation", state | gathered | {"bf16 sampling copy": m.eval_cast_copy, "prefill": m.eval_prefill_act}
+              | eval_kv, "--gen-batch-size", eval_rows_),
     ]
     if cfg.fsdp:
         out.append(Phase("fsdp shard + gather", state | units, "--fsdp (more ranks)"))
-    for ph in out:  # the state dominates: sharding it is the fix
-        if ph.dominant in ("weights", "gradients", "AdamW moments", "AdamW temporaries") and not cfg.fsdp:
+    for ph in out:  # the state dominates, or the pool that takes a share of what the state leaves: sharding is the fix
+        if ph.dominant in ("weights", "gradients", "AdamW moments", "AdamW temporaries", "KV pool") and not cfg.fsdp:
             ph.fix = "--fsdp"
     return out
 
@@ -433,10 +552,23 @@ def refusal(side: str, plan: list[Phase], card: int) -> str | None:
                                       else "") + "; `python graft.py plan <the same flags>` prints every phase")
 
 
+def rows_line(ph: Phase) -> str:
+    """One line on the rows in flight of a rollout or evaluation phase (its Rows)."""
+    r = ph.rows
+    if not r.paged:
+        return (f"{ph.name}: dense KV cache (the default decode path), {r.slots} rows in flight at "
+                f"{r.worst_tokens - ROOM:,} tokens each")
+    return (f"{ph.name}: KV pool {ph.terms['KV pool'] / GIB:.1f} GiB = {r.pool_tokens:,} tokens; rows in flight at "
+            f"expected lengths ({r.expected_tokens:,} tokens a row: mean prompt + {EXPECTED_RESPONSE:.0%} of the cap "
+            f"+ {ROOM}) {r.expected} of {r.slots} slots (the pool alone holds {r.pool_rows}); at the worst case "
+            f"({r.worst_tokens:,}: longest prompt + cap + {ROOM}) {r.worst}")
+
+
 def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str,
           rows: tuple[int, int] | None = None) -> str:
-    """The plan of one side as a Markdown table: phase, GiB, share of the card, dominant term, the fixing flag;
-    rows = (--gen-batch-size, --micro-batch-size): also the largest of each that fit."""
+    """The plan of one side as a Markdown table: phase, GiB, share of the card, dominant term, the fixing flag; the
+    rows in flight of the rollout and the evaluation; rows = (--gen-batch-size, --micro-batch-size): also the
+    largest micro-batch that fits and the slot count for the launcher (launch_slots)."""
     head = f"{side}: {note}; card {'unknown (give --gpu-memory)' if not card else f'{card / GIB:.1f} GiB'}, " \
            f"{ranks} rank(s)"
     lines = [head, "", "| phase | GiB | of card | dominant term | flag that lowers it |", "|---|---|---|---|---|"]
@@ -444,19 +576,47 @@ def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str,
         share = f"{ph.total / card:.0%}" + (" OVER" if ph.total > MARGIN * card else "") if card else "-"
         lines.append(f"| {ph.name} | {ph.total / GIB:.1f} | {share} | {ph.dominant} "
                      f"{ph.terms[ph.dominant] / GIB:.1f} | {ph.fix} |")
+    lines += [""] + [rows_line(ph) for ph in plan if ph.rows is not None]
     if card and rows:
-        gen = largest_fit(plan, card, rows=rows[0], phase_names=("rollout",),
-                          per_row_terms=("KV cache", "prefill activations"))
         mb = largest_fit(plan, card, rows=rows[1], phase_names=("update", "logprob"), per_row_terms=("activations",))
-        lines += ["", f"largest that fit at these settings (those terms taken as linear in the rows): "
-                      f"--gen-batch-size {gen}, --micro-batch-size {mb}"]
+        lines += [f"largest --micro-batch-size that fits (activations taken as linear in the rows): {mb}",
+                  f"{LAUNCH_LINE} {launch_slots(plan, card, rows=rows[0])}"]
     return "\n".join(lines)
+
+
+LAUNCH_LINE = "slots for the launcher: --gen-batch-size"
+"""The line of `graft.py plan` that run_pair.sh reads its --gen-batch-size from (the number after it)."""
+
+
+def at_slots(ph: Phase, slots: int, planned: int) -> int:
+    """A rollout or evaluation phase's bytes with the rollout's --gen-batch-size at `slots` instead of `planned`: the
+    phase's own slots scaled alike, its prefill in proportion to the prompts one prefill runs (prefill_prompts), a
+    dense KV cache in proportion to the slots; a pool stays (its bytes follow the card, not the slots)."""
+    r = ph.rows
+    own = max(1, r.slots * slots // planned)
+    prefill = ph.terms.get("prefill", 0)
+    total = ph.total - prefill + prefill * prefill_prompts(own, r.copies) / max(1, r.prefill_prompts)
+    if not r.paged:
+        total += ph.terms["KV cache"] * (own / r.slots - 1)
+    return int(total)
+
+
+def launch_slots(plan: list[Phase], card: int, *, rows: int) -> int:
+    """The slot count (--gen-batch-size) for this card: the most slots at which the rollout and the evaluation fit
+    MARGIN of the card (at_slots, from the phases planned at `rows` = --gen-batch-size), on the static path at most
+    the rows at expected lengths the rollout's pool holds (Rows.pool_rows: more slots would only wait for blocks);
+    rounded down to a multiple of LAUNCH_ALIGN when above it; 0 when not one row fits."""
+    roll = next(ph for ph in plan if ph.name == "rollout")
+    sampled = [ph for ph in plan if ph.rows is not None]
+    most = roll.rows.pool_rows if roll.rows.paged else max(rows, 4096)
+    slots = next((s for s in range(most, 0, -1) if all(at_slots(ph, s, rows) <= MARGIN * card for ph in sampled)), 0)
+    return slots // LAUNCH_ALIGN * LAUNCH_ALIGN if slots >= LAUNCH_ALIGN else slots
 
 
 def largest_fit(plan: list[Phase], card: int, *, rows: int, phase_names: tuple[str, ...],
                 per_row_terms: tuple[str, ...]) -> int:
     """The most rows at which every named phase fits MARGIN of the card, the named terms taken as linear in the
-    rows (the KV cache and the prefill in --gen-batch-size, activations in --micro-batch-size); 0 = none."""
+    rows (the prefill and a dense KV cache in --gen-batch-size, activations in --micro-batch-size); 0 = none."""
     most = None
     for ph in plan:
         if ph.name not in phase_names:
@@ -477,24 +637,28 @@ def card_bytes(cfg: Config, device: torch.device | None = None) -> int | None:
     return None
 
 
-def plan_side(cfg: Config, *, ranks: int, eval_files: list[str]) -> tuple[list[Phase], str]:
-    """(phases, a one-line note on how the shapes were found) for cfg.model at cfg's flags. eval_files: the
-    benchmark JSONL files Trainer.validate samples (the evaluation phase is planned when --eval-every is set)."""
+def plan_side(cfg: Config, *, ranks: int, eval_files: list[str], card: int | None = None) -> tuple[list[Phase], str]:
+    """(phases, a one-line note on how the shapes were found) for cfg.model at cfg's flags on a card of `card` bytes
+    (None: unknown; the KV pool is then planned at the slots' worst case). eval_files: the benchmark JSONL files
+    Trainer.validate samples (the evaluation phase is planned when --eval-every is set)."""
     config, source = model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    prompt_len, how = longest_prompt(cfg, [cfg.prompts])
-    eval_len, eval_how = longest_prompt(cfg, eval_files) if cfg.eval_every else (0, "")
+    prompt_len, mean_prompt, how = prompt_lengths(cfg, [cfg.prompts])
+    eval_len, mean_eval, eval_how = prompt_lengths(cfg, eval_files) if cfg.eval_every else (0, 0, "")
     m = measure(config, cfg, prompt_len=prompt_len, eval_prompt_len=max(eval_len, 1))
-    plan = phases(m, cfg, ranks=ranks, prompt_len=prompt_len, eval_prompt_len=eval_len)
+    plan = phases(m, cfg, ranks=ranks, prompt_len=prompt_len, eval_prompt_len=eval_len, card=card,
+                  mean_prompt=mean_prompt, mean_eval_prompt=mean_eval)
     if not cfg.eval_every:
         plan = [ph for ph in plan if ph.name != "evaluation"]
     layers, kv_heads, head_dim = attention_shape(config)
+    path = "static path, a KV pool" if m.paged else "default path, a dense KV cache"
     note = (f"config {source} ({m.params / GIB:.1f} GiB of {'bf16' if cfg.dtype == 'bfloat16' else 'fp32'} "
-            f"weights, {layers} layers x {kv_heads} KV heads x {head_dim}); longest prompt {prompt_len} tokens "
-            f"({how}) + cap {cfg.max_response_tokens}; KV {m.kv_token / 1024:.0f} KiB/token ({m.kv_dtypes}) x "
-            f"{cfg.gen_batch_size} rows" + (f"; evaluation: prompt {eval_len} ({eval_how}), KV "
-                                            f"{m.eval_kv_token / 1024:.0f} KiB/token ({m.eval_kv_dtypes}) x "
-                                            f"{eval_rows(cfg)} rows"
-                                            if cfg.eval_every else "")
+            f"weights, {layers} layers x {kv_heads} KV heads x {head_dim}); prompts: longest {prompt_len}, mean "
+            f"{mean_prompt} tokens ({how}) + cap {cfg.max_response_tokens}; decode on the GPU: {path}; KV "
+            f"{m.kv_token / 1024:.0f} KiB/token ({m.kv_dtypes}), {cfg.gen_batch_size} slots, prefill of "
+            f"{m.prefill_prompts} prompt(s)" + (f"; evaluation: prompts longest {eval_len}, mean {mean_eval} "
+                                                f"({eval_how}), KV {m.eval_kv_token / 1024:.0f} KiB/token "
+                                                f"({m.eval_kv_dtypes}), {eval_rows(cfg, paged=m.paged)} slots"
+                                                if cfg.eval_every else "")
             + f"; micro-batch {cfg.micro_batch_size} rows, checkpointing "
             f"{'on' if cfg.gradient_checkpointing else 'off'}, fsdp {'on' if cfg.fsdp else 'off'}; measured on fake "
             f"tensors in {m.seconds:.0f} s")
@@ -521,8 +685,8 @@ def check_at_start(cfg: Config, dist, benchmark_files=None) -> list[Phase]:
     import graft.py, which imports it)."""
     if cfg.memory_plan == "off" or (cfg.memory_plan == "cuda" and dist.device.type != "cuda"):
         return []
-    plan, note = plan_side(cfg, ranks=dist.world, eval_files=benchmark_paths(cfg, benchmark_files))
     card = card_bytes(cfg, dist.device)
+    plan, note = plan_side(cfg, ranks=dist.world, eval_files=benchmark_paths(cfg, benchmark_files), card=card)
     if dist.main:
         print(table(f"[plan] side {cfg.name!r} {cfg.model}", plan, card, dist.world, note,
                     rows=(cfg.gen_batch_size, cfg.micro_batch_size)), flush=True)
@@ -539,7 +703,8 @@ def check_at_start(cfg: Config, dist, benchmark_files=None) -> list[Phase]:
 
 def run_plan(base: Config, *, benchmark_files=None) -> int:
     """`graft.py plan` (config.build_parser's train flags): one table per side of --model (comma-separated) at
-    --ranks; returns MISFIT (3) when a phase does not fit the card (--gpu-memory or the device's), else 0.
+    --ranks, ending, when the card is known, with LAUNCH_LINE and the side's slot count (run_pair.sh reads it);
+    returns MISFIT (3) when a phase does not fit the card (--gpu-memory or the device's) at these flags, else 0.
     benchmark_files: graft.benchmark_files (passed in: plan.py does not import graft.py, which imports it)."""
     models = [m for m in base.model.split(",") if m]
     ranks = base.ranks or 1
@@ -548,8 +713,8 @@ def run_plan(base: Config, *, benchmark_files=None) -> int:
     worst = 0
     for model in models:
         cfg = dataclasses.replace(base, model=model)
-        plan, note = plan_side(cfg, ranks=ranks, eval_files=files)
         card = card_bytes(cfg, device)
+        plan, note = plan_side(cfg, ranks=ranks, eval_files=files, card=card)
         print(table(model, plan, card, ranks, note, rows=(cfg.gen_batch_size, cfg.micro_batch_size)) + "\n",
               flush=True)
         message = refusal(model, plan, card) if card else None

@@ -16,11 +16,16 @@
 # `--order uniform`, `--no-balance`, `--compat-norm byte`; FLAGS_A / FLAGS_B go to one side only (e.g.
 # FLAGS_A=--chat-template for an instruct model paired with a base model). Every variable below has a
 # default and can be overridden from the environment (e.g. `GPUS_A=0,1 GPUS_B=2,3 bash run_pair.sh pair1`).
-# Memory (pair1-3, grpo): the launcher passes --gradient-checkpointing --micro-batch-size $MICRO_BATCH (4)
-# --gen-batch-size $GEN_BATCH (32), settings of ours chosen from the memory plan (plan.py; RESULTS.md "The memory
-# plan": every phase of the paper's models within 95% of an H100-80GB and an H200); flags after the preset
-# override them. FSDP=auto (default) runs `graft.py plan` for each side with two or more GPUs and passes --fsdp
-# when the data-parallel plan does not fit the card; FSDP=1 / 0 forces FSDP2 sharding on / off.
+# Memory (pair1-3, grpo): the launcher passes --gradient-checkpointing --micro-batch-size $MICRO_BATCH (4), settings
+# of ours, and each side's --gen-batch-size (rows in flight at most: the static decode path's slots) from the memory
+# plan (plan.py; RESULTS.md "The memory plan"): `graft.py plan` for the side on its GPUs, at PLAN_SLOTS (8) slots,
+# prints the slots its KV pool holds at expected lengths within what fits the card, and the launcher passes that.
+# GEN_BATCH set wins (the plan then runs for FSDP=auto only); without a GPU, with DRY_RUN=1, with both sides on the
+# same GPUs (each would plan the whole card) or when the plan fails, GEN_BATCH_FALLBACK (32). Flags after the preset
+# override them.
+# FSDP=auto (default): for a side with two or more GPUs that plan is data parallel; when it does not fit the card, or
+# gives fewer slots than FSDP_MIN_SLOTS (128) where a sharded plan gives more, the launcher passes --fsdp (with the
+# sharded plan's slots); FSDP=1 / 0 forces FSDP2 sharding on / off.
 # A pair splits the GPUs in two halves (printed); with one GPU both sides share it, with none both run
 # on the CPU. When one side exits non-zero the other is stopped at once. Each launch passes both sides
 # a fresh --run-id (not with --resume, which keeps the run's), so two pairs started in one exchange
@@ -70,12 +75,15 @@ GPUS_B=${GPUS_B-$SPLIT_B}
 SMOL=${SMOL:-HuggingFaceTB/SmolLM3-3B-Base}
 QWEN=${QWEN:-Qwen/Qwen3-1.7B-Base}
 OCTO=${OCTO:-OctoThinker/OctoThinker-3B-Hybrid-Base}
-# FSDP2: auto = the memory plan decides (fsdp_flag); 1 / 0 = on / off.
+# FSDP2: auto = the memory plan decides (plan_flags); 1 / 0 = on / off.
 FSDP=${FSDP:-auto}
 # The memory settings of the GPU presets (header; README "Running the pair on a GPU node"): ours, not the paper's.
 MICRO_BATCH=${MICRO_BATCH:-4}
-GEN_BATCH=${GEN_BATCH:-32}
-LAUNCH_FLAGS=(--gradient-checkpointing --micro-batch-size "$MICRO_BATCH" --gen-batch-size "$GEN_BATCH")
+GEN_BATCH=${GEN_BATCH:-}  # empty: each side's slots from the memory plan (plan_flags)
+GEN_BATCH_FALLBACK=${GEN_BATCH_FALLBACK:-32}
+PLAN_SLOTS=${PLAN_SLOTS:-8}
+FSDP_MIN_SLOTS=${FSDP_MIN_SLOTS:-128}
+LAUNCH_FLAGS=(--gradient-checkpointing --micro-batch-size "$MICRO_BATCH")
 
 first_host() {  # first_host NODELIST: the first host of a Slurm node list ("gpu-[003-006,010],cpu1" -> gpu-003)
   if command -v scontrol >/dev/null; then scontrol show hostnames "$1" | head -n 1; return; fi
@@ -103,20 +111,54 @@ run() { if [ "$DRY_RUN" = 1 ]; then show "$@"; else show "$@" >&2; "$@"; fi; }
 count() { echo "$1" | tr ',' '\n' | grep -c . || true; }
 nproc_of() { local c; c=$(count "$1"); echo "${NPROC_PER_NODE:-$(( c > 0 ? c : 1 ))}"; }  # no GPU: one CPU process
 device_of() { [ -n "$1" ] && echo cuda || echo cpu; }
-fsdp_flag() {  # fsdp_flag GPUS RANKS MODEL [train flags...]: prints --fsdp when this side should shard its model
-  local gpus=$1 ranks=$2 model=$3 rc=0; shift 3
-  case "$FSDP" in
-    1) echo --fsdp ;;
-    auto)  # the memory plan (plan.py, fake tensors) of the data-parallel setting; status 3 = a phase does not fit
-      [ -n "$gpus" ] && [ "$ranks" -gt 1 ] || return 0
-      if [ "$DRY_RUN" = 1 ]; then echo "run_pair.sh: DRY_RUN: FSDP=auto's memory plan is not run" >&2; return 0; fi
-      env CUDA_VISIBLE_DEVICES="$gpus" $PYTHON graft.py plan --model "$model" --ranks "$ranks" "$@" >&2 || rc=$?
-      if [ "$rc" -eq 3 ]; then
-        echo --fsdp
-      elif [ "$rc" -ne 0 ]; then
-        echo "run_pair.sh: the memory plan of $model failed (status $rc): FSDP stays off (FSDP=1 forces it)" >&2
-      fi ;;
-  esac
+plan_run() {  # plan_run GPUS RANKS MODEL [train flags...]: `graft.py plan` (shown on stderr); prints the slot count
+  local gpus=$1 ranks=$2 model=$3 out rc=0; shift 3  # of its LAUNCH_LINE (plan.py); its exit status (3 = no fit)
+  out=$(env CUDA_VISIBLE_DEVICES="$gpus" $PYTHON graft.py plan --model "$model" --ranks "$ranks" "$@") || rc=$?
+  echo "$out" >&2
+  echo "$out" | sed -n 's/^slots for the launcher: --gen-batch-size \([0-9][0-9]*\).*/\1/p' | tail -n 1
+  return "$rc"
+}
+plan_flags() {  # plan_flags GPUS RANKS MODEL [train flags...]: prints, one per line, the side's --fsdp (when it shards)
+  local gpus=$1 ranks=$2 model=$3 fsdp= slots= rc=0 why=; shift 3  # and its --gen-batch-size (header)
+  [ "$FSDP" = 1 ] && fsdp=--fsdp
+  local probe=(--gen-batch-size "${GEN_BATCH:-$PLAN_SLOTS}")
+  if [ -z "$gpus" ]; then
+    why="no GPU"
+  elif [ "$DRY_RUN" = 1 ]; then
+    echo "run_pair.sh: DRY_RUN: the memory plan is not run (FSDP=auto stays off; slots: GEN_BATCH, else" \
+      "GEN_BATCH_FALLBACK)" >&2
+    why="DRY_RUN"
+  elif [ "$FSDP" = auto ] && [ "$ranks" -gt 1 ]; then  # the data-parallel plan; status 3 = a phase does not fit
+    slots=$(plan_run "$gpus" "$ranks" "$model" "$@" "${probe[@]}") || rc=$?
+    if [ "$rc" -eq 3 ]; then
+      fsdp=--fsdp
+      [ -n "$GEN_BATCH" ] || slots=$(plan_run "$gpus" "$ranks" "$model" "$@" "${probe[@]}" --fsdp) || true
+    elif [ "$rc" -ne 0 ]; then
+      echo "run_pair.sh: the memory plan of $model failed (status $rc): FSDP stays off (FSDP=1 forces it)" >&2
+    elif [ -z "$GEN_BATCH" ] && [[ "$slots" =~ ^[0-9]+$ ]] && [ "$slots" -lt "$FSDP_MIN_SLOTS" ]; then
+      local sharded  # data parallel fits with few rows in flight: sharded, the state leaves the pool more
+      sharded=$(plan_run "$gpus" "$ranks" "$model" "$@" "${probe[@]}" --fsdp) || true
+      if [[ "$sharded" =~ ^[0-9]+$ ]] && [ "$sharded" -gt "$slots" ]; then
+        echo "run_pair.sh: $model: $slots slots data parallel (under FSDP_MIN_SLOTS=$FSDP_MIN_SLOTS), $sharded" \
+          "sharded: --fsdp" >&2
+        fsdp=--fsdp; slots=$sharded
+      fi
+    fi
+  elif [ -n "$GEN_BATCH" ]; then
+    :
+  elif [ -n "$GPUS_A" ] && [ "$GPUS_A" = "$GPUS_B" ] && [ "$SIDE" = both ] && [ "${PAIRED:-0}" = 1 ]; then
+    why="both sides on GPUs $gpus"
+  else
+    slots=$(plan_run "$gpus" "$ranks" "$model" "$@" "${probe[@]}" $fsdp) || true
+  fi
+  if [ -n "$GEN_BATCH" ]; then
+    slots=$GEN_BATCH
+  elif ! [[ "$slots" =~ ^[1-9][0-9]*$ ]]; then
+    why=${why:-the memory plan gave no slot count}
+    echo "run_pair.sh: $model: --gen-batch-size $GEN_BATCH_FALLBACK (GEN_BATCH_FALLBACK: $why)" >&2
+    slots=$GEN_BATCH_FALLBACK
+  fi
+  printf '%s\n' $fsdp --gen-batch-size "$slots"
 }
 of_side() {  # of_side a|b NAME DEFAULT: A_NAME (B_NAME), else NAME, else DEFAULT
   local own="${1^^}_$2"
@@ -173,14 +215,15 @@ prepare_data() {
 # One side of a pair: torchrun over its GPUs (and nodes), meeting the other side in the exchange directory.
 side() {  # side NAME PEER_NAME MODEL GPUS OUT EXCHANGE TAG [flags...]
   local name=$1 peer=$2 model=$3 gpus=$4 out=$5 ex=$6 tag=$7; shift 7
-  local rdzv ranks
+  local rdzv ranks planned
   mapfile -t rdzv < <(rendezvous "$name" "$tag")
   ranks=$(( $(nproc_of "$gpus") * $(of_side "$name" NNODES 1) ))
   local flags=(--prompts "$DATA/math_train.jsonl" --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" --eval-every 5
     --benchmarks all --device "$(device_of "$gpus")" "${LAUNCH_FLAGS[@]}")
+  mapfile -t planned < <(PAIRED=1 plan_flags "$gpus" "$ranks" "$model" "${flags[@]}" "$@")
   local cmd=(env CUDA_VISIBLE_DEVICES="$gpus" $PYTHON -m torch.distributed.run "${rdzv[@]}"
     --nproc_per_node "$(nproc_of "$gpus")" graft.py train --model "$model" --name "$name" --peer-name "$peer"
-    --peer-exchange "$ex" --out "$out" "${flags[@]}" $(fsdp_flag "$gpus" "$ranks" "$model" "${flags[@]}" "$@") "$@")
+    --peer-exchange "$ex" --out "$out" "${flags[@]}" "${planned[@]}" "$@")
   if [ "$DRY_RUN" = 1 ]; then show "${cmd[@]}"; return; fi
   show "${cmd[@]}" >&2
   exec "${cmd[@]}"  # the background job is torchrun itself, so that stopping the side stops its workers too
@@ -324,9 +367,11 @@ case "$PRESET" in
     GPUS=${GPUS:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}
     GRPO_FLAGS=(--prompts "$DATA/math_train.jsonl" --data-dir "$DATA" --steps "$STEPS" --seed "$SEED" --eval-every 5
       --benchmarks all "${LAUNCH_FLAGS[@]}")
+    mapfile -t PLANNED < <(plan_flags "$([ "$NGPU" -gt 0 ] && echo "$GPUS")" "$(count "$GPUS")" "$MODEL_A" \
+      "${GRPO_FLAGS[@]}" "$@")
     CUDA_VISIBLE_DEVICES=$GPUS run $PYTHON -m torch.distributed.run --nproc_per_node "$(count "$GPUS")" \
       graft.py train --model "$MODEL_A" --out "${OUT:-$RUNS/grpo_$(basename "$MODEL_A")}" "${GRPO_FLAGS[@]}" \
-      $(fsdp_flag "$([ "$NGPU" -gt 0 ] && echo "$GPUS")" "$(count "$GPUS")" "$MODEL_A" "${GRPO_FLAGS[@]}" "$@") "$@" ;;
+      "${PLANNED[@]}" "$@" ;;
   stored)
     prepare_data
     MODEL_B=${MODEL_B:-$QWEN}

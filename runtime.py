@@ -11,7 +11,8 @@ exchange.py, never back.
                         expandable segments unless the user chose a setting (cuda_alloc_conf)
     gather_lists, shard, unshard   split a list over ranks and put the gathered parts back in order
     compute_context     bf16 autocast on GPU with --dtype auto (graft.py departure 6)
-    kv_budget, eval_rows   the bytes --static-decode's KV cache may take on a GPU; the evaluation's rows in flight
+    kv_budget, eval_rows   the bytes of the static decode path's KV pool on a GPU; the evaluation's rows in flight
+    cast_copy_bytes     the bytes of the sampler's bf16 copy of the Linear weights (kv_budget leaves them out)
     adamw_kernel        AdamW fused on CUDA, foreach elsewhere
     load_policy         a transformers causal LM + tokenizer + the ids that stop a rollout
     encode_prompt       the prompt's ids: raw text (graft.py departure 8) or the chat template
@@ -141,23 +142,51 @@ def compute_context(cfg: Config, dist_info: DistInfo):
     return contextlib.nullcontext()
 
 
-KV_BUDGET_SHARE = 0.8
-"""The share of the device's free memory that --static-decode's preallocated KV cache may take (kv_budget)."""
+KV_BUDGET_SHARE = 0.75
+"""The share of what the card has left at a sample() call that the static path's KV pool may take (kv_budget); the
+rest holds the prefill (its activations and its own K/V before they are copied into the pool) and the logits. 0.75
+by the memory plan of pair1's models (docs/RESULTS.md, "The memory plan"): a larger share leaves the worst-case
+prefill of fewer slots than the pool holds rows (0.8: Qwen3-1.7B 120 slots on an H100, its pool 175 rows), a
+smaller one a pool of fewer rows."""
 
 
-def kv_budget(device: torch.device) -> int | None:
-    """Bytes the static decode path's KV cache may take (sampler.py's max_cache_bytes, departure 13): KV_BUDGET_SHARE
-    of the device's free memory at the call (after the weights, gathered under --fsdp), the rest left to the
-    prefill's activations and the logits. None off CUDA (no limit: the CPU has no card to overrun)."""
+def cast_copy_bytes(model, device: torch.device) -> int:
+    """Bytes of the copy sampler.sample makes of the model's Linear weights when it runs under autocast (sampler.py
+    departure 17, cast_weights_once's rule, counted without casting): every nn.Linear whose weight is float32 and
+    not a sharded DTensor, in autocast's dtype, a tied weight once; 0 when autocast is off for the device."""
+    if not torch.is_autocast_enabled(device.type):
+        return 0
+    size = torch.empty((), dtype=torch.get_autocast_dtype(device.type)).element_size()
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
+        if weight is not None and weight.dtype == torch.float32 and type(weight.data).__name__ != "DTensor":
+            seen[id(weight)] = weight.numel() * size
+    return sum(seen.values())
+
+
+def kv_budget(device: torch.device, model=None) -> int | None:
+    """Bytes of the static decode path's KV pool (sampler.py's max_cache_bytes: the pool that rows fill by their real
+    lengths): KV_BUDGET_SHARE of what the card has left at the call, the driver's free memory plus what the caching
+    allocator holds unused (after the state and, under --fsdp, the gathered weights), less the bf16 copy that
+    sample() makes of `model`'s Linear weights under autocast (cast_copy_bytes; no model: not subtracted). plan.py
+    plans this pool (its rollout and evaluation phases). None off CUDA (no limit: the CPU has no card to overrun)."""
     if device.type != "cuda":
         return None
-    return int(KV_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    copy = cast_copy_bytes(model, device) if model is not None else 0
+    return max(0, int(KV_BUDGET_SHARE * (free - copy)))
 
 
-def eval_rows(cfg: Config) -> int:
-    """Rows in flight for the in-training evaluation (Trainer.validate): the KV tokens a rollout may hold
-    (--gen-batch-size rows of --max-prompt-tokens + --max-response-tokens) spent on rows of --max-prompt-tokens +
-    the eval cap, at most --gen-batch-size: the evaluation never needs more cache than the rollout it follows."""
+def eval_rows(cfg: Config, *, paged: bool = False) -> int:
+    """Rows in flight (sample's max_batch_size) for the in-training evaluation (Trainer.validate). paged: sample takes
+    the static path (sampler.resolve_static: full-attention models on CUDA), whose KV pool of kv_budget bytes decides
+    how many rows are in flight: the evaluation gets the rollout's --gen-batch-size slots. Otherwise (the CPU,
+    sliding-window and hybrid models) the cache is dense and bounded by the rows only: the KV tokens a rollout may
+    hold (--gen-batch-size rows of --max-prompt-tokens + --max-response-tokens) spent on rows of --max-prompt-tokens
+    + the eval cap, at most --gen-batch-size, so the evaluation never needs more cache than the rollout it follows."""
+    if paged:
+        return cfg.gen_batch_size
     rollout = cfg.gen_batch_size * (cfg.max_prompt_tokens + cfg.max_response_tokens)
     row = cfg.max_prompt_tokens + (cfg.eval_max_tokens or cfg.max_response_tokens)
     return max(1, min(cfg.gen_batch_size, rollout // row))

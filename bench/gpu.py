@@ -43,13 +43,18 @@ Parts, in this order (the cheap and decisive ones first):
    tokens/s, peak, identical rows; the behaviour log-probs with and without sharing: time, peak, max difference.
 
 7. launcher: the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
-   float32 masters under bf16 autocast, 32 rows in flight (GEN_BATCH), --launch-rows rollouts at T=1 with a cap of
-   --launch-cap and a long-tailed length distribution (stop ids drawn so that ~30% of rows reach the cap:
-   ``tail_eos``; the measured share is printed), then the behaviour log-prob pass (micro-batches of 16 by length)
-   and one update (micro-batches of 4, checkpointing, AdamW). From the measured seconds per token, pair1's
-   GPU-hours for 174 steps with and without the in-training evaluation, at RESULTS' shapes (PAIR1: 256 rollouts
-   per rank of ~150 + 1,509 tokens, 1,744 evaluation samples every 5 steps, 4 + 4 GPUs; the extra KV read of the
-   4,096 cap's width at 4.8 TB/s added as a named term), the pair at its slower side.
+   float32 masters under bf16 autocast, the rows in flight run_pair.sh launches 4 GPUs of this card with (the
+   memory plan's slots, data parallel or FSDP2 by the launcher's rule: launched_slots) and the KV pool that layout's
+   trainer gets (max_cache_bytes), --launch-rows rollouts (default twice the slots, at most 512) at T=1, cap
+   --launch-cap, a long-tailed length distribution (stop ids drawn so that ~30% of rows reach the cap:
+   ``tail_eos``; the measured share is printed), then over the first 64 rollouts the behaviour log-prob pass
+   (micro-batches of 16 by length) and one update (micro-batches of 4, checkpointing, AdamW). From the measured
+   seconds per token, pair1's GPU-hours for 174 steps with and without the in-training evaluation (project_pair1),
+   at RESULTS' shapes (PAIR1: 256 rollouts per rank of ~150 + 1,509 tokens, 1,744 evaluation samples every 5 steps,
+   4 + 4 GPUs; the extra KV read of the 4,096 cap's width at the card's bandwidth added as a named term), the pair
+   at its slower side.
+   The plan runs on fake tensors (CPU, ~10-30 s a layout); the bench's one GPU holds the side's weights, not the
+   layout's gradients and AdamW moments, so the pool is given as the plan's bytes.
 8. profile: per decode step at 32 rows, fp32 + bf16 autocast: aten ops, weight casts, host reads (all devices)
    and, on CUDA, kernels launched from the host, CUDA graph launches, device-to-host copies and stream syncs
    (torch.profiler), for the sampler's old settings (casts per step, a read per step), the default path with
@@ -66,6 +71,7 @@ a near tie, after which a random model's rows part ways).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -597,12 +603,19 @@ def bench_prefill(b: Bench, sz: dict, tok, tiny: bool) -> None:
 # ------------------------------------------------------------------------------------------------
 
 # pair1 as RESULTS' GPU-hours assume it (docs/RESULTS.md, "The memory plan"): per rank and step 256 rollouts of
-# ~150-token prompts, a mean response of 1,509 tokens (30% at the 4,096 cap), 32 rows in flight (run_pair.sh's
-# GEN_BATCH), micro-batches of 4 (MICRO_BATCH); the evaluation every 5 steps, 1,744 samples per rank; 174 steps on
-# 4 + 4 GPUs. Only these shapes are assumed; every time per token below is measured.
-PAIR1 = dict(rollouts=256, prompt=150, mean_response=1509, cap=4096, rows=32, micro=4, eval_every=5,
-             eval_samples=1744, steps=174, gpus=8)
+# ~150-token prompts, a mean response of 1,509 tokens (30% at the 4,096 cap), micro-batches of 4 (MICRO_BATCH); the
+# evaluation every 5 steps, 1,744 samples per rank; 174 steps on 4 + 4 GPUs. The rows in flight are the launcher's,
+# from the memory plan (launched_slots). Only these shapes are assumed; every time per token below is measured.
+PAIR1 = dict(rollouts=256, prompt=150, mean_response=1509, cap=4096, micro=4, eval_every=5, eval_samples=1744,
+             steps=174, gpus=8, ranks=4)
+# The prompt lengths the launcher's plan measures for pair1 (`graft.py plan`, docs/RESULTS.md "The memory plan":
+# MATH train and the five benchmarks under each model's tokenizer): (longest, mean) of the training prompts, then of
+# the evaluation's. The bench has no data files; the plan's own measurement is what run_pair.sh passes on a node.
+PAIR1_PROMPTS = {"qwen3": (1669, 90, 845, 110), "smollm3": (1569, 88, 814, 107)}
 AT_CAP = 0.30  # share of rollouts at the cap in the launcher row's length distribution
+TRAIN_ROWS = 64  # rollouts the launcher row's behaviour pass and update run over (their seconds per token)
+FSDP_MIN_SLOTS = 128  # run_pair.sh's: data parallel with fewer slots shards when sharded gives more
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the extra KV width's read, by the card's name (else H200's)
 
 
 def tail_eos(vocab: int, cap: int, at_cap: float, seed: int) -> list[int]:
@@ -613,13 +626,49 @@ def tail_eos(vocab: int, cap: int, at_cap: float, seed: int) -> list[int]:
     return torch.randperm(vocab - 10, generator=torch.Generator().manual_seed(seed))[:k].add(5).tolist()
 
 
+def launched_slots(config, kind: str, card: int, *, tiny: bool) -> dict:
+    """The rows in flight run_pair.sh launches this side of pair1 with on 4 GPUs of `card` bytes: the memory plan
+    (plan.py, fake tensors) at the launcher's flags, data parallel, then sharded when data parallel does not fit
+    or gives fewer than FSDP_MIN_SLOTS slots and sharded gives more (run_pair.sh's rule). Returns the slots, the KV
+    pool's bytes (the trainer's runtime.kv_budget on that layout), the layout and the plan's rows in flight."""
+    import plan
+    from config import Config
+    longest, mean, eval_longest, eval_mean = (12, 8, 12, 8) if tiny else PAIR1_PROMPTS[kind]
+    cfg = Config(model=kind, gradient_checkpointing=True, micro_batch_size=PAIR1["micro"],
+                 gen_batch_size=plan.LAUNCH_ALIGN, eval_every=PAIR1["eval_every"],
+                 max_response_tokens=24 if tiny else PAIR1["cap"])
+    t0 = time.time()
+
+    def layout(fsdp: bool) -> dict:
+        c = dataclasses.replace(cfg, fsdp=fsdp)
+        m = plan.measure(config, c, prompt_len=longest, eval_prompt_len=eval_longest)
+        phases = plan.phases(m, c, ranks=PAIR1["ranks"], prompt_len=longest, eval_prompt_len=eval_longest, card=card,
+                             mean_prompt=mean, mean_eval_prompt=eval_mean)
+        roll = phases[0]
+        return dict(slots=plan.launch_slots(phases, card, rows=c.gen_batch_size), fsdp=fsdp,
+                    fits=plan.verdict(phases, card) is None, pool=roll.terms.get("KV pool"),
+                    pool_rows=roll.rows.pool_rows, worst_rows=roll.rows.pool_tokens // roll.rows.worst_tokens)
+
+    chosen = dp = layout(False)
+    if not dp["fits"] or dp["slots"] < FSDP_MIN_SLOTS:  # as run_pair.sh: sharded only then, and only if it gains
+        sharded = layout(True)
+        if not dp["fits"] or sharded["slots"] > dp["slots"]:
+            chosen = sharded
+    return chosen | dict(plan_s=round(time.time() - t0, 1))
+
+
 def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     """One side's rollout, behaviour pass and update at the launcher's settings; measured seconds per token."""
     from runtime import adamw_kernel
     from sampler import batches_by_length, response_logprobs, sample
     device = b.device
-    rows, cap = (8, 24) if tiny else (args.launch_rows, args.launch_cap)
-    in_flight, micro = (4, 2) if tiny else (PAIR1["rows"], PAIR1["micro"])
+    config = model_config(kind, tok, tiny)
+    card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 2**26  # toy: 64 MiB
+    launch = launched_slots(config, kind, card, tiny=tiny)
+    in_flight = min(launch["slots"], 4) if tiny else launch["slots"]  # toy sizes: a few rows
+    rows = 2 * in_flight if tiny else (args.launch_rows or min(2 * in_flight, 512))  # twice: refills happen
+    cap, micro = (24, 2) if tiny else (args.launch_cap, PAIR1["micro"])
+    budget = launch["pool"] if device.type == "cuda" else None  # the pool the launched layout's trainer gets
     model = random_model(kind, tok, tiny=tiny, dtype=torch.float32, device=device, seed=31)
     prompts = random_prompts(rows, PAIR1["prompt"] // 2 if not tiny else 4, PAIR1["prompt"] if not tiny else 12,
                              len(tok), seed=32)
@@ -630,11 +679,15 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     def rollout():
         with torch.autocast(device.type, dtype=torch.bfloat16):  # the trainer's regime: fp32 masters + autocast
             return sample(model, prompts, max_new_tokens=cap, temperature=1.0, eos_token_id=eos, pad_token_id=0,
-                          generator=torch.Generator().manual_seed(0), max_batch_size=in_flight, stats=stats)
+                          generator=torch.Generator().manual_seed(0), max_batch_size=in_flight, stats=stats,
+                          max_cache_bytes=budget)
 
     outs, t_roll = timed(device, rollout)
     responses = [o.tokens for o in outs]
     new_tokens = sum(map(len, responses))
+    # the behaviour pass and the update over the first TRAIN_ROWS rollouts: their per-token times are the terms
+    trained = min(rows, TRAIN_ROWS)
+    prompts, responses = prompts[:trained], responses[:trained]
     fed = sum(len(p) + len(r) for p, r in zip(prompts, responses))
 
     def behaviour():
@@ -648,7 +701,7 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **adamw_kernel(device))
 
     def update():
-        for i in range(0, rows, micro):
+        for i in range(0, trained, micro):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 lp, mask = response_logprobs(model, prompts[i: i + micro], responses[i: i + micro], pad_token_id=0)
             (lp * mask).sum().backward()
@@ -660,47 +713,59 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     _, t_lp = timed(device, behaviour)
     model.train()
     _, t_up = timed(device, update)
-    lengths = sorted(map(len, responses))
+    lengths = sorted(len(o.tokens) for o in outs)
     side = dict(sample_s_per_token=t_roll / new_tokens, logprob_s_per_token=t_lp / fed, update_s_per_token=t_up / fed,
-                kv_token=stats["kv_bytes_per_token"])
+                kv_token=stats["kv_bytes_per_token"], rows=in_flight, cap=cap)
     b.row("launcher", f"{kind} shape, pair1's launcher settings: fp32 + bf16 autocast, {in_flight} rows in flight "
-          f"(GEN_BATCH), {rows} rollouts, cap {cap}, T=1, ~{AT_CAP:.0%} of rows at the cap; behaviour pass; update "
-          f"(micro-batches of {micro}, checkpointing, AdamW)", static=stats["static"],
+          f"(the plan's slots as run_pair.sh launches 4 GPUs of this card: {'FSDP2' if launch['fsdp'] else 'DP'}), "
+          f"{rows} rollouts, cap {cap}, T=1, ~{AT_CAP:.0%} of rows at the cap; behaviour pass and update over "
+          f"{trained} of them (micro-batches of {micro}, checkpointing, AdamW)", static=stats["static"], launch=launch,
           rollout_s=round(t_roll, 2), new_tokens=new_tokens, tokens_per_s=round(new_tokens / t_roll),
           decode_steps=stats["decode_steps"], ms_per_step=round(t_roll / max(1, stats["decode_steps"]) * 1e3, 2),
           host_reads_per_step=round(stats["host_reads"] / max(1, stats["decode_steps"]), 3),
           at_cap=f"{sum(n == cap for n in lengths)}/{rows}", median_len=lengths[rows // 2],
-          logprob_s=round(t_lp, 2), update_s=round(t_up, 2), peak_gib=b.peak_gib())
+          logprob_s=round(t_lp, 2), update_s=round(t_up, 2), peak_gib=b.peak_gib(),
+          **{k: stats[k] for k in ("slots", "preemptions", "rows_in_flight_mean", "rows_in_flight_peak",
+                                   "kv_pool_bytes", "kv_blocks_peak") if k in stats})  # the paged sampler's stats
     del model, opt
     return side
 
 
-def bench_launcher(b: Bench, sz: dict, toks: dict, tiny: bool, args) -> None:
-    """Both sides at the launcher's settings, then pair1's GPU-hours for 174 steps projected from the measured
-    seconds per token (module docstring, part 7): the pair moves at its slower side."""
-    sides = {kind: launcher_side(b, kind, toks[s], tiny, args) for s, kind in (("b", "qwen3"), ("a", "smollm3"))}
-    P = PAIR1
+def project_pair1(sides: dict, *, bandwidth: float, P: dict = PAIR1) -> dict:
+    """pair1's GPU-hours for P["steps"] steps on P["gpus"] GPUs from each side's measured seconds per token (pure
+    arithmetic; sides: {kind: launcher_side's dict}). Per rank and step: sampling P["rollouts"] x P["mean_response"]
+    tokens at the measured s/token, plus the extra KV read of the cap's width over the measured one (each decode step
+    reads rows x the extra columns x KV bytes per token at `bandwidth` B/s, steps = tokens / rows); the behaviour
+    pass and the update over prompt + response tokens; the evaluation's P["eval_samples"] samples every
+    P["eval_every"] steps at the sampling rate. The pair moves at its slower side."""
     per = {}
     for kind, m in sides.items():
         rollout_tokens = P["rollouts"] * P["mean_response"]
         fed = P["rollouts"] * (P["prompt"] + P["mean_response"])
-        # the measured rows were shorter than the 4,096 cap: each decode step at the cap's width reads more KV
-        # (rows in flight x the extra columns x bytes per token) at the card's bandwidth (H200 4.8 TB/s)
-        extra_cols = max(0, (P["prompt"] + P["cap"]) - (PAIR1["prompt"] + (24 if tiny else args.launch_cap)))
-        kv_s = P["rows"] * extra_cols * m["kv_token"] / 4.8e12 * rollout_tokens / P["rows"]
+        extra_cols = max(0, P["cap"] - m["cap"])
+        kv_s = m["rows"] * extra_cols * m["kv_token"] / bandwidth * rollout_tokens / m["rows"]
         sampling = rollout_tokens * m["sample_s_per_token"] + kv_s
         train = fed * (m["logprob_s_per_token"] + m["update_s_per_token"])
-        evaluation = P["eval_samples"] * P["mean_response"] * m["sample_s_per_token"] / P["eval_every"] \
-            + kv_s * P["eval_samples"] / P["rollouts"] / P["eval_every"]
-        per[kind] = dict(sampling_s=round(sampling, 1), kv_width_s=round(kv_s, 1), logprob_update_s=round(train, 1),
-                         eval_s=round(evaluation, 1), step_s=round(sampling + train + evaluation, 1),
-                         step_no_eval_s=round(sampling + train, 1))
+        evaluation = (P["eval_samples"] * P["mean_response"] * m["sample_s_per_token"]
+                      + kv_s * P["eval_samples"] / P["rollouts"]) / P["eval_every"]
+        per[kind] = dict(rows=m["rows"], sampling_s=round(sampling, 1), kv_width_s=round(kv_s, 1),
+                         logprob_update_s=round(train, 1), eval_s=round(evaluation, 1),
+                         step_s=round(sampling + train + evaluation, 1), step_no_eval_s=round(sampling + train, 1))
     step = max(v["step_s"] for v in per.values())
     step_no_eval = max(v["step_no_eval_s"] for v in per.values())
     hours = lambda s: round(P["steps"] * s * P["gpus"] / 3600, 1)  # noqa: E731
+    return dict(per_side=per, gpu_hours=hours(step), gpu_hours_without_eval=hours(step_no_eval))
+
+
+def bench_launcher(b: Bench, sz: dict, toks: dict, tiny: bool, args) -> None:
+    """Both sides at the launcher's settings, then pair1's GPU-hours for 174 steps projected from the measured
+    seconds per token (module docstring, part 7; project_pair1): the pair moves at its slower side."""
+    sides = {kind: launcher_side(b, kind, toks[s], tiny, args) for s, kind in (("b", "qwen3"), ("a", "smollm3"))}
+    name = torch.cuda.get_device_name() if b.device.type == "cuda" else ""
+    bandwidth = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), HBM_BYTES_PER_S["H200"])
     b.row("launcher", "pair1 projected GPU-hours, 174 steps on 4 + 4 GPUs of this kind, from the measured seconds per "
-          "token (shapes as RESULTS' terms: 256 rollouts per rank, mean response 1,509, 32 in flight)", per_side=per,
-          gpu_hours=hours(step), gpu_hours_without_eval=hours(step_no_eval), paper_gpu_hours=43.3,
+          "token (shapes as RESULTS' terms: 256 rollouts per rank, mean response 1,509; rows in flight as launched)",
+          **project_pair1(sides, bandwidth=bandwidth), bandwidth=bandwidth, paper_gpu_hours=43.3,
           note="toy sizes on CPU: the arithmetic only" if tiny else "random-init models at the real shapes")
 
 
@@ -770,7 +835,8 @@ def main(argv=None) -> int:
                    help="microbatch part: without gradient checkpointing")
     p.add_argument("--smoke-layers", type=int, default=2, help="smoke part: decoder layers of the full-width models")
     p.add_argument("--smoke-timeout", type=float, default=300.0, help="smoke part: seconds per launch")
-    p.add_argument("--launch-rows", type=int, default=64, help="launcher part: rollouts per side (32 in flight)")
+    p.add_argument("--launch-rows", type=int, default=0,
+                   help="launcher part: rollouts per side (0 = twice the plan's slots, at most 512)")
     p.add_argument("--launch-cap", type=int, default=1024, help="launcher part: the cap of the measured rollouts")
     args = p.parse_args(argv)
     chosen = [x for x in (args.only.split(",") if args.only else PARTS) if x]

@@ -16,14 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
+import evaluation
 import graft
 import plan
+import runtime
 from config import Config
-from sampler import response_logprobs
+from sampler import cast_weights_once, response_logprobs
 from core import policy_loss
 from runtime import adamw_kernel
+from test_graft import planted, tiny  # noqa: F401  (tiny: fixture)
 
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -191,34 +194,267 @@ def test_plan_counts_the_samplers_bf16_copy_of_the_linear_weights():
 
 
 # ------------------------------------------------------------------------------------------------
-# run_pair.sh: FSDP=auto follows the plan's exit status
+# The KV pool: the trainer's budget, the rows in flight it holds, the launcher's slots; dense for the default path
+# ------------------------------------------------------------------------------------------------
+
+POOL_CFG = dict(model="tiny", micro_batch_size=2, max_response_tokens=16, max_prompt_tokens=8, gen_batch_size=16,
+                logprob_chunk=16, eval_every=1, eval_max_tokens=24)
+
+
+def test_pool_rows_in_flight_against_a_direct_computation():
+    """The static path (a full-attention Qwen3 on CUDA): the rollout's and the evaluation's KV term is the pool
+    runtime.kv_budget gives on this card, and the rows in flight are its tokens // a row's, capped by the slots."""
+    cfg = Config(**POOL_CFG)
+    m = plan.measure(tiny_config(num_hidden_layers=2), cfg, prompt_len=8, eval_prompt_len=6)
+    assert m.paged and m.kv_token == 2 * 2 * 2 * 16 * 2  # bf16 K and V: 2 layers x 2 heads x 16
+    held = m.params + m.grads + m.opt_state  # at the sample() call, data parallel
+    card = held + m.cast_copy + int(450 * m.kv_token / runtime.KV_BUDGET_SHARE)  # a pool of ~450 tokens
+    by = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=card,
+                                            mean_prompt=5, mean_eval_prompt=3)}
+    pool = int(runtime.KV_BUDGET_SHARE * (card - held - m.cast_copy))
+    tokens = pool // m.kv_token
+    for name, longest, mean, cap in (("rollout", 8, 5, 16), ("evaluation", 6, 3, 24)):
+        ph = by[name]
+        assert ph.terms["KV pool"] == pool and "KV cache" not in ph.terms
+        expected_row, worst_row = mean + cap // 2 + 8, longest + cap + 8  # half the cap; sync_every's 8 columns
+        assert (ph.rows.expected_tokens, ph.rows.worst_tokens, ph.rows.pool_tokens) == (expected_row, worst_row, tokens)
+        assert ph.rows.pool_rows == tokens // expected_row
+        assert ph.rows.expected == min(16, tokens // expected_row) and ph.rows.worst == min(16, tokens // worst_row)
+        assert ph.rows.slots == 16  # the evaluation gets the rollout's slots on the static path, whatever its cap
+    assert by["rollout"].rows.pool_rows > 16 > by["rollout"].rows.worst > 0  # capped by the slots; the worst not
+    # the phase's total is its parts: the state, the copy, the prefill (measured at its prompts) and the pool
+    assert by["rollout"].total == held + m.cast_copy + m.prefill_act + pool
+    assert m.prefill_prompts == plan.prefill_prompts(16, cfg.n) == 3  # 16 slots of n = 8 copies: 2 prompts + 1 split
+    # under --fsdp the pool is what the shard and the gathered weights leave: bigger
+    fs = plan.phases(m, dataclasses.replace(cfg, fsdp=True), ranks=4, prompt_len=8, eval_prompt_len=6, card=card)
+    held4 = (m.params + m.grads + m.opt_state) // 4 + m.params
+    assert fs[0].terms["KV pool"] == int(runtime.KV_BUDGET_SHARE * (card - held4 - m.cast_copy)) > pool
+
+
+@pytest.mark.parametrize("how", ["sliding window", "static off"])
+def test_default_path_keeps_the_dense_cache(how):
+    """Models the static path cannot run (a sliding window: sampler.resolve_static) and --static-decode off: a dense
+    cache of every slot at the longest prompt + cap, whatever the card; the rows in flight are the slots."""
+    cfg = Config(**POOL_CFG)
+    if how == "sliding window":
+        config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)
+    else:
+        config, cfg = tiny_config(num_hidden_layers=2), dataclasses.replace(cfg, static_decode="off")
+    m = plan.measure(config, cfg, prompt_len=8, eval_prompt_len=6)
+    assert not m.paged
+    by = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=4 * 2**20)}
+    assert by["rollout"].terms["KV cache"] == 16 * (8 + 16) * m.kv_token and "KV pool" not in by["rollout"].terms
+    slots = runtime.eval_rows(cfg)  # dense: the rollout's KV tokens on rows of the eval cap: 16 x 24 // 32 = 12
+    assert slots == 12 and by["evaluation"].terms["KV cache"] == slots * (6 + 24) * m.eval_kv_token
+    assert by["rollout"].rows.expected == by["rollout"].rows.worst == 16
+
+
+def test_prompt_lengths_longest_and_mean_by_loop(tmp_path):
+    """The plan's prompt lengths: the longest and the mean of the prompts as the trainer encodes them, each capped at
+    --max-prompt-tokens; --max-prompt-tokens for both without a file."""
+    from runtime import encode_prompt
+    from transformers import AutoTokenizer
+    model = Path(__file__).resolve().parents[1] / "data" / "tiny_models" / "A"
+    problems = ["1+1", "what is 12 times 13, and why?", "x" * 400]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"problem": p}) + "\n" for p in problems))
+    cfg = Config(model=str(model), prompts=str(tmp_path / "p.jsonl"), max_prompt_tokens=100,
+                 prompt_template="{problem}\n")
+    tok = AutoTokenizer.from_pretrained(model)
+    want = [min(100, len(encode_prompt(p, tok, template=cfg.prompt_template, chat=cfg.chat_template)))
+            for p in problems]
+    assert want[-1] == 100 and len(set(want)) == 3  # one capped, all different
+    longest, mean, how = plan.prompt_lengths(cfg, [cfg.prompts])
+    assert (longest, mean) == (100, round(sum(want) / 3)) and how == "measured in 1 file(s)"
+    assert plan.prompt_lengths(cfg, [str(tmp_path / "none.jsonl")]) == (100, 100, "--max-prompt-tokens")
+
+
+def test_launch_slots_by_hand():
+    """launch_slots on planted phases: the most slots whose prefill (in proportion to the prompts it runs) fits 95%
+    of the card, at most the pool's rows at expected lengths, a multiple of 8; dense: the cache grows with them."""
+    gib = plan.GIB
+    card = round(80 * gib)  # 95%: 76 GiB
+    rows = plan.Rows(slots=32, paged=True, pool_tokens=100 * 1000, expected_tokens=1000, worst_tokens=5000,
+                     copies=8, prefill_prompts=5)  # the pool holds 100 rows at expected lengths
+    roll = plan.Phase("rollout", {"weights": 40 * gib, "KV pool": 21 * gib, "prefill": 5 * gib}, "", rows)
+    # fixed 61 GiB + 1 GiB a prompt <= 76: 15 prompts = ceil(s / 8) + 1, so s <= 112; the pool: 100 -> 96
+    assert plan.launch_slots([roll], card, rows=32) == 96
+    rows.pool_tokens = 200 * 1000
+    assert plan.launch_slots([roll], card, rows=32) == 112
+    dense = plan.Rows(slots=32, paged=False, pool_tokens=0, expected_tokens=1000, worst_tokens=5000, copies=1,
+                      prefill_prompts=32)
+    roll = plan.Phase("rollout", {"weights": 40 * gib, "KV cache": 32 * gib, "prefill": 0}, "", dense)
+    assert plan.launch_slots([roll], card, rows=32) == 32  # 40 + s GiB <= 76: 36 -> 32
+    assert plan.prefill_prompts(8, 8) == 2 and plan.prefill_prompts(3, 8) == 2 and plan.prefill_prompts(5, 1) == 5
+
+
+def test_trainer_passes_the_pool_and_the_evaluation_gets_the_slots(tiny, tmp_path, monkeypatch):
+    """Trainer.rollout and Trainer.validate hand sample() runtime.kv_budget(device, model) (a planted figure here: the
+    CPU has none); the evaluation runs --gen-batch-size slots on the static path (its pool decides the rows) and
+    the dense rule's rows on the default path, with an eval cap longer than the rollout's."""
+    tr, batch, _, _ = planted(tiny, tmp_path, monkeypatch, gen_batch_size=6, max_prompt_tokens=20, eval_max_tokens=40,
+                              benchmarks=str(tiny / "p.jsonl"), eval_samples=2, eval_max_problems=3)
+    asked, given = [], []
+
+    def budget(device, model):
+        asked.append((device, model))
+        return 987_654_321
+
+    def recording(module):
+        real = module.sample
+
+        def spy(model, prompts, **kw):
+            given.append((kw["max_cache_bytes"], kw["max_batch_size"]))
+            return real(model, prompts, **kw)
+        return spy
+
+    for module in (graft, evaluation):
+        monkeypatch.setattr(module, "kv_budget", budget)
+        monkeypatch.setattr(module, "sample", recording(module))
+    tr.rollout(1, batch)
+    assert given == [(987_654_321, 6)] and asked == [(tr.dist.device, tr.model)]
+    for paged, rows in ((True, 6), (False, 6 * (20 + 16) // (20 + 40))):
+        given.clear()
+        monkeypatch.setattr(graft, "resolve_static", lambda static, model, device, paged=paged: paged)
+        tr.validate(1)
+        assert given == [(987_654_321, rows)], (paged, given)
+
+
+def test_kv_budget_is_the_plans_pool(monkeypatch):
+    """runtime.kv_budget on a GPU: KV_BUDGET_SHARE of the driver's free memory plus the allocator's unused cache, less
+    the bf16 copy sample() will make (cast_copy_bytes: cast_weights_once's bytes, counted without casting); the
+    plan's pool_bytes is the same formula on the card."""
+    model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=2), dtype=torch.float32)
+    cpu = torch.device("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cast_weights_once(model, cpu) as cast:
+            pass
+        assert runtime.cast_copy_bytes(model, cpu) == cast > 0
+    assert runtime.cast_copy_bytes(model, cpu) == 0  # no autocast, no copy
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (7_000_000, 10_000_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2_500_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 2_000_000)
+    monkeypatch.setattr(runtime, "cast_copy_bytes", lambda model, device: 300_000)
+    want = int(runtime.KV_BUDGET_SHARE * (7_000_000 + 500_000 - 300_000))
+    assert runtime.kv_budget(cuda, model) == want
+    assert runtime.kv_budget(cuda) == int(runtime.KV_BUDGET_SHARE * 7_500_000)  # no model: no copy left out
+    assert runtime.kv_budget(cpu, model) is None
+    assert plan.pool_bytes(10_000_000, 2_500_000, 300_000) == int(runtime.KV_BUDGET_SHARE * 7_200_000)
+
+
+# ------------------------------------------------------------------------------------------------
+# run_pair.sh: FSDP=auto follows the plan's exit status; --gen-batch-size is the plan's slot count
 # ------------------------------------------------------------------------------------------------
 
 FAKE_PYTHON = '''#!/usr/bin/env bash
-# stands for python: `graft.py plan` exits 3 (does not fit) for the model named in $MISFIT, 0 for the others;
-# every call logs its arguments
-if [ "$2" = plan ]; then echo "plan $*" >> "$LOG"; case " $* " in *" --model $MISFIT "*) exit 3 ;; esac; exit 0; fi
+# stands for python: `graft.py plan` prints plan.LAUNCH_LINE with 96 slots data parallel, 160 with --fsdp (none when
+# $NOLINE is set) and exits 3 (does not fit) for the model named in $MISFIT unless --fsdp; every call logs its arguments
+if [ "$2" = plan ]; then
+  echo "plan $*" >> "$LOG"
+  case " $* " in *" --fsdp "*) slots=160 ;; *) slots=96 ;; esac
+  [ -n "$NOLINE" ] || echo "$LAUNCH_LINE $slots"
+  case " $* " in *" --fsdp "*) ;; *" --model $MISFIT "*) exit 3 ;; esac
+  exit 0
+fi
 echo "$*" >> "$LOG"
 '''
 
 
-@pytest.mark.parametrize("misfit, sharded", [("Qwen/Qwen3-1.7B-Base", "b"), ("none", "")])
-def test_run_pair_switches_fsdp_by_the_plan(tmp_path, misfit, sharded):
+def launch_pair(tmp_path, **env) -> tuple[list[str], dict[str, str], subprocess.CompletedProcess]:
+    """`bash run_pair.sh pair1` on 8 GPUs (NGPU) with FAKE_PYTHON: (the plan calls, {side: its train line}, result)."""
+    tmp_path.mkdir(exist_ok=True)
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
-    (tmp_path / "data").mkdir()
+    (tmp_path / "data").mkdir(exist_ok=True)
     (tmp_path / "data" / "math_train.jsonl").write_text("")
     log = tmp_path / "log"
-    env = dict(os.environ, PYTHON=str(fake), DATA=str(tmp_path / "data"), RUNS=str(tmp_path / "runs"), LOG=str(log),
-               STEPS="1", NGPU="8", MISFIT=misfit)
+    e = dict(os.environ, PYTHON=str(fake), DATA=str(tmp_path / "data"), RUNS=str(tmp_path / "runs"), LOG=str(log),
+             STEPS="1", NGPU="8", MISFIT="none", LAUNCH_LINE=plan.LAUNCH_LINE)
+    e.pop("GEN_BATCH", None)
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(["bash", str(root / "run_pair.sh"), "pair1"], env=env, capture_output=True, text=True,
+    r = subprocess.run(["bash", str(root / "run_pair.sh"), "pair1"], env=e | env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = log.read_text().splitlines()
-    plans = [x for x in lines if x.startswith("plan ")]
-    assert len(plans) == 2 and all("--ranks 4 " in x and "--gradient-checkpointing" in x for x in plans), plans
+    lines = log.read_text().splitlines() if log.is_file() else []
+    if env.get("DRY_RUN") == "1":  # the commands are printed, not run
+        lines = [x.removeprefix("+ ") for x in r.stdout.splitlines()]
     trains = {x.split("--name ")[1].split()[0]: x for x in lines if " train " in x}
     assert set(trains) == {"a", "b"}, lines
+    return [x for x in lines if x.startswith("plan ")], trains, r
+
+
+def gen_batch(train_line: str) -> int:
+    """The --gen-batch-size a train line passes (the last one: argparse keeps the last)."""
+    return int(train_line.split("--gen-batch-size ")[-1].split()[0])
+
+
+@pytest.mark.parametrize("misfit, least, sharded", [("Qwen/Qwen3-1.7B-Base", "64", "b"), ("none", "64", ""),
+                                                    ("none", "128", "ab")])
+def test_run_pair_switches_fsdp_and_takes_the_slots_from_the_plan(tmp_path, misfit, least, sharded):
+    plans, trains, _ = launch_pair(tmp_path, MISFIT=misfit, FSDP_MIN_SLOTS=least)
+    # every plan: the side's ranks and flags, probed at PLAN_SLOTS (8) slots; a side planned again sharded when data
+    # parallel does not fit (misfit) or gives fewer slots (96) than FSDP_MIN_SLOTS where sharded gives more (160)
+    assert all("--ranks 4 " in x and "--gradient-checkpointing" in x and "--gen-batch-size 8" in x for x in plans)
+    assert len(plans) == 2 + len(sharded), plans
+    assert len([x for x in plans if x.endswith("--fsdp")]) == len(sharded)
     assert {s for s, x in trains.items() if " --fsdp" in x} == set(sharded), trains
+    # each side launched with the slots its own plan printed: 160 sharded, 96 data parallel
+    assert {s: gen_batch(x) for s, x in trains.items()} == {s: 160 if s in sharded else 96 for s in "ab"}
+
+
+def test_run_pair_gen_batch_set_wins_and_the_fallback(tmp_path):
+    plans, trains, _ = launch_pair(tmp_path, MISFIT="Qwen/Qwen3-1.7B-Base", GEN_BATCH="48")
+    # GEN_BATCH: the plan runs for FSDP=auto only (once a side, at those slots), and the user's count is launched
+    assert len(plans) == 2 and all("--gen-batch-size 48" in x for x in plans), plans
+    assert {s: gen_batch(x) for s, x in trains.items()} == {"a": 48, "b": 48} and "--fsdp" in trains["b"]
+    # a plan that prints no slot count: GEN_BATCH_FALLBACK, said on stderr
+    plans, trains, r = launch_pair(tmp_path / "noline", NOLINE="1", GEN_BATCH_FALLBACK="24", FSDP_MIN_SLOTS="64")
+    assert len(plans) == 2 and {s: gen_batch(x) for s, x in trains.items()} == {"a": 24, "b": 24}
+    assert "the memory plan gave no slot count" in (tmp_path / "noline" / "runs" / "pair1" / "a.log").read_text()
+    # a dry run plans nothing (no GPU needed): the fallback, or GEN_BATCH
+    plans, trains, r = launch_pair(tmp_path / "dry", DRY_RUN="1")
+    assert plans == [] and {s: gen_batch(x) for s, x in trains.items()} == {"a": 32, "b": 32}
+    assert "DRY_RUN: the memory plan is not run" in r.stderr
+    plans, trains, _ = launch_pair(tmp_path / "dry64", DRY_RUN="1", GEN_BATCH="64")
+    assert plans == [] and {s: gen_batch(x) for s, x in trains.items()} == {"a": 64, "b": 64}
+
+
+# ------------------------------------------------------------------------------------------------
+# bench/gpu.py's launcher part: the layout run_pair.sh picks, and the GPU-hours arithmetic
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dp, sharded, fits, want", [(96, 160, True, True), (200, 260, True, False),
+                                                    (96, 80, True, False), (0, 40, False, True)])
+def test_bench_launched_slots_follows_run_pair_rule(monkeypatch, dp, sharded, fits, want):
+    """Data parallel unless it does not fit, or gives fewer than FSDP_MIN_SLOTS (128) slots where sharded gives more."""
+    from bench import gpu as bench_gpu
+    rows = plan.Rows(slots=8, paged=True, pool_tokens=0, expected_tokens=1, worst_tokens=1)
+    monkeypatch.setattr(plan, "measure", lambda config, cfg, **kw: cfg.fsdp)
+    monkeypatch.setattr(plan, "phases", lambda fsdp, cfg, **kw: [plan.Phase("rollout", {"KV pool": 1}, "", rows), fsdp])
+    monkeypatch.setattr(plan, "launch_slots", lambda phases, card, rows: sharded if phases[1] else dp)
+    monkeypatch.setattr(plan, "verdict", lambda phases, card: None if fits or phases[1] else phases[0])
+    got = bench_gpu.launched_slots(None, "qwen3", 2**30, tiny=False)
+    assert got["fsdp"] is want and got["slots"] == (sharded if want else dp)
+
+
+def test_bench_projection_by_hand():
+    """project_pair1 on planted per-token times: each term recomputed by hand, the pair at its slower side."""
+    from bench import gpu as bench_gpu
+    P = dict(rollouts=10, prompt=5, mean_response=20, cap=100, eval_every=2, eval_samples=30, steps=3, gpus=8)
+    slow = dict(sample_s_per_token=0.5, logprob_s_per_token=0.1, update_s_per_token=0.2, kv_token=1000, rows=4, cap=60)
+    fast = dict(slow, sample_s_per_token=0.25)
+    got = bench_gpu.project_pair1({"a": slow, "b": fast}, bandwidth=1e6, P=P)
+    kv = 4 * (100 - 60) * 1000 / 1e6 * (10 * 20) / 4  # rows x extra columns x bytes / bandwidth x decode steps = 8 s
+    sampling = 10 * 20 * 0.5 + kv  # 108
+    train = 10 * (5 + 20) * (0.1 + 0.2)  # 75
+    evaluation = (30 * 20 * 0.5 + kv * 30 / 10) / 2  # 162
+    a = got["per_side"]["a"]
+    assert (a["kv_width_s"], a["sampling_s"], a["logprob_update_s"], a["eval_s"]) == pytest.approx(
+        (kv, sampling, train, evaluation)) == (8, 108, 75, 162)
+    assert a["step_s"] == pytest.approx(sampling + train + evaluation) and a["step_no_eval_s"] == 183
+    assert got["per_side"]["b"]["step_s"] < a["step_s"]
+    assert got["gpu_hours"] == round(3 * (sampling + train + evaluation) * 8 / 3600, 1)
+    assert got["gpu_hours_without_eval"] == round(3 * (sampling + train) * 8 / 3600, 1)

@@ -429,3 +429,29 @@ def test_a_response_whose_round_trip_loses_text_is_dropped_and_counted(run):
     finally:
         peer.texts[:] = saved
     assert counts["dropped_roundtrip"] >= 2 and {x.index for x in out}.isdisjoint({0, 1})
+
+
+@pytest.mark.parametrize("static, budgeted", [("auto", True), ("on", True), ("off", False)])
+def test_roll_out_passes_the_trainers_kv_budget(tmp_path, monkeypatch, static, budgeted):
+    """sample() gets what Trainer.rollout passes it: runtime.kv_budget(device, model) unless --static-decode is off
+    (the budget a planted figure here, so that the test sees where it went; the sampler on the CPU ignores it)."""
+    monkeypatch.setattr(verify, "verify_batch", nobody_solves)
+    asked, given = [], []
+    monkeypatch.setattr(preflight, "kv_budget", lambda device, model: asked.append((device, model)) or 123_456_789)
+    real = preflight.sample
+
+    def spy(model, prompts, **kw):
+        given.append((model, kw["max_cache_bytes"]))
+        return real(model, prompts, **kw | {"static": "off"})  # the CPU: the default path (static on is GPU-bound)
+
+    monkeypatch.setattr(preflight, "sample", spy)
+    argv = args_for(tmp_path, write_prompts(tmp_path / "p.jsonl", 8), "--static-decode", static)
+    argv[argv.index("--problems") + 1] = "4"
+    _, sides = preflight.preflight(preflight.build_parser().parse_args(argv))
+    models = [s.model for s in sides]
+    assert [m for m, _ in given] == models  # one rollout per side
+    if budgeted:
+        assert [b for _, b in given] == [123_456_789] * 2
+        assert [(d.type, m) for d, m in asked] == [("cpu", m) for m in models]  # each side's own device and model
+    else:
+        assert [b for _, b in given] == [None, None] and asked == []

@@ -435,7 +435,9 @@ def launch(tmp_path, **env):
     (data / "math_train.jsonl").write_text("")
     log = tmp_path / "launches.log"
     log.unlink(missing_ok=True)
-    e = dict(os.environ, PYTHON=str(fake), DATA=str(data), RUNS=str(tmp_path / "runs"), LOG=str(log), STEPS="1", **env)
+    # GEN_BATCH set: run_pair.sh asks no memory plan for the slots (tests/test_plan.py tests that), only torchrun runs
+    e = dict(os.environ, PYTHON=str(fake), DATA=str(data), RUNS=str(tmp_path / "runs"), LOG=str(log), STEPS="1",
+             GEN_BATCH="32", **env)
     r = subprocess.run(["bash", str(ROOT / "run_pair.sh"), "pair1"], env=e, capture_output=True, text=True, timeout=120)
     sides = {}
     for line in (log.read_text().splitlines() if log.exists() else []):

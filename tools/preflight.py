@@ -77,7 +77,8 @@ from core import (Received, batch_indices, compatibility_weights, decode_respons
                   success_counts, verifier_text)
 from exchange import StepRollouts, atomic_write
 from reward import load_reward, rewards, unreadable_golds
-from runtime import DistInfo, compute_context, encode_prompt, load_policy, load_prompt_file, setup_distributed
+from runtime import (DistInfo, compute_context, encode_prompt, kv_budget, load_policy, load_prompt_file,
+                     setup_distributed)
 from sampler import response_logprobs, sample
 
 # The training settings that a preflight shares with `graft.py train` (same flags, defaults and help).
@@ -145,7 +146,8 @@ def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
         outs = sample(side.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                       top_p=cfg.top_p, eos_token_id=side.stop_ids, pad_token_id=side.tok.pad_token_id, generator=gen,
                       max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
-                      tokenizer=side.tok, progress=sys.stderr.isatty())
+                      max_cache_bytes=kv_budget(dist.device, side.model) if cfg.static_decode != "off" else None,
+                      tokenizer=side.tok, progress=sys.stderr.isatty())  # the trainer's KV pool (Trainer.rollout)
     side.sample_s = time.time() - t0
     side.finish = [o.finish for o in outs]  # a stopped row has no EOS but is not cut at the cap either
     # as Trainer.rollout: stored text through a stop string, the verifier's cut before it (graft.py departure 11)
