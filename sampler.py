@@ -1099,7 +1099,7 @@ class _Run:
     min_refill: int  # free slots that trigger a refill while rows are still running
     keys: list[int] | None = None  # per row, the first row with the same prompt ids (departure 11); None: no sharing
     stops: _StopStrings | None = None  # stop strings (departure 12); None: EOS and the cap only
-    sync_every: int = 8  # decode steps between host reads of the ended rows (departure 16); 1 with stop strings
+    sync_every: int = 8  # decode steps between host reads of the ended rows (departure 16)
     bar: object = None
     queue: list[int] | None = None  # prompt indices not started yet, in order (consumed from the front)
     out_len: list[int] | None = None
@@ -1114,6 +1114,13 @@ class _Run:
     kv_dtype: torch.dtype | None = None  # the dtype K and V are stored in (departure 13); None: as the model makes them
     kv_bytes_per_token: int = 0  # bytes of one token's K and V over all layers, read off the stored tensors
     kv_stored: tuple = ()  # (K dtype, V dtype) of the stored tensors (first layer)
+    preemptions: int = 0  # static path: rows sent back to the queue when the pool ran dry (departure 10)
+    in_flight: int = 0  # static path: rows in flight summed over decode steps (occupied slots)
+    in_flight_peak: int = 0  # static path: most rows in flight at one step
+    blocks_peak: int = 0  # static path: most pool blocks in use at once
+    blocks_left: int = 0  # static path: blocks still held when the loop ended (0: all returned)
+    pool_bytes: int = 0  # static path: bytes of the K/V pool as allocated
+    gather_bytes: int = 0  # static path: bytes of one layer's K and V gathered for the attention (transient)
 
     def __post_init__(self):
         order = list(range(len(self.prompts)))
@@ -1126,8 +1133,6 @@ class _Run:
         n_rows, device = len(self.prompts), self.seeds.device
         self.out_len, self.ended = [0] * n_rows, [False] * n_rows
         self.stopped = [None] * n_rows
-        if self.stops is not None:
-            self.sync_every = 1  # the stop check needs every step's tokens on the host anyway
         self.trash = n_rows  # the row index free static slots draw into
         self.seeds = torch.cat([self.seeds, self.seeds.new_zeros(1)])  # (B + 1,)
         # a row can draw up to sync_every - 1 tokens past its end before the host sees it ended: room for them
@@ -1182,28 +1187,54 @@ class _Run:
         self.end_eos[rows] = self.end_eos[rows] | (now & is_eos)
         return tokens
 
-    def check(self, rows: list[int], rows_t: torch.Tensor, n_out: list[int], tokens: torch.Tensor | None
-              ) -> list[bool]:
+    def check(self, rows: list[int], rows_t: torch.Tensor, n_out: list[int], since: int) -> list[bool]:
         """Which running rows have ended, read from the device in one transfer (departure 16). rows: host list (A,)
         of original row ids, rows_t the same on the device; n_out: host list (A,) of tokens each row has drawn;
-        tokens (A,): the tokens drawn at this step (needed with stop strings only, whose check runs every step).
+        since: the decode steps since the last read (every row drew that many tokens since). With stop strings the
+        same transfer brings those last `since` tokens of every row, scanned on the host in order (departure 12): a
+        row whose string completes mid-window ends at that token, its later draws discarded as past an EOS.
         Records the ended rows' lengths and how they ended; returns a host list (A,) of ended flags."""
         self.host_reads += 1
+        n_rows = len(rows)
         if self.stops is None:
             end_h, eos_h = torch.stack([self.end_len[rows_t], self.end_eos[rows_t].long()]).tolist()  # one transfer
-            hits = [None] * len(rows)
-        else:  # departure 12: the tokens come over on every step too, in the same transfer
-            toks, end_h, eos_h = torch.stack([tokens, self.end_len[rows_t], self.end_eos[rows_t].long()]).tolist()
-            hits = self.stops.scan(rows, toks, eos_h)
+            hits, at = [None] * n_rows, [0] * n_rows
+        else:
+            cols = torch.tensor([[min(n - since + j, self.width - 1) for j in range(since)] for n in n_out],
+                                dtype=torch.long).to(rows_t.device)  # (A, since) the window's indices, host-built
+            window = self.out_tokens[rows_t.unsqueeze(1), cols]  # (A, since)
+            data = torch.cat([self.end_len[rows_t].unsqueeze(1), self.end_eos[rows_t].long().unsqueeze(1), window],
+                             dim=1).tolist()  # (A, 2 + since): one transfer
+            end_h, eos_h = [d[0] for d in data], [d[1] for d in data]
+            hits, at = self._scan(rows, n_out, since, end_h, eos_h, [d[2:] for d in data])
         done = [e > 0 or h is not None for e, h in zip(end_h, hits)]
-        for r, n, d, e, x, h in zip(rows, n_out, done, end_h, eos_h, hits):
+        for r, d, e, x, h, a in zip(rows, done, end_h, eos_h, hits, at):
             if d:
-                self.out_len[r], self.ended[r], self.stopped[r] = (e if e > 0 else n), bool(x), h
+                self.out_len[r], self.ended[r], self.stopped[r] = (a if h is not None else e), bool(x) and h is None, h
                 if self.stops is not None:
                     self.stops.forget(r)
         if self.bar is not None:
             self.bar.update(sum(done))
         return done
+
+    def _scan(self, rows: list[int], n_out: list[int], since: int, end_h: list[int], eos_h: list[int],
+              window: list[list[int]]) -> tuple[list[str | None], list[int]]:
+        """The stop-string scan of a read's window (departure 12): token j of window[i] is row i's token n_out[i] -
+        since + j. Tokens are fed to the detector one offset at a time, in order, for the rows still running there
+        (none past the row's end on the device; its EOS token skipped, EOS winning). Returns per row the string that
+        stopped it (or None) and the length of its response then."""
+        hits, at = [None] * len(rows), [0] * len(rows)
+        for j in range(since):
+            live = [i for i in range(len(rows)) if hits[i] is None
+                    and (end_h[i] == 0 or n_out[i] - since + j < end_h[i])]
+            if not live:
+                break
+            found = self.stops.scan([rows[i] for i in live], [window[i][j] for i in live],
+                                    [bool(eos_h[i]) and n_out[i] - since + j == end_h[i] - 1 for i in live])
+            for i, h in zip(live, found):
+                if h is not None:
+                    hits[i], at[i] = h, n_out[i] - since + j + 1
+        return hits, at
 
     def rollouts(self) -> list[Rollout]:
         n_rows = len(self.prompts)
@@ -1325,6 +1356,7 @@ def sample(
     max_cache_bytes: int | None = None,
     sync_every: int = 8,
     cast_once: bool = True,
+    block_size: int = 16,
 ) -> list[Rollout]:
     """Sample one response per prompt from a transformers causal LM, with continuous batching.
 
@@ -1401,20 +1433,28 @@ def sample(
     if static == "auto" and max_cache_bytes is None:
         # "auto" must never preallocate past the card for a caller that gave no budget: the free memory's share
         max_cache_bytes = int(_AUTO_CACHE_SHARE * torch.cuda.mem_get_info(device)[0])
-    if static and max_cache_bytes is not None:
-        length = max(len(p) for p in prompts) + max_new_tokens
-        per_slot = length * _kv_token_bytes(model, kv_dtype)
-        if max_cache_bytes < per_slot and static == "auto":
-            static = False  # "auto" only takes the static path where it fits; the default path's cache grows
-        elif max_cache_bytes < per_slot:
-            raise ValueError(f"sampler.py sample(): max_cache_bytes={max_cache_bytes} holds no slot of the static path "
-                             f"(one slot of {length} columns takes {per_slot} bytes); raise it, lower "
-                             f"max_new_tokens, or use static='off'")
-        else:
-            capacity = min(capacity, max_cache_bytes // per_slot)
-    static = bool(static)
     if sync_every < 1:
         raise ValueError(f"sampler.py sample(): sync_every must be >= 1, got {sync_every}")
+    if block_size < 1:
+        raise ValueError(f"sampler.py sample(): block_size must be >= 1, got {block_size}")
+    plan = None
+    if static:  # departure 13: the paged pool's slots and blocks from the byte budget
+        length = max(len(p) for p in prompts) + max_new_tokens
+        token_bytes = _kv_token_bytes(model, kv_dtype)
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        plan = _pool_plan(slots=capacity, length=length, shortest=min(map(len, prompts)) + sync_every,
+                          block_size=block_size, token_bytes=token_bytes, layers=layers, budget=max_cache_bytes)
+        if plan is None and static == "auto":
+            static = False  # "auto" only takes the static path where it fits; the default path's cache grows
+        elif plan is None:
+            row = (-(-length // block_size) + 1) * block_size * token_bytes
+            raise ValueError(f"sampler.py sample(): max_cache_bytes={max_cache_bytes} holds no slot of the static path "
+                             f"(one row of {length} columns in {block_size}-token blocks, with the trash block, takes "
+                             f"{row} bytes, and one layer's gathered K/V {length * token_bytes // layers} bytes); "
+                             f"raise it, lower max_new_tokens, or use static='off'")
+        else:
+            capacity = plan.slots
+    static = bool(static)
     run = _Run(
         prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
@@ -1433,7 +1473,7 @@ def sample(
         with torch.inference_mode(), cast_weights_once(model, device, enabled=cast_once) as cast:
             run.head, cast_bytes = _head(model), cast  # the lm_head weight as cast (departure 17)
             if static:
-                _decode_static(model, base, run, pad_token_id)
+                _decode_static(model, base, run, pad_token_id, plan)
             else:
                 _decode_dynamic(model, base, run, pad_token_id, windows)
     finally:
@@ -1446,7 +1486,11 @@ def sample(
         stats["static"], stats["decode_steps"], stats["host_reads"] = static, run.decode_steps, run.host_reads
         stats["cast_bytes"] = cast_bytes
         if static:
-            stats["slots"] = capacity
+            stats["slots"], stats["kv_block_size"], stats["kv_blocks"] = capacity, plan.block_size, plan.blocks
+            stats["kv_pool_bytes"], stats["kv_gather_bytes"] = run.pool_bytes, run.gather_bytes
+            stats["kv_blocks_peak"], stats["kv_blocks_held_at_end"] = run.blocks_peak, run.blocks_left
+            stats["rows_in_flight_mean"] = run.in_flight / max(1, run.decode_steps)
+            stats["rows_in_flight_peak"], stats["preemptions"] = run.in_flight_peak, run.preemptions
     return run.rollouts()
 
 
@@ -1633,8 +1677,8 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
         # departure 16: the host learns which rows ended every sync_every steps (every step with stop strings), or
         # as soon as every row has drawn max_new_tokens (known on the host: nothing left to run)
         if since >= run.sync_every or step - max(batch.starts) >= run.max_new_tokens:
+            flags = run.check(batch.rows_host, batch.rows, [step - s for s in batch.starts], since)
             since = 0
-            flags = run.check(batch.rows_host, batch.rows, [step - s for s in batch.starts], tokens)
             keep = [i for i, d in enumerate(flags) if not d]
             if len(keep) < len(flags):
                 batch, tokens = (_keep(batch, keep, windows), tokens[keep]) if keep else (None, None)
@@ -1656,42 +1700,138 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
 
 
 # ------------------------------------------------------------------------------------------------
-# Sampler, part 4: the static-shape path. S slots, each with its own preallocated (L,) stretch of KV cache written
-# from column 0; a decode step always runs all S slots over all L columns, so its shapes never change and CUDA can
-# replay it as a graph. Refills are prefilled (right-padded, eager) and copied into the free slots.
+# Sampler, part 4: the static-shape path. S slots over a paged KV pool: each slot's row owns blocks of
+# ``block_size`` token rows, listed in a device block table; a decode step always runs all S slots over L gathered
+# columns, so its shapes never change and CUDA can replay it as a graph. The host hands out blocks at admission and
+# at each host read, preempts the newest rows when the pool runs dry, and prefills refills (right-padded, eager).
 # ------------------------------------------------------------------------------------------------
 
 
-class _SlotCache:
+@dataclass
+class _PoolPlan:
+    """How the static path's K/V memory is cut (departure 13): S slots, ``blocks`` usable blocks of ``block_size``
+    tokens (plus one trash block), ``length`` = L columns each slot's attention reads."""
+
+    slots: int
+    blocks: int
+    block_size: int
+    length: int
+
+
+def _pool_plan(*, slots: int, length: int, shortest: int, block_size: int, token_bytes: int, layers: int,
+               budget: int | None) -> _PoolPlan | None:
+    """The static path's slots and pool for a byte budget (departure 13), or None when the budget holds no row.
+
+    slots: rows in flight at most (max_batch_size, or the prompt count); length: L = longest prompt + max_new_tokens;
+    shortest: the fewest columns a row holds at admission (shortest prompt + sync_every); token_bytes: one token's K
+    and V over all layers. The budget pays for the pool, (blocks + 1) x block_size x token_bytes, and for one layer's
+    K and V gathered for the attention, S x L x token_bytes / layers (transient, one layer at a time). S is cut so
+    that every slot could hold a row at admission and the pool still holds one row at full length; the pool takes
+    the rest, never more than S full-length rows. budget None: S slots and S full-length rows of blocks."""
+    width = -(-length // block_size)  # blocks of a row at full length
+    if budget is None:
+        return _PoolPlan(slots, slots * width, block_size, length)
+    block_bytes = block_size * token_bytes
+    gather = length * token_bytes // layers  # one slot's gathered K and V of one layer
+    smallest = -(-min(shortest, length) // block_size) * block_bytes  # a row at admission
+    fit = min(slots, (budget - (width + 1) * block_bytes) // gather, budget // (gather + smallest))
+    if fit < 1:
+        return None
+    blocks = min((budget - fit * gather) // block_bytes - 1, fit * width)
+    return _PoolPlan(int(fit), int(blocks), block_size, length)
+
+
+class _PagedCache:
     """The cache object handed to the model's attention layers in a static decode step (duck-typed: transformers'
-    attention modules only call ``update``). keys/values per layer: (S, kv_heads, L, head_dim) in ``dtype`` (None:
-    the dtype of the first prefill's K and V); write_pos (S,): the column where each slot's current token goes
-    (= tokens already cached in that slot)."""
+    attention modules only call ``update``), and the host's allocator of its blocks.
 
-    def __init__(self, slots: int, length: int, device, dtype: torch.dtype | None = None):
-        self.slots, self.length, self.dtype = slots, length, dtype
+    Per layer, keys/values pools (blocks + 1) x block_size token rows of (kv_heads, head_dim) in ``dtype`` (None:
+    the dtype of the first prefill's K and V); block ``blocks`` is the trash block, where free slots and the
+    columns no row owns point. ``table`` (S, L / block_size) on the device: the pool block of each slot's j-th block
+    of columns; column c of slot s lives at token row table[s, c // bs] * bs + c % bs. write_pos (S,): the column
+    where each slot's current token goes (= tokens already cached in that slot). The host keeps each slot's blocks
+    and the free list; it changes the table only between steps (``_set_rows``), so a step reads nothing from it."""
+
+    def __init__(self, plan: _PoolPlan, device, dtype: torch.dtype | None = None):
+        self.slots, self.length, self.block_size, self.dtype = plan.slots, plan.length, plan.block_size, dtype
+        self.blocks, self.trash = plan.blocks, plan.blocks
         self.keys, self.values = [], []
-        self.write_pos = torch.zeros(slots, dtype=torch.long, device=device)  # (S,)
+        width = -(-plan.length // plan.block_size)
+        self.table_host = torch.full((plan.slots, width), self.trash, dtype=torch.long)  # (S, L / bs)
+        self.table = self.table_host.to(device)  # (S, L / bs)
+        self.write_pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # (S,)
+        cols = torch.arange(plan.length, device=device)  # (L,)
+        self.col_block, self.col_off = cols // plan.block_size, cols % plan.block_size  # (L,), (L,)
+        self.read_idx = self._read_index()  # (S, L) pool row of every column of every slot
+        self.owned: list[list[int]] = [[] for _ in range(plan.slots)]  # host: each slot's blocks, in column order
+        self.free = list(range(plan.blocks))[::-1]  # host: free blocks; pop() gives the lowest first
+        self.peak = 0  # most blocks in use at once
 
-    def load(self, slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor) -> None:
-        """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into `slots`
-        (b,), columns [0, P); lens (b,) prompt lengths."""
+    def _read_index(self) -> torch.Tensor:
+        return self.table.index_select(1, self.col_block) * self.block_size + self.col_off  # (S, L)
+
+    def blocks_for(self, columns: int) -> int:
+        """Blocks that hold a row's first `columns` columns (at most L: writes past L - 1 are clamped to it)."""
+        return -(-min(columns, self.length) // self.block_size)
+
+    def grow(self, slot: int, columns: int) -> None:
+        """Give `slot` blocks until its first `columns` columns have one (the caller checked there are enough)."""
+        mine = self.owned[slot]
+        for _ in range(self.blocks_for(columns) - len(mine)):
+            mine.append(self.free.pop())
+            self.table_host[slot, len(mine) - 1] = mine[-1]
+        self.peak = max(self.peak, self.blocks - len(self.free))
+
+    def release(self, slot: int) -> None:
+        """Return `slot`'s blocks to the free list; its columns point at the trash block again."""
+        self.free.extend(self.owned[slot][::-1])
+        self.owned[slot] = []
+        self.table_host[slot] = self.trash
+
+    def sync(self) -> None:
+        """Copy the host's table to the device and recompute the read index, in place (a captured step reads both
+        buffers): one host-to-device copy, at a host read, never inside a step."""
+        self.table.copy_(self.table_host)
+        self.read_idx.copy_(self._read_index())
+
+    def load(self, slots: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], lens: list[int]) -> None:
+        """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into the
+        blocks of `slots` (host list, b; their blocks given and synced): row i's columns [0, lens[i])."""
+        device = self.write_pos.device
+        src_row = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)])  # (n_tok,)
+        src_col = torch.cat([torch.arange(n) for n in lens])  # (n_tok,)
+        dest = (self.table_host[torch.tensor(slots)[src_row], src_col // self.block_size] * self.block_size
+                + src_col % self.block_size).to(device)  # (n_tok,) pool rows
+        src_row, src_col = src_row.to(device), src_col.to(device)
         for i, (k, v) in enumerate(kv):
             if i == len(self.keys):  # first load: allocate with the K/V's own head count, size and dtype
-                shape = (self.slots, k.shape[1], self.length, k.shape[3])
+                shape = ((self.blocks + 1) * self.block_size, k.shape[1], k.shape[3])
                 self.keys.append(k.new_zeros(shape, dtype=self.dtype or k.dtype))
                 self.values.append(v.new_zeros(shape, dtype=self.dtype or v.dtype))
-            self.keys[i][:, :, : k.shape[2]].index_copy_(0, slots, k.to(self.keys[i].dtype))
-            self.values[i][:, :, : v.shape[2]].index_copy_(0, slots, v.to(self.values[i].dtype))
-        self.write_pos.index_copy_(0, slots, lens)
+            # (b, h, P, d) -> (n_tok, h, d): each row's real columns
+            self.keys[i].index_copy_(0, dest, k[src_row, :, src_col].to(self.keys[i].dtype))
+            self.values[i].index_copy_(0, dest, v[src_row, :, src_col].to(self.values[i].dtype))
+        self.write_pos.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=device),
+                                   torch.tensor(lens, dtype=torch.long, device=device))
+
+    def pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def gather_bytes(self) -> int:
+        """The largest one layer's gathered K and V take: (S, h, L, d) each, the transient of ``update``."""
+        return max((k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.slots * self.length
+                   for k, v in zip(self.keys, self.values))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Write one step's K/V (S, h, 1, d) at each slot's write_pos; return the whole (S, h, L, d) buffers."""
-        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        idx = self.write_pos.view(-1, 1, 1, 1).expand(-1, k_buf.shape[1], 1, k_buf.shape[3])  # (S, h, 1, d)
-        k_buf.scatter_(2, idx, key_states.to(k_buf.dtype))
-        v_buf.scatter_(2, idx, value_states.to(v_buf.dtype))
-        return k_buf, v_buf
+        """Write one step's K/V (S, h, 1, d) at each slot's write_pos (through its block), and return every slot's
+        K/V gathered through the table: (S, h, L, d) each, a transient copy of one layer's columns (freed when the
+        layer's attention is done); columns a row does not own read the trash block and are masked out."""
+        k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
+        block = self.table.gather(1, (self.write_pos // self.block_size).unsqueeze(1)).squeeze(1)  # (S,)
+        dest = block * self.block_size + self.write_pos % self.block_size  # (S,) free slots: inside the trash block
+        k_pool.index_copy_(0, dest, key_states[:, :, 0].to(k_pool.dtype))  # (S, h, d)
+        v_pool.index_copy_(0, dest, value_states[:, :, 0].to(v_pool.dtype))
+        return k_pool[self.read_idx].transpose(1, 2), v_pool[self.read_idx].transpose(1, 2)  # (S, h, L, d)
 
 
 class _StaticStep:
@@ -1702,7 +1842,7 @@ class _StaticStep:
     on the host's word, the draw runs eagerly before the replay of the forward). Elsewhere it runs eagerly: the same
     computation, which is what the CPU parity tests check."""
 
-    def __init__(self, model, base, cache: _SlotCache, run: _Run, device):
+    def __init__(self, model, base, cache: _PagedCache, run: _Run, device):
         self.base, self.cache, self.run, self.cache_arg = base, cache, run, _cache_kwarg(base)
         slots = cache.slots
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)  # (S, 1) each slot's latest token
@@ -1736,7 +1876,7 @@ class _StaticStep:
             **{self.cache_arg: self.cache},
         ).last_hidden_state[:, -1]  # (S, H)
         self.hidden.copy_(hidden)
-        # a free slot, or a row past its end, keeps counting: clamp inside the buffer and the position table (a
+        # a free slot, or a row past its end, keeps counting: clamp inside the columns and the position table (a
         # running row never gets there: its prompt + max_new_tokens columns fit)
         last = self.cache.length - 1
         self.positions.add_(1).clamp_(max=last)
@@ -1784,57 +1924,54 @@ class _StaticStep:
             self._captured()
 
 
-def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -> tuple[DynamicCache, torch.Tensor,
-                                                                                       torch.Tensor]:
-    """One forward over the right-padded prompts of `rows`: (cache with K/V at columns [0, len), hidden (b, H) at
-    each row's last prompt token, lens (b,) on the model's device)."""
+def _prefill_right(model, base, run: _Run, seqs: list[list[int]], pad_token_id: int) -> tuple[DynamicCache,
+                                                                                              torch.Tensor, list[int]]:
+    """One forward over the right-padded token lists `seqs` (prompts, or a preempted row's prompt + its drawn
+    tokens): (cache with K/V at columns [0, len), hidden (b, H) at each row's last token, lens: host list (b,))."""
     device = run.head.weight.device
-    lens = torch.tensor([len(run.prompts[r]) for r in rows], dtype=torch.long)  # (b,)
-    width = int(lens.max())
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (b, P)
-    for i, r in enumerate(rows):
-        ids[i, : lens[i]] = torch.tensor(run.prompts[r], dtype=torch.long)
-    attn = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)  # (b, P)
+    lens = [len(s) for s in seqs]
+    width = max(lens)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)  # (b, P)
+    for i, s in enumerate(seqs):
+        ids[i, : lens[i]] = torch.tensor(s, dtype=torch.long)
+    attn = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, P)
     cache = _StoredCache(config=model.config, kv_dtype=run.kv_dtype)
     hidden = base(
         input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state  # (b, P, H); right padding: default positions 0..len-1 are the real ones
     run.forward_calls += 1
-    run.prefill_tokens += int(lens.sum())
-    lens = lens.to(device)
-    return cache, hidden[torch.arange(len(rows), device=device), lens - 1], lens  # (b, H) at the last prompt token
+    run.prefill_tokens += sum(lens)
+    last = torch.tensor(lens, device=device) - 1  # (b,)
+    return cache, hidden[torch.arange(len(seqs), device=device), last], lens  # (b, H) at the last token
 
 
-def _load_shared(model, base, run: _Run, cache: _SlotCache, slots: list[int], rows: list[int],
-                 pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _load_shared(model, base, run: _Run, cache: _PagedCache, slots: list[int], rows: list[int],
+                 pad_token_id: int) -> tuple[torch.Tensor, list[int]]:
     """The static path's prefill with one prefill per distinct prompt (departure 11): the distinct prompts not in
-    ``run.stash`` (prompt key -> its K/V per layer (1, h, len, d), hidden (1, H) and length (1,), kept while copies
-    are queued) go through one forward; each prompt's K/V is then copied into the slots of all its rows. Returns
-    the rows' hidden states (b, H) at their last prompt token and their lengths (b,)."""
+    ``run.stash`` (prompt key -> its K/V per layer (1, h, len, d) and hidden (1, H), kept while copies are queued)
+    go through one forward; each prompt's K/V is then copied into the blocks of all its rows' slots. Returns the
+    rows' hidden states (b, H) at their last prompt token and their lengths (host list, b)."""
     keys = run.share(rows)
     new = [k for k in dict.fromkeys(keys) if k not in run.stash]
     if new:
-        pre_cache, pre_hidden, lens = _prefill_right(model, base, run, new, pad_token_id)
+        pre_cache, pre_hidden, _ = _prefill_right(model, base, run, [run.prompts[k] for k in new], pad_token_id)
         for i, k in enumerate(new):
             n = len(run.prompts[k])
             run.stash[k] = ([(layer.keys[i : i + 1, :, :n], layer.values[i : i + 1, :, :n])
-                             for layer in pre_cache.layers], pre_hidden[i : i + 1], lens[i : i + 1])
-    device = cache.write_pos.device
+                             for layer in pre_cache.layers], pre_hidden[i : i + 1])
     for k in dict.fromkeys(keys):
-        kv, _, n = run.stash[k]
+        kv, _ = run.stash[k]
         mine = [s for s, key in zip(slots, keys) if key == k]
-        cache.load(torch.tensor(mine, dtype=torch.long, device=device),
-                   [(kk.expand(len(mine), -1, -1, -1), vv.expand(len(mine), -1, -1, -1)) for kk, vv in kv],
-                   n.expand(len(mine)))
+        cache.load(mine, [(kk.expand(len(mine), -1, -1, -1), vv.expand(len(mine), -1, -1, -1)) for kk, vv in kv],
+                   [len(run.prompts[k])] * len(mine))
     hidden = torch.cat([run.stash[k][1] for k in keys])  # (b, H)
-    lens = torch.cat([run.stash[k][2] for k in keys])  # (b,)
     for k in dict.fromkeys(keys):
         if run.pending[k] == 0:
             del run.stash[k]
         elif k in new:  # a view would keep the whole prefill's K/V alive: keep a copy of this prompt's only
-            kv, h, n = run.stash[k]
-            run.stash[k] = ([(kk.clone(), vv.clone()) for kk, vv in kv], h.clone(), n.clone())
-    return hidden, lens
+            kv, h = run.stash[k]
+            run.stash[k] = ([(kk.clone(), vv.clone()) for kk, vv in kv], h.clone())
+    return hidden, [len(run.prompts[k]) for k in keys]
 
 
 def _kv_dtype(device: torch.device) -> torch.dtype | None:
@@ -1852,59 +1989,134 @@ def _kv_token_bytes(model, kv_dtype: torch.dtype | None) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
-    """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch."""
+def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -> None:
+    """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch, and the
+    pool's blocks handed out by the host at each read (admission by free blocks, recompute preemption)."""
     device = run.head.weight.device
-    n_slots = run.capacity
-    length = max(len(p) for p in run.prompts) + run.max_new_tokens  # every row fits from column 0
-    cache = _SlotCache(n_slots, length, device, run.kv_dtype)
+    cache = _PagedCache(plan, device, run.kv_dtype)
     decode = _StaticStep(model, base, cache, run, device)
-    free = list(range(n_slots))[::-1]  # free slot ids (host); pop() gives the lowest first
+    free = list(range(plan.slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
-    row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step before its row's first draw
+    row_of, start_of, seq_of = {}, {}, {}  # host: slot -> prompt index, step before its row's first draw, and the
+    # tokens its prefill cached (prompt, + the tokens drawn before a preemption)
+    drawn: dict[int, list[int]] = {}  # preempted rows waiting to come back -> the tokens they had drawn
     run.stash = {}  # departure 11: prompt key -> its prefilled K/V, while copies of it are queued
     step = 0
 
+    def written(s: int) -> int:  # columns slot s has written: its prefill, then one per step
+        return seq_of[s] + step - start_of[s]
+
     def admit(rows: list[int]) -> None:
         slots = [free.pop() for _ in rows]
-        slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
-        if run.keys is None:
-            pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
-            cache.load(slots_t, [(layer.keys, layer.values) for layer in pre_cache.layers], lens)
-        else:
-            pre_hidden, lens = _load_shared(model, base, run, cache, slots, rows, pad_token_id)
+        back = [i for i, r in enumerate(rows) if r in drawn]  # preempted rows: prompt + their tokens, unshared
+        fresh = [i for i, r in enumerate(rows) if r not in drawn]
+        done = [len(drawn[rows[i]]) for i in back]
+        seqs = [run.prompts[rows[i]] + drawn.pop(rows[i]) for i in back]
+        for i, s in enumerate(slots):
+            cache.grow(s, (len(seqs[back.index(i)]) if i in back else len(run.prompts[rows[i]])) + run.sync_every)
+        cache.sync()
+        parts, lens = [], [0] * len(rows)
+        if fresh and run.keys is not None:
+            hid, n = _load_shared(model, base, run, cache, [slots[i] for i in fresh], [rows[i] for i in fresh],
+                                  pad_token_id)
+            parts.append(hid)
+        elif fresh:
+            pre_cache, hid, n = _prefill_right(model, base, run, [run.prompts[rows[i]] for i in fresh], pad_token_id)
+            cache.load([slots[i] for i in fresh], [(layer.keys, layer.values) for layer in pre_cache.layers], n)
+            parts.append(hid)
+        for i, m in zip(fresh, n if fresh else []):
+            lens[i] = m
+        if back:
+            pre_cache, hid, n = _prefill_right(model, base, run, seqs, pad_token_id)
+            cache.load([slots[i] for i in back], [(layer.keys, layer.values) for layer in pre_cache.layers], n)
+            parts.append(hid)
+            for i, m in zip(back, n):
+                lens[i] = m
+        order = fresh + back
+        pre_hidden = torch.cat(parts)[torch.tensor([order.index(i) for i in range(len(rows))], device=device)]  # (b,H)
         if not run.kv_bytes_per_token:
-            run.note_cache(list(zip(cache.keys, cache.values)))
-        decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
+            run.note_cache([(k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2))
+                            for k, v in zip(cache.keys, cache.values)])
+        slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
+        counts = [0] * len(rows)
+        for i, d in zip(back, done):
+            counts[i] = d
+        decode.positions.index_copy_(0, slots_t, torch.tensor(lens, device=device).unsqueeze(1))
         decode.slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
-        decode.n_out.index_fill_(0, slots_t, 0)
+        decode.n_out.index_copy_(0, slots_t, torch.tensor(counts, dtype=torch.long, device=device))
         if decode.hidden is None:
-            decode.hidden = pre_hidden.new_zeros(n_slots, pre_hidden.shape[1])  # (S, H)
+            decode.hidden = pre_hidden.new_zeros(plan.slots, pre_hidden.shape[1])  # (S, H)
         decode.hidden.index_copy_(0, slots_t, pre_hidden)
         active.extend(slots)
-        row_of.update(zip(slots, rows))
-        start_of.update((s, step) for s in slots)
+        for s, r, m, c in zip(slots, rows, lens, counts):
+            row_of[s], seq_of[s], start_of[s] = r, m, step - c  # a comeback has drawn c tokens already
 
-    admit(run.take(run.capacity, 0))
+    def leave(slots: list[int]) -> None:  # the slots' rows are gone: free slots draw into the trash row
+        decode.slot_row.index_fill_(0, torch.tensor(slots, dtype=torch.long, device=device), run.trash)
+        for s in slots:
+            cache.release(s)
+        free.extend(sorted(slots, reverse=True))
+
+    def schedule() -> None:
+        """At a host read: top up every running row's blocks for the columns it writes before the next read
+        (sync_every steps at most), preempting the newest rows while the pool cannot; then admit waiting rows in
+        order while a slot and their blocks (prompt + sync_every columns) are free."""
+        nonlocal active
+        short = lambda: sum(cache.blocks_for(written(s) + run.sync_every) - len(cache.owned[s]) for s in active)
+        out = []
+        while short() > len(cache.free):
+            assert len(active) > 1, "the pool holds one row at full length (_pool_plan), so the oldest row fits"
+            s = active.pop()  # vLLM's recompute preemption: the newest row goes back to the front of the queue
+            cache.release(s)
+            r, n = row_of[s], step - start_of[s]
+            drawn[r] = run.out_tokens[r, :n].tolist() if n else []  # a device read, only when preempting
+            run.queue.append(r)
+            run.preemptions += 1
+            out.append(s)
+        if out:
+            leave(out)
+        for s in active:
+            cache.grow(s, written(s) + run.sync_every)
+        take, left, by_blocks = [], len(cache.free), False
+        while run.queue and len(take) < len(free):
+            r = run.queue[-1]
+            need = cache.blocks_for(len(run.prompts[r]) + len(drawn.get(r, ())) + run.sync_every)
+            if need > left:
+                by_blocks = True
+                break
+            take.append(run.queue.pop())
+            left -= need
+        # a refill costs a prefill call: while rows run, wait for min_refill free slots (as _Run.take), unless the
+        # pool is what limits it (waiting would not make the refill bigger)
+        if active and not by_blocks and len(take) < min(run.min_refill, len(take) + len(run.queue)):
+            run.queue.extend(take[::-1])
+            take = []
+        if take:
+            admit(take)
+        else:
+            cache.sync()
+
+    schedule()
+    assert active, "the first admission takes at least one row: the pool holds one at full length"
     since = 0  # decode steps since the last host read
     while active:
         decode()  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
         run.forward_calls += 1
         run.decode_steps += 1
+        run.in_flight += len(active)
+        run.in_flight_peak = max(run.in_flight_peak, len(active))
         step += 1
         since += 1
         # departure 16: ended rows are read every sync_every steps, or once every row has drawn max_new_tokens
         if since >= run.sync_every or step - max(start_of[s] for s in active) >= run.max_new_tokens:
-            since = 0
             act = torch.tensor(active, dtype=torch.long, device=device)  # (A,)
             flags = run.check([row_of[s] for s in active], decode.slot_row[act], [step - start_of[s] for s in active],
-                              decode.tokens[act, 0] if run.stops is not None else None)
+                              since)
+            since = 0
             done = [s for s, d in zip(active, flags) if d]
             if done:
-                # the freed slots draw into the trash row until a refill takes them
-                decode.slot_row.index_fill_(0, torch.tensor(done, dtype=torch.long, device=device), run.trash)
-                free.extend(sorted(done, reverse=True))
+                leave(done)
                 active = [s for s, d in zip(active, flags) if not d]
-            new = run.take(len(free), len(active))
-            if new:
-                admit(new)
+            schedule()
+    run.blocks_peak, run.blocks_left = cache.peak, cache.blocks - len(cache.free)
+    run.pool_bytes, run.gather_bytes = cache.pool_bytes(), cache.gather_bytes()
