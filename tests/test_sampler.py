@@ -1577,6 +1577,40 @@ def test_stop_strings_end_rows_like_eos_when_sampling():
     assert {"stop", "eos"} <= set(finishes), f"want rows that end both ways, got {finishes}"
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_stop_strings_mid_window_end_where_a_read_every_step_ends_them(static):
+    # departure 12 without a read every step: with sync_every 8 the host scans each row's last 8 tokens at the
+    # regular read, and a row whose string completed inside the window ends at that token (later draws discarded):
+    # the same tokens, finishes, strings and log-probs as reading every step, with stops landing mid-window
+    tok = real_tokenizer("qwen3")
+    model = arch_model("llama", seed=2, vocab=STOP_VOCAB)
+    prompts = copies(ARCH_PROMPTS, 2)
+    run = lambda sync, **kw: sample(model, prompts, max_new_tokens=24, temperature=1.0, eos_token_id=NEVER,
+                                    generator=torch.Generator().manual_seed(0), max_batch_size=5, min_refill=1,
+                                    static=static, sync_every=sync, **kw)
+    free = run(8)
+    counts = {}
+    for r in free:
+        for j in range(1, len(r.tokens) - 1):
+            s = text_of(tok, r.tokens[j : j + 2])
+            if "\ufffd" not in s and len(s) >= 2:
+                counts[s[:2]] = counts.get(s[:2], 0) + 1
+    stops = sorted(counts, key=lambda s: (-counts[s], s))[:2]
+    stats = {}
+    every, windowed = run(1, stop_strings=stops, tokenizer=tok), run(8, stop_strings=stops, tokenizer=tok,
+                                                                    stats=stats)
+    assert [r.tokens for r in windowed] == [r.tokens for r in every]
+    assert [(r.finish, r.stop) for r in windowed] == [(r.finish, r.stop) for r in every]
+    assert all(torch.equal(a.logprobs, b.logprobs) or torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+               for a, b in zip(windowed, every))
+    for a, b in zip(windowed, free):  # the naive reference: the uncut row cut at its first string
+        e = first_stop(tok, b.tokens, stops)
+        assert a.tokens == (b.tokens if e is None else b.tokens[: e + 1])
+    stopped = [len(r.tokens) for r in windowed if r.finish == "stop"]
+    assert any(n % 8 != 0 for n in stopped), f"want stops inside a read's window, got lengths {stopped}"
+    assert stats["host_reads"] < stats["decode_steps"] / 4, stats
+
+
 def test_stop_strings_are_matched_in_the_response_only():
     # A string that starts in the prompt's last token and ends in the response's first: generate stops there (its
     # StopStringCriteria looks at the sequence's last tokens, prompt included); the sampler matches the response's
