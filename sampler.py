@@ -1121,6 +1121,7 @@ class _Run:
     blocks_left: int = 0  # static path: blocks still held when the loop ended (0: all returned)
     pool_bytes: int = 0  # static path: bytes of the K/V pool as allocated
     gather_bytes: int = 0  # static path: bytes of one layer's K and V gathered for the attention (transient)
+    width_steps: dict | None = None  # static path: width bucket W -> decode steps run at it
 
     def __post_init__(self):
         order = list(range(len(self.prompts)))
@@ -1491,6 +1492,7 @@ def sample(
             stats["kv_blocks_peak"], stats["kv_blocks_held_at_end"] = run.blocks_peak, run.blocks_left
             stats["rows_in_flight_mean"] = run.in_flight / max(1, run.decode_steps)
             stats["rows_in_flight_peak"], stats["preemptions"] = run.in_flight_peak, run.preemptions
+            stats["width_steps"] = run.width_steps
     return run.rollouts()
 
 
@@ -1707,6 +1709,11 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
 # ------------------------------------------------------------------------------------------------
 
 
+# The static step's width buckets: it attends over the first W columns of every slot, W the smallest of L / 8, L / 4,
+# L / 2 and L (rounded up to whole blocks) that holds the longest running row until the next host read (departure 10).
+_WIDTH_FRACTIONS = (8, 4, 2, 1)
+
+
 @dataclass
 class _PoolPlan:
     """How the static path's K/V memory is cut (departure 13): S slots, ``blocks`` usable blocks of ``block_size``
@@ -1763,6 +1770,7 @@ class _PagedCache:
         cols = torch.arange(plan.length, device=device)  # (L,)
         self.col_block, self.col_off = cols // plan.block_size, cols % plan.block_size  # (L,), (L,)
         self.read_idx = self._read_index()  # (S, L) pool row of every column of every slot
+        self.width = plan.length  # W: the columns a step gathers and attends over (a width bucket, <= L)
         self.owned: list[list[int]] = [[] for _ in range(plan.slots)]  # host: each slot's blocks, in column order
         self.free = list(range(plan.blocks))[::-1]  # host: free blocks; pop() gives the lowest first
         self.peak = 0  # most blocks in use at once
@@ -1824,14 +1832,15 @@ class _PagedCache:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Write one step's K/V (S, h, 1, d) at each slot's write_pos (through its block), and return every slot's
-        K/V gathered through the table: (S, h, L, d) each, a transient copy of one layer's columns (freed when the
-        layer's attention is done); columns a row does not own read the trash block and are masked out."""
+        first W columns gathered through the table: (S, h, W, d) each, a transient copy of one layer's columns
+        (freed when the layer's attention is done); columns a row does not own read the trash block, masked out."""
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
         block = self.table.gather(1, (self.write_pos // self.block_size).unsqueeze(1)).squeeze(1)  # (S,)
         dest = block * self.block_size + self.write_pos % self.block_size  # (S,) free slots: inside the trash block
         k_pool.index_copy_(0, dest, key_states[:, :, 0].to(k_pool.dtype))  # (S, h, d)
         v_pool.index_copy_(0, dest, value_states[:, :, 0].to(v_pool.dtype))
-        return k_pool[self.read_idx].transpose(1, 2), v_pool[self.read_idx].transpose(1, 2)  # (S, h, L, d)
+        idx = self.read_idx[:, : self.width]  # (S, W)
+        return k_pool[idx].transpose(1, 2), v_pool[idx].transpose(1, 2)  # (S, h, W, d)
 
 
 class _StaticStep:
@@ -1840,7 +1849,9 @@ class _StaticStep:
     their K/V at ``cache.write_pos`` (S,), into the next ``hidden``. Nothing reads the host: on CUDA the whole step
     is captured once as a CUDA graph and replayed (the draw inside it; for top-p < 1, whose nucleus search may sort
     on the host's word, the draw runs eagerly before the replay of the forward). Elsewhere it runs eagerly: the same
-    computation, which is what the CPU parity tests check."""
+    computation, which is what the CPU parity tests check. The attention reads the first W columns of every slot, W
+    one of a few width buckets the host picks between steps (``width``); CUDA captures one graph per bucket used,
+    all in one memory pool."""
 
     def __init__(self, model, base, cache: _PagedCache, run: _Run, device):
         self.base, self.cache, self.run, self.cache_arg = base, cache, run, _cache_kwarg(base)
@@ -1859,7 +1870,8 @@ class _StaticStep:
         self.use_graph = torch.device(device).type == "cuda"
         # the draw is capturable (no host read) except top-p's nucleus search, which may sort a row whole
         self.draw_inside = run.temperature == 0 or run.top_p == 1.0
-        self.graph = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # width -> its captured step
+        self.steps_at: dict[int, int] = {}  # width -> decode steps run at it (stats)
 
     def _draw(self) -> None:
         tokens = self.run.draw(self.hidden, self.slot_row, self.n_out)  # (S,)
@@ -1867,8 +1879,9 @@ class _StaticStep:
         self.n_out.add_(1)
 
     def _forward(self) -> None:
-        allowed = self.columns.unsqueeze(0) <= self.cache.write_pos.unsqueeze(1)  # (S, L): cached columns + this one
-        mask = allowed[:, None, None, :]  # (S, 1, 1, L)
+        # (S, W): cached columns + this one (a free slot clamped past W attends over trash: its draws are discarded)
+        allowed = self.columns[: self.cache.width].unsqueeze(0) <= self.cache.write_pos.unsqueeze(1)
+        mask = allowed[:, None, None, :]  # (S, 1, 1, W)
         if self.additive:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
         hidden = self.base(
@@ -1910,16 +1923,22 @@ class _StaticStep:
         if cuda:
             torch.cuda.current_stream().wait_stream(side)
 
-    def __call__(self) -> None:
-        if self.use_graph and self.graph is None:
+    def __call__(self, width: int) -> None:
+        """One step with the attention over the first `width` columns (a bucket; every running row's columns up to
+        the next host read lie below it)."""
+        self.cache.width = width
+        self.steps_at[width] = self.steps_at.get(width, 0) + 1
+        if self.use_graph and width not in self.graphs:
             self.warm_up()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):  # records, runs nothing
+            pool = next(iter(self.graphs.values())).pool() if self.graphs else None  # one pool for all buckets
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):  # records, runs nothing
                 self._captured()
+            self.graphs[width] = graph
         if not self.draw_inside:
             self._draw()
-        if self.graph is not None:
-            self.graph.replay()
+        if width in self.graphs:
+            self.graphs[width].replay()
         else:
             self._captured()
 
@@ -2002,6 +2021,9 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
     drawn: dict[int, list[int]] = {}  # preempted rows waiting to come back -> the tokens they had drawn
     run.stash = {}  # departure 11: prompt key -> its prefilled K/V, while copies of it are queued
     step = 0
+    bs, length = plan.block_size, plan.length
+    widths = sorted({min(length, -(-length // (f * bs)) * bs) for f in _WIDTH_FRACTIONS})  # the buckets, ascending
+    width = length
 
     def written(s: int) -> int:  # columns slot s has written: its prefill, then one per step
         return seq_of[s] + step - start_of[s]
@@ -2060,8 +2082,9 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
     def schedule() -> None:
         """At a host read: top up every running row's blocks for the columns it writes before the next read
         (sync_every steps at most), preempting the newest rows while the pool cannot; then admit waiting rows in
-        order while a slot and their blocks (prompt + sync_every columns) are free."""
-        nonlocal active
+        order while a slot and their blocks (prompt + sync_every columns) are free; then pick the width bucket that
+        holds every running row's columns until the next read."""
+        nonlocal active, width
         short = lambda: sum(cache.blocks_for(written(s) + run.sync_every) - len(cache.owned[s]) for s in active)
         out = []
         while short() > len(cache.free):
@@ -2095,12 +2118,14 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             admit(take)
         else:
             cache.sync()
+        need = max((written(s) + run.sync_every for s in active), default=1)
+        width = next(w for w in widths if w >= min(need, length))
 
     schedule()
     assert active, "the first admission takes at least one row: the pool holds one at full length"
     since = 0  # decode steps since the last host read
     while active:
-        decode()  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
+        decode(width)  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
         run.forward_calls += 1
         run.decode_steps += 1
         run.in_flight += len(active)
@@ -2120,3 +2145,4 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             schedule()
     run.blocks_peak, run.blocks_left = cache.peak, cache.blocks - len(cache.free)
     run.pool_bytes, run.gather_bytes = cache.pool_bytes(), cache.gather_bytes()
+    run.width_steps = dict(sorted(decode.steps_at.items()))

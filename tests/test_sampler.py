@@ -781,10 +781,11 @@ def test_static_warm_up_leaves_the_state_as_it_found_it(monkeypatch):
     calls = []
     real_call = sampler._StaticStep.__call__
 
-    def warm_then_call(self):
+    def warm_then_call(self, width):
         calls.append(1)
+        self.cache.width = width  # the warm-up runs the step at the width the call will use, as before a capture
         self.warm_up()
-        return real_call(self)
+        return real_call(self, width)
 
     monkeypatch.setattr(sampler._StaticStep, "__call__", warm_then_call)
     warmed = sample(model, PROMPTS * 2, generator=torch.Generator().manual_seed(3), **kw)
@@ -1124,6 +1125,34 @@ def test_paged_pool_waits_and_preempts_without_changing_a_token(temperature):
     assert (tight_stats["rows_in_flight_mean"] < roomy_stats["rows_in_flight_mean"]
             < free_stats["rows_in_flight_mean"]), (tight_stats, roomy_stats, free_stats)
     assert free_stats["rows_in_flight_peak"] == 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_width_buckets_attend_over_fewer_columns_with_the_same_tokens(temperature, monkeypatch):
+    # departure 10: the static step attends over the smallest of L/8, L/4, L/2, L (in whole blocks) that holds every
+    # running row until the next host read; the tokens are those of attending over all L columns every step, and of
+    # the default path, log-probs to round-off. Short rows and long rows: several buckets are used
+    model = tiny_model("qwen3", seed=11)
+    prompts = PROMPTS * 2
+    kw = dict(max_new_tokens=40, temperature=temperature, max_batch_size=4, min_refill=1, block_size=2,
+              sync_every=3)
+    free = sample(model, prompts, eos_token_id=1000, **{**kw, "temperature": 0})
+    eos = [free[0].tokens[3], free[1].tokens[20]]
+    run = lambda **extra: sample(model, prompts, eos_token_id=eos, generator=torch.Generator().manual_seed(2),
+                                 **kw, **extra)
+    stats = {}
+    ours, ref = run(static=True, stats=stats), run(static=False)
+    monkeypatch.setattr(sampler, "_WIDTH_FRACTIONS", (1,))
+    wide_stats = {}
+    wide = run(static=True, stats=wide_stats)
+    length = 9 + 40
+    assert set(stats["width_steps"]) <= {8, 14, 26, length} and len(stats["width_steps"]) >= 2, stats["width_steps"]
+    assert sum(stats["width_steps"].values()) == stats["decode_steps"]
+    assert wide_stats["width_steps"] == {length: wide_stats["decode_steps"]}
+    for other in (wide, ref):
+        assert [r.tokens for r in ours] == [r.tokens for r in other]
+        assert all(torch.allclose(a.logprobs, b.logprobs, atol=1e-5) for a, b in zip(ours, other))
+    assert len({len(r.tokens) for r in ours}) > 2
 
 
 def test_paged_preemption_resumes_at_the_drawn_count(monkeypatch):
