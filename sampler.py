@@ -37,10 +37,12 @@ API
     "length".
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
          generator=None, max_batch_size=None, min_refill=None, static="auto", share_prefix=True, stop_strings=None,
-         tokenizer=None, progress=False, stats=None, max_cache_bytes=None, sync_every=8, cast_once=True)``
+         tokenizer=None, progress=False, stats=None, max_cache_bytes=None, sync_every=8, cast_once=True,
+         block_size=16)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
-    most ``max_batch_size`` rows in flight; rows that finish (EOS, a stop string, the cap) leave the batch and
-    waiting prompts take their places.
+    most ``max_batch_size`` rows in flight (on the static path also at most what ``max_cache_bytes`` holds by the
+    rows' real lengths); rows that finish (EOS, a stop string, the cap) leave the batch and waiting prompts take
+    their places.
 ``resolve_static(static, model, device) -> True | "auto" | False``
     which decode path ``sample`` takes for ``static`` ("auto", "on", "off") on this model and device (departure 10).
 ``with cast_weights_once(model, device) as nbytes:``
@@ -81,11 +83,12 @@ Departures and shortcuts (read these before copying)
    cut. Waiting prompts are prefilled together, in one left-padded forward, and merged in by left-padding whichever
    cache is narrower: every row keeps its own positions and padding mask, so it computes what it would alone, up to
    float round-off of different batch shapes. A refill waits until ``min_refill`` slots are free (default 1/8 of
-   ``max_batch_size``), trading a little occupancy for fewer prefill calls. Unlike vLLM-style engines there is no
-   paged cache and no chunked prefill: a refill's prefill is its own forward call, and a row's cache is a stretch
-   of a dense tensor. Sliding-window layers (Mistral, Gemma-2/3, Cohere-2, Qwen's max_window_layers) are supported:
-   every row's tokens sit right-aligned and contiguous in the cache, so the model's own window over cache columns is
-   each row's last W tokens, exactly what it sees alone; such a layer holds the last W - 1 columns of the batch
+   ``max_batch_size``), trading a little occupancy for fewer prefill calls. Unlike vLLM-style engines this default
+   path has no paged cache and no chunked prefill: a refill's prefill is its own forward call, and a row's cache is
+   a stretch of a dense tensor (the static path pages its cache: departure 10). Sliding-window layers (Mistral,
+   Gemma-2/3, Cohere-2, Qwen's max_window_layers) are supported: every row's tokens sit right-aligned and contiguous
+   in the cache, so the model's own window over cache columns is each row's last W tokens, exactly what it sees
+   alone; such a layer holds the last W - 1 columns of the batch
    (transformers' DynamicSlidingWindowLayer), and a merge pads, a trim slices, and both reset the columns it counts
    as seen to the batch's width. Models with any other kind of cache layer (chunked attention, recurrent state) run
    all prompts at once only, and their caches are never trimmed.
@@ -106,22 +109,48 @@ Departures and shortcuts (read these before copying)
    untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
    would produce, minus the per-step cost. Other attention implementations get the 2D mask.
 9. ``pad_token_id`` defaults to 0 in ``sample``: padding is masked out, so any id in [0, V) gives the same result.
-10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere): each of the S =
-   max_batch_size slots owns a preallocated (L = longest prompt + max_new_tokens) stretch of KV cache, written from
-   column 0; a decode step draws every slot's next token and runs all S slots over all L columns with a mask, so its
-   shapes never change, and on CUDA the whole step (the draw at any temperature with top-p = 1, the forward, the
-   bookkeeping) is captured once per call as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed; with top-p < 1
-   the draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's word). Refill
-   prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L columns
-   whatever the rows' lengths, as gpt-fast's static cache; ``max_cache_bytes`` cuts S to a budget) and attention
-   over all L columns every step. One graph per call at S slots: no buckets, so a tail of few rows still runs S.
+10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere) with a paged KV cache.
+   S slots each run one row (S = max_batch_size at most, departure 13); their K/V live in a pool: per layer
+   ``blocks + 1`` blocks of ``block_size`` (default 16) token rows of (kv_heads, head_dim), and a device block table
+   (S, L / block_size) listing each slot's blocks in column order, L = longest prompt + max_new_tokens. A decode
+   step draws every slot's next token, writes its K/V at row table[s, pos // bs] * bs + pos % bs of the pool, and
+   hands each attention layer every slot's first W columns gathered through the table, (S, h, W, d), with the
+   padding mask (S, 1, 1, W): its shapes never change, so on CUDA the whole step (the draw at any temperature with
+   top-p = 1, the forward, the bookkeeping) is captured as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed;
+   with top-p < 1 the draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's
+   word). W is a width bucket, L / 8, L / 4, L / 2 or L in whole blocks (one graph per bucket used, all in one
+   memory pool): the smallest that holds every running row's columns until the next host read, picked by the host
+   there. The host hands out blocks without reading the device (every running row grows by one column a step): at
+   admission the prompt's columns + sync_every, and at each host read (departure 16) each running row's next
+   sync_every columns, so a step never writes a column the host did not give a block; a row that leaves returns its
+   blocks; free slots and the columns no row owns point at a trash block (masked out). A waiting prompt is admitted
+   when a slot is free and the pool has its blocks (max_batch_size caps the slots, memory decides below it; the
+   ``min_refill`` wait applies only while slots, not blocks, are what is short). When the top-ups cannot be served,
+   the newest rows are preempted (vLLM's recompute preemption): their blocks freed, they go back to the front of the
+   queue with the tokens they drew (one device read of those tokens), and on readmission are prefilled with prompt
+   + those tokens and draw on from counter t = tokens drawn, so by departure 7 they draw the same tokens as if never
+   preempted (up to float round-off of other batch shapes; tested); the earlier tokens' log-probs are the first
+   pass's. The cost of a preemption is that prefix's recompute. The oldest row always fits (the pool holds one row
+   at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
+   the rows' blocks.
+   What the paging costs (not measured on a GPU: none was lent to this change). The gathered K/V is a transient
+   copy, one layer at a time, of S x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at W = L, paid out
+   of max_cache_bytes). Per step the gather reads S x W columns of K/V from the pool in block_size-token pieces and
+   writes them, and the attention reads the copy: about 3 x S x W x bytes per token of KV traffic, where the dense
+   static cache this replaced (each slot a preallocated stretch of L columns) had the attention read S x L in place.
+   At the same S and W = L that is 3x the bytes; what it buys is S: rows in flight by their real lengths instead of
+   S x L reserved (``python -m bench.decode`` prints rows in flight at one budget, dense against paged). Early in a
+   rollout the width buckets cut W; once any running row nears the cap, W = L. A kernel that reads the blocks in
+   place (FlashAttention's ``block_table``, flex attention's paged attention) would read only each row's real
+   columns once: not done (it needs a GPU to build and test). A tail of few rows still runs S slots.
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
-   there is no graph and the static step's all-L attention costs more; "on" refuses them with a ValueError. On CPU
-   the static step runs eagerly: tested there for parity with the default path, the body a capture records is
-   watched to dispatch no host read and no data-dependent shape, and the warm-up that precedes a capture is tested
-   to leave the state as it found it; the capture itself and its speed are measured only by
-   ``python -m bench.gpu`` on a GPU (none was lent to this change: see docs/RESULTS.md, Decoding on a GPU).
+   there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On
+   CPU the static step runs eagerly: tested there for parity with the default path and ``generate`` (waiting,
+   preemption and width buckets included), the body a capture records is watched to dispatch no host read and no
+   data-dependent shape, and the warm-up that precedes a capture is tested to leave the state as it found it; the
+   capture itself and its speed are measured only by ``python -m bench.gpu`` on a GPU (not run on this change: see
+   docs/RESULTS.md, Decoding on a GPU).
 11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
    each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
    prefills each distinct prompt of a refill once; every copy gets its own copy of the prompt's cache rows (so the
@@ -134,7 +163,8 @@ Departures and shortcuts (read these before copying)
    forward's (a sum over rows either way; tested against autograd of the unshared path). Not shared: models with
    other kinds of cache layers (departure 6), and ``response_logprobs`` under gradient checkpointing with grad
    enabled (transformers' checkpointed layers drop the cache). The saving is prompt compute and activations: the
-   KV cache of every row still holds its prompt (a copy, not a shared block as in vLLM's paged cache).
+   KV cache of every row still holds its prompt (a copy in the row's own blocks on the static path: its pool shares
+   no block between rows, as vLLM's prefix caching would).
 12. Stop strings (``stop_strings``, decoded with ``tokenizer``). A row ends at the first token after which its
    decoded response contains one of the strings, also when the string spans several tokens or ends inside the
    token; the row counts as ended, like EOS (it leaves the batch, a refill takes its slot), and its tokens keep
@@ -147,19 +177,28 @@ Departures and shortcuts (read these before copying)
    one ``batch_decode``, only each running row's last k tokens that carry text, k = the longest string's UTF-8
    length + 1 (every such token adds at least one byte, so the window holds the whole of any string the new token
    completes, and an earlier occurrence would have stopped the row earlier); special tokens that the decode skips
-   are left out of the window. It needs the drawn tokens on the host every step: one transfer, departure 16's read made
-   every step. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
-   (tested on the architecture sweep with the real Qwen3, SmolLM3 and Llama-3.2 tokenizers). Without stop strings
-   none of this runs (``bench_sampler.py --only stop``).
+   are left out of the window. The tokens reach the host with departure 16's regular read, every sync_every steps,
+   not every step: the same transfer brings each running row's last sync_every tokens, and the host feeds them to
+   the check in order; a row whose string completed inside that window ends at that token and its later draws are
+   discarded, as after an EOS (the same tokens as a read every step, tested). Greedy rows are token-identical to
+   ``generate(stop_strings=..., tokenizer=...)`` (tested on the architecture sweep with the real Qwen3, SmolLM3
+   and Llama-3.2 tokenizers). Without stop strings none of this runs (``bench_sampler.py --only stop``).
 13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes
    (V from a bf16 matmul, K promoted back to float32 by a float32 q/k norm or RoPE table: Qwen3, Llama), and the
    attention (sdpa, or eager's matmuls) casts both to the autocast dtype anyway. ``sample`` therefore stores K and V
    in the autocast dtype whenever autocast is on for the model's device, in both paths: the same tokens and log-probs
    as caching the mixed dtypes (tested), at 2 bytes per element instead of 4 for K. ``stats["kv_bytes_per_token"]``
-   reports the bytes one token's K and V take in the cache, read from the stored tensors. ``max_cache_bytes`` bounds
-   the static path's preallocation: S = min(max_batch_size, max_cache_bytes // (L x bytes per token)) slots, so a
-   long cap shrinks the slot count instead of allocating past the device (a budget below one slot raises a
-   ValueError). The default path's cache grows with the rows and is bounded by ``max_batch_size`` only.
+   reports the bytes one token's K and V take in the cache, read from the stored tensors. ``max_cache_bytes`` is the
+   static path's whole K/V bill (departure 10): the pool, (blocks + 1) x block_size x bytes per token (the trash
+   block included), plus one layer's gathered K/V, S x L x bytes per token / layers. With g = L x bytes per token /
+   layers (one slot's gather), B = block_size x bytes per token (one block) and w = ceil(L / block_size) (a row at
+   full length): S = min(max_batch_size or the prompt count, (max_cache_bytes - (w + 1) B) // g, max_cache_bytes //
+   (g + B ceil((shortest prompt + sync_every) / block_size))), so that every slot could hold a row at admission and
+   the pool one row at full length; blocks = min((max_cache_bytes - S g) // B - 1, S w). A budget that holds no such
+   S (below one row at full length) raises a ValueError under "on" and falls back to the default path under "auto".
+   None: S = max_batch_size, blocks for every slot at full length. Rows in flight are then as many as the pool holds
+   by their real lengths (each row holds ceil(min(prompt + drawn + sync_every, L) / block_size) blocks at most).
+   The default path's cache grows with the rows and is bounded by ``max_batch_size`` only.
 14. ``batches_by_length`` cuts micro-batches for ``response_logprobs``, which pads every row of a call to its
    longest: cut in rollout order, long-tailed RL responses pad to several times their real tokens. It counts the
    token positions each of three cuts would feed (``_pass_tokens``, padding and shared prompts as
@@ -187,9 +226,9 @@ Departures and shortcuts (read these before copying)
    and records on the device when a row ends (EOS or the cap); the host reads which rows have ended in one
    device-to-host copy every ``sync_every`` = 8 steps (and when every row has drawn the cap), not every step. A
    row that ended keeps running until that read: up to sync_every - 1 wasted row-steps each, whose draws are never
-   read (the buffers and each row's cache room hold max_new_tokens + sync_every columns). Refills wait for a read
-   too. With stop strings the tokens must reach the host every step to be decoded (departure 12), so the read is
-   every step there: checking stop strings without that is not done.
+   read (the buffers and each row's cache room hold max_new_tokens + sync_every columns). Refills, the static
+   path's block top-ups, preemptions and width bucket wait for a read too (departure 10). With stop strings the same
+   transfer brings each running row's tokens of the last sync_every steps, checked on the host (departure 12).
 17. Sampling weights cast once. Under autocast with float32 weights (the trainer's regime on a GPU), every
    nn.Linear weight is cast to autocast's dtype once per ``sample`` call (``cast_weights_once``) and the layers read
    that copy. Under ``torch.inference_mode`` autocast caches no casts, so before this every decode step re-cast every
@@ -212,7 +251,9 @@ peak memory of ``token_logprobs`` (kept and recomputed logits) beside the naive 
 tensors at the H200 row's shape, a roofline projection of GPU time, and CPU time at a small shape (direction only);
 ``python -m bench.gpu --only kernel`` times it on a GPU.
 ``python -m bench.decode`` measures departures 10, 16 and 17 on the host: one decode step at real depth and toy
-width (ms, aten ops, weight casts, host reads per step), default path vs static vs ``generate``.
+width (ms, aten ops, weight casts, host reads per step), default path vs static (paged) vs ``generate``; and rows in
+flight at one byte budget on a long-tailed length distribution, the dense static cache's count against the paged
+pool's (``--only budget``).
 """
 
 from __future__ import annotations
@@ -1251,16 +1292,17 @@ class _Run:
 
 def resolve_static(static, model, device: torch.device, windows: list[int | None] | None = None) -> bool | str:
     """sample()'s ``static`` resolved for this model and device (departure 10): True for the static path, False
-    for the default one, "auto" when auto chose the static path (it may still fall back if the cache budget holds
-    no slot). "on" / True on a model the static path cannot run raises a ValueError naming the config field.
+    for the default one, "auto" when auto chose the static path (it may still fall back if the cache budget
+    holds no row at full length). "on" / True on a model the static path cannot run raises a ValueError naming
+    the config field.
 
     The static path (and so its CUDA graph) needs every layer to be full attention, with sdpa or eager attention:
     its per-slot mask is one (S, 1, 1, L) mask for every layer. Sliding-window layers (Mistral, Gemma-2/3,
     Cohere-2, Qwen's max_window_layers) would need a second, windowed mask per layer type and a prefill whose cache
     is not trimmed to the window; hybrid models with recurrent or chunked-attention layers keep state that is not a
     slot of K/V; flash-attention and flex kernels take their masks in other forms. These run the default path, and
-    "auto" picks it for them, as on CPU, where there is no graph to capture and the static path's attention over all
-    L columns per slot costs more than the default path's (bench/sampler.py --only tiny-eval)."""
+    "auto" picks it for them, as on CPU, where there is no graph to capture and the static path's gathered attention
+    over W columns per slot costs more than the default path's (bench/sampler.py --only tiny-eval)."""
     windows = _layer_windows(model.config) if windows is None else windows
     if static is True or static == "on":
         if windows is None or any(w is not None for w in windows):
@@ -1372,15 +1414,16 @@ def sample(
         pad_token_id: id written into padding slots (masked out, so any id in [0, V) will do; default 0).
         generator: torch.Generator (any device) from which one seed per prompt is drawn, in prompt order
             (departure 7); None uses torch's default generator.
-        max_batch_size: rows in flight at most (bounds the KV cache); None = all prompts at once. When rows finish,
-            waiting prompts take their places (departure 6).
+        max_batch_size: rows in flight at most (bounds the default path's KV cache; the static path's slot count
+            S, with max_cache_bytes deciding below it); None = all prompts at once. When rows finish, waiting
+            prompts take their places (departure 6).
         min_refill: while rows are running, waiting prompts are prefilled only once this many slots are free (or the
             whole queue fits), so that one prefill call serves several; default max(1, max_batch_size // 8).
         static: "auto" (default), "on" / True or "off" / False: the static-shape decode path (departure 10), a
-            preallocated per-slot KV cache and a fixed-shape decode step captured as a CUDA graph on CUDA. "auto"
-            takes it on CUDA for models it supports (every layer full attention, sdpa or eager attention) when
-            max_cache_bytes holds a slot, the default path elsewhere (``resolve_static``). Same results as the
-            default path up to float round-off.
+            paged KV pool and a fixed-shape decode step captured as CUDA graphs on CUDA. "auto" takes it on CUDA
+            for models it supports (every layer full attention, sdpa or eager attention) when max_cache_bytes holds
+            one row at full length, the default path elsewhere (``resolve_static``). Same results as the default
+            path up to float round-off.
         share_prefix: rows with the same prompt ids share one prefill (departure 11); same results as False up to
             float round-off. Only for models whose layers all use full or sliding-window attention.
         stop_strings: a string or a list of them (departure 12): a row ends at the first token after which its
@@ -1392,16 +1435,25 @@ def sample(
             ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded); ``stats["kv_dtypes"]`` the
             (K, V) dtypes of the cache (its first layer) and ``stats["kv_bytes_per_token"]`` the bytes one token's K
             and V take over all layers, both read off the stored tensors (departure 13); with static=True,
-            ``stats["slots"]`` the slot count S; ``stats["static"]`` whether the static path ran;
+            ``stats["static"]`` whether the static path ran; when it did (departures 10, 13): ``stats["slots"]`` the
+            slot count S, ``"kv_block_size"`` and ``"kv_blocks"`` the pool's block size and usable blocks,
+            ``"kv_pool_bytes"`` the pool's bytes as allocated (trash block included), ``"kv_gather_bytes"`` one
+            layer's gathered K and V at W = L (transient), ``"kv_blocks_peak"`` the most blocks in use at once,
+            ``"kv_blocks_held_at_end"`` the blocks not returned (0), ``"rows_in_flight_mean"`` and
+            ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when
+            the pool ran dry, ``"width_steps"`` width bucket -> decode steps run at it;
             ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls and the device-to-host reads of
             ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights cast once (departure 17).
-        max_cache_bytes: with the static path, the bytes the preallocated K/V may take: the slot count is cut to fit
-            (departure 13). None: max_batch_size slots with "on"; with "auto", 80% of the device's free memory. The
-            default path ignores it.
+        max_cache_bytes: with the static path, the bytes its K/V may take: the paged pool plus one layer's
+            gathered K/V (departure 13 has the arithmetic); rows in flight are what the pool holds by their real
+            lengths, at most S. None: max_batch_size slots, each with blocks for a full-length row, with "on"; with
+            "auto", 80% of the device's free memory. The default path ignores it.
         sync_every: decode steps between the host's reads of which rows have ended (departure 16); 1 reads every
-            step. Stop strings read every step whatever it says.
+            step. Stop strings are checked at the same reads.
         cast_once: under autocast with float32 weights, cast every nn.Linear weight to autocast's dtype once for the
             call instead of autocast re-casting it on every decode step (departure 17); the same numbers.
+        block_size: tokens per block of the static path's KV pool (departure 10): the granularity of its
+            allocation. The default path ignores it.
 
     Returns:
         B Rollouts, in prompt order.
