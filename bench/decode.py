@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import importlib.util
 import statistics
+import sys
 import time
 
 import torch
@@ -167,6 +168,7 @@ def load_baseline(path: str):
     """Another copy of sampler.py (e.g. before a change), imported under its own name."""
     spec = importlib.util.spec_from_file_location("sampler_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
