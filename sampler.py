@@ -2068,8 +2068,8 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
     decode = _StaticStep(model, base, cache, run, device)
     free = list(range(plan.slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
-    row_of, start_of, seq_of = {}, {}, {}  # host: slot -> prompt index, step before its row's first draw, and the
-    # tokens its prefill cached (prompt, + the tokens drawn before a preemption)
+    row_of, start_of, prompt_of = {}, {}, {}  # host: slot -> prompt index, step before its row's first draw (so
+    # step - start = tokens drawn, counting those before a preemption), prompt length
     drawn: dict[int, list[int]] = {}  # preempted rows waiting to come back -> the tokens they had drawn
     run.stash = {}  # departure 11: prompt key -> its prefilled K/V, while copies of it are queued
     step = 0
@@ -2077,8 +2077,8 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
     widths = sorted({min(length, -(-length // (f * bs)) * bs) for f in _WIDTH_FRACTIONS})  # the buckets, ascending
     width = length
 
-    def written(s: int) -> int:  # columns slot s has written: its prefill, then one per step
-        return seq_of[s] + step - start_of[s]
+    def written(s: int) -> int:  # columns slot s has written: its prompt, then one per token drawn
+        return prompt_of[s] + step - start_of[s]
 
     def admit(rows: list[int]) -> None:
         slots = [free.pop() for _ in rows]
@@ -2123,7 +2123,8 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
         decode.hidden.index_copy_(0, slots_t, pre_hidden)
         active.extend(slots)
         for s, r, m, c in zip(slots, rows, lens, counts):
-            row_of[s], seq_of[s], start_of[s] = r, m, step - c  # a comeback has drawn c tokens already
+            # a comeback has drawn c tokens already: its prefill held prompt + c columns, its counter starts at c
+            row_of[s], prompt_of[s], start_of[s] = r, m - c, step - c
 
     def leave(slots: list[int]) -> None:  # the slots' rows are gone: free slots draw into the trash row
         decode.slot_row.index_fill_(0, torch.tensor(slots, dtype=torch.long, device=device), run.trash)

@@ -1172,6 +1172,21 @@ def test_paged_preemption_resumes_at_the_drawn_count(monkeypatch):
         return real(model_, base, run, seqs, pad)
 
     monkeypatch.setattr(sampler, "_prefill_right", spy)
+    # every step, every occupied slot owns the block of the column it writes (the host gave it ahead of the step)
+    # and no more than the columns it writes until the next read need (prompt + drawn + sync_every)
+    checked = []
+    real_forward = sampler._StaticStep._forward
+
+    def forward(self):
+        cache, pos = self.cache, self.cache.write_pos.tolist()
+        for slot, row in enumerate(self.slot_row.tolist()):
+            if row != self.run.trash:
+                owned = len(cache.owned[slot])
+                assert cache.blocks_for(pos[slot] + 1) <= owned <= cache.blocks_for(pos[slot] + 2), (slot, pos, owned)
+                checked.append(slot)
+        return real_forward(self)
+
+    monkeypatch.setattr(sampler._StaticStep, "_forward", forward)
     stats = {}
     kw = dict(max_new_tokens=cap, temperature=1.0, eos_token_id=[1], max_batch_size=4, min_refill=1, block_size=bs,
               sync_every=2)
@@ -1184,6 +1199,7 @@ def test_paged_preemption_resumes_at_the_drawn_count(monkeypatch):
         i = next(i for i, p in enumerate(prompts) if s[: len(p)] == p and ours[i].tokens[: len(s) - len(p)]
                  == s[len(p):])
         assert len(s) > len(prompts[i])
+    assert checked
     free = sample(model, prompts, static=True, generator=torch.Generator().manual_seed(1), **kw)
     assert [r.tokens for r in ours] == [r.tokens for r in free]
 
