@@ -1809,20 +1809,23 @@ class _PagedCache:
     columns no row owns point. ``table`` (S, L / block_size) on the device: the pool block of each slot's j-th block
     of columns; column c of slot s lives at token row table[s, c // bs] * bs + c % bs. write_pos (S,): the column
     where each slot's current token goes (= tokens already cached in that slot). The host keeps each slot's blocks
-    and the free list; it changes the table only between steps (``_set_rows``), so a step reads nothing from it."""
+    and the free list (Python lists: no tensor op per block); it copies the table to the device only between steps
+    (``sync``), so a step reads nothing from the host. ``begin_step`` computes, once per step for every layer, the pool
+    row each slot's new K/V goes to."""
 
     def __init__(self, plan: _PoolPlan, device, dtype: torch.dtype | None = None):
         self.slots, self.length, self.block_size, self.dtype = plan.slots, plan.length, plan.block_size, dtype
         self.blocks, self.trash = plan.blocks, plan.blocks
         self.keys, self.values = [], []
         width = -(-plan.length // plan.block_size)
-        self.table_host = torch.full((plan.slots, width), self.trash, dtype=torch.long)  # (S, L / bs)
-        self.table = self.table_host.to(device)  # (S, L / bs)
+        self.table_host = [[self.trash] * width for _ in range(plan.slots)]  # (S, L / bs) host lists
+        self.table = torch.tensor(self.table_host, dtype=torch.long, device=device)  # (S, L / bs)
         self.write_pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # (S,)
         cols = torch.arange(plan.length, device=device)  # (L,)
         self.col_block, self.col_off = cols // plan.block_size, cols % plan.block_size  # (L,), (L,)
         self.read_idx = self._read_index()  # (S, L) pool row of every column of every slot
         self.width = plan.length  # W: the columns a step gathers and attends over (a width bucket, <= L)
+        self.dest = torch.zeros(plan.slots, dtype=torch.long, device=device)  # (S,) pool row of this step's K/V
         self.owned: list[list[int]] = [[] for _ in range(plan.slots)]  # host: each slot's blocks, in column order
         self.free = list(range(plan.blocks))[::-1]  # host: free blocks; pop() gives the lowest first
         self.peak = 0  # most blocks in use at once
@@ -1839,30 +1842,29 @@ class _PagedCache:
         mine = self.owned[slot]
         for _ in range(self.blocks_for(columns) - len(mine)):
             mine.append(self.free.pop())
-            self.table_host[slot, len(mine) - 1] = mine[-1]
+            self.table_host[slot][len(mine) - 1] = mine[-1]
         self.peak = max(self.peak, self.blocks - len(self.free))
 
     def release(self, slot: int) -> None:
         """Return `slot`'s blocks to the free list; its columns point at the trash block again."""
         self.free.extend(self.owned[slot][::-1])
         self.owned[slot] = []
-        self.table_host[slot] = self.trash
+        self.table_host[slot] = [self.trash] * len(self.table_host[slot])
 
     def sync(self) -> None:
         """Copy the host's table to the device and recompute the read index, in place (a captured step reads both
         buffers): one host-to-device copy, at a host read, never inside a step."""
-        self.table.copy_(self.table_host)
+        self.table.copy_(torch.tensor(self.table_host, dtype=torch.long))
         self.read_idx.copy_(self._read_index())
 
     def load(self, slots: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], lens: list[int]) -> None:
         """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into the
         blocks of `slots` (host list, b; their blocks given and synced): row i's columns [0, lens[i])."""
-        device = self.write_pos.device
-        src_row = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)])  # (n_tok,)
-        src_col = torch.cat([torch.arange(n) for n in lens])  # (n_tok,)
-        dest = (self.table_host[torch.tensor(slots)[src_row], src_col // self.block_size] * self.block_size
-                + src_col % self.block_size).to(device)  # (n_tok,) pool rows
-        src_row, src_col = src_row.to(device), src_col.to(device)
+        device, bs = self.write_pos.device, self.block_size
+        pairs = [(i, c) for i, n in enumerate(lens) for c in range(n)]  # (row, column) of every real token
+        dest = torch.tensor([self.table_host[slots[i]][c // bs] * bs + c % bs for i, c in pairs],
+                            dtype=torch.long, device=device)  # (n_tok,) pool rows
+        src_row, src_col = torch.tensor(pairs, dtype=torch.long, device=device).t()  # (n_tok,), (n_tok,)
         for i, (k, v) in enumerate(kv):
             if i == len(self.keys):  # first load: allocate with the K/V's own head count, size and dtype
                 shape = ((self.blocks + 1) * self.block_size, k.shape[1], k.shape[3])
@@ -1887,12 +1889,20 @@ class _PagedCache:
         first W columns gathered through the table: (S, h, W, d) each, a transient copy of one layer's columns
         (freed when the layer's attention is done); columns a row does not own read the trash block, masked out."""
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
-        block = self.table.gather(1, (self.write_pos // self.block_size).unsqueeze(1)).squeeze(1)  # (S,)
-        dest = block * self.block_size + self.write_pos % self.block_size  # (S,) free slots: inside the trash block
-        k_pool.index_copy_(0, dest, key_states[:, :, 0].to(k_pool.dtype))  # (S, h, d)
-        v_pool.index_copy_(0, dest, value_states[:, :, 0].to(v_pool.dtype))
-        idx = self.read_idx[:, : self.width]  # (S, W)
-        return k_pool[idx].transpose(1, 2), v_pool[idx].transpose(1, 2)  # (S, h, W, d)
+        if key_states.dtype != k_pool.dtype:
+            key_states = key_states.to(k_pool.dtype)
+        if value_states.dtype != v_pool.dtype:
+            value_states = value_states.to(v_pool.dtype)
+        k_pool.index_copy_(0, self.dest, key_states.squeeze(2))  # (S, h, d) rows; free slots: in the trash block
+        v_pool.index_copy_(0, self.dest, value_states.squeeze(2))
+        return k_pool[self.read].transpose(1, 2), v_pool[self.read].transpose(1, 2)  # (S, h, W, d)
+
+    def begin_step(self) -> None:
+        """Once per step, before the layers: the pool row of each slot's column write_pos, and the (S, W) view of
+        the read index at this step's width (nothing read on the host)."""
+        block = self.table.gather(1, torch.div(self.write_pos, self.block_size, rounding_mode="floor").unsqueeze(1))
+        torch.add(block.squeeze(1) * self.block_size, self.write_pos % self.block_size, out=self.dest)  # (S,)
+        self.read = self.read_idx[:, : self.width]  # (S, W)
 
 
 class _StaticStep:
@@ -1934,6 +1944,7 @@ class _StaticStep:
         # (S, W): cached columns + this one (a free slot clamped past W attends over trash: its draws are discarded)
         allowed = self.columns[: self.cache.width].unsqueeze(0) <= self.cache.write_pos.unsqueeze(1)
         mask = allowed[:, None, None, :]  # (S, 1, 1, W)
+        self.cache.begin_step()
         if self.additive:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
         hidden = self.base(
