@@ -5,7 +5,7 @@ What this measures
 A GPU decode step of a small model is bound by what the host dispatches, not by the card: every aten op is a
 kernel launch the GPU waits for, every weight cast a kernel and a pass over the weight, every device-to-host read
 a stall of the whole queue. On a CPU with a model at real depth but toy width the compute is negligible, so the
-time per step is the host's share and the op count is the launch count. Four ways to run the same greedy decode:
+time per step is the host's share and the op count is the launch count. The ways to run the same greedy decode:
 
 * ``sampler, before``: ``sample(static="off", cast_once=False, sync_every=1)``, the sampler's old settings
   (before departures 16 and 17): autocast re-casts every float32 Linear weight on every step (under
