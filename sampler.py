@@ -1756,8 +1756,9 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
 # ------------------------------------------------------------------------------------------------
 # Sampler, part 4: the static-shape path. S slots over a paged KV pool: each slot's row owns blocks of
 # ``block_size`` token rows, listed in a device block table; a decode step always runs all S slots over W gathered
-# columns (a width bucket), so its shapes never change and CUDA can replay it as a graph (one per bucket). The host hands out blocks at admission and
-# at each host read, preempts the newest rows when the pool runs dry, and prefills refills (right-padded, eager).
+# columns (a width bucket), so its shapes never change and CUDA can replay it as a graph (one per bucket). The host
+# hands out blocks at admission and at each host read, preempts the newest rows when the pool runs dry, and
+# prefills refills (right-padded, eager).
 # ------------------------------------------------------------------------------------------------
 
 
