@@ -1163,6 +1163,7 @@ class _Run:
     pool_bytes: int = 0  # static path: bytes of the K/V pool as allocated
     gather_bytes: int = 0  # static path: bytes of one layer's K and V gathered for the attention (transient)
     width_steps: dict | None = None  # static path: width bucket W -> decode steps run at it
+    rows_steps: dict | None = None  # static path: slot-count bucket R -> decode steps run at it
 
     def __post_init__(self):
         order = list(range(len(self.prompts)))
@@ -1544,7 +1545,7 @@ def sample(
             stats["kv_blocks_peak"], stats["kv_blocks_held_at_end"] = run.blocks_peak, run.blocks_left
             stats["rows_in_flight_mean"] = run.in_flight / max(1, run.decode_steps)
             stats["rows_in_flight_peak"], stats["preemptions"] = run.in_flight_peak, run.preemptions
-            stats["width_steps"] = run.width_steps
+            stats["width_steps"], stats["rows_steps"] = run.width_steps, run.rows_steps
     return run.rollouts()
 
 
@@ -1826,6 +1827,7 @@ class _PagedCache:
         self.col_block, self.col_off = cols // plan.block_size, cols % plan.block_size  # (L,), (L,)
         self.read_idx = self._read_index()  # (S, L) pool row of every column of every slot
         self.width = plan.length  # W: the columns a step gathers and attends over (a width bucket, <= L)
+        self.rows = plan.slots  # R: the slots a step runs (a slot-count bucket; the occupied slots are the first)
         self.dest = torch.zeros(plan.slots, dtype=torch.long, device=device)  # (S,) pool row of this step's K/V
         self.owned: list[list[int]] = [[] for _ in range(plan.slots)]  # host: each slot's blocks, in column order
         self.free = list(range(plan.blocks))[::-1]  # host: free blocks; pop() gives the lowest first
@@ -1894,16 +1896,23 @@ class _PagedCache:
             key_states = key_states.to(k_pool.dtype)
         if value_states.dtype != v_pool.dtype:
             value_states = value_states.to(v_pool.dtype)
-        k_pool.index_copy_(0, self.dest, key_states.squeeze(2))  # (S, h, d) rows; free slots: in the trash block
-        v_pool.index_copy_(0, self.dest, value_states.squeeze(2))
-        return k_pool[self.read].transpose(1, 2), v_pool[self.read].transpose(1, 2)  # (S, h, W, d)
+        dest = self.dest[: self.rows]  # (R,)
+        k_pool.index_copy_(0, dest, key_states.squeeze(2))  # (R, h, d) rows; free slots: in the trash block
+        v_pool.index_copy_(0, dest, value_states.squeeze(2))
+        return k_pool[self.read].transpose(1, 2), v_pool[self.read].transpose(1, 2)  # (R, h, W, d)
 
     def begin_step(self) -> None:
-        """Once per step, before the layers: the pool row of each slot's column write_pos, and the (S, W) view of
-        the read index at this step's width (nothing read on the host)."""
-        block = self.table.gather(1, torch.div(self.write_pos, self.block_size, rounding_mode="floor").unsqueeze(1))
-        torch.add(block.squeeze(1) * self.block_size, self.write_pos % self.block_size, out=self.dest)  # (S,)
-        self.read = self.read_idx[:, : self.width]  # (S, W)
+        """Once per step, before the layers: the pool row of each of the first R slots' column write_pos, and the
+        (R, W) view of the read index at this step's bucket (nothing read on the host)."""
+        pos = self.write_pos[: self.rows]  # (R,)
+        block = self.table[: self.rows].gather(1, torch.div(pos, self.block_size, rounding_mode="floor")[:, None])
+        torch.add(block.squeeze(1) * self.block_size, pos % self.block_size, out=self.dest[: self.rows])  # (R,)
+        self.read = self.read_idx[: self.rows, : self.width]  # (R, W)
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's row goes to the free slot dst: its blocks and table row move (the K/V stays where it is)."""
+        self.owned[dst], self.owned[src] = self.owned[src], []
+        self.table_host[dst], self.table_host[src] = self.table_host[src], [self.trash] * len(self.table_host[src])
 
 
 class _StaticStep:
@@ -1912,9 +1921,9 @@ class _StaticStep:
     their K/V at ``cache.write_pos`` (S,), into the next ``hidden``. Nothing reads the host: on CUDA the whole step
     is captured once as a CUDA graph and replayed (the draw inside it; for top-p < 1, whose nucleus search may sort
     on the host's word, the draw runs eagerly before the replay of the forward). Elsewhere it runs eagerly: the same
-    computation, which is what the CPU parity tests check. The attention reads the first W columns of every slot, W
-    one of a few width buckets the host picks between steps (``width``); CUDA captures one graph per bucket used,
-    all in one memory pool."""
+    computation, which is what the CPU parity tests check. A step runs the first R slots (the occupied ones are kept
+    first) over their first W columns, (R, W) one of a few slot-count and width buckets the host picks between
+    steps; CUDA captures one graph per pair used, all in one memory pool."""
 
     def __init__(self, model, base, cache: _PagedCache, run: _Run, device):
         self.base, self.cache, self.run, self.cache_arg = base, cache, run, _cache_kwarg(base)
@@ -1933,31 +1942,34 @@ class _StaticStep:
         self.use_graph = torch.device(device).type == "cuda"
         # the draw is capturable (no host read) except top-p's nucleus search, which may sort a row whole
         self.draw_inside = run.temperature == 0 or run.top_p == 1.0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # width -> its captured step
-        self.steps_at: dict[int, int] = {}  # width -> decode steps run at it (stats)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (R, W) -> its captured step
+        self.steps_at: dict[tuple[int, int], int] = {}  # (R, W) -> decode steps run at it (stats)
 
     def _draw(self) -> None:
-        tokens = self.run.draw(self.hidden, self.slot_row, self.n_out)  # (S,)
-        self.tokens.copy_(tokens.unsqueeze(1))
-        self.n_out.add_(1)
+        n = self.cache.rows
+        tokens = self.run.draw(self.hidden[:n], self.slot_row[:n], self.n_out[:n])  # (R,)
+        self.tokens[:n].copy_(tokens.unsqueeze(1))
+        self.n_out[:n].add_(1)
 
     def _forward(self) -> None:
-        # (S, W): cached columns + this one (a free slot clamped past W attends over trash: its draws are discarded)
-        allowed = self.columns[: self.cache.width].unsqueeze(0) <= self.cache.write_pos.unsqueeze(1)
-        mask = allowed[:, None, None, :]  # (S, 1, 1, W)
+        n, width = self.cache.rows, self.cache.width
+        pos = self.cache.write_pos[:n]  # (R,)
+        # (R, W): cached columns + this one (a free slot clamped past W attends over trash: its draws are discarded)
+        allowed = self.columns[:width].unsqueeze(0) <= pos.unsqueeze(1)
+        mask = allowed[:, None, None, :]  # (R, 1, 1, W)
         self.cache.begin_step()
         if self.additive:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
         hidden = self.base(
-            input_ids=self.tokens, attention_mask=mask, position_ids=self.positions, use_cache=True,
+            input_ids=self.tokens[:n], attention_mask=mask, position_ids=self.positions[:n], use_cache=True,
             **{self.cache_arg: self.cache},
-        ).last_hidden_state[:, -1]  # (S, H)
-        self.hidden.copy_(hidden)
+        ).last_hidden_state[:, -1]  # (R, H)
+        self.hidden[:n].copy_(hidden)
         # a free slot, or a row past its end, keeps counting: clamp inside the columns and the position table (a
         # running row never gets there: its prompt + max_new_tokens columns fit)
         last = self.cache.length - 1
-        self.positions.add_(1).clamp_(max=last)
-        self.cache.write_pos.add_(1).clamp_(max=last)
+        self.positions[:n].add_(1).clamp_(max=last)
+        pos.add_(1).clamp_(max=last)
 
     def _captured(self) -> None:
         """What the graph records: the whole step, or only its forward when the draw cannot be captured."""
@@ -1987,22 +1999,32 @@ class _StaticStep:
         if cuda:
             torch.cuda.current_stream().wait_stream(side)
 
-    def __call__(self, width: int) -> None:
-        """One step with the attention over the first `width` columns (a bucket; every running row's columns up to
-        the next host read lie below it)."""
-        self.cache.width = width
-        self.steps_at[width] = self.steps_at.get(width, 0) + 1
-        if self.use_graph and width not in self.graphs:
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """The rows of slots `src` go to the free slots `dst` (host lists): each per-slot buffer's entries copied
+        (the cache's table rows are moved by ``_PagedCache.move``); the src slots then draw into the trash row."""
+        device = self.tokens.device
+        src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst))
+        for buf in (self.tokens, self.positions, self.slot_row, self.n_out, self.hidden, self.cache.write_pos):
+            buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+        self.slot_row.index_fill_(0, src_t, self.run.trash)
+
+    def __call__(self, rows: int, width: int) -> None:
+        """One step of the first `rows` slots (a bucket holding every occupied slot) with the attention over their
+        first `width` columns (a bucket; every running row's columns up to the next host read lie below it)."""
+        self.cache.rows, self.cache.width = rows, width
+        key = (rows, width)
+        self.steps_at[key] = self.steps_at.get(key, 0) + 1
+        if self.use_graph and key not in self.graphs:
             self.warm_up()
             pool = next(iter(self.graphs.values())).pool() if self.graphs else None  # one pool for all buckets
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):  # records, runs nothing
                 self._captured()
-            self.graphs[width] = graph
+            self.graphs[key] = graph
         if not self.draw_inside:
             self._draw()
-        if width in self.graphs:
-            self.graphs[width].replay()
+        if key in self.graphs:
+            self.graphs[key].replay()
         else:
             self._captured()
 
@@ -2087,7 +2109,8 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
     step = 0
     bs, length = plan.block_size, plan.length
     widths = sorted({min(length, -(-length // (f * bs)) * bs) for f in _WIDTH_FRACTIONS})  # the buckets, ascending
-    width = length
+    counts = sorted({-(-plan.slots // f) for f in _WIDTH_FRACTIONS})  # slot-count buckets, the same fractions of S
+    width, n_run = length, plan.slots
 
     def written(s: int) -> int:  # columns slot s has written: its prompt, then one per token drawn
         return prompt_of[s] + step - start_of[s]
@@ -2100,7 +2123,6 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
         seqs = [run.prompts[rows[i]] + drawn.pop(rows[i]) for i in back]
         for i, s in enumerate(slots):
             cache.grow(s, (len(seqs[back.index(i)]) if i in back else len(run.prompts[rows[i]])) + run.sync_every)
-        cache.sync()
         parts, lens = [], [0] * len(rows)
         if fresh and run.keys is not None:
             hid, n = _load_shared(model, base, run, cache, [slots[i] for i in fresh], [rows[i] for i in fresh],
@@ -2120,7 +2142,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
                 lens[i] = m
         order = fresh + back
         pre_hidden = torch.cat(parts)[torch.tensor([order.index(i) for i in range(len(rows))], device=device)]  # (b,H)
-        if not run.kv_bytes_per_token:
+        if not run.kv_bytes_per_token:  # (the pool seen as (1, h, N, d))
             run.note_cache([(k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2))
                             for k, v in zip(cache.keys, cache.values)])
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
@@ -2149,7 +2171,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
         (sync_every steps at most), preempting the newest rows while the pool cannot; then admit waiting rows in
         order while a slot and their blocks (prompt + sync_every columns) are free; then pick the width bucket that
         holds every running row's columns until the next read."""
-        nonlocal active, width
+        nonlocal active, width, n_run
         short = lambda: sum(cache.blocks_for(written(s) + run.sync_every) - len(cache.owned[s]) for s in active)
         out = []
         while short() > len(cache.free):
@@ -2163,6 +2185,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             out.append(s)
         if out:
             leave(out)
+        compact()
         for s in active:
             cache.grow(s, written(s) + run.sync_every)
         take, left, by_blocks = [], len(cache.free), False
@@ -2181,16 +2204,35 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             take = []
         if take:
             admit(take)
-        else:
-            cache.sync()
+        cache.sync()
         need = max((written(s) + run.sync_every for s in active), default=1)
         width = next(w for w in widths if w >= min(need, length))
+        n_run = next(c for c in counts if c >= len(active))  # the occupied slots are 0 .. len(active) - 1
+        assert not active or max(active) < n_run, f"occupied slots {sorted(active)} past the {n_run} a step runs"
 
+    def compact() -> None:
+        """Rows in slots past the first len(active) move into the free slots below (the block table rows and the
+        per-slot state move; no K/V is copied), so a step of the first R slots runs every occupied one."""
+        if decode.hidden is None:
+            return
+        n, taken = len(active), set(active)
+        movers = sorted(s for s in active if s >= n)
+        holes = [s for s in range(n) if s not in taken]
+        assert len(movers) == len(holes), (movers, holes)
+        if not movers:
+            return
+        decode.move(movers, holes)
+        to = dict(zip(movers, holes))
+        for a, b in to.items():
+            cache.move(a, b)
+            row_of[b], start_of[b], prompt_of[b] = row_of.pop(a), start_of.pop(a), prompt_of.pop(a)
+        active[:] = [to.get(s, s) for s in active]  # admission order kept
+        free[:] = sorted(set(range(plan.slots)) - set(active), reverse=True)
     schedule()
     assert active, "the first admission takes at least one row: the pool holds one at full length"
     since = 0  # decode steps since the last host read
     while active:
-        decode(width)  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
+        decode(n_run, width)  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
         run.forward_calls += 1
         run.decode_steps += 1
         run.in_flight += len(active)
@@ -2210,4 +2252,8 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             schedule()
     run.blocks_peak, run.blocks_left = cache.peak, cache.blocks - len(cache.free)
     run.pool_bytes, run.gather_bytes = cache.pool_bytes(), cache.gather_bytes()
-    run.width_steps = dict(sorted(decode.steps_at.items()))
+    run.width_steps, run.rows_steps = {}, {}
+    for (r, w), n in decode.steps_at.items():
+        run.width_steps[w] = run.width_steps.get(w, 0) + n
+        run.rows_steps[r] = run.rows_steps.get(r, 0) + n
+    run.width_steps, run.rows_steps = dict(sorted(run.width_steps.items())), dict(sorted(run.rows_steps.items()))

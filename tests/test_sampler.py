@@ -781,11 +781,11 @@ def test_static_warm_up_leaves_the_state_as_it_found_it(monkeypatch):
     calls = []
     real_call = sampler._StaticStep.__call__
 
-    def warm_then_call(self, width):
+    def warm_then_call(self, rows, width):
         calls.append(1)
-        self.cache.width = width  # the warm-up runs the step at the width the call will use, as before a capture
+        self.cache.rows, self.cache.width = rows, width  # the warm-up runs at the call's buckets, as before a capture
         self.warm_up()
-        return real_call(self, width)
+        return real_call(self, rows, width)
 
     monkeypatch.setattr(sampler._StaticStep, "__call__", warm_then_call)
     warmed = sample(model, PROMPTS * 2, generator=torch.Generator().manual_seed(3), **kw)
@@ -1128,10 +1128,11 @@ def test_paged_pool_waits_and_preempts_without_changing_a_token(temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_width_buckets_attend_over_fewer_columns_with_the_same_tokens(temperature, monkeypatch):
+def test_width_and_slot_buckets_run_less_with_the_same_tokens(temperature, monkeypatch):
     # departure 10: the static step attends over the smallest of L/8, L/4, L/2, L (in whole blocks) that holds every
-    # running row until the next host read; the tokens are those of attending over all L columns every step, and of
-    # the default path, log-probs to round-off. Short rows and long rows: several buckets are used
+    # running row until the next host read, and runs the smallest of S/8 .. S slots that holds the occupied ones
+    # (rows compacted into the first slots as others leave); the tokens are those of running all S slots over all
+    # L columns every step, and of the default path, log-probs to round-off. Several buckets of each are used
     model = tiny_model("qwen3", seed=11)
     prompts = PROMPTS * 2
     kw = dict(max_new_tokens=40, temperature=temperature, max_batch_size=4, min_refill=1, block_size=2,
@@ -1149,6 +1150,9 @@ def test_width_buckets_attend_over_fewer_columns_with_the_same_tokens(temperatur
     assert set(stats["width_steps"]) <= {8, 14, 26, length} and len(stats["width_steps"]) >= 2, stats["width_steps"]
     assert sum(stats["width_steps"].values()) == stats["decode_steps"]
     assert wide_stats["width_steps"] == {length: wide_stats["decode_steps"]}
+    assert set(stats["rows_steps"]) <= {1, 2, 4} and len(stats["rows_steps"]) >= 2, stats["rows_steps"]
+    assert sum(stats["rows_steps"].values()) == stats["decode_steps"]
+    assert wide_stats["rows_steps"] == {4: wide_stats["decode_steps"]}
     for other in (wide, ref):
         assert [r.tokens for r in ours] == [r.tokens for r in other]
         assert all(torch.allclose(a.logprobs, b.logprobs, atol=1e-5) for a, b in zip(ours, other))
