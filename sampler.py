@@ -2232,7 +2232,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
     assert active, "the first admission takes at least one row: the pool holds one at full length"
     since = 0  # decode steps since the last host read
     while active:
-        decode(n_run, width)  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
+        decode(n_run, width)  # the first n_run slots draw, then the model runs on them (a graph replay on CUDA)
         run.forward_calls += 1
         run.decode_steps += 1
         run.in_flight += len(active)
