@@ -114,13 +114,16 @@ Departures and shortcuts (read these before copying)
    ``blocks + 1`` blocks of ``block_size`` (default 16) token rows of (kv_heads, head_dim), and a device block table
    (S, L / block_size) listing each slot's blocks in column order, L = longest prompt + max_new_tokens. A decode
    step draws every slot's next token, writes its K/V at row table[s, pos // bs] * bs + pos % bs of the pool, and
-   hands each attention layer every slot's first W columns gathered through the table, (S, h, W, d), with the
-   padding mask (S, 1, 1, W): its shapes never change, so on CUDA the whole step (the draw at any temperature with
+   hands each attention layer the slots' first W columns gathered through the table, (R, h, W, d), with the
+   padding mask (R, 1, 1, W) (R and W below): its shapes never change, so on CUDA the whole step (the draw at any temperature with
    top-p = 1, the forward, the bookkeeping) is captured as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed;
    with top-p < 1 the draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's
-   word). W is a width bucket, L / 8, L / 4, L / 2 or L in whole blocks (one graph per bucket used, all in one
-   memory pool): the smallest that holds every running row's columns until the next host read, picked by the host
-   there. The host hands out blocks without reading the device (every running row grows by one column a step): at
+   word). W is a width bucket, L / 8, L / 4, L / 2 or L in whole blocks: the smallest that holds every running
+   row's columns until the next host read, picked by the host there; and a step runs only the first R slots, R the
+   smallest of S / 8, S / 4, S / 2, S that holds every occupied slot: at each read, rows in slots past the first
+   (rows in flight) move into the free slots below (their block-table rows and per-slot state move, no K/V is
+   copied), so a tail of few rows runs few slots. One graph per (R, W) pair used (at most 16), all in one memory
+   pool. The host hands out blocks without reading the device (every running row grows by one column a step): at
    admission the prompt's columns + sync_every, and at each host read (departure 16) each running row's next
    sync_every columns, so a step never writes a column the host did not give a block; a row that leaves returns its
    blocks; free slots and the columns no row owns point at a trash block (masked out). A waiting prompt is admitted
@@ -134,20 +137,22 @@ Departures and shortcuts (read these before copying)
    at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
    the rows' blocks.
    What the paging costs (not measured on a GPU: none was lent to this change). The gathered K/V is a transient
-   copy, one layer at a time, of S x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at W = L, paid out
-   of max_cache_bytes). Per step the gather reads S x W columns of K/V from the pool in block_size-token pieces and
-   writes them, and the attention reads the copy: about 3 x S x W x bytes per token of KV traffic, where the dense
-   static cache this replaced (each slot a preallocated stretch of L columns) had the attention read S x L in place.
-   At the same S and W = L that is 3x the bytes; what it buys is S: rows in flight by their real lengths instead of
-   S x L reserved (``python -m bench.decode`` prints rows in flight at one budget, dense against paged). Early in a
-   rollout the width buckets cut W; once any running row nears the cap, W = L. A kernel that reads the blocks in
+   copy, one layer at a time, of R x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at S x L, paid out
+   of max_cache_bytes). Per step the gather reads R x W columns of K/V from the pool in block_size-token pieces and
+   writes them, and the attention reads the copy: about 3 x R x W x bytes per token of KV traffic, where the dense
+   static cache this replaced (each slot a preallocated stretch of L columns) had the attention read S x L in place:
+   3x the bytes per slot and column (on CUDA transformers also copies K/V to every query head for sdpa with a mask,
+   in both, so with 2 query heads per KV head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in
+   flight by their real lengths instead of S x L reserved (``python -m bench.decode --only budget``: rows in flight
+   at one budget, dense against paged). Buckets cut R in the tail and W early in a rollout; but while any running
+   row is near the cap W = L, so a long-tailed rollout's steps attend over R x L columns. A kernel that reads the blocks in
    place (FlashAttention's ``block_table``, flex attention's paged attention) would read only each row's real
-   columns once: not done (it needs a GPU to build and test). A tail of few rows still runs S slots.
+   columns once: not done (it needs a GPU to build and test).
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
    there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On
    CPU the static step runs eagerly: tested there for parity with the default path and ``generate`` (waiting,
-   preemption and width buckets included), the body a capture records is watched to dispatch no host read and no
+   preemption and both kinds of bucket included), the body a capture records is watched to dispatch no host read and no
    data-dependent shape, and the warm-up that precedes a capture is tested to leave the state as it found it; the
    capture itself and its speed are measured only by ``python -m bench.gpu`` on a GPU (not run on this change: see
    docs/RESULTS.md, Decoding on a GPU).
