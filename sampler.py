@@ -109,53 +109,52 @@ Departures and shortcuts (read these before copying)
    untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
    would produce, minus the per-step cost. Other attention implementations get the 2D mask.
 9. ``pad_token_id`` defaults to 0 in ``sample``: padding is masked out, so any id in [0, V) gives the same result.
-10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere) with a paged KV cache.
-   S slots each run one row (S = max_batch_size at most, departure 13); their K/V live in a pool: per layer
-   ``blocks + 1`` blocks of ``block_size`` (default 16) token rows of (kv_heads, head_dim), and a device block table
-   (S, L / block_size) listing each slot's blocks in column order, L = longest prompt + max_new_tokens. A decode
-   step draws every slot's next token, writes its K/V at row table[s, pos // bs] * bs + pos % bs of the pool, and
-   hands each attention layer the slots' first W columns gathered through the table, (R, h, W, d), with the
-   padding mask (R, 1, 1, W) (R and W below): its shapes never change, so on CUDA the whole step (the draw at any temperature with
-   top-p = 1, the forward, the bookkeeping) is captured as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed;
-   with top-p < 1 the draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's
-   word). W is a width bucket, L / 8, L / 4, L / 2 or L in whole blocks: the smallest that holds every running
-   row's columns until the next host read, picked by the host there; and a step runs only the first R slots, R the
-   smallest of S / 8, S / 4, S / 2, S that holds every occupied slot: at each read, rows in slots past the first
-   (rows in flight) move into the free slots below (their block-table rows and per-slot state move, no K/V is
-   copied), so a tail of few rows runs few slots. One graph per (R, W) pair used (at most 16), all in one memory
-   pool. The host hands out blocks without reading the device (every running row grows by one column a step): at
-   admission the prompt's columns + sync_every, and at each host read (departure 16) each running row's next
-   sync_every columns, so a step never writes a column the host did not give a block; a row that leaves returns its
-   blocks; free slots and the columns no row owns point at a trash block (masked out). A waiting prompt is admitted
-   when a slot is free and the pool has its blocks (max_batch_size caps the slots, memory decides below it; the
-   ``min_refill`` wait applies only while slots, not blocks, are what is short). When the top-ups cannot be served,
-   the newest rows are preempted (vLLM's recompute preemption): their blocks freed, they go back to the front of the
-   queue with the tokens they drew (one device read of those tokens), and on readmission are prefilled with prompt
-   + those tokens and draw on from counter t = tokens drawn, so by departure 7 they draw the same tokens as if never
-   preempted (up to float round-off of other batch shapes; tested); the earlier tokens' log-probs are the first
-   pass's. The cost of a preemption is that prefix's recompute. The oldest row always fits (the pool holds one row
-   at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
+10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere) with a paged KV cache. S slots
+   each run one row (S = max_batch_size at most, departure 13); their K/V live in a pool: per layer ``blocks + 1``
+   blocks of ``block_size`` (default 16) token rows of (kv_heads, head_dim), and a device block table (S, L /
+   block_size) listing each slot's blocks in column order, L = longest prompt + max_new_tokens. A decode step draws
+   every slot's next token, writes its K/V at row table[s, pos // bs] * bs + pos % bs of the pool, and hands each
+   attention layer the slots' first W columns gathered through the table, (R, h, W, d), with the padding mask (R, 1, 1,
+   W) (R and W below): its shapes never change, so on CUDA the whole step (the draw at any temperature with top-p = 1,
+   the forward, the bookkeeping) is captured as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed; with top-p < 1 the
+   draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's word). W is a width
+   bucket, L / 8, L / 4, L / 2 or L in whole blocks: the smallest that holds every running row's columns until the next
+   host read, picked by the host there; and a step runs only the first R slots, R the smallest of S / 8, S / 4, S / 2, S
+   that holds every occupied slot: at each read, rows in slots past the first (rows in flight) move into the free slots
+   below (their block-table rows and per-slot state move, no K/V is copied), so a tail of few rows runs few slots. One
+   graph per (R, W) pair used (at most 16), all in one memory pool. The host hands out blocks without reading the device
+   (every running row grows by one column a step): at admission the prompt's columns + sync_every, and at each host read
+   (departure 16) each running row's next sync_every columns, so a step never writes a column the host did not give a
+   block; a row that leaves returns its blocks; free slots and the columns no row owns point at a trash block (masked
+   out). A waiting prompt is admitted when a slot is free and the pool has its blocks (max_batch_size caps the slots,
+   memory decides below it; the ``min_refill`` wait applies only while slots, not blocks, are what is short). When the
+   top-ups cannot be served, the newest rows are preempted (vLLM's recompute preemption): their blocks freed, they go
+   back to the front of the queue with the tokens they drew (one device read of those tokens), and on readmission are
+   prefilled with prompt + those tokens and draw on from counter t = tokens drawn, so by departure 7 they draw the same
+   tokens as if never preempted (up to float round-off of other batch shapes; tested); the earlier tokens' log-probs are
+   the first pass's. The cost of a preemption is that prefix's recompute. The oldest row always fits (the pool holds one
+   row at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
    the rows' blocks.
-   What the paging costs (not measured on a GPU: none was lent to this change). The gathered K/V is a transient
-   copy, one layer at a time, of R x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at S x L, paid out
-   of max_cache_bytes). Per step the gather reads R x W columns of K/V from the pool in block_size-token pieces and
-   writes them, and the attention reads the copy: about 3 x R x W x bytes per token of KV traffic, where the dense
-   static cache this replaced (each slot a preallocated stretch of L columns) had the attention read S x L in place:
-   3x the bytes per slot and column (on CUDA transformers also copies K/V to every query head for sdpa with a mask,
-   in both, so with 2 query heads per KV head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in
-   flight by their real lengths instead of S x L reserved (``python -m bench.decode --only budget``: rows in flight
-   at one budget, dense against paged). Buckets cut R in the tail and W early in a rollout; but while any running
-   row is near the cap W = L, so a long-tailed rollout's steps attend over R x L columns. A kernel that reads the blocks in
-   place (FlashAttention's ``block_table``, flex attention's paged attention) would read only each row's real
-   columns once: not done (it needs a GPU to build and test).
+   What the paging costs (not measured on a GPU: none was lent to this change). The gathered K/V is a transient copy,
+   one layer at a time, of R x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at S x L, paid out of
+   max_cache_bytes). Per step the gather reads R x W columns of K/V from the pool in block_size-token pieces and writes
+   them, and the attention reads the copy: about 3 x R x W x bytes per token of KV traffic, where the dense static cache
+   this replaced (each slot a preallocated stretch of L columns) had the attention read S x L in place: 3x the bytes per
+   slot and column (on CUDA transformers also copies K/V to every query head for sdpa with a mask, in both, so with 2
+   query heads per KV head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in flight by their real lengths
+   instead of S x L reserved (``python -m bench.decode --only budget``: rows in flight at one budget, dense against
+   paged). Buckets cut R in the tail and W early in a rollout; but while any running row is near the cap W = L, so a
+   long-tailed rollout's steps attend over R x L columns. A kernel that reads the blocks in place (FlashAttention's
+   ``block_table``, flex attention's paged attention) would read only each row's real columns once: not done (it needs a
+   GPU to build and test).
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
-   there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On
-   CPU the static step runs eagerly: tested there for parity with the default path and ``generate`` (waiting,
-   preemption and both kinds of bucket included), the body a capture records is watched to dispatch no host read and no
-   data-dependent shape, and the warm-up that precedes a capture is tested to leave the state as it found it; the
-   capture itself and its speed are measured only by ``python -m bench.gpu`` on a GPU (not run on this change: see
-   docs/RESULTS.md, Decoding on a GPU).
+   there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On CPU
+   the static step runs eagerly: tested there for parity with the default path and ``generate`` (waiting, preemption and
+   both kinds of bucket included), the body a capture records is watched to dispatch no host read and no data-dependent
+   shape, and the warm-up that precedes a capture is tested to leave the state as it found it; the capture itself and
+   its speed are measured only by ``python -m bench.gpu`` on a GPU (not run on this change: see docs/RESULTS.md,
+   Decoding on a GPU).
 11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
    each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
    prefills each distinct prompt of a refill once; every copy gets its own copy of the prompt's cache rows (so the
