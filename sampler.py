@@ -119,10 +119,10 @@ Departures and shortcuts (read these before copying)
    the forward, the bookkeeping) is captured as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed; with top-p < 1 the
    draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's word). W is a width
    bucket, L / 8, L / 4, L / 2 or L in whole blocks: the smallest that holds every running row's columns until the next
-   host read, picked by the host there; and a step runs only the first R slots, R the smallest of S / 8, S / 4, S / 2, S
+   host read, picked by the host there; and a step runs only the first R slots, R the smallest multiple of ceil(S / 8)
    that holds every occupied slot: at each read, rows in slots past the first (rows in flight) move into the free slots
    below (their block-table rows and per-slot state move, no K/V is copied), so a tail of few rows runs few slots. One
-   graph per (R, W) pair used (at most 16), all in one memory pool. The host hands out blocks without reading the device
+   graph per (R, W) pair used (at most 32), all in one memory pool. The host hands out blocks without reading the device
    (every running row grows by one column a step): at admission the prompt's columns + sync_every, and at each host read
    (departure 16) each running row's next sync_every columns, so a step never writes a column the host did not give a
    block; a row that leaves returns its blocks; free slots and the columns no row owns point at a trash block (masked
@@ -2113,7 +2113,9 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
     step = 0
     bs, length = plan.block_size, plan.length
     widths = sorted({min(length, -(-length // (f * bs)) * bs) for f in _WIDTH_FRACTIONS})  # the buckets, ascending
-    counts = sorted({-(-plan.slots // f) for f in _WIDTH_FRACTIONS})  # slot-count buckets, the same fractions of S
+    # slot-count buckets: multiples of S / 8 (the rows in flight, not a power of two, set the step's size)
+    step_rows = -(-plan.slots // max(_WIDTH_FRACTIONS))
+    counts = sorted({min(plan.slots, k * step_rows) for k in range(1, max(_WIDTH_FRACTIONS) + 1)})
     width, n_run = length, plan.slots
 
     def written(s: int) -> int:  # columns slot s has written: its prompt, then one per token drawn

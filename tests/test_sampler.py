@@ -1130,7 +1130,7 @@ def test_paged_pool_waits_and_preempts_without_changing_a_token(temperature):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_width_and_slot_buckets_run_less_with_the_same_tokens(temperature, monkeypatch):
     # departure 10: the static step attends over the smallest of L/8, L/4, L/2, L (in whole blocks) that holds every
-    # running row until the next host read, and runs the smallest of S/8 .. S slots that holds the occupied ones
+    # running row until the next host read, and runs the fewest slots (a multiple of S / 8) holding the occupied ones
     # (rows compacted into the first slots as others leave); the tokens are those of running all S slots over all
     # L columns every step, and of the default path, log-probs to round-off. Several buckets of each are used
     model = tiny_model("qwen3", seed=11)
@@ -1150,7 +1150,7 @@ def test_width_and_slot_buckets_run_less_with_the_same_tokens(temperature, monke
     assert set(stats["width_steps"]) <= {8, 14, 26, length} and len(stats["width_steps"]) >= 2, stats["width_steps"]
     assert sum(stats["width_steps"].values()) == stats["decode_steps"]
     assert wide_stats["width_steps"] == {length: wide_stats["decode_steps"]}
-    assert set(stats["rows_steps"]) <= {1, 2, 4} and len(stats["rows_steps"]) >= 2, stats["rows_steps"]
+    assert set(stats["rows_steps"]) <= {1, 2, 3, 4} and len(stats["rows_steps"]) >= 2, stats["rows_steps"]
     assert sum(stats["rows_steps"].values()) == stats["decode_steps"]
     assert wide_stats["rows_steps"] == {4: wide_stats["decode_steps"]}
     for other in (wide, ref):
