@@ -1168,6 +1168,7 @@ class _Run:
     gather_bytes: int = 0  # static path: bytes of one layer's K and V gathered for the attention (transient)
     width_steps: dict | None = None  # static path: width bucket W -> decode steps run at it
     rows_steps: dict | None = None  # static path: slot-count bucket R -> decode steps run at it
+    bucket_steps: dict | None = None  # static path: (R, W) -> decode steps run at it
 
     def __post_init__(self):
         order = list(range(len(self.prompts)))
@@ -1446,7 +1447,8 @@ def sample(
             layer's gathered K and V at W = L (transient), ``"kv_blocks_peak"`` the most blocks in use at once,
             ``"kv_blocks_held_at_end"`` the blocks not returned (0), ``"rows_in_flight_mean"`` and
             ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when
-            the pool ran dry, ``"width_steps"`` width bucket -> decode steps run at it;
+            the pool ran dry, ``"width_steps"``, ``"rows_steps"`` and ``"bucket_steps"`` width bucket W, slot-count
+            bucket R and (R, W) -> decode steps run at it;
             ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls and the device-to-host reads of
             ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights cast once (departure 17).
         max_cache_bytes: with the static path, the bytes its K/V may take: the paged pool plus one layer's
@@ -1550,6 +1552,7 @@ def sample(
             stats["rows_in_flight_mean"] = run.in_flight / max(1, run.decode_steps)
             stats["rows_in_flight_peak"], stats["preemptions"] = run.in_flight_peak, run.preemptions
             stats["width_steps"], stats["rows_steps"] = run.width_steps, run.rows_steps
+            stats["bucket_steps"] = run.bucket_steps
     return run.rollouts()
 
 
@@ -2258,6 +2261,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             schedule()
     run.blocks_peak, run.blocks_left = cache.peak, cache.blocks - len(cache.free)
     run.pool_bytes, run.gather_bytes = cache.pool_bytes(), cache.gather_bytes()
+    run.bucket_steps = dict(sorted(decode.steps_at.items()))
     run.width_steps, run.rows_steps = {}, {}
     for (r, w), n in decode.steps_at.items():
         run.width_steps[w] = run.width_steps.get(w, 0) + n

@@ -39,8 +39,10 @@ cache this replaced reserved L = prompt + cap columns per slot, so it ran budget
 whatever their lengths; the paged pool holds rows by their real lengths. Both run the same long-tailed rollout
 (T = 1, EOS ids chosen so that about 30% of rows reach the cap and the rest end early, geometrically): the dense
 count is run as that many slots with full-length room each (the same schedule as the dense cache), the paged one
-at the budget with max_batch_size = --rows; printed: rows in flight (mean, peak), decode steps, preemptions, and
-whether the tokens are identical (departure 7 makes them so).
+at the budget with max_batch_size = rows; printed: rows in flight (mean, peak), the slots a step runs and the K/V
+columns its attention reads (dense: S x L every step; paged: R x W of its buckets, mean per step; on a GPU the
+attention's bytes scale with these, times about 3 for the paged gather: sampler.py departure 10), decode steps,
+preemptions, and whether the tokens are identical (departure 7 makes them so).
 
 Launch: ``OMP_NUM_THREADS=1 python -m bench.decode [--quick] [--rows 32] [--layers 28] [--only step|parity|budget]
 [--baseline OLD/sampler.py]`` (docs/RESULTS.md, "Decoding on a GPU", has the figures and the machine).
@@ -379,13 +381,21 @@ def main() -> None:
               f"rows, T=1, float32, {args.layers} layers at toy width; responses: {sum(n == cap for n in lengths)}"
               f"/{n_rows} at the cap {cap}, mean {sum(lengths) / n_rows:.1f} tokens; prompt + response mean "
               f"{real:.1f} columns of L = {max(map(len, runs[0]['prompts'])) + cap}")
-        print("| cache | slots | rows in flight, mean (peak) | decode steps | preemptions | blocks used, peak / pool "
-              "| K/V bytes | CPU s | tokens = dense's |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| cache | slots | rows in flight, mean (peak) | slots run per step, mean | K/V columns attended per "
+              "step, mean | decode steps | preemptions | blocks used, peak / pool | K/V bytes | CPU s | tokens = "
+              "dense's |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in runs:
             st = r["stats"]
             kv = r["budget"] if r is runs[0] else st["kv_pool_bytes"] + st["kv_gather_bytes"]  # dense: S x L columns
+            steps = st["decode_steps"]
+            if r is runs[0]:  # the dense cache ran every slot over every column, every step
+                run_slots, columns = st["slots"], st["slots"] * (max(map(len, r["prompts"])) + cap)
+            else:  # the paged one, R slots over W columns (its buckets)
+                run_slots = sum(rr * n for (rr, w), n in st["bucket_steps"].items()) / steps
+                columns = sum(rr * w * n for (rr, w), n in st["bucket_steps"].items()) / steps
             print(f"| {r['name']} | {st['slots']} | {st['rows_in_flight_mean']:.1f} ({st['rows_in_flight_peak']}) | "
+                  f"{run_slots:.1f} | {columns:,.0f} | "
                   f"{st['decode_steps']} | {st['preemptions']} | {st['kv_blocks_peak']} / {st['kv_blocks']} | "
                   f"{kv:,} | {r['seconds']:.1f} | "
                   f"{r['tokens'] == runs[0]['tokens']} |", flush=True)
