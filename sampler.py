@@ -2155,17 +2155,17 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             run.note_cache([(k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2))
                             for k, v in zip(cache.keys, cache.values)])
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
-        counts = [0] * len(rows)
+        had = [0] * len(rows)  # tokens each row drew before (a comeback's), 0 for a fresh row
         for i, d in zip(back, done):
-            counts[i] = d
+            had[i] = d
         decode.positions.index_copy_(0, slots_t, torch.tensor(lens, device=device).unsqueeze(1))
         decode.slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
-        decode.n_out.index_copy_(0, slots_t, torch.tensor(counts, dtype=torch.long, device=device))
+        decode.n_out.index_copy_(0, slots_t, torch.tensor(had, dtype=torch.long, device=device))
         if decode.hidden is None:
             decode.hidden = pre_hidden.new_zeros(plan.slots, pre_hidden.shape[1])  # (S, H)
         decode.hidden.index_copy_(0, slots_t, pre_hidden)
         active.extend(slots)
-        for s, r, m, c in zip(slots, rows, lens, counts):
+        for s, r, m, c in zip(slots, rows, lens, had):
             # a comeback has drawn c tokens already: its prefill held prompt + c columns, its counter starts at c
             row_of[s], prompt_of[s], start_of[s] = r, m - c, step - c
 
@@ -2177,8 +2177,9 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
 
     def schedule() -> None:
         """At a host read: top up every running row's blocks for the columns it writes before the next read
-        (sync_every steps at most), preempting the newest rows while the pool cannot; then admit waiting rows in
-        order while a slot and their blocks (prompt + sync_every columns) are free; then pick the width bucket that
+        (sync_every steps at most), preempting the newest rows while the pool cannot; compact the occupied slots;
+        admit waiting rows in order while a slot and their blocks (prompt + sync_every columns) are free; copy the
+        table to the device; pick the slot-count bucket that holds the occupied slots and the width bucket that
         holds every running row's columns until the next read."""
         nonlocal active, width, n_run
         short = lambda: sum(cache.blocks_for(written(s) + run.sync_every) - len(cache.owned[s]) for s in active)
@@ -2237,6 +2238,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
             row_of[b], start_of[b], prompt_of[b] = row_of.pop(a), start_of.pop(a), prompt_of.pop(a)
         active[:] = [to.get(s, s) for s in active]  # admission order kept
         free[:] = sorted(set(range(plan.slots)) - set(active), reverse=True)
+
     schedule()
     assert active, "the first admission takes at least one row: the pool holds one at full length"
     since = 0  # decode steps since the last host read
