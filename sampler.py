@@ -135,25 +135,28 @@ Departures and shortcuts (read these before copying)
    the first pass's. The cost of a preemption is that prefix's recompute. The oldest row always fits (the pool holds one
    row at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
    the rows' blocks.
-   What the paging costs (not measured on a GPU: none was lent to this change). The gathered K/V is a transient copy,
-   one layer at a time, of R x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at S x L, paid out of
+   What the paging costs (not measured on a GPU: none was lent to this work). The gathered K/V is a transient copy, one
+   layer at a time, of R x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at S x L, paid out of
    max_cache_bytes). Per step the gather reads R x W columns of K/V from the pool in block_size-token pieces and writes
-   them, and the attention reads the copy: about 3 x R x W x bytes per token of KV traffic, where the dense static cache
-   this replaced (each slot a preallocated stretch of L columns) had the attention read S x L in place: 3x the bytes per
-   slot and column (on CUDA transformers also copies K/V to every query head for sdpa with a mask, in both, so with 2
-   query heads per KV head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in flight by their real lengths
-   instead of S x L reserved (``python -m bench.decode --only budget``: rows in flight at one budget, dense against
-   paged). Buckets cut R in the tail and W early in a rollout; but while any running row is near the cap W = L, so a
-   long-tailed rollout's steps attend over R x L columns. A kernel that reads the blocks in place (FlashAttention's
-   ``block_table``, flex attention's paged attention) would read only each row's real columns once: not done (it needs a
-   GPU to build and test).
+   them, and the attention reads the copy: about 3 x R x W x bytes per token of KV traffic, where a dense static cache
+   (each slot a preallocated stretch of L columns, as gpt-fast's; ``bench.decode --baseline``) has the attention read S
+   x L in place: 3x the bytes per slot and column (on CUDA transformers also copies K/V to every query head for sdpa
+   with a mask, in both, so with 2 query heads per KV head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows
+   in flight by their real lengths instead of S x L reserved: on ``python -m bench.decode --only budget``'s long-tailed
+   rollout (CPU) 1.7x the rows in flight of the dense cache at the same budget and 0.59x its decode steps, so 0.59x the
+   weight reads; but the K/V columns attended over the rollout are the same (every row-step reads W = L while some
+   running row is near the cap; buckets cut R in the tail and W early in a rollout), so the attention's bytes are about
+   3x, and at pair1's lengths, where the attention's bytes outweigh the weights', the rollout is projected to take
+   longer per token than with the dense cache (bf16, an H200's bandwidth: arithmetic, not measured). A kernel that reads
+   the blocks in place (FlashAttention's ``block_table``, flex attention's paged attention, or per-block scores with a
+   softmax segmented by slot) would read each row's real columns once: not done (it needs a GPU to measure).
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
    there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On CPU
    the static step runs eagerly: tested there for parity with the default path and ``generate`` (waiting, preemption and
    both kinds of bucket included), the body a capture records is watched to dispatch no host read and no data-dependent
    shape, and the warm-up that precedes a capture is tested to leave the state as it found it; the capture itself and
-   its speed are measured only by ``python -m bench.gpu`` on a GPU (not run on this change: see docs/RESULTS.md,
+   its speed are measured only by ``python -m bench.gpu`` on a GPU (not run on this work: see docs/RESULTS.md,
    Decoding on a GPU).
 11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
    each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and

@@ -29,20 +29,20 @@ each one device-to-host copy on a GPU) and, for ``generate``, the ops that read 
 
 Departures: the model is a random Qwen3 at Qwen3-1.7B's depth (28 layers) and toy width (hidden 64, 4 heads, 2
 KV heads, MLP 128, vocabulary 2,048), float32 weights under CPU bf16 autocast (the trainer's regime on a GPU); on
-a GPU the width adds compute that overlaps with the host's dispatch. The greedy tokens of all four are compared
+a GPU the width adds compute that overlaps with the host's dispatch. The greedy tokens of every arm are compared
 with generate's, and ``parity`` compares the static and default paths in float32 and under autocast, and (the
 bf16 tolerance row) on a bf16 copy of the model the sampler's log-probs against a plain forward and the behaviour
 log-prob pass against the update pass.
 
-Rows in flight at a byte budget (``--only budget``): the static path's K/V memory is ``max_cache_bytes``; the dense
-cache this replaced reserved L = prompt + cap columns per slot, so it ran budget // (L x bytes per token) rows
-whatever their lengths; the paged pool holds rows by their real lengths. Both run the same long-tailed rollout
-(T = 1, EOS ids chosen so that about 30% of rows reach the cap and the rest end early, geometrically): the dense
-count is run as that many slots with full-length room each (the same schedule as the dense cache), the paged one
-at the budget with max_batch_size = rows; printed: rows in flight (mean, peak), the slots a step runs and the K/V
-columns its attention reads (dense: S x L every step; paged: R x W of its buckets, mean per step; on a GPU the
-attention's bytes scale with these, times about 3 for the paged gather: sampler.py departure 10), decode steps,
-preemptions, and whether the tokens are identical (departure 7 makes them so).
+Rows in flight at a byte budget (``--only budget``): the static path's K/V memory is ``max_cache_bytes``; a dense
+static cache (``--baseline`` a copy with one) reserves L = prompt + cap columns per slot, so it runs budget // (L x
+bytes per token) rows whatever their lengths; the paged pool holds rows by their real lengths. Both run the same
+long-tailed rollout (T = 1, EOS ids chosen so that about 30% of rows reach the cap and the rest end early,
+geometrically): the dense count is run as that many slots with full-length room each (the same schedule as the dense
+cache), the paged one at the budget with max_batch_size = rows; printed: rows in flight (mean, peak), the slots a
+step runs and the K/V columns its attention reads (dense: S x L every step; paged: R x W of its buckets, mean per
+step; on a GPU the attention's bytes scale with these, times about 3 for the paged gather: sampler.py departure 10),
+decode steps, preemptions, and whether the tokens are identical (departure 7 makes them so).
 
 Launch: ``OMP_NUM_THREADS=1 python -m bench.decode [--quick] [--rows 32] [--layers 28] [--only step|parity|budget]
 [--baseline OLD/sampler.py]`` (docs/RESULTS.md, "Decoding on a GPU", has the figures and the machine).
