@@ -136,20 +136,21 @@ Departures and shortcuts (read these before copying)
    row at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
    the rows' blocks.
    What the paging costs (not measured on a GPU: none was lent to this work). The gathered K/V is a transient copy, one
-   layer at a time, of R x W x (bytes per token / layers) (``stats["kv_gather_bytes"]`` at S x L, paid out of
-   max_cache_bytes). Per step the gather reads R x W columns of K/V from the pool in block_size-token pieces and writes
-   them, and the attention reads the copy: about 3 x R x W x bytes per token of KV traffic, where a dense static cache
-   (each slot a preallocated stretch of L columns, as gpt-fast's; ``bench.decode --baseline``) has the attention read S
-   x L in place: 3x the bytes per slot and column (on CUDA transformers also copies K/V to every query head for sdpa
-   with a mask, in both, so with 2 query heads per KV head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows
-   in flight by their real lengths instead of S x L reserved: on ``python -m bench.decode --only budget``'s long-tailed
-   rollout (CPU) 1.7x the rows in flight of the dense cache at the same budget and 0.59x its decode steps, so 0.59x the
-   weight reads; but the K/V columns attended over the rollout are the same (every row-step reads W = L while some
-   running row is near the cap; buckets cut R in the tail and W early in a rollout), so the attention's bytes are about
-   3x, and at pair1's lengths, where the attention's bytes outweigh the weights', the rollout is projected to take
-   longer per token than with the dense cache (bf16, an H200's bandwidth: arithmetic, not measured). A kernel that reads
-   the blocks in place (FlashAttention's ``block_table``, flex attention's paged attention, or per-block scores with a
-   softmax segmented by slot) would read each row's real columns once: not done (it needs a GPU to measure).
+   layer at a time, of R x W x (bytes per token / layers), and transformers copies it to every query head (departure 13;
+   ``stats["kv_gather_bytes"]`` at S x L, both paid out of max_cache_bytes). Per step the gather reads R x W columns of
+   K/V from the pool in block_size-token pieces and writes them, and the attention reads the copy: about 3 x R x W x
+   bytes per token of KV traffic, where a dense static cache (each slot a preallocated stretch of L columns, as
+   gpt-fast's; ``bench.decode --baseline``) has the attention read S x L in place: 3x the bytes per slot and column (on
+   CUDA transformers also copies K/V to every query head for sdpa with a mask, in both, so with 2 query heads per KV
+   head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in flight by their real lengths instead of S x L
+   reserved: on ``python -m bench.decode --only budget``'s long-tailed rollout (CPU) 1.7x the rows in flight of the
+   dense cache at the same budget and 0.59x its decode steps, so 0.59x the weight reads; but the K/V columns attended
+   over the rollout are the same (every row-step reads W = L while some running row is near the cap; buckets cut R in
+   the tail and W early in a rollout), so the attention's bytes are about 3x, and at pair1's lengths, where the
+   attention's bytes outweigh the weights', the rollout is projected to take longer per token than with the dense cache
+   (bf16, an H200's bandwidth: arithmetic, not measured). A kernel that reads the blocks in place (FlashAttention's
+   ``block_table``, flex attention's paged attention, or per-block scores with a softmax segmented by slot) would read
+   each row's real columns once: not done (it needs a GPU to measure).
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
    there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On CPU
@@ -190,22 +191,25 @@ Departures and shortcuts (read these before copying)
    discarded, as after an EOS (the same tokens as a read every step, tested). Greedy rows are token-identical to
    ``generate(stop_strings=..., tokenizer=...)`` (tested on the architecture sweep with the real Qwen3, SmolLM3
    and Llama-3.2 tokenizers). Without stop strings none of this runs (``bench_sampler.py --only stop``).
-13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes
-   (V from a bf16 matmul, K promoted back to float32 by a float32 q/k norm or RoPE table: Qwen3, Llama), and the
-   attention (sdpa, or eager's matmuls) casts both to the autocast dtype anyway. ``sample`` therefore stores K and V
-   in the autocast dtype whenever autocast is on for the model's device, in both paths: the same tokens and log-probs
-   as caching the mixed dtypes (tested), at 2 bytes per element instead of 4 for K. ``stats["kv_bytes_per_token"]``
-   reports the bytes one token's K and V take in the cache, read from the stored tensors. ``max_cache_bytes`` is the
-   static path's whole K/V bill (departure 10): the pool, (blocks + 1) x block_size x bytes per token (the trash
-   block included), plus one layer's gathered K/V, S x L x bytes per token / layers. With g = L x bytes per token /
-   layers (one slot's gather), B = block_size x bytes per token (one block) and w = ceil(L / block_size) (a row at
-   full length): S = min(max_batch_size or the prompt count, (max_cache_bytes - (w + 1) B) // g, max_cache_bytes //
-   (g + B ceil((shortest prompt + sync_every) / block_size))), so that every slot could hold a row at admission and
-   the pool one row at full length; blocks = min((max_cache_bytes - S g) // B - 1, S w). A budget that holds no such
-   S (below one row at full length) raises a ValueError under "on" and falls back to the default path under "auto".
-   None: S = max_batch_size, blocks for every slot at full length. Rows in flight are then as many as the pool holds
-   by their real lengths (each row holds ceil(min(prompt + drawn + sync_every, L) / block_size) blocks at most).
-   The default path's cache grows with the rows and is bounded by ``max_batch_size`` only.
+13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes (V
+   from a bf16 matmul, K promoted back to float32 by a float32 q/k norm or RoPE table: Qwen3, Llama), and the attention
+   (sdpa, or eager's matmuls) casts both to the autocast dtype anyway. ``sample`` therefore stores K and V in the
+   autocast dtype whenever autocast is on for the model's device, in both paths: the same tokens and log-probs as
+   caching the mixed dtypes (tested), at 2 bytes per element instead of 4 for K. ``stats["kv_bytes_per_token"]`` reports
+   the bytes one token's K and V take in the cache, read from the stored tensors. ``max_cache_bytes`` is the static
+   path's whole K/V bill (departure 10): the pool, (blocks + 1) x block_size x bytes per token (the trash block
+   included), plus one layer's transient K/V at S slots and L columns: the gather and, for grouped-query attention,
+   transformers' copy of it to every query head (``repeat_kv``, run by sdpa with a mask and by eager attention): c = 1 +
+   heads / kv_heads copies (c = 1 without grouping; ``_transient_copies``; 3 for Qwen3-1.7B), c x S x L x bytes per
+   token / layers. With g = c x L x bytes per token / layers (one slot's share), B = block_size x bytes per token (one
+   block) and w = ceil(L / block_size) (a row at full length): S = min(max_batch_size or the prompt count,
+   (max_cache_bytes - (w + 1) B) // g, max_cache_bytes // (g + B ceil((shortest prompt + sync_every) / block_size))), so
+   that every slot could hold a row at admission and the pool one row at full length; blocks = min((max_cache_bytes - S
+   g) // B - 1, S w). A budget that holds no such S (below one row at full length) raises a ValueError under "on" and
+   falls back to the default path under "auto". None: S = max_batch_size, blocks for every slot at full length. Rows in
+   flight are then as many as the pool holds by their real lengths (each row holds ceil(min(prompt + drawn + sync_every,
+   L) / block_size) blocks at most). The default path's cache grows with the rows and is bounded by ``max_batch_size``
+   only.
 14. ``batches_by_length`` cuts micro-batches for ``response_logprobs``, which pads every row of a call to its
    longest: cut in rollout order, long-tailed RL responses pad to several times their real tokens. It counts the
    token positions each of three cuts would feed (``_pass_tokens``, padding and shared prompts as
@@ -1441,21 +1445,21 @@ def sample(
         progress: show a tqdm bar over finished rows.
         stats: if a dict is given, ``stats["forward_calls"]`` receives the number of model-body calls (prefills and
             decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost;
-            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded); ``stats["kv_dtypes"]`` the
-            (K, V) dtypes of the cache (its first layer) and ``stats["kv_bytes_per_token"]`` the bytes one token's K
-            and V take over all layers, both read off the stored tensors (departure 13); with static=True,
-            ``stats["static"]`` whether the static path ran; when it did (departures 10, 13): ``stats["slots"]`` the
-            slot count S, ``"kv_block_size"`` and ``"kv_blocks"`` the pool's block size and usable blocks,
-            ``"kv_pool_bytes"`` the pool's bytes as allocated (trash block included), ``"kv_gather_bytes"`` one
-            layer's gathered K and V at W = L (transient), ``"kv_blocks_peak"`` the most blocks in use at once,
+            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded); ``stats["kv_dtypes"]`` the (K,
+            V) dtypes of the cache (its first layer) and ``stats["kv_bytes_per_token"]`` the bytes one token's K and V
+            take over all layers, both read off the stored tensors (departure 13); ``stats["static"]`` whether the
+            static path ran; when it did (departures 10, 13): ``stats["slots"]`` the slot count S, ``"kv_block_size"``
+            and ``"kv_blocks"`` the pool's block size and usable blocks, ``"kv_pool_bytes"`` the pool's bytes as
+            allocated (trash block included), ``"kv_gather_bytes"`` one layer's gathered K and V at S x L with
+            transformers' copies of it (transient, departure 13), ``"kv_blocks_peak"`` the most blocks in use at once,
             ``"kv_blocks_held_at_end"`` the blocks not returned (0), ``"rows_in_flight_mean"`` and
-            ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when
-            the pool ran dry, ``"width_steps"``, ``"rows_steps"`` and ``"bucket_steps"`` width bucket W, slot-count
-            bucket R and (R, W) -> decode steps run at it;
-            ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls and the device-to-host reads of
-            ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights cast once (departure 17).
+            ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when the
+            pool ran dry, ``"width_steps"``, ``"rows_steps"`` and ``"bucket_steps"`` width bucket W, slot-count bucket R
+            and (R, W) -> decode steps run at it; ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls
+            and the device-to-host reads of ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights
+            cast once (departure 17).
         max_cache_bytes: with the static path, the bytes its K/V may take: the paged pool plus one layer's
-            gathered K/V (departure 13 has the arithmetic); rows in flight are what the pool holds by their real
+            gathered K/V and transformers' copies of it (departure 13 has the arithmetic); rows in flight are what the pool holds by their real
             lengths, at most S. None: max_batch_size slots, each with blocks for a full-length row, with "on"; with
             "auto", 80% of the device's free memory. The default path ignores it.
         sync_every: decode steps between the host's reads of which rows have ended (departure 16); 1 reads every
@@ -1505,15 +1509,18 @@ def sample(
         length = max(len(p) for p in prompts) + max_new_tokens
         token_bytes = _kv_token_bytes(model, kv_dtype)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        copies = _transient_copies(model.config)
         plan = _pool_plan(slots=capacity, length=length, shortest=min(map(len, prompts)) + sync_every,
-                          block_size=block_size, token_bytes=token_bytes, layers=layers, budget=max_cache_bytes)
+                          block_size=block_size, token_bytes=token_bytes, layers=layers, budget=max_cache_bytes,
+                          copies=copies)
         if plan is None and static == "auto":
             static = False  # "auto" only takes the static path where it fits; the default path's cache grows
         elif plan is None:
             row = (-(-length // block_size) + 1) * block_size * token_bytes
             raise ValueError(f"sampler.py sample(): max_cache_bytes={max_cache_bytes} holds no slot of the static path "
                              f"(one row of {length} columns in {block_size}-token blocks, with the trash block, takes "
-                             f"{row} bytes, and one layer's gathered K/V {length * token_bytes // layers} bytes); "
+                             f"{row} bytes, and one layer's gathered K/V and its copies "
+                             f"{copies * (length * token_bytes // layers)} bytes); "
                              f"raise it, lower max_new_tokens, or use static='off'")
         else:
             capacity = plan.slots
@@ -1781,35 +1788,47 @@ _WIDTH_FRACTIONS = (8, 4, 2, 1)
 @dataclass
 class _PoolPlan:
     """How the static path's K/V memory is cut (departure 13): S slots, ``blocks`` usable blocks of ``block_size``
-    tokens (plus one trash block), ``length`` = L columns each slot's attention reads."""
+    tokens (plus one trash block), ``length`` = L columns each slot's attention reads, ``copies`` the transient
+    copies of a layer's gathered K/V a step makes (``_transient_copies``)."""
 
     slots: int
     blocks: int
     block_size: int
     length: int
+    copies: int = 1
+
+
+def _transient_copies(config) -> int:
+    """Copies of one layer's K/V that a static step holds at once, in units of the gathered (S, kv_heads, W, d):
+    the gather, and for grouped-query attention transformers' copy to every query head (``repeat_kv``, which sdpa
+    with a mask and eager attention run; n_rep = heads / kv_heads, no copy when it is 1)."""
+    cfg = config.get_text_config(decoder=True)
+    n_rep = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    return 1 + (n_rep if n_rep > 1 else 0)
 
 
 def _pool_plan(*, slots: int, length: int, shortest: int, block_size: int, token_bytes: int, layers: int,
-               budget: int | None) -> _PoolPlan | None:
+               budget: int | None, copies: int = 1) -> _PoolPlan | None:
     """The static path's slots and pool for a byte budget (departure 13), or None when the budget holds no row.
 
     slots: rows in flight at most (max_batch_size, or the prompt count); length: L = longest prompt + max_new_tokens;
     shortest: the fewest columns a row holds at admission (shortest prompt + sync_every); token_bytes: one token's K
     and V over all layers. The budget pays for the pool, (blocks + 1) x block_size x token_bytes, and for one layer's
-    K and V gathered for the attention, S x L x token_bytes / layers (transient, one layer at a time). S is cut so
+    K and V gathered for the attention and its copies, copies x S x L x token_bytes / layers (transient, one layer
+    at a time; copies from ``_transient_copies``). S is cut so
     that every slot could hold a row at admission and the pool still holds one row at full length; the pool takes
     the rest, never more than S full-length rows. budget None: S slots and S full-length rows of blocks."""
     width = -(-length // block_size)  # blocks of a row at full length
     if budget is None:
-        return _PoolPlan(slots, slots * width, block_size, length)
+        return _PoolPlan(slots, slots * width, block_size, length, copies)
     block_bytes = block_size * token_bytes
-    gather = length * token_bytes // layers  # one slot's gathered K and V of one layer
+    gather = copies * (length * token_bytes // layers)  # one slot's gathered K and V of one layer, and their copies
     smallest = -(-min(shortest, length) // block_size) * block_bytes  # a row at admission
     fit = min(slots, (budget - (width + 1) * block_bytes) // gather, budget // (gather + smallest))
     if fit < 1:
         return None
     blocks = min((budget - fit * gather) // block_bytes - 1, fit * width)
-    return _PoolPlan(int(fit), int(blocks), block_size, length)
+    return _PoolPlan(int(fit), int(blocks), block_size, length, copies)
 
 
 class _PagedCache:
@@ -1827,6 +1846,7 @@ class _PagedCache:
 
     def __init__(self, plan: _PoolPlan, device, dtype: torch.dtype | None = None):
         self.slots, self.length, self.block_size, self.dtype = plan.slots, plan.length, plan.block_size, dtype
+        self.copies = plan.copies
         self.blocks, self.trash = plan.blocks, plan.blocks
         self.keys, self.values = [], []
         width = -(-plan.length // plan.block_size)
@@ -1893,9 +1913,10 @@ class _PagedCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def gather_bytes(self) -> int:
-        """The largest one layer's gathered K and V take: (S, h, L, d) each, the transient of ``update``."""
-        return max((k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.slots * self.length
-                   for k, v in zip(self.keys, self.values))
+        """The most one layer's transient K/V take at S x L: the gather of ``update``, (S, h, L, d) each, with the
+        copies transformers makes of it (``_PoolPlan.copies``)."""
+        return self.copies * max((k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.slots
+                                 * self.length for k, v in zip(self.keys, self.values))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Write one step's K/V (S, h, 1, d) at each slot's write_pos (through its block), and return every slot's

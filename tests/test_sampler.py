@@ -738,7 +738,7 @@ def test_static_auto_sizes_its_cache_to_the_free_memory(monkeypatch):
     per_slot = (max(map(len, PROMPTS)) + 4) * sampler._kv_token_bytes(model, None)
     kw = dict(max_new_tokens=4, temperature=0, eos_token_id=1000, max_batch_size=5, block_size=4)
     ref = [r.tokens for r in sample(model, PROMPTS, static="off", **kw)]
-    for free, static in ((per_slot * 3 / 0.8 + 1, True), (per_slot * 0.5, False)):
+    for free, static in ((per_slot * 6 / 0.8 + 1, True), (per_slot * 0.5, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (int(free), 10 * int(free)))
         stats = {}
         assert [r.tokens for r in sample(model, PROMPTS, stats=stats, **kw)] == ref
@@ -1036,15 +1036,17 @@ def test_bf16_kv_cache_samples_what_the_mixed_dtype_cache_did(static, attn, monk
 
 def test_paged_pool_sizing_follows_the_byte_budget_exactly():
     # departure 13: max_cache_bytes pays for the pool ((blocks + 1) x block_size tokens, the trash block included)
-    # and one layer's gathered K/V (S x L tokens / layers); slots are cut so every slot could hold a row at admission
-    # and the pool still holds one row at full length. Hand-computed for the tiny Qwen3 (512 bytes a token in
-    # float32: 2 layers x 2 KV heads x 16 x 4 bytes x K and V)
+    # and one layer's gathered K/V with transformers' copy of it to every query head (3 x S x L tokens / layers: 4
+    # heads over 2 KV heads); slots are cut so every slot could hold a row at admission and the pool still holds one
+    # row at full length. Hand-computed for the tiny Qwen3 (512 bytes a token in float32: 2 layers x 2 KV heads x 16
+    # x 4 bytes x K and V)
     model = tiny_model("qwen3", seed=9)
     tb = sampler._kv_token_bytes(model, None)
     assert tb == 2 * 2 * 2 * 16 * 4
     prompts = PROMPTS * 2  # longest 9, shortest 1
     length, bs, sync = 9 + 8, 4, 2  # L = 17 columns: 5 blocks of 4 at full length
-    gather = length * tb // 2  # one slot, one layer, K and V
+    assert sampler._transient_copies(model.config) == 3  # the gather + repeat_kv's copy to 2 x the heads
+    gather = 3 * (length * tb // 2)  # one slot, one layer, K and V, the gather and its copy
     budget = 3 * gather + 6 * bs * tb  # 3 slots' gather, 5 blocks (one row at full length) + the trash block
     stats = {}
     sample(model, prompts, max_new_tokens=8, temperature=0, eos_token_id=[1, 2], max_batch_size=8, static=True,
@@ -1069,7 +1071,7 @@ def test_static_budget_below_one_row_is_refused():
     tb = sampler._kv_token_bytes(model, None)
     prompts = PROMPTS * 2
     length, bs = 9 + 8, 4
-    enough = (5 + 1) * bs * tb + length * tb // 2
+    enough = (5 + 1) * bs * tb + 3 * (length * tb // 2)  # a full row + trash, one slot's gather and its copy
     kw = dict(max_new_tokens=8, temperature=0, eos_token_id=[1, 2], min_refill=1, static=True, block_size=bs)
     with pytest.raises(ValueError, match="max_cache_bytes=.*holds no slot"):
         sample(model, prompts, max_batch_size=8, max_cache_bytes=enough - 1, **kw)
@@ -1099,7 +1101,7 @@ def test_paged_pool_waits_and_preempts_without_changing_a_token(temperature):
     tb = sampler._kv_token_bytes(model, None)
     bs, cap, sync = 2, 16, 3
     length = max(map(len, prompts)) + cap
-    gather = length * tb // model.config.num_hidden_layers
+    gather = 3 * (length * tb // model.config.num_hidden_layers)  # the gather and its copy to every query head
     kw = dict(max_new_tokens=cap, temperature=temperature, eos_token_id=[1, 2], max_batch_size=6, min_refill=1,
               block_size=bs, sync_every=sync, generator=None)
     ref = sample(model, prompts, static="off", **{**kw, "generator": torch.Generator().manual_seed(4)})
@@ -1167,7 +1169,7 @@ def test_paged_preemption_resumes_at_the_drawn_count(monkeypatch):
     tb = sampler._kv_token_bytes(model, None)
     bs, cap = 2, 12
     length = max(map(len, prompts)) + cap
-    budget = 4 * (length * tb // 2) + (-(-length // bs) + 2) * bs * tb
+    budget = 4 * 3 * (length * tb // 2) + (-(-length // bs) + 2) * bs * tb
     seen = []
     real = sampler._prefill_right
 
