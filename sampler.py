@@ -1458,10 +1458,10 @@ def sample(
             and (R, W) -> decode steps run at it; ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls
             and the device-to-host reads of ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights
             cast once (departure 17).
-        max_cache_bytes: with the static path, the bytes its K/V may take: the paged pool plus one layer's
-            gathered K/V and transformers' copies of it (departure 13 has the arithmetic); rows in flight are what the pool holds by their real
-            lengths, at most S. None: max_batch_size slots, each with blocks for a full-length row, with "on"; with
-            "auto", 80% of the device's free memory. The default path ignores it.
+        max_cache_bytes: with the static path, the bytes its K/V may take: the paged pool plus one layer's gathered K/V
+            and transformers' copies of it (departure 13 has the arithmetic); rows in flight are what the pool holds by
+            their real lengths, at most S. None: max_batch_size slots, each with blocks for a full-length row, with
+            "on"; with "auto", 80% of the device's free memory. The default path ignores it.
         sync_every: decode steps between the host's reads of which rows have ended (departure 16); 1 reads every
             step. Stop strings are checked at the same reads.
         cast_once: under autocast with float32 weights, cast every nn.Linear weight to autocast's dtype once for the
