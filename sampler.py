@@ -203,13 +203,14 @@ Departures and shortcuts (read these before copying)
    heads / kv_heads copies (c = 1 without grouping; ``_transient_copies``; 3 for Qwen3-1.7B), c x S x L x bytes per
    token / layers. With g = c x L x bytes per token / layers (one slot's share), B = block_size x bytes per token (one
    block) and w = ceil(L / block_size) (a row at full length): S = min(max_batch_size or the prompt count,
-   (max_cache_bytes - (w + 1) B) // g, max_cache_bytes // (g + B ceil((shortest prompt + sync_every) / block_size))), so
-   that every slot could hold a row at admission and the pool one row at full length; blocks = min((max_cache_bytes - S
-   g) // B - 1, S w). A budget that holds no such S (below one row at full length) raises a ValueError under "on" and
-   falls back to the default path under "auto". None: S = max_batch_size, blocks for every slot at full length. Rows in
-   flight are then as many as the pool holds by their real lengths (each row holds ceil(min(prompt + drawn + sync_every,
-   L) / block_size) blocks at most). The default path's cache grows with the rows and is bounded by ``max_batch_size``
-   only.
+   (max_cache_bytes - (w + 1) B) // g, (max_cache_bytes - B) // (g + B ceil(e / block_size))), e = ceil(mean prompt) +
+   ceil(max_new_tokens / 2) + sync_every (a row at expected lengths, as plan.py assumes): the pool holds S rows at
+   expected lengths (every slot pays its transient whatever its row) and one row at full length; blocks =
+   min((max_cache_bytes - S g) // B - 1, S w). A budget that holds no such S (below one row at full length) raises a
+   ValueError under "on" and falls back to the default path under "auto". None: S = max_batch_size, blocks for every
+   slot at full length. Rows in flight are then as many as the pool holds by their real lengths (each row holds
+   ceil(min(prompt + drawn + sync_every, L) / block_size) blocks at most). The default path's cache grows with the rows
+   and is bounded by ``max_batch_size`` only.
 14. ``batches_by_length`` cuts micro-batches for ``response_logprobs``, which pads every row of a call to its
    longest: cut in rollout order, long-tailed RL responses pad to several times their real tokens. It counts the
    token positions each of three cuts would feed (``_pass_tokens``, padding and shared prompts as
@@ -1510,7 +1511,8 @@ def sample(
         token_bytes = _kv_token_bytes(model, kv_dtype)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         copies = _transient_copies(model.config)
-        plan = _pool_plan(slots=capacity, length=length, shortest=min(map(len, prompts)) + sync_every,
+        expected = -(-sum(map(len, prompts)) // n_rows) + -(-max_new_tokens // 2) + sync_every
+        plan = _pool_plan(slots=capacity, length=length, expected=expected,
                           block_size=block_size, token_bytes=token_bytes, layers=layers, budget=max_cache_bytes,
                           copies=copies)
         if plan is None and static == "auto":
@@ -1807,24 +1809,25 @@ def _transient_copies(config) -> int:
     return 1 + (n_rep if n_rep > 1 else 0)
 
 
-def _pool_plan(*, slots: int, length: int, shortest: int, block_size: int, token_bytes: int, layers: int,
+def _pool_plan(*, slots: int, length: int, expected: int, block_size: int, token_bytes: int, layers: int,
                budget: int | None, copies: int = 1) -> _PoolPlan | None:
     """The static path's slots and pool for a byte budget (departure 13), or None when the budget holds no row.
 
-    slots: rows in flight at most (max_batch_size, or the prompt count); length: L = longest prompt + max_new_tokens;
-    shortest: the fewest columns a row holds at admission (shortest prompt + sync_every); token_bytes: one token's K
-    and V over all layers. The budget pays for the pool, (blocks + 1) x block_size x token_bytes, and for one layer's
-    K and V gathered for the attention and its copies, copies x S x L x token_bytes / layers (transient, one layer
-    at a time; copies from ``_transient_copies``). S is cut so
-    that every slot could hold a row at admission and the pool still holds one row at full length; the pool takes
-    the rest, never more than S full-length rows. budget None: S slots and S full-length rows of blocks."""
+    slots: rows in flight at most (max_batch_size, or the prompt count); length: L = longest prompt +
+    max_new_tokens; expected: the columns a row holds at expected lengths (mean prompt + half of max_new_tokens +
+    sync_every, as plan.py assumes); token_bytes: one token's K and V over all layers. The budget pays for the pool,
+    (blocks + 1) x block_size x token_bytes, and for one layer's K and V gathered for the attention and its copies,
+    copies x S x L x token_bytes / layers (transient, one layer at a time; copies from ``_transient_copies``). S is
+    cut so that the pool holds S rows at expected lengths (each slot's transient is paid whether its row is long or
+    short, so slots beyond those rows would only shrink the pool) and one row at full length; the pool takes the
+    rest, never more than S full-length rows. budget None: S slots and S full-length rows of blocks."""
     width = -(-length // block_size)  # blocks of a row at full length
     if budget is None:
         return _PoolPlan(slots, slots * width, block_size, length, copies)
     block_bytes = block_size * token_bytes
     gather = copies * (length * token_bytes // layers)  # one slot's gathered K and V of one layer, and their copies
-    smallest = -(-min(shortest, length) // block_size) * block_bytes  # a row at admission
-    fit = min(slots, (budget - (width + 1) * block_bytes) // gather, budget // (gather + smallest))
+    typical = -(-min(expected, length) // block_size) * block_bytes  # a row at expected lengths
+    fit = min(slots, (budget - (width + 1) * block_bytes) // gather, (budget - block_bytes) // (gather + typical))
     if fit < 1:
         return None
     blocks = min((budget - fit * gather) // block_bytes - 1, fit * width)

@@ -1037,9 +1037,9 @@ def test_bf16_kv_cache_samples_what_the_mixed_dtype_cache_did(static, attn, monk
 def test_paged_pool_sizing_follows_the_byte_budget_exactly():
     # departure 13: max_cache_bytes pays for the pool ((blocks + 1) x block_size tokens, the trash block included)
     # and one layer's gathered K/V with transformers' copy of it to every query head (3 x S x L tokens / layers: 4
-    # heads over 2 KV heads); slots are cut so every slot could hold a row at admission and the pool still holds one
-    # row at full length. Hand-computed for the tiny Qwen3 (512 bytes a token in float32: 2 layers x 2 KV heads x 16
-    # x 4 bytes x K and V)
+    # heads over 2 KV heads); slots are cut so that the pool holds S rows at expected lengths (mean prompt + half the
+    # cap + sync_every) and one at full length. Hand-computed for the tiny Qwen3 (512 bytes a token in float32: 2
+    # layers x 2 KV heads x 16 x 4 bytes x K and V)
     model = tiny_model("qwen3", seed=9)
     tb = sampler._kv_token_bytes(model, None)
     assert tb == 2 * 2 * 2 * 16 * 4
@@ -1047,15 +1047,17 @@ def test_paged_pool_sizing_follows_the_byte_budget_exactly():
     length, bs, sync = 9 + 8, 4, 2  # L = 17 columns: 5 blocks of 4 at full length
     assert sampler._transient_copies(model.config) == 3  # the gather + repeat_kv's copy to 2 x the heads
     gather = 3 * (length * tb // 2)  # one slot, one layer, K and V, the gather and its copy
-    budget = 3 * gather + 6 * bs * tb  # 3 slots' gather, 5 blocks (one row at full length) + the trash block
+    block = bs * tb
+    budget = 3 * gather + 10 * block  # 3 slots' transient, 9 blocks + the trash block
     stats = {}
     sample(model, prompts, max_new_tokens=8, temperature=0, eos_token_id=[1, 2], max_batch_size=8, static=True,
            block_size=bs, sync_every=sync, max_cache_bytes=budget, stats=stats)
-    # S = min(8, (budget - 6 blocks) / gather, budget / (gather + 1 block (shortest prompt 1 + sync 2 columns)))
-    want_slots = min(8, (budget - 6 * bs * tb) // gather, budget // (gather + bs * tb))
+    # a row at expected lengths: ceil(mean prompt 4.4) + 8 / 2 + sync 2 = 11 columns, 3 blocks; a full row 5 blocks
+    # S = min(8, (budget - 6 blocks) // gather, (budget - 1 block) // (gather + 3 blocks))
+    want_slots = min(8, (budget - 6 * block) // gather, (budget - block) // (gather + 3 * block))
     assert stats["slots"] == want_slots == 3
-    assert stats["kv_blocks"] == (budget - 3 * gather) // (bs * tb) - 1 == 5
-    assert stats["kv_pool_bytes"] == 6 * bs * tb and stats["kv_gather_bytes"] == 3 * gather
+    assert stats["kv_blocks"] == (budget - 3 * gather) // block - 1 == 9
+    assert stats["kv_pool_bytes"] == 10 * block and stats["kv_gather_bytes"] == 3 * gather
     assert stats["kv_pool_bytes"] + stats["kv_gather_bytes"] <= budget
     assert stats["kv_block_size"] == bs and stats["kv_blocks_held_at_end"] == 0
     # without a budget: every slot at full length (CPU's "on"), nothing changes
@@ -1106,7 +1108,10 @@ def test_paged_pool_waits_and_preempts_without_changing_a_token(temperature):
               block_size=bs, sync_every=sync, generator=None)
     ref = sample(model, prompts, static="off", **{**kw, "generator": torch.Generator().manual_seed(4)})
     full = -(-length // bs)  # 13 blocks: one row at full length
-    tight, roomy = 6 * gather + (full + 3) * bs * tb, 6 * gather + (3 * full) * bs * tb
+    # a row at expected lengths: ceil(4.4) + 16 / 2 + 3 = 16 columns, 8 blocks. tight: 3 slots (3 such rows), 25
+    # blocks (under 2 rows at the cap); roomy: 4 slots, 52 blocks (4 rows at full length)
+    block = bs * tb
+    tight, roomy = 3 * gather + 26 * block, 4 * gather + 53 * block
     runs = {}
     for b in (None, tight, roomy):
         stats = {}
@@ -1121,7 +1126,8 @@ def test_paged_pool_waits_and_preempts_without_changing_a_token(temperature):
         assert stats["kv_blocks_peak"] <= stats["kv_blocks"] and stats["kv_blocks_held_at_end"] == 0, stats
         assert stats["rows_in_flight_peak"] <= stats["slots"] <= 6
     tight_stats, roomy_stats, free_stats = runs[tight][1], runs[roomy][1], runs[None][1]
-    assert tight_stats["slots"] == 6 and tight_stats["kv_blocks"] == full + 2
+    assert (tight_stats["slots"], tight_stats["kv_blocks"]) == (3, 25), tight_stats
+    assert (roomy_stats["slots"], roomy_stats["kv_blocks"]) == (4, 4 * full), roomy_stats
     assert tight_stats["preemptions"] > 0 and free_stats["preemptions"] == 0, (tight_stats, free_stats)
     assert tight_stats["kv_blocks_peak"] == tight_stats["kv_blocks"], "the tight pool ran full"
     assert (tight_stats["rows_in_flight_mean"] < roomy_stats["rows_in_flight_mean"]
@@ -1169,7 +1175,8 @@ def test_paged_preemption_resumes_at_the_drawn_count(monkeypatch):
     tb = sampler._kv_token_bytes(model, None)
     bs, cap = 2, 12
     length = max(map(len, prompts)) + cap
-    budget = 4 * 3 * (length * tb // 2) + (-(-length // bs) + 2) * bs * tb
+    # 3 slots (rows at expected lengths: 5 + 6 + 2 columns, 7 blocks), 21 blocks: under 2 rows of 11 at the cap
+    budget = 3 * 3 * (length * tb // 2) + 22 * bs * tb
     seen = []
     real = sampler._prefill_right
 
