@@ -143,14 +143,14 @@ Departures and shortcuts (read these before copying)
    gpt-fast's; ``bench.decode --baseline``) has the attention read S x L in place: 3x the bytes per slot and column (on
    CUDA transformers also copies K/V to every query head for sdpa with a mask, in both, so with 2 query heads per KV
    head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in flight by their real lengths instead of S x L
-   reserved: on ``python -m bench.decode --only budget``'s long-tailed rollout (CPU) 1.7x the rows in flight of the
-   dense cache at the same budget and 0.59x its decode steps, so 0.59x the weight reads; but the K/V columns attended
-   over the rollout are the same (every row-step reads W = L while some running row is near the cap; buckets cut R in
-   the tail and W early in a rollout), so the attention's bytes are about 3x, and at pair1's lengths, where the
-   attention's bytes outweigh the weights', the rollout is projected to take longer per token than with the dense cache
-   (bf16, an H200's bandwidth: arithmetic, not measured). A kernel that reads the blocks in place (FlashAttention's
-   ``block_table``, flex attention's paged attention, or per-block scores with a softmax segmented by slot) would read
-   each row's real columns once: not done (it needs a GPU to measure).
+   reserved: on ``python -m bench.decode --only budget``'s long-tailed rollout (CPU) 1.3x the rows in flight of the
+   dense cache at the same budget, 0.78x its decode steps (so 0.78x the weight reads) and 0.84x the K/V columns attended
+   over the rollout (every row-step reads W, = L while some running row is near the cap; buckets cut R in the tail and W
+   early in a rollout), so about 2.5x the attention's bytes, and at pair1's lengths, where the attention's bytes
+   outweigh the weights', the rollout is projected to take longer per token than with the dense cache (bf16, an H200's
+   bandwidth: arithmetic, not measured). A kernel that reads the blocks in place (FlashAttention's ``block_table``, flex
+   attention's paged attention, or per-block scores with a softmax segmented by slot) would read each row's real columns
+   once: not done (it needs a GPU to measure).
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
    there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On CPU
