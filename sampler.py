@@ -37,10 +37,12 @@ API
     "length".
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
          generator=None, max_batch_size=None, min_refill=None, static="auto", share_prefix=True, stop_strings=None,
-         tokenizer=None, progress=False, stats=None, max_cache_bytes=None, sync_every=8, cast_once=True)``
+         tokenizer=None, progress=False, stats=None, max_cache_bytes=None, sync_every=8, cast_once=True,
+         block_size=16)``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
-    most ``max_batch_size`` rows in flight; rows that finish (EOS, a stop string, the cap) leave the batch and
-    waiting prompts take their places.
+    most ``max_batch_size`` rows in flight (on the static path also at most what ``max_cache_bytes`` holds by the
+    rows' real lengths); rows that finish (EOS, a stop string, the cap) leave the batch and waiting prompts take
+    their places.
 ``resolve_static(static, model, device) -> True | "auto" | False``
     which decode path ``sample`` takes for ``static`` ("auto", "on", "off") on this model and device (departure 10).
 ``with cast_weights_once(model, device) as nbytes:``
@@ -81,11 +83,12 @@ Departures and shortcuts (read these before copying)
    cut. Waiting prompts are prefilled together, in one left-padded forward, and merged in by left-padding whichever
    cache is narrower: every row keeps its own positions and padding mask, so it computes what it would alone, up to
    float round-off of different batch shapes. A refill waits until ``min_refill`` slots are free (default 1/8 of
-   ``max_batch_size``), trading a little occupancy for fewer prefill calls. Unlike vLLM-style engines there is no
-   paged cache and no chunked prefill: a refill's prefill is its own forward call, and a row's cache is a stretch
-   of a dense tensor. Sliding-window layers (Mistral, Gemma-2/3, Cohere-2, Qwen's max_window_layers) are supported:
-   every row's tokens sit right-aligned and contiguous in the cache, so the model's own window over cache columns is
-   each row's last W tokens, exactly what it sees alone; such a layer holds the last W - 1 columns of the batch
+   ``max_batch_size``), trading a little occupancy for fewer prefill calls. Unlike vLLM-style engines this default
+   path has no paged cache and no chunked prefill: a refill's prefill is its own forward call, and a row's cache is
+   a stretch of a dense tensor (the static path pages its cache: departure 10). Sliding-window layers (Mistral,
+   Gemma-2/3, Cohere-2, Qwen's max_window_layers) are supported: every row's tokens sit right-aligned and contiguous
+   in the cache, so the model's own window over cache columns is each row's last W tokens, exactly what it sees
+   alone; such a layer holds the last W - 1 columns of the batch
    (transformers' DynamicSlidingWindowLayer), and a merge pads, a trim slices, and both reset the columns it counts
    as seen to the batch's width. Models with any other kind of cache layer (chunked attention, recurrent state) run
    all prompts at once only, and their caches are never trimmed.
@@ -106,22 +109,56 @@ Departures and shortcuts (read these before copying)
    untouched): one query attending to every cached column but the padding is exactly what its causal-mask builder
    would produce, minus the per-step cost. Other attention implementations get the 2D mask.
 9. ``pad_token_id`` defaults to 0 in ``sample``: padding is masked out, so any id in [0, V) gives the same result.
-10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere): each of the S =
-   max_batch_size slots owns a preallocated (L = longest prompt + max_new_tokens) stretch of KV cache, written from
-   column 0; a decode step draws every slot's next token and runs all S slots over all L columns with a mask, so its
-   shapes never change, and on CUDA the whole step (the draw at any temperature with top-p = 1, the forward, the
-   bookkeeping) is captured once per call as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed; with top-p < 1
-   the draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's word). Refill
-   prefills run eagerly (right-padded) and are copied into the free slots. The cost is memory (S x L columns
-   whatever the rows' lengths, as gpt-fast's static cache; ``max_cache_bytes`` cuts S to a budget) and attention
-   over all L columns every step. One graph per call at S slots: no buckets, so a tail of few rows still runs S.
+10. The static path (``static="auto"``, the default, takes it on CUDA; ``"on"`` anywhere) with a paged KV cache. S slots
+   each run one row (S = max_batch_size at most, departure 13); their K/V live in a pool: per layer ``blocks + 1``
+   blocks of ``block_size`` (default 16) token rows of (kv_heads, head_dim), and a device block table (S, L /
+   block_size) listing each slot's blocks in column order, L = longest prompt + max_new_tokens. A decode step draws
+   every slot's next token, writes its K/V at row table[s, pos // bs] * bs + pos % bs of the pool, and hands each
+   attention layer the slots' first W columns gathered through the table, (R, h, W, d), with the padding mask (R, 1, 1,
+   W) (R and W below): its shapes never change, so on CUDA the whole step (the draw at any temperature with top-p = 1,
+   the forward, the bookkeeping) is captured as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed; with top-p < 1 the
+   draw runs eagerly before the replay (its nucleus search may sort a row whole, on the host's word). W is a width
+   bucket, L / 8, L / 4, L / 2 or L in whole blocks: the smallest that holds every running row's columns until the next
+   host read, picked by the host there; and a step runs only the first R slots, R the smallest multiple of ceil(S / 8)
+   that holds every occupied slot: at each read, rows in slots past the first (rows in flight) move into the free slots
+   below (their block-table rows and per-slot state move, no K/V is copied), so a tail of few rows runs few slots. One
+   graph per (R, W) pair used (at most 32), all in one memory pool. The host hands out blocks without reading the device
+   (every running row grows by one column a step): at admission the prompt's columns + sync_every, and at each host read
+   (departure 16) each running row's next sync_every columns, so a step never writes a column the host did not give a
+   block; a row that leaves returns its blocks; free slots and the columns no row owns point at a trash block (masked
+   out). A waiting prompt is admitted when a slot is free and the pool has its blocks (max_batch_size caps the slots,
+   memory decides below it; the ``min_refill`` wait applies only while slots, not blocks, are what is short). When the
+   top-ups cannot be served, the newest rows are preempted (vLLM's recompute preemption): their blocks freed, they go
+   back to the front of the queue with the tokens they drew (one device read of those tokens), and on readmission are
+   prefilled with prompt + those tokens and draw on from counter t = tokens drawn, so by departure 7 they draw the same
+   tokens as if never preempted (up to float round-off of other batch shapes; tested); the earlier tokens' log-probs are
+   the first pass's. The cost of a preemption is that prefix's recompute. The oldest row always fits (the pool holds one
+   row at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
+   the rows' blocks.
+   What the paging costs (not measured on a GPU: none was lent to this work). The gathered K/V is a transient copy, one
+   layer at a time, of R x W x (bytes per token / layers), and transformers copies it to every query head (departure 13;
+   ``stats["kv_gather_bytes"]`` at S x L, both paid out of max_cache_bytes). Per step the gather reads R x W columns of
+   K/V from the pool in block_size-token pieces and writes them, and the attention reads the copy: about 3 x R x W x
+   bytes per token of KV traffic, where a dense static cache (each slot a preallocated stretch of L columns, as
+   gpt-fast's; ``bench.decode --baseline``) has the attention read S x L in place: 3x the bytes per slot and column (on
+   CUDA transformers also copies K/V to every query head for sdpa with a mask, in both, so with 2 query heads per KV
+   head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in flight by their real lengths instead of S x L
+   reserved: on ``python -m bench.decode --only budget``'s long-tailed rollout (CPU) 1.3x the rows in flight of the
+   dense cache at the same budget, 0.78x its decode steps (so 0.78x the weight reads) and 0.84x the K/V columns attended
+   over the rollout (every row-step reads W, = L while some running row is near the cap; buckets cut R in the tail and W
+   early in a rollout), so about 2.5x the attention's bytes, and at pair1's lengths, where the attention's bytes
+   outweigh the weights', the rollout is projected to take longer per token than with the dense cache (bf16, an H200's
+   bandwidth: arithmetic, not measured). A kernel that reads the blocks in place (FlashAttention's ``block_table``, flex
+   attention's paged attention, or per-block scores with a softmax segmented by slot) would read each row's real columns
+   once: not done (it needs a GPU to measure).
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
-   there is no graph and the static step's all-L attention costs more; "on" refuses them with a ValueError. On CPU
-   the static step runs eagerly: tested there for parity with the default path, the body a capture records is
-   watched to dispatch no host read and no data-dependent shape, and the warm-up that precedes a capture is tested
-   to leave the state as it found it; the capture itself and its speed are measured only by
-   ``python -m bench.gpu`` on a GPU (none was lent to this change: see docs/RESULTS.md, Decoding on a GPU).
+   there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On CPU
+   the static step runs eagerly: tested there for parity with the default path and ``generate`` (waiting, preemption and
+   both kinds of bucket included), the body a capture records is watched to dispatch no host read and no data-dependent
+   shape, and the warm-up that precedes a capture is tested to leave the state as it found it; the capture itself and
+   its speed are measured only by ``python -m bench.gpu`` on a GPU (not run on this work: see docs/RESULTS.md,
+   Decoding on a GPU).
 11. One prefill per prompt (``share_prefix=True``, the default). GRPO hands the sampler n copies of every prompt,
    each with its own seed. ``sample`` keys rows by their prompt ids, queues the copies of a prompt together and
    prefills each distinct prompt of a refill once; every copy gets its own copy of the prompt's cache rows (so the
@@ -134,7 +171,8 @@ Departures and shortcuts (read these before copying)
    forward's (a sum over rows either way; tested against autograd of the unshared path). Not shared: models with
    other kinds of cache layers (departure 6), and ``response_logprobs`` under gradient checkpointing with grad
    enabled (transformers' checkpointed layers drop the cache). The saving is prompt compute and activations: the
-   KV cache of every row still holds its prompt (a copy, not a shared block as in vLLM's paged cache).
+   KV cache of every row still holds its prompt (a copy in the row's own blocks on the static path: its pool shares
+   no block between rows, as vLLM's prefix caching would).
 12. Stop strings (``stop_strings``, decoded with ``tokenizer``). A row ends at the first token after which its
    decoded response contains one of the strings, also when the string spans several tokens or ends inside the
    token; the row counts as ended, like EOS (it leaves the batch, a refill takes its slot), and its tokens keep
@@ -147,19 +185,32 @@ Departures and shortcuts (read these before copying)
    one ``batch_decode``, only each running row's last k tokens that carry text, k = the longest string's UTF-8
    length + 1 (every such token adds at least one byte, so the window holds the whole of any string the new token
    completes, and an earlier occurrence would have stopped the row earlier); special tokens that the decode skips
-   are left out of the window. It needs the drawn tokens on the host every step: one transfer, departure 16's read made
-   every step. Greedy rows are token-identical to ``generate(stop_strings=..., tokenizer=...)``
-   (tested on the architecture sweep with the real Qwen3, SmolLM3 and Llama-3.2 tokenizers). Without stop strings
-   none of this runs (``bench_sampler.py --only stop``).
-13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes
-   (V from a bf16 matmul, K promoted back to float32 by a float32 q/k norm or RoPE table: Qwen3, Llama), and the
-   attention (sdpa, or eager's matmuls) casts both to the autocast dtype anyway. ``sample`` therefore stores K and V
-   in the autocast dtype whenever autocast is on for the model's device, in both paths: the same tokens and log-probs
-   as caching the mixed dtypes (tested), at 2 bytes per element instead of 4 for K. ``stats["kv_bytes_per_token"]``
-   reports the bytes one token's K and V take in the cache, read from the stored tensors. ``max_cache_bytes`` bounds
-   the static path's preallocation: S = min(max_batch_size, max_cache_bytes // (L x bytes per token)) slots, so a
-   long cap shrinks the slot count instead of allocating past the device (a budget below one slot raises a
-   ValueError). The default path's cache grows with the rows and is bounded by ``max_batch_size`` only.
+   are left out of the window. The tokens reach the host with departure 16's regular read, every sync_every steps,
+   not every step: the same transfer brings each running row's last sync_every tokens, and the host feeds them to
+   the check in order; a row whose string completed inside that window ends at that token and its later draws are
+   discarded, as after an EOS (the same tokens as a read every step, tested). Greedy rows are token-identical to
+   ``generate(stop_strings=..., tokenizer=...)`` (tested on the architecture sweep with the real Qwen3, SmolLM3
+   and Llama-3.2 tokenizers). Without stop strings none of this runs (``bench_sampler.py --only stop``).
+13. The KV cache under autocast. A model with float32 weights run under autocast computes K and V in mixed dtypes (V
+   from a bf16 matmul, K promoted back to float32 by a float32 q/k norm or RoPE table: Qwen3, Llama), and the attention
+   (sdpa, or eager's matmuls) casts both to the autocast dtype anyway. ``sample`` therefore stores K and V in the
+   autocast dtype whenever autocast is on for the model's device, in both paths: the same tokens and log-probs as
+   caching the mixed dtypes (tested), at 2 bytes per element instead of 4 for K. ``stats["kv_bytes_per_token"]`` reports
+   the bytes one token's K and V take in the cache, read from the stored tensors. ``max_cache_bytes`` is the static
+   path's whole K/V bill (departure 10): the pool, (blocks + 1) x block_size x bytes per token (the trash block
+   included), plus one layer's transient K/V at S slots and L columns: the gather and, for grouped-query attention,
+   transformers' copy of it to every query head (``repeat_kv``, run by sdpa with a mask and by eager attention): c = 1 +
+   heads / kv_heads copies (c = 1 without grouping; ``_transient_copies``; 3 for Qwen3-1.7B), c x S x L x bytes per
+   token / layers. With g = c x L x bytes per token / layers (one slot's share), B = block_size x bytes per token (one
+   block) and w = ceil(L / block_size) (a row at full length): S = min(max_batch_size or the prompt count,
+   (max_cache_bytes - (w + 1) B) // g, (max_cache_bytes - B) // (g + B ceil(e / block_size))), e = ceil(mean prompt) +
+   ceil(max_new_tokens / 2) + sync_every (a row at expected lengths, as plan.py assumes): the pool holds S rows at
+   expected lengths (every slot pays its transient whatever its row) and one row at full length; blocks =
+   min((max_cache_bytes - S g) // B - 1, S w). A budget that holds no such S (below one row at full length) raises a
+   ValueError under "on" and falls back to the default path under "auto". None: S = max_batch_size, blocks for every
+   slot at full length. Rows in flight are then as many as the pool holds by their real lengths (each row holds
+   ceil(min(prompt + drawn + sync_every, L) / block_size) blocks at most). The default path's cache grows with the rows
+   and is bounded by ``max_batch_size`` only.
 14. ``batches_by_length`` cuts micro-batches for ``response_logprobs``, which pads every row of a call to its
    longest: cut in rollout order, long-tailed RL responses pad to several times their real tokens. It counts the
    token positions each of three cuts would feed (``_pass_tokens``, padding and shared prompts as
@@ -187,9 +238,9 @@ Departures and shortcuts (read these before copying)
    and records on the device when a row ends (EOS or the cap); the host reads which rows have ended in one
    device-to-host copy every ``sync_every`` = 8 steps (and when every row has drawn the cap), not every step. A
    row that ended keeps running until that read: up to sync_every - 1 wasted row-steps each, whose draws are never
-   read (the buffers and each row's cache room hold max_new_tokens + sync_every columns). Refills wait for a read
-   too. With stop strings the tokens must reach the host every step to be decoded (departure 12), so the read is
-   every step there: checking stop strings without that is not done.
+   read (the buffers and each row's cache room hold max_new_tokens + sync_every columns). Refills, the static
+   path's block top-ups, preemptions and width bucket wait for a read too (departure 10). With stop strings the same
+   transfer brings each running row's tokens of the last sync_every steps, checked on the host (departure 12).
 17. Sampling weights cast once. Under autocast with float32 weights (the trainer's regime on a GPU), every
    nn.Linear weight is cast to autocast's dtype once per ``sample`` call (``cast_weights_once``) and the layers read
    that copy. Under ``torch.inference_mode`` autocast caches no casts, so before this every decode step re-cast every
@@ -212,7 +263,9 @@ peak memory of ``token_logprobs`` (kept and recomputed logits) beside the naive 
 tensors at the H200 row's shape, a roofline projection of GPU time, and CPU time at a small shape (direction only);
 ``python -m bench.gpu --only kernel`` times it on a GPU.
 ``python -m bench.decode`` measures departures 10, 16 and 17 on the host: one decode step at real depth and toy
-width (ms, aten ops, weight casts, host reads per step), default path vs static vs ``generate``.
+width (ms, aten ops, weight casts, host reads per step), default path vs static (paged) vs ``generate``; and rows in
+flight at one byte budget on a long-tailed length distribution, the dense static cache's count against the paged
+pool's (``--only budget``).
 """
 
 from __future__ import annotations
@@ -1099,7 +1152,7 @@ class _Run:
     min_refill: int  # free slots that trigger a refill while rows are still running
     keys: list[int] | None = None  # per row, the first row with the same prompt ids (departure 11); None: no sharing
     stops: _StopStrings | None = None  # stop strings (departure 12); None: EOS and the cap only
-    sync_every: int = 8  # decode steps between host reads of the ended rows (departure 16); 1 with stop strings
+    sync_every: int = 8  # decode steps between host reads of the ended rows (departure 16)
     bar: object = None
     queue: list[int] | None = None  # prompt indices not started yet, in order (consumed from the front)
     out_len: list[int] | None = None
@@ -1114,6 +1167,16 @@ class _Run:
     kv_dtype: torch.dtype | None = None  # the dtype K and V are stored in (departure 13); None: as the model makes them
     kv_bytes_per_token: int = 0  # bytes of one token's K and V over all layers, read off the stored tensors
     kv_stored: tuple = ()  # (K dtype, V dtype) of the stored tensors (first layer)
+    preemptions: int = 0  # static path: rows sent back to the queue when the pool ran dry (departure 10)
+    in_flight: int = 0  # static path: rows in flight summed over decode steps (occupied slots)
+    in_flight_peak: int = 0  # static path: most rows in flight at one step
+    blocks_peak: int = 0  # static path: most pool blocks in use at once
+    blocks_left: int = 0  # static path: blocks still held when the loop ended (0: all returned)
+    pool_bytes: int = 0  # static path: bytes of the K/V pool as allocated
+    gather_bytes: int = 0  # static path: bytes of one layer's K and V gathered for the attention (transient)
+    width_steps: dict | None = None  # static path: width bucket W -> decode steps run at it
+    rows_steps: dict | None = None  # static path: slot-count bucket R -> decode steps run at it
+    bucket_steps: dict | None = None  # static path: (R, W) -> decode steps run at it
 
     def __post_init__(self):
         order = list(range(len(self.prompts)))
@@ -1126,8 +1189,6 @@ class _Run:
         n_rows, device = len(self.prompts), self.seeds.device
         self.out_len, self.ended = [0] * n_rows, [False] * n_rows
         self.stopped = [None] * n_rows
-        if self.stops is not None:
-            self.sync_every = 1  # the stop check needs every step's tokens on the host anyway
         self.trash = n_rows  # the row index free static slots draw into
         self.seeds = torch.cat([self.seeds, self.seeds.new_zeros(1)])  # (B + 1,)
         # a row can draw up to sync_every - 1 tokens past its end before the host sees it ended: room for them
@@ -1182,28 +1243,54 @@ class _Run:
         self.end_eos[rows] = self.end_eos[rows] | (now & is_eos)
         return tokens
 
-    def check(self, rows: list[int], rows_t: torch.Tensor, n_out: list[int], tokens: torch.Tensor | None
-              ) -> list[bool]:
+    def check(self, rows: list[int], rows_t: torch.Tensor, n_out: list[int], since: int) -> list[bool]:
         """Which running rows have ended, read from the device in one transfer (departure 16). rows: host list (A,)
         of original row ids, rows_t the same on the device; n_out: host list (A,) of tokens each row has drawn;
-        tokens (A,): the tokens drawn at this step (needed with stop strings only, whose check runs every step).
+        since: the decode steps since the last read (every row drew that many tokens since). With stop strings the
+        same transfer brings those last `since` tokens of every row, scanned on the host in order (departure 12): a
+        row whose string completes mid-window ends at that token, its later draws discarded as past an EOS.
         Records the ended rows' lengths and how they ended; returns a host list (A,) of ended flags."""
         self.host_reads += 1
+        n_rows = len(rows)
         if self.stops is None:
             end_h, eos_h = torch.stack([self.end_len[rows_t], self.end_eos[rows_t].long()]).tolist()  # one transfer
-            hits = [None] * len(rows)
-        else:  # departure 12: the tokens come over on every step too, in the same transfer
-            toks, end_h, eos_h = torch.stack([tokens, self.end_len[rows_t], self.end_eos[rows_t].long()]).tolist()
-            hits = self.stops.scan(rows, toks, eos_h)
+            hits, at = [None] * n_rows, [0] * n_rows
+        else:
+            cols = torch.tensor([[min(n - since + j, self.width - 1) for j in range(since)] for n in n_out],
+                                dtype=torch.long).to(rows_t.device)  # (A, since) the window's indices, host-built
+            window = self.out_tokens[rows_t.unsqueeze(1), cols]  # (A, since)
+            data = torch.cat([self.end_len[rows_t].unsqueeze(1), self.end_eos[rows_t].long().unsqueeze(1), window],
+                             dim=1).tolist()  # (A, 2 + since): one transfer
+            end_h, eos_h = [d[0] for d in data], [d[1] for d in data]
+            hits, at = self._scan(rows, n_out, since, end_h, eos_h, [d[2:] for d in data])
         done = [e > 0 or h is not None for e, h in zip(end_h, hits)]
-        for r, n, d, e, x, h in zip(rows, n_out, done, end_h, eos_h, hits):
+        for r, d, e, x, h, a in zip(rows, done, end_h, eos_h, hits, at):
             if d:
-                self.out_len[r], self.ended[r], self.stopped[r] = (e if e > 0 else n), bool(x), h
+                self.out_len[r], self.ended[r], self.stopped[r] = (a if h is not None else e), bool(x) and h is None, h
                 if self.stops is not None:
                     self.stops.forget(r)
         if self.bar is not None:
             self.bar.update(sum(done))
         return done
+
+    def _scan(self, rows: list[int], n_out: list[int], since: int, end_h: list[int], eos_h: list[int],
+              window: list[list[int]]) -> tuple[list[str | None], list[int]]:
+        """The stop-string scan of a read's window (departure 12): token j of window[i] is row i's token n_out[i] -
+        since + j. Tokens are fed to the detector one offset at a time, in order, for the rows still running there
+        (none past the row's end on the device; its EOS token skipped, EOS winning). Returns per row the string that
+        stopped it (or None) and the length of its response then."""
+        hits, at = [None] * len(rows), [0] * len(rows)
+        for j in range(since):
+            live = [i for i in range(len(rows)) if hits[i] is None
+                    and (end_h[i] == 0 or n_out[i] - since + j < end_h[i])]
+            if not live:
+                break
+            found = self.stops.scan([rows[i] for i in live], [window[i][j] for i in live],
+                                    [bool(eos_h[i]) and n_out[i] - since + j == end_h[i] - 1 for i in live])
+            for i, h in zip(live, found):
+                if h is not None:
+                    hits[i], at[i] = h, n_out[i] - since + j + 1
+        return hits, at
 
     def rollouts(self) -> list[Rollout]:
         n_rows = len(self.prompts)
@@ -1219,16 +1306,17 @@ class _Run:
 
 def resolve_static(static, model, device: torch.device, windows: list[int | None] | None = None) -> bool | str:
     """sample()'s ``static`` resolved for this model and device (departure 10): True for the static path, False
-    for the default one, "auto" when auto chose the static path (it may still fall back if the cache budget holds
-    no slot). "on" / True on a model the static path cannot run raises a ValueError naming the config field.
+    for the default one, "auto" when auto chose the static path (it may still fall back if the cache budget
+    holds no row at full length). "on" / True on a model the static path cannot run raises a ValueError naming
+    the config field.
 
     The static path (and so its CUDA graph) needs every layer to be full attention, with sdpa or eager attention:
     its per-slot mask is one (S, 1, 1, L) mask for every layer. Sliding-window layers (Mistral, Gemma-2/3,
     Cohere-2, Qwen's max_window_layers) would need a second, windowed mask per layer type and a prefill whose cache
     is not trimmed to the window; hybrid models with recurrent or chunked-attention layers keep state that is not a
     slot of K/V; flash-attention and flex kernels take their masks in other forms. These run the default path, and
-    "auto" picks it for them, as on CPU, where there is no graph to capture and the static path's attention over all
-    L columns per slot costs more than the default path's (bench/sampler.py --only tiny-eval)."""
+    "auto" picks it for them, as on CPU, where there is no graph to capture and the static path's gathered attention
+    over W columns per slot costs more than the default path's (bench/sampler.py --only tiny-eval)."""
     windows = _layer_windows(model.config) if windows is None else windows
     if static is True or static == "on":
         if windows is None or any(w is not None for w in windows):
@@ -1325,6 +1413,7 @@ def sample(
     max_cache_bytes: int | None = None,
     sync_every: int = 8,
     cast_once: bool = True,
+    block_size: int = 16,
 ) -> list[Rollout]:
     """Sample one response per prompt from a transformers causal LM, with continuous batching.
 
@@ -1339,15 +1428,16 @@ def sample(
         pad_token_id: id written into padding slots (masked out, so any id in [0, V) will do; default 0).
         generator: torch.Generator (any device) from which one seed per prompt is drawn, in prompt order
             (departure 7); None uses torch's default generator.
-        max_batch_size: rows in flight at most (bounds the KV cache); None = all prompts at once. When rows finish,
-            waiting prompts take their places (departure 6).
+        max_batch_size: rows in flight at most (bounds the default path's KV cache; the static path's slot count
+            S, with max_cache_bytes deciding below it); None = all prompts at once. When rows finish, waiting
+            prompts take their places (departure 6).
         min_refill: while rows are running, waiting prompts are prefilled only once this many slots are free (or the
             whole queue fits), so that one prefill call serves several; default max(1, max_batch_size // 8).
         static: "auto" (default), "on" / True or "off" / False: the static-shape decode path (departure 10), a
-            preallocated per-slot KV cache and a fixed-shape decode step captured as a CUDA graph on CUDA. "auto"
-            takes it on CUDA for models it supports (every layer full attention, sdpa or eager attention) when
-            max_cache_bytes holds a slot, the default path elsewhere (``resolve_static``). Same results as the
-            default path up to float round-off.
+            paged KV pool and a fixed-shape decode step captured as CUDA graphs on CUDA. "auto" takes it on CUDA
+            for models it supports (every layer full attention, sdpa or eager attention) when max_cache_bytes holds
+            one row at full length, the default path elsewhere (``resolve_static``). Same results as the default
+            path up to float round-off.
         share_prefix: rows with the same prompt ids share one prefill (departure 11); same results as False up to
             float round-off. Only for models whose layers all use full or sliding-window attention.
         stop_strings: a string or a list of them (departure 12): a row ends at the first token after which its
@@ -1356,19 +1446,29 @@ def sample(
         progress: show a tqdm bar over finished rows.
         stats: if a dict is given, ``stats["forward_calls"]`` receives the number of model-body calls (prefills and
             decode steps): a GPU decode step costs about the same whatever the rows alive, so this counts the cost;
-            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded); ``stats["kv_dtypes"]`` the
-            (K, V) dtypes of the cache (its first layer) and ``stats["kv_bytes_per_token"]`` the bytes one token's K
-            and V take over all layers, both read off the stored tensors (departure 13); with static=True,
-            ``stats["slots"]`` the slot count S; ``stats["static"]`` whether the static path ran;
-            ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls and the device-to-host reads of
-            ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights cast once (departure 17).
-        max_cache_bytes: with the static path, the bytes the preallocated K/V may take: the slot count is cut to fit
-            (departure 13). None: max_batch_size slots with "on"; with "auto", 80% of the device's free memory. The
-            default path ignores it.
+            ``stats["prefill_tokens"]`` the prompt tokens fed to it (padding excluded); ``stats["kv_dtypes"]`` the (K,
+            V) dtypes of the cache (its first layer) and ``stats["kv_bytes_per_token"]`` the bytes one token's K and V
+            take over all layers, both read off the stored tensors (departure 13); ``stats["static"]`` whether the
+            static path ran; when it did (departures 10, 13): ``stats["slots"]`` the slot count S, ``"kv_block_size"``
+            and ``"kv_blocks"`` the pool's block size and usable blocks, ``"kv_pool_bytes"`` the pool's bytes as
+            allocated (trash block included), ``"kv_gather_bytes"`` one layer's gathered K and V at S x L with
+            transformers' copies of it (transient, departure 13), ``"kv_blocks_peak"`` the most blocks in use at once,
+            ``"kv_blocks_held_at_end"`` the blocks not returned (0), ``"rows_in_flight_mean"`` and
+            ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when the
+            pool ran dry, ``"width_steps"``, ``"rows_steps"`` and ``"bucket_steps"`` width bucket W, slot-count bucket R
+            and (R, W) -> decode steps run at it; ``stats["decode_steps"]`` and ``stats["host_reads"]`` the decode calls
+            and the device-to-host reads of ended rows (departure 16); ``stats["cast_bytes"]`` the bytes of the weights
+            cast once (departure 17).
+        max_cache_bytes: with the static path, the bytes its K/V may take: the paged pool plus one layer's gathered K/V
+            and transformers' copies of it (departure 13 has the arithmetic); rows in flight are what the pool holds by
+            their real lengths, at most S. None: max_batch_size slots, each with blocks for a full-length row, with
+            "on"; with "auto", 80% of the device's free memory. The default path ignores it.
         sync_every: decode steps between the host's reads of which rows have ended (departure 16); 1 reads every
-            step. Stop strings read every step whatever it says.
+            step. Stop strings are checked at the same reads.
         cast_once: under autocast with float32 weights, cast every nn.Linear weight to autocast's dtype once for the
             call instead of autocast re-casting it on every decode step (departure 17); the same numbers.
+        block_size: tokens per block of the static path's KV pool (departure 10): the granularity of its
+            allocation. The default path ignores it.
 
     Returns:
         B Rollouts, in prompt order.
@@ -1401,20 +1501,32 @@ def sample(
     if static == "auto" and max_cache_bytes is None:
         # "auto" must never preallocate past the card for a caller that gave no budget: the free memory's share
         max_cache_bytes = int(_AUTO_CACHE_SHARE * torch.cuda.mem_get_info(device)[0])
-    if static and max_cache_bytes is not None:
-        length = max(len(p) for p in prompts) + max_new_tokens
-        per_slot = length * _kv_token_bytes(model, kv_dtype)
-        if max_cache_bytes < per_slot and static == "auto":
-            static = False  # "auto" only takes the static path where it fits; the default path's cache grows
-        elif max_cache_bytes < per_slot:
-            raise ValueError(f"sampler.py sample(): max_cache_bytes={max_cache_bytes} holds no slot of the static path "
-                             f"(one slot of {length} columns takes {per_slot} bytes); raise it, lower "
-                             f"max_new_tokens, or use static='off'")
-        else:
-            capacity = min(capacity, max_cache_bytes // per_slot)
-    static = bool(static)
     if sync_every < 1:
         raise ValueError(f"sampler.py sample(): sync_every must be >= 1, got {sync_every}")
+    if block_size < 1:
+        raise ValueError(f"sampler.py sample(): block_size must be >= 1, got {block_size}")
+    plan = None
+    if static:  # departure 13: the paged pool's slots and blocks from the byte budget
+        length = max(len(p) for p in prompts) + max_new_tokens
+        token_bytes = _kv_token_bytes(model, kv_dtype)
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        copies = _transient_copies(model.config)
+        expected = -(-sum(map(len, prompts)) // n_rows) + -(-max_new_tokens // 2) + sync_every
+        plan = _pool_plan(slots=capacity, length=length, expected=expected,
+                          block_size=block_size, token_bytes=token_bytes, layers=layers, budget=max_cache_bytes,
+                          copies=copies)
+        if plan is None and static == "auto":
+            static = False  # "auto" only takes the static path where it fits; the default path's cache grows
+        elif plan is None:
+            row = (-(-length // block_size) + 1) * block_size * token_bytes
+            raise ValueError(f"sampler.py sample(): max_cache_bytes={max_cache_bytes} holds no slot of the static path "
+                             f"(one row of {length} columns in {block_size}-token blocks, with the trash block, takes "
+                             f"{row} bytes, and one layer's gathered K/V and its copies "
+                             f"{copies * (length * token_bytes // layers)} bytes); "
+                             f"raise it, lower max_new_tokens, or use static='off'")
+        else:
+            capacity = plan.slots
+    static = bool(static)
     run = _Run(
         prompts, head, _row_seeds(n_rows, generator, device),
         torch.tensor(eos_ids, dtype=torch.long, device=device), max_new_tokens, float(temperature), float(top_p),
@@ -1433,7 +1545,7 @@ def sample(
         with torch.inference_mode(), cast_weights_once(model, device, enabled=cast_once) as cast:
             run.head, cast_bytes = _head(model), cast  # the lm_head weight as cast (departure 17)
             if static:
-                _decode_static(model, base, run, pad_token_id)
+                _decode_static(model, base, run, pad_token_id, plan)
             else:
                 _decode_dynamic(model, base, run, pad_token_id, windows)
     finally:
@@ -1446,7 +1558,13 @@ def sample(
         stats["static"], stats["decode_steps"], stats["host_reads"] = static, run.decode_steps, run.host_reads
         stats["cast_bytes"] = cast_bytes
         if static:
-            stats["slots"] = capacity
+            stats["slots"], stats["kv_block_size"], stats["kv_blocks"] = capacity, plan.block_size, plan.blocks
+            stats["kv_pool_bytes"], stats["kv_gather_bytes"] = run.pool_bytes, run.gather_bytes
+            stats["kv_blocks_peak"], stats["kv_blocks_held_at_end"] = run.blocks_peak, run.blocks_left
+            stats["rows_in_flight_mean"] = run.in_flight / max(1, run.decode_steps)
+            stats["rows_in_flight_peak"], stats["preemptions"] = run.in_flight_peak, run.preemptions
+            stats["width_steps"], stats["rows_steps"] = run.width_steps, run.rows_steps
+            stats["bucket_steps"] = run.bucket_steps
     return run.rollouts()
 
 
@@ -1633,8 +1751,8 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
         # departure 16: the host learns which rows ended every sync_every steps (every step with stop strings), or
         # as soon as every row has drawn max_new_tokens (known on the host: nothing left to run)
         if since >= run.sync_every or step - max(batch.starts) >= run.max_new_tokens:
+            flags = run.check(batch.rows_host, batch.rows, [step - s for s in batch.starts], since)
             since = 0
-            flags = run.check(batch.rows_host, batch.rows, [step - s for s in batch.starts], tokens)
             keep = [i for i, d in enumerate(flags) if not d]
             if len(keep) < len(flags):
                 batch, tokens = (_keep(batch, keep, windows), tokens[keep]) if keep else (None, None)
@@ -1656,42 +1774,179 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
 
 
 # ------------------------------------------------------------------------------------------------
-# Sampler, part 4: the static-shape path. S slots, each with its own preallocated (L,) stretch of KV cache written
-# from column 0; a decode step always runs all S slots over all L columns, so its shapes never change and CUDA can
-# replay it as a graph. Refills are prefilled (right-padded, eager) and copied into the free slots.
+# Sampler, part 4: the static-shape path. S slots over a paged KV pool: each slot's row owns blocks of
+# ``block_size`` token rows, listed in a device block table; a decode step always runs all S slots over W gathered
+# columns (a width bucket), so its shapes never change and CUDA can replay it as a graph (one per bucket). The host
+# hands out blocks at admission and at each host read, preempts the newest rows when the pool runs dry, and
+# prefills refills (right-padded, eager).
 # ------------------------------------------------------------------------------------------------
 
 
-class _SlotCache:
+# The static step's width buckets: it attends over the first W columns of every slot, W the smallest of L / 8, L / 4,
+# L / 2 and L (rounded up to whole blocks) that holds the longest running row until the next host read (departure 10).
+_WIDTH_FRACTIONS = (8, 4, 2, 1)
+
+
+@dataclass
+class _PoolPlan:
+    """How the static path's K/V memory is cut (departure 13): S slots, ``blocks`` usable blocks of ``block_size``
+    tokens (plus one trash block), ``length`` = L columns each slot's attention reads, ``copies`` the transient
+    copies of a layer's gathered K/V a step makes (``_transient_copies``)."""
+
+    slots: int
+    blocks: int
+    block_size: int
+    length: int
+    copies: int = 1
+
+
+def _transient_copies(config) -> int:
+    """Copies of one layer's K/V that a static step holds at once, in units of the gathered (S, kv_heads, W, d):
+    the gather, and for grouped-query attention transformers' copy to every query head (``repeat_kv``, which sdpa
+    with a mask and eager attention run; n_rep = heads / kv_heads, no copy when it is 1)."""
+    cfg = config.get_text_config(decoder=True)
+    n_rep = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    return 1 + (n_rep if n_rep > 1 else 0)
+
+
+def _pool_plan(*, slots: int, length: int, expected: int, block_size: int, token_bytes: int, layers: int,
+               budget: int | None, copies: int = 1) -> _PoolPlan | None:
+    """The static path's slots and pool for a byte budget (departure 13), or None when the budget holds no row.
+
+    slots: rows in flight at most (max_batch_size, or the prompt count); length: L = longest prompt +
+    max_new_tokens; expected: the columns a row holds at expected lengths (mean prompt + half of max_new_tokens +
+    sync_every, as plan.py assumes); token_bytes: one token's K and V over all layers. The budget pays for the pool,
+    (blocks + 1) x block_size x token_bytes, and for one layer's K and V gathered for the attention and its copies,
+    copies x S x L x token_bytes / layers (transient, one layer at a time; copies from ``_transient_copies``). S is
+    cut so that the pool holds S rows at expected lengths (each slot's transient is paid whether its row is long or
+    short, so slots beyond those rows would only shrink the pool) and one row at full length; the pool takes the
+    rest, never more than S full-length rows. budget None: S slots and S full-length rows of blocks."""
+    width = -(-length // block_size)  # blocks of a row at full length
+    if budget is None:
+        return _PoolPlan(slots, slots * width, block_size, length, copies)
+    block_bytes = block_size * token_bytes
+    gather = copies * (length * token_bytes // layers)  # one slot's gathered K and V of one layer, and their copies
+    typical = -(-min(expected, length) // block_size) * block_bytes  # a row at expected lengths
+    fit = min(slots, (budget - (width + 1) * block_bytes) // gather, (budget - block_bytes) // (gather + typical))
+    if fit < 1:
+        return None
+    blocks = min((budget - fit * gather) // block_bytes - 1, fit * width)
+    return _PoolPlan(int(fit), int(blocks), block_size, length, copies)
+
+
+class _PagedCache:
     """The cache object handed to the model's attention layers in a static decode step (duck-typed: transformers'
-    attention modules only call ``update``). keys/values per layer: (S, kv_heads, L, head_dim) in ``dtype`` (None:
-    the dtype of the first prefill's K and V); write_pos (S,): the column where each slot's current token goes
-    (= tokens already cached in that slot)."""
+    attention modules only call ``update``), and the host's allocator of its blocks.
 
-    def __init__(self, slots: int, length: int, device, dtype: torch.dtype | None = None):
-        self.slots, self.length, self.dtype = slots, length, dtype
+    Per layer, keys/values pools (blocks + 1) x block_size token rows of (kv_heads, head_dim) in ``dtype`` (None:
+    the dtype of the first prefill's K and V); block ``blocks`` is the trash block, where free slots and the
+    columns no row owns point. ``table`` (S, L / block_size) on the device: the pool block of each slot's j-th block
+    of columns; column c of slot s lives at token row table[s, c // bs] * bs + c % bs. write_pos (S,): the column
+    where each slot's current token goes (= tokens already cached in that slot). The host keeps each slot's blocks
+    and the free list (Python lists: no tensor op per block); it copies the table to the device only between steps
+    (``sync``), so a step reads nothing from the host. ``begin_step`` computes, once per step for every layer, the pool
+    row each slot's new K/V goes to."""
+
+    def __init__(self, plan: _PoolPlan, device, dtype: torch.dtype | None = None):
+        self.slots, self.length, self.block_size, self.dtype = plan.slots, plan.length, plan.block_size, dtype
+        self.copies = plan.copies
+        self.blocks, self.trash = plan.blocks, plan.blocks
         self.keys, self.values = [], []
-        self.write_pos = torch.zeros(slots, dtype=torch.long, device=device)  # (S,)
+        width = -(-plan.length // plan.block_size)
+        self.table_host = [[self.trash] * width for _ in range(plan.slots)]  # (S, L / bs) host lists
+        self.table = torch.tensor(self.table_host, dtype=torch.long, device=device)  # (S, L / bs)
+        self.write_pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # (S,)
+        cols = torch.arange(plan.length, device=device)  # (L,)
+        self.col_block, self.col_off = cols // plan.block_size, cols % plan.block_size  # (L,), (L,)
+        self.read_idx = self._read_index()  # (S, L) pool row of every column of every slot
+        self.width = plan.length  # W: the columns a step gathers and attends over (a width bucket, <= L)
+        self.rows = plan.slots  # R: the slots a step runs (a slot-count bucket; the occupied slots are the first)
+        self.dest = torch.zeros(plan.slots, dtype=torch.long, device=device)  # (S,) pool row of this step's K/V
+        self.owned: list[list[int]] = [[] for _ in range(plan.slots)]  # host: each slot's blocks, in column order
+        self.free = list(range(plan.blocks))[::-1]  # host: free blocks; pop() gives the lowest first
+        self.peak = 0  # most blocks in use at once
 
-    def load(self, slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor) -> None:
-        """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into `slots`
-        (b,), columns [0, P); lens (b,) prompt lengths."""
+    def _read_index(self) -> torch.Tensor:
+        return self.table.index_select(1, self.col_block) * self.block_size + self.col_off  # (S, L)
+
+    def blocks_for(self, columns: int) -> int:
+        """Blocks that hold a row's first `columns` columns (at most L: writes past L - 1 are clamped to it)."""
+        return -(-min(columns, self.length) // self.block_size)
+
+    def grow(self, slot: int, columns: int) -> None:
+        """Give `slot` blocks until its first `columns` columns have one (the caller checked there are enough)."""
+        mine = self.owned[slot]
+        for _ in range(self.blocks_for(columns) - len(mine)):
+            mine.append(self.free.pop())
+            self.table_host[slot][len(mine) - 1] = mine[-1]
+        self.peak = max(self.peak, self.blocks - len(self.free))
+
+    def release(self, slot: int) -> None:
+        """Return `slot`'s blocks to the free list; its columns point at the trash block again."""
+        self.free.extend(self.owned[slot][::-1])
+        self.owned[slot] = []
+        self.table_host[slot] = [self.trash] * len(self.table_host[slot])
+
+    def sync(self) -> None:
+        """Copy the host's table to the device and recompute the read index, in place (a captured step reads both
+        buffers): one host-to-device copy, at a host read, never inside a step."""
+        self.table.copy_(torch.tensor(self.table_host, dtype=torch.long))
+        self.read_idx.copy_(self._read_index())
+
+    def load(self, slots: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], lens: list[int]) -> None:
+        """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into the
+        blocks of `slots` (host list, b; their blocks given and synced): row i's columns [0, lens[i])."""
+        device, bs = self.write_pos.device, self.block_size
+        pairs = [(i, c) for i, n in enumerate(lens) for c in range(n)]  # (row, column) of every real token
+        dest = torch.tensor([self.table_host[slots[i]][c // bs] * bs + c % bs for i, c in pairs],
+                            dtype=torch.long, device=device)  # (n_tok,) pool rows
+        src_row, src_col = torch.tensor(pairs, dtype=torch.long, device=device).t()  # (n_tok,), (n_tok,)
         for i, (k, v) in enumerate(kv):
             if i == len(self.keys):  # first load: allocate with the K/V's own head count, size and dtype
-                shape = (self.slots, k.shape[1], self.length, k.shape[3])
+                shape = ((self.blocks + 1) * self.block_size, k.shape[1], k.shape[3])
                 self.keys.append(k.new_zeros(shape, dtype=self.dtype or k.dtype))
                 self.values.append(v.new_zeros(shape, dtype=self.dtype or v.dtype))
-            self.keys[i][:, :, : k.shape[2]].index_copy_(0, slots, k.to(self.keys[i].dtype))
-            self.values[i][:, :, : v.shape[2]].index_copy_(0, slots, v.to(self.values[i].dtype))
-        self.write_pos.index_copy_(0, slots, lens)
+            # (b, h, P, d) -> (n_tok, h, d): each row's real columns
+            self.keys[i].index_copy_(0, dest, k[src_row, :, src_col].to(self.keys[i].dtype))
+            self.values[i].index_copy_(0, dest, v[src_row, :, src_col].to(self.values[i].dtype))
+        self.write_pos.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=device),
+                                   torch.tensor(lens, dtype=torch.long, device=device))
+
+    def pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def gather_bytes(self) -> int:
+        """The most one layer's transient K/V take at S x L: the gather of ``update``, (S, h, L, d) each, with the
+        copies transformers makes of it (``_PoolPlan.copies``)."""
+        return self.copies * max((k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.slots
+                                 * self.length for k, v in zip(self.keys, self.values))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Write one step's K/V (S, h, 1, d) at each slot's write_pos; return the whole (S, h, L, d) buffers."""
-        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        idx = self.write_pos.view(-1, 1, 1, 1).expand(-1, k_buf.shape[1], 1, k_buf.shape[3])  # (S, h, 1, d)
-        k_buf.scatter_(2, idx, key_states.to(k_buf.dtype))
-        v_buf.scatter_(2, idx, value_states.to(v_buf.dtype))
-        return k_buf, v_buf
+        """Write one step's K/V (S, h, 1, d) at each slot's write_pos (through its block), and return every slot's
+        first W columns gathered through the table: (S, h, W, d) each, a transient copy of one layer's columns
+        (freed when the layer's attention is done); columns a row does not own read the trash block, masked out."""
+        k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
+        if key_states.dtype != k_pool.dtype:
+            key_states = key_states.to(k_pool.dtype)
+        if value_states.dtype != v_pool.dtype:
+            value_states = value_states.to(v_pool.dtype)
+        dest = self.dest[: self.rows]  # (R,)
+        k_pool.index_copy_(0, dest, key_states.squeeze(2))  # (R, h, d) rows; free slots: in the trash block
+        v_pool.index_copy_(0, dest, value_states.squeeze(2))
+        return k_pool[self.read].transpose(1, 2), v_pool[self.read].transpose(1, 2)  # (R, h, W, d)
+
+    def begin_step(self) -> None:
+        """Once per step, before the layers: the pool row of each of the first R slots' column write_pos, and the
+        (R, W) view of the read index at this step's bucket (nothing read on the host)."""
+        pos = self.write_pos[: self.rows]  # (R,)
+        block = self.table[: self.rows].gather(1, torch.div(pos, self.block_size, rounding_mode="floor")[:, None])
+        torch.add(block.squeeze(1) * self.block_size, pos % self.block_size, out=self.dest[: self.rows])  # (R,)
+        self.read = self.read_idx[: self.rows, : self.width]  # (R, W)
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's row goes to the free slot dst: its blocks and table row move (the K/V stays where it is)."""
+        self.owned[dst], self.owned[src] = self.owned[src], []
+        self.table_host[dst], self.table_host[src] = self.table_host[src], [self.trash] * len(self.table_host[src])
 
 
 class _StaticStep:
@@ -1700,9 +1955,11 @@ class _StaticStep:
     their K/V at ``cache.write_pos`` (S,), into the next ``hidden``. Nothing reads the host: on CUDA the whole step
     is captured once as a CUDA graph and replayed (the draw inside it; for top-p < 1, whose nucleus search may sort
     on the host's word, the draw runs eagerly before the replay of the forward). Elsewhere it runs eagerly: the same
-    computation, which is what the CPU parity tests check."""
+    computation, which is what the CPU parity tests check. A step runs the first R slots (the occupied ones are kept
+    first) over their first W columns, (R, W) one of a few slot-count and width buckets the host picks between
+    steps; CUDA captures one graph per pair used, all in one memory pool."""
 
-    def __init__(self, model, base, cache: _SlotCache, run: _Run, device):
+    def __init__(self, model, base, cache: _PagedCache, run: _Run, device):
         self.base, self.cache, self.run, self.cache_arg = base, cache, run, _cache_kwarg(base)
         slots = cache.slots
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)  # (S, 1) each slot's latest token
@@ -1719,28 +1976,34 @@ class _StaticStep:
         self.use_graph = torch.device(device).type == "cuda"
         # the draw is capturable (no host read) except top-p's nucleus search, which may sort a row whole
         self.draw_inside = run.temperature == 0 or run.top_p == 1.0
-        self.graph = None
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (R, W) -> its captured step
+        self.steps_at: dict[tuple[int, int], int] = {}  # (R, W) -> decode steps run at it (stats)
 
     def _draw(self) -> None:
-        tokens = self.run.draw(self.hidden, self.slot_row, self.n_out)  # (S,)
-        self.tokens.copy_(tokens.unsqueeze(1))
-        self.n_out.add_(1)
+        n = self.cache.rows
+        tokens = self.run.draw(self.hidden[:n], self.slot_row[:n], self.n_out[:n])  # (R,)
+        self.tokens[:n].copy_(tokens.unsqueeze(1))
+        self.n_out[:n].add_(1)
 
     def _forward(self) -> None:
-        allowed = self.columns.unsqueeze(0) <= self.cache.write_pos.unsqueeze(1)  # (S, L): cached columns + this one
-        mask = allowed[:, None, None, :]  # (S, 1, 1, L)
+        n, width = self.cache.rows, self.cache.width
+        pos = self.cache.write_pos[:n]  # (R,)
+        # (R, W): cached columns + this one (a free slot clamped past W attends over trash: its draws are discarded)
+        allowed = self.columns[:width].unsqueeze(0) <= pos.unsqueeze(1)
+        mask = allowed[:, None, None, :]  # (R, 1, 1, W)
+        self.cache.begin_step()
         if self.additive:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
         hidden = self.base(
-            input_ids=self.tokens, attention_mask=mask, position_ids=self.positions, use_cache=True,
+            input_ids=self.tokens[:n], attention_mask=mask, position_ids=self.positions[:n], use_cache=True,
             **{self.cache_arg: self.cache},
-        ).last_hidden_state[:, -1]  # (S, H)
-        self.hidden.copy_(hidden)
-        # a free slot, or a row past its end, keeps counting: clamp inside the buffer and the position table (a
+        ).last_hidden_state[:, -1]  # (R, H)
+        self.hidden[:n].copy_(hidden)
+        # a free slot, or a row past its end, keeps counting: clamp inside the columns and the position table (a
         # running row never gets there: its prompt + max_new_tokens columns fit)
         last = self.cache.length - 1
-        self.positions.add_(1).clamp_(max=last)
-        self.cache.write_pos.add_(1).clamp_(max=last)
+        self.positions[:n].add_(1).clamp_(max=last)
+        pos.add_(1).clamp_(max=last)
 
     def _captured(self) -> None:
         """What the graph records: the whole step, or only its forward when the draw cannot be captured."""
@@ -1770,71 +2033,84 @@ class _StaticStep:
         if cuda:
             torch.cuda.current_stream().wait_stream(side)
 
-    def __call__(self) -> None:
-        if self.use_graph and self.graph is None:
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """The rows of slots `src` go to the free slots `dst` (host lists): each per-slot buffer's entries copied
+        (the cache's table rows are moved by ``_PagedCache.move``); the src slots then draw into the trash row."""
+        device = self.tokens.device
+        src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst))
+        for buf in (self.tokens, self.positions, self.slot_row, self.n_out, self.hidden, self.cache.write_pos):
+            buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+        self.slot_row.index_fill_(0, src_t, self.run.trash)
+
+    def __call__(self, rows: int, width: int) -> None:
+        """One step of the first `rows` slots (a bucket holding every occupied slot) with the attention over their
+        first `width` columns (a bucket; every running row's columns up to the next host read lie below it)."""
+        self.cache.rows, self.cache.width = rows, width
+        key = (rows, width)
+        self.steps_at[key] = self.steps_at.get(key, 0) + 1
+        if self.use_graph and key not in self.graphs:
             self.warm_up()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):  # records, runs nothing
+            pool = next(iter(self.graphs.values())).pool() if self.graphs else None  # one pool for all buckets
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):  # records, runs nothing
                 self._captured()
+            self.graphs[key] = graph
         if not self.draw_inside:
             self._draw()
-        if self.graph is not None:
-            self.graph.replay()
+        if key in self.graphs:
+            self.graphs[key].replay()
         else:
             self._captured()
 
 
-def _prefill_right(model, base, run: _Run, rows: list[int], pad_token_id: int) -> tuple[DynamicCache, torch.Tensor,
-                                                                                       torch.Tensor]:
-    """One forward over the right-padded prompts of `rows`: (cache with K/V at columns [0, len), hidden (b, H) at
-    each row's last prompt token, lens (b,) on the model's device)."""
+def _prefill_right(model, base, run: _Run, seqs: list[list[int]], pad_token_id: int) -> tuple[DynamicCache,
+                                                                                              torch.Tensor, list[int]]:
+    """One forward over the right-padded token lists `seqs` (prompts, or a preempted row's prompt + its drawn
+    tokens): (cache with K/V at columns [0, len), hidden (b, H) at each row's last token, lens: host list (b,))."""
     device = run.head.weight.device
-    lens = torch.tensor([len(run.prompts[r]) for r in rows], dtype=torch.long)  # (b,)
-    width = int(lens.max())
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (b, P)
-    for i, r in enumerate(rows):
-        ids[i, : lens[i]] = torch.tensor(run.prompts[r], dtype=torch.long)
-    attn = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)  # (b, P)
+    lens = [len(s) for s in seqs]
+    width = max(lens)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)  # (b, P)
+    for i, s in enumerate(seqs):
+        ids[i, : lens[i]] = torch.tensor(s, dtype=torch.long)
+    attn = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, P)
     cache = _StoredCache(config=model.config, kv_dtype=run.kv_dtype)
     hidden = base(
         input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True, **{_cache_kwarg(base): cache},
     ).last_hidden_state  # (b, P, H); right padding: default positions 0..len-1 are the real ones
     run.forward_calls += 1
-    run.prefill_tokens += int(lens.sum())
-    lens = lens.to(device)
-    return cache, hidden[torch.arange(len(rows), device=device), lens - 1], lens  # (b, H) at the last prompt token
+    run.prefill_tokens += sum(lens)
+    last = torch.tensor(lens, device=device) - 1  # (b,)
+    return cache, hidden[torch.arange(len(seqs), device=device), last], lens  # (b, H) at the last token
 
 
-def _load_shared(model, base, run: _Run, cache: _SlotCache, slots: list[int], rows: list[int],
-                 pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _load_shared(model, base, run: _Run, cache: _PagedCache, slots: list[int], rows: list[int],
+                 pad_token_id: int) -> tuple[torch.Tensor, list[int]]:
     """The static path's prefill with one prefill per distinct prompt (departure 11): the distinct prompts not in
-    ``run.stash`` (prompt key -> its K/V per layer (1, h, len, d), hidden (1, H) and length (1,), kept while copies
-    are queued) go through one forward; each prompt's K/V is then copied into the slots of all its rows. Returns
-    the rows' hidden states (b, H) at their last prompt token and their lengths (b,)."""
+    ``run.stash`` (prompt key -> its K/V per layer (1, h, len, d) and hidden (1, H), kept while copies are queued)
+    go through one forward; each prompt's K/V is then copied into the blocks of all its rows' slots. Returns the
+    rows' hidden states (b, H) at their last prompt token and their lengths (host list, b)."""
     keys = run.share(rows)
     new = [k for k in dict.fromkeys(keys) if k not in run.stash]
     if new:
-        pre_cache, pre_hidden, lens = _prefill_right(model, base, run, new, pad_token_id)
+        pre_cache, pre_hidden, _ = _prefill_right(model, base, run, [run.prompts[k] for k in new], pad_token_id)
         for i, k in enumerate(new):
             n = len(run.prompts[k])
             run.stash[k] = ([(layer.keys[i : i + 1, :, :n], layer.values[i : i + 1, :, :n])
-                             for layer in pre_cache.layers], pre_hidden[i : i + 1], lens[i : i + 1])
-    device = cache.write_pos.device
+                             for layer in pre_cache.layers], pre_hidden[i : i + 1])
     for k in dict.fromkeys(keys):
-        kv, _, n = run.stash[k]
+        kv, _ = run.stash[k]
         mine = [s for s, key in zip(slots, keys) if key == k]
-        cache.load(torch.tensor(mine, dtype=torch.long, device=device),
-                   [(kk.expand(len(mine), -1, -1, -1), vv.expand(len(mine), -1, -1, -1)) for kk, vv in kv],
-                   n.expand(len(mine)))
+        cache.load(mine, [(kk.expand(len(mine), -1, -1, -1), vv.expand(len(mine), -1, -1, -1)) for kk, vv in kv],
+                   [len(run.prompts[k])] * len(mine))
     hidden = torch.cat([run.stash[k][1] for k in keys])  # (b, H)
-    lens = torch.cat([run.stash[k][2] for k in keys])  # (b,)
     for k in dict.fromkeys(keys):
         if run.pending[k] == 0:
             del run.stash[k]
         elif k in new:  # a view would keep the whole prefill's K/V alive: keep a copy of this prompt's only
-            kv, h, n = run.stash[k]
-            run.stash[k] = ([(kk.clone(), vv.clone()) for kk, vv in kv], h.clone(), n.clone())
-    return hidden, lens
+            kv, h = run.stash[k]
+            run.stash[k] = ([(kk.clone(), vv.clone()) for kk, vv in kv], h.clone())
+    return hidden, [len(run.prompts[k]) for k in keys]
 
 
 def _kv_dtype(device: torch.device) -> torch.dtype | None:
@@ -1852,59 +2128,171 @@ def _kv_token_bytes(model, kv_dtype: torch.dtype | None) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def _decode_static(model, base, run: _Run, pad_token_id: int) -> None:
-    """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch."""
+def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -> None:
+    """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch, and the
+    pool's blocks handed out by the host at each read (admission by free blocks, recompute preemption)."""
     device = run.head.weight.device
-    n_slots = run.capacity
-    length = max(len(p) for p in run.prompts) + run.max_new_tokens  # every row fits from column 0
-    cache = _SlotCache(n_slots, length, device, run.kv_dtype)
+    cache = _PagedCache(plan, device, run.kv_dtype)
     decode = _StaticStep(model, base, cache, run, device)
-    free = list(range(n_slots))[::-1]  # free slot ids (host); pop() gives the lowest first
+    free = list(range(plan.slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
-    row_of, start_of = {}, {}  # host: slot -> prompt index, slot -> step before its row's first draw
+    row_of, start_of, prompt_of = {}, {}, {}  # host: slot -> prompt index, step before its row's first draw (so
+    # step - start = tokens drawn, counting those before a preemption), prompt length
+    drawn: dict[int, list[int]] = {}  # preempted rows waiting to come back -> the tokens they had drawn
     run.stash = {}  # departure 11: prompt key -> its prefilled K/V, while copies of it are queued
     step = 0
+    bs, length = plan.block_size, plan.length
+    widths = sorted({min(length, -(-length // (f * bs)) * bs) for f in _WIDTH_FRACTIONS})  # the buckets, ascending
+    # slot-count buckets: multiples of S / 8 (the rows in flight, not a power of two, set the step's size)
+    step_rows = -(-plan.slots // max(_WIDTH_FRACTIONS))
+    counts = sorted({min(plan.slots, k * step_rows) for k in range(1, max(_WIDTH_FRACTIONS) + 1)})
+    width, n_run = length, plan.slots
+
+    def written(s: int) -> int:  # columns slot s has written: its prompt, then one per token drawn
+        return prompt_of[s] + step - start_of[s]
 
     def admit(rows: list[int]) -> None:
         slots = [free.pop() for _ in rows]
+        back = [i for i, r in enumerate(rows) if r in drawn]  # preempted rows: prompt + their tokens, unshared
+        fresh = [i for i, r in enumerate(rows) if r not in drawn]
+        done = [len(drawn[rows[i]]) for i in back]
+        seqs = [run.prompts[rows[i]] + drawn.pop(rows[i]) for i in back]
+        for i, s in enumerate(slots):
+            cache.grow(s, (len(seqs[back.index(i)]) if i in back else len(run.prompts[rows[i]])) + run.sync_every)
+        parts, lens = [], [0] * len(rows)
+        if fresh and run.keys is not None:
+            hid, n = _load_shared(model, base, run, cache, [slots[i] for i in fresh], [rows[i] for i in fresh],
+                                  pad_token_id)
+            parts.append(hid)
+        elif fresh:
+            pre_cache, hid, n = _prefill_right(model, base, run, [run.prompts[rows[i]] for i in fresh], pad_token_id)
+            cache.load([slots[i] for i in fresh], [(layer.keys, layer.values) for layer in pre_cache.layers], n)
+            parts.append(hid)
+        for i, m in zip(fresh, n if fresh else []):
+            lens[i] = m
+        if back:
+            pre_cache, hid, n = _prefill_right(model, base, run, seqs, pad_token_id)
+            cache.load([slots[i] for i in back], [(layer.keys, layer.values) for layer in pre_cache.layers], n)
+            parts.append(hid)
+            for i, m in zip(back, n):
+                lens[i] = m
+        order = fresh + back
+        pre_hidden = torch.cat(parts)[torch.tensor([order.index(i) for i in range(len(rows))], device=device)]  # (b,H)
+        if not run.kv_bytes_per_token:  # (the pool seen as (1, h, N, d))
+            run.note_cache([(k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2))
+                            for k, v in zip(cache.keys, cache.values)])
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)  # (b,)
-        if run.keys is None:
-            pre_cache, pre_hidden, lens = _prefill_right(model, base, run, rows, pad_token_id)
-            cache.load(slots_t, [(layer.keys, layer.values) for layer in pre_cache.layers], lens)
-        else:
-            pre_hidden, lens = _load_shared(model, base, run, cache, slots, rows, pad_token_id)
-        if not run.kv_bytes_per_token:
-            run.note_cache(list(zip(cache.keys, cache.values)))
-        decode.positions.index_copy_(0, slots_t, lens.unsqueeze(1))
+        had = [0] * len(rows)  # tokens each row drew before (a comeback's), 0 for a fresh row
+        for i, d in zip(back, done):
+            had[i] = d
+        decode.positions.index_copy_(0, slots_t, torch.tensor(lens, device=device).unsqueeze(1))
         decode.slot_row.index_copy_(0, slots_t, torch.tensor(rows, dtype=torch.long, device=device))
-        decode.n_out.index_fill_(0, slots_t, 0)
+        decode.n_out.index_copy_(0, slots_t, torch.tensor(had, dtype=torch.long, device=device))
         if decode.hidden is None:
-            decode.hidden = pre_hidden.new_zeros(n_slots, pre_hidden.shape[1])  # (S, H)
+            decode.hidden = pre_hidden.new_zeros(plan.slots, pre_hidden.shape[1])  # (S, H)
         decode.hidden.index_copy_(0, slots_t, pre_hidden)
         active.extend(slots)
-        row_of.update(zip(slots, rows))
-        start_of.update((s, step) for s in slots)
+        for s, r, m, c in zip(slots, rows, lens, had):
+            # a comeback has drawn c tokens already: its prefill held prompt + c columns, its counter starts at c
+            row_of[s], prompt_of[s], start_of[s] = r, m - c, step - c
 
-    admit(run.take(run.capacity, 0))
+    def leave(slots: list[int]) -> None:  # the slots' rows are gone: free slots draw into the trash row
+        decode.slot_row.index_fill_(0, torch.tensor(slots, dtype=torch.long, device=device), run.trash)
+        for s in slots:
+            cache.release(s)
+        free.extend(sorted(slots, reverse=True))
+
+    def schedule() -> None:
+        """At a host read: top up every running row's blocks for the columns it writes before the next read
+        (sync_every steps at most), preempting the newest rows while the pool cannot; compact the occupied slots;
+        admit waiting rows in order while a slot and their blocks (prompt + sync_every columns) are free; copy the
+        table to the device; pick the slot-count bucket that holds the occupied slots and the width bucket that
+        holds every running row's columns until the next read."""
+        nonlocal active, width, n_run
+        short = lambda: sum(cache.blocks_for(written(s) + run.sync_every) - len(cache.owned[s]) for s in active)
+        out = []
+        while short() > len(cache.free):
+            assert len(active) > 1, "the pool holds one row at full length (_pool_plan), so the oldest row fits"
+            s = active.pop()  # vLLM's recompute preemption: the newest row goes back to the front of the queue
+            cache.release(s)
+            r, n = row_of[s], step - start_of[s]
+            drawn[r] = run.out_tokens[r, :n].tolist() if n else []  # a device read, only when preempting
+            run.queue.append(r)
+            run.preemptions += 1
+            out.append(s)
+        if out:
+            leave(out)
+        compact()
+        for s in active:
+            cache.grow(s, written(s) + run.sync_every)
+        take, left, by_blocks = [], len(cache.free), False
+        while run.queue and len(take) < len(free):
+            r = run.queue[-1]
+            need = cache.blocks_for(len(run.prompts[r]) + len(drawn.get(r, ())) + run.sync_every)
+            if need > left:
+                by_blocks = True
+                break
+            take.append(run.queue.pop())
+            left -= need
+        # a refill costs a prefill call: while rows run, wait for min_refill free slots (as _Run.take), unless the
+        # pool is what limits it (waiting would not make the refill bigger)
+        if active and not by_blocks and len(take) < min(run.min_refill, len(take) + len(run.queue)):
+            run.queue.extend(take[::-1])
+            take = []
+        if take:
+            admit(take)
+        cache.sync()
+        need = max((written(s) + run.sync_every for s in active), default=1)
+        width = next(w for w in widths if w >= min(need, length))
+        n_run = next(c for c in counts if c >= len(active))  # the occupied slots are 0 .. len(active) - 1
+        assert not active or max(active) < n_run, f"occupied slots {sorted(active)} past the {n_run} a step runs"
+
+    def compact() -> None:
+        """Rows in slots past the first len(active) move into the free slots below (the block table rows and the
+        per-slot state move; no K/V is copied), so a step of the first R slots runs every occupied one."""
+        if decode.hidden is None:
+            return
+        n, taken = len(active), set(active)
+        movers = sorted(s for s in active if s >= n)
+        holes = [s for s in range(n) if s not in taken]
+        assert len(movers) == len(holes), (movers, holes)
+        if not movers:
+            return
+        decode.move(movers, holes)
+        to = dict(zip(movers, holes))
+        for a, b in to.items():
+            cache.move(a, b)
+            row_of[b], start_of[b], prompt_of[b] = row_of.pop(a), start_of.pop(a), prompt_of.pop(a)
+        active[:] = [to.get(s, s) for s in active]  # admission order kept
+        free[:] = sorted(set(range(plan.slots)) - set(active), reverse=True)
+
+    schedule()
+    assert active, "the first admission takes at least one row: the pool holds one at full length"
     since = 0  # decode steps since the last host read
     while active:
-        decode()  # every slot draws its next token, then the model runs on them (a CUDA graph replay on CUDA)
+        decode(n_run, width)  # the first n_run slots draw, then the model runs on them (a graph replay on CUDA)
         run.forward_calls += 1
         run.decode_steps += 1
+        run.in_flight += len(active)
+        run.in_flight_peak = max(run.in_flight_peak, len(active))
         step += 1
         since += 1
         # departure 16: ended rows are read every sync_every steps, or once every row has drawn max_new_tokens
         if since >= run.sync_every or step - max(start_of[s] for s in active) >= run.max_new_tokens:
-            since = 0
             act = torch.tensor(active, dtype=torch.long, device=device)  # (A,)
             flags = run.check([row_of[s] for s in active], decode.slot_row[act], [step - start_of[s] for s in active],
-                              decode.tokens[act, 0] if run.stops is not None else None)
+                              since)
+            since = 0
             done = [s for s, d in zip(active, flags) if d]
             if done:
-                # the freed slots draw into the trash row until a refill takes them
-                decode.slot_row.index_fill_(0, torch.tensor(done, dtype=torch.long, device=device), run.trash)
-                free.extend(sorted(done, reverse=True))
+                leave(done)
                 active = [s for s, d in zip(active, flags) if not d]
-            new = run.take(len(free), len(active))
-            if new:
-                admit(new)
+            schedule()
+    run.blocks_peak, run.blocks_left = cache.peak, cache.blocks - len(cache.free)
+    run.pool_bytes, run.gather_bytes = cache.pool_bytes(), cache.gather_bytes()
+    run.bucket_steps = dict(sorted(decode.steps_at.items()))
+    run.width_steps, run.rows_steps = {}, {}
+    for (r, w), n in decode.steps_at.items():
+        run.width_steps[w] = run.width_steps.get(w, 0) + n
+        run.rows_steps[r] = run.rows_steps.get(r, 0) + n
+    run.width_steps, run.rows_steps = dict(sorted(run.width_steps.items())), dict(sorted(run.rows_steps.items()))

@@ -243,7 +243,8 @@ def bench_logprobs(n, h, v, repeats):
     print(f"  why: ours does 4 (N, V, H) matmuls to naive's 3 (backward recomputes the logits): a 1.33x floor on\n"
           f"  arithmetic. But naive also streams several {n * v * 4 / 2**20:.0f} MiB (N, V) float32 arrays through"
           f" memory\n  (logits, log_softmax, their gradients), while ours reuses a few (chunk x vocab-chunk) tiles in"
-          f" place\n  (32 MiB at the defaults), so on a CPU the memory traffic saved outweighs the extra matmul.")
+          f" place\n  (float32 tiles of {sampler._TILE_ELEMENTS * 4 / 2**20:.0f} MiB at the defaults), so on a CPU the"
+          f" memory traffic saved outweighs the extra matmul.")
 
     ref_lp, ref_gh, ref_gw = float64_reference(*inputs)
     print("error vs float64 reference (log-probs: max abs; gradients: ||err|| / ||grad||):")

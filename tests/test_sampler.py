@@ -731,18 +731,20 @@ def test_static_auto_resolves_per_device_and_architecture():
 
 def test_static_auto_sizes_its_cache_to_the_free_memory(monkeypatch):
     # "auto" with no max_cache_bytes takes 80% of the device's free memory as the budget (a caller that gives none,
-    # as tools/preflight.py, must not preallocate past the card): the slot count is cut to it, and a budget below
-    # one slot falls back to the default path instead of raising as "on" does. The CUDA side is faked on CPU.
+    # as tools/preflight.py, must not preallocate past the card): the pool and the gather fit it, and a budget below
+    # one row at full length falls back to the default path instead of raising as "on" does. CUDA faked on CPU.
     model = tiny_model("qwen3", seed=9)
     monkeypatch.setattr(sampler, "resolve_static", lambda static, *a, **k: "auto" if static == "auto" else static)
     per_slot = (max(map(len, PROMPTS)) + 4) * sampler._kv_token_bytes(model, None)
-    kw = dict(max_new_tokens=4, temperature=0, eos_token_id=1000, max_batch_size=5)
+    kw = dict(max_new_tokens=4, temperature=0, eos_token_id=1000, max_batch_size=5, block_size=4)
     ref = [r.tokens for r in sample(model, PROMPTS, static="off", **kw)]
-    for free, slots in ((per_slot * 3 / 0.8 + 1, 3), (per_slot * 0.5, None)):
+    for free, static in ((per_slot * 6 / 0.8 + 1, True), (per_slot * 0.5, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (int(free), 10 * int(free)))
         stats = {}
         assert [r.tokens for r in sample(model, PROMPTS, stats=stats, **kw)] == ref
-        assert stats["static"] is (slots is not None) and stats.get("slots") == slots, stats
+        assert stats["static"] is static, stats
+        if static:
+            assert 1 <= stats["slots"] <= 5 and stats["kv_pool_bytes"] + stats["kv_gather_bytes"] <= 0.8 * free
 
 
 @pytest.mark.parametrize("sync_every", [1, 3, 8])
@@ -779,10 +781,11 @@ def test_static_warm_up_leaves_the_state_as_it_found_it(monkeypatch):
     calls = []
     real_call = sampler._StaticStep.__call__
 
-    def warm_then_call(self):
+    def warm_then_call(self, rows, width):
         calls.append(1)
+        self.cache.rows, self.cache.width = rows, width  # the warm-up runs at the call's buckets, as before a capture
         self.warm_up()
-        return real_call(self)
+        return real_call(self, rows, width)
 
     monkeypatch.setattr(sampler._StaticStep, "__call__", warm_then_call)
     warmed = sample(model, PROMPTS * 2, generator=torch.Generator().manual_seed(3), **kw)
@@ -877,19 +880,21 @@ def test_cast_once_gives_autocast_numbers_without_per_step_casts(static):
 
 
 @pytest.mark.parametrize("static", ["off", "on"])
-def test_stop_strings_read_the_host_every_step(static):
-    # departure 16: stop strings need each step's tokens on the host, so the read is every drawn token whatever
-    # sync_every (6 draws; the default path's last draw needs no decode step after it, the static step draws inside)
+def test_stop_strings_read_the_host_every_sync_every_steps(static):
+    # departures 12 and 16: the stop check reads the last sync_every steps' tokens at the regular read, not every
+    # step: 6 draws with sync_every 8 are one read (when every row has drawn the cap), 20 draws with sync_every 3
+    # are 7 reads (the default path's last draw needs no decode step after it, the static step draws inside)
     model = tiny_model("qwen3", seed=9)
 
     class Tok:  # decodes ids as letters: a stop string that never occurs
         def batch_decode(self, ids, **kw):
             return ["".join(chr(97 + i % 26) for i in row) for row in ids]
 
-    stats = {}
-    sample(model, PROMPTS, max_new_tokens=6, temperature=0, eos_token_id=1000, stop_strings=["#"], tokenizer=Tok(),
-           sync_every=8, stats=stats, static=static)
-    assert stats["host_reads"] == 6 and stats["decode_steps"] == (5 if static == "off" else 6), stats
+    for cap, sync, reads in ((6, 8, 1), (20, 3, 7)):
+        stats = {}
+        sample(model, PROMPTS, max_new_tokens=cap, temperature=0, eos_token_id=1000, stop_strings=["#"],
+               tokenizer=Tok(), sync_every=sync, stats=stats, static=static)
+        assert stats["host_reads"] == reads and stats["decode_steps"] == cap - (static == "off"), stats
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -966,10 +971,11 @@ def caches_seen(model):
 
 
 def stored_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(K, V) per layer of a DynamicCache or of the static path's slot cache."""
+    """(K, V) per layer of a DynamicCache, (B, h, W, d), or of the static path's paged pool, (N, h, d) seen as
+    (1, h, N, d)."""
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.keys, cache.values))
+    return [(k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)) for k, v in zip(cache.keys, cache.values)]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -1028,20 +1034,187 @@ def test_bf16_kv_cache_samples_what_the_mixed_dtype_cache_did(static, attn, monk
         assert torch.equal(a.logprobs, b.logprobs)
 
 
-def test_static_slots_from_a_byte_budget():
-    # max_cache_bytes cuts the static path's slot count to what the budget holds (departure 13), with the same rows
-    # as that many slots asked for directly; a budget under one slot is refused with a message naming the argument
+def test_paged_pool_sizing_follows_the_byte_budget_exactly():
+    # departure 13: max_cache_bytes pays for the pool ((blocks + 1) x block_size tokens, the trash block included)
+    # and one layer's gathered K/V with transformers' copy of it to every query head (3 x S x L tokens / layers: 4
+    # heads over 2 KV heads); slots are cut so that the pool holds S rows at expected lengths (mean prompt + half the
+    # cap + sync_every) and one at full length. Hand-computed for the tiny Qwen3 (512 bytes a token in float32: 2
+    # layers x 2 KV heads x 16 x 4 bytes x K and V)
     model = tiny_model("qwen3", seed=9)
-    prompts = PROMPTS * 2
-    length = max(map(len, prompts)) + 8
-    per_slot = length * sampler._kv_token_bytes(model, None)
-    kw = dict(max_new_tokens=8, temperature=0, eos_token_id=[1, 2], min_refill=1, static=True)
+    tb = sampler._kv_token_bytes(model, None)
+    assert tb == 2 * 2 * 2 * 16 * 4
+    prompts = PROMPTS * 2  # longest 9, shortest 1
+    length, bs, sync = 9 + 8, 4, 2  # L = 17 columns: 5 blocks of 4 at full length
+    assert sampler._transient_copies(model.config) == 3  # the gather + repeat_kv's copy to 2 x the heads
+    gather = 3 * (length * tb // 2)  # one slot, one layer, K and V, the gather and its copy
+    block = bs * tb
+    budget = 3 * gather + 10 * block  # 3 slots' transient, 9 blocks + the trash block
     stats = {}
-    ours = sample(model, prompts, max_batch_size=8, max_cache_bytes=3 * per_slot + per_slot // 2, stats=stats, **kw)
-    assert stats["slots"] == 3
-    assert [r.tokens for r in ours] == [r.tokens for r in sample(model, prompts, max_batch_size=3, **kw)]
+    sample(model, prompts, max_new_tokens=8, temperature=0, eos_token_id=[1, 2], max_batch_size=8, static=True,
+           block_size=bs, sync_every=sync, max_cache_bytes=budget, stats=stats)
+    # a row at expected lengths: ceil(mean prompt 4.4) + 8 / 2 + sync 2 = 11 columns, 3 blocks; a full row 5 blocks
+    # S = min(8, (budget - 6 blocks) // gather, (budget - 1 block) // (gather + 3 blocks))
+    want_slots = min(8, (budget - 6 * block) // gather, (budget - block) // (gather + 3 * block))
+    assert stats["slots"] == want_slots == 3
+    assert stats["kv_blocks"] == (budget - 3 * gather) // block - 1 == 9
+    assert stats["kv_pool_bytes"] == 10 * block and stats["kv_gather_bytes"] == 3 * gather
+    assert stats["kv_pool_bytes"] + stats["kv_gather_bytes"] <= budget
+    assert stats["kv_block_size"] == bs and stats["kv_blocks_held_at_end"] == 0
+    # without a budget: every slot at full length (CPU's "on"), nothing changes
+    sample(model, prompts, max_new_tokens=8, temperature=0, eos_token_id=[1, 2], max_batch_size=4, static=True,
+           block_size=bs, sync_every=sync, stats=stats)
+    assert stats["slots"] == 4 and stats["kv_blocks"] == 4 * 5 and stats["preemptions"] == 0
+
+
+def test_static_budget_below_one_row_is_refused():
+    # a pool that cannot hold one row at prompt + cap (plus the trash block and one slot's gather) raises a
+    # ValueError naming max_cache_bytes under "on"; one byte more runs, one row at a time
+    model = tiny_model("qwen3", seed=9)
+    tb = sampler._kv_token_bytes(model, None)
+    prompts = PROMPTS * 2
+    length, bs = 9 + 8, 4
+    enough = (5 + 1) * bs * tb + 3 * (length * tb // 2)  # a full row + trash, one slot's gather and its copy
+    kw = dict(max_new_tokens=8, temperature=0, eos_token_id=[1, 2], min_refill=1, static=True, block_size=bs)
     with pytest.raises(ValueError, match="max_cache_bytes=.*holds no slot"):
-        sample(model, prompts, max_batch_size=8, max_cache_bytes=per_slot - 1, **kw)
+        sample(model, prompts, max_batch_size=8, max_cache_bytes=enough - 1, **kw)
+    stats = {}
+    ours = sample(model, prompts, max_batch_size=8, max_cache_bytes=enough, stats=stats, **kw)
+    assert stats["slots"] == 1 and stats["kv_blocks"] == 5
+    assert [r.tokens for r in ours] == [r.tokens for r in sample(model, prompts, max_batch_size=1, **kw)]
+
+
+def paged_runs(model, prompts, budgets, **kw):
+    """sample() on the static path once per budget (None: unbounded), with its stats: {budget: (rollouts, stats)}."""
+    out = {}
+    for b in budgets:
+        stats = {}
+        out[b] = (sample(model, prompts, static=True, max_cache_bytes=b, stats=stats, **kw), stats)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_paged_pool_waits_and_preempts_without_changing_a_token(temperature):
+    # departures 7 and 10: a pool so small that rows wait for blocks and running rows are preempted (sent back with
+    # the tokens they drew, prefilled again with prompt + those tokens, drawing on at counter t) gives the same
+    # tokens as an unbounded run and the default path, log-probs to round-off; the pool never holds more blocks
+    # than it has, every block is returned, and more budget puts more rows in flight
+    model = tiny_model("qwen3", seed=11)
+    prompts = PROMPTS * 3
+    tb = sampler._kv_token_bytes(model, None)
+    bs, cap, sync = 2, 16, 3
+    length = max(map(len, prompts)) + cap
+    gather = 3 * (length * tb // model.config.num_hidden_layers)  # the gather and its copy to every query head
+    kw = dict(max_new_tokens=cap, temperature=temperature, eos_token_id=[1, 2], max_batch_size=6, min_refill=1,
+              block_size=bs, sync_every=sync, generator=None)
+    ref = sample(model, prompts, static="off", **{**kw, "generator": torch.Generator().manual_seed(4)})
+    full = -(-length // bs)  # 13 blocks: one row at full length
+    # a row at expected lengths: ceil(4.4) + 16 / 2 + 3 = 16 columns, 8 blocks. tight: 3 slots (3 such rows), 25
+    # blocks (under 2 rows at the cap); roomy: 4 slots, 52 blocks (4 rows at full length)
+    block = bs * tb
+    tight, roomy = 3 * gather + 26 * block, 4 * gather + 53 * block
+    runs = {}
+    for b in (None, tight, roomy):
+        stats = {}
+        runs[b] = (sample(model, prompts, static=True, max_cache_bytes=b, stats=stats,
+                          **{**kw, "generator": torch.Generator().manual_seed(4)}), stats)
+    lengths = [len(r.tokens) for r in ref]
+    assert len(set(lengths)) > 2 and max(lengths) == cap, lengths
+    for b, (rolls, stats) in runs.items():
+        assert [r.tokens for r in rolls] == [r.tokens for r in ref], b
+        assert [r.finish for r in rolls] == [r.finish for r in ref], b
+        assert all(torch.allclose(a.logprobs, c.logprobs, atol=1e-5) for a, c in zip(rolls, ref)), b
+        assert stats["kv_blocks_peak"] <= stats["kv_blocks"] and stats["kv_blocks_held_at_end"] == 0, stats
+        assert stats["rows_in_flight_peak"] <= stats["slots"] <= 6
+    tight_stats, roomy_stats, free_stats = runs[tight][1], runs[roomy][1], runs[None][1]
+    assert (tight_stats["slots"], tight_stats["kv_blocks"]) == (3, 25), tight_stats
+    assert (roomy_stats["slots"], roomy_stats["kv_blocks"]) == (4, 4 * full), roomy_stats
+    assert tight_stats["preemptions"] > 0 and free_stats["preemptions"] == 0, (tight_stats, free_stats)
+    assert tight_stats["kv_blocks_peak"] == tight_stats["kv_blocks"], "the tight pool ran full"
+    assert (tight_stats["rows_in_flight_mean"] < roomy_stats["rows_in_flight_mean"]
+            < free_stats["rows_in_flight_mean"]), (tight_stats, roomy_stats, free_stats)
+    assert free_stats["rows_in_flight_peak"] == 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_width_and_slot_buckets_run_less_with_the_same_tokens(temperature, monkeypatch):
+    # departure 10: the static step attends over the smallest of L/8, L/4, L/2, L (in whole blocks) that holds every
+    # running row until the next host read, and runs the fewest slots (a multiple of S / 8) holding the occupied ones
+    # (rows compacted into the first slots as others leave); the tokens are those of running all S slots over all
+    # L columns every step, and of the default path, log-probs to round-off. Several buckets of each are used
+    model = tiny_model("qwen3", seed=11)
+    prompts = PROMPTS * 2
+    kw = dict(max_new_tokens=40, temperature=temperature, max_batch_size=4, min_refill=1, block_size=2,
+              sync_every=3)
+    free = sample(model, prompts, eos_token_id=1000, **{**kw, "temperature": 0})
+    eos = [free[0].tokens[3], free[1].tokens[20]]
+    run = lambda **extra: sample(model, prompts, eos_token_id=eos, generator=torch.Generator().manual_seed(2),
+                                 **kw, **extra)
+    stats = {}
+    ours, ref = run(static=True, stats=stats), run(static=False)
+    monkeypatch.setattr(sampler, "_WIDTH_FRACTIONS", (1,))
+    wide_stats = {}
+    wide = run(static=True, stats=wide_stats)
+    length = 9 + 40
+    assert set(stats["width_steps"]) <= {8, 14, 26, length} and len(stats["width_steps"]) >= 2, stats["width_steps"]
+    assert sum(stats["width_steps"].values()) == stats["decode_steps"]
+    assert wide_stats["width_steps"] == {length: wide_stats["decode_steps"]}
+    assert set(stats["rows_steps"]) <= {1, 2, 3, 4} and len(stats["rows_steps"]) >= 2, stats["rows_steps"]
+    assert sum(stats["rows_steps"].values()) == stats["decode_steps"]
+    assert wide_stats["rows_steps"] == {4: wide_stats["decode_steps"]}
+    for other in (wide, ref):
+        assert [r.tokens for r in ours] == [r.tokens for r in other]
+        assert all(torch.allclose(a.logprobs, b.logprobs, atol=1e-5) for a, b in zip(ours, other))
+    assert len({len(r.tokens) for r in ours}) > 2
+
+
+def test_paged_preemption_resumes_at_the_drawn_count(monkeypatch):
+    # a preempted row comes back with prompt + its drawn tokens as its prefill, and its n_out at the count drawn
+    # (so its next uniform is splitmix(seed, t + 1) as if never preempted): watch the comeback prefills
+    model = tiny_model("llama", seed=10)
+    prompts = PROMPTS * 2
+    tb = sampler._kv_token_bytes(model, None)
+    bs, cap = 2, 12
+    length = max(map(len, prompts)) + cap
+    # 3 slots (rows at expected lengths: 5 + 6 + 2 columns, 7 blocks), 21 blocks: under 2 rows of 11 at the cap
+    budget = 3 * 3 * (length * tb // 2) + 22 * bs * tb
+    seen = []
+    real = sampler._prefill_right
+
+    def spy(model_, base, run, seqs, pad):
+        seen.append([list(s) for s in seqs])
+        return real(model_, base, run, seqs, pad)
+
+    monkeypatch.setattr(sampler, "_prefill_right", spy)
+    # every step, every occupied slot owns the block of the column it writes (the host gave it ahead of the step)
+    # and no more than the columns it writes until the next read need (prompt + drawn + sync_every)
+    checked = []
+    real_forward = sampler._StaticStep._forward
+
+    def forward(self):
+        cache, pos = self.cache, self.cache.write_pos.tolist()
+        for slot, row in enumerate(self.slot_row.tolist()):
+            if row != self.run.trash:
+                owned = len(cache.owned[slot])
+                assert cache.blocks_for(pos[slot] + 1) <= owned <= cache.blocks_for(pos[slot] + 2), (slot, pos, owned)
+                checked.append(slot)
+        return real_forward(self)
+
+    monkeypatch.setattr(sampler._StaticStep, "_forward", forward)
+    stats = {}
+    kw = dict(max_new_tokens=cap, temperature=1.0, eos_token_id=[1], max_batch_size=4, min_refill=1, block_size=bs,
+              sync_every=2)
+    ours = sample(model, prompts, static=True, max_cache_bytes=budget, stats=stats,
+                  generator=torch.Generator().manual_seed(1), **kw)
+    assert stats["preemptions"] > 0
+    longer = [s for call in seen for s in call if s not in prompts]  # comeback prefills: prompt + drawn tokens
+    assert longer, "a preempted row was prefilled again with its drawn tokens"
+    for s in longer:
+        i = next(i for i, p in enumerate(prompts) if s[: len(p)] == p and ours[i].tokens[: len(s) - len(p)]
+                 == s[len(p):])
+        assert len(s) > len(prompts[i])
+    assert checked
+    free = sample(model, prompts, static=True, generator=torch.Generator().manual_seed(1), **kw)
+    assert [r.tokens for r in ours] == [r.tokens for r in free]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1460,6 +1633,40 @@ def test_stop_strings_end_rows_like_eos_when_sampling():
         finishes.append(a.finish)
         assert a.finish == ("stop" if e is not None else b.finish)
     assert {"stop", "eos"} <= set(finishes), f"want rows that end both ways, got {finishes}"
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_stop_strings_mid_window_end_where_a_read_every_step_ends_them(static):
+    # departure 12 without a read every step: with sync_every 8 the host scans each row's last 8 tokens at the
+    # regular read, and a row whose string completed inside the window ends at that token (later draws discarded):
+    # the same tokens, finishes, strings and log-probs as reading every step, with stops landing mid-window
+    tok = real_tokenizer("qwen3")
+    model = arch_model("llama", seed=2, vocab=STOP_VOCAB)
+    prompts = copies(ARCH_PROMPTS, 2)
+    run = lambda sync, **kw: sample(model, prompts, max_new_tokens=24, temperature=1.0, eos_token_id=NEVER,
+                                    generator=torch.Generator().manual_seed(0), max_batch_size=5, min_refill=1,
+                                    static=static, sync_every=sync, **kw)
+    free = run(8)
+    counts = {}
+    for r in free:
+        for j in range(1, len(r.tokens) - 1):
+            s = text_of(tok, r.tokens[j : j + 2])
+            if "\ufffd" not in s and len(s) >= 2:
+                counts[s[:2]] = counts.get(s[:2], 0) + 1
+    stops = sorted(counts, key=lambda s: (-counts[s], s))[:2]
+    stats = {}
+    every, windowed = run(1, stop_strings=stops, tokenizer=tok), run(8, stop_strings=stops, tokenizer=tok,
+                                                                    stats=stats)
+    assert [r.tokens for r in windowed] == [r.tokens for r in every]
+    assert [(r.finish, r.stop) for r in windowed] == [(r.finish, r.stop) for r in every]
+    assert all(torch.equal(a.logprobs, b.logprobs) or torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+               for a, b in zip(windowed, every))
+    for a, b in zip(windowed, free):  # the naive reference: the uncut row cut at its first string
+        e = first_stop(tok, b.tokens, stops)
+        assert a.tokens == (b.tokens if e is None else b.tokens[: e + 1])
+    stopped = [len(r.tokens) for r in windowed if r.finish == "stop"]
+    assert any(n % 8 != 0 for n in stopped), f"want stops inside a read's window, got lengths {stopped}"
+    assert stats["host_reads"] < stats["decode_steps"] / 4, stats
 
 
 def test_stop_strings_are_matched_in_the_response_only():
