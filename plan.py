@@ -54,16 +54,16 @@ Departures and shortcuts (what the figures are and are not):
   7. A model deeper than 8 layers is measured at its real width at 4 and 8 layers and extrapolated linearly to
      its depth (exact for a stack of alike layers: the state, the cache and the checkpointed inputs grow by
      layer, the transient of one layer does not); docs/RESULTS.md checks it against a full-depth measurement.
-  8. The KV pool and its rows in flight. The pool is runtime.kv_budget's formula on the card: KV_BUDGET_SHARE x
+  8. The KV pool and its rows in flight. The budget is runtime.kv_budget's formula on the card: KV_BUDGET_SHARE x
      (card - the state - under --fsdp the gathered weights - the bf16 copy); the CUDA context is left to MARGIN.
-     It holds pool bytes // KV bytes per token tokens, and a row holds its prompt + the tokens drawn + ROOM, so
-     rows in flight = those tokens // a row's, at most the slots: at expected lengths, the mean prompt (measured
-     like the longest) + EXPECTED_RESPONSE (half) of the cap, an assumption (the paper states no mean response
-     length), and at the worst case, the longest prompt + the cap. The whole budget is counted as pool: what a
-     sampler spends of it otherwise (a gathered layer's K/V, whole blocks) holds fewer rows, and a long-tailed
-     rollout's rows in flight are mid-way through their lengths with the long ones over-represented, so the
-     expected figure is a guide, the worst case a floor; the sampler preempts rows when the pool runs dry rather
-     than overrun it. Without a card (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case,
+     It is cut as the sampler cuts it (sampler.pool_plan, the same function): the slots, the pool's blocks of BLOCK
+     tokens, and the K/V a decode step gathers for one layer's attention with transformers' copies (per slot,
+     transient). A row holds its prompt + the tokens drawn + ROOM, so rows in flight = the pool's tokens // a
+     row's, at most the slots: at expected lengths, the mean prompt (measured like the longest) + EXPECTED_RESPONSE
+     (half) of the cap, an assumption (the paper states no mean response length), and at the worst case, the
+     longest prompt + the cap. Whole blocks hold a little fewer rows, and a long-tailed rollout's rows in flight are
+     mid-way through their lengths with the long ones over-represented, so the expected figure is a guide, the
+     worst case a floor; the sampler preempts rows when the pool runs dry rather than overrun it. Without a card (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case,
      what sample() reserves without a budget.
 
 Launch lines:
@@ -87,7 +87,8 @@ import torch
 
 from config import Config  # the train flags; plan.py adds none of its own
 from runtime import KV_BUDGET_SHARE, adamw_kernel, encode_prompt, eval_rows  # the trainer's choices, where they live
-from sampler import cast_weights_once, resolve_static, response_logprobs, sample  # the code whose memory is measured
+from sampler import (cast_weights_once, pool_plan, resolve_static, response_logprobs, sample,  # the code measured
+                     transient_copies)
 
 GIB = 1024 ** 3
 MARGIN = 0.95
@@ -105,6 +106,8 @@ docs/RESULTS.md's GPU-hours assume 1,509 of 4,096 (30% at the cap, the rest ~400
 ROOM = inspect.signature(sample).parameters["sync_every"].default
 """Columns a row holds past its tokens: sampler.sample's sync_every (departure 16: a row runs on until the host's
 next read), its default read off the signature."""
+BLOCK = inspect.signature(sample).parameters["block_size"].default
+"""Tokens per block of the static path's KV pool: sampler.sample's block_size default (departure 8)."""
 LAUNCH_ALIGN = 8
 """The launcher's slot count is rounded down to a multiple of this (one prompt's n = 8 copies)."""
 
@@ -275,6 +278,8 @@ class Measured:
     eval_kv_token: int  # the same in the evaluation's precision
     eval_kv_dtypes: str
     paged: bool  # sample takes the static path, its KV a pool of kv_budget bytes (sampler.resolve_static on CUDA)
+    layers: int  # decoder layers (a static step gathers one layer's K/V at a time)
+    kv_copies: int  # copies of one layer's gathered K/V a static step holds at once (sampler.transient_copies)
     seconds: float  # wall time of the measurement
 
 
@@ -422,7 +427,8 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
                     prefill_act=roll_peak - state, eval_prefill_act=eval_peak - state, prefill_prompts=roll_prompts,
                     eval_prefill_prompts=eval_prompts if cfg.eval_every else 0, paged=paged,
                     cast_copy=cast_copy, eval_cast_copy=eval_cast if cfg.eval_every else 0, kv_token=kv_token,
-                    kv_dtypes=kv_dtypes, eval_kv_token=eval_kv, eval_kv_dtypes=eval_dtypes, seconds=0.0)
+                    kv_dtypes=kv_dtypes, eval_kv_token=eval_kv, eval_kv_dtypes=eval_dtypes,
+                    layers=config.num_hidden_layers, kv_copies=transient_copies(config), seconds=0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,6 +446,8 @@ class Rows:
     worst_tokens: int  # a row at the worst case: the longest prompt + the cap + ROOM
     copies: int = 1  # rows per distinct prompt one prefill runs once (--rollouts or --eval-samples; 1 unshared)
     prefill_prompts: int = 1  # prompts the phase's prefill term was measured at (prefill_prompts(slots, copies))
+    fit: int | None = None  # the slots the sampler would cut from the budget with no slot cap (sampler.pool_plan)
+    budget: int | None = None  # the K/V budget (runtime.kv_budget) the pool and a step's gather were cut from
 
     @property
     def expected(self) -> int:
@@ -453,8 +461,12 @@ class Rows:
 
     @property
     def pool_rows(self) -> int:
-        """Rows at expected lengths the pool holds, whatever the slots (what the launcher's slot count aims at)."""
-        return self.pool_tokens // self.expected_tokens if self.paged else self.slots
+        """Rows at expected lengths the budget holds, whatever the slots (what the launcher's slot count aims at):
+        the sampler's own cut (pool_plan with no slot cap, each slot paying its share of a step's gathered K/V) when
+        planned from a budget, else the pool's tokens // a row's."""
+        if not self.paged:
+            return self.slots
+        return self.fit if self.fit is not None else self.pool_tokens // self.expected_tokens
 
 
 @dataclass
@@ -499,16 +511,23 @@ def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt
 
     def kv(slots: int, longest: int, mean: int, cap: int, kv_token: int, copy: int, copies: int,
            prompts: int) -> tuple[dict, Rows]:
-        worst_row = longest + cap + ROOM
-        if m.paged:
-            pool = pool_bytes(card, held, copy) if card else slots * worst_row * kv_token
-            term = {"KV pool": pool}
-        else:
+        worst_row, expected_row = longest + cap + ROOM, mean + math.ceil(EXPECTED_RESPONSE * cap) + ROOM
+        budget = pool_bytes(card, held, copy) if card else None  # None: what sample() takes without a budget
+        cut = (lambda s: pool_plan(slots=s, length=longest + cap, expected=expected_row, block_size=BLOCK,
+                                   token_bytes=kv_token, layers=m.layers, budget=budget, copies=m.kv_copies))
+        pp = cut(slots) if m.paged and kv_token else None
+        if pp is None:  # the default path, or a budget without one full-length row (sample()'s "auto" falls back)
             pool = slots * (longest + cap) * kv_token
-            term = {"KV cache": pool}
-        rows = Rows(slots=slots, paged=m.paged, pool_tokens=pool // max(1, kv_token),
-                    expected_tokens=mean + round(EXPECTED_RESPONSE * cap) + ROOM, worst_tokens=worst_row,
-                    copies=copies, prefill_prompts=prompts)
+            return {"KV cache": pool}, Rows(slots=slots, paged=False, pool_tokens=pool // max(1, kv_token),
+                                            expected_tokens=expected_row, worst_tokens=worst_row, copies=copies,
+                                            prefill_prompts=prompts)
+        # the sampler's own cut of the budget (sampler.pool_plan, departure 13): the pool of blocks and the K/V a
+        # decode step gathers for one layer's attention with its copies, per slot, transient
+        gather = pp.slots * pp.copies * (pp.length * kv_token // m.layers)
+        term = {"KV pool": (pp.blocks + 1) * BLOCK * kv_token, "K/V gathered by a decode step": gather}
+        rows = Rows(slots=pp.slots, paged=True, pool_tokens=pp.blocks * BLOCK, expected_tokens=expected_row,
+                    worst_tokens=worst_row, copies=copies, prefill_prompts=prompts,
+                    fit=cut(1 << 40).slots if budget is not None else None, budget=budget)
         return term, rows
 
     shared = cfg.share_prefix
@@ -560,7 +579,8 @@ def rows_line(ph: Phase) -> str:
                 f"{r.worst_tokens - ROOM:,} tokens each")
     return (f"{ph.name}: KV pool {ph.terms['KV pool'] / GIB:.1f} GiB = {r.pool_tokens:,} tokens; rows in flight at "
             f"expected lengths ({r.expected_tokens:,} tokens a row: mean prompt + {EXPECTED_RESPONSE:.0%} of the cap "
-            f"+ {ROOM}) {r.expected} of {r.slots} slots (the pool alone holds {r.pool_rows}); at the worst case "
+            f"+ {ROOM}) {r.expected} of {r.slots} slots (the budget holds {r.pool_rows} with no slot cap); a decode "
+            f"step's gathered K/V {ph.terms['K/V gathered by a decode step'] / GIB:.1f} GiB; at the worst case "
             f"({r.worst_tokens:,}: longest prompt + cap + {ROOM}) {r.worst}")
 
 
@@ -591,13 +611,16 @@ LAUNCH_LINE = "slots for the launcher: --gen-batch-size"
 def at_slots(ph: Phase, slots: int, planned: int) -> int:
     """A rollout or evaluation phase's bytes with the rollout's --gen-batch-size at `slots` instead of `planned`: the
     phase's own slots scaled alike, its prefill in proportion to the prompts one prefill runs (prefill_prompts), a
-    dense KV cache in proportion to the slots; a pool stays (its bytes follow the card, not the slots)."""
+    dense KV cache in proportion to the slots; a pool cut from a budget at its whole budget (more slots take more
+    of it, as blocks and gathers, never more than all of it: sampler.pool_plan)."""
     r = ph.rows
     own = max(1, r.slots * slots // planned)
     prefill = ph.terms.get("prefill", 0)
     total = ph.total - prefill + prefill * prefill_prompts(own, r.copies) / max(1, r.prefill_prompts)
     if not r.paged:
         total += ph.terms["KV cache"] * (own / r.slots - 1)
+    elif r.budget is not None:
+        total += r.budget - sum(ph.terms[k] for k in ("KV pool", "K/V gathered by a decode step"))
     return int(total)
 
 

@@ -47,7 +47,11 @@ API
     which decode path ``sample`` takes for ``static`` ("auto", "on", "off") on this model and device (departure 10).
 ``with cast_weights_once(model, device) as nbytes:``
     under autocast, the model's float32 nn.Linear weights served as autocast-dtype copies for the block (departure
-    16); nbytes: the copies' bytes (plan.py counts them).
+    17); nbytes: the copies' bytes (plan.py counts them).
+``pool_plan(*, slots, length, expected, block_size, token_bytes, layers, budget, copies=1) -> PoolPlan | None``
+    the static path's slots and KV blocks for a byte budget (departure 13), the rule ``sample`` applies; plan.py
+    calls it so that the memory plan and the sampler cut the same pool. ``transient_copies(config)``: the copies of
+    one layer's gathered K/V a static step holds at once (its ``copies``).
 
 Departures and shortcuts (read these before copying)
 ----------------------------------------------------
@@ -200,7 +204,7 @@ Departures and shortcuts (read these before copying)
    path's whole K/V bill (departure 10): the pool, (blocks + 1) x block_size x bytes per token (the trash block
    included), plus one layer's transient K/V at S slots and L columns: the gather and, for grouped-query attention,
    transformers' copy of it to every query head (``repeat_kv``, run by sdpa with a mask and by eager attention): c = 1 +
-   heads / kv_heads copies (c = 1 without grouping; ``_transient_copies``; 3 for Qwen3-1.7B), c x S x L x bytes per
+   heads / kv_heads copies (c = 1 without grouping; ``transient_copies``; 3 for Qwen3-1.7B), c x S x L x bytes per
    token / layers. With g = c x L x bytes per token / layers (one slot's share), B = block_size x bytes per token (one
    block) and w = ceil(L / block_size) (a row at full length): S = min(max_batch_size or the prompt count,
    (max_cache_bytes - (w + 1) B) // g, (max_cache_bytes - B) // (g + B ceil(e / block_size))), e = ceil(mean prompt) +
@@ -1338,14 +1342,15 @@ def resolve_static(static, model, device: torch.device, windows: list[int | None
     return "auto" if torch.device(device).type == "cuda" and capturable else False
 
 
-# With static="auto" and no max_cache_bytes, the static path's preallocated K/V may take this share of the device's
-# free memory at the call (the rest for the prefill's activations and the logits), as runtime.kv_budget gives it.
+# With static="auto" and no max_cache_bytes, the static path's K/V (its pool and a step's transient gather) may take
+# this share of the device's free memory at the call (the rest for the prefill's activations and the logits): a
+# caller with no plan of its own. The trainer passes runtime.kv_budget's (a share of what its state leaves, 0.75).
 _AUTO_CACHE_SHARE = 0.8
 
 
 @contextlib.contextmanager
 def cast_weights_once(model, device: torch.device, *, enabled: bool = True):
-    """Departure 16: while autocast is on for the device, every nn.Linear whose weight is float32 serves a copy of
+    """Departure 17: while autocast is on for the device, every nn.Linear whose weight is float32 serves a copy of
     it in autocast's dtype for the block (cast once here), then gets its own weight back. Yields the bytes cast.
 
     Why: the decode loop runs under ``torch.inference_mode``, where autocast keeps no cache of weight casts, so
@@ -1356,7 +1361,9 @@ def cast_weights_once(model, device: torch.device, *, enabled: bool = True):
     what autocast casts; norms and embeddings stay float32 as autocast leaves them), per module, so a tied
     embedding keeps its float32 table while the lm_head reads the copy. Weights used through other ops (MoE experts
     held as bare Parameters) are still cast per step by autocast. Memory: one copy of the Linear weights in 2 bytes
-    per parameter for the call (plan.py counts it); FSDP2's sharded DTensor parameters are left alone."""
+    per parameter for the call (plan.py counts it). Under FSDP2 inside runtime.gathered the layers hold their full
+    weights as plain tensors, which are cast like any other (tests/test_gpu_path.py); sharded DTensor parameters
+    (outside a gather) are left alone."""
     if not enabled or not torch.is_autocast_enabled(device.type):
         yield 0
         return
@@ -1510,9 +1517,9 @@ def sample(
         length = max(len(p) for p in prompts) + max_new_tokens
         token_bytes = _kv_token_bytes(model, kv_dtype)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        copies = _transient_copies(model.config)
+        copies = transient_copies(model.config)
         expected = -(-sum(map(len, prompts)) // n_rows) + -(-max_new_tokens // 2) + sync_every
-        plan = _pool_plan(slots=capacity, length=length, expected=expected,
+        plan = pool_plan(slots=capacity, length=length, expected=expected,
                           block_size=block_size, token_bytes=token_bytes, layers=layers, budget=max_cache_bytes,
                           copies=copies)
         if plan is None and static == "auto":
@@ -1788,10 +1795,10 @@ _WIDTH_FRACTIONS = (8, 4, 2, 1)
 
 
 @dataclass
-class _PoolPlan:
+class PoolPlan:
     """How the static path's K/V memory is cut (departure 13): S slots, ``blocks`` usable blocks of ``block_size``
     tokens (plus one trash block), ``length`` = L columns each slot's attention reads, ``copies`` the transient
-    copies of a layer's gathered K/V a step makes (``_transient_copies``)."""
+    copies of a layer's gathered K/V a step makes (``transient_copies``)."""
 
     slots: int
     blocks: int
@@ -1800,7 +1807,7 @@ class _PoolPlan:
     copies: int = 1
 
 
-def _transient_copies(config) -> int:
+def transient_copies(config) -> int:
     """Copies of one layer's K/V that a static step holds at once, in units of the gathered (S, kv_heads, W, d):
     the gather, and for grouped-query attention transformers' copy to every query head (``repeat_kv``, which sdpa
     with a mask and eager attention run; n_rep = heads / kv_heads, no copy when it is 1)."""
@@ -1809,21 +1816,21 @@ def _transient_copies(config) -> int:
     return 1 + (n_rep if n_rep > 1 else 0)
 
 
-def _pool_plan(*, slots: int, length: int, expected: int, block_size: int, token_bytes: int, layers: int,
-               budget: int | None, copies: int = 1) -> _PoolPlan | None:
+def pool_plan(*, slots: int, length: int, expected: int, block_size: int, token_bytes: int, layers: int,
+               budget: int | None, copies: int = 1) -> PoolPlan | None:
     """The static path's slots and pool for a byte budget (departure 13), or None when the budget holds no row.
 
     slots: rows in flight at most (max_batch_size, or the prompt count); length: L = longest prompt +
     max_new_tokens; expected: the columns a row holds at expected lengths (mean prompt + half of max_new_tokens +
     sync_every, as plan.py assumes); token_bytes: one token's K and V over all layers. The budget pays for the pool,
     (blocks + 1) x block_size x token_bytes, and for one layer's K and V gathered for the attention and its copies,
-    copies x S x L x token_bytes / layers (transient, one layer at a time; copies from ``_transient_copies``). S is
+    copies x S x L x token_bytes / layers (transient, one layer at a time; copies from ``transient_copies``). S is
     cut so that the pool holds S rows at expected lengths (each slot's transient is paid whether its row is long or
     short, so slots beyond those rows would only shrink the pool) and one row at full length; the pool takes the
     rest, never more than S full-length rows. budget None: S slots and S full-length rows of blocks."""
     width = -(-length // block_size)  # blocks of a row at full length
     if budget is None:
-        return _PoolPlan(slots, slots * width, block_size, length, copies)
+        return PoolPlan(slots, slots * width, block_size, length, copies)
     block_bytes = block_size * token_bytes
     gather = copies * (length * token_bytes // layers)  # one slot's gathered K and V of one layer, and their copies
     typical = -(-min(expected, length) // block_size) * block_bytes  # a row at expected lengths
@@ -1831,7 +1838,7 @@ def _pool_plan(*, slots: int, length: int, expected: int, block_size: int, token
     if fit < 1:
         return None
     blocks = min((budget - fit * gather) // block_bytes - 1, fit * width)
-    return _PoolPlan(int(fit), int(blocks), block_size, length, copies)
+    return PoolPlan(int(fit), int(blocks), block_size, length, copies)
 
 
 class _PagedCache:
@@ -1847,7 +1854,7 @@ class _PagedCache:
     (``sync``), so a step reads nothing from the host. ``begin_step`` computes, once per step for every layer, the pool
     row each slot's new K/V goes to."""
 
-    def __init__(self, plan: _PoolPlan, device, dtype: torch.dtype | None = None):
+    def __init__(self, plan: PoolPlan, device, dtype: torch.dtype | None = None):
         self.slots, self.length, self.block_size, self.dtype = plan.slots, plan.length, plan.block_size, dtype
         self.copies = plan.copies
         self.blocks, self.trash = plan.blocks, plan.blocks
@@ -1917,7 +1924,7 @@ class _PagedCache:
 
     def gather_bytes(self) -> int:
         """The most one layer's transient K/V take at S x L: the gather of ``update``, (S, h, L, d) each, with the
-        copies transformers makes of it (``_PoolPlan.copies``)."""
+        copies transformers makes of it (``PoolPlan.copies``)."""
         return self.copies * max((k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.slots
                                  * self.length for k, v in zip(self.keys, self.values))
 
@@ -2128,7 +2135,7 @@ def _kv_token_bytes(model, kv_dtype: torch.dtype | None) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -> None:
+def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan) -> None:
     """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch, and the
     pool's blocks handed out by the host at each read (admission by free blocks, recompute preemption)."""
     device = run.head.weight.device
@@ -2212,7 +2219,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: _PoolPlan) -
         short = lambda: sum(cache.blocks_for(written(s) + run.sync_every) - len(cache.owned[s]) for s in active)
         out = []
         while short() > len(cache.free):
-            assert len(active) > 1, "the pool holds one row at full length (_pool_plan), so the oldest row fits"
+            assert len(active) > 1, "the pool holds one row at full length (pool_plan), so the oldest row fits"
             s = active.pop()  # vLLM's recompute preemption: the newest row goes back to the front of the queue
             cache.release(s)
             r, n = row_of[s], step - start_of[s]

@@ -629,8 +629,9 @@ def tail_eos(vocab: int, cap: int, at_cap: float, seed: int) -> list[int]:
 def launched_slots(config, kind: str, card: int, *, tiny: bool) -> dict:
     """The rows in flight run_pair.sh launches this side of pair1 with on 4 GPUs of `card` bytes: the memory plan
     (plan.py, fake tensors) at the launcher's flags, data parallel, then sharded when data parallel does not fit
-    or gives fewer than FSDP_MIN_SLOTS slots and sharded gives more (run_pair.sh's rule). Returns the slots, the KV
-    pool's bytes (the trainer's runtime.kv_budget on that layout), the layout and the plan's rows in flight."""
+    or gives fewer than FSDP_MIN_SLOTS slots and sharded gives more (run_pair.sh's rule). Returns the slots, the K/V
+    budget (the trainer's runtime.kv_budget on that layout: sample's max_cache_bytes), the layout and the rows in
+    flight the sampler's cut of it holds at those slots (pool_rows: expected lengths; worst_rows: every row full)."""
     import plan
     from config import Config
     longest, mean, eval_longest, eval_mean = (12, 8, 12, 8) if tiny else PAIR1_PROMPTS[kind]
@@ -644,10 +645,13 @@ def launched_slots(config, kind: str, card: int, *, tiny: bool) -> dict:
         m = plan.measure(config, c, prompt_len=longest, eval_prompt_len=eval_longest)
         phases = plan.phases(m, c, ranks=PAIR1["ranks"], prompt_len=longest, eval_prompt_len=eval_longest, card=card,
                              mean_prompt=mean, mean_eval_prompt=eval_mean)
-        roll = phases[0]
-        return dict(slots=plan.launch_slots(phases, card, rows=c.gen_batch_size), fsdp=fsdp,
-                    fits=plan.verdict(phases, card) is None, pool=roll.terms.get("KV pool"),
-                    pool_rows=roll.rows.pool_rows, worst_rows=roll.rows.pool_tokens // roll.rows.worst_tokens)
+        slots = plan.launch_slots(phases, card, rows=c.gen_batch_size)
+        # the pool as the sampler cuts it at the launched slots (the same measurement, the rows' arithmetic only)
+        at = plan.phases(m, dataclasses.replace(c, gen_batch_size=max(1, slots)), ranks=PAIR1["ranks"],
+                         prompt_len=longest, eval_prompt_len=eval_longest, card=card, mean_prompt=mean,
+                         mean_eval_prompt=eval_mean)[0].rows
+        return dict(slots=slots, fsdp=fsdp, fits=plan.verdict(phases, card) is None, pool=at.budget,
+                    pool_rows=at.expected, worst_rows=at.worst)
 
     chosen = dp = layout(False)
     if not dp["fits"] or dp["slots"] < FSDP_MIN_SLOTS:  # as run_pair.sh: sharded only then, and only if it gains
@@ -668,7 +672,7 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     in_flight = min(launch["slots"], 4) if tiny else launch["slots"]  # toy sizes: a few rows
     rows = 2 * in_flight if tiny else (args.launch_rows or min(2 * in_flight, 512))  # twice: refills happen
     cap, micro = (24, 2) if tiny else (args.launch_cap, PAIR1["micro"])
-    budget = launch["pool"] if device.type == "cuda" else None  # the pool the launched layout's trainer gets
+    budget = launch["pool"] if device.type == "cuda" else None  # the K/V budget the launched layout's trainer gets
     model = random_model(kind, tok, tiny=tiny, dtype=torch.float32, device=device, seed=31)
     prompts = random_prompts(rows, PAIR1["prompt"] // 2 if not tiny else 4, PAIR1["prompt"] if not tiny else 12,
                              len(tok), seed=32)

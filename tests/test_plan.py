@@ -202,33 +202,73 @@ POOL_CFG = dict(model="tiny", micro_batch_size=2, max_response_tokens=16, max_pr
 
 
 def test_pool_rows_in_flight_against_a_direct_computation():
-    """The static path (a full-attention Qwen3 on CUDA): the rollout's and the evaluation's KV term is the pool
-    runtime.kv_budget gives on this card, and the rows in flight are its tokens // a row's, capped by the slots."""
+    """The static path (a full-attention Qwen3 on CUDA): the rollout's and the evaluation's K/V is the budget
+    runtime.kv_budget gives on this card, cut as sampler.py departure 13 states it, computed here by hand: S slots
+    (at most --gen-batch-size; each pays one layer's gathered K/V with its repeat_kv copy, so a small budget cuts
+    S below the slots), blocks of 16 tokens for the rest; the rows in flight are the pool's tokens // a row's."""
     cfg = Config(**POOL_CFG)
     m = plan.measure(tiny_config(num_hidden_layers=2), cfg, prompt_len=8, eval_prompt_len=6)
     assert m.paged and m.kv_token == 2 * 2 * 2 * 16 * 2  # bf16 K and V: 2 layers x 2 heads x 16
+    assert (m.layers, m.kv_copies) == (2, 3)  # the gather + repeat_kv's copy to 4 heads = 2 x the gathered K/V
     held = m.params + m.grads + m.opt_state  # at the sample() call, data parallel
-    card = held + m.cast_copy + int(450 * m.kv_token / runtime.KV_BUDGET_SHARE)  # a pool of ~450 tokens
-    by = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=card,
-                                            mean_prompt=5, mean_eval_prompt=3)}
-    pool = int(runtime.KV_BUDGET_SHARE * (card - held - m.cast_copy))
-    tokens = pool // m.kv_token
-    for name, longest, mean, cap in (("rollout", 8, 5, 16), ("evaluation", 6, 3, 24)):
-        ph = by[name]
-        assert ph.terms["KV pool"] == pool and "KV cache" not in ph.terms
-        expected_row, worst_row = mean + cap // 2 + 8, longest + cap + 8  # half the cap; sync_every's 8 columns
-        assert (ph.rows.expected_tokens, ph.rows.worst_tokens, ph.rows.pool_tokens) == (expected_row, worst_row, tokens)
-        assert ph.rows.pool_rows == tokens // expected_row
-        assert ph.rows.expected == min(16, tokens // expected_row) and ph.rows.worst == min(16, tokens // worst_row)
-        assert ph.rows.slots == 16  # the evaluation gets the rollout's slots on the static path, whatever its cap
-    assert by["rollout"].rows.pool_rows > 16 > by["rollout"].rows.worst > 0  # capped by the slots; the worst not
-    # the phase's total is its parts: the state, the copy, the prefill (measured at its prompts) and the pool
-    assert by["rollout"].total == held + m.cast_copy + m.prefill_act + pool
+    for tokens_wanted, capped in ((3000, True), (450, False)):
+        card = held + m.cast_copy + int(tokens_wanted * m.kv_token / runtime.KV_BUDGET_SHARE)
+        by = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=card,
+                                                mean_prompt=5, mean_eval_prompt=3)}
+        budget = int(runtime.KV_BUDGET_SHARE * (card - held - m.cast_copy))
+        block = 16 * m.kv_token
+        for name, longest, mean, cap in (("rollout", 8, 5, 16), ("evaluation", 6, 3, 24)):
+            ph = by[name]
+            length, expected_row, worst_row = longest + cap, mean + cap // 2 + 8, longest + cap + 8
+            width, gather = -(-length // 16), 3 * (length * m.kv_token // 2)  # a full row's blocks; a slot's gather
+            fit = min((budget - (width + 1) * block) // gather, (budget - block) // (gather + -(-expected_row // 16)
+                                                                                    * block))
+            slots = min(16, fit)
+            blocks = min((budget - slots * gather) // block - 1, slots * width)
+            assert ph.terms["KV pool"] == (blocks + 1) * block and "KV cache" not in ph.terms
+            assert ph.terms["K/V gathered by a decode step"] == slots * gather
+            assert ph.terms["KV pool"] + ph.terms["K/V gathered by a decode step"] <= budget  # never past it
+            assert (ph.rows.expected_tokens, ph.rows.worst_tokens, ph.rows.pool_tokens) == (expected_row, worst_row,
+                                                                                            blocks * 16)
+            assert (ph.rows.slots, ph.rows.pool_rows) == (slots, fit)
+            assert ph.rows.expected == min(slots, blocks * 16 // expected_row)
+            assert ph.rows.worst == min(slots, blocks * 16 // worst_row)
+            assert (slots == 16) is capped, (name, slots)  # a big budget: the slots bind; a small one: the budget
+        # the phase's total is its parts: the state, the copy, the prefill (measured at its prompts), the K/V
+        roll = by["rollout"]
+        assert roll.total == held + m.cast_copy + m.prefill_act + sum(
+            roll.terms[k] for k in ("KV pool", "K/V gathered by a decode step"))
     assert m.prefill_prompts == plan.prefill_prompts(16, cfg.n) == 3  # 16 slots of n = 8 copies: 2 prompts + 1 split
-    # under --fsdp the pool is what the shard and the gathered weights leave: bigger
+    # under --fsdp the budget is what the shard and the gathered weights leave: a bigger pool
     fs = plan.phases(m, dataclasses.replace(cfg, fsdp=True), ranks=4, prompt_len=8, eval_prompt_len=6, card=card)
-    held4 = (m.params + m.grads + m.opt_state) // 4 + m.params
-    assert fs[0].terms["KV pool"] == int(runtime.KV_BUDGET_SHARE * (card - held4 - m.cast_copy)) > pool
+    assert fs[0].terms["KV pool"] > by["rollout"].terms["KV pool"]
+
+
+def test_the_plans_cut_is_the_samplers():
+    """What the plan prints is what sample() builds: the rollout's slots, pool blocks and bytes for a K/V budget,
+    against the stats of a real sample() call on the static path with that budget (bf16 K/V under CPU autocast, as
+    the trainer's under CUDA autocast), the prompts all of the planned length; the K/V the call held stays within
+    the budget."""
+    from sampler import sample
+    cfg = Config(**POOL_CFG)
+    config = tiny_config(num_hidden_layers=2)
+    m = plan.measure(config, cfg, prompt_len=8, eval_prompt_len=6)
+    held = m.params + m.grads + m.opt_state
+    card = held + m.cast_copy + int(700 * m.kv_token / runtime.KV_BUDGET_SHARE)  # a budget that cuts the slots
+    roll = plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=card, mean_prompt=8)[0]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = [[3 + i % 50] + [5] * 7 for i in range(40)]  # 40 prompts of 8 tokens
+    stats = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sample(model, prompts, max_new_tokens=16, temperature=1.0, eos_token_id=[1], max_batch_size=16,
+               static="on", max_cache_bytes=roll.rows.budget, stats=stats, generator=torch.Generator().manual_seed(0))
+    assert stats["static"] and stats["kv_bytes_per_token"] == m.kv_token
+    assert 1 < roll.rows.slots < 16, roll.rows  # the budget, not the slot cap, decided
+    assert (stats["slots"], stats["kv_blocks"] * stats["kv_block_size"]) == (roll.rows.slots, roll.rows.pool_tokens)
+    assert stats["kv_pool_bytes"] == roll.terms["KV pool"]
+    assert roll.terms["KV pool"] + roll.terms["K/V gathered by a decode step"] <= roll.rows.budget
+    assert stats["kv_blocks_peak"] <= stats["kv_blocks"] and stats["rows_in_flight_peak"] <= roll.rows.slots
 
 
 @pytest.mark.parametrize("how", ["sliding window", "static off"])

@@ -1045,7 +1045,7 @@ def test_paged_pool_sizing_follows_the_byte_budget_exactly():
     assert tb == 2 * 2 * 2 * 16 * 4
     prompts = PROMPTS * 2  # longest 9, shortest 1
     length, bs, sync = 9 + 8, 4, 2  # L = 17 columns: 5 blocks of 4 at full length
-    assert sampler._transient_copies(model.config) == 3  # the gather + repeat_kv's copy to 2 x the heads
+    assert sampler.transient_copies(model.config) == 3  # the gather + repeat_kv's copy to 2 x the heads
     gather = 3 * (length * tb // 2)  # one slot, one layer, K and V, the gather and its copy
     block = bs * tb
     budget = 3 * gather + 10 * block  # 3 slots' transient, 9 blocks + the trash block
