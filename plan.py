@@ -63,8 +63,9 @@ Departures and shortcuts (what the figures are and are not):
      (half) of the cap, an assumption (the paper states no mean response length), and at the worst case, the
      longest prompt + the cap. Whole blocks hold a little fewer rows, and a long-tailed rollout's rows in flight are
      mid-way through their lengths with the long ones over-represented, so the expected figure is a guide, the
-     worst case a floor; the sampler preempts rows when the pool runs dry rather than overrun it. Without a card (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case,
-     what sample() reserves without a budget.
+     worst case a floor; the sampler preempts rows when the pool runs dry rather than overrun it. Without a card
+     (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case, what sample() reserves without a
+     budget.
 
 Launch lines:
     python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.19 --ranks 4 \\
