@@ -1606,6 +1606,18 @@ def test_every_architecture_stop_strings_match_generate(arch):
     assert [r.tokens for r in shared] == copies(theirs, 2), "one prefill per prompt"
 
 
+def common_pairs(rollouts, tok, k: int) -> list[str]:
+    """The k commonest two-character strings in the rollouts' text (from their second token on), as stop strings
+    that land inside responses."""
+    counts = {}
+    for r in rollouts:
+        for j in range(1, len(r.tokens) - 1):
+            s = text_of(tok, r.tokens[j : j + 2])
+            if "\ufffd" not in s and len(s) >= 2:
+                counts[s[:2]] = counts.get(s[:2], 0) + 1
+    return sorted(counts, key=lambda s: (-counts[s], s))[:k]
+
+
 def test_stop_strings_end_rows_like_eos_when_sampling():
     # T = 1 with refills: every row equals the same row sampled without stop strings, cut at its first token whose
     # text holds a string (the random stream is per row and step, departure 7), EOS winning over a string that the
@@ -1617,13 +1629,7 @@ def test_stop_strings_end_rows_like_eos_when_sampling():
                                    generator=torch.Generator().manual_seed(0), max_batch_size=4, min_refill=1, **kw)
     eos = varied_eos(run(NEVER), 16)  # EOS ids that end some rows early (a row's draws do not depend on them)
     free = run(eos)
-    counts = {}
-    for r in free:
-        for j in range(1, len(r.tokens) - 1):
-            s = text_of(tok, r.tokens[j : j + 2])
-            if "\ufffd" not in s and len(s) >= 2:
-                counts[s[:2]] = counts.get(s[:2], 0) + 1
-    stops = sorted(counts, key=lambda s: (-counts[s], s))[:3]  # the commonest two-character strings
+    stops = common_pairs(free, tok, 3)  # the commonest two-character strings
     ours = run(eos, stop_strings=stops, tokenizer=tok)
     finishes = []
     for a, b in zip(ours, free):
@@ -1647,13 +1653,7 @@ def test_stop_strings_mid_window_end_where_a_read_every_step_ends_them(static):
                                     generator=torch.Generator().manual_seed(0), max_batch_size=5, min_refill=1,
                                     static=static, sync_every=sync, **kw)
     free = run(8)
-    counts = {}
-    for r in free:
-        for j in range(1, len(r.tokens) - 1):
-            s = text_of(tok, r.tokens[j : j + 2])
-            if "\ufffd" not in s and len(s) >= 2:
-                counts[s[:2]] = counts.get(s[:2], 0) + 1
-    stops = sorted(counts, key=lambda s: (-counts[s], s))[:2]
+    stops = common_pairs(free, tok, 2)
     stats = {}
     every, windowed = run(1, stop_strings=stops, tokenizer=tok), run(8, stop_strings=stops, tokenizer=tok,
                                                                     stats=stats)
