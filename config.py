@@ -142,6 +142,8 @@ class Config:
     """Rows in flight at most (the static path's slots; its KV pool fills by real lengths); run_pair.sh: the plan's."""
     static_decode: Literal["auto", "on", "off"] = "auto"
     """CUDA-graph decode (sampler.py departure 10): auto = on CUDA for full-attention models; bare flag = on."""
+    decode_attention: Literal["auto", "kernel", "gather"] = "auto"
+    """Attention of the CUDA-graph decode (sampler.py departure 18): kernel reads KV blocks in place; auto if it can."""
     share_prefix: bool = True
     """Run each prompt once for its n samples and their log-prob passes (sampler.py departure 11)."""
     micro_batch_size: int = 16

@@ -70,6 +70,7 @@ def evaluate(model, tokenizer, stop_ids, problems: list[dict], cfg: Config, dist
     outs = sample(model, prompts, max_new_tokens=max_new, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                   eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, generator=gen,
                   max_batch_size=max_batch_size or cfg.gen_batch_size, static=cfg.static_decode,
+                  attention=cfg.decode_attention,
                   max_cache_bytes=kv_budget(dist_info.device, model) if cfg.static_decode != "off" else None,
                   stop_strings=cfg.stop, tokenizer=tokenizer, progress=progress and dist_info.main)
     texts = [verifier_text(decode_response(o.tokens, tokenizer, eos_token_ids=stop_ids, stop=cfg.stop)[0], cfg.stop)

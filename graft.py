@@ -438,6 +438,7 @@ class Trainer:
                 self.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, eos_token_id=self.stop_ids, pad_token_id=self.tok.pad_token_id, generator=gen,
                 max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, share_prefix=cfg.share_prefix,
+                attention=cfg.decode_attention,
                 max_cache_bytes=kv_budget(self.dist.device, self.model) if cfg.static_decode != "off" else None,
                 stop_strings=cfg.stop, tokenizer=self.tok,
                 progress=self.dist.main and len(prompts) > 64 and sys.stderr.isatty())

@@ -476,8 +476,8 @@ RESUMABLE = frozenset({
     "eval_every", "benchmarks", "eval_samples", "eval_temperature", "eval_top_p", "eval_max_problems",
     "eval_max_tokens", "save_responses", "eval_out", "exchange_timeout", "peer_dead_after", "heartbeat_interval",
     "join_timeout", "threads", "verify_workers", "reward_timeout", "gen_batch_size", "micro_batch_size",
-    "logprob_chunk", "static_decode", "gradient_checkpointing", "fsdp", "device", "trust_remote_code", "run_id", "lr",
-    "grad_clip", "report_to", "strict", "memory_plan", "gpu_memory", "ranks",
+    "logprob_chunk", "static_decode", "decode_attention", "gradient_checkpointing", "fsdp", "device",
+    "trust_remote_code", "run_id", "lr", "grad_clip", "report_to", "strict", "memory_plan", "gpu_memory", "ranks",
 })
 # What the two sides of a pair must share for both to compute the same batches and the same swap
 # (written into the run record by the founder, checked by every side that joins).

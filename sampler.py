@@ -38,7 +38,7 @@ API
 ``sample(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id, pad_token_id=None,
          generator=None, max_batch_size=None, min_refill=None, static="auto", share_prefix=True, stop_strings=None,
          tokenizer=None, progress=False, stats=None, max_cache_bytes=None, sync_every=8, cast_once=True,
-         block_size=16)``
+         block_size=16, attention="auto")``
     -> list[Rollout] in prompt order. Batched autoregressive sampling with a KV cache and continuous batching: at
     most ``max_batch_size`` rows in flight (on the static path also at most what ``max_cache_bytes`` holds by the
     rows' real lengths); rows that finish (EOS, a stop string, the cap) leave the batch and waiting prompts take
@@ -48,6 +48,11 @@ API
 ``with cast_weights_once(model, device) as nbytes:``
     under autocast, the model's float32 nn.Linear weights served as autocast-dtype copies for the block (departure
     17); nbytes: the copies' bytes (plan.py counts them).
+``paged_attention(query, k_pool, v_pool, table, lengths, *, scale, block_size) -> (R, H, d)``
+    one query token per slot attending over its own ``lengths`` columns of a paged pool (N, h, d), read in place
+    through the block table (R, nb) by a Triton kernel (departure 18); ``paged_attention_reference`` the same in
+    plain PyTorch. ``resolve_attention(attention, model, device)`` which one the static path takes, and why;
+    ``paged_kernel_blocker(config)`` why a model family cannot take the kernel (None when it can).
 ``pool_plan(*, slots, length, expected, block_size, token_bytes, layers, budget, copies=1) -> PoolPlan | None``
     the static path's slots and KV blocks for a byte budget (departure 13), the rule ``sample`` applies; plan.py
     calls it so that the memory plan and the sampler cut the same pool. ``transient_copies(config)``: the copies of
@@ -139,7 +144,8 @@ Departures and shortcuts (read these before copying)
    the first pass's. The cost of a preemption is that prefix's recompute. The oldest row always fits (the pool holds one
    row at full length), so the loop always progresses. Refill prefills run eagerly (right-padded) and are copied into
    the rows' blocks.
-   What the paging costs (not measured on a GPU: none was lent to this work). The gathered K/V is a transient copy, one
+   What the gathered attention costs (the CPU's path, and the GPU's where the kernel of departure 18 cannot run; not
+   measured on a GPU: none was lent to this work). The gathered K/V is a transient copy, one
    layer at a time, of R x W x (bytes per token / layers), and transformers copies it to every query head (departure 13;
    ``stats["kv_gather_bytes"]`` at S x L, both paid out of max_cache_bytes). Per step the gather reads R x W columns of
    K/V from the pool in block_size-token pieces and writes them, and the attention reads the copy: about 3 x R x W x
@@ -152,9 +158,8 @@ Departures and shortcuts (read these before copying)
    over the rollout (every row-step reads W, = L while some running row is near the cap; buckets cut R in the tail and W
    early in a rollout), so about 2.5x the attention's bytes, and at pair1's lengths, where the attention's bytes
    outweigh the weights', the rollout is projected to take longer per token than with the dense cache (bf16, an H200's
-   bandwidth: arithmetic, not measured). A kernel that reads the blocks in place (FlashAttention's ``block_table``, flex
-   attention's paged attention, or per-block scores with a softmax segmented by slot) would read each row's real columns
-   once: not done (it needs a GPU to measure).
+   bandwidth: arithmetic, not measured). The kernel of departure 18 reads each row's real columns once instead: 1 unit
+   per real column, no gather, no transient in the budget.
    Supports full-attention models with sdpa or eager attention; "auto" takes the default path for the rest
    (sliding-window and hybrid models, flash-attention and flex kernels: ``resolve_static`` says why) and on CPU, where
    there is no graph and the static step's gathered attention costs more; "on" refuses them with a ValueError. On CPU
@@ -252,6 +257,27 @@ Departures and shortcuts (read these before copying)
    values as autocast's own casts, so tokens and log-probs are unchanged (tested); the price is a bf16 copy of the
    Linear weights for the duration of the call (plan.py's ``bf16 sampling copy`` term). Not refreshed after each
    optimizer step as a kept copy would be: the cast runs at each call, one pass over the weights per rollout.
+18. Decode attention that reads the pool in place (``attention="auto"``, the default, takes it on CUDA). The gathered
+   attention of departure 10 copies every slot's first W columns out of the pool, and transformers copies them again
+   to every query head; the kernel (``paged_attention``, Triton) instead runs one program per (slot, KV head) that
+   walks the slot's blocks through the table up to its own length (read on the device: a captured graph serves any
+   length) with an online softmax over 64-column tiles, for all the query heads that share the KV head. Each real
+   column of K and V is read once; nothing is gathered, nothing repeated, no mask built, and the budget pays no
+   transient (``copies`` = 0 in ``pool_plan``: more slots from the same bytes), so the width buckets are dropped
+   (one graph per slot-count bucket). It is hooked in as a transformers attention function: registered in
+   ``AttentionInterface`` as "graft_paged", the static step sets ``config._attn_implementation`` to that name for
+   the length of its forward and hands the cache down in the forward's kwargs (``paged_kv``); ``update`` then
+   returns the layer's pools, not a gather. Scores, the softmax and the accumulators are float32; the two products
+   take the pool's dtype (bf16 on the GPU, the probabilities rounded to it before the second, as FlashAttention
+   does; float32 pools in IEEE float32). Where it runs: model families checked in the architecture sweep
+   (``_KERNEL_MODEL_TYPES``: their models pass kwargs down and their attention needs nothing the kernel lacks;
+   ``paged_kernel_blocker`` says why not for the rest), Triton installed, on CUDA; "auto" first runs it once per
+   process against ``paged_attention_reference`` on the device (``_kernel_checks_out``) and gathers if it fails to
+   build or disagrees. Checked on CPU through Triton's interpreter (TRITON_INTERPRET=1): against the reference in
+   float32 and float16 (the interpreter's bf16 matmul is broken; bf16 is left to the on-device check), and the static
+   path with the kernel token-identical to the gathered path on the sweep, with preemption and buckets. Its speed is
+   not measured: no GPU was lent to this work (``python -m bench.gpu`` times it). A long row in a tail of few rows
+   runs as few programs (no split over columns, as flash-decoding would): the tail's steps are few.
 
 Benchmark
 ---------
@@ -277,16 +303,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
+try:  # the static path's paged decode kernel (departure 18); without Triton (a CPU-only install) it gathers instead
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
 __all__ = ["token_logprobs", "response_logprobs", "batches_by_length", "sample", "resolve_static",
-           "cast_weights_once", "Rollout"]
+           "cast_weights_once", "Rollout", "paged_attention", "paged_attention_reference", "resolve_attention",
+           "paged_kernel_blocker", "pool_plan", "transient_copies"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1421,6 +1456,7 @@ def sample(
     sync_every: int = 8,
     cast_once: bool = True,
     block_size: int = 16,
+    attention: str = "auto",
 ) -> list[Rollout]:
     """Sample one response per prompt from a transformers causal LM, with continuous batching.
 
@@ -1459,7 +1495,8 @@ def sample(
             static path ran; when it did (departures 10, 13): ``stats["slots"]`` the slot count S, ``"kv_block_size"``
             and ``"kv_blocks"`` the pool's block size and usable blocks, ``"kv_pool_bytes"`` the pool's bytes as
             allocated (trash block included), ``"kv_gather_bytes"`` one layer's gathered K and V at S x L with
-            transformers' copies of it (transient, departure 13), ``"kv_blocks_peak"`` the most blocks in use at once,
+            transformers' copies of it (transient, departure 13; 0 with the kernel), ``"attention"`` "kernel" or
+            "gather" and ``"attention_why"`` why (departure 18), ``"kv_blocks_peak"`` the most blocks in use at once,
             ``"kv_blocks_held_at_end"`` the blocks not returned (0), ``"rows_in_flight_mean"`` and
             ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when the
             pool ran dry, ``"width_steps"``, ``"rows_steps"`` and ``"bucket_steps"`` width bucket W, slot-count bucket R
@@ -1476,6 +1513,10 @@ def sample(
             call instead of autocast re-casting it on every decode step (departure 17); the same numbers.
         block_size: tokens per block of the static path's KV pool (departure 10): the granularity of its
             allocation. The default path ignores it.
+        attention: the static path's decode attention (departure 18): "kernel" reads each row's blocks in place
+            (Triton, on CUDA), "gather" copies every slot's first W columns out of the pool for the model's own
+            attention, "auto" (default) the kernel where ``resolve_attention`` finds it can run, else gather. The
+            default path ignores it.
 
     Returns:
         B Rollouts, in prompt order.
@@ -1517,7 +1558,8 @@ def sample(
         length = max(len(p) for p in prompts) + max_new_tokens
         token_bytes = _kv_token_bytes(model, kv_dtype)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        copies = transient_copies(model.config)
+        path, path_why = resolve_attention(attention, model, device, dtype=kv_dtype, block_size=block_size)
+        copies = 0 if path == "kernel" else transient_copies(model.config)  # the kernel gathers nothing
         expected = -(-sum(map(len, prompts)) // n_rows) + -(-max_new_tokens // 2) + sync_every
         plan = pool_plan(slots=capacity, length=length, expected=expected,
                           block_size=block_size, token_bytes=token_bytes, layers=layers, budget=max_cache_bytes,
@@ -1552,7 +1594,7 @@ def sample(
         with torch.inference_mode(), cast_weights_once(model, device, enabled=cast_once) as cast:
             run.head, cast_bytes = _head(model), cast  # the lm_head weight as cast (departure 17)
             if static:
-                _decode_static(model, base, run, pad_token_id, plan)
+                _decode_static(model, base, run, pad_token_id, plan, kernel=path == "kernel")
             else:
                 _decode_dynamic(model, base, run, pad_token_id, windows)
     finally:
@@ -1572,6 +1614,7 @@ def sample(
             stats["rows_in_flight_peak"], stats["preemptions"] = run.in_flight_peak, run.preemptions
             stats["width_steps"], stats["rows_steps"] = run.width_steps, run.rows_steps
             stats["bucket_steps"] = run.bucket_steps
+            stats["attention"], stats["attention_why"] = path, path_why
     return run.rollouts()
 
 
@@ -1781,6 +1824,216 @@ def _decode_dynamic(model, base, run: _Run, pad_token_id: int, windows: list[int
 
 
 # ------------------------------------------------------------------------------------------------
+# Sampler, part 4a: decode attention that reads the paged pool in place (departure 18). One Triton program per
+# (slot, KV head) walks the slot's blocks through the block table up to the slot's own length, with an online
+# softmax over tiles of columns for all the query heads that share the KV head: each real column of K and V is read
+# once, nothing is gathered and nothing is copied to every query head.
+# ------------------------------------------------------------------------------------------------
+
+
+def paged_attention_reference(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                              lengths: torch.Tensor, *, scale: float, block_size: int) -> torch.Tensor:
+    """What ``paged_attention`` computes, in plain PyTorch (gather every slot's columns, then a masked softmax in
+    float32, or float64 for float64 inputs): the reference the kernel is tested against and its CPU stand-in.
+
+    query (R, H, d): one token per slot; k_pool, v_pool (N, h, d), N a multiple of block_size, H a multiple of h
+    (query head i reads KV head i // (H / h), as transformers' repeat_kv pairs them); table (R, nb) long: the pool
+    block of each slot's j-th block of columns; lengths (R,) long >= 1: the columns each slot attends over (its
+    cached tokens, the current one included). Returns (R, H, d) in query's dtype."""
+    rows, heads, dim = query.shape  # (R, H, d)
+    group = heads // k_pool.shape[1]
+    width = int(table.shape[1]) * block_size
+    cols = torch.arange(width, device=query.device)  # (W,)
+    index = table.index_select(1, cols // block_size) * block_size + cols % block_size  # (R, W) pool rows
+    work = torch.promote_types(query.dtype, torch.float32)  # float32 (float64 stays float64: the tests' check)
+    keys = k_pool[index].to(work).repeat_interleave(group, dim=2)  # (R, W, H, d)
+    values = v_pool[index].to(work).repeat_interleave(group, dim=2)  # (R, W, H, d)
+    scores = torch.einsum("rhd,rwhd->rhw", query.to(work), keys) * scale  # (R, H, W)
+    scores = scores.masked_fill(cols[None, None, :] >= lengths[:, None, None], float("-inf"))
+    return torch.einsum("rhw,rwhd->rhd", scores.softmax(-1), values).to(query.dtype)  # (R, H, d)
+
+
+if triton is not None:  # defined at import: Triton reads TRITON_INTERPRET (CPU tests) when it decorates
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, scale,
+                             stride_qr, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
+                             stride_or, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                             DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        """One (slot, KV head): out[slot, heads of kv_head] = softmax(q K^T * scale) V over the slot's first n
+        columns, K and V read through the block table, an online softmax over tiles of TILE columns."""
+        slot = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        n = tl.load(len_ptr + slot)  # the slot's columns: a device value, so a captured graph serves any length
+        g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head, padded to a tl.dot's 16 rows
+        d = tl.arange(0, DIM_PAD)
+        t = tl.arange(0, TILE)
+        g_ok, d_ok = g < GROUP, d < DIM
+        q = tl.load(q_ptr + slot * stride_qr + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (G, D)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
+        s_sum = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)  # running sum of exp(score - m) x value
+        for start in range(0, n, TILE):
+            col = start + t  # (T,) columns of this tile
+            col_ok = col < n
+            block = tl.load(table_ptr + slot * stride_tr + col // BLOCK, mask=col_ok, other=0)  # (T,)
+            row = block * BLOCK + col % BLOCK  # (T,) pool rows
+            k = tl.load(k_ptr + row[:, None] * stride_kn + kv_head * stride_kh + d[None, :],
+                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # (T, D)
+            v = tl.load(v_ptr + row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
+                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # (T, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G, T), float32
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))  # finite: every tile holds a real column (start < n)
+            p = tl.exp(s - m_new[:, None])  # (G, T)
+            alpha = tl.exp(m - m_new)  # rescales what the earlier tiles summed
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # (G, D)
+            m = m_new
+        out = acc / s_sum[:, None]
+        tl.store(out_ptr + slot * stride_or + (kv_head * GROUP + g)[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                    lengths: torch.Tensor, *, scale: float, block_size: int, tile: int = 64) -> torch.Tensor:
+    """Decode attention of one query token per slot over the slot's own columns of a paged K/V pool, read in place
+    (departure 18): the Triton kernel, on CUDA (or on CPU under TRITON_INTERPRET=1). Same arguments and result as
+    ``paged_attention_reference``: query (R, H, d), k_pool and v_pool (N, h, d), table (R, nb), lengths (R,) >= 1;
+    returns (R, H, d) in query's dtype. ``tile`` columns are scored per iteration (a power of two >= 16).
+
+    Scores and the softmax are float32; the two products take the pool's dtype (bf16 on the GPU path: tensor
+    cores, float32 accumulation, as sdpa's kernels; float32 pools multiply in full float32, not TF32). No launch
+    reads the host: one program per (slot, KV head), the loop bound read from ``lengths`` on the device."""
+    rows, heads, dim = query.shape  # (R, H, d)
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    assert group * kv_heads == heads, f"query heads {heads} are not a multiple of the pool's KV heads {kv_heads}"
+    assert k_pool.shape == v_pool.shape and k_pool.shape[2] == dim, (k_pool.shape, v_pool.shape, dim)
+    assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and table.stride(1) == 1, "inner dimensions contiguous"
+    dtype = query.dtype
+    query = query.to(k_pool.dtype).contiguous()  # the products run in the pool's dtype
+    out = torch.empty(rows, heads, dim, dtype=k_pool.dtype, device=query.device)  # (R, H, d)
+    pad = lambda x: max(16, 1 << (x - 1).bit_length())  # tl.arange needs powers of two, tl.dot 16 at least
+    precision = "ieee" if k_pool.dtype == torch.float32 else "tf32"  # tf32 is ignored for 2-byte inputs
+    _paged_decode_kernel[(rows, kv_heads)](
+        query, k_pool, v_pool, table, lengths, out, float(scale),
+        query.stride(0), query.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=pad(group), DIM=dim, DIM_PAD=pad(dim), BLOCK=block_size, TILE=tile,
+        PRECISION=precision,
+    )
+    return out.to(dtype)
+
+# The model families whose attention modules the kernel was checked to compute exactly as transformers' own
+# (tests/test_sampler.py, the architecture sweep under Triton's interpreter): their models hand their forward's
+# kwargs down to the attention function, and their modules give it one query token, the cache's K/V and a
+# `scaling`, and nothing else that changes the result (no logit soft-cap, no sinks). Left out: StableLM (its layers
+# drop the kwargs), GPT-2 (its scaling depends on config fields the function is not given). A family not listed
+# takes the gathered attention: fail closed.
+_KERNEL_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "smollm3", "mistral", "phi3", "olmo", "olmo2",
+                                 "gemma", "nanochat", "granite", "cohere", "gpt_neox"})
+
+# The name the kernel is registered under in transformers' AttentionInterface; a static step sets the model's
+# config._attn_implementation to it for the length of its forward (departure 18).
+_KERNEL_ATTENTION = "graft_paged"
+
+
+def paged_kernel_blocker(config) -> str | None:
+    """Why the paged decode kernel cannot serve this model (departure 18), or None when it can: the model family
+    must be one the kernel was checked on (``_KERNEL_MODEL_TYPES``) with sdpa or eager attention (the static
+    path's), its query heads a multiple of its KV heads. Says nothing of the machine: ``sample`` also needs Triton
+    and a CUDA device (or the interpreter)."""
+    cfg = config.get_text_config(decoder=True)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in _KERNEL_MODEL_TYPES:
+        return f"model_type {kind!r} is not among the families the kernel was checked on"
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return f"config._attn_implementation={config._attn_implementation!r} (the static path runs sdpa or eager)"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return f"config.attn_logit_softcapping={cfg.attn_logit_softcapping!r} (the kernel has no soft-cap)"
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if heads % kv:
+        return f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+    return None
+
+
+@functools.cache
+def _kernel_checks_out(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                       block_size: int) -> str | None:
+    """Once per process and shape: the kernel against ``paged_attention_reference`` on a random pool of the
+    model's head layout and cache dtype, on the device (compiling it). None when they agree; else why not, and
+    "auto" gathers instead: a kernel that fails to build or disagrees on a new GPU or Triton costs speed, not
+    correctness."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows, blocks = 3, 2 * (-(-130 // block_size))  # lengths past two 64-column tiles
+    q = torch.randn(rows, heads, head_dim, generator=gen, device=device).to(dtype)
+    k, v = (torch.randn(blocks * block_size, kv_heads, head_dim, generator=gen, device=device).to(dtype)
+            for _ in range(2))
+    table = torch.randperm(blocks, generator=gen, device=device)[: rows * (blocks // 2)].view(rows, -1)  # (3, nb)
+    lengths = torch.tensor([1, block_size + 3, 130], device=device)
+    try:
+        got = paged_attention(q, k, v, table, lengths, scale=head_dim ** -0.5, block_size=block_size).float()
+    except Exception as err:  # a compile or launch failure on this machine: report it, take the gathered path
+        return f"the kernel failed here: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    want = paged_attention_reference(q, k, v, table, lengths, scale=head_dim ** -0.5, block_size=block_size).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # 2-byte products: p is rounded to the pool's dtype, as sdpa's
+    err = (got - want).abs().max().item()
+    return None if err <= tol else f"the kernel disagrees with the reference here: max |d| {err:.3g} > {tol}"
+
+
+def resolve_attention(attention: str, model, device: torch.device, *, dtype: torch.dtype | None = None,
+                      block_size: int = 16) -> tuple[str, str]:
+    """sample()'s ``attention`` resolved for the static path on this model and device (departure 18): ("kernel",
+    why) or ("gather", why). "kernel" where the kernel cannot run raises a ValueError saying why; "auto" takes the
+    kernel on CUDA when Triton imports, the model's family is checked (``paged_kernel_blocker``) and the kernel
+    agrees with the reference on this machine (``_kernel_checks_out``, once per process), else gathers.
+    dtype: the pool's (default the model's parameters')."""
+    if attention == "gather":
+        return "gather", "asked"
+    if attention not in ("auto", "kernel"):
+        raise ValueError(f"sampler.py sample(): attention must be 'auto', 'kernel' or 'gather', got {attention!r}")
+    device = torch.device(device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    why = paged_kernel_blocker(model.config)
+    if why is None and triton is None:
+        why = "Triton is not installed"
+    if why is None and device.type != "cuda" and not (attention == "kernel" and interpreted):
+        why = f"the device is {device.type} (the kernel runs on CUDA; on CPU only under TRITON_INTERPRET=1)"
+    if why is None and device.type == "cuda":
+        cfg = model.config.get_text_config(decoder=True)
+        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        why = _kernel_checks_out(str(device), dtype or next(model.parameters()).dtype, cfg.num_attention_heads,
+                                 kv, head_dim, block_size)
+    if why is None:
+        AttentionInterface.register(_KERNEL_ATTENTION, _kernel_attention)  # idempotent: a dict entry
+        return "kernel", "checked"
+    if attention == "kernel":
+        raise ValueError(f"sampler.py sample(): attention='kernel' cannot run: {why}; use 'auto' or 'gather'")
+    return "gather", why
+
+
+def _kernel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function interface over the paged pool (departure 18): ``key`` and ``value`` are
+    the layer's whole pools (N, h, d), as ``_PagedCache.update`` returns them in kernel mode, and the cache rides
+    in ``kwargs["paged_kv"]`` (the static step passes it to the model's forward, which hands its kwargs down).
+    query (R, H, 1, d); returns ((R, 1, H, d), None) as sdpa's function does. Anything that would change the
+    result and the kernel does not do (a soft-cap, sinks, dropout, more than one query token) raises."""
+    cache = kwargs.get("paged_kv")
+    assert cache is not None, "the kernel attention runs only inside the static step, which passes paged_kv"
+    for name in ("softcap", "s_aux", "sinks"):
+        assert kwargs.get(name) is None, f"{type(module).__name__} passes {name}: not a family the kernel serves"
+    assert query.shape[2] == 1 and dropout == 0.0, "one query token per slot, no dropout"
+    rows = query.shape[0]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(query.squeeze(2), key, value, cache.table[:rows], cache.lens[:rows], scale=scale,
+                          block_size=cache.block_size)  # (R, H, d)
+    return out.unsqueeze(1), None  # (R, 1, H, d)
+
+
+# ------------------------------------------------------------------------------------------------
 # Sampler, part 4: the static-shape path. S slots over a paged KV pool: each slot's row owns blocks of
 # ``block_size`` token rows, listed in a device block table; a decode step always runs all S slots over W gathered
 # columns (a width bucket), so its shapes never change and CUDA can replay it as a graph (one per bucket). The host
@@ -1834,7 +2087,10 @@ def pool_plan(*, slots: int, length: int, expected: int, block_size: int, token_
     block_bytes = block_size * token_bytes
     gather = copies * (length * token_bytes // layers)  # one slot's gathered K and V of one layer, and their copies
     typical = -(-min(expected, length) // block_size) * block_bytes  # a row at expected lengths
-    fit = min(slots, (budget - (width + 1) * block_bytes) // gather, (budget - block_bytes) // (gather + typical))
+    if budget < (width + 1) * block_bytes:  # not one row at full length with the trash block
+        return None
+    by_gather = (budget - (width + 1) * block_bytes) // gather if gather else slots  # the kernel gathers nothing
+    fit = min(slots, by_gather, (budget - block_bytes) // (gather + typical))
     if fit < 1:
         return None
     blocks = min((budget - fit * gather) // block_bytes - 1, fit * width)
@@ -1854,9 +2110,10 @@ class _PagedCache:
     (``sync``), so a step reads nothing from the host. ``begin_step`` computes, once per step for every layer, the pool
     row each slot's new K/V goes to."""
 
-    def __init__(self, plan: PoolPlan, device, dtype: torch.dtype | None = None):
+    def __init__(self, plan: PoolPlan, device, dtype: torch.dtype | None = None, *, kernel: bool = False):
         self.slots, self.length, self.block_size, self.dtype = plan.slots, plan.length, plan.block_size, dtype
         self.copies = plan.copies
+        self.kernel = kernel  # departure 18: update returns the pools, the kernel reads them in place
         self.blocks, self.trash = plan.blocks, plan.blocks
         self.keys, self.values = [], []
         width = -(-plan.length // plan.block_size)
@@ -1870,6 +2127,8 @@ class _PagedCache:
         self.rows = plan.slots  # R: the slots a step runs (a slot-count bucket; the occupied slots are the first)
         self.dest = torch.zeros(plan.slots, dtype=torch.long, device=device)  # (S,) pool row of this step's K/V
         self.owned: list[list[int]] = [[] for _ in range(plan.slots)]  # host: each slot's blocks, in column order
+        self.live = torch.zeros(plan.slots, dtype=torch.bool, device=device)  # (S,) slots that own blocks (a row)
+        self.lens = torch.ones(plan.slots, dtype=torch.long, device=device)  # (S,) columns the kernel reads per slot
         self.free = list(range(plan.blocks))[::-1]  # host: free blocks; pop() gives the lowest first
         self.peak = 0  # most blocks in use at once
 
@@ -1898,7 +2157,9 @@ class _PagedCache:
         """Copy the host's table to the device and recompute the read index, in place (a captured step reads both
         buffers): one host-to-device copy, at a host read, never inside a step."""
         self.table.copy_(torch.tensor(self.table_host, dtype=torch.long))
-        self.read_idx.copy_(self._read_index())
+        self.live.copy_(torch.tensor([bool(mine) for mine in self.owned]))
+        if not self.kernel:
+            self.read_idx.copy_(self._read_index())
 
     def load(self, slots: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], lens: list[int]) -> None:
         """Copy right-padded prefill K/V, per layer (b, h, P, d) (or (1, h, P, d) expanded to b rows), into the
@@ -1940,6 +2201,8 @@ class _PagedCache:
         dest = self.dest[: self.rows]  # (R,)
         k_pool.index_copy_(0, dest, key_states.squeeze(2))  # (R, h, d) rows; free slots: in the trash block
         v_pool.index_copy_(0, dest, value_states.squeeze(2))
+        if self.kernel:  # departure 18: the kernel reads each slot's columns in place, through the table
+            return k_pool, v_pool  # (N, h, d) each
         return k_pool[self.read].transpose(1, 2), v_pool[self.read].transpose(1, 2)  # (R, h, W, d)
 
     def begin_step(self) -> None:
@@ -1948,7 +2211,10 @@ class _PagedCache:
         pos = self.write_pos[: self.rows]  # (R,)
         block = self.table[: self.rows].gather(1, torch.div(pos, self.block_size, rounding_mode="floor")[:, None])
         torch.add(block.squeeze(1) * self.block_size, pos % self.block_size, out=self.dest[: self.rows])  # (R,)
-        self.read = self.read_idx[: self.rows, : self.width]  # (R, W)
+        if self.kernel:  # a row reads its cached columns and this one; a free slot one trash column
+            torch.add(pos, 1, out=self.lens[: self.rows]).masked_fill_(~self.live[: self.rows], 1)  # (R,)
+        else:
+            self.read = self.read_idx[: self.rows, : self.width]  # (R, W)
 
     def move(self, src: int, dst: int) -> None:
         """Slot src's row goes to the free slot dst: its blocks and table row move (the K/V stays where it is)."""
@@ -1976,6 +2242,9 @@ class _StaticStep:
         self.hidden = None  # (S, H) the state that predicts each slot's next token; allocated by the first admit,
         # in the dtype the model's forward returns (float32 under autocast with float32 weights), before any capture
         self.columns = torch.arange(cache.length, device=device)  # (L,)
+        # departure 18: the kernel masks by each slot's length; transformers still wants a 4D mask to pass through
+        self.no_mask = torch.ones(slots, 1, 1, 1, dtype=torch.bool, device=device)  # (S, 1, 1, 1)
+        self.config = model.config
         # eager attention adds its mask to the scores; sdpa takes a boolean one
         self.additive = model.config._attn_implementation == "eager"
         self.dtype = next(model.parameters()).dtype
@@ -1995,16 +2264,26 @@ class _StaticStep:
     def _forward(self) -> None:
         n, width = self.cache.rows, self.cache.width
         pos = self.cache.write_pos[:n]  # (R,)
-        # (R, W): cached columns + this one (a free slot clamped past W attends over trash: its draws are discarded)
-        allowed = self.columns[:width].unsqueeze(0) <= pos.unsqueeze(1)
-        mask = allowed[:, None, None, :]  # (R, 1, 1, W)
         self.cache.begin_step()
-        if self.additive:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
-        hidden = self.base(
-            input_ids=self.tokens[:n], attention_mask=mask, position_ids=self.positions[:n], use_cache=True,
-            **{self.cache_arg: self.cache},
-        ).last_hidden_state[:, -1]  # (R, H)
+        extra = {}
+        if self.cache.kernel:  # departure 18: the registered kernel attention, the cache handed down in kwargs
+            mask, extra = self.no_mask[:n], {"paged_kv": self.cache}
+        else:
+            # (R, W): cached columns + this one (a free slot clamped past W attends over trash: its draws are discarded)
+            allowed = self.columns[:width].unsqueeze(0) <= pos.unsqueeze(1)
+            mask = allowed[:, None, None, :]  # (R, 1, 1, W)
+            if self.additive:
+                mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, self.neg)
+        own = self.config._attn_implementation
+        if self.cache.kernel:
+            self.config._attn_implementation = _KERNEL_ATTENTION  # read by every attention module as it runs
+        try:
+            hidden = self.base(
+                input_ids=self.tokens[:n], attention_mask=mask, position_ids=self.positions[:n], use_cache=True,
+                **{self.cache_arg: self.cache}, **extra,
+            ).last_hidden_state[:, -1]  # (R, H)
+        finally:
+            self.config._attn_implementation = own
         self.hidden[:n].copy_(hidden)
         # a free slot, or a row past its end, keeps counting: clamp inside the columns and the position table (a
         # running row never gets there: its prompt + max_new_tokens columns fit)
@@ -2135,11 +2414,11 @@ def _kv_token_bytes(model, kv_dtype: torch.dtype | None) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan) -> None:
+def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan, kernel: bool = False) -> None:
     """The static-shape decode loop: same schedule as the default path, slots instead of a shrinking batch, and the
     pool's blocks handed out by the host at each read (admission by free blocks, recompute preemption)."""
     device = run.head.weight.device
-    cache = _PagedCache(plan, device, run.kv_dtype)
+    cache = _PagedCache(plan, device, run.kv_dtype, kernel=kernel)
     decode = _StaticStep(model, base, cache, run, device)
     free = list(range(plan.slots))[::-1]  # free slot ids (host); pop() gives the lowest first
     active: list[int] = []  # occupied slot ids (host), in admission order
@@ -2150,6 +2429,8 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan) ->
     step = 0
     bs, length = plan.block_size, plan.length
     widths = sorted({min(length, -(-length // (f * bs)) * bs) for f in _WIDTH_FRACTIONS})  # the buckets, ascending
+    if kernel:  # departure 18: the kernel reads each row's own columns; a width bucket would only add graphs
+        widths = [length]
     # slot-count buckets: multiples of S / 8 (the rows in flight, not a power of two, set the step's size)
     step_rows = -(-plan.slots // max(_WIDTH_FRACTIONS))
     counts = sorted({min(plan.slots, k * step_rows) for k in range(1, max(_WIDTH_FRACTIONS) + 1)})

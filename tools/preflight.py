@@ -85,8 +85,8 @@ from sampler import response_logprobs, sample
 TRAINING_FLAGS = ("reward", "prompt_template", "chat_template", "trust_remote_code", "n", "prompts_per_step",
                   "temperature", "top_p", "max_prompt_tokens", "max_response_tokens", "delta", "compat_norm",
                   "compat_weight", "balance", "std_normalize", "seed", "data_seed", "device", "dtype", "gen_batch_size",
-                  "static_decode", "micro_batch_size", "logprob_chunk", "threads", "verify_workers", "reward_timeout",
-                  "stop")
+                  "static_decode", "decode_attention", "micro_batch_size", "logprob_chunk", "threads", "verify_workers",
+                  "reward_timeout", "stop")
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_PASSES = 3.0  # choice 4: an update ~ one forward and one backward ~ three log-prob passes
 
@@ -145,7 +145,8 @@ def roll_out(side: Side, rows: list[dict], dist: DistInfo) -> None:
     with torch.no_grad(), compute_context(cfg, dist):
         outs = sample(side.model, prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
                       top_p=cfg.top_p, eos_token_id=side.stop_ids, pad_token_id=side.tok.pad_token_id, generator=gen,
-                      max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, stop_strings=cfg.stop,
+                      max_batch_size=cfg.gen_batch_size, static=cfg.static_decode, attention=cfg.decode_attention,
+                      stop_strings=cfg.stop,
                       max_cache_bytes=kv_budget(dist.device, side.model) if cfg.static_decode != "off" else None,
                       tokenizer=side.tok, progress=sys.stderr.isatty())  # the trainer's KV pool (Trainer.rollout)
     side.sample_s = time.time() - t0
