@@ -1216,6 +1216,8 @@ class _Run:
     width_steps: dict | None = None  # static path: width bucket W -> decode steps run at it
     rows_steps: dict | None = None  # static path: slot-count bucket R -> decode steps run at it
     bucket_steps: dict | None = None  # static path: (R, W) -> decode steps run at it
+    columns_real: int = 0  # static path: the running rows' cached columns summed over decode steps (what the kernel
+    # of departure 18 reads; the gathered attention reads R x W a step: bucket_steps)
 
     def __post_init__(self):
         order = list(range(len(self.prompts)))
@@ -1496,7 +1498,9 @@ def sample(
             and ``"kv_blocks"`` the pool's block size and usable blocks, ``"kv_pool_bytes"`` the pool's bytes as
             allocated (trash block included), ``"kv_gather_bytes"`` one layer's gathered K and V at S x L with
             transformers' copies of it (transient, departure 13; 0 with the kernel), ``"attention"`` "kernel" or
-            "gather" and ``"attention_why"`` why (departure 18), ``"kv_blocks_peak"`` the most blocks in use at once,
+            "gather" and ``"attention_why"`` why (departure 18), ``"kv_columns_real"`` the running rows' cached
+            columns summed over the decode steps (what the kernel's attention reads; the gathered one reads R x W
+            per step, ``"bucket_steps"``), ``"kv_blocks_peak"`` the most blocks in use at once,
             ``"kv_blocks_held_at_end"`` the blocks not returned (0), ``"rows_in_flight_mean"`` and
             ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when the
             pool ran dry, ``"width_steps"``, ``"rows_steps"`` and ``"bucket_steps"`` width bucket W, slot-count bucket R
@@ -1615,6 +1619,7 @@ def sample(
             stats["width_steps"], stats["rows_steps"] = run.width_steps, run.rows_steps
             stats["bucket_steps"] = run.bucket_steps
             stats["attention"], stats["attention_why"] = path, path_why
+            stats["kv_columns_real"] = run.columns_real
     return run.rollouts()
 
 
@@ -2557,8 +2562,11 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan, ke
     schedule()
     assert active, "the first admission takes at least one row: the pool holds one at full length"
     since = 0  # decode steps since the last host read
+    cached = sum(written(s) for s in active)  # the running rows' columns before this step (stats; host arithmetic)
     while active:
         decode(n_run, width)  # the first n_run slots draw, then the model runs on them (a graph replay on CUDA)
+        run.columns_real += cached + len(active)  # each running row attends over its cached columns and this one
+        cached += len(active)
         run.forward_calls += 1
         run.decode_steps += 1
         run.in_flight += len(active)
@@ -2576,6 +2584,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan, ke
                 leave(done)
                 active = [s for s, d in zip(active, flags) if not d]
             schedule()
+            cached = sum(written(s) for s in active)
     run.blocks_peak, run.blocks_left = cache.peak, cache.blocks - len(cache.free)
     run.pool_bytes, run.gather_bytes = cache.pool_bytes(), cache.gather_bytes()
     run.bucket_steps = dict(sorted(decode.steps_at.items()))

@@ -41,7 +41,8 @@ long-tailed rollout (T = 1, EOS ids chosen so that about 30% of rows reach the c
 geometrically): the dense count is run as that many slots with full-length room each (the same schedule as the dense
 cache), the paged one at the budget with max_batch_size = rows; printed: rows in flight (mean, peak), the slots a
 step runs and the K/V columns its attention reads (dense: S x L every step; paged: R x W of its buckets, mean per
-step; on a GPU the attention's bytes scale with these, times about 3 for the paged gather: sampler.py departure 10),
+step; on a GPU the attention's bytes scale with these, times about 3 for the paged gather: sampler.py departure 10)
+beside the running rows' real columns (what the paged kernel of departure 18 reads, once each),
 decode steps, preemptions, and whether the tokens are identical (departure 7 makes them so).
 
 Launch: ``OMP_NUM_THREADS=1 python -m bench.decode [--quick] [--rows 32] [--layers 28] [--only step|parity|budget]
@@ -382,9 +383,9 @@ def main() -> None:
               f"/{n_rows} at the cap {cap}, mean {sum(lengths) / n_rows:.1f} tokens; prompt + response mean "
               f"{real:.1f} columns of L = {max(map(len, runs[0]['prompts'])) + cap}")
         print("| cache | slots | rows in flight, mean (peak) | slots run per step, mean | K/V columns attended per "
-              "step, mean | decode steps | preemptions | blocks used, peak / pool | K/V bytes | CPU s | tokens = "
-              "dense's |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "step, mean | real columns per step, mean (the kernel's read) | decode steps | preemptions | blocks "
+              "used, peak / pool | K/V bytes | CPU s | tokens = dense's |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in runs:
             st = r["stats"]
             kv = r["budget"] if r is runs[0] else st["kv_pool_bytes"] + st["kv_gather_bytes"]  # dense: S x L columns
@@ -395,7 +396,7 @@ def main() -> None:
                 run_slots = sum(rr * n for (rr, w), n in st["bucket_steps"].items()) / steps
                 columns = sum(rr * w * n for (rr, w), n in st["bucket_steps"].items()) / steps
             print(f"| {r['name']} | {st['slots']} | {st['rows_in_flight_mean']:.1f} ({st['rows_in_flight_peak']}) | "
-                  f"{run_slots:.1f} | {columns:,.0f} | "
+                  f"{run_slots:.1f} | {columns:,.0f} | {st['kv_columns_real'] / steps:,.0f} | "
                   f"{st['decode_steps']} | {st['preemptions']} | {st['kv_blocks_peak']} / {st['kv_blocks']} | "
                   f"{kv:,} | {r['seconds']:.1f} | "
                   f"{r['tokens'] == runs[0]['tokens']} |", flush=True)

@@ -221,3 +221,19 @@ def test_the_pool_without_a_gather_holds_more_slots_in_the_same_bytes():
     typical = -(-2300 // 16) * 16 * 73_728
     assert (in_place.slots + 1) * typical + 16 * 73_728 > kw["budget"] >= in_place.slots * typical
     assert pool_plan(copies=0, **{**kw, "budget": 100 * 16 * 73_728}) is None  # below one full row
+
+
+def test_the_real_columns_counted_are_each_rows_cached_tokens_summed_over_its_steps():
+    """stats["kv_columns_real"] (what the kernel reads) against a direct count: with no EOS a row draws exactly the
+    cap (16, a multiple of sync_every: rows enter at host reads, so each leaves at the read after its 16th token),
+    and at its t-th step attends over its prompt, its t earlier tokens and this one."""
+    from test_sampler import arch_model
+    model = arch_model("qwen3")
+    prompts = [[5, 6, 7], [8] * 9, [3], [40, 41, 42, 43], [77, 2], [9, 9, 9, 9, 9, 9, 9]]
+    stats = {}
+    sampler.sample(model, prompts, max_new_tokens=16, temperature=0, eos_token_id=1000, static="on",
+                   max_batch_size=3, stats=stats)
+    want = sum(len(p) + t + 1 for p in prompts for t in range(16))
+    assert stats["kv_columns_real"] == want
+    gathered = sum(r * w * n for (r, w), n in stats["bucket_steps"].items())
+    assert gathered > want  # the gather reads every slot's first W columns, padding and free slots included
