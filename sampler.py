@@ -131,7 +131,13 @@ Departures and shortcuts (read these before copying)
    host read, picked by the host there; and a step runs only the first R slots, R the smallest multiple of ceil(S / 8)
    that holds every occupied slot: at each read, rows in slots past the first (rows in flight) move into the free slots
    below (their block-table rows and per-slot state move, no K/V is copied), so a tail of few rows runs few slots. One
-   graph per (R, W) pair used (at most 32), all in one memory pool. The host hands out blocks without reading the device
+   graph per (R, W) pair used (at most 32; at most 8 with the kernel of departure 18, which has one W), all in one
+   memory pool. The graphs are captured at each ``sample`` call (each rollout), not once per run: a graph holds the
+   addresses of the K/V pool and of its own memory pool, and between rollouts the trainer frees both so that the update
+   can use that memory (plan.py's phases); keeping the graphs would hold the K/V budget through the update. Engines that
+   keep their graphs across training steps (vLLM's sleep mode) remap physical memory under the same virtual addresses
+   (CUDA's virtual memory API): not built. The cost is one warm-up and capture per bucket used per rollout (not measured
+   on a GPU). The host hands out blocks without reading the device
    (every running row grows by one column a step): at admission the prompt's columns + sync_every, and at each host read
    (departure 16) each running row's next sync_every columns, so a step never writes a column the host did not give a
    block; a row that leaves returns its blocks; free slots and the columns no row owns point at a trash block (masked
@@ -306,6 +312,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -1216,6 +1223,8 @@ class _Run:
     width_steps: dict | None = None  # static path: width bucket W -> decode steps run at it
     rows_steps: dict | None = None  # static path: slot-count bucket R -> decode steps run at it
     bucket_steps: dict | None = None  # static path: (R, W) -> decode steps run at it
+    graphs: int = 0  # static path: CUDA graphs captured (one per bucket used; 0 off CUDA)
+    capture_seconds: float = 0.0  # static path: wall time of their warm-ups and captures
     columns_real: int = 0  # static path: the running rows' cached columns summed over decode steps (what the kernel
     # of departure 18 reads; the gathered attention reads R x W a step: bucket_steps)
 
@@ -1500,7 +1509,8 @@ def sample(
             transformers' copies of it (transient, departure 13; 0 with the kernel), ``"attention"`` "kernel" or
             "gather" and ``"attention_why"`` why (departure 18), ``"kv_columns_real"`` the running rows' cached
             columns summed over the decode steps (what the kernel's attention reads; the gathered one reads R x W
-            per step, ``"bucket_steps"``), ``"kv_blocks_peak"`` the most blocks in use at once,
+            per step, ``"bucket_steps"``), ``"graphs"`` and ``"capture_seconds"`` the CUDA graphs captured and the
+            wall time of their warm-ups and captures (0 off CUDA), ``"kv_blocks_peak"`` the most blocks in use at once,
             ``"kv_blocks_held_at_end"`` the blocks not returned (0), ``"rows_in_flight_mean"`` and
             ``"rows_in_flight_peak"`` the occupied slots per decode step, ``"preemptions"`` the rows sent back when the
             pool ran dry, ``"width_steps"``, ``"rows_steps"`` and ``"bucket_steps"`` width bucket W, slot-count bucket R
@@ -1620,6 +1630,7 @@ def sample(
             stats["bucket_steps"] = run.bucket_steps
             stats["attention"], stats["attention_why"] = path, path_why
             stats["kv_columns_real"] = run.columns_real
+            stats["graphs"], stats["capture_seconds"] = run.graphs, run.capture_seconds
     return run.rollouts()
 
 
@@ -2259,6 +2270,7 @@ class _StaticStep:
         self.draw_inside = run.temperature == 0 or run.top_p == 1.0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (R, W) -> its captured step
         self.steps_at: dict[tuple[int, int], int] = {}  # (R, W) -> decode steps run at it (stats)
+        self.capture_seconds = 0.0  # wall time of the warm-ups and captures (stats)
 
     def _draw(self) -> None:
         n = self.cache.rows
@@ -2340,12 +2352,16 @@ class _StaticStep:
         key = (rows, width)
         self.steps_at[key] = self.steps_at.get(key, 0) + 1
         if self.use_graph and key not in self.graphs:
+            torch.cuda.synchronize()  # a capture is rare (once per bucket per call): its time is worth a sync
+            t0 = time.perf_counter()
             self.warm_up()
             pool = next(iter(self.graphs.values())).pool() if self.graphs else None  # one pool for all buckets
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):  # records, runs nothing
                 self._captured()
             self.graphs[key] = graph
+            torch.cuda.synchronize()
+            self.capture_seconds += time.perf_counter() - t0
         if not self.draw_inside:
             self._draw()
         if key in self.graphs:
@@ -2588,6 +2604,7 @@ def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan, ke
     run.blocks_peak, run.blocks_left = cache.peak, cache.blocks - len(cache.free)
     run.pool_bytes, run.gather_bytes = cache.pool_bytes(), cache.gather_bytes()
     run.bucket_steps = dict(sorted(decode.steps_at.items()))
+    run.graphs, run.capture_seconds = len(decode.graphs), decode.capture_seconds
     run.width_steps, run.rows_steps = {}, {}
     for (r, w), n in decode.steps_at.items():
         run.width_steps[w] = run.width_steps.get(w, 0) + n
