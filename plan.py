@@ -58,10 +58,10 @@ Departures and shortcuts (what the figures are and are not):
      (card - the state - under --fsdp the gathered weights - the bf16 copy); the CUDA context is left to MARGIN.
      It is cut as the sampler cuts it (sampler.pool_plan, the same function): the slots, the pool's blocks of BLOCK
      tokens, and on the gathered path the K/V a decode step gathers for one layer's attention with transformers'
-     copies (per slot, transient; none with the kernel, departure 9). A row holds its prompt + the tokens drawn + ROOM, so rows in flight = the pool's tokens // a
-     row's, at most the slots: at expected lengths, the mean prompt (measured like the longest) + EXPECTED_RESPONSE
-     (half) of the cap, an assumption (the paper states no mean response length), and at the worst case, the
-     longest prompt + the cap. Whole blocks hold a little fewer rows, and a long-tailed rollout's rows in flight are
+     copies (per slot, transient; none with the kernel, departure 9). A row holds its prompt + the tokens drawn +
+     ROOM, so rows in flight = the pool's tokens // a row's, at most the slots: at expected lengths, the mean prompt
+     (measured like the longest) + EXPECTED_RESPONSE (half) of the cap, an assumption (the paper states no mean
+     response length), and at the worst case, the longest prompt + the cap. Whole blocks hold a little fewer rows, and a long-tailed rollout's rows in flight are
      mid-way through their lengths with the long ones over-represented, so the expected figure is a guide, the
      worst case a floor; the sampler preempts rows when the pool runs dry rather than overrun it. Without a card
      (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case, what sample() reserves without a
