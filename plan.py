@@ -61,11 +61,11 @@ Departures and shortcuts (what the figures are and are not):
      copies (per slot, transient; none with the kernel, departure 9). A row holds its prompt + the tokens drawn +
      ROOM, so rows in flight = the pool's tokens // a row's, at most the slots: at expected lengths, the mean prompt
      (measured like the longest) + EXPECTED_RESPONSE (half) of the cap, an assumption (the paper states no mean
-     response length), and at the worst case, the longest prompt + the cap. Whole blocks hold a little fewer rows, and a long-tailed rollout's rows in flight are
-     mid-way through their lengths with the long ones over-represented, so the expected figure is a guide, the
-     worst case a floor; the sampler preempts rows when the pool runs dry rather than overrun it. Without a card
-     (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case, what sample() reserves without a
-     budget.
+     response length), and at the worst case, the longest prompt + the cap. Whole blocks hold a little fewer rows,
+     and a long-tailed rollout's rows in flight are mid-way through their lengths with the long ones
+     over-represented, so the expected figure is a guide, the worst case a floor; the sampler preempts rows when the
+     pool runs dry rather than overrun it. Without a card (no --gpu-memory, no CUDA) the pool is planned at the
+     slots' worst case, what sample() reserves without a budget.
   9. The decode attention is planned as sample() takes it on the GPU (sampler.py departure 18, planned_attention):
      the paged kernel, which gathers nothing (pool_plan's copies = 0: the budget is all pool), for a model whose
      family it serves (sampler.paged_kernel_blocker) unless --decode-attention gather; else the gathered path
