@@ -57,15 +57,22 @@ Departures and shortcuts (what the figures are and are not):
   8. The KV pool and its rows in flight. The budget is runtime.kv_budget's formula on the card: KV_BUDGET_SHARE x
      (card - the state - under --fsdp the gathered weights - the bf16 copy); the CUDA context is left to MARGIN.
      It is cut as the sampler cuts it (sampler.pool_plan, the same function): the slots, the pool's blocks of BLOCK
-     tokens, and the K/V a decode step gathers for one layer's attention with transformers' copies (per slot,
-     transient). A row holds its prompt + the tokens drawn + ROOM, so rows in flight = the pool's tokens // a
-     row's, at most the slots: at expected lengths, the mean prompt (measured like the longest) + EXPECTED_RESPONSE
-     (half) of the cap, an assumption (the paper states no mean response length), and at the worst case, the
-     longest prompt + the cap. Whole blocks hold a little fewer rows, and a long-tailed rollout's rows in flight are
-     mid-way through their lengths with the long ones over-represented, so the expected figure is a guide, the
-     worst case a floor; the sampler preempts rows when the pool runs dry rather than overrun it. Without a card
-     (no --gpu-memory, no CUDA) the pool is planned at the slots' worst case, what sample() reserves without a
-     budget.
+     tokens, and on the gathered path the K/V a decode step gathers for one layer's attention with transformers'
+     copies (per slot, transient; none with the kernel, departure 9). A row holds its prompt + the tokens drawn +
+     ROOM, so rows in flight = the pool's tokens // a row's, at most the slots: at expected lengths, the mean prompt
+     (measured like the longest) + EXPECTED_RESPONSE (half) of the cap, an assumption (the paper states no mean
+     response length), and at the worst case, the longest prompt + the cap. Whole blocks hold a little fewer rows,
+     and a long-tailed rollout's rows in flight are mid-way through their lengths with the long ones
+     over-represented, so the expected figure is a guide, the worst case a floor; the sampler preempts rows when the
+     pool runs dry rather than overrun it. Without a card (no --gpu-memory, no CUDA) the pool is planned at the
+     slots' worst case, what sample() reserves without a budget.
+  9. The decode attention is planned as sample() takes it on the GPU (sampler.py departure 18, planned_attention):
+     the paged kernel, which gathers nothing (pool_plan's copies = 0: the budget is all pool), for a model whose
+     family it serves (sampler.paged_kernel_blocker) unless --decode-attention gather; else the gathered path
+     (copies = sampler.transient_copies: 3 for Qwen3-1.7B, 5 for SmolLM3-3B). An assumption (KERNEL_ASSUMED): the
+     GPU node has Triton (torch's CUDA wheels bring it on Linux) and the kernel's on-device self-check passes. If it
+     fails, sample()'s "auto" gathers and re-cuts its own pool from the same budget: the budget is still respected,
+     only the slots in flight are fewer than the launcher was given. The printed plan names the attention it assumed.
 
 Launch lines:
     python graft.py plan --model HuggingFaceTB/SmolLM3-3B-Base,Qwen/Qwen3-1.7B-Base --gpu-memory 79.19 --ranks 4 \\
@@ -88,8 +95,8 @@ import torch
 
 from config import Config  # the train flags; plan.py adds none of its own
 from runtime import KV_BUDGET_SHARE, adamw_kernel, encode_prompt, eval_rows  # the trainer's choices, where they live
-from sampler import (cast_weights_once, pool_plan, resolve_static, response_logprobs, sample,  # the code measured
-                     transient_copies)
+from sampler import (cast_weights_once, paged_kernel_blocker, pool_plan, resolve_static, response_logprobs,  # the
+                     sample, transient_copies)  # code measured, and its rules
 
 GIB = 1024 ** 3
 MARGIN = 0.95
@@ -279,8 +286,10 @@ class Measured:
     eval_kv_token: int  # the same in the evaluation's precision
     eval_kv_dtypes: str
     paged: bool  # sample takes the static path, its KV a pool of kv_budget bytes (sampler.resolve_static on CUDA)
-    layers: int  # decoder layers (a static step gathers one layer's K/V at a time)
-    kv_copies: int  # copies of one layer's gathered K/V a static step holds at once (sampler.transient_copies)
+    layers: int  # decoder layers (a gathering static step gathers one layer's K/V at a time)
+    kv_copies: int  # copies of one layer's gathered K/V a static step holds at once: 0 with the kernel (departure 9)
+    attention: str  # the static path's decode attention planned: "kernel" or "gather" ("-" on the default path)
+    attention_why: str  # why that one (planned_attention)
     seconds: float  # wall time of the measurement
 
 
@@ -305,6 +314,30 @@ def prefill_prompts(rows: int, copies: int) -> int:
     together, so a fill of the slots starts at most one prompt split over two refills): ceil(rows / copies) + 1,
     at most rows. copies 1: every row its own prefill."""
     return rows if copies <= 1 else min(rows, math.ceil(rows / copies) + 1)
+
+
+KERNEL_ASSUMED = ("assumed on the GPU node: Triton present (torch's CUDA wheels bring it) and the kernel's on-device "
+                  "self-check passing; else sample() gathers and re-cuts its pool from the same budget (fewer slots)")
+"""Why the plan counts the paged decode kernel where the model's family can take it (departure 9)."""
+
+
+def planned_attention(cfg: Config, config, *, paged: bool) -> tuple[str, str]:
+    """(the static path's decode attention the plan counts, why): "kernel" (a decode step gathers no K/V) when
+    --decode-attention is not gather and sampler.paged_kernel_blocker finds nothing against the model (KERNEL_ASSUMED:
+    what sample()'s "auto" then does on the GPU), else "gather"; "-" on the default path (a dense cache, no pool).
+    config: the model's (its attention implementation set). --decode-attention kernel for a model the kernel cannot
+    serve raises, as sample() would at the first rollout."""
+    if not paged:
+        return "-", "the default decode path: a dense cache, the model's own attention"
+    if cfg.decode_attention == "gather":
+        return "gather", "--decode-attention gather"
+    blocker = paged_kernel_blocker(config)
+    if blocker is None:
+        return "kernel", f"--decode-attention {cfg.decode_attention}, the model's family served; {KERNEL_ASSUMED}"
+    if cfg.decode_attention == "kernel":
+        raise SystemExit(f"--decode-attention kernel: the paged decode kernel cannot serve {cfg.model} ({blocker}); "
+                         f"sample() would refuse it: use --decode-attention auto or gather")
+    return "gather", f"the kernel cannot serve this model: {blocker}"
 
 
 DEPTHS = (4, 8)
@@ -402,6 +435,8 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
             paged = bool(resolve_static(cfg.static_decode, model, PLANNED_DEVICE))
         except ValueError:  # --static-decode on for a model the static path cannot run: sample() refuses it
             paged = False
+        attention, why = planned_attention(cfg, model.config, paged=paged)
+        copies = 0 if attention == "kernel" else transient_copies(config)  # as sample() picks them
         slots, eval_slots = cfg.gen_batch_size, eval_rows(cfg, paged=paged)
         roll_prompts = prefill_prompts(slots, cfg.n if cfg.share_prefix else 1)
         eval_prompts = prefill_prompts(eval_slots, cfg.eval_samples if cfg.share_prefix else 1)
@@ -429,7 +464,8 @@ def _measure_depth(config, cfg: Config, *, prompt_len: int, eval_prompt_len: int
                     eval_prefill_prompts=eval_prompts if cfg.eval_every else 0, paged=paged,
                     cast_copy=cast_copy, eval_cast_copy=eval_cast if cfg.eval_every else 0, kv_token=kv_token,
                     kv_dtypes=kv_dtypes, eval_kv_token=eval_kv, eval_kv_dtypes=eval_dtypes,
-                    layers=config.num_hidden_layers, kv_copies=transient_copies(config), seconds=0.0)
+                    layers=config.num_hidden_layers, kv_copies=copies, attention=attention, attention_why=why,
+                    seconds=0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -449,6 +485,8 @@ class Rows:
     prefill_prompts: int = 1  # prompts the phase's prefill term was measured at (prefill_prompts(slots, copies))
     fit: int | None = None  # the slots the sampler would cut from the budget with no slot cap (sampler.pool_plan)
     budget: int | None = None  # the K/V budget (runtime.kv_budget) the pool and a step's gather were cut from
+    attention: str = "gather"  # the static path's decode attention the cut assumed: "kernel" gathers nothing
+    attention_why: str = ""  # why that one (planned_attention)
 
     @property
     def expected(self) -> int:
@@ -500,7 +538,8 @@ def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt
     The rollout's and the evaluation's KV term: on the static path (m.paged) the pool of runtime.kv_budget bytes on
     this card (pool_bytes; without a card, the slots at the worst case, what sample() takes without a budget), its
     rows in flight at expected lengths (mean prompt + EXPECTED_RESPONSE of the cap) and at the worst case (longest
-    prompt + cap); on the default path a dense cache of every slot at the worst case. prompt_len, eval_prompt_len:
+    prompt + cap), cut with a decode step's gathered K/V on the gathered path, none with the kernel (m.attention,
+    departure 9); on the default path a dense cache of every slot at the worst case. prompt_len, eval_prompt_len:
     the longest prompts; mean_prompt, mean_eval_prompt: their means (default: the longest)."""
     r = ranks if cfg.fsdp else 1
     state = {"weights": m.params // r, "gradients": m.grads // r, "AdamW moments": m.opt_state // r}
@@ -523,12 +562,13 @@ def phases(m: Measured, cfg: Config, *, ranks: int, prompt_len: int, eval_prompt
                                             expected_tokens=expected_row, worst_tokens=worst_row, copies=copies,
                                             prefill_prompts=prompts)
         # the sampler's own cut of the budget (sampler.pool_plan, departure 13): the pool of blocks and the K/V a
-        # decode step gathers for one layer's attention with its copies, per slot, transient
+        # decode step gathers for one layer's attention with its copies, per slot, transient (0 with the kernel)
         gather = pp.slots * pp.copies * (pp.length * kv_token // m.layers)
         term = {"KV pool": (pp.blocks + 1) * BLOCK * kv_token, "K/V gathered by a decode step": gather}
         rows = Rows(slots=pp.slots, paged=True, pool_tokens=pp.blocks * BLOCK, expected_tokens=expected_row,
                     worst_tokens=worst_row, copies=copies, prefill_prompts=prompts,
-                    fit=cut(1 << 40).slots if budget is not None else None, budget=budget)
+                    fit=cut(1 << 40).slots if budget is not None else None, budget=budget, attention=m.attention,
+                    attention_why=m.attention_why)
         return term, rows
 
     shared = cfg.share_prefix
@@ -578,11 +618,13 @@ def rows_line(ph: Phase) -> str:
     if not r.paged:
         return (f"{ph.name}: dense KV cache (the default decode path), {r.slots} rows in flight at "
                 f"{r.worst_tokens - ROOM:,} tokens each")
+    gathered = ("none: the kernel reads blocks in place" if r.attention == "kernel"
+                else f"{ph.terms['K/V gathered by a decode step'] / GIB:.1f} GiB")
     return (f"{ph.name}: KV pool {ph.terms['KV pool'] / GIB:.1f} GiB = {r.pool_tokens:,} tokens; rows in flight at "
             f"expected lengths ({r.expected_tokens:,} tokens a row: mean prompt + {EXPECTED_RESPONSE:.0%} of the cap "
-            f"+ {ROOM}) {r.expected} of {r.slots} slots (the budget holds {r.pool_rows} with no slot cap); a decode "
-            f"step's gathered K/V {ph.terms['K/V gathered by a decode step'] / GIB:.1f} GiB; at the worst case "
-            f"({r.worst_tokens:,}: longest prompt + cap + {ROOM}) {r.worst}")
+            f"+ {ROOM}) {r.expected} of {r.slots} slots (the budget holds {r.pool_rows} with no slot cap); K/V "
+            f"gathered by a decode step: {gathered}; at the worst case ({r.worst_tokens:,}: longest prompt + cap + "
+            f"{ROOM}) {r.worst}")
 
 
 def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str,
@@ -597,7 +639,9 @@ def table(side: str, plan: list[Phase], card: int | None, ranks: int, note: str,
         share = f"{ph.total / card:.0%}" + (" OVER" if ph.total > MARGIN * card else "") if card else "-"
         lines.append(f"| {ph.name} | {ph.total / GIB:.1f} | {share} | {ph.dominant} "
                      f"{ph.terms[ph.dominant] / GIB:.1f} | {ph.fix} |")
-    lines += [""] + [rows_line(ph) for ph in plan if ph.rows is not None]
+    paged = next((ph.rows for ph in plan if ph.rows is not None and ph.rows.paged), None)
+    lines += [""] + ([f"decode attention planned: {paged.attention} ({paged.attention_why})"] if paged else [])
+    lines += [rows_line(ph) for ph in plan if ph.rows is not None]
     if card and rows:
         mb = largest_fit(plan, card, rows=rows[1], phase_names=("update", "logprob"), per_row_terms=("activations",))
         lines += [f"largest --micro-batch-size that fits (activations taken as linear in the rows): {mb}",

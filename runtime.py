@@ -167,11 +167,12 @@ def cast_copy_bytes(model, device: torch.device) -> int:
 
 def kv_budget(device: torch.device, model=None) -> int | None:
     """Bytes of the static decode path's K/V (sampler.py's max_cache_bytes: the pool that rows fill by their real
-    lengths and a decode step's transient gather of one layer, sampler.pool_plan): KV_BUDGET_SHARE of what the card
-    has left at the call, the driver's free memory plus what the caching allocator holds unused (after the state
-    and, under --fsdp, the gathered weights), less the bf16 copy that sample() makes of `model`'s Linear weights
-    under autocast (cast_copy_bytes; no model: not subtracted). plan.py plans this budget (its rollout and evaluation
-    phases). None off CUDA (no limit: the CPU has no card to overrun)."""
+    lengths, and on the gathered path a decode step's transient gather of one layer; the paged kernel gathers
+    nothing, so with it the pool takes all of it: sampler.pool_plan): KV_BUDGET_SHARE of what the card has left at
+    the call, the driver's free memory plus what the caching allocator holds unused (after the state and, under
+    --fsdp, the gathered weights), less the bf16 copy that sample() makes of `model`'s Linear weights under autocast
+    (cast_copy_bytes; no model: not subtracted). plan.py plans this budget (its rollout and evaluation phases). None
+    off CUDA (no limit: the CPU has no card to overrun)."""
     if device.type != "cuda":
         return None
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -9,8 +9,10 @@ for the dtypes it stores; run_pair.sh passing --fsdp to the side whose data-para
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -201,15 +203,19 @@ POOL_CFG = dict(model="tiny", micro_batch_size=2, max_response_tokens=16, max_pr
                 logprob_chunk=16, eval_every=1, eval_max_tokens=24)
 
 
-def test_pool_rows_in_flight_against_a_direct_computation():
+@pytest.mark.parametrize("attention", ["gather", "auto"])
+def test_pool_rows_in_flight_against_a_direct_computation(attention):
     """The static path (a full-attention Qwen3 on CUDA): the rollout's and the evaluation's K/V is the budget
-    runtime.kv_budget gives on this card, cut as sampler.py departure 13 states it, computed here by hand: S slots
-    (at most --gen-batch-size; each pays one layer's gathered K/V with its repeat_kv copy, so a small budget cuts
-    S below the slots), blocks of 16 tokens for the rest; the rows in flight are the pool's tokens // a row's."""
-    cfg = Config(**POOL_CFG)
+    runtime.kv_budget gives on this card, cut as sampler.py departures 13 and 18 state it, computed here by hand: S
+    slots (at most --gen-batch-size; on the gathered path each pays one layer's gathered K/V with its repeat_kv copy;
+    the kernel, which "auto" plans for Qwen3, gathers nothing; a small budget cuts S below the slots), blocks of 16
+    tokens for the rest; the rows in flight are the pool's tokens // a row's."""
+    cfg = Config(**POOL_CFG, decode_attention=attention)
     m = plan.measure(tiny_config(num_hidden_layers=2), cfg, prompt_len=8, eval_prompt_len=6)
     assert m.paged and m.kv_token == 2 * 2 * 2 * 16 * 2  # bf16 K and V: 2 layers x 2 heads x 16
-    assert (m.layers, m.kv_copies) == (2, 3)  # the gather + repeat_kv's copy to 4 heads = 2 x the gathered K/V
+    # gathered: the gather + repeat_kv's copy to 4 heads = 2 x the gathered K/V; the kernel: none
+    copies = 3 if attention == "gather" else 0
+    assert (m.layers, m.kv_copies, m.attention) == (2, copies, "kernel" if copies == 0 else "gather")
     held = m.params + m.grads + m.opt_state  # at the sample() call, data parallel
     for tokens_wanted, capped in ((3000, True), (450, False)):
         card = held + m.cast_copy + int(tokens_wanted * m.kv_token / runtime.KV_BUDGET_SHARE)
@@ -220,9 +226,9 @@ def test_pool_rows_in_flight_against_a_direct_computation():
         for name, longest, mean, cap in (("rollout", 8, 5, 16), ("evaluation", 6, 3, 24)):
             ph = by[name]
             length, expected_row, worst_row = longest + cap, mean + cap // 2 + 8, longest + cap + 8
-            width, gather = -(-length // 16), 3 * (length * m.kv_token // 2)  # a full row's blocks; a slot's gather
-            fit = min((budget - (width + 1) * block) // gather, (budget - block) // (gather + -(-expected_row // 16)
-                                                                                    * block))
+            width, gather = -(-length // 16), copies * (length * m.kv_token // 2)  # a full row's blocks; a slot's
+            by_pool = (budget - block) // (gather + -(-expected_row // 16) * block)  # rows at expected lengths
+            fit = min((budget - (width + 1) * block) // gather, by_pool) if gather else by_pool  # kernel: the pool
             slots = min(16, fit)
             blocks = min((budget - slots * gather) // block - 1, slots * width)
             assert ph.terms["KV pool"] == (blocks + 1) * block and "KV cache" not in ph.terms
@@ -246,11 +252,11 @@ def test_pool_rows_in_flight_against_a_direct_computation():
 
 def test_the_plans_cut_is_the_samplers():
     """What the plan prints is what sample() builds: the rollout's slots, pool blocks and bytes for a K/V budget,
-    against the stats of a real sample() call on the static path with that budget (bf16 K/V under CPU autocast, as
-    the trainer's under CUDA autocast), the prompts all of the planned length; the K/V the call held stays within
-    the budget."""
+    against the stats of a real sample() call on the static path's gathered attention with that budget (bf16 K/V
+    under CPU autocast, as the trainer's under CUDA autocast), the prompts all of the planned length; the K/V the
+    call held stays within the budget. The kernel's cut: test_the_plans_kernel_cut_is_the_samplers."""
     from sampler import sample
-    cfg = Config(**POOL_CFG)
+    cfg = Config(**POOL_CFG, decode_attention="gather")
     config = tiny_config(num_hidden_layers=2)
     m = plan.measure(config, cfg, prompt_len=8, eval_prompt_len=6)
     held = m.params + m.grads + m.opt_state
@@ -262,13 +268,102 @@ def test_the_plans_cut_is_the_samplers():
     stats = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sample(model, prompts, max_new_tokens=16, temperature=1.0, eos_token_id=[1], max_batch_size=16,
-               static="on", max_cache_bytes=roll.rows.budget, stats=stats, generator=torch.Generator().manual_seed(0))
-    assert stats["static"] and stats["kv_bytes_per_token"] == m.kv_token
+               static="on", attention="gather", max_cache_bytes=roll.rows.budget, stats=stats,
+               generator=torch.Generator().manual_seed(0))
+    assert stats["static"] and stats["kv_bytes_per_token"] == m.kv_token and stats["attention"] == "gather"
     assert 1 < roll.rows.slots < 16, roll.rows  # the budget, not the slot cap, decided
     assert (stats["slots"], stats["kv_blocks"] * stats["kv_block_size"]) == (roll.rows.slots, roll.rows.pool_tokens)
     assert stats["kv_pool_bytes"] == roll.terms["KV pool"]
     assert roll.terms["KV pool"] + roll.terms["K/V gathered by a decode step"] <= roll.rows.budget
     assert stats["kv_blocks_peak"] <= stats["kv_blocks"] and stats["rows_in_flight_peak"] <= roll.rows.slots
+    assert stats["kv_gather_bytes"] == roll.terms["K/V gathered by a decode step"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Triton is not installed: the paged decode kernel runs only through Triton (on CPU its "
+                           "interpreter, TRITON_INTERPRET=1)")
+def test_the_plans_kernel_cut_is_the_samplers():
+    """The kernel's cut (what "auto" plans for a family the kernel serves): the rollout's slots, pool blocks and
+    bytes for a K/V budget against a real sample(attention="kernel") call with that budget, run through Triton's
+    interpreter in a fresh Python (Triton reads TRITON_INTERPRET when sampler imports it). float32 weights and no
+    autocast (--dtype float32: the interpreter's bf16 matmul is broken, sampler.py departure 18), so float32 K/V;
+    no K/V gathered, and the budget cuts the slots below --gen-batch-size."""
+    from test_paged_kernel import interpreted
+    cfg = Config(**POOL_CFG, dtype="float32")
+    m = plan.measure(tiny_config(num_hidden_layers=2), cfg, prompt_len=8, eval_prompt_len=6)
+    assert (m.attention, m.kv_copies, m.cast_copy) == ("kernel", 0, 0)
+    held = m.params + m.grads + m.opt_state
+    card = held + int(400 * m.kv_token / runtime.KV_BUDGET_SHARE)  # 400 tokens: 12 rows of 2 blocks, not 16
+    roll = plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=card, mean_prompt=8)[0]
+    assert 1 < roll.rows.slots < 16 and roll.terms["K/V gathered by a decode step"] == 0, roll.rows
+    stats = interpreted(f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM
+        from sampler import sample
+        from test_plan import tiny_config
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=2), dtype=torch.float32).eval()
+        prompts = [[3 + i % 50] + [5] * 7 for i in range(24)]  # 24 prompts of 8 tokens
+        stats = {{}}
+        sample(model, prompts, max_new_tokens=16, temperature=1.0, eos_token_id=[1], max_batch_size=16, static="on",
+               attention="kernel", max_cache_bytes={roll.rows.budget}, stats=stats,
+               generator=torch.Generator().manual_seed(0))
+        print(json.dumps({{k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}}))
+    """)
+    assert stats["static"] and stats["attention"] == "kernel" and stats["kv_bytes_per_token"] == m.kv_token
+    assert (stats["slots"], stats["kv_blocks"] * stats["kv_block_size"]) == (roll.rows.slots, roll.rows.pool_tokens)
+    assert stats["kv_pool_bytes"] == roll.terms["KV pool"] <= roll.rows.budget and stats["kv_gather_bytes"] == 0
+    assert stats["kv_blocks_peak"] <= stats["kv_blocks"] and stats["rows_in_flight_peak"] <= roll.rows.slots
+
+
+def test_the_kernels_cut_holds_more_slots_and_gather_keeps_the_old_cut(tmp_path, capsys):
+    """At one budget, a GQA model (4 query heads on 2 KV heads): --decode-attention gather cuts the budget as before
+    the kernel (sampler.pool_plan with transient_copies = 3: the gather and repeat_kv's copy); the default (auto,
+    the kernel planned) with no copies: every byte to the pool, more slots, a larger launcher count. The printed
+    plan names the attention and says that the kernel gathers nothing."""
+    from sampler import pool_plan, transient_copies
+    config = tiny_config(num_hidden_layers=2)
+    cut = {}
+    for attention in ("gather", "auto"):
+        cfg = Config(**(POOL_CFG | dict(gen_batch_size=64)), decode_attention=attention)
+        m = plan.measure(config, cfg, prompt_len=8, eval_prompt_len=6)
+        card = m.params + m.grads + m.opt_state + m.cast_copy + int(900 * m.kv_token / runtime.KV_BUDGET_SHARE)
+        by = {ph.name: ph for ph in plan.phases(m, cfg, ranks=1, prompt_len=8, eval_prompt_len=6, card=card)}
+        r = by["rollout"].rows
+        copies = transient_copies(config) if attention == "gather" else 0
+        want = pool_plan(slots=64, length=8 + 16, expected=r.expected_tokens, block_size=16, token_bytes=m.kv_token,
+                         layers=2, budget=r.budget, copies=copies)
+        assert (r.slots, r.pool_tokens, by["rollout"].terms["KV pool"]) == (want.slots, want.blocks * 16,
+                                                                           (want.blocks + 1) * 16 * m.kv_token)
+        assert by["rollout"].terms["K/V gathered by a decode step"] == want.slots * copies * (24 * m.kv_token // 2)
+        cut[attention] = (r.slots, r.pool_rows, plan.launch_slots(list(by.values()), card, rows=64))
+    assert transient_copies(config) == 3
+    assert cut["auto"][0] > cut["gather"][0] and cut["auto"][1] > cut["gather"][1], cut
+    assert cut["auto"][2] >= cut["gather"][2], cut
+    (tmp_path / "c.json").write_text(json.dumps(config.to_dict()))
+    flags = ["plan", "--model", str(tmp_path / "c.json"), "--max-response-tokens", "16", "--max-prompt-tokens", "8",
+             "--gen-batch-size", "16", "--micro-batch-size", "2", "--gpu-memory", "1"]
+    for attention, said, gathered in (("auto", "kernel", "none: the kernel reads blocks in place;"),
+                                      ("gather", "gather", r"\d+\.\d GiB;")):
+        with pytest.raises(SystemExit) as e:
+            graft.main(flags + ["--decode-attention", attention])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert f"decode attention planned: {said} (" in out, out
+        assert re.search(f"K/V gathered by a decode step: {gathered}", out), out
+
+
+def test_a_family_the_kernel_does_not_serve_is_planned_gathered():
+    """StableLM (full attention, so the static path; not among the kernel's checked families): "auto" plans the
+    gathered cut and says why; --decode-attention kernel is refused as sample() would refuse it."""
+    from transformers import StableLmConfig
+    config = StableLmConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2)
+    m = plan.measure(config, Config(**POOL_CFG), prompt_len=8, eval_prompt_len=6)
+    assert m.paged and m.attention == "gather" and m.kv_copies == 3, m
+    assert "'stablelm' is not among the families" in m.attention_why, m.attention_why
+    with pytest.raises(SystemExit, match="--decode-attention kernel: the paged decode kernel cannot serve"):
+        plan.measure(config, Config(**POOL_CFG, decode_attention="kernel"), prompt_len=8, eval_prompt_len=6)
 
 
 @pytest.mark.parametrize("how", ["sliding window", "static off"])
