@@ -90,7 +90,7 @@ from bench.decode import OpCounter, linear_weights, teacher_forced, trainer_pass
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 BF16_MEAN, BF16_MAX = 0.02, 0.25  # nats: the bf16 tolerance of the module docstring
 GIB = 1024 ** 3
-PARTS = ("kernel", "rollout", "microbatch", "smoke", "sampler", "prefill", "launcher", "profile")
+PARTS = ("kernel", "attention", "rollout", "microbatch", "smoke", "sampler", "prefill", "launcher", "profile")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,7 +279,164 @@ def bench_kernel(b: Bench, sz: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 2-3. The trainer's regime: a real-width rollout, one update micro-batch
+# 2. One decode step's attention over the paged pool: the kernel against the gathered path it replaces
+# ------------------------------------------------------------------------------------------------
+
+# The attention part's shapes: (query heads, KV heads, head_dim) of each model; slot counts (the plan's H100 slots:
+# Qwen3 152, SmolLM3 184; both run at both); block size; prompt + cap columns; the rows' lengths (a share at L, the
+# rest uniform in [lo, hi]: 30%, as the launcher's AT_CAP).
+ATTENTION = dict(heads={"qwen3": (16, 8, 128), "smollm3": (16, 4, 128)}, slots=(152, 184), block=16,
+                 length=2048 + 4096, lo=256, hi=4096, at_full=0.3, warm=3, repeats=20, dtype=torch.bfloat16)
+ATTENTION_TINY = dict(heads={"qwen3": (4, 2, 16), "smollm3": (4, 1, 16)}, slots=(6,), block=4, length=64, lo=8, hi=40,
+                      at_full=0.3, warm=1, repeats=2, dtype=torch.float16)  # Triton's interpreter: no bf16 matmul
+ATTENTION_TOL = 3e-2  # max |d| against the float32 reference: sampler._kernel_checks_out's for 2-byte pools
+
+
+def device_ms(device: torch.device, fn, *, warm: int, repeats: int) -> float:
+    """Median milliseconds of fn() over `repeats` calls after `warm` untimed ones: CUDA events on CUDA (no host
+    sync inside the timed span), the host clock on CPU."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def attention_lengths(rows: int, *, full: int, lo: int, hi: int, at_full: float, seed: int) -> torch.Tensor:
+    """(rows,) long: round(at_full x rows) rows at `full` columns (chosen at random), the rest uniform in [lo, hi]."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (rows,), generator=gen)  # (R,)
+    lengths[torch.randperm(rows, generator=gen)[: round(at_full * rows)]] = full
+    return lengths
+
+
+def shuffled_table(lengths: torch.Tensor, *, width: int, block: int, seed: int) -> tuple[torch.Tensor, int]:
+    """A block table as the pool's allocator leaves it after many refills: each row owns ceil(length / block) blocks
+    drawn from a shuffled pool, the rest of its (width / block) entries point at the trash block (the last one, as
+    sampler._PagedCache's). Returns (table (R, width / block) long, blocks in the pool, the trash one included)."""
+    owned = [-(-int(n) // block) for n in lengths]
+    used = sum(owned)
+    order = torch.randperm(used, generator=torch.Generator().manual_seed(seed)).tolist()
+    table = torch.full((len(owned), width // block), used, dtype=torch.long)  # (R, nb) all trash
+    at = 0
+    for r, n in enumerate(owned):
+        table[r, :n] = torch.tensor(order[at: at + n])
+        at += n
+    return table, used + 1
+
+
+class _AttentionModule(torch.nn.Module):
+    """What transformers' sdpa_attention_forward reads off the attention module it is handed."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def attention_case(device: torch.device, *, heads: int, kv_heads: int, head_dim: int, rows: int, spec: dict,
+                   run_kernel: bool, seed: int) -> dict:
+    """One decode step's attention of one layer at (heads, kv_heads, head_dim) over `rows` slots of a shuffled
+    paged pool, bf16: each arm's median ms, GB/s of the real K/V bytes and speed-up over the gathered arm; the
+    kernel's and the gathered arm's max |d| against the float32 reference (paged_attention_reference on the same
+    bf16 inputs, in chunks of rows to bound its memory)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from sampler import paged_attention, paged_attention_reference
+    bs, width, dt = spec["block"], spec["length"], spec["dtype"]
+    lengths = attention_lengths(rows, full=width, lo=spec["lo"], hi=spec["hi"], at_full=spec["at_full"], seed=seed)
+    table, blocks = shuffled_table(lengths, width=width, block=bs, seed=seed + 1)
+    lengths, table = lengths.to(device), table.to(device)  # (R,), (R, nb)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    k_pool, v_pool = (torch.randn(blocks * bs, kv_heads, head_dim, generator=gen, device=device).to(dt)
+                      for _ in range(2))  # (N, h, d) each
+    query = torch.randn(rows, heads, head_dim, generator=gen, device=device).to(dt)  # (R, H, d)
+    scale = head_dim ** -0.5
+    # the gathered path as the static step runs it (sampler._PagedCache.update at W = L, then sdpa's function)
+    cols = torch.arange(width, device=device)  # (W,)
+    read = table.index_select(1, cols // bs) * bs + cols % bs  # (R, W) the read index, kept between steps
+    mask = (cols[None, :] < lengths[:, None])[:, None, None, :]  # (R, 1, 1, W) bool
+    module = _AttentionModule(heads // kv_heads)
+
+    def gather():
+        keys, values = k_pool[read].transpose(1, 2), v_pool[read].transpose(1, 2)  # (R, h, W, d) each
+        out, _ = sdpa_attention_forward(module, query[:, :, None, :], keys, values, mask, scaling=scale,
+                                        dropout=0.0)  # (R, 1, H, d)
+        return out[:, 0]  # (R, H, d)
+
+    def kernel():
+        return paged_attention(query, k_pool, v_pool, table, lengths, scale=scale, block_size=bs)  # (R, H, d)
+
+    ref = torch.cat([paged_attention_reference(query[i: i + 8].float(), k_pool, v_pool, table[i: i + 8],
+                                               lengths[i: i + 8], scale=scale, block_size=bs)
+                     for i in range(0, rows, 8)])  # (R, H, d) float32
+    err = lambda out: float((out.float() - ref).abs().max())  # noqa: E731
+    real_bytes = int(lengths.sum()) * 2 * kv_heads * head_dim * dt.itemsize  # K and V of every real column
+    arms = {"gather": dict(ms=device_ms(device, gather, warm=spec["warm"], repeats=spec["repeats"]))}
+    out = dict(max_abs_d_gather=float(f"{err(gather()):.2e}"))
+    if run_kernel:
+        arms["kernel"] = dict(ms=device_ms(device, kernel, warm=spec["warm"], repeats=spec["repeats"]))
+        out["max_abs_d_kernel"] = float(f"{err(kernel()):.2e}")
+    # for scale: a dense (R, h, L, d) cache (every row at full width, no mask), flash-style sdpa, GQA in the kernel
+    dense_k, dense_v = (p[read].transpose(1, 2).contiguous() for p in (k_pool, v_pool))  # (R, h, W, d) each
+    q4 = query[:, :, None, :]  # (R, H, 1, d)
+    try:
+        F.scaled_dot_product_attention(q4[:1], dense_k[:1], dense_v[:1], scale=scale, enable_gqa=True)
+        dense = lambda: F.scaled_dot_product_attention(q4, dense_k, dense_v, scale=scale, enable_gqa=True)  # noqa
+        gqa = "enable_gqa"
+    except (TypeError, RuntimeError):  # an older torch: the K/V heads repeated to the query heads, once, untimed
+        dense_k, dense_v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (dense_k, dense_v))  # (R,H,W,d)
+        dense = lambda: F.scaled_dot_product_attention(q4, dense_k, dense_v, scale=scale)  # noqa: E731
+        gqa = "repeated K/V heads"
+    arms["dense"] = dict(ms=device_ms(device, dense, warm=spec["warm"], repeats=spec["repeats"]))
+    del dense_k, dense_v
+    for arm in arms.values():
+        arm["gb_per_s"] = round(real_bytes / (arm["ms"] / 1e3) / 1e9, 1)
+        arm["speedup_vs_gather"] = round(arms["gather"]["ms"] / arm["ms"], 2)
+        arm["ms"] = round(arm["ms"], 3)
+    return dict(arms=arms, **out, real_kv_mb=round(real_bytes / 1e6, 3),
+                gathered_kv_mb=round(rows * width * 2 * kv_heads * head_dim * dt.itemsize / 1e6, 3),
+                mean_length=round(float(lengths.float().mean()), 1), at_full=int((lengths == width).sum()),
+                pool_blocks=blocks, dense_gqa=gqa)
+
+
+def bench_attention(b: Bench, tiny: bool) -> None:
+    """One decode step's attention of one layer (module docstring, part 2): the paged kernel, the gathered path
+    and a dense sdpa, per model shape and slot count. On CPU (--tiny) toy shapes, the kernel only under
+    TRITON_INTERPRET=1 (interpreted: its time is meaningless)."""
+    import sampler
+    spec = ATTENTION_TINY if tiny else ATTENTION
+    cuda = b.device.type == "cuda"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    run_kernel = sampler.triton is not None and (cuda or interpreted)
+    for kind, (heads, kv_heads, head_dim) in spec["heads"].items():
+        for rows in spec["slots"]:
+            b.reset_peak()
+            got = attention_case(b.device, heads=heads, kv_heads=kv_heads, head_dim=head_dim, rows=rows,
+                                 spec=spec, run_kernel=run_kernel, seed=51)
+            errs = [got["max_abs_d_gather"]] + ([got["max_abs_d_kernel"]] if run_kernel else [])
+            note = ("CUDA events, median of {repeats} after {warm} warm-up calls".format(**spec) if cuda else
+                    "CPU, toy shapes: a smoke, the times meaningless; the kernel "
+                    + ("ran under Triton's interpreter" if run_kernel else "needs CUDA or TRITON_INTERPRET=1: not run"))
+            b.row("attention", f"one decode step's attention of one layer, {kind} heads {heads}/{kv_heads}/{head_dim}, "
+                  f"{rows} slots, block {spec['block']}, L {spec['length']}, {str(spec['dtype'])[6:]}, shuffled pool",
+                  **got, peak_gib=b.peak_gib(), kernel_ran=run_kernel, note=note,
+                  ok=max(errs) <= ATTENTION_TOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3-4. The trainer's regime: a real-width rollout, one update micro-batch
 # ------------------------------------------------------------------------------------------------
 
 
@@ -371,7 +528,7 @@ def bench_microbatch(b: Bench, sz: dict, tok, tiny: bool, args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. The smoke: run_pair.sh pair1 on one GPU, two processes, FSDP2, a checkpoint, --resume, an evaluation
+# 5. The smoke: run_pair.sh pair1 on one GPU, two processes, FSDP2, a checkpoint, --resume, an evaluation
 # ------------------------------------------------------------------------------------------------
 
 
@@ -456,7 +613,7 @@ def bench_smoke(b: Bench, sz: dict, toks: dict, tiny: bool, args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 5-6. Long sampler rows: against generate, static vs eager, shared prefix
+# 6-7. Long sampler rows: against generate, static vs eager, shared prefix
 # ------------------------------------------------------------------------------------------------
 
 
@@ -599,7 +756,7 @@ def bench_prefill(b: Bench, sz: dict, tok, tiny: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 7-8. The run at the launcher's settings and its projected GPU-hours; the profile of one decode step
+# 8-9. The run at the launcher's settings and its projected GPU-hours; the profile of one decode step
 # ------------------------------------------------------------------------------------------------
 
 # pair1 as RESULTS' GPU-hours assume it (docs/RESULTS.md, "The memory plan"): per rank and step 256 rollouts of
@@ -873,7 +1030,8 @@ def main(argv=None) -> int:
           alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
           sizes="toy" if args.tiny else "real", parts=chosen, budget_s=args.budget, jsonl=str(b.path),
           note="one GPU: multi-rank NCCL (FSDP2 over several GPUs) is not covered")
-    calls = {"kernel": (bench_kernel, b, sz), "rollout": (bench_rollout, b, sz, toks["b"], args.tiny),
+    calls = {"kernel": (bench_kernel, b, sz), "attention": (bench_attention, b, args.tiny),
+             "rollout": (bench_rollout, b, sz, toks["b"], args.tiny),
              "microbatch": (bench_microbatch, b, sz, toks["a"], args.tiny, args),
              "smoke": (bench_smoke, b, sz, toks, args.tiny, args),
              "sampler": (bench_sampler, b, sz, toks["b"], args.tiny),
