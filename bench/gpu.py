@@ -654,6 +654,16 @@ def compare(ours, theirs) -> dict:
                 all_identical=all(same))
 
 
+def path_fields(stats: dict) -> dict:
+    """The decode path a sample() call took, off its stats: the static path's attention ("kernel" or "gather",
+    sampler.py departure 18) and why, its CUDA graphs and their warm-up + capture seconds; None where the default
+    (dynamic) path ran (static off: no paged pool, no graph)."""
+    if "attention" not in stats:
+        return dict(attention=None, attention_why="the default (dynamic) path ran", graphs=0, capture_seconds=0.0)
+    return dict(attention=stats["attention"], attention_why=stats["attention_why"], graphs=stats["graphs"],
+                capture_seconds=round(stats["capture_seconds"], 2))
+
+
 def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
     from sampler import sample
     device = b.device
@@ -663,11 +673,13 @@ def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
     m32 = random_model("qwen3", tok, tiny=tiny, dtype=torch.float32, device=device, seed=1)
     small = prompts[: sz["f32_batch"]]
     eos32 = planted_eos(m32, small, sz["f32_tokens"], pad)
-    ours = sample(m32, small, max_new_tokens=sz["f32_tokens"], temperature=0.0, eos_token_id=eos32, pad_token_id=pad)
+    stats: dict = {}
+    ours = sample(m32, small, max_new_tokens=sz["f32_tokens"], temperature=0.0, eos_token_id=eos32, pad_token_id=pad,
+                  stats=stats)
     ref = generate_rows(m32, small, new=sz["f32_tokens"], eos=eos32, pad=pad, device=device)
     cmp = compare([o.tokens for o in ours], ref)
     b.row("sampler", f"sampler vs generate, float32, batch {len(small)}, greedy (strict)", **cmp,
-          ok=cmp["all_identical"])
+          static=stats["static"], **path_fields(stats), ok=cmp["all_identical"])
     del m32
     # bf16: by tolerance. The check used to be the sampler's log-probs against a plain forward
     # (mean 0.022 on the H200: FAILED), but the trainer never consumes the sampler's log-probs: it recomputes the
@@ -691,11 +703,14 @@ def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
           behaviour_vs_update_max=float(f"{float(t.max()):.2e}"),
           sampler_vs_forward_mean=round(float(d.mean()), 4), sampler_vs_forward_max=round(float(d.max()), 4),
           tokens_per_s=round(useful / t_ours), generate_tokens_per_s=round(useful / t_ref),
-          vs_generate=round(t_ref / t_ours, 2), ok=float(t.mean()) <= BF16_MEAN and float(t.max()) <= BF16_MAX)
+          vs_generate=round(t_ref / t_ours, 2), static=stats["static"], **path_fields(stats),
+          ok=float(t.mean()) <= BF16_MEAN and float(t.max()) <= BF16_MAX)
     for rows in sz["batches"]:
         many = prompts[:rows]
+        on: dict = {}  # the static call's stats
         run = lambda static: sample(model, many, max_new_tokens=new, temperature=0.0, eos_token_id=eos,  # noqa: E731
-                                    pad_token_id=pad, max_batch_size=rows, static=static)
+                                    pad_token_id=pad, max_batch_size=rows, static=static,
+                                    stats=on if static == "on" else None)
         eager, t_e = timed(device, run, "off")
         static, t_s = timed(device, run, "on")
         toks = sum(len(o.tokens) for o in eager)
@@ -704,6 +719,7 @@ def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
         b.row("sampler", f"static decode vs eager, {dtype}, {rows} rows in flight (tolerance)", **cmp,
               static_tokens_per_s=round(toks / t_s), eager_tokens_per_s=round(toks / t_e),
               sampler_vs_forward_mean=round(float(d.mean()), 4), sampler_vs_forward_max=round(float(d.max()), 4),
+              **path_fields(on),
               note="the static call includes its CUDA graph capture; both paths cast weights once and read the "
                    "host every 8 steps (sampler.py departures 16-17); identical rows reported, not checked")
 
@@ -763,8 +779,8 @@ def bench_prefill(b: Bench, sz: dict, tok, tiny: bool) -> None:
 # ~150-token prompts, a mean response of 1,509 tokens (30% at the 4,096 cap), micro-batches of 4 (MICRO_BATCH); the
 # evaluation every 5 steps, 1,744 samples per rank; 174 steps on 4 + 4 GPUs. The rows in flight are the launcher's,
 # from the memory plan (launched_slots). Only these shapes are assumed; every time per token below is measured.
-PAIR1 = dict(rollouts=256, prompt=150, mean_response=1509, cap=4096, micro=4, eval_every=5, eval_samples=1744,
-             steps=174, gpus=8, ranks=4)
+PAIR1 = dict(rollouts=256, prompt=150, mean_response=1509, cap=4096, at_cap=0.30, micro=4, eval_every=5,
+             eval_samples=1744, steps=174, gpus=8, ranks=4)
 # The prompt lengths the launcher's plan measures for pair1 (`graft.py plan`, docs/RESULTS.md "The memory plan":
 # MATH train and the five benchmarks under each model's tokenizer): (longest, mean) of the training prompts, then of
 # the evaluation's. The bench has no data files; the plan's own measurement is what run_pair.sh passes on a node.
@@ -773,6 +789,27 @@ AT_CAP = 0.30  # share of rollouts at the cap in the launcher row's length distr
 TRAIN_ROWS = 64  # rollouts the launcher row's behaviour pass and update run over (their seconds per token)
 FSDP_MIN_SLOTS = 128  # run_pair.sh's: data parallel with fewer slots shards when sharded gives more
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the extra KV width's read, by the card's name (else H200's)
+GATHER_ARM_X = 6  # the launcher's gather arm runs when the budget left holds this many kernel rollouts (an estimate)
+
+
+def columns_read(prompt_lens: list[int], response_lens: list[int]) -> int:
+    """K/V columns the paged kernel reads to sample these rows: a row of prompt p and response r attends over
+    p + t + 1 columns at its t-th step (its cached tokens and the current one), sum_t (p + t + 1) = r p + r (r + 1) / 2.
+    The same count for the measured run and for pair1's rows (pair1_columns_per_token), so their difference is the
+    extra read; the sampler's own count over its decode steps, stats["kv_columns_real"], is printed beside it."""
+    return sum(r * p + r * (r + 1) // 2 for p, r in zip(prompt_lens, response_lens))
+
+
+def pair1_columns_per_token(P: dict = PAIR1) -> float:
+    """columns_read per sampled token at pair1's length distribution (arithmetic): prompts of P["prompt"] tokens,
+    P["at_cap"] of the rollouts at P["cap"], the rest geometric (as RESULTS' bytes-per-step estimate takes them) with
+    the mean that makes the whole mean P["mean_response"]. E[r p + r (r + 1) / 2] / E[r], a geometric of mean m
+    having E[r^2] = 2 m^2 - m."""
+    mean, a, cap = P["mean_response"], P["at_cap"], P["cap"]
+    short = (mean - a * cap) / (1 - a)  # the mean of the rows below the cap
+    assert short >= 1, f"PAIR1: a mean response of {mean} cannot hold {a:.0%} of the rows at the cap {cap}"
+    square = a * cap ** 2 + (1 - a) * (2 * short ** 2 - short)  # E[r^2]
+    return (mean * P["prompt"] + (square + mean) / 2) / mean
 
 
 def tail_eos(vocab: int, cap: int, at_cap: float, seed: int) -> list[int]:
@@ -837,15 +874,17 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     stats: dict = {}
     b.reset_peak()
 
-    def rollout():
+    def rollout(rows_prompts, stats, attention):
         with torch.autocast(device.type, dtype=torch.bfloat16):  # the trainer's regime: fp32 masters + autocast
-            return sample(model, prompts, max_new_tokens=cap, temperature=1.0, eos_token_id=eos, pad_token_id=0,
+            return sample(model, rows_prompts, max_new_tokens=cap, temperature=1.0, eos_token_id=eos, pad_token_id=0,
                           generator=torch.Generator().manual_seed(0), max_batch_size=in_flight, stats=stats,
-                          max_cache_bytes=budget)
+                          max_cache_bytes=budget, attention=attention)
 
-    outs, t_roll = timed(device, rollout)
+    outs, t_roll = timed(device, rollout, prompts, stats, "auto")
     responses = [o.tokens for o in outs]
     new_tokens = sum(map(len, responses))
+    columns = columns_read(list(map(len, prompts)), list(map(len, responses)))  # what the kernel read, by arithmetic
+    all_prompts = prompts
     # the behaviour pass and the update over the first TRAIN_ROWS rollouts: their per-token times are the terms
     trained = min(rows, TRAIN_ROWS)
     prompts, responses = prompts[:trained], responses[:trained]
@@ -874,9 +913,11 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     _, t_lp = timed(device, behaviour)
     model.train()
     _, t_up = timed(device, update)
+    del opt  # its moments: the gather arm below runs with the weights alone, as the main rollout did
     lengths = sorted(len(o.tokens) for o in outs)
     side = dict(sample_s_per_token=t_roll / new_tokens, logprob_s_per_token=t_lp / fed, update_s_per_token=t_up / fed,
-                kv_token=stats["kv_bytes_per_token"], rows=in_flight, cap=cap)
+                kv_token=stats["kv_bytes_per_token"], rows=in_flight, cap=cap, attention=stats.get("attention"),
+                columns_per_token=columns / new_tokens)
     b.row("launcher", f"{kind} shape, pair1's launcher settings: fp32 + bf16 autocast, {in_flight} rows in flight "
           f"(the plan's slots as run_pair.sh launches 4 GPUs of this card: {'FSDP2' if launch['fsdp'] else 'DP'}), "
           f"{rows} rollouts, cap {cap}, T=1, ~{AT_CAP:.0%} of rows at the cap; behaviour pass and update over "
@@ -885,31 +926,60 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
           decode_steps=stats["decode_steps"], ms_per_step=round(t_roll / max(1, stats["decode_steps"]) * 1e3, 2),
           host_reads_per_step=round(stats["host_reads"] / max(1, stats["decode_steps"]), 3),
           at_cap=f"{sum(n == cap for n in lengths)}/{rows}", median_len=lengths[rows // 2],
-          logprob_s=round(t_lp, 2), update_s=round(t_up, 2), peak_gib=b.peak_gib(),
+          logprob_s=round(t_lp, 2), update_s=round(t_up, 2), peak_gib=b.peak_gib(), **path_fields(stats),
+          columns_read=columns, kv_columns_real=stats.get("kv_columns_real"),
           **{k: stats[k] for k in ("slots", "preemptions", "rows_in_flight_mean", "rows_in_flight_peak",
                                    "kv_pool_bytes", "kv_blocks_peak") if k in stats})  # the paged sampler's stats
-    del model, opt
+    # the same rollout with the gathered attention (sampler.py departure 18's "gather"), when the budget holds it
+    left = b.budget - (time.time() - b.t0)
+    name = f"{kind} shape, the same {rows} rollouts with attention='gather' (after one update: the weights moved)"
+    if stats.get("attention") == "gather" and not tiny:
+        b.row("launcher", name, skipped=f"auto already gathered: {stats.get('attention_why')}")
+    elif left < GATHER_ARM_X * t_roll and not tiny:
+        b.row("launcher", name, skipped=f"--budget: {left:.0f} s left, under {GATHER_ARM_X} x the rollout's "
+                                        f"{t_roll:.0f} s (the gather arm's time, an estimate)")
+    else:
+        model.eval()
+        gathered: dict = {}
+        b.reset_peak()
+        outs, t_gather = timed(device, rollout, all_prompts, gathered, "gather")
+        got = sum(len(o.tokens) for o in outs)
+        b.row("launcher", name, rollout_s=round(t_gather, 2), new_tokens=got, tokens_per_s=round(got / t_gather),
+              decode_steps=gathered["decode_steps"],
+              ms_per_step=round(t_gather / max(1, gathered["decode_steps"]) * 1e3, 2),
+              auto_tokens_per_s=round(new_tokens / t_roll),
+              auto_over_gather=round((new_tokens / t_roll) / (got / t_gather), 2), peak_gib=b.peak_gib(),
+              **path_fields(gathered), **{k: gathered[k] for k in ("slots", "preemptions", "rows_in_flight_mean",
+                                                                   "kv_pool_bytes", "kv_gather_bytes") if k in gathered})
+    del model
     return side
 
 
 def project_pair1(sides: dict, *, bandwidth: float, P: dict = PAIR1) -> dict:
     """pair1's GPU-hours for P["steps"] steps on P["gpus"] GPUs from each side's measured seconds per token (pure
     arithmetic; sides: {kind: launcher_side's dict}). Per rank and step: sampling P["rollouts"] x P["mean_response"]
-    tokens at the measured s/token, plus the extra KV read of the cap's width over the measured one (each decode step
-    reads rows x the extra columns x KV bytes per token at `bandwidth` B/s, steps = tokens / rows); the behaviour
-    pass and the update over prompt + response tokens; the evaluation's P["eval_samples"] samples every
-    P["eval_every"] steps at the sampling rate. The pair moves at its slower side."""
+    tokens at the measured s/token, plus the extra K/V read at `bandwidth` B/s of pair1's longer rows over the
+    measured ones: where the side's attention was the paged kernel (m["attention"] == "kernel") a row reads only its
+    own columns, so the extra per sampled token is pair1_columns_per_token(P) minus the measured run's
+    (m["columns_per_token"], columns_read over its tokens), x KV bytes per token; else (the gathered path, every row
+    reading the full width) the cap's extra width P["cap"] - m["cap"] per token. Then the behaviour pass and the
+    update over prompt + response tokens; the evaluation's P["eval_samples"] samples every P["eval_every"] steps at
+    the sampling rate. The pair moves at its slower side."""
     per = {}
     for kind, m in sides.items():
         rollout_tokens = P["rollouts"] * P["mean_response"]
         fed = P["rollouts"] * (P["prompt"] + P["mean_response"])
-        extra_cols = max(0, P["cap"] - m["cap"])
-        kv_s = m["rows"] * extra_cols * m["kv_token"] / bandwidth * rollout_tokens / m["rows"]
+        if m.get("attention") == "kernel":  # each row reads its real columns: sum_t (p + t + 1) over its steps
+            extra_cols = max(0.0, pair1_columns_per_token(P) - m["columns_per_token"])
+        else:  # every row reads the full width: the cap's extra columns at every sampled token
+            extra_cols = max(0, P["cap"] - m["cap"])
+        kv_s = extra_cols * m["kv_token"] / bandwidth * rollout_tokens
         sampling = rollout_tokens * m["sample_s_per_token"] + kv_s
         train = fed * (m["logprob_s_per_token"] + m["update_s_per_token"])
         evaluation = (P["eval_samples"] * P["mean_response"] * m["sample_s_per_token"]
                       + kv_s * P["eval_samples"] / P["rollouts"]) / P["eval_every"]
-        per[kind] = dict(rows=m["rows"], sampling_s=round(sampling, 1), kv_width_s=round(kv_s, 1),
+        per[kind] = dict(rows=m["rows"], attention=m.get("attention"), extra_columns_per_token=round(extra_cols, 1),
+                         sampling_s=round(sampling, 1), kv_width_s=round(kv_s, 1),
                          logprob_update_s=round(train, 1), eval_s=round(evaluation, 1),
                          step_s=round(sampling + train + evaluation, 1), step_no_eval_s=round(sampling + train, 1))
     step = max(v["step_s"] for v in per.values())
@@ -971,7 +1041,7 @@ def bench_profile(b: Bench, sz: dict, tok, tiny: bool) -> None:
             counts[new] = dict(ops=c.ops, casts=c.casts, reads=stats["host_reads"], **prof)
         d = long - short
         b.row("profile", f"per decode step, {name}, qwen3 shape, fp32 + bf16 autocast, {rows} rows",
-              **{k: round((counts[long][k] - counts[short][k]) / d, 2) for k in counts[long]},
+              **{k: round((counts[long][k] - counts[short][k]) / d, 2) for k in counts[long]}, **path_fields(stats),
               note="kernels: launches from the host (a graph replay is one cudaGraphLaunch)" if device.type == "cuda"
               else "CPU: aten ops only (no profiler counts)")
     del model
