@@ -4,6 +4,8 @@
     python -m bench.gpu --tiny                                         # toy sizes on CPU (the test suite runs this)
     python -m bench.gpu --tokenizers DIR --budget 300 --only kernel,rollout --jsonl runs/bench_gpu.jsonl
     python -m bench.gpu --tokenizers DIR --only sampler,launcher,profile     # the decode rows only
+    python -m bench.gpu --tokenizers DIR --only attention                    # the paged kernel alone (~20 s)
+    TRITON_INTERPRET=1 python -m bench.gpu --tiny --only attention          # CPU: the kernel interpreted, a smoke
 
 Every row is printed and appended to the JSONL file (--jsonl, default runs/bench_gpu.jsonl) the moment it is
 measured. Each part runs in its own try/except: an exception becomes a row (the error, its last frames, the peak
@@ -22,27 +24,45 @@ Parts, in this order (the cheap and decisive ones first):
    N=8192, H=2048, V=151,936, interleaved: time, peak memory (absolute, and above the inputs), and the relative
    error of values and both gradients against an fp32 reference (check: not worse than the naive path's, within
    1.25x); time_x, peak_x and targets_met against the targets (<= 1.2x the naive time, <= 1/3 its peak).
-2. rollout (the trainer's regime): Qwen3-1.7B shape, float32 master weights under bf16 autocast, 256 rows x 1,024
+2. attention: one decode step's attention of one layer over the paged K/V pool (sampler.py departure 18), bf16,
+   at Qwen3-1.7B's heads (16 query, 8 KV, head_dim 128) and SmolLM3-3B's (16 / 4 / 128), each at 152 and 184 slots
+   (the plan's H100 slot counts), block 16, L = 6,144 columns (2,048 prompt + 4,096 cap); the slots' lengths
+   long-tailed (30% at L, the rest uniform in [256, 4,096], a fixed seed), their blocks drawn from a shuffled pool.
+   Arms: kernel (sampler.paged_attention), gather (the static step's gathered path: the pool indexed by the (R, L)
+   read index, transposed to (R, h, L, d), then transformers' sdpa_attention_forward with the (R, 1, 1, L) bool
+   mask, whatever that version does with the grouped heads: repeat_kv or, for one query token, packing them) and
+   dense (for scale: F.scaled_dot_product_attention over a dense (R, h, L, d) cache, every row at full width, no
+   mask, enable_gqa where the torch has it). Per arm: ms (CUDA events, median of 20 after 3 warm-up calls), GB/s of
+   the real K/V bytes (sum of lengths x 2 x kv_heads x head_dim x 2 bytes, whatever the arm reads) and
+   speedup_vs_gather (gather's ms / the arm's); the kernel's and the gathered path's max |d| against
+   sampler.paged_attention_reference in float32 on the same bf16 inputs (check: <= 0.03, the sampler's own on-device
+   tolerance for 2-byte pools). About 20 s on one GPU (an estimate: the reference's float32 gathers in chunks of
+   8 slots, two Triton compiles, 3 x 23 timed calls per case; peak ~12 GiB). On CPU (--tiny): toy shapes in
+   float16 (Triton's interpreter has no bf16 matmul), the kernel only under TRITON_INTERPRET=1; the times are
+   meaningless there and the row says so.
+3. rollout (the trainer's regime): Qwen3-1.7B shape, float32 master weights under bf16 autocast, 256 rows x 1,024
    new tokens, as Trainer.rollout calls the sampler: the cached K/V dtypes and bytes per token (read off the stored
    tensors, sampler stats; check: bf16, 2 x layers x kv_heads x head_dim x 2 bytes), peak GiB, ms per decode step,
    and GB/s against the bytes read per step (the bf16 weights autocast caches + the mean KV cache).
-3. microbatch: one update micro-batch of SmolLM3-3B shape at a given setting (--mb-rows rows of --mb-tokens
+4. microbatch: one update micro-batch of SmolLM3-3B shape at a given setting (--mb-rows rows of --mb-tokens
    tokens, gradient checkpointing on unless --no-mb-checkpointing): float32 weights, bf16 autocast forward,
    backward, fused AdamW step; peak GiB, beside the memory plan's update figure when plan.py exists (imported
    lazily; the column says why it is missing otherwise).
-4. smoke: `run_pair.sh pair1` on one GPU, both sides on GPU 0, with small full-width models (the real
+5. smoke: `run_pair.sh pair1` on one GPU, both sides on GPU 0, with small full-width models (the real
    architectures and widths, --smoke-layers layers, saved with from_config) and the real tokenizers, FSDP2 (one rank
    per side), one step, a checkpoint, then `--resume` to step 2 with one evaluation. Checks: each side's metrics hold
    steps 0 and 1 once, an evaluation, both checkpoints. Wall time.
-5. sampler (long rows): the sampler (its default path: static on CUDA) against transformers' generate, greedy,
+6. sampler (long rows): the sampler (its default path: static on CUDA) against transformers' generate, greedy,
    batch 64. In float32 the rows must be identical (strict); in bf16 by tolerance: share of identical rows, the
    first divergence, the behaviour pass against the update pass (checked) and the sampler's log-probs against a
    plain forward (reported). Then static="on" against static="off" at 64 and 256 rows in flight, bf16: tokens/s
-   and share of identical rows.
-6. prefill: one prefill per prompt (share_prefix) on a GRPO rollout (32 prompts x 8, 256 rows in flight), bf16:
+   and share of identical rows. The sampler, launcher and profile rows record the path sample() took
+   (``path_fields``: attention "kernel" or "gather" and attention_why, the CUDA graphs captured and their warm-up +
+   capture seconds; attention None where the default, dynamic path ran).
+7. prefill: one prefill per prompt (share_prefix) on a GRPO rollout (32 prompts x 8, 256 rows in flight), bf16:
    tokens/s, peak, identical rows; the behaviour log-probs with and without sharing: time, peak, max difference.
 
-7. launcher: the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
+8. launcher: the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
    float32 masters under bf16 autocast, the rows in flight run_pair.sh launches 4 GPUs of this card with (the
    memory plan's slots, data parallel or FSDP2 by the launcher's rule: launched_slots) and the KV pool that layout's
    trainer gets (max_cache_bytes), --launch-rows rollouts (default twice the slots, at most 512) at T=1, cap
@@ -51,17 +71,25 @@ Parts, in this order (the cheap and decisive ones first):
    (micro-batches of 16 by length) and one update (micro-batches of 4, checkpointing, AdamW). From the measured
    seconds per token, pair1's GPU-hours for 174 steps with and without the in-training evaluation (project_pair1),
    at RESULTS' shapes (PAIR1: 256 rollouts per rank of ~150 + 1,509 tokens, 1,744 evaluation samples every 5 steps,
-   4 + 4 GPUs; the extra KV read of the 4,096 cap's width at the card's bandwidth added as a named term), the pair
-   at its slower side.
+   4 + 4 GPUs), the pair at its slower side. pair1's longer rows read more K/V than the measured ones: that extra
+   read at the card's bandwidth is a named term (kv_width_s). With the paged kernel (the side's attention was
+   "kernel") each row reads its own columns, sum_t (p + t + 1) over its r steps (``columns_read``): the term is
+   pair1's columns per sampled token (``pair1_columns_per_token``: 30% at the cap, the rest geometric, as RESULTS'
+   bytes-per-step estimate) minus the measured run's (its row's columns_read, beside the sampler's kv_columns_real);
+   with the gathered path every row reads the full width, and the term is the cap's extra width per token.
+   Then, after the update, the same rollouts once more with attention="gather" (a row of its own: tokens/s, ms per
+   step, auto_over_gather), when the budget left holds GATHER_ARM_X = 6 times the first rollout's seconds (an
+   estimate: at cap 1,024 the gathered step moves ~5x the kernel's bytes, RESULTS' arithmetic); else its row says
+   skipped and why (also when auto already gathered). It adds up to ~6x a rollout per side.
    The plan runs on fake tensors (CPU, ~10-30 s a layout); the bench's one GPU holds the side's weights, not the
    layout's gradients and AdamW moments, so the pool is given as the plan's bytes.
-8. profile: per decode step at 32 rows, fp32 + bf16 autocast: aten ops, weight casts, host reads (all devices)
+9. profile: per decode step at 32 rows, fp32 + bf16 autocast: aten ops, weight casts, host reads (all devices)
    and, on CUDA, kernels launched from the host, CUDA graph launches, device-to-host copies and stream syncs
    (torch.profiler), for the sampler's old settings (casts per step, a read per step), the default path with
-   static="off", and the static path.
+   static="off", and the static path; with each its attention path and graphs (path_fields).
 
-bf16 tolerance (rows 5-6): mean |d logp| <= 0.02 and max <= 0.25 nats, as tests/test_sampler.py's bf16 checks. Row
-5's check is the behaviour log-prob pass against the update pass, the two the trainer's ratio compares (it
+bf16 tolerance (rows 6-7): mean |d logp| <= 0.02 and max <= 0.25 nats, as tests/test_sampler.py's bf16 checks. Row
+6's check is the behaviour log-prob pass against the update pass, the two the trainer's ratio compares (it
 used to check the sampler's own log-probs against a plain forward, which the trainer never consumes,
 and reported 0.022 on the H200; that figure is still printed, as sampler_vs_forward). The share of identical rows
 is reported, not checked (two bf16 paths with other batch shapes round differently, and a greedy argmax can flip on
@@ -950,7 +978,8 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
               auto_tokens_per_s=round(new_tokens / t_roll),
               auto_over_gather=round((new_tokens / t_roll) / (got / t_gather), 2), peak_gib=b.peak_gib(),
               **path_fields(gathered), **{k: gathered[k] for k in ("slots", "preemptions", "rows_in_flight_mean",
-                                                                   "kv_pool_bytes", "kv_gather_bytes") if k in gathered})
+                                                                   "kv_pool_bytes", "kv_gather_bytes")
+                                          if k in gathered})
     del model
     return side
 
