@@ -36,10 +36,12 @@ Parts, in this order (the cheap and decisive ones first):
    the real K/V bytes (sum of lengths x 2 x kv_heads x head_dim x 2 bytes, whatever the arm reads) and
    speedup_vs_gather (gather's ms / the arm's); the kernel's and the gathered path's max |d| against
    sampler.paged_attention_reference in float32 on the same bf16 inputs (check: <= 0.03, the sampler's own on-device
-   tolerance for 2-byte pools). About 20 s on one GPU (an estimate: the reference's float32 gathers in chunks of
-   8 slots, two Triton compiles, 3 x 23 timed calls per case; peak ~12 GiB). On CPU (--tiny): toy shapes in
-   float16 (Triton's interpreter has no bf16 matmul), the kernel only under TRITON_INTERPRET=1; the times are
-   meaningless there and the row says so.
+   tolerance for 2-byte pools); gather_gqa, what the installed transformers' sdpa function did with the grouped
+   heads (``sdpa_gqa_branch``: 5.25 packs them for one query token, no repeat_kv, where sampler.transient_copies
+   budgets a repeat_kv copy), and on CUDA gather_above_inputs_mib, the gathered arm's transient. About 20 s on one
+   GPU (an estimate: the reference's float32 gathers in chunks of 8 slots, two Triton compiles, 3 x 23 timed calls
+   per case; peak ~12 GiB). On CPU (--tiny): toy shapes in float16 (Triton's interpreter has no bf16 matmul), the
+   kernel only under TRITON_INTERPRET=1; the times are meaningless there and the row says so.
 3. rollout (the trainer's regime): Qwen3-1.7B shape, float32 master weights under bf16 autocast, 256 rows x 1,024
    new tokens, as Trainer.rollout calls the sampler: the cached K/V dtypes and bytes per token (read off the stored
    tensors, sampler stats; check: bf16, 2 x layers x kv_heads x head_dim x 2 bytes), peak GiB, ms per decode step,
@@ -372,6 +374,32 @@ class _AttentionModule(torch.nn.Module):
         self.num_key_value_groups, self.is_causal = groups, True
 
 
+def sdpa_gqa_branch(call) -> str:
+    """What transformers' sdpa_attention_forward did with grouped heads during call(): "repeat_kv" (K/V copied to
+    every query head, a transient of n_rep x the gathered K/V), "pack_gqa" (one query token: the query heads folded
+    onto the KV heads, nothing copied; transformers 5.x) or "neither" (enable_gqa, or no grouping). Counted by
+    wrapping those helpers of its module for this one call, so it says what the installed version runs."""
+    from transformers.integrations import sdpa_attention as sdpa_module
+    seen: set[str] = set()
+    saved = {n: getattr(sdpa_module, n) for n in ("repeat_kv", "pack_gqa") if hasattr(sdpa_module, n)}
+
+    def counting(name, fn):
+        def wrapped(x, *args, **kwargs):
+            if x is not None:  # pack_gqa is also handed the mask and a missing position bias
+                seen.add(name)
+            return fn(x, *args, **kwargs)
+        return wrapped
+
+    try:
+        for name, fn in saved.items():
+            setattr(sdpa_module, name, counting(name, fn))
+        call()
+    finally:
+        for name, fn in saved.items():
+            setattr(sdpa_module, name, fn)
+    return "repeat_kv" if "repeat_kv" in seen else "pack_gqa" if "pack_gqa" in seen else "neither"
+
+
 def attention_case(device: torch.device, *, heads: int, kv_heads: int, head_dim: int, rows: int, spec: dict,
                    run_kernel: bool, seed: int) -> dict:
     """One decode step's attention of one layer at (heads, kv_heads, head_dim) over `rows` slots of a shuffled
@@ -412,7 +440,14 @@ def attention_case(device: torch.device, *, heads: int, kv_heads: int, head_dim:
     err = lambda out: float((out.float() - ref).abs().max())  # noqa: E731
     real_bytes = int(lengths.sum()) * 2 * kv_heads * head_dim * dt.itemsize  # K and V of every real column
     arms = {"gather": dict(ms=device_ms(device, gather, warm=spec["warm"], repeats=spec["repeats"]))}
-    out = dict(max_abs_d_gather=float(f"{err(gather()):.2e}"))
+    out = dict(max_abs_d_gather=float(f"{err(gather()):.2e}"), gather_gqa=sdpa_gqa_branch(gather))
+    if device.type == "cuda":  # the gathered arm's transient (sampler.py departure 13 budgets it as transient_copies)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        gather()
+        torch.cuda.synchronize()
+        out["gather_above_inputs_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
     if run_kernel:
         arms["kernel"] = dict(ms=device_ms(device, kernel, warm=spec["warm"], repeats=spec["repeats"]))
         out["max_abs_d_kernel"] = float(f"{err(kernel()):.2e}")

@@ -310,6 +310,7 @@ def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
     # rank per side, a checkpoint, --resume, an evaluation): every row in the JSONL file, every check passed. Under
     # Triton's interpreter, so that the attention part runs the paged kernel too (the sampler's auto path still
     # gathers on a CPU: the interpreter serves only an explicit attention="kernel")
+    from transformers.integrations import sdpa_attention as sdpa_module
     out = tmp_path / "rows.jsonl"
     r = run_py(["-m", "bench.gpu", "--tiny", "--jsonl", str(out)], tmp_path, env_extra={"TRITON_INTERPRET": "1"},
                timeout=400)
@@ -333,6 +334,9 @@ def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
         assert set(x["arms"]) == {"gather", "kernel", "dense"} and x["arms"]["gather"]["speedup_vs_gather"] == 1.0
         assert 0 < x["max_abs_d_kernel"] <= 3e-3 and 0 < x["max_abs_d_gather"] <= 3e-3, x  # float16 round-off
         assert x["real_kv_mb"] < x["gathered_kv_mb"] and "interpreter" in x["note"], x
+        # what transformers' sdpa function did with the grouped heads under a mask: packed them for the one query
+        # token where this version has pack_gqa (use_gqa_in_sdpa refuses a mask on CPU/CUDA), else repeat_kv
+        assert x["gather_gqa"] == ("pack_gqa" if hasattr(sdpa_module, "pack_gqa") else "repeat_kv"), x
         for arm in x["arms"].values():
             assert arm["gb_per_s"] == pytest.approx(x["real_kv_mb"] / arm["ms"], rel=0.06, abs=0.06), x
     roll = by["rollout"][0]  # bf16 K and V through the sampler under autocast, 2 x 2 x 2 x 16 x 2 bytes
@@ -382,6 +386,25 @@ def test_bench_attention_pool_layout():
     flat = [x for row in mine for x in row]
     assert sorted(flat) == list(range(blocks - 1)) and flat != sorted(flat)
     assert all((table[r, n:] == blocks - 1).all() for r, n in enumerate(owned))
+
+
+def test_bench_sdpa_gqa_branch_says_what_ran():
+    # sdpa_gqa_branch names the helper transformers' sdpa function ran on grouped heads, and puts the helpers back:
+    # with a mask and one query token this version packs the heads (pack_gqa) where it has it; without a mask on a
+    # CPU it hands sdpa enable_gqa (neither helper); a call of repeat_kv itself reads "repeat_kv"
+    from transformers.integrations import sdpa_attention as sdpa_module
+
+    from bench import gpu as bench_gpu
+    module = bench_gpu._AttentionModule(2)
+    q, k = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 10, 8)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    helpers = (sdpa_module.repeat_kv, getattr(sdpa_module, "pack_gqa", None))
+    run = lambda m: lambda: sdpa_module.sdpa_attention_forward(module, q, k, k, m, scaling=0.3)  # noqa: E731
+    masked = "pack_gqa" if hasattr(sdpa_module, "pack_gqa") else "repeat_kv"
+    assert bench_gpu.sdpa_gqa_branch(run(mask)) == masked
+    assert bench_gpu.sdpa_gqa_branch(run(None)) == "neither"
+    assert bench_gpu.sdpa_gqa_branch(lambda: sdpa_module.repeat_kv(k, 2)) == "repeat_kv"
+    assert (sdpa_module.repeat_kv, getattr(sdpa_module, "pack_gqa", None)) == helpers
 
 
 def test_bench_gpu_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatch):
