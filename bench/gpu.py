@@ -4,6 +4,8 @@
     python -m bench.gpu --tiny                                         # toy sizes on CPU (the test suite runs this)
     python -m bench.gpu --tokenizers DIR --budget 300 --only kernel,rollout --jsonl runs/bench_gpu.jsonl
     python -m bench.gpu --tokenizers DIR --only sampler,launcher,profile     # the decode rows only
+    python -m bench.gpu --tokenizers DIR --only attention                    # the paged kernel alone (~20 s)
+    TRITON_INTERPRET=1 python -m bench.gpu --tiny --only attention          # CPU: the kernel interpreted, a smoke
 
 Every row is printed and appended to the JSONL file (--jsonl, default runs/bench_gpu.jsonl) the moment it is
 measured. Each part runs in its own try/except: an exception becomes a row (the error, its last frames, the peak
@@ -22,27 +24,47 @@ Parts, in this order (the cheap and decisive ones first):
    N=8192, H=2048, V=151,936, interleaved: time, peak memory (absolute, and above the inputs), and the relative
    error of values and both gradients against an fp32 reference (check: not worse than the naive path's, within
    1.25x); time_x, peak_x and targets_met against the targets (<= 1.2x the naive time, <= 1/3 its peak).
-2. rollout (the trainer's regime): Qwen3-1.7B shape, float32 master weights under bf16 autocast, 256 rows x 1,024
+2. attention: one decode step's attention of one layer over the paged K/V pool (sampler.py departure 18), bf16,
+   at Qwen3-1.7B's heads (16 query, 8 KV, head_dim 128) and SmolLM3-3B's (16 / 4 / 128), each at 152 and 184 slots
+   (the plan's H100 slot counts), block 16, L = 6,144 columns (2,048 prompt + 4,096 cap); the slots' lengths
+   long-tailed (30% at L, the rest uniform in [256, 4,096], a fixed seed), their blocks drawn from a shuffled pool.
+   Arms: kernel (sampler.paged_attention), gather (the static step's gathered path: the pool indexed by the (R, L)
+   read index, transposed to (R, h, L, d), then transformers' sdpa_attention_forward with the (R, 1, 1, L) bool
+   mask, whatever that version does with the grouped heads: repeat_kv or, for one query token, packing them) and
+   dense (for scale: F.scaled_dot_product_attention over a dense (R, h, L, d) cache, every row at full width, no
+   mask, enable_gqa where the torch has it). Per arm: ms (CUDA events, median of 20 after 3 warm-up calls), GB/s of
+   the real K/V bytes (sum of lengths x 2 x kv_heads x head_dim x 2 bytes, whatever the arm reads) and
+   speedup_vs_gather (gather's ms / the arm's); the kernel's and the gathered path's max |d| against
+   sampler.paged_attention_reference in float32 on the same bf16 inputs (check: <= 0.03, the sampler's own on-device
+   tolerance for 2-byte pools); gather_gqa, what the installed transformers' sdpa function did with the grouped
+   heads (``sdpa_gqa_branch``: 5.25 packs them for one query token, no repeat_kv, where sampler.transient_copies
+   budgets a repeat_kv copy), and on CUDA gather_above_inputs_mib, the gathered arm's transient. About 20 s on one
+   GPU (an estimate: the reference's float32 gathers in chunks of 8 slots, two Triton compiles, 3 x 23 timed calls
+   per case; peak ~12 GiB). On CPU (--tiny): toy shapes in float16 (Triton's interpreter has no bf16 matmul), the
+   kernel only under TRITON_INTERPRET=1; the times are meaningless there and the row says so.
+3. rollout (the trainer's regime): Qwen3-1.7B shape, float32 master weights under bf16 autocast, 256 rows x 1,024
    new tokens, as Trainer.rollout calls the sampler: the cached K/V dtypes and bytes per token (read off the stored
    tensors, sampler stats; check: bf16, 2 x layers x kv_heads x head_dim x 2 bytes), peak GiB, ms per decode step,
    and GB/s against the bytes read per step (the bf16 weights autocast caches + the mean KV cache).
-3. microbatch: one update micro-batch of SmolLM3-3B shape at a given setting (--mb-rows rows of --mb-tokens
+4. microbatch: one update micro-batch of SmolLM3-3B shape at a given setting (--mb-rows rows of --mb-tokens
    tokens, gradient checkpointing on unless --no-mb-checkpointing): float32 weights, bf16 autocast forward,
    backward, fused AdamW step; peak GiB, beside the memory plan's update figure when plan.py exists (imported
    lazily; the column says why it is missing otherwise).
-4. smoke: `run_pair.sh pair1` on one GPU, both sides on GPU 0, with small full-width models (the real
+5. smoke: `run_pair.sh pair1` on one GPU, both sides on GPU 0, with small full-width models (the real
    architectures and widths, --smoke-layers layers, saved with from_config) and the real tokenizers, FSDP2 (one rank
    per side), one step, a checkpoint, then `--resume` to step 2 with one evaluation. Checks: each side's metrics hold
    steps 0 and 1 once, an evaluation, both checkpoints. Wall time.
-5. sampler (long rows): the sampler (its default path: static on CUDA) against transformers' generate, greedy,
+6. sampler (long rows): the sampler (its default path: static on CUDA) against transformers' generate, greedy,
    batch 64. In float32 the rows must be identical (strict); in bf16 by tolerance: share of identical rows, the
    first divergence, the behaviour pass against the update pass (checked) and the sampler's log-probs against a
    plain forward (reported). Then static="on" against static="off" at 64 and 256 rows in flight, bf16: tokens/s
-   and share of identical rows.
-6. prefill: one prefill per prompt (share_prefix) on a GRPO rollout (32 prompts x 8, 256 rows in flight), bf16:
+   and share of identical rows. The sampler, launcher and profile rows record the path sample() took
+   (``path_fields``: attention "kernel" or "gather" and attention_why, the CUDA graphs captured and their warm-up +
+   capture seconds; attention None where the default, dynamic path ran).
+7. prefill: one prefill per prompt (share_prefix) on a GRPO rollout (32 prompts x 8, 256 rows in flight), bf16:
    tokens/s, peak, identical rows; the behaviour log-probs with and without sharing: time, peak, max difference.
 
-7. launcher: the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
+8. launcher: the run at pair1's launcher settings, each side (Qwen3-1.7B and SmolLM3-3B shapes):
    float32 masters under bf16 autocast, the rows in flight run_pair.sh launches 4 GPUs of this card with (the
    memory plan's slots, data parallel or FSDP2 by the launcher's rule: launched_slots) and the KV pool that layout's
    trainer gets (max_cache_bytes), --launch-rows rollouts (default twice the slots, at most 512) at T=1, cap
@@ -51,17 +73,25 @@ Parts, in this order (the cheap and decisive ones first):
    (micro-batches of 16 by length) and one update (micro-batches of 4, checkpointing, AdamW). From the measured
    seconds per token, pair1's GPU-hours for 174 steps with and without the in-training evaluation (project_pair1),
    at RESULTS' shapes (PAIR1: 256 rollouts per rank of ~150 + 1,509 tokens, 1,744 evaluation samples every 5 steps,
-   4 + 4 GPUs; the extra KV read of the 4,096 cap's width at the card's bandwidth added as a named term), the pair
-   at its slower side.
+   4 + 4 GPUs), the pair at its slower side. pair1's longer rows read more K/V than the measured ones: that extra
+   read at the card's bandwidth is a named term (kv_width_s). With the paged kernel (the side's attention was
+   "kernel") each row reads its own columns, sum_t (p + t + 1) over its r steps (``columns_read``): the term is
+   pair1's columns per sampled token (``pair1_columns_per_token``: 30% at the cap, the rest geometric, as RESULTS'
+   bytes-per-step estimate) minus the measured run's (its row's columns_read, beside the sampler's kv_columns_real);
+   with the gathered path every row reads the full width, and the term is the cap's extra width per token.
+   Then, after the update, the same rollouts once more with attention="gather" (a row of its own: tokens/s, ms per
+   step, auto_over_gather), when the budget left holds GATHER_ARM_X = 6 times the first rollout's seconds (an
+   estimate: at cap 1,024 the gathered step moves ~5x the kernel's bytes, RESULTS' arithmetic); else its row says
+   skipped and why (also when auto already gathered). It adds up to ~6x a rollout per side.
    The plan runs on fake tensors (CPU, ~10-30 s a layout); the bench's one GPU holds the side's weights, not the
    layout's gradients and AdamW moments, so the pool is given as the plan's bytes.
-8. profile: per decode step at 32 rows, fp32 + bf16 autocast: aten ops, weight casts, host reads (all devices)
+9. profile: per decode step at 32 rows, fp32 + bf16 autocast: aten ops, weight casts, host reads (all devices)
    and, on CUDA, kernels launched from the host, CUDA graph launches, device-to-host copies and stream syncs
    (torch.profiler), for the sampler's old settings (casts per step, a read per step), the default path with
-   static="off", and the static path.
+   static="off", and the static path; with each its attention path and graphs (path_fields).
 
-bf16 tolerance (rows 5-6): mean |d logp| <= 0.02 and max <= 0.25 nats, as tests/test_sampler.py's bf16 checks. Row
-5's check is the behaviour log-prob pass against the update pass, the two the trainer's ratio compares (it
+bf16 tolerance (rows 6-7): mean |d logp| <= 0.02 and max <= 0.25 nats, as tests/test_sampler.py's bf16 checks. Row
+6's check is the behaviour log-prob pass against the update pass, the two the trainer's ratio compares (it
 used to check the sampler's own log-probs against a plain forward, which the trainer never consumes,
 and reported 0.022 on the H200; that figure is still printed, as sampler_vs_forward). The share of identical rows
 is reported, not checked (two bf16 paths with other batch shapes round differently, and a greedy argmax can flip on
@@ -90,7 +120,7 @@ from bench.decode import OpCounter, linear_weights, teacher_forced, trainer_pass
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 BF16_MEAN, BF16_MAX = 0.02, 0.25  # nats: the bf16 tolerance of the module docstring
 GIB = 1024 ** 3
-PARTS = ("kernel", "rollout", "microbatch", "smoke", "sampler", "prefill", "launcher", "profile")
+PARTS = ("kernel", "attention", "rollout", "microbatch", "smoke", "sampler", "prefill", "launcher", "profile")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,7 +309,197 @@ def bench_kernel(b: Bench, sz: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 2-3. The trainer's regime: a real-width rollout, one update micro-batch
+# 2. One decode step's attention over the paged pool: the kernel against the gathered path it replaces
+# ------------------------------------------------------------------------------------------------
+
+# The attention part's shapes: (query heads, KV heads, head_dim) of each model; slot counts (the plan's H100 slots:
+# Qwen3 152, SmolLM3 184; both run at both); block size; prompt + cap columns; the rows' lengths (a share at L, the
+# rest uniform in [lo, hi]: 30%, as the launcher's AT_CAP).
+ATTENTION = dict(heads={"qwen3": (16, 8, 128), "smollm3": (16, 4, 128)}, slots=(152, 184), block=16,
+                 length=2048 + 4096, lo=256, hi=4096, at_full=0.3, warm=3, repeats=20, dtype=torch.bfloat16)
+ATTENTION_TINY = dict(heads={"qwen3": (4, 2, 16), "smollm3": (4, 1, 16)}, slots=(6,), block=4, length=64, lo=8, hi=40,
+                      at_full=0.3, warm=1, repeats=2, dtype=torch.float16)  # Triton's interpreter: no bf16 matmul
+ATTENTION_TOL = 3e-2  # max |d| against the float32 reference: sampler._kernel_checks_out's for 2-byte pools
+
+
+def device_ms(device: torch.device, fn, *, warm: int, repeats: int) -> float:
+    """Median milliseconds of fn() over `repeats` calls after `warm` untimed ones: CUDA events on CUDA (no host
+    sync inside the timed span), the host clock on CPU."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def attention_lengths(rows: int, *, full: int, lo: int, hi: int, at_full: float, seed: int) -> torch.Tensor:
+    """(rows,) long: round(at_full x rows) rows at `full` columns (chosen at random), the rest uniform in [lo, hi]."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (rows,), generator=gen)  # (R,)
+    lengths[torch.randperm(rows, generator=gen)[: round(at_full * rows)]] = full
+    return lengths
+
+
+def shuffled_table(lengths: torch.Tensor, *, width: int, block: int, seed: int) -> tuple[torch.Tensor, int]:
+    """A block table as the pool's allocator leaves it after many refills: each row owns ceil(length / block) blocks
+    drawn from a shuffled pool, the rest of its (width / block) entries point at the trash block (the last one, as
+    sampler._PagedCache's). Returns (table (R, width / block) long, blocks in the pool, the trash one included)."""
+    owned = [-(-int(n) // block) for n in lengths]
+    used = sum(owned)
+    order = torch.randperm(used, generator=torch.Generator().manual_seed(seed)).tolist()
+    table = torch.full((len(owned), width // block), used, dtype=torch.long)  # (R, nb) all trash
+    at = 0
+    for r, n in enumerate(owned):
+        table[r, :n] = torch.tensor(order[at: at + n])
+        at += n
+    return table, used + 1
+
+
+class _AttentionModule(torch.nn.Module):
+    """What transformers' sdpa_attention_forward reads off the attention module it is handed."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def sdpa_gqa_branch(call) -> str:
+    """What transformers' sdpa_attention_forward did with grouped heads during call(): "repeat_kv" (K/V copied to
+    every query head, a transient of n_rep x the gathered K/V), "pack_gqa" (one query token: the query heads folded
+    onto the KV heads, nothing copied; transformers 5.x) or "neither" (enable_gqa, or no grouping). Counted by
+    wrapping those helpers of its module for this one call, so it says what the installed version runs."""
+    from transformers.integrations import sdpa_attention as sdpa_module
+    seen: set[str] = set()
+    saved = {n: getattr(sdpa_module, n) for n in ("repeat_kv", "pack_gqa") if hasattr(sdpa_module, n)}
+
+    def counting(name, fn):
+        def wrapped(x, *args, **kwargs):
+            if x is not None:  # pack_gqa is also handed the mask and a missing position bias
+                seen.add(name)
+            return fn(x, *args, **kwargs)
+        return wrapped
+
+    try:
+        for name, fn in saved.items():
+            setattr(sdpa_module, name, counting(name, fn))
+        call()
+    finally:
+        for name, fn in saved.items():
+            setattr(sdpa_module, name, fn)
+    return "repeat_kv" if "repeat_kv" in seen else "pack_gqa" if "pack_gqa" in seen else "neither"
+
+
+def attention_case(device: torch.device, *, heads: int, kv_heads: int, head_dim: int, rows: int, spec: dict,
+                   run_kernel: bool, seed: int) -> dict:
+    """One decode step's attention of one layer at (heads, kv_heads, head_dim) over `rows` slots of a shuffled
+    paged pool, bf16: each arm's median ms, GB/s of the real K/V bytes and speed-up over the gathered arm; the
+    kernel's and the gathered arm's max |d| against the float32 reference (paged_attention_reference on the same
+    bf16 inputs, in chunks of rows to bound its memory)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from sampler import paged_attention, paged_attention_reference
+    bs, width, dt = spec["block"], spec["length"], spec["dtype"]
+    lengths = attention_lengths(rows, full=width, lo=spec["lo"], hi=spec["hi"], at_full=spec["at_full"], seed=seed)
+    table, blocks = shuffled_table(lengths, width=width, block=bs, seed=seed + 1)
+    lengths, table = lengths.to(device), table.to(device)  # (R,), (R, nb)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    k_pool, v_pool = (torch.randn(blocks * bs, kv_heads, head_dim, generator=gen, device=device).to(dt)
+                      for _ in range(2))  # (N, h, d) each
+    query = torch.randn(rows, heads, head_dim, generator=gen, device=device).to(dt)  # (R, H, d)
+    scale = head_dim ** -0.5
+    # the gathered path as the static step runs it (sampler._PagedCache.update at W = L, then sdpa's function)
+    cols = torch.arange(width, device=device)  # (W,)
+    read = table.index_select(1, cols // bs) * bs + cols % bs  # (R, W) the read index, kept between steps
+    mask = (cols[None, :] < lengths[:, None])[:, None, None, :]  # (R, 1, 1, W) bool
+    module = _AttentionModule(heads // kv_heads)
+
+    def gather():
+        keys, values = k_pool[read].transpose(1, 2), v_pool[read].transpose(1, 2)  # (R, h, W, d) each
+        out, _ = sdpa_attention_forward(module, query[:, :, None, :], keys, values, mask, scaling=scale,
+                                        dropout=0.0)  # (R, 1, H, d)
+        return out[:, 0]  # (R, H, d)
+
+    def kernel():
+        return paged_attention(query, k_pool, v_pool, table, lengths, scale=scale, block_size=bs)  # (R, H, d)
+
+    ref = torch.cat([paged_attention_reference(query[i: i + 8].float(), k_pool, v_pool, table[i: i + 8],
+                                               lengths[i: i + 8], scale=scale, block_size=bs)
+                     for i in range(0, rows, 8)])  # (R, H, d) float32
+    err = lambda out: float((out.float() - ref).abs().max())  # noqa: E731
+    real_bytes = int(lengths.sum()) * 2 * kv_heads * head_dim * dt.itemsize  # K and V of every real column
+    arms = {"gather": dict(ms=device_ms(device, gather, warm=spec["warm"], repeats=spec["repeats"]))}
+    out = dict(max_abs_d_gather=float(f"{err(gather()):.2e}"), gather_gqa=sdpa_gqa_branch(gather))
+    if device.type == "cuda":  # the gathered arm's transient (sampler.py departure 13 budgets it as transient_copies)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        gather()
+        torch.cuda.synchronize()
+        out["gather_above_inputs_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    if run_kernel:
+        arms["kernel"] = dict(ms=device_ms(device, kernel, warm=spec["warm"], repeats=spec["repeats"]))
+        out["max_abs_d_kernel"] = float(f"{err(kernel()):.2e}")
+    # for scale: a dense (R, h, L, d) cache (every row at full width, no mask), flash-style sdpa, GQA in the kernel
+    dense_k, dense_v = (p[read].transpose(1, 2).contiguous() for p in (k_pool, v_pool))  # (R, h, W, d) each
+    q4 = query[:, :, None, :]  # (R, H, 1, d)
+    try:
+        F.scaled_dot_product_attention(q4[:1], dense_k[:1], dense_v[:1], scale=scale, enable_gqa=True)
+        dense = lambda: F.scaled_dot_product_attention(q4, dense_k, dense_v, scale=scale, enable_gqa=True)  # noqa
+        gqa = "enable_gqa"
+    except (TypeError, RuntimeError):  # an older torch: the K/V heads repeated to the query heads, once, untimed
+        dense_k, dense_v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (dense_k, dense_v))  # (R,H,W,d)
+        dense = lambda: F.scaled_dot_product_attention(q4, dense_k, dense_v, scale=scale)  # noqa: E731
+        gqa = "repeated K/V heads"
+    arms["dense"] = dict(ms=device_ms(device, dense, warm=spec["warm"], repeats=spec["repeats"]))
+    del dense_k, dense_v
+    for arm in arms.values():
+        arm["gb_per_s"] = round(real_bytes / (arm["ms"] / 1e3) / 1e9, 1)
+        arm["speedup_vs_gather"] = round(arms["gather"]["ms"] / arm["ms"], 2)
+        arm["ms"] = round(arm["ms"], 3)
+    return dict(arms=arms, **out, real_kv_mb=round(real_bytes / 1e6, 3),
+                gathered_kv_mb=round(rows * width * 2 * kv_heads * head_dim * dt.itemsize / 1e6, 3),
+                mean_length=round(float(lengths.float().mean()), 1), at_full=int((lengths == width).sum()),
+                pool_blocks=blocks, dense_gqa=gqa)
+
+
+def bench_attention(b: Bench, tiny: bool) -> None:
+    """One decode step's attention of one layer (module docstring, part 2): the paged kernel, the gathered path
+    and a dense sdpa, per model shape and slot count. On CPU (--tiny) toy shapes, the kernel only under
+    TRITON_INTERPRET=1 (interpreted: its time is meaningless)."""
+    import sampler
+    spec = ATTENTION_TINY if tiny else ATTENTION
+    cuda = b.device.type == "cuda"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    run_kernel = sampler.triton is not None and (cuda or interpreted)
+    for kind, (heads, kv_heads, head_dim) in spec["heads"].items():
+        for rows in spec["slots"]:
+            b.reset_peak()
+            got = attention_case(b.device, heads=heads, kv_heads=kv_heads, head_dim=head_dim, rows=rows,
+                                 spec=spec, run_kernel=run_kernel, seed=51)
+            errs = [got["max_abs_d_gather"]] + ([got["max_abs_d_kernel"]] if run_kernel else [])
+            note = ("CUDA events, median of {repeats} after {warm} warm-up calls".format(**spec) if cuda else
+                    "CPU, toy shapes: a smoke, the times meaningless; the kernel "
+                    + ("ran under Triton's interpreter" if run_kernel else "needs CUDA or TRITON_INTERPRET=1: not run"))
+            b.row("attention", f"one decode step's attention of one layer, {kind} heads {heads}/{kv_heads}/{head_dim}, "
+                  f"{rows} slots, block {spec['block']}, L {spec['length']}, {str(spec['dtype'])[6:]}, shuffled pool",
+                  **got, peak_gib=b.peak_gib(), kernel_ran=run_kernel, note=note,
+                  ok=max(errs) <= ATTENTION_TOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3-4. The trainer's regime: a real-width rollout, one update micro-batch
 # ------------------------------------------------------------------------------------------------
 
 
@@ -371,7 +591,7 @@ def bench_microbatch(b: Bench, sz: dict, tok, tiny: bool, args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. The smoke: run_pair.sh pair1 on one GPU, two processes, FSDP2, a checkpoint, --resume, an evaluation
+# 5. The smoke: run_pair.sh pair1 on one GPU, two processes, FSDP2, a checkpoint, --resume, an evaluation
 # ------------------------------------------------------------------------------------------------
 
 
@@ -456,7 +676,7 @@ def bench_smoke(b: Bench, sz: dict, toks: dict, tiny: bool, args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 5-6. Long sampler rows: against generate, static vs eager, shared prefix
+# 6-7. Long sampler rows: against generate, static vs eager, shared prefix
 # ------------------------------------------------------------------------------------------------
 
 
@@ -497,6 +717,16 @@ def compare(ours, theirs) -> dict:
                 all_identical=all(same))
 
 
+def path_fields(stats: dict) -> dict:
+    """The decode path a sample() call took, off its stats: the static path's attention ("kernel" or "gather",
+    sampler.py departure 18) and why, its CUDA graphs and their warm-up + capture seconds; None where the default
+    (dynamic) path ran (static off: no paged pool, no graph)."""
+    if "attention" not in stats:
+        return dict(attention=None, attention_why="the default (dynamic) path ran", graphs=0, capture_seconds=0.0)
+    return dict(attention=stats["attention"], attention_why=stats["attention_why"], graphs=stats["graphs"],
+                capture_seconds=round(stats["capture_seconds"], 2))
+
+
 def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
     from sampler import sample
     device = b.device
@@ -506,11 +736,13 @@ def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
     m32 = random_model("qwen3", tok, tiny=tiny, dtype=torch.float32, device=device, seed=1)
     small = prompts[: sz["f32_batch"]]
     eos32 = planted_eos(m32, small, sz["f32_tokens"], pad)
-    ours = sample(m32, small, max_new_tokens=sz["f32_tokens"], temperature=0.0, eos_token_id=eos32, pad_token_id=pad)
+    stats: dict = {}
+    ours = sample(m32, small, max_new_tokens=sz["f32_tokens"], temperature=0.0, eos_token_id=eos32, pad_token_id=pad,
+                  stats=stats)
     ref = generate_rows(m32, small, new=sz["f32_tokens"], eos=eos32, pad=pad, device=device)
     cmp = compare([o.tokens for o in ours], ref)
     b.row("sampler", f"sampler vs generate, float32, batch {len(small)}, greedy (strict)", **cmp,
-          ok=cmp["all_identical"])
+          static=stats["static"], **path_fields(stats), ok=cmp["all_identical"])
     del m32
     # bf16: by tolerance. The check used to be the sampler's log-probs against a plain forward
     # (mean 0.022 on the H200: FAILED), but the trainer never consumes the sampler's log-probs: it recomputes the
@@ -534,11 +766,14 @@ def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
           behaviour_vs_update_max=float(f"{float(t.max()):.2e}"),
           sampler_vs_forward_mean=round(float(d.mean()), 4), sampler_vs_forward_max=round(float(d.max()), 4),
           tokens_per_s=round(useful / t_ours), generate_tokens_per_s=round(useful / t_ref),
-          vs_generate=round(t_ref / t_ours, 2), ok=float(t.mean()) <= BF16_MEAN and float(t.max()) <= BF16_MAX)
+          vs_generate=round(t_ref / t_ours, 2), static=stats["static"], **path_fields(stats),
+          ok=float(t.mean()) <= BF16_MEAN and float(t.max()) <= BF16_MAX)
     for rows in sz["batches"]:
         many = prompts[:rows]
+        on: dict = {}  # the static call's stats
         run = lambda static: sample(model, many, max_new_tokens=new, temperature=0.0, eos_token_id=eos,  # noqa: E731
-                                    pad_token_id=pad, max_batch_size=rows, static=static)
+                                    pad_token_id=pad, max_batch_size=rows, static=static,
+                                    stats=on if static == "on" else None)
         eager, t_e = timed(device, run, "off")
         static, t_s = timed(device, run, "on")
         toks = sum(len(o.tokens) for o in eager)
@@ -547,6 +782,7 @@ def bench_sampler(b: Bench, sz: dict, tok, tiny: bool) -> None:
         b.row("sampler", f"static decode vs eager, {dtype}, {rows} rows in flight (tolerance)", **cmp,
               static_tokens_per_s=round(toks / t_s), eager_tokens_per_s=round(toks / t_e),
               sampler_vs_forward_mean=round(float(d.mean()), 4), sampler_vs_forward_max=round(float(d.max()), 4),
+              **path_fields(on),
               note="the static call includes its CUDA graph capture; both paths cast weights once and read the "
                    "host every 8 steps (sampler.py departures 16-17); identical rows reported, not checked")
 
@@ -599,15 +835,15 @@ def bench_prefill(b: Bench, sz: dict, tok, tiny: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 7-8. The run at the launcher's settings and its projected GPU-hours; the profile of one decode step
+# 8-9. The run at the launcher's settings and its projected GPU-hours; the profile of one decode step
 # ------------------------------------------------------------------------------------------------
 
 # pair1 as RESULTS' GPU-hours assume it (docs/RESULTS.md, "The memory plan"): per rank and step 256 rollouts of
 # ~150-token prompts, a mean response of 1,509 tokens (30% at the 4,096 cap), micro-batches of 4 (MICRO_BATCH); the
 # evaluation every 5 steps, 1,744 samples per rank; 174 steps on 4 + 4 GPUs. The rows in flight are the launcher's,
 # from the memory plan (launched_slots). Only these shapes are assumed; every time per token below is measured.
-PAIR1 = dict(rollouts=256, prompt=150, mean_response=1509, cap=4096, micro=4, eval_every=5, eval_samples=1744,
-             steps=174, gpus=8, ranks=4)
+PAIR1 = dict(rollouts=256, prompt=150, mean_response=1509, cap=4096, at_cap=0.30, micro=4, eval_every=5,
+             eval_samples=1744, steps=174, gpus=8, ranks=4)
 # The prompt lengths the launcher's plan measures for pair1 (`graft.py plan`, docs/RESULTS.md "The memory plan":
 # MATH train and the five benchmarks under each model's tokenizer): (longest, mean) of the training prompts, then of
 # the evaluation's. The bench has no data files; the plan's own measurement is what run_pair.sh passes on a node.
@@ -616,6 +852,27 @@ AT_CAP = 0.30  # share of rollouts at the cap in the launcher row's length distr
 TRAIN_ROWS = 64  # rollouts the launcher row's behaviour pass and update run over (their seconds per token)
 FSDP_MIN_SLOTS = 128  # run_pair.sh's: data parallel with fewer slots shards when sharded gives more
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the extra KV width's read, by the card's name (else H200's)
+GATHER_ARM_X = 6  # the launcher's gather arm runs when the budget left holds this many kernel rollouts (an estimate)
+
+
+def columns_read(prompt_lens: list[int], response_lens: list[int]) -> int:
+    """K/V columns the paged kernel reads to sample these rows: a row of prompt p and response r attends over
+    p + t + 1 columns at its t-th step (its cached tokens and the current one), sum_t (p + t + 1) = r p + r (r + 1) / 2.
+    The same count for the measured run and for pair1's rows (pair1_columns_per_token), so their difference is the
+    extra read; the sampler's own count over its decode steps, stats["kv_columns_real"], is printed beside it."""
+    return sum(r * p + r * (r + 1) // 2 for p, r in zip(prompt_lens, response_lens))
+
+
+def pair1_columns_per_token(P: dict = PAIR1) -> float:
+    """columns_read per sampled token at pair1's length distribution (arithmetic): prompts of P["prompt"] tokens,
+    P["at_cap"] of the rollouts at P["cap"], the rest geometric (as RESULTS' bytes-per-step estimate takes them) with
+    the mean that makes the whole mean P["mean_response"]. E[r p + r (r + 1) / 2] / E[r], a geometric of mean m
+    having E[r^2] = 2 m^2 - m."""
+    mean, a, cap = P["mean_response"], P["at_cap"], P["cap"]
+    short = (mean - a * cap) / (1 - a)  # the mean of the rows below the cap
+    assert short >= 1, f"PAIR1: a mean response of {mean} cannot hold {a:.0%} of the rows at the cap {cap}"
+    square = a * cap ** 2 + (1 - a) * (2 * short ** 2 - short)  # E[r^2]
+    return (mean * P["prompt"] + (square + mean) / 2) / mean
 
 
 def tail_eos(vocab: int, cap: int, at_cap: float, seed: int) -> list[int]:
@@ -680,15 +937,17 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     stats: dict = {}
     b.reset_peak()
 
-    def rollout():
+    def rollout(rows_prompts, stats, attention):
         with torch.autocast(device.type, dtype=torch.bfloat16):  # the trainer's regime: fp32 masters + autocast
-            return sample(model, prompts, max_new_tokens=cap, temperature=1.0, eos_token_id=eos, pad_token_id=0,
+            return sample(model, rows_prompts, max_new_tokens=cap, temperature=1.0, eos_token_id=eos, pad_token_id=0,
                           generator=torch.Generator().manual_seed(0), max_batch_size=in_flight, stats=stats,
-                          max_cache_bytes=budget)
+                          max_cache_bytes=budget, attention=attention)
 
-    outs, t_roll = timed(device, rollout)
+    outs, t_roll = timed(device, rollout, prompts, stats, "auto")
     responses = [o.tokens for o in outs]
     new_tokens = sum(map(len, responses))
+    columns = columns_read(list(map(len, prompts)), list(map(len, responses)))  # what the kernel read, by arithmetic
+    all_prompts = prompts
     # the behaviour pass and the update over the first TRAIN_ROWS rollouts: their per-token times are the terms
     trained = min(rows, TRAIN_ROWS)
     prompts, responses = prompts[:trained], responses[:trained]
@@ -717,9 +976,11 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
     _, t_lp = timed(device, behaviour)
     model.train()
     _, t_up = timed(device, update)
+    del opt  # its moments: the gather arm below runs with the weights alone, as the main rollout did
     lengths = sorted(len(o.tokens) for o in outs)
     side = dict(sample_s_per_token=t_roll / new_tokens, logprob_s_per_token=t_lp / fed, update_s_per_token=t_up / fed,
-                kv_token=stats["kv_bytes_per_token"], rows=in_flight, cap=cap)
+                kv_token=stats["kv_bytes_per_token"], rows=in_flight, cap=cap, attention=stats.get("attention"),
+                columns_per_token=columns / new_tokens)
     b.row("launcher", f"{kind} shape, pair1's launcher settings: fp32 + bf16 autocast, {in_flight} rows in flight "
           f"(the plan's slots as run_pair.sh launches 4 GPUs of this card: {'FSDP2' if launch['fsdp'] else 'DP'}), "
           f"{rows} rollouts, cap {cap}, T=1, ~{AT_CAP:.0%} of rows at the cap; behaviour pass and update over "
@@ -728,31 +989,61 @@ def launcher_side(b: Bench, kind: str, tok, tiny: bool, args) -> dict:
           decode_steps=stats["decode_steps"], ms_per_step=round(t_roll / max(1, stats["decode_steps"]) * 1e3, 2),
           host_reads_per_step=round(stats["host_reads"] / max(1, stats["decode_steps"]), 3),
           at_cap=f"{sum(n == cap for n in lengths)}/{rows}", median_len=lengths[rows // 2],
-          logprob_s=round(t_lp, 2), update_s=round(t_up, 2), peak_gib=b.peak_gib(),
+          logprob_s=round(t_lp, 2), update_s=round(t_up, 2), peak_gib=b.peak_gib(), **path_fields(stats),
+          columns_read=columns, kv_columns_real=stats.get("kv_columns_real"),
           **{k: stats[k] for k in ("slots", "preemptions", "rows_in_flight_mean", "rows_in_flight_peak",
                                    "kv_pool_bytes", "kv_blocks_peak") if k in stats})  # the paged sampler's stats
-    del model, opt
+    # the same rollout with the gathered attention (sampler.py departure 18's "gather"), when the budget holds it
+    left = b.budget - (time.time() - b.t0)
+    name = f"{kind} shape, the same {rows} rollouts with attention='gather' (after one update: the weights moved)"
+    if stats.get("attention") == "gather" and not tiny:
+        b.row("launcher", name, skipped=f"auto already gathered: {stats.get('attention_why')}")
+    elif left < GATHER_ARM_X * t_roll and not tiny:
+        b.row("launcher", name, skipped=f"--budget: {left:.0f} s left, under {GATHER_ARM_X} x the rollout's "
+                                        f"{t_roll:.0f} s (the gather arm's time, an estimate)")
+    else:
+        model.eval()
+        gathered: dict = {}
+        b.reset_peak()
+        outs, t_gather = timed(device, rollout, all_prompts, gathered, "gather")
+        got = sum(len(o.tokens) for o in outs)
+        b.row("launcher", name, rollout_s=round(t_gather, 2), new_tokens=got, tokens_per_s=round(got / t_gather),
+              decode_steps=gathered["decode_steps"],
+              ms_per_step=round(t_gather / max(1, gathered["decode_steps"]) * 1e3, 2),
+              auto_tokens_per_s=round(new_tokens / t_roll),
+              auto_over_gather=round((new_tokens / t_roll) / (got / t_gather), 2), peak_gib=b.peak_gib(),
+              **path_fields(gathered), **{k: gathered[k] for k in ("slots", "preemptions", "rows_in_flight_mean",
+                                                                   "kv_pool_bytes", "kv_gather_bytes")
+                                          if k in gathered})
+    del model
     return side
 
 
 def project_pair1(sides: dict, *, bandwidth: float, P: dict = PAIR1) -> dict:
     """pair1's GPU-hours for P["steps"] steps on P["gpus"] GPUs from each side's measured seconds per token (pure
     arithmetic; sides: {kind: launcher_side's dict}). Per rank and step: sampling P["rollouts"] x P["mean_response"]
-    tokens at the measured s/token, plus the extra KV read of the cap's width over the measured one (each decode step
-    reads rows x the extra columns x KV bytes per token at `bandwidth` B/s, steps = tokens / rows); the behaviour
-    pass and the update over prompt + response tokens; the evaluation's P["eval_samples"] samples every
-    P["eval_every"] steps at the sampling rate. The pair moves at its slower side."""
+    tokens at the measured s/token, plus the extra K/V read at `bandwidth` B/s of pair1's longer rows over the
+    measured ones: where the side's attention was the paged kernel (m["attention"] == "kernel") a row reads only its
+    own columns, so the extra per sampled token is pair1_columns_per_token(P) minus the measured run's
+    (m["columns_per_token"], columns_read over its tokens), x KV bytes per token; else (the gathered path, every row
+    reading the full width) the cap's extra width P["cap"] - m["cap"] per token. Then the behaviour pass and the
+    update over prompt + response tokens; the evaluation's P["eval_samples"] samples every P["eval_every"] steps at
+    the sampling rate. The pair moves at its slower side."""
     per = {}
     for kind, m in sides.items():
         rollout_tokens = P["rollouts"] * P["mean_response"]
         fed = P["rollouts"] * (P["prompt"] + P["mean_response"])
-        extra_cols = max(0, P["cap"] - m["cap"])
-        kv_s = m["rows"] * extra_cols * m["kv_token"] / bandwidth * rollout_tokens / m["rows"]
+        if m.get("attention") == "kernel":  # each row reads its real columns: sum_t (p + t + 1) over its steps
+            extra_cols = max(0.0, pair1_columns_per_token(P) - m["columns_per_token"])
+        else:  # every row reads the full width: the cap's extra columns at every sampled token
+            extra_cols = max(0, P["cap"] - m["cap"])
+        kv_s = extra_cols * m["kv_token"] / bandwidth * rollout_tokens
         sampling = rollout_tokens * m["sample_s_per_token"] + kv_s
         train = fed * (m["logprob_s_per_token"] + m["update_s_per_token"])
         evaluation = (P["eval_samples"] * P["mean_response"] * m["sample_s_per_token"]
                       + kv_s * P["eval_samples"] / P["rollouts"]) / P["eval_every"]
-        per[kind] = dict(rows=m["rows"], sampling_s=round(sampling, 1), kv_width_s=round(kv_s, 1),
+        per[kind] = dict(rows=m["rows"], attention=m.get("attention"), extra_columns_per_token=round(extra_cols, 1),
+                         sampling_s=round(sampling, 1), kv_width_s=round(kv_s, 1),
                          logprob_update_s=round(train, 1), eval_s=round(evaluation, 1),
                          step_s=round(sampling + train + evaluation, 1), step_no_eval_s=round(sampling + train, 1))
     step = max(v["step_s"] for v in per.values())
@@ -814,7 +1105,7 @@ def bench_profile(b: Bench, sz: dict, tok, tiny: bool) -> None:
             counts[new] = dict(ops=c.ops, casts=c.casts, reads=stats["host_reads"], **prof)
         d = long - short
         b.row("profile", f"per decode step, {name}, qwen3 shape, fp32 + bf16 autocast, {rows} rows",
-              **{k: round((counts[long][k] - counts[short][k]) / d, 2) for k in counts[long]},
+              **{k: round((counts[long][k] - counts[short][k]) / d, 2) for k in counts[long]}, **path_fields(stats),
               note="kernels: launches from the host (a graph replay is one cudaGraphLaunch)" if device.type == "cuda"
               else "CPU: aten ops only (no profiler counts)")
     del model
@@ -873,7 +1164,8 @@ def main(argv=None) -> int:
           alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
           sizes="toy" if args.tiny else "real", parts=chosen, budget_s=args.budget, jsonl=str(b.path),
           note="one GPU: multi-rank NCCL (FSDP2 over several GPUs) is not covered")
-    calls = {"kernel": (bench_kernel, b, sz), "rollout": (bench_rollout, b, sz, toks["b"], args.tiny),
+    calls = {"kernel": (bench_kernel, b, sz), "attention": (bench_attention, b, args.tiny),
+             "rollout": (bench_rollout, b, sz, toks["b"], args.tiny),
              "microbatch": (bench_microbatch, b, sz, toks["a"], args.tiny, args),
              "smoke": (bench_smoke, b, sz, toks, args.tiny, args),
              "sampler": (bench_sampler, b, sz, toks["b"], args.tiny),

@@ -307,20 +307,38 @@ def test_fsdp_checkpoint_loads_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
     # every part at toy size on the CPU, the smoke included (run_pair.sh pair1 on the CPU, FSDP2 over gloo, one
-    # rank per side, a checkpoint, --resume, an evaluation): every row in the JSONL file, every check passed
+    # rank per side, a checkpoint, --resume, an evaluation): every row in the JSONL file, every check passed. Under
+    # Triton's interpreter, so that the attention part runs the paged kernel too (the sampler's auto path still
+    # gathers on a CPU: the interpreter serves only an explicit attention="kernel")
+    from transformers.integrations import sdpa_attention as sdpa_module
     out = tmp_path / "rows.jsonl"
-    r = run_py(["-m", "bench.gpu", "--tiny", "--jsonl", str(out)], tmp_path, timeout=400)
+    r = run_py(["-m", "bench.gpu", "--tiny", "--jsonl", str(out)], tmp_path, env_extra={"TRITON_INTERPRET": "1"},
+               timeout=400)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "all checks passed" in r.stdout, r.stdout
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["part"] for x in rows] == ["setup", "kernel", "rollout", "microbatch", "smoke", "sampler", "sampler",
-                                         "sampler", "sampler", "prefill", "prefill", "launcher", "launcher",
-                                         "launcher", "profile", "profile", "profile", "setup"], rows
+    assert [x["part"] for x in rows] == ["setup", "kernel", "attention", "attention", "rollout", "microbatch", "smoke",
+                                         "sampler", "sampler", "sampler", "sampler", "prefill", "prefill", "launcher",
+                                         "launcher", "launcher", "launcher", "launcher", "profile", "profile",
+                                         "profile", "setup"], rows
     by = {}
     for x in rows:
         by.setdefault(x["part"], []).append(x)
     assert "multi-rank NCCL" in rows[0]["note"] and "not covered" in rows[0]["note"]
     assert by["kernel"][0]["worst_ratio"] <= 1.25  # the kernel's error under autocast is not worse than naive's
+    # the attention part: both toy head layouts (4/2 and 4/1 heads), 6 slots of which round(0.3 x 6) at L; the
+    # kernel (interpreted) and the gathered path against the float32 reference; GB/s are the real K/V bytes over ms
+    assert [(x["kernel_ran"], x["at_full"]) for x in by["attention"]] == [(True, 2), (True, 2)]
+    assert ["4/2/16" in by["attention"][0]["name"], "4/1/16" in by["attention"][1]["name"]] == [True, True]
+    for x in by["attention"]:
+        assert set(x["arms"]) == {"gather", "kernel", "dense"} and x["arms"]["gather"]["speedup_vs_gather"] == 1.0
+        assert 0 < x["max_abs_d_kernel"] <= 3e-3 and 0 < x["max_abs_d_gather"] <= 3e-3, x  # float16 round-off
+        assert x["real_kv_mb"] < x["gathered_kv_mb"] and "interpreter" in x["note"], x
+        # what transformers' sdpa function did with the grouped heads under a mask: packed them for the one query
+        # token where this version has pack_gqa (use_gqa_in_sdpa refuses a mask on CPU/CUDA), else repeat_kv
+        assert x["gather_gqa"] == ("pack_gqa" if hasattr(sdpa_module, "pack_gqa") else "repeat_kv"), x
+        for arm in x["arms"].values():
+            assert arm["gb_per_s"] == pytest.approx(x["real_kv_mb"] / arm["ms"], rel=0.06, abs=0.06), x
     roll = by["rollout"][0]  # bf16 K and V through the sampler under autocast, 2 x 2 x 2 x 16 x 2 bytes
     assert roll["kv_dtypes"] == ["torch.bfloat16", "torch.bfloat16"] and roll["kv_bytes_per_token"] == 256
     smoke = by["smoke"][0]
@@ -328,19 +346,65 @@ def test_bench_gpu_tiny_runs_and_its_checks_pass(tmp_path):
     assert by["sampler"][0]["all_identical"], by["sampler"][0]  # float32: strict identity with generate
     # the bf16 check is the behaviour pass against the update pass (what the trainer consumes)
     assert by["sampler"][1]["behaviour_vs_update_mean"] <= 0.02 and "sampler_vs_forward_mean" in by["sampler"][1]
+    # the path each sampler row took: the default path on a CPU (static auto is off), the static rows gathering
+    assert [x["attention"] for x in by["sampler"]] == [None, None, "gather", "gather"], by["sampler"]
+    assert all("the device is cpu" in x["attention_why"] and x["graphs"] == 0 for x in by["sampler"][2:])
     # the launcher part: the projection's arithmetic from its own per-side terms (174 steps x 8 GPUs, the slower side)
-    proj = by["launcher"][2]
+    proj = by["launcher"][4]
     step = max(v["step_s"] for v in proj["per_side"].values())
     assert proj["gpu_hours"] == pytest.approx(174 * step * 8 / 3600, abs=0.1)
     assert proj["gpu_hours_without_eval"] < proj["gpu_hours"]
-    for side in by["launcher"][:2]:
+    for side, gathered in (by["launcher"][0:2], by["launcher"][2:4]):
         assert side["host_reads_per_step"] < 0.2 and side["new_tokens"] > 0, side
+        assert side["attention"] is None and side["columns_read"] > side["new_tokens"], side  # CPU: the default path
+        # the gather arm: the same rollouts with attention="gather", its rate beside the auto run's
+        assert "attention='gather'" in gathered["name"] and gathered["new_tokens"] > 0, gathered
+        assert gathered["auto_over_gather"] == pytest.approx(
+            side["tokens_per_s"] / gathered["tokens_per_s"], rel=0.05), (side, gathered)
+    # without the kernel (a CPU), the projection's extra read is the cap's width: 4,096 - the toy cap 24
+    assert [v["extra_columns_per_token"] for v in proj["per_side"].values()] == [4072, 4072]
     # the profiler row: the old settings cast every Linear weight every step (2 layers x 7 + the head) and read the
     # host every step; the default and static paths cast none and read every 8 steps
     before, eager, static = by["profile"]
     assert before["casts"] == 15 and before["reads"] == 1
     assert eager["casts"] == static["casts"] == 0 and eager["reads"] < 0.2 and static["reads"] < 0.2
+    assert [x["attention"] for x in by["profile"]] == [None, None, "gather"]  # static="on" gathers on a CPU
     assert all(x.get("ok", True) for x in rows) and rows[-1]["failed"] == []
+
+
+def test_bench_attention_pool_layout():
+    # the attention part's rows and pool: round(0.3 R) rows at L, the rest in [lo, hi]; each row owns
+    # ceil(length / block) blocks, no block owned twice, every block of the pool used, the rest of a row's entries
+    # at the trash block (the last); the blocks shuffled (not handed out in order)
+    from bench import gpu as bench_gpu
+    lengths = bench_gpu.attention_lengths(20, full=64, lo=5, hi=40, at_full=0.3, seed=1)
+    assert int((lengths == 64).sum()) == 6 and all(5 <= n <= 40 for n in lengths.tolist() if n != 64)
+    table, blocks = bench_gpu.shuffled_table(lengths, width=64, block=4, seed=2)
+    owned = [-(-n // 4) for n in lengths.tolist()]
+    assert table.shape == (20, 16) and blocks == sum(owned) + 1
+    mine = [table[r, :n].tolist() for r, n in enumerate(owned)]
+    flat = [x for row in mine for x in row]
+    assert sorted(flat) == list(range(blocks - 1)) and flat != sorted(flat)
+    assert all((table[r, n:] == blocks - 1).all() for r, n in enumerate(owned))
+
+
+def test_bench_sdpa_gqa_branch_says_what_ran():
+    # sdpa_gqa_branch names the helper transformers' sdpa function ran on grouped heads, and puts the helpers back:
+    # with a mask and one query token this version packs the heads (pack_gqa) where it has it; without a mask on a
+    # CPU it hands sdpa enable_gqa (neither helper); a call of repeat_kv itself reads "repeat_kv"
+    from transformers.integrations import sdpa_attention as sdpa_module
+
+    from bench import gpu as bench_gpu
+    module = bench_gpu._AttentionModule(2)
+    q, k = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 10, 8)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    helpers = (sdpa_module.repeat_kv, getattr(sdpa_module, "pack_gqa", None))
+    run = lambda m: lambda: sdpa_module.sdpa_attention_forward(module, q, k, k, m, scaling=0.3)  # noqa: E731
+    masked = "pack_gqa" if hasattr(sdpa_module, "pack_gqa") else "repeat_kv"
+    assert bench_gpu.sdpa_gqa_branch(run(mask)) == masked
+    assert bench_gpu.sdpa_gqa_branch(run(None)) == "neither"
+    assert bench_gpu.sdpa_gqa_branch(lambda: sdpa_module.repeat_kv(k, 2)) == "repeat_kv"
+    assert (sdpa_module.repeat_kv, getattr(sdpa_module, "pack_gqa", None)) == helpers
 
 
 def test_bench_gpu_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatch):

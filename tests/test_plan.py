@@ -593,3 +593,45 @@ def test_bench_projection_by_hand():
     assert got["per_side"]["b"]["step_s"] < a["step_s"]
     assert got["gpu_hours"] == round(3 * (sampling + train + evaluation) * 8 / 3600, 1)
     assert got["gpu_hours_without_eval"] == round(3 * (sampling + train) * 8 / 3600, 1)
+
+
+def test_bench_columns_read_by_hand():
+    """columns_read: a row of prompt p and response r reads p + t + 1 columns at its t-th step, t = 0 .. r - 1."""
+    from bench import gpu as bench_gpu
+    assert bench_gpu.columns_read([3, 5], [2, 4]) == (4 + 5) + (6 + 7 + 8 + 9) == 39
+    assert bench_gpu.columns_read([7], [0]) == 0
+
+
+def test_bench_pair1_columns_per_token_by_hand_and_by_sum():
+    """pair1_columns_per_token on a small planted P: by hand (the closed form), then against an explicit sum of
+    columns_read over the distribution it names (20% at the cap, the rest geometric with the mean left over)."""
+    from bench import gpu as bench_gpu
+    P = dict(prompt=10, mean_response=20, cap=50, at_cap=0.2)
+    # the rows below the cap: mean (20 - 0.2 x 50) / 0.8 = 12.5, so E[r^2] = 0.2 x 2,500 + 0.8 x (2 x 12.5^2 - 12.5)
+    # = 740, and per sampled token (20 x 10 + (740 + 20) / 2) / 20 = 29
+    assert bench_gpu.pair1_columns_per_token(P) == pytest.approx(29.0)
+    q = 1 / 12.5  # a geometric on 1, 2, ... with mean 12.5
+    short = sum((1 - q) ** (r - 1) * q * bench_gpu.columns_read([10], [r]) for r in range(1, 2000))
+    want = (0.2 * bench_gpu.columns_read([10], [50]) + 0.8 * short) / 20
+    assert bench_gpu.pair1_columns_per_token(P) == pytest.approx(want, rel=1e-9)
+    with pytest.raises(AssertionError, match="cannot hold"):
+        bench_gpu.pair1_columns_per_token(dict(P, mean_response=5))  # 20% at 50 alone is a mean of 10
+
+
+def test_bench_projection_with_the_kernel_by_hand():
+    """A side whose attention was the paged kernel: the extra K/V read is pair1's real columns per token minus the
+    measured run's, not the cap's full width; a run that read more per token than pair1 adds nothing."""
+    from bench import gpu as bench_gpu
+    P = dict(rollouts=10, prompt=10, mean_response=20, cap=50, at_cap=0.2, eval_every=2, eval_samples=30, steps=3,
+             gpus=8)
+    side = dict(sample_s_per_token=0.5, logprob_s_per_token=0.1, update_s_per_token=0.2, kv_token=1000, rows=4,
+                cap=30, attention="kernel", columns_per_token=12.0)
+    gathered = dict(side, attention="gather")
+    longer = dict(side, columns_per_token=40.0)
+    got = bench_gpu.project_pair1({"k": side, "g": gathered, "l": longer}, bandwidth=1e6, P=P)["per_side"]
+    kv = (29 - 12) * 1000 / 1e6 * (10 * 20)  # extra columns per token x bytes / bandwidth x tokens = 3.4 s
+    assert (got["k"]["extra_columns_per_token"], got["k"]["kv_width_s"]) == pytest.approx((17, kv)) == (17, 3.4)
+    assert got["k"]["sampling_s"] == pytest.approx(10 * 20 * 0.5 + kv)
+    assert got["k"]["eval_s"] == pytest.approx((30 * 20 * 0.5 + kv * 30 / 10) / 2)
+    assert (got["g"]["extra_columns_per_token"], got["g"]["kv_width_s"]) == (50 - 30, 20 * 1000 / 1e6 * 200) == (20, 4)
+    assert (got["l"]["extra_columns_per_token"], got["l"]["kv_width_s"]) == (0, 0)
