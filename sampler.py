@@ -158,7 +158,8 @@ Departures and shortcuts (read these before copying)
    bytes per token of KV traffic, where a dense static cache (each slot a preallocated stretch of L columns, as
    gpt-fast's; ``bench.decode --baseline``) has the attention read S x L in place: 3x the bytes per slot and column (on
    CUDA transformers also copies K/V to every query head for sdpa with a mask, in both, so with 2 query heads per KV
-   head, Qwen3-1.7B's, about 7 units against 5). What it buys is rows in flight by their real lengths instead of S x L
+   head, Qwen3-1.7B's, about 7 units against 5; transformers 5.25's sdpa folds the query heads instead for one query
+   token, no copy: 3 against 1). What it buys is rows in flight by their real lengths instead of S x L
    reserved: on ``python -m bench.decode --only budget``'s long-tailed rollout (CPU) 1.3x the rows in flight of the
    dense cache at the same budget, 0.78x its decode steps (so 0.78x the weight reads) and 0.84x the K/V columns attended
    over the rollout (every row-step reads W, = L while some running row is near the cap; buckets cut R in the tail and W
