@@ -265,10 +265,11 @@ Departures and shortcuts (read these before copying)
    Linear weights for the duration of the call (plan.py's ``bf16 sampling copy`` term). Not refreshed after each
    optimizer step as a kept copy would be: the cast runs at each call, one pass over the weights per rollout.
 18. Decode attention that reads the pool in place (``attention="auto"``, the default, takes it on CUDA). The gathered
-   attention of departure 10 copies every slot's first W columns out of the pool, and transformers copies them again
-   to every query head; the kernel (``paged_attention``, Triton) instead runs one program per (slot, KV head) that
-   walks the slot's blocks through the table up to its own length (read on the device: a captured graph serves any
-   length) with an online softmax over 64-column tiles, for all the query heads that share the KV head. Each real
+   attention of departure 10 copies every slot's first W columns out of the pool, and transformers may copy them again
+   to every query head (eager attention does; sdpa in transformers 5.25 folds the query heads instead); the kernel
+   (``paged_attention``, Triton) instead runs one program per (slot, KV head) that walks the slot's blocks through
+   the table up to its own length (read on the device: a captured graph serves any length) with an online softmax
+   over 64-column tiles, for all the query heads that share the KV head. Each real
    column of K and V is read once; nothing is gathered, nothing repeated, no mask built, and the budget pays no
    transient (``copies`` = 0 in ``pool_plan``: more slots from the same bytes), so the width buckets are dropped
    (one graph per slot-count bucket). It is hooked in as a transformers attention function: registered in
@@ -734,6 +735,15 @@ def _cache_kwarg(base) -> str:
     """Name of the KV-cache argument: transformers 5.x renamed `past_key_values` to `cache`."""
     params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def _head_layout(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of the decoder, from its config: what the KV cache's sizing, the static
+    path's transient and the paged kernel's checks all read."""
+    cfg = config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
 
 
 def _layer_windows(config) -> list[int | None] | None:
@@ -1970,7 +1980,7 @@ def paged_kernel_blocker(config) -> str | None:
         return f"config._attn_implementation={config._attn_implementation!r} (the static path runs sdpa or eager)"
     if getattr(cfg, "attn_logit_softcapping", None):
         return f"config.attn_logit_softcapping={cfg.attn_logit_softcapping!r} (the kernel has no soft-cap)"
-    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    heads, kv, _ = _head_layout(config)
     if heads % kv:
         return f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
     return None
@@ -2019,11 +2029,8 @@ def resolve_attention(attention: str, model, device: torch.device, *, dtype: tor
     if why is None and device.type != "cuda" and not (attention == "kernel" and interpreted):
         why = f"the device is {device.type} (the kernel runs on CUDA; on CPU only under TRITON_INTERPRET=1)"
     if why is None and device.type == "cuda":
-        cfg = model.config.get_text_config(decoder=True)
-        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        why = _kernel_checks_out(str(device), dtype or next(model.parameters()).dtype, cfg.num_attention_heads,
-                                 kv, head_dim, block_size)
+        why = _kernel_checks_out(str(device), dtype or next(model.parameters()).dtype,
+                                 *_head_layout(model.config), block_size)
     if why is None:
         AttentionInterface.register(_KERNEL_ATTENTION, _kernel_attention)  # idempotent: a dict entry
         return "kernel", "checked"
@@ -2080,9 +2087,11 @@ class PoolPlan:
 def transient_copies(config) -> int:
     """Copies of one layer's K/V that a static step holds at once, in units of the gathered (S, kv_heads, W, d):
     the gather, and for grouped-query attention transformers' copy to every query head (``repeat_kv``, which sdpa
-    with a mask and eager attention run; n_rep = heads / kv_heads, no copy when it is 1)."""
-    cfg = config.get_text_config(decoder=True)
-    n_rep = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    with a mask and eager attention run; n_rep = heads / kv_heads, no copy when it is 1). transformers 5.25's sdpa
+    folds the query heads onto the KV heads for one query token instead (no copy): counting the copy anyway keeps
+    the gathered path within its budget on every version and under eager attention, at the price of slots."""
+    heads, kv, _ = _head_layout(config)
+    n_rep = heads // kv
     return 1 + (n_rep if n_rep > 1 else 0)
 
 
@@ -2429,11 +2438,10 @@ def _kv_dtype(device: torch.device) -> torch.dtype | None:
 def _kv_token_bytes(model, kv_dtype: torch.dtype | None) -> int:
     """Bytes of one token's K and V over all layers, from the config (the static path's sizing before any forward;
     the tests check it against the stored tensors): 2 x layers x kv_heads x head_dim x element size."""
-    cfg = model.config.get_text_config(decoder=True)
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, kv_heads, head_dim = _head_layout(model.config)
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
     dtype = kv_dtype or next(model.parameters()).dtype
-    return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _decode_static(model, base, run: _Run, pad_token_id: int, plan: PoolPlan, kernel: bool = False) -> None:
