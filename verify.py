@@ -563,9 +563,10 @@ _BOX_CMDS = ("\\boxed", "\\fbox")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 # Where a turn ends: chat-template markers; and (after an answer) a base model's next few-shot problem.
 _TURN_END_RE = re.compile(r"<\|(?:im_end|im_start|eot_id|end_of_text|endoftext|start_header_id|end|user|"
-                          r"assistant|eot)\|>|</s>|<end_of_turn>|<start_of_turn>|<eos>")
+                          r"assistant|eot)\|>|</s>|<end_of_turn>|<start_of_turn>|<eos>|\[INST\]")
 _NEXT_PROBLEM_RE = re.compile(r"\n\s*(?:Problem|Question|Exercise|Q|User|Human|Assistant|###\s*(?:Instruction|"
-                              r"Response))\s*\d*\s*[:.]", re.IGNORECASE)
+                              r"Response)|(?:Now\s+(?:it\s+)?is\s+)?your\s+turn|(?:Here\s+is\s+)?a\s+new\s+(?:question|"
+                              r"problem))\s*\d*\s*[:.!]", re.IGNORECASE)
 # What may stand between two boxes (or two math spans) that together give one answer:
 # "\boxed{2}, \boxed{5}", "$\boxed{1}$ and $\boxed{3}$", "x=\boxed{2}, y=\boxed{5}" (departure 16).
 _JOIN_GAP_RE = re.compile(r"\s*[,;]?\s*(?:(?:and|or|\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|\\quad|\\qquad)\s*){0,3}"
@@ -678,11 +679,10 @@ def _same_value(a: str, b: str) -> bool:
 
 def _final_group(text: str) -> list | None:
     """(start, end, content) of the boxes that make the answer: the last box and the boxes just before
-    it joined only by ',', ';', 'and', 'or' (departure 16). None when there is no box, the last one is
-    unclosed, anything but closing marks follows the last one (``_closing_tail``: the tail rule), or the
-    group is not an answer: a box that is an operand ('-\\boxed{7}', '\\frac{\\boxed{7}}{2}'), negated before
-    ('not \\boxed{7}') or not asserted by its sentence. Decided from the response alone: the gold is never
-    looked at."""
+    it joined only by ',', ';', 'and', 'or' (departure 16), with a known unit right after it. None when there
+    is no box, the last one is unclosed, the group is part of a larger expression ('-\\boxed{7}',
+    '\\frac{\\boxed{7}}{2}', '\\boxed{12}.5', '\\lnot\\boxed{7}') or what follows it states another final answer
+    (``_tail_agrees``). Decided from the response alone: the gold is never looked at."""
     boxes = _outer_boxes(text)
     if not boxes:
         return None
@@ -695,39 +695,107 @@ def _final_group(text: str) -> list | None:
             return None     # more joined boxes than the cap: a suffix of them is no answer
         out.insert(0, b)
     unit_end, unit = _unit_after(text, out[-1][1]) if len(out) == 1 else (out[-1][1], "")
-    if unit:            # '\\boxed{1.6} \\mathrm{~cm}': the unit is part of the answer, compared as such
-        out = [(out[0][0], unit_end, out[0][2] + unit)]
-    if not _closing_tail(text[out[-1][1]:], _bare_groups(text[:out[0][0]])) or \
-            any(_is_operand(text, a, b) for a, b, _ in out):
-        return None     # the tail rule: only closing marks (or one known unit) may follow the final box
-    before = _DELIMS_RE.sub(" ", text[max(0, out[0][0] - 40):out[0][0]])
-    if _DISOWN_BEFORE_RE.search(before):
-        return None
-    if _logic_before(text, out[0][0]) or not _asserted(text, out[0][0], out[-1][1]):
-        return None
-    return out
+    if unit and _same_value(out[0][2] + unit, out[0][2]):   # '\\boxed{1.6} \\mathrm{~cm}': a unit the parser
+        out = [(out[0][0], unit_end, out[0][2] + unit)]     # reads is part of the answer, compared as such;
+    if any(_is_operand(text, a, b) for a, b, _ in out) or _logic_before(text, out[0][0]):  # one it cannot read
+        return None                                                 # ('kcal m^{-2} yr^{-1}') is context
+    return out if _tail_agrees(text[unit_end:], _join([c for _, _, c in out])) else None
 
 
-# The tail rule (fail closed on position): what may follow the final box, a whitelist. Closing punctuation (not
-# '!' (a factorial) nor '?'), math delimiters and environment ends, spacing, markdown emphasis, end-of-proof
-# marks, end-of-turn and end-of-answer markers, and Minerva's closing formula. Anything else (a digit, a word, a
-# cue, another turn, markup, code fences, a reasoning tag's end) can carry a value or a retraction: no answer.
-_TAIL_RE = re.compile(
-    r"(?:\s|[.,;:)\]。．，*]|\$|\\[)\]]|\\\\|_{2}|\\(?:quad|qquad|[,;! ])|"  # one way per char: linear
-    r"\\end\s*\{(?:align|aligned|equation|gather|gathered|split|multline|eqnarray|array|displaymath)\*?\}|"
-    r"\\(?:blacksquare|qed|square|Box)(?![A-Za-z])|[∎□]|</answer>|<\|end_of_solution\|>|" + _TURN_END_RE.pattern +
-    r"|I\s+hope\s+it\s+is\s+correct)*", re.IGNORECASE)
-_MAX_TAIL = 300             # a longer tail is more than closing marks
+# What follows the final answer (the tail rule). The final box is the answer and prose after it is allowed: one
+# answer is read per response without the gold, so words after it ('so there are \\boxed{12} ways', '[asy]..',
+# 'but my classmate says 15') can never be paid for another value. What the tail may not do is change the value
+# or give a second one: continue it (a digit, '.5', ',000', '\\,000', an operator with its operand, a power, a
+# factorial, a prime, a scale word) or state another final answer that differs from it (an answer cue of the
+# whitelist below, or a restatement joined to it: ', i.e.', '(that is', '=', 'or', '->'). The same value pays.
+_LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
+_LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
+_CONTINUES_RE = re.compile(
+    r"(?:\d|[A-Za-z]|[!'_(]|\^(?!\s*\{?\s*\\prime)|\{\s*\}(?!\s*\^\s*\{?\s*\\circ)|\\(?:frac|dfrac|tfrac|sqrt|binom)(?![A-Za-z]))|"  # glued
+    r"(?:\s*(?:\$|\\[)\]]))?(?:[.,]\d|(?:\\[,!; ]|\{,\}|[ \t])\d{3}(?!\d)|[ \t]+\d|"    # '$.5', '\\,000', ' 15'
+    r"\s*(?:[-+*/×÷·]|\\(?:times|cdot|div|mp)(?![A-Za-z]))\s*(?:[\d(\\{]|[A-Za-z](?![A-Za-z]))|"
+    r"\s*\\pm(?!\s*[\d.]+(?![\d.]*\s*[-+*/^\\]))|"            # '\\pm \\sqrt{2}' ('\\pm 5730 years' is an uncertainty)
+    r"\s*(?:\\(?:text|mathrm|mbox)\s*\{\s*)?(?:thousand|million|billion|trillion|hundred|dozen|lakh|crore|"
+    r"gross|score|myriad|squared|cubed|doubled|tripled|halved|factorial)s?(?![A-Za-z])|"
+    r"\s*(?:or\s+(?:more|less|fewer|greater|higher|lower|above|below)|and\s+(?:up|above|below|over)|at\s+(?:least|"
+    r"most)|(?:plus|minus|times)\s+\S)(?![A-Za-z])|"                   # words that bound or change the value
+    r"\s*(?:\$\s*)?(?:\\(?:" + _LOGIC_OPS + r"|lnot|neg)(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS + r"))",  # logic on it
+    re.IGNORECASE)
+_RESTATE_RE = re.compile(r"\s*(?:\$\$?|\\[)\]])?\s*(?:,\s*)?(?:(?:i\.\s?e\.?|that\s+is(?:\s+to\s+say)?|in\s+other\s+"
+                         r"words|namely|equivalently|or|and|which\s+(?:is|equals))(?![A-Za-z])[,:]?|或者?|"
+                         r"\(\s*(?:i\.\s?e\.?|that\s+is|or)(?![A-Za-z])[,:]?|=>|=|\\to|->|\\(?:Rightarrow|implies)|"
+                         r"[⇒→]|,(?=\s*(?:[-\d(]|\$\s*[-\d(\\]|\\[(\[])))", re.IGNORECASE)
+# The answer statements after the box, a whitelist: a line that opens with 'Answer:' / '####' / 'Correction:'
+# (a value that replaces the box's), 'the / final / correct answer is', '答案', the words for 'answer' of other
+# scripts, an <answer> tag. 'We may check our answer: ...' is none.
+_CUE_RE = re.compile(r"(?:(?:^|(?<=[.!?;$)\]]))[ \t>#*]*(?:\\textbf\s*\{)?(?:final\s+)?|(?:final|the|correct|right|true|actual|my)\s+)answer\s*(?:\*\*|\})?"
+                     r"\s*(?:is|:|：|=)|####|答案\s*(?:是|为|為)?|(?:réponse|respuesta|resposta|antwort|"
+                     r"risposta|ответ|答え|정답)\s*(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>|"
+                     r"(?:^|(?<=[.!?;$)\]]))[ \t*]*(?:correction|erratum|revised|corrected|updated?)(?:\s+answer)?\s*[:：]",
+                     re.IGNORECASE | re.MULTILINE)
+_STATED_RE = re.compile(r"(?:\\boxed|\\fbox|\$|\\[(\[]|-?\.?\d|\\(?:frac|dfrac|sqrt|pi|infty|text)(?![A-Za-z])|"
+                        r"\(\s*[A-E]\s*\)|[A-E](?![A-Za-z'])|[-(\[{])")
+_LEAD_RE = re.compile(r"(?:[A-Za-z']+\s+){0,4}?(?:is|are|was|equals|should\s+be|=)\s+")
+_CLAUSE_END_RE = re.compile(r"(?<!\d)\.(?!\d)|[;\n。]|,\s|\s+(?:since|because|as|so|for|when|where|if|from|by)\s")
+_HEDGE_START_RE = re.compile(r"(?:maybe|perhaps|possibly|probably|either|might|not)(?![A-Za-z])", re.IGNORECASE)
+
+
+def _stated(rest: str) -> str | None:
+    """The value an answer statement gives at the start of rest (the text after its cue): a box, math spans,
+    or a number or expression up to the end of its clause with a known unit; '' when it is hedged ('or maybe
+    8'); None when it states no value (words: 'so we are done', 'twelve')."""
+    rest = rest[:600].lstrip(" \t*:：}")
+    if not _STATED_RE.match(rest):
+        lead = _LEAD_RE.match(rest)      # 'Erratum: it is 15.'
+        if _HEDGE_START_RE.match(rest):
+            return ""
+        if lead is None or not _STATED_RE.match(rest, lead.end()):
+            return None
+        rest = rest[lead.end():]
+    if rest.startswith(_BOX_CMDS):
+        box = _outer_boxes(rest)
+        return box[0][2] if box and box[0][0] == 0 else None
+    spans = _math_spans(rest)
+    if spans and spans[0][0] == 0:
+        joined = [spans[0]]
+        for s in spans[1:]:
+            if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
+                break
+            joined.append(s)
+        end, unit = _unit_after(rest, joined[-1][1]) if len(joined) == 1 else (joined[-1][1], "")
+        return _tidy(_join([_tidy(c) for _, _, c in joined]) + unit)
+    said = _tidy(_CLAUSE_END_RE.split(rest, maxsplit=1)[0])
+    if re.search(r"(?<![\\A-Za-z])[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", " ", said)):
+        if _HEDGE_WORDS_RE.search(said):
+            return ""       # 'the answer is 12 or 13'
+        num = _NUMBER_RE.match(said)    # '15 apples': the number, with its unit when the tables know it
+        return num.group(0) + _unit_after(said, num.end())[1] if num else None
+    return said
+
+
+def _tail_agrees(tail: str, value: str) -> bool:
+    """The text after an answer (a box, or a cue's math) neither continues its value nor states a final answer
+    that differs from it (the tail rule above; prose passes). The same value restated pays."""
+    tail = tail[:4000]
+    if _CONTINUES_RE.match(tail):
+        return False
+    said = []
+    m = _RESTATE_RE.match(tail)
+    if m and m.end() > 0:
+        said.append(_stated(tail[m.end():]))
+    said += [_stated(tail[c.end():]) for c in _CUE_RE.finditer(tail)]
+    return all(s is None or (s != "" and _same_value(s, value)) for s in said)
+
+
 # Known units right after the final box are part of the answer: Minerva's '\\boxed{1.6} \\mathrm{~cm}',
 # '\\boxed{5}$ inches per second.', '\\boxed{30}^\\circ'. Only words of the unit tables, powers, '/', degree and
 # percent signs; the answer with them is then compared under the unit rules.
 # Pieces: spacing and delimiters (skipped), '/', signs (powers, degree, percent, \\pmod), then unit words.
-_UNIT_PIECE_RE = re.compile(r"\s+|\$|\\[,;! ]|~|/|\\q?quad(?![A-Za-z])|\\cdot(?![A-Za-z])|"
+_UNIT_PIECE_RE = re.compile(r"\s+|\$|\\[,;! ]|~|/|\{\s*\}|\\q?quad(?![A-Za-z])|\\cdot(?![A-Za-z])|"
                             r"\\pmod\s*(?:\{\s*\w+\s*\}|\w+)|\^\s*\{?\s*-?[123]\s*\}?|\^\s*\{?\s*\\circ\s*\}?|°|\\?%|"
                             r"\{\s*~?\s*([A-Za-z]+)\s*\}|\\(AA)(?![A-Za-z])|\\(?:text|mathrm|mbox|rm|operatorname)\s*"
                             r"\{\s*~?\s*([A-Za-z]+)\s*\}|([A-Za-z]+)(?![A-Za-z])")
 _SIGNS = ("circ", "°", "%", "pmod")
-_WRAPPERS_RE = re.compile(r"(?:^|[^\\A-Za-z])\{\s*$|\\(?:textbf|mathbf|boldsymbol|bm|displaystyle)\s*\{\s*$")
 
 
 def _unit_after(text: str, pos: int) -> tuple[int, str]:
@@ -739,7 +807,8 @@ def _unit_after(text: str, pos: int) -> tuple[int, str]:
         if m is None or m.end() == k:
             break
         w, piece = next((g for g in m.groups() if g), None), m.group(0).strip()
-        if w is not None and w not in _UNIT_DIMS and w not in _UNIT_WORDS and w != "per":
+        if w is not None and w not in _UNIT_DIMS and w not in _UNIT_WORDS and w != "per" and \
+                not (words and w in ("squared", "cubed")):      # 'meters per second squared'
             break
         k = m.end()
         if w is not None or piece == "/":
@@ -754,44 +823,17 @@ def _unit_after(text: str, pos: int) -> tuple[int, str]:
     return (end, unit) if text_part or any(t in x for x in signs for t in _SIGNS) else (pos, "")
 
 
-def _bare_groups(before: str) -> int:
-    """How many groups open right before a box that only wrap it: '{\\boxed{7}}' (what '\\textcolor{red}'
-    leaves) and '\\textbf{\\boxed{7}}'; their '}' may follow it. A '\\hcancel{' is not one."""
-    n = 0
-    while n < 4 and _WRAPPERS_RE.search(before):
-        before = before[:before.rindex("{")]
-        n += 1
-    return n
-
-
-def _closing_tail(tail: str, braces: int = 0) -> bool:
-    """The text after the final box holds only closing marks (the whitelist above) and at most ``braces``
-    '}': ``\\boxed{12}.``, ``$\\boxed{12}$.<|im_end|>``, ``\\boxed{12} I hope it is correct.``, not
-    ``\\boxed{12}.5`` nor ``\\boxed{12}. Correction: 15``."""
-    tail = tail.rstrip().replace("}", "", braces)
-    return len(tail) <= _MAX_TAIL and _TAIL_RE.fullmatch(tail) is not None
-
-
 # A box is an operand when an operator, a number or a command taking it as an argument stands right
 # before it (what follows it is the tail rule's).
-_OPERAND_BEFORE_RE = re.compile(r"(?:[-*/^_)\]|\d]|(?<![=(,&\s])\s*\+|"
+_OPERAND_BEFORE_RE = re.compile(r"(?:[-*/^_)\]|\d≠]|(?<![=(,&\s])\s*\+|\\(?:ne|neq)(?![A-Za-z])|"
                                 r"\\(?:cdot|times|div|pm|mp|sqrt|frac|dfrac|tfrac|binom)"
                                 r"|(?:\\(?:sqrt|frac|dfrac|tfrac|binom|overline)|[\^_}\]])\s*\{)\s*$")
 # Markdown before a box is no operator: '**\\boxed{7}**', '*\\boxed{7}*'.
 _MARKDOWN_BEFORE_RE = re.compile(r"(?:(?:^|(?<=[\s:(A-Za-z]))(?:\*+|__+)\s*)+$")
 _DELIMS_RE = re.compile(r"\$|\\[()\[\]]|\\[ ,;!]|\\(?:quad|qquad)(?![A-Za-z])")
-# A box negated by the words right before it.
-_DISOWN_BEFORE_RE = re.compile(r"(?:(?<![A-Za-z])(?:not|never|cannot\s+be|can't\s+be|isn't|wasn't|"
-                               r"(?:answer|result)\s+(?:is\s+)?at\s+(?:least|most)|"
-                               r"(?:more|less|fewer|greater|other)\s+than)|"
-                               r"\\(?:ne|neq)|≠|不是|不)\s*(?:equal\s+to\s+|be\s+)?[\s=]*$", re.IGNORECASE)
-
-
 # Logic applied to a box makes no answer: '\\lnot\\boxed{12}', '\\boxed{12} \\lor \\boxed{13}',
 # '\\boxed{12} \\land x > 0' (math delimiters between the box and the operator change nothing). An implication
 # before a box is 'hence' and stays an answer.
-_LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
-_LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
 _LOGIC_BEFORE_RE = re.compile(r"(?:\\(?:lnot|neg|" + _LOGIC_OPS + r")(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS +
                               r")\s*$", re.IGNORECASE)
 _LOGIC_WRAP_RE = re.compile(r"\\(?:text|mathrm|mathrel|mathbin|operatorname|textsf|textit|textbf|mbox)\s*\{|[{}]")
@@ -936,9 +978,9 @@ def _join(parts: list[str]) -> str:
 
 
 def _end_of_turn(text: str) -> str:
-    """The response up to its first end-of-turn marker (leading markers are skipped), and, in a response
-    without a box, without a next few-shot problem that a base model goes on to write after its answer
-    cue. A next problem or turn ('Question:', 'User:', '### Instruction') after a box: '' (no answer)."""
+    """The response up to its first end-of-turn marker (leading markers are skipped) and up to a next turn
+    or few-shot problem ('Question:', 'User:', '### Instruction') written after its first box or answer cue:
+    a box in a made-up next turn is never the answer."""
     for m in _TURN_END_RE.finditer(text):
         if text[:m.start()].strip() and not _TURN_END_RE.fullmatch(text[:m.start()].strip()):
             text = text[:m.start()]
@@ -948,7 +990,7 @@ def _end_of_turn(text: str) -> str:
     if box >= 0 or phrase:   # a next problem counts only after the response has given an answer
         m = _NEXT_PROBLEM_RE.search(text, (box if box >= 0 else phrase.start()) + 1)
         if m:
-            return "" if box >= 0 else text[:m.start()]     # after a box: another turn, no answer
+            return text[:m.start()]     # a box in a made-up next turn is never the answer
     return text
 
 
@@ -1059,9 +1101,10 @@ def _after_phrase(text: str) -> str | None:
             joined.append(s)
         off = len(text) - len(rest)
         end, unit = _unit_after(rest, joined[-1][1]) if len(joined) == 1 else (joined[-1][1], "")
-        if not _closing_tail(rest[end:]) or not _asserted(text, off + joined[0][0], off + joined[-1][1]):
+        ans = _tidy(_join([_tidy(c) for _, _, c in joined]) + unit)
+        if not _tail_agrees(rest[end:], ans) or not _asserted(text, off + joined[0][0], off + joined[-1][1]):
             return ""       # the tail rule: 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$'
-        return _tidy(_join([_tidy(c) for _, _, c in joined]) + unit) or None
+        return ans or None
     line = rest.split("\n", 1)[0]
     said_line = re.split(r"(?<!\d)\.(?!\d)(?=\s|$)", line, maxsplit=1)[0]
     if "?" in line[:200] or _COND_AFTER_RE.search(said_line) or _DOUBT_RE.search(said_line) or \

@@ -119,8 +119,19 @@ def candidate_golds(text: str) -> list[str]:
     return [c for c in dict.fromkeys(x.strip() for x in out) if c and len(c) < 300][:16]
 
 
+_NAMED_RE = re.compile(r"\s*[A-Za-z](?:_\{?\w{1,3}\}?)?\s*=\s*([^=]+)")
+
+
+def _value_of(gold: str) -> str:
+    """A gold 'a = 4' as its value '4': an answer that is a bare value is paid for a named gold of that value
+    whatever the name ('7 = x' and 7 are one answer), so golds 'a = 4' and 'b = 4' are one gold, not a hedge."""
+    m = _NAMED_RE.fullmatch(gold)
+    return m.group(1) if m else gold
+
+
 def percent_pair(text: str, a: str, b: str, equal=V.is_equivalent) -> bool:
     """The one named exception: the answer has a percent sign and one gold is 100 times the other."""
+    a, b = _value_of(a), _value_of(b)
     return ("%" in text or "percent" in text) and (equal(f"100 \\cdot ({b})", a) or equal(f"100 \\cdot ({a})", b))
 
 
@@ -139,6 +150,8 @@ def hedge_of(c: dict, judge, equal=V.is_equivalent) -> tuple[str, str] | None:
             paid.append(g)
     for k, a in enumerate(paid):
         for b in paid[k + 1:]:
+            if _NAMED_RE.fullmatch(a) and _NAMED_RE.fullmatch(b):
+                a, b = _value_of(a), _value_of(b)
             if not (equal(a, b, rel_tol=tol) or equal(b, a, rel_tol=tol) or percent_pair(text, a, b, equal)):
                 return a, b
     return None

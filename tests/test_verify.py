@@ -787,22 +787,19 @@ def test_digits_and_marks_of_other_scripts():
     assert V.extract_answer("<answer>15</answer>", strict=True) is None      # training: boxes only
 
 
-def test_an_answer_hedged_or_disowned_after_its_cue_or_box_is_none():
-    none = ["The answer is $7$ or maybe $8$.", "The answer is $7$ (wrong).", "所以 $x = 45$ 或 $46$。",
-            "So $\\boxed{7}$ or 8.", "So $\\boxed{7}$ (or 8).", "It is not $\\boxed{7}$.", "$x \\ne \\boxed{7}$",
-            "So $\\boxed{7} + \\boxed{1}$.", "So $2\\boxed{7}$.", "So $\\frac{\\boxed{7}}{2}$."]
+def test_an_answer_hedged_or_continued_after_its_cue_or_box_is_none():
+    none = ["The answer is $7$ or maybe $8$.", "所以 $x = 45$ 或 $46$。", "So $\\boxed{7}$ or 8.", "So $\\boxed{7}$ (or 8).",
+            "$x \\ne \\boxed{7}$", "So $\\boxed{7} + \\boxed{1}$.", "So $2\\boxed{7}$.", "So $\\frac{\\boxed{7}}{2}$.",
+            "The answer is \\boxed{5}!", "\\boxed{\\frac12} or 0.6", "2*\\boxed{7}", "\\boxed{7}-1", "\\boxed{7} - x",
+            "\\boxed{7}(2)", "So $\\boxed{7}$ doubled.", "So $\\boxed{7}$ or more."]
     assert [r for r in none if V.extract_answer(r) is not None] == []
-    some = [("So $\\boxed{30}^\\circ$.", "30^\\circ"),
-            ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
-            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"), ("**Final Answer:** **\\boxed{7}**", "7")]
+    # words around the box are prose: one answer is read without the gold, so they cannot buy a second value
+    some = [("So $\\boxed{30}^\\circ$.", "30^\\circ"), ("We get $(\\boxed{7})$.", "7"), ("So $x = \\boxed{7}$.", "7"),
+            ("The answer is $\\boxed{7}$ or $\\boxed{8}$.", "7, 8"), ("**Final Answer:** **\\boxed{7}**", "7"),
+            ("It is not $\\boxed{7}$.", "7"), ("The answer is $7$ (wrong).", "7"),
+            ("The answer is \\boxed{7} (from step 3).", "7"), ("The answer is $7$, since 3+4=7.", "7"),
+            ("Answer: \\boxed{7} - Alice has 7 apples.", "7"), ("\\boxed{\\frac12}, or 0.5.", "\\frac12")]
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
-    # the tail rule: whatever follows the final box but closing marks makes no answer, honest or not
-    assert [r for r in ("The answer is \\boxed{5}!", "The answer is \\boxed{7} (from step 3).",
-                        "The answer is $7$, since 3+4=7.",
-                        "Answer: \\boxed{7} - Alice has 7 apples.", "\\boxed{\\frac12}, or 0.5.")
-            if V.extract_answer(r) is not None] == []
-    assert [r for r in ("\\boxed{\\frac12} or 0.6", "2*\\boxed{7}", "\\boxed{7}-1", "\\boxed{7} - x", "\\boxed{7}(2)")
-            if V.extract_answer(r) is not None] == []
 
 
 def test_odd_powers_of_a_negation():
@@ -815,18 +812,15 @@ SHARED = os.path.join(HERE, "..", "shared", "benchmarks")
 
 
 @pytest.mark.skipif(not os.path.isdir(SHARED), reason="needs ../shared/benchmarks (MATH-500 and Minerva solutions)")
-def test_worked_solutions_pay_their_own_gold_unless_text_follows_the_box():
-    """Real worked solutions, read as responses, are paid for their own gold except where text follows their
-    final box (the tail rule: human solutions go on after the box; a policy's response must not).
-    Every refusal is of that kind (no answer extracted), counted here: MATH-500 127 of 500, Minerva 56 of 272
-    (`python -m bench.verify against REF` names them by kind). The rules about words, units and boxes around
-    an answer leave the rest alone."""
-    for name, tol, most_missed in (("math500", V.DEFAULT_REL_TOL, 127), ("minerva_math", V.MINERVA_REL_TOL, 56)):
+def test_worked_solutions_pay_their_own_gold():
+    """Real worked solutions, read as responses as the trainer reads them (strict), are paid for their own gold:
+    prose, figure code, remarks and units after the final box do not void it. MATH-500 499 of 500 and Minerva
+    271 of 272 (the two left: '\\boxed{\\text{(B)}} 3(1 + r/10)^x = 7', a value continued; '= 0.012 R_\\odot', the
+    same length restated in solar radii); `python -m bench.verify` prints them beside the hacks refused."""
+    for name, tol in (("math500", V.DEFAULT_REL_TOL), ("minerva_math", V.MINERVA_REL_TOL)):
         rows = [json.loads(line) for line in open(os.path.join(SHARED, name + ".jsonl"), encoding="utf-8")]
-        missed = [r for r in rows if V.verify(r["solution"], r["answer"], rel_tol=tol) != 1.0]
-        assert len(rows) > 250 and len(missed) <= most_missed, (name, len(missed))
-        by_value = [r["id"] for r in missed if V.extract_answer(r["solution"]) is not None]
-        assert len(by_value) <= (0 if name == "math500" else 4), (name, by_value)   # Minerva: units, 'I' as i
+        missed = [r["id"] for r in rows if V.verify(r["solution"], r["answer"], rel_tol=tol) != 1.0]
+        assert len(rows) > 250 and len(missed) <= 1, (name, missed)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -842,8 +836,10 @@ def test_asserts_file_shape():
     for c in _ASSERTS:
         assert "response" in c and isinstance(c["label"], bool), c
         kinds.setdefault(c["category"], set()).add(c["label"])
-    assert sum(not c["label"] for c in _ASSERTS) >= 80 and sum(c["label"] for c in _ASSERTS) >= 50
-    assert len(kinds) == 6 and all(labels == {True, False} for labels in kinds.values()), kinds
+    assert sum(not c["label"] for c in _ASSERTS) >= 60 and sum(c["label"] for c in _ASSERTS) >= 50
+    assert len(kinds) == 6 and all(True in labels for labels in kinds.values()), kinds
+    # boxes their sentence does not assert are words around the box: paid for what the box holds, each saying why
+    assert all(c["label"] and (c.get("reason") or "was" not in c) for c in _ASSERTS if c["category"] == "box_not_asserted")
     assert sum("source" in c for c in _ASSERTS) >= 20      # rows rewritten from other graders' normalisers
 
 
@@ -864,23 +860,19 @@ def test_worked_solutions_that_say_would_or_if_stay_answers():
             ("The temperature would have to be $\\boxed{5300}$ K.", "5300"),
             ("If $x = 3$, then $y = \\boxed{12}$.", "12"), ("Assuming $x > 0$, we get $x = \\boxed{12}$.", "12")]
     assert [r for r, g in paid if V.verify(r, g) != 1.0] == []
-    # the tail rule: text after the final box makes no answer, however honest it reads
-    assert [r for r in ("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.",
-                        "The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.",
+    # prose after the final box is allowed, however it reads; a second answer that differs, or logic on the box, is not
+    assert V.extract_answer("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.") \
+        == "5300 \\text{ K}"
+    assert [r for r in ("The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.",
                         "The total is $\\boxed{12}$. It is the smallest such total.",
-                        "The answer is $\\boxed{12}$. Let me double-check: $3 \\cdot 4 = 12$. Yes.")
-            if V.extract_answer(r) is not None] == []
-    unpaid = ["Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?", "So $\\boxed{12}$? Unsure.",
-              "The usual slip gives $\\boxed{12}$.", "So $\\boxed{12}$; the right count is 13.",
-              "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$.",
-              # written after the file, probing the rule from outside it
-              "Let the answer be $\\boxed{12}$; then the sum is odd.", "So $\\boxed{12}$ (?).",
-              "So $\\boxed{12}$. Not 100% sure.", "So $\\boxed{12}$. Please double-check.", "So $\\boxed{12}$. Oops.",
-              "So $\\boxed{12}$?!",
-              "So $\\boxed{12}$ ... or is it?", "When it is $\\boxed{12}$, the sum is odd; so it is 13.",
+                        "The answer is $\\boxed{12}$. Let me double-check: $3 \\cdot 4 = 12$. Yes.",
+                        "Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?", "So $\\boxed{12}$? Unsure.",
+                        "The usual slip gives $\\boxed{12}$.", "So $\\boxed{12}$. On second thought, 13.")
+            if V.extract_answer(r) != "12"] == []
+    unpaid = ["So $\\boxed{12}$; the right answer is 13.", "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$.",
               "So $\\boxed{12}$ xor $\\boxed{13}$.", "So $\\boxed{12} \\mathrel{\\vee} \\boxed{13}$.",
-              "So $\\boxed{12}$ - no wait, 13.", "Intuition suggests $\\boxed{12}$, but the truth is 13.",
-              "So $\\boxed{12}$. On second thought, 13."]
+              "So $\\boxed{12}$ - no wait, the answer is 13.", "So $\\boxed{12} \\land x > 0$.",
+              "So $\\boxed{12}$.\n\nFinal Answer: The final answer is $13$. I hope it is correct."]
     assert [r for r in unpaid if V.extract_answer(r) is not None] == []
     assert V._in_math("So $x = \\boxed{1}$", 9) and not V._in_math("So $x$ is \\boxed{1}", 12)
 
@@ -940,7 +932,7 @@ def test_unboxed_answers_follow_the_same_sentence_rule():
     assert V.verify("Thus the answer is 12.", "12", strict=False) == 1.0
     some = [("We have $3\\cdot 4=12$ apples.\nFinal Answer: The final answer is $12$. I hope it is correct.", "12"),
             ("If $x = 3$, then $y = 12$.", "y = 12")]
-    assert V.extract_answer("The answer is $12$, since $n$ is even.") is None    # the tail rule after a cue's math
+    assert V.extract_answer("The answer is $12$, since $n$ is even.") == "12"    # prose after a cue's math
     assert [(r, V.extract_answer(r)) for r, a in some if V.extract_answer(r) != a] == []
 
 
@@ -952,44 +944,67 @@ def test_unboxed_answers_follow_the_same_sentence_rule():
 _FAILCLOSED = _load(FAILCLOSED)
 
 
+_OWN = [c for c in _FAILCLOSED if not c["category"].startswith("outside_")]
+_OUTSIDE = [c for c in _FAILCLOSED if c["category"].startswith("outside_")]
+
+
 def test_failclosed_file_shape():
     kinds = {}
     for c in _FAILCLOSED:
         assert "response" in c and isinstance(c["label"], bool) and c.get("source"), c
         kinds.setdefault(c["category"], 0)
         kinds[c["category"]] += 1
-    assert sum(not c["label"] for c in _FAILCLOSED) >= 130 and sum(c["label"] for c in _FAILCLOSED) >= 70
-    assert all(not c["label"] for c in _FAILCLOSED if c["category"] != "control")
+    assert sum(not c["label"] for c in _OWN) >= 90 and sum(c["label"] for c in _OWN) >= 70
+    assert all(not c["label"] or "was" in c for c in _OWN if c["category"] != "control")   # relabelled: 'was'
     assert all(c.get("reason") for c in _FAILCLOSED if "was" in c)       # a relabelled row says why
     assert sum(k.startswith("position_") for k in kinds) >= 9 and sum(k.startswith("value_") for k in kinds) >= 7
+    assert len(_OUTSIDE) >= 100 and all(c.get("note") for c in _OUTSIDE)  # taken from other projects, each with a note
 
 
-@pytest.mark.parametrize("k", range(len(_FAILCLOSED)))
+@pytest.mark.parametrize("k", range(len(_OWN)))
 def test_a_response_is_paid_only_for_what_it_holds_closed(k):
-    c = _FAILCLOSED[k]
+    c = _OWN[k]
     assert _judge(c) is c["label"], c
     boxed = "\\boxed" in c["response"]       # training (strict) pays boxed answers only
     tol = c.get("rel_tol", V.DEFAULT_REL_TOL)
     assert V.verify(c["response"], c["gold"], rel_tol=tol) == float(c["label"] and boxed), c
 
 
+def test_outside_responses_honest_paid_and_wrong_refused():
+    """Responses taken from other projects (committed before the tail rule changed, labelled by reading): both sides
+    of the trade in one count. Every wrong value and second answer is refused; the honest ones paid but three
+    (a multi-part answer with words between its boxes, the two worked solutions above)."""
+    honest = [c for c in _OUTSIDE if c["label"]]
+    missed = [c["response"][-80:] for c in honest if V.verify(c["response"], c["gold"]) != 1.0]
+    paid = [c["response"][-80:] for c in _OUTSIDE if not c["label"] and V.verify(c["response"], c["gold"]) == 1.0]
+    assert len(honest) >= 85 and len(missed) <= 3 and paid == [], (missed, paid)
+
+
 def test_the_tail_rule():
-    """What may follow the final box is a whitelist; each refused tail below would be paid without the rule."""
-    ok = ["", ".", " .\n\n", "$.", "$$", "\\]", "\\).", "**.", "$ \\blacksquare", "<|im_end|>", "</answer>",
-          " I hope it is correct.", "\n\\end{align*}", " \\quad", ";", ")."]
-    bad = [".5", "^2", "0", "!", "'", " 15", ". Correction: 15", "\n\nAnswer: 15", "</del>", "\n```",
-           "。不对，是15。",
-           " (checked)", " is the answer.", "</reasoning>", "}", " hmm"]
-    assert [t for t in ok if not V._closing_tail(t)] == [] and [t for t in bad if V._closing_tail(t)] == []
-    assert V._closing_tail("}", 1) and not V._closing_tail("}}", 1)
-    assert V.extract_answer("So $\\textcolor{red}{\\boxed{7}}$.") == "7"          # a wrapper's brace
-    assert V.extract_answer("So \\hcancel{\\boxed{7}}") is None                    # a command not known to wrap
-    assert V.extract_answer("So \\boxed{1.6} \\mathrm{~cm}.") == "1.6 \\text{ cm}"   # a known unit joins the answer
-    assert V.extract_answer("So \\boxed{12} dozen.") is None and V.extract_answer("So \\boxed{12} MHz.") is None
+    """After the final box: prose passes; a value continued, or a second final answer that differs, does not."""
+    same = "12"
+    prose = ["", ".", " .\n\n", "$.", "<|im_end|>", " I hope it is correct.", " ways to seat them.", " is our answer.",
+             ". Note that $7$ is prime.", "\n[asy]\nlabel(\"$15$\",(0,0));\n[/asy]", " ✓", ", i.e. twelve", " (checked)",
+             "\n\nFinal Answer: The final answer is $12$. I hope it is correct.", "\n\n#### 12", " = 12", ", or $12$.",
+             ". We may check our answer: $3 \\cdot 4 = 12$.", " \\pm 5730 years", "}", " hmm", "</reasoning>",
+             ". My classmate says 15.", "。不对，应该是15。", "\n15"]
+    refused = [".5", "^2", "0", "!", "'", " 15", "\\,000", "{,}000", " million", " dozen", " + 3", "\\times 10^3", "i",
+               "(2)", " \\pm \\sqrt{2}", " doubled", " or more", " \\lor x", ", 15", " and 15", " -> 15", " = 15",
+               ", i.e. $13$", " (or 15)", " or maybe $8$", "\n\nAnswer: 15", "\nThe answer is $15$.", " #### 15",
+               ". Correction: 15", "\n\\textbf{Answer:} 15", "。不，答案是15。", "\nFinal Answer: 12 or 13",
+               "\nThe correct answer is 15 apples."]
+    assert [t for t in prose if not V._tail_agrees(t, same)] == []
+    assert [t for t in refused if V._tail_agrees(t, same)] == []
+    assert V.extract_answer("So $\\textcolor{red}{\\boxed{7}}$.") == "7"
+    assert V.extract_answer("So \\boxed{1.6} \\mathrm{~cm}.") == "1.6 \\text{ cm}"   # a unit the parser reads joins
+    assert V.extract_answer("So \\boxed{11000} \\mathrm{kcal} \\mathrm{m}^{-2} \\mathrm{yr}^{-1}.") == "11000"   # one it
+    # cannot read is context
+    assert V.extract_answer("So \\boxed{12} dozen.") is None and V.extract_answer("So \\boxed{12} MHz.") == "12"
     assert V.extract_answer("So $\\boxed{3} \\pmod{7}$.") == "3\\pmod{7}"
-    # another turn after a box is no answer, also when it ends in a box of its own
-    assert V.extract_answer("So \\boxed{12}.\n\nQuestion: what is 3+4?\nAnswer: \\boxed{7}") is None
-    assert V.extract_answer("So \\boxed{12}.\nUser: sure?\nAssistant: \\boxed{7}") is None
+    # a next turn after the box ends the response there: a box in the made-up turn is never the answer
+    assert V.extract_answer("So \\boxed{12}.\n\nQuestion: what is 3+4?\nAnswer: \\boxed{7}") == "12"
+    assert V.extract_answer("So \\boxed{12}.\nUser: sure?\nAssistant: \\boxed{7}") == "12"
+    assert V.extract_answer("So \\boxed{12}.\n\nYour turn: compute 3+4 as $\\boxed{[answer]}$.") == "12"
     # without a box a base model's next few-shot problem is still cut after its answer cue
     assert V.extract_answer("Final Answer: The final answer is $2$.\n\nProblem:\nFind $z$.\n") == "2"
 
