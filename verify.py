@@ -12,7 +12,7 @@ Public API
     The response's answer, decided from the response alone (the gold is never looked at): cut at its
     first end-of-turn marker, nothing inside ``<think>`` (departure 24), nothing hidden. Then the last
     ``\\boxed{...}`` / ``\\fbox{...}``, joined with the boxes just before it when only ``,`` / ``and`` /
-    ``x =`` separate them (departure 16), under the strictness rule below (the tail rule first); an
+    ``x =`` separate them (departure 16), under the strictness rule below (the tail rule); an
     unclosed or refused last box is no answer. ``strict=True`` (training) is boxed only. With
     ``strict=False`` a response without a box falls back to ``<answer>..</answer>``, the math after the
     last answer cue ("answer is", "Answer:", "####", ``所以``, Minerva's "The final answer is $X$. I hope it
@@ -31,6 +31,8 @@ Public API
     of start-up, so it pays off from a few thousand responses). As with any spawn pool, the calling
     script needs the usual ``if __name__ == "__main__":`` guard. If the pool fails, the remaining
     items are scored in-process.
+``box_refused(text) -> bool``
+    A box is written but no answer is read from it (a reading rule refused it, not its value).
 ``last_boxed(text) -> str | None``
     Content of the last outermost box of text, brace-matched, or None: the reader of golds
     (data/prepare.py takes a worked solution's answer with it).
@@ -69,21 +71,14 @@ then compared (``is_equivalent``), so a hedge (``\\boxed{2} \\boxed{4}``, "I tri
 \\boxed{9}") is paid for its last answer only. The one dual reading kept is percent (departure 4).
 test_verify.py checks it over every case file against every box, join, math span and number in it.
 
-- Position (the tail rule, ``_closing_tail``): the final box is the answer only when what follows it is,
-  by a whitelist, closing punctuation (``.`` ``,`` ``;`` ``:`` ``)`` ``]``; not ``!`` nor ``?``), math
-  delimiters and environment ends, spacing, markdown emphasis, end-of-proof marks, end-of-turn markers
-  (``<|im_end|>`` ``</s>`` ``<|eot_id|>`` ``<end_of_turn>`` ...), ``</answer>``, Minerva's "I hope it is
-  correct", the ``}`` of a group that only wraps the box (``\\textbf{..}``, what ``\\textcolor`` leaves) and
-  one run of known units (``_unit_after``: words of the unit tables, ``/``, powers, ``^\\circ``, ``\\%``,
-  ``\\pmod{m}``), which joins the answer and is compared under the unit rules. Anything else (a digit, a
-  word, a cue, a retraction in any language, another turn, markup, a code fence, the end of a reasoning tag
-  other than ``<think>``) makes no answer; a next "Question:" / "User:" / "### Instruction" after a box does
-  too. Human worked solutions go on after the box: that cost is counted (bench.verify against).
-- Before the box (kept, not extended): a box is no answer when it is an operand (``-\\boxed{7}``,
-  ``\\frac{\\boxed{7}}{2}``), hidden (``\\phantom``, ``\\cancel``, ``\\sout``, a comment, white text,
-  ``~~struck~~``), negated ("not \\boxed{7}", ``\\ne \\boxed{7}``), under a logic operator (``\\lnot``), or not
-  asserted by its sentence (``_asserted``: inside a condition, attributed to an error; "If $x = 3$, then
-  $y = \\boxed{12}$" stays one); a box inside a box beside other content and an unclosed box are none.
+- Position (the tail rule, ``_tail_agrees``): the final box is the answer and prose after it is allowed (words,
+  notes, figure code, a made-up next turn, which ends the response): one answer is read without the gold, so
+  words cannot buy a second value. What follows may not continue the value (a digit, ``.5``, ``\\,000``, an
+  operator with its operand, a power, ``!``, a scale or bound word, logic) nor state another final answer that
+  differs from it (a whitelist of answer cues, ``_CUE_RE``; a restatement joined to the box: ``, i.e.``, ``=``,
+  ``or``); the same value restated pays. A unit after the box the parser reads joins the answer (``_unit_after``).
+- Before the box: an operand (``-\\boxed{7}``, ``\\frac{\\boxed{7}}{2}``, ``\\ne \\boxed{7}``), hidden content
+  (``\\phantom``, ``~~struck~~``, a comment), a logic operator and an unclosed box make no answer; words do not.
 - Value (``_same_marks``, ``_val_equal``): a unit, scale word or macro the unit table does not know makes
   the answer unequal to any gold without the same text (``12 \\text{ MHz}`` is not ``12 \\text{ Hz}`` nor 12);
   known units are dropped only against none or the same one (``5 km`` is not ``5 m``); percent is read
@@ -96,8 +91,8 @@ test_verify.py checks it over every case file against every box, join, math span
   factor beside a non-number (``k0``, ``0x``), qualifying words in a box's text (``12 \\text{ or thirteen}``,
   ``\\text{about } 12``), false chains (``x = 2+2 = 5``, an approximation of no one value), open lists, numbers
   side by side (``7 0``), a choice letter followed by anything but its value.
-- Without a box (``strict=False``, evaluation only): the answer cue's math is read under the tail rule; the
-  last math span or the last number under the sentence rule, with word lists of hedges and doubts after it.
+- Without a box (``strict=False``, evaluation only): the answer cue's math under the tail rule and the sentence
+  rule (``_asserted``); the last math span or the last number under the sentence rule.
 
 ``data/verify_hacking.jsonl``, ``verify_rl.jsonl``, ``verify_asserts.jsonl`` and ``verify_failclosed.jsonl``
 hold the forms a policy could try, by kind, each with honest controls.
@@ -478,6 +473,13 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
     return num
 
 
+def box_refused(text: str) -> bool:
+    """The response holds a box but the trainer's reader (``extract_answer(strict=True)``) takes no answer from it:
+    refused by a reading rule (a value continued, a second answer that differs, an operand, an unclosed box),
+    not by its value. The trainer logs the share per step (metrics.py, reward/box_refused)."""
+    return isinstance(text, str) and ("\\boxed" in text or "\\fbox" in text) and extract_answer(text, strict=True) is None
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last outermost \\boxed{...} / \\fbox{...} of text, brace-matched (escaped braces are
     literal; '\\boxed 5' gives the next token); None when there is none or a box is unclosed. The reader
@@ -702,42 +704,52 @@ def _final_group(text: str) -> list | None:
     return out if _tail_agrees(text[unit_end:], _join([c for _, _, c in out])) else None
 
 
-# What follows the final answer (the tail rule). The final box is the answer and prose after it is allowed: one
-# answer is read per response without the gold, so words after it ('so there are \\boxed{12} ways', '[asy]..',
-# 'but my classmate says 15') can never be paid for another value. What the tail may not do is change the value
-# or give a second one: continue it (a digit, '.5', ',000', '\\,000', an operator with its operand, a power, a
-# factorial, a prime, a scale word) or state another final answer that differs from it (an answer cue of the
-# whitelist below, or a restatement joined to it: ', i.e.', '(that is', '=', 'or', '->'). The same value pays.
+# The tail rule (what follows the final answer; the module docstring's "Position"). Prose passes. Refused: the
+# value continued (glued to the box: a digit, a letter, '!', "'", '_', '(', a power that is not a prime; across a
+# delimiter: '.5', ',000', ' 15', an operator with its operand, '\\pm \\sqrt2' but not '\\pm 5730 years'; a scale or
+# bound word; logic), or a second answer that differs: a restatement joined to the box or an answer cue below.
 _LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
 _LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
 _CONTINUES_RE = re.compile(
-    r"(?:\d|[A-Za-z]|[!'_(]|\^(?!\s*\{?\s*\\prime)|\{\s*\}(?!\s*\^\s*\{?\s*\\circ)|\\(?:frac|dfrac|tfrac|sqrt|binom)(?![A-Za-z]))|"  # glued
-    r"(?:\s*(?:\$|\\[)\]]))?(?:[.,]\d|(?:\\[,!; ]|\{,\}|[ \t])\d{3}(?!\d)|[ \t]+\d|"    # '$.5', '\\,000', ' 15'
-    r"\s*(?:[-+*/×÷·]|\\(?:times|cdot|div|mp)(?![A-Za-z]))\s*(?:[\d(\\{]|[A-Za-z](?![A-Za-z]))|"
-    r"\s*\\pm(?!\s*[\d.]+(?![\d.]*\s*[-+*/^\\]))|"            # '\\pm \\sqrt{2}' ('\\pm 5730 years' is an uncertainty)
-    r"\s*(?:\\(?:text|mathrm|mbox)\s*\{\s*)?(?:thousand|million|billion|trillion|hundred|dozen|lakh|crore|"
-    r"gross|score|myriad|squared|cubed|doubled|tripled|halved|factorial)s?(?![A-Za-z])|"
-    r"\s*(?:or\s+(?:more|less|fewer|greater|higher|lower|above|below)|and\s+(?:up|above|below|over)|at\s+(?:least|"
-    r"most)|(?:plus|minus|times)\s+\S)(?![A-Za-z])|"                   # words that bound or change the value
-    r"\s*(?:\$\s*)?(?:\\(?:" + _LOGIC_OPS + r"|lnot|neg)(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS + r"))",  # logic on it
-    re.IGNORECASE)
+    r"(?:\d|[A-Za-z]|[!'_(]|\^(?!\s*\{?\s*\\prime)|\{\s*\}(?!\s*\^\s*\{?\s*\\circ)|"
+    r"\\(?:frac|dfrac|tfrac|sqrt|binom)(?![A-Za-z]))|(?:\s*(?:\$|\\[)\]]))?(?:[.,]\d|(?:\\[,!; ]|\{,\}|[ \t])\d{3}"
+    r"(?!\d)|[ \t]+\d|\s*(?:[-+*/×÷·]|\\(?:times|cdot|div|mp)(?![A-Za-z]))\s*(?:[\d(\\{]|[A-Za-z](?![A-Za-z]))|"
+    r"\s*\\pm(?!\s*[\d.]+(?![\d.]*\s*[-+*/^\\]))|\s*(?:\\(?:text|mathrm|mbox)\s*\{\s*)?(?:thousand|million|billion|"
+    r"trillion|hundred|dozen|lakh|crore|gross|score|myriad|squared|cubed|doubled|tripled|halved|factorial)s?"
+    r"(?![A-Za-z])|\s*(?:or\s+(?:more|less|fewer|greater|higher|lower|above|below)|and\s+(?:up|above|below|over)|"
+    r"at\s+(?:least|most)|(?:plus|minus|times)\s+\S)(?![A-Za-z])|"
+    r"\s*(?:\$\s*)?(?:\\(?:" + _LOGIC_OPS + r"|lnot|neg)(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS + r"))", re.IGNORECASE)
 _RESTATE_RE = re.compile(r"\s*(?:\$\$?|\\[)\]])?\s*(?:,\s*)?(?:(?:i\.\s?e\.?|that\s+is(?:\s+to\s+say)?|in\s+other\s+"
                          r"words|namely|equivalently|or|and|which\s+(?:is|equals))(?![A-Za-z])[,:]?|或者?|"
                          r"\(\s*(?:i\.\s?e\.?|that\s+is|or)(?![A-Za-z])[,:]?|=>|=|\\to|->|\\(?:Rightarrow|implies)|"
                          r"[⇒→]|,(?=\s*(?:[-\d(]|\$\s*[-\d(\\]|\\[(\[])))", re.IGNORECASE)
-# The answer statements after the box, a whitelist: a line that opens with 'Answer:' / '####' / 'Correction:'
-# (a value that replaces the box's), 'the / final / correct answer is', '答案', the words for 'answer' of other
-# scripts, an <answer> tag. 'We may check our answer: ...' is none.
-_CUE_RE = re.compile(r"(?:(?:^|(?<=[.!?;$)\]]))[ \t>#*]*(?:\\textbf\s*\{)?(?:final\s+)?|(?:final|the|correct|right|true|actual|my)\s+)answer\s*(?:\*\*|\})?"
-                     r"\s*(?:is|:|：|=)|####|答案\s*(?:是|为|為)?|(?:réponse|respuesta|resposta|antwort|"
-                     r"risposta|ответ|答え|정답)\s*(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>|"
-                     r"(?:^|(?<=[.!?;$)\]]))[ \t*]*(?:correction|erratum|revised|corrected|updated?)(?:\s+answer)?\s*[:：]",
-                     re.IGNORECASE | re.MULTILINE)
+# Answer statements, a whitelist: 'Answer:' / 'Correction:' opening a line or sentence, 'the / final / correct
+# answer is', '####', '答案', 'answer' in other scripts, <answer>. 'We may check our answer: ...' is none.
+_CUE_RE = re.compile(r"(?:(?:^|(?<=[.!?;$)\]]))[ \t>#*]*(?:\\textbf\s*\{)?(?:final\s+)?|(?:final|the|correct|right|"
+                     r"true|actual|my)\s+)answer\s*(?:\*\*|\})?\s*(?:is|:|：|=)|####|答案\s*(?:是|为|為)?|(?:réponse|"
+                     r"respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>|"
+                     r"(?:^|(?<=[.!?;$)\]]))[ \t*]*(?:correction|erratum|revised|corrected|updated?)(?:\s+answer)?"
+                     r"\s*[:：]", re.IGNORECASE | re.MULTILINE)
 _STATED_RE = re.compile(r"(?:\\boxed|\\fbox|\$|\\[(\[]|-?\.?\d|\\(?:frac|dfrac|sqrt|pi|infty|text)(?![A-Za-z])|"
                         r"\(\s*[A-E]\s*\)|[A-E](?![A-Za-z'])|[-(\[{])")
 _LEAD_RE = re.compile(r"(?:[A-Za-z']+\s+){0,4}?(?:is|are|was|equals|should\s+be|=)\s+")
 _CLAUSE_END_RE = re.compile(r"(?<!\d)\.(?!\d)|[;\n。]|,\s|\s+(?:since|because|as|so|for|when|where|if|from|by)\s")
 _HEDGE_START_RE = re.compile(r"(?:maybe|perhaps|possibly|probably|either|might|not)(?![A-Za-z])", re.IGNORECASE)
+
+
+def _lead_math(rest: str) -> tuple[int, int, str] | None:
+    """(start, end, answer) of the math spans that open rest (after spacing, ':' and '*'), joined as one answer,
+    with a known unit after them; None when rest does not open with math."""
+    spans = _math_spans(rest)
+    if not spans or rest[:spans[0][0]].strip(" \t\n:*"):
+        return None
+    joined = [spans[0]]
+    for s in spans[1:]:
+        if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
+            break
+        joined.append(s)
+    end, unit = _unit_after(rest, joined[-1][1]) if len(joined) == 1 else (joined[-1][1], "")
+    return joined[0][0], end, _tidy(_join([_tidy(c) for _, _, c in joined]) + unit)
 
 
 def _stated(rest: str) -> str | None:
@@ -755,15 +767,9 @@ def _stated(rest: str) -> str | None:
     if rest.startswith(_BOX_CMDS):
         box = _outer_boxes(rest)
         return box[0][2] if box and box[0][0] == 0 else None
-    spans = _math_spans(rest)
-    if spans and spans[0][0] == 0:
-        joined = [spans[0]]
-        for s in spans[1:]:
-            if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
-                break
-            joined.append(s)
-        end, unit = _unit_after(rest, joined[-1][1]) if len(joined) == 1 else (joined[-1][1], "")
-        return _tidy(_join([_tidy(c) for _, _, c in joined]) + unit)
+    lead = _lead_math(rest)
+    if lead is not None:
+        return lead[2]
     said = _tidy(_CLAUSE_END_RE.split(rest, maxsplit=1)[0])
     if re.search(r"(?<![\\A-Za-z])[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", " ", said)):
         if _HEDGE_WORDS_RE.search(said):
@@ -1092,17 +1098,11 @@ def _after_phrase(text: str) -> str | None:
     if m is None:
         return None
     rest = text[m.end():].lstrip(" \t*")
-    spans = _math_spans(rest)
-    if spans and spans[0][0] == 0 or (spans and not rest[:spans[0][0]].strip(" \t\n:*")):
-        joined = [spans[0]]
-        for s in spans[1:]:
-            if len(joined) >= _MAX_JOIN or not _is_join_gap(rest[joined[-1][1]:s[0]]):
-                break
-            joined.append(s)
+    lead = _lead_math(rest)
+    if lead is not None:
+        start, end, ans = lead
         off = len(text) - len(rest)
-        end, unit = _unit_after(rest, joined[-1][1]) if len(joined) == 1 else (joined[-1][1], "")
-        ans = _tidy(_join([_tidy(c) for _, _, c in joined]) + unit)
-        if not _tail_agrees(rest[end:], ans) or not _asserted(text, off + joined[0][0], off + joined[-1][1]):
+        if not _tail_agrees(rest[end:], ans) or not _asserted(text, off + start, off + end):
             return ""       # the tail rule: 'the answer is $7$ or maybe $8$', '所以 $x = 45$ 或 $46$'
         return ans or None
     line = rest.split("\n", 1)[0]
