@@ -9,265 +9,230 @@ answer and decides whether it is mathematically the same as the gold. Used for t
 Public API
 ----------
 ``extract_answer(text, *, strict=False, last_number=True) -> str | None``
-    The response's answer, decided from the response alone (the gold is never looked at): cut at its
-    first end-of-turn marker, nothing inside ``<think>`` (departure 24), nothing hidden. Then the last
-    ``\\boxed{...}`` / ``\\fbox{...}``, joined with the boxes just before it when only ``,`` / ``and`` /
-    ``x =`` separate them (departure 16), under the strictness rule below (the tail rule); an
-    unclosed or refused last box is no answer. ``strict=True`` (training) is boxed only. With
-    ``strict=False`` a response without a box falls back to ``<answer>..</answer>``, the math after the
-    last answer cue ("answer is", "Answer:", "####", ``所以``, Minerva's "The final answer is $X$. I hope it
-    is correct."), the last math span, then (``last_number=True``) the last number with its unit word.
+    The response's answer, decided from the response alone (the gold is never looked at): cut at its first end-of-turn
+    marker, nothing inside ``<think>`` (departure 24), nothing hidden. Then the last ``\\boxed{...}`` /
+    ``\\fbox{...}``, joined with the boxes just before it when only ``,`` / ``and`` / ``x =`` separate them (departure
+    16), under the strictness rule below (the tail rule); an unclosed or refused last box is no answer.
+    ``strict=True`` (training) is boxed only. With ``strict=False`` a response without a box falls back to
+    ``<answer>..</answer>``, the math after the last answer cue ("answer is", "Answer:", "####", ``所以``, Minerva's
+    "The final answer is $X$. I hope it is correct."), the last math span, then (``last_number=True``) the last number
+    with its unit word.
 ``is_equivalent(pred, gold, *, rel_tol=DEFAULT_REL_TOL) -> bool``
-    Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math
-    delimiters or a box, and the gold may be a whole worked solution: its last box is the answer. A
-    sentence (words around the math, ``Thus $x \\ge 5$ is the solution.``) is read like a response:
-    its answer is what ``extract_answer(.., last_number=False)`` finds (never just its last number:
-    ``cos(t)+sin(t)^2`` is not a sentence whose answer is 2).
+    Compares two answer strings (see "How answers are compared" below). Either may be wrapped in math delimiters or a
+    box, and the gold may be a whole worked solution: its last box is the answer. A sentence (words around the math,
+    ``Thus $x \\ge 5$ is the solution.``) is read like a response: its answer is what ``extract_answer(..,
+    last_number=False)`` finds (never just its last number: ``cos(t)+sin(t)^2`` is not a sentence whose answer is 2).
 ``verify(response, gold, *, strict=True, rel_tol=DEFAULT_REL_TOL) -> float``
     1.0 or 0.0. Never raises. Anything over a cap scores 0.0 and is counted.
 ``verify_batch(responses, golds, *, workers=0, strict=True, rel_tol=...) -> list[float]``
-    Order kept. ``workers`` 0 or 1 = in this process; > 1 = a "spawn" process pool (safe after
-    CUDA/torch initialisation, unlike fork), created and shut down within the call (about a second
-    of start-up, so it pays off from a few thousand responses). As with any spawn pool, the calling
-    script needs the usual ``if __name__ == "__main__":`` guard. If the pool fails, the remaining
-    items are scored in-process.
+    Order kept. ``workers`` 0 or 1 = in this process; > 1 = a "spawn" process pool (safe after CUDA/torch
+    initialisation, unlike fork), created and shut down within the call (about a second of start-up, so it pays off
+    from a few thousand responses). As with any spawn pool, the calling script needs the usual ``if __name__ ==
+    "__main__":`` guard. If the pool fails, the remaining items are scored in-process.
 ``box_refused(text) -> bool``
     A box is written but no answer is read from it (a reading rule refused it, not its value).
 ``last_boxed(text) -> str | None``
-    Content of the last outermost box of text, brace-matched, or None: the reader of golds
-    (data/prepare.py takes a worked solution's answer with it).
+    Content of the last outermost box of text, brace-matched, or None: the reader of golds (data/prepare.py takes a
+    worked solution's answer with it).
 ``stats() -> dict`` / ``reset_stats()``
-    Module-level counters (calls, limit hits, parse failures, internal errors). The only global
-    state in this file. ``verify_batch`` adds its workers' counters to the caller's.
+    Module-level counters (calls, limit hits, parse failures, internal errors). The only global state in this file.
+    ``verify_batch`` adds its workers' counters to the caller's.
 ``DEFAULT_REL_TOL`` (1e-4, MATH-style golds) and ``MINERVA_REL_TOL`` (1e-2: Minerva golds are
     rounded to about three significant figures, which is up to 0.5% off the exact value).
 
 How answers are compared
 ------------------------
-1. Both strings are cleaned (spacing macros, ``\\left``/``\\right``, ``\\mathrm``-style font
-   wrappers, ``$``, ``\\$``, degrees, thousands separators, trailing ``\\text{units}``), then parsed by
-   the recursive-descent parser below into sympy objects, built directly (``Integer``, ``Rational``,
-   ``Symbol``, ``Add``, ``Mul``, ``Pow``, ``sin`` ... with ``evaluate=False``), wrapped in small
-   structure nodes: tuples/intervals (bracket kinds kept), sets, bare lists, unions, matrices,
-   equations, plain text, multiple-choice letters.
-2. Two expressions are equal when they agree at a few seeded pseudo-random rational points for their
-   free symbols (one "point" when there are none). Evaluation is our own walk over the sympy tree:
-   exact ``fractions.Fraction`` arithmetic while only + - * / and integer powers appear, otherwise
-   mpmath at 50 digits. Exact vs exact: identical Fractions, or agreement to 1e-44 relative plus the
-   rounding that cancellation can leave (``NOISE`` times the largest term summed or angle of a
-   periodic function): ``\\sin \\pi`` is 0, ``e^{-1000}`` and ``\\sqrt{10^{40}+1} - 10^{20}`` are not. When
-   either side contains a decimal literal: relative tolerance ``rel_tol``. sympy's ``simplify`` is
-   never called, and the cost of each evaluation is bounded by the caps.
+1. Both strings are cleaned (spacing macros, ``\\left``/``\\right``, ``\\mathrm``-style font wrappers, ``$``, ``\\$``,
+   degrees, thousands separators, trailing ``\\text{units}``), then parsed by the recursive-descent parser below into
+   sympy objects, built directly (``Integer``, ``Rational``, ``Symbol``, ``Add``, ``Mul``, ``Pow``, ``sin`` ... with
+   ``evaluate=False``), wrapped in small structure nodes: tuples/intervals (bracket kinds kept), sets, bare lists,
+   unions, matrices, equations, plain text, multiple-choice letters.
+2. Two expressions are equal when they agree at a few seeded pseudo-random rational points for their free symbols (one
+   "point" when there are none). Evaluation is our own walk over the sympy tree: exact ``fractions.Fraction``
+   arithmetic while only + - * / and integer powers appear, otherwise mpmath at 50 digits. Exact vs exact: identical
+   Fractions, or agreement to 1e-44 relative plus the rounding that cancellation can leave (``NOISE`` times the
+   largest term summed or angle of a periodic function): ``\\sin \\pi`` is 0, ``e^{-1000}`` and ``\\sqrt{10^{40}+1} -
+   10^{20}`` are not. When either side contains a decimal literal: relative tolerance ``rel_tol``. sympy's
+   ``simplify`` is never called, and the cost of each evaluation is bounded by the caps.
 3. Undefined values (0/0, division by zero, nan, zoo) make the answer unequal to everything.
 
 What counts as an answer (the strictness rule)
 ----------------------------------------------
-Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in.
-So the reward fails closed. The principle: every leniency is a whitelist; what this file does
-not fully understand pays 0, so the next unseen hack is refused by rule, not by a new word list.
+Under RL the verifier is the objective: a form that scores 1 without being the answer is trained in. So the reward
+fails closed. The principle: every leniency is a whitelist; what this file does not fully understand pays 0, so the
+next unseen hack is refused by rule, not by a new word list.
 
-One answer, one reward: the response's answer is decided from the response alone (``extract_answer``),
-then compared (``is_equivalent``), so a hedge (``\\boxed{2} \\boxed{4}``, "I tried \\boxed{2}; no, it is
-\\boxed{9}") is paid for its last answer only. The one dual reading kept is percent (departure 4).
-test_verify.py checks it over every case file against every box, join, math span and number in it.
+One answer, one reward: the response's answer is decided from the response alone (``extract_answer``), then compared
+(``is_equivalent``), so a hedge (``\\boxed{2} \\boxed{4}``, "I tried \\boxed{2}; no, it is \\boxed{9}") is paid for
+its last answer only. The one dual reading kept is percent (departure 4). test_verify.py checks it over every case
+file against every box, join, math span and number in it.
 
-- Position (the tail rule, ``_tail_agrees``): the final box is the answer and prose after it is allowed (words,
-  notes, figure code, a made-up next turn, which ends the response): one answer is read without the gold, so
-  words cannot buy a second value. What follows may not continue the value (a digit, ``.5``, ``\\,000``, an
-  operator with its operand, a power, ``!``, a scale or bound word, logic) nor state another final answer that
-  differs from it (a whitelist of answer cues, ``_CUE_RE``; a restatement joined to the box: ``, i.e.``, ``=``,
-  ``or``); the same value restated pays. A unit after the box the parser reads joins the answer (``_unit_after``).
+- Position (the tail rule, ``_tail_agrees``): the final box is the answer and prose after it is allowed (words, notes,
+  figure code, a made-up next turn, which ends the response): one answer is read without the gold, so words cannot buy
+  a second value. What follows may not continue the value (a digit, ``.5``, ``\\,000``, an operator with its operand,
+  a power, ``!``, a scale or bound word, logic) nor state another final answer that differs from it (a whitelist of
+  answer cues, ``_CUE_RE``; a restatement joined to the box: ``, i.e.``, ``=``, ``or``); the same value restated pays.
+  A unit after the box the parser reads joins the answer (``_unit_after``).
 - Before the box: an operand (``-\\boxed{7}``, ``\\frac{\\boxed{7}}{2}``, ``\\ne \\boxed{7}``), hidden content
   (``\\phantom``, ``~~struck~~``, a comment), a logic operator and an unclosed box make no answer; words do not.
-- Value (``_same_marks``, ``_val_equal``): a unit, scale word or macro the unit table does not know makes
-  the answer unequal to any gold without the same text (``12 \\text{ MHz}`` is not ``12 \\text{ Hz}`` nor 12);
-  known units are dropped only against none or the same one (``5 km`` is not ``5 m``); percent is read
-  both ways only when exactly one side has it; a degree sign never vanishes against a gold in radians; an
-  exact decimal gold is met exactly by a rational answer (``0.50004`` is not ``0.5``); two congruences keep
-  their moduli; expressions must also agree at wide points of both signs (``\\min(x, 1000)`` is not x).
-- Not answers, unequal to every gold (``_check_math``, ``_check_product``, ``_same_marks``): program syntax
-  (quotes, backticks, ``==``, ``?``, ``@``, ``#``, dotted names, ``import`` / ``lambda``; only ``np.`` /
-  ``math.`` before a known function is dropped), a call of an unknown name (``print(4)``), a literal ``0``
-  factor beside a non-number (``k0``, ``0x``), qualifying words in a box's text (``12 \\text{ or thirteen}``,
-  ``\\text{about } 12``), false chains (``x = 2+2 = 5``, an approximation of no one value), open lists, numbers
-  side by side (``7 0``), a choice letter followed by anything but its value.
-- Without a box (``strict=False``, evaluation only): the answer cue's math under the tail rule and the sentence
-  rule (``_asserted``); the last math span or the last number under the sentence rule.
+- Value (``_same_marks``, ``_val_equal``): a unit, scale word or macro the unit table does not know makes the answer
+  unequal to any gold without the same text (``12 \\text{ MHz}`` is not ``12 \\text{ Hz}`` nor 12); known units are
+  dropped only against none or the same one (``5 km`` is not ``5 m``); percent is read both ways only when exactly one
+  side has it; a degree sign never vanishes against a gold in radians; an exact decimal gold is met exactly by a
+  rational answer (``0.50004`` is not ``0.5``); two congruences keep their moduli; expressions must also agree at wide
+  points of both signs (``\\min(x, 1000)`` is not x).
+- Not answers, unequal to every gold (``_check_math``, ``_check_product``, ``_same_marks``): program syntax (quotes,
+  backticks, ``==``, ``?``, ``@``, ``#``, dotted names, ``import`` / ``lambda``; only ``np.`` / ``math.`` before a
+  known function is dropped), a call of an unknown name (``print(4)``), a literal ``0`` factor beside a non-number
+  (``k0``, ``0x``), qualifying words in a box's text (``12 \\text{ or thirteen}``, ``\\text{about } 12``), false
+  chains (``x = 2+2 = 5``, an approximation of no one value), open lists, numbers side by side (``7 0``), a choice
+  letter followed by anything but its value.
+- Without a box (``strict=False``, evaluation only): the answer cue's math under the tail rule and the sentence rule
+  (``_asserted``); the last math span or the last number under the sentence rule.
 
 ``data/verify_hacking.jsonl``, ``verify_rl.jsonl``, ``verify_asserts.jsonl`` and ``verify_failclosed.jsonl``
 hold the forms a policy could try, by kind, each with honest controls.
 
 Where this departs from math-verify / common practice (numbered so that reviews can cite them)
 --------------------------------------------------------------------------------------------------
-1. No ``sympify``/``parse_expr``/``eval``: the parser is ours and smaller; an answer it cannot parse
-   is compared as normalised text only (so exotic LaTeX can give false negatives, never code runs).
-   (``_Parser``, ``_parse``)
-2. Symbolic equality is decided by evaluation at seeded rational points (Schwartz-Zippel style),
-   not by ``simplify``: positive points first, then points of both signs at which neither side
-   leaves the real numbers (a square root or logarithm of a negative value, found as a complex value
-   from real arguments, skips the point). So ``\\sqrt{x^2}`` is ``|x|`` and not ``x``, while
-   ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal; then at wide points (about
-   +-0.003 and +-4,000 to 80,000), so ``\\min(x, 1000)`` is not x. Equations are solution sets:
-   compared at points of both signs and two far points (about 97 and -89 times the first), so
-   ``y = \\sqrt{x^2}`` is not ``y = x`` and ``|x - 10| = 3`` is not ``x = 7``.
-   (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``, ``_wide_points``, ``_eqn_equal``)
-3. An exact decimal gold (``0.5``) is met exactly by a rational answer. Decimals vs other exact values:
-   equal within ``rel_tol`` (default 1e-4) AND, when one side is a lone
-   decimal and the other exact, the decimal must be the exact value rounded to the decimal's own
-   digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal ``\\frac13`` (too far for
-   rel_tol; math-verify accepts it) and ``100.01`` does not equal ``100`` (within rel_tol but not a
-   rounding of 100). An expression with decimal terms against an exact value differs from it when the
-   two are half its smallest decimal literal or more apart: an explicit term is part of the number
-   (``12 + 0.00001`` is not 12, ``3.1416 r^2`` stays ``\\pi r^2`` within rel_tol). Pass
-   ``MINERVA_REL_TOL`` for Minerva's three-significant-figure golds: a ``rel_tol`` above 1e-3 treats
-   integers as rounded too (``901.8`` equals ``900``) and drops both checks.
-   (``_agree``, ``_close``)
-4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted) when the other side has no
-   percent: the one dual reading kept, the one named exception to "one answer, one reward".
-   (``_val_equal``)
-5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``; never against a
-   gold in radians (``\\frac{\\pi}{6}^\\circ`` is not ``\\frac{\\pi}{6}``). (``_clean (_DEGREE_RE)``, ``_same_marks``)
+1. No ``sympify``/``parse_expr``/``eval``: the parser is ours and smaller; an answer it cannot parse is compared as
+   normalised text only (so exotic LaTeX can give false negatives, never code runs). (``_Parser``, ``_parse``)
+2. Symbolic equality is decided by evaluation at seeded rational points (Schwartz-Zippel style), not by ``simplify``:
+   positive points first, then points of both signs at which neither side leaves the real numbers (a square root or
+   logarithm of a negative value, found as a complex value from real arguments, skips the point). So ``\\sqrt{x^2}``
+   is ``|x|`` and not ``x``, while ``\\ln(x^2)`` and ``2 \\ln x`` (equal where both are real) stay equal; then at wide
+   points (about +-0.003 and +-4,000 to 80,000), so ``\\min(x, 1000)`` is not x. Equations are solution sets: compared
+   at points of both signs and two far points (about 97 and -89 times the first), so ``y = \\sqrt{x^2}`` is not ``y =
+   x`` and ``|x - 10| = 3`` is not ``x = 7``. (``_val_equal``, ``_agree``, ``_agree_signed``, ``_points``,
+   ``_wide_points``, ``_eqn_equal``)
+3. An exact decimal gold (``0.5``) is met exactly by a rational answer. Decimals vs other exact values: equal within
+   ``rel_tol`` (default 1e-4) AND, when one side is a lone decimal and the other exact, the decimal must be the exact
+   value rounded to the decimal's own digits. So ``0.8333`` equals ``\\frac56``, but ``0.333`` does not equal
+   ``\\frac13`` (too far for rel_tol; math-verify accepts it) and ``100.01`` does not equal ``100`` (within rel_tol
+   but not a rounding of 100). An expression with decimal terms against an exact value differs from it when the two
+   are half its smallest decimal literal or more apart: an explicit term is part of the number (``12 + 0.00001`` is
+   not 12, ``3.1416 r^2`` stays ``\\pi r^2`` within rel_tol). Pass ``MINERVA_REL_TOL`` for Minerva's
+   three-significant-figure golds: a ``rel_tol`` above 1e-3 treats integers as rounded too (``901.8`` equals ``900``)
+   and drops both checks. (``_agree``, ``_close``)
+4. Percent: ``10\\%`` equals ``10`` and ``0.1`` (either reading is accepted) when the other side has no percent: the
+   one dual reading kept, the one named exception to "one answer, one reward". (``_val_equal``)
+5. Degrees: ``^\\circ`` is dropped, so ``30^\\circ`` equals ``30`` but not ``\\frac{\\pi}{6}``; never against a gold
+   in radians (``\\frac{\\pi}{6}^\\circ`` is not ``\\frac{\\pi}{6}``). (``_clean (_DEGREE_RE)``, ``_same_marks``)
 6. Numbers with a base subscript (``52_8``) compare by their digits: ``52_8`` equals ``52``.
    (``_Parser.parse_postfix``)
-7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals
-   a tuple with the same order. Bracket kinds of intervals must match (``[a,b)`` != ``(a,b)``).
-   A column or row vector (``pmatrix``) equals a tuple with the same entries. A tuple of tuples
-   against a bare list of tuples is unordered (``((1,2),(3,4))`` equals ``(3,4), (1,2)``).
-   (``_equal``, ``_unordered_equal``, ``_ordered_equal``)
-8. ``a \\pm b`` is the unordered pair ``{a+b, a-b}``.
-   (``_expand_pm``)
-9. ``x = 5`` equals ``5`` when the left side is a single symbol; two equations are equal when
-   ``lhs - rhs`` of one is a non-zero constant multiple of the other's, or (several variables) when
-   at sampled values of the others both are polynomials of degree <= ``MAX_ROOT_DEGREE`` in the last
-   variable with the same real roots: ``x^3 = y^3`` equals ``x = y``, ``x^2 = y^2`` does not.
-   (``_readings``, ``_eqn_equal``, ``_same_real_roots``)
-10. ``e`` is Euler's number and ``i`` the imaginary unit everywhere. A run of three or more letters
-    that is not a known function (``east``, ``SRMC``) is one symbol (or plain text when alone); one or
-    two letters are a product of single-letter symbols. When the other answer uses all the letters of
-    such a word as single symbols, the word is also read as their product (``abc`` equals ``ab \\cdot c``).
-    (``_Parser.parse_letters``, ``_word_products``)
+7. A bare comma list (``1, -2``) is unordered; a parenthesised tuple is ordered; a bare list equals a tuple with the
+   same order. Bracket kinds of intervals must match (``[a,b)`` != ``(a,b)``). A column or row vector (``pmatrix``)
+   equals a tuple with the same entries. A tuple of tuples against a bare list of tuples is unordered
+   (``((1,2),(3,4))`` equals ``(3,4), (1,2)``). (``_equal``, ``_unordered_equal``, ``_ordered_equal``)
+8. ``a \\pm b`` is the unordered pair ``{a+b, a-b}``. (``_expand_pm``)
+9. ``x = 5`` equals ``5`` when the left side is a single symbol; two equations are equal when ``lhs - rhs`` of one is
+   a non-zero constant multiple of the other's, or (several variables) when at sampled values of the others both are
+   polynomials of degree <= ``MAX_ROOT_DEGREE`` in the last variable with the same real roots: ``x^3 = y^3`` equals
+   ``x = y``, ``x^2 = y^2`` does not. (``_readings``, ``_eqn_equal``, ``_same_real_roots``)
+10. ``e`` is Euler's number and ``i`` the imaginary unit everywhere. A run of three or more letters that is not a
+    known function (``east``, ``SRMC``) is one symbol (or plain text when alone); one or two letters are a product of
+    single-letter symbols. When the other answer uses all the letters of such a word as single symbols, the word is
+    also read as their product (``abc`` equals ``ab \\cdot c``). (``_Parser.parse_letters``, ``_word_products``)
 11. A number directly followed by an integer ``\\frac`` is a mixed number (``1\\frac{4}{5}`` = 9/5).
     (``_Parser._try_mixed``)
-12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped when its words are in
-    the unit tables (or the gold carries the same text); as a last try a known plain unit word (``cm``,
-    ``inches``, ``m`` ...) after a number is dropped too.
-    (``_clean``, ``_unit_of``, ``_strip_plain_unit``)
-13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX.
-    (``_clean``)
-14. ``f(x) = ...`` and ``f(2) = ...`` as a whole answer are compared by the right side;
-    ``0.\\overline{3}`` is 1/3.
+12. Trailing ``\\text{...}``/``\\mbox{...}`` after a value is a unit and is dropped when its words are in the unit
+    tables (or the gold carries the same text); as a last try a known plain unit word (``cm``, ``inches``, ``m`` ...)
+    after a number is dropped too. (``_clean``, ``_unit_of``, ``_strip_plain_unit``)
+13. Unlike TeX, ``\\sqrt12`` (and ``√12``) is the root of 12; ``\\frac43`` stays 4/3 as in TeX. (``_clean``)
+14. ``f(x) = ...`` and ``f(2) = ...`` as a whole answer are compared by the right side; ``0.\\overline{3}`` is 1/3.
     (``_clean``, ``_repeating_to_frac``)
-15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per
-    call) make a call return "not equivalent" instead of working longer; hits are counted.
-    (``_Budget``, ``_tiny_check``)
-16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or``, ``\\quad`` or a name
-    ``y =`` stand between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``.
-    Boxes with other text between them are separate: the last one is the answer, whatever the gold
-    (``$\\boxed{3}$ and, checking, also $\\boxed{-3}$`` is -3, never ``3, -3``), and a list is never
-    matched by a suffix of it. A box repeated, or written again as the same value, is one; more
-    than 16 joined boxes are no answer.
-    (``_final_group``, ``_is_join_gap``, ``_is_operand``)
-17. Named answers and chains (the prediction side only): a left side made of symbols and no number
-    (``x``, ``AB``, ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6``
-    and ``(a,b) = (4,1)`` equals ``(4,1)``; ``2x = 10`` is an equation, not 10. In ``t = 2+3+4 = 9``
-    the last value is the answer (``= 10`` at the end is wrong whatever came before; constants in
-    the chain must equal it: ``2 + 2 = 5`` states nothing). Before the first
-    ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``, not the gold
-    ``0.14``); the approximation after it counts only when the exact part is a name (``t \\approx 9``).
-    When the gold names its answer too, names must match (``x = 5`` is not ``y = 5``), and a chain
-    that names the same variable states its value (``x = 5+5+1 = 11`` equals ``x = 11``). Assignments
-    compared with a tuple are put in the order of their names (``b = 2, a = 1`` equals ``(1, 2)``).
-    A ratio ``3:5`` is the number 3/5; a ratio of three (``1:2:3``) and a clock time (``05:00``) are
-    compared as text (``V_1 : V_2 = 3 : 11`` equals the text ``3:11``). Assignments whose names repeat
-    in a cycle are tuples (``a=3, b=1; a=5, b=1`` equals ``(3,1), (5,1)``); a labelled gold
-    (``PQ = 6, RS = 2``) equals its values (``6, 2``) when the prediction states no relation. When the
-    left side of an equality does not parse (a limit, an integral), the value after the last ``=``
-    counts when every side after the unparsed one is that same constant.
-    (``_readings``, ``_chain_value``, ``_chain_holds``, ``_named_values``, ``_as_assignment``)
-18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one
-    variable that is linear in it or in its absolute value is solved (``-y > -2`` is ``y < 2``,
-    ``2 \\le |w| \\le 3`` is ``[-3,-2] \\cup [2,3]``); chains are intersections; ``or`` between
-    relations is a union and ``and`` an intersection; ``x \\ne 0`` is two intervals; touching
-    intervals merge. A bare ``(a, b)`` is read as an interval only against an inequality or a union.
-    Two relations in different variables are never equal. Nonlinear relations are not solved, and a
-    comma list of relations is not a set (``x < 1, x > 2`` means "or", ``x \\ne 1, x \\ne 2`` "and").
-    ``\\mathbb{R} \\setminus \\{a\\}``, ``[0,3] \\setminus (1,2)`` and ``\\{x \\mid x > a\\}`` are sets too, and
-    brackets around a relation go (``(x < 1) \\text{ or } (x > 3)``); a union of finite sets is
-    one set (``\\{1,2\\} \\cup \\{3\\}`` equals ``\\{1,2,3\\}``). Against a relation, ``t = 2`` (one
-    variable, linear) and a finite set of numbers are sets of points (``[0,2] \\cap [2,5]`` equals
-    ``\\{2\\}``); a product of symbols bounded by constants is one variable (``(0, 2)`` equals
-    ``0 < g(x) < 2``). Relations in several variables are equal when ``lhs - rhs`` of one is a
-    constant multiple of the other's, positive for an inequality (``4y < 8a`` is ``y - 2a < 0``).
-    Sets ignore repeats (``\\{3, 5, 3\\}`` equals ``\\{3, 5\\}``).
-    (``_real_set``, ``_solve``, ``_sets_equal``)
-19. A decimal comma is read as a decimal point only where it cannot be a thousands separator and
-    the other side is a single number: ``3,25`` and ``0,125`` are decimals, ``1,250`` stays 1250; in the
-    gold only against a decimal written with a point (``3.25`` equals a gold ``3,25``, ``325`` does not).
-    Thousands separators also go before a unit or after a currency word (``1,250.50 EUR``,
-    ``USD 1,250``). ``15 percent``
-    and ``15 pct`` are ``15\\%``; ``€``, ``£``, ``¥`` are dropped like ``\\$``; a tail of unit words
-    (``m/s^2``, ``m²``, ``km/h``, ``USD``, also count nouns such as ``integers``, ``marbles``) after a
-    number is dropped on the last try (departure 12). A whole answer ``5^{\\text{th}}`` / ``21st`` is the
-    number; ``\\langle 1, 2 \\rangle`` is the tuple ``(1, 2)``.
+15. Caps (input length, nesting depth, exponent and number size, evaluation steps, wall time per call) make a call
+    return "not equivalent" instead of working longer; hits are counted. (``_Budget``, ``_tiny_check``)
+16. Several boxes are one answer (a list) when only ``,``, ``;``, ``and``, ``or``, ``\\quad`` or a name ``y =`` stand
+    between them: ``\\boxed{2}, \\boxed{5}`` equals ``2, 5`` and ``\\{2,5\\}`` but not ``5``. Boxes with other text
+    between them are separate: the last one is the answer, whatever the gold (``$\\boxed{3}$ and, checking, also
+    $\\boxed{-3}$`` is -3, never ``3, -3``), and a list is never matched by a suffix of it. A box repeated, or written
+    again as the same value, is one; more than 16 joined boxes are no answer. (``_final_group``, ``_is_join_gap``,
+    ``_is_operand``)
+17. Named answers and chains (the prediction side only): a left side made of symbols and no number (``x``, ``AB``,
+    ``|PQ|``, ``x+y``, ``A:B``, ``P(A)``) names the answer, so ``|PQ| = 6`` equals ``6`` and ``(a,b) = (4,1)`` equals
+    ``(4,1)``; ``2x = 10`` is an equation, not 10. In ``t = 2+3+4 = 9`` the last value is the answer (``= 10`` at the
+    end is wrong whatever came before; constants in the chain must equal it: ``2 + 2 = 5`` states nothing). Before the
+    first ``\\approx`` is the exact value (``\\frac17 \\approx 0.14`` equals ``\\frac17``, not the gold ``0.14``); the
+    approximation after it counts only when the exact part is a name (``t \\approx 9``). When the gold names its
+    answer too, names must match (``x = 5`` is not ``y = 5``), and a chain that names the same variable states its
+    value (``x = 5+5+1 = 11`` equals ``x = 11``). Assignments compared with a tuple are put in the order of their
+    names (``b = 2, a = 1`` equals ``(1, 2)``). A ratio ``3:5`` is the number 3/5; a ratio of three (``1:2:3``) and a
+    clock time (``05:00``) are compared as text (``V_1 : V_2 = 3 : 11`` equals the text ``3:11``). Assignments whose
+    names repeat in a cycle are tuples (``a=3, b=1; a=5, b=1`` equals ``(3,1), (5,1)``); a labelled gold (``PQ = 6, RS
+    = 2``) equals its values (``6, 2``) when the prediction states no relation. When the left side of an equality does
+    not parse (a limit, an integral), the value after the last ``=`` counts when every side after the unparsed one is
+    that same constant. (``_readings``, ``_chain_value``, ``_chain_holds``, ``_named_values``, ``_as_assignment``)
+18. Inequalities, intervals and unions are compared as sets of real numbers: a relation in one variable that is linear
+    in it or in its absolute value is solved (``-y > -2`` is ``y < 2``, ``2 \\le |w| \\le 3`` is ``[-3,-2] \\cup
+    [2,3]``); chains are intersections; ``or`` between relations is a union and ``and`` an intersection; ``x \\ne 0``
+    is two intervals; touching intervals merge. A bare ``(a, b)`` is read as an interval only against an inequality or
+    a union. Two relations in different variables are never equal. Nonlinear relations are not solved, and a comma
+    list of relations is not a set (``x < 1, x > 2`` means "or", ``x \\ne 1, x \\ne 2`` "and"). ``\\mathbb{R}
+    \\setminus \\{a\\}``, ``[0,3] \\setminus (1,2)`` and ``\\{x \\mid x > a\\}`` are sets too, and brackets around a
+    relation go (``(x < 1) \\text{ or } (x > 3)``); a union of finite sets is one set (``\\{1,2\\} \\cup \\{3\\}``
+    equals ``\\{1,2,3\\}``). Against a relation, ``t = 2`` (one variable, linear) and a finite set of numbers are sets
+    of points (``[0,2] \\cap [2,5]`` equals ``\\{2\\}``); a product of symbols bounded by constants is one variable
+    (``(0, 2)`` equals ``0 < g(x) < 2``). Relations in several variables are equal when ``lhs - rhs`` of one is a
+    constant multiple of the other's, positive for an inequality (``4y < 8a`` is ``y - 2a < 0``). Sets ignore repeats
+    (``\\{3, 5, 3\\}`` equals ``\\{3, 5\\}``). (``_real_set``, ``_solve``, ``_sets_equal``)
+19. A decimal comma is read as a decimal point only where it cannot be a thousands separator and the other side is a
+    single number: ``3,25`` and ``0,125`` are decimals, ``1,250`` stays 1250; in the gold only against a decimal
+    written with a point (``3.25`` equals a gold ``3,25``, ``325`` does not). Thousands separators also go before a
+    unit or after a currency word (``1,250.50 EUR``, ``USD 1,250``). ``15 percent`` and ``15 pct`` are ``15\\%``;
+    ``€``, ``£``, ``¥`` are dropped like ``\\$``; a tail of unit words (``m/s^2``, ``m²``, ``km/h``, ``USD``, also
+    count nouns such as ``integers``, ``marbles``) after a number is dropped on the last try (departure 12). A whole
+    answer ``5^{\\text{th}}`` / ``21st`` is the number; ``\\langle 1, 2 \\rangle`` is the tuple ``(1, 2)``.
     (``_decimal_comma_equal``)
-20. Degrees inside a trigonometric function are converted to radians (``\\sin 30^\\circ`` equals
-    ``\\frac12``, ``\\cot(90^\\circ - x)`` equals ``\\tan x``); elsewhere departure 5 holds.
-    ``{2, 7}`` with plain braces is a set, ``;`` separates list and tuple items, ``\\emptyset`` is
-    the empty set and ``\\mathbb{R}`` is ``(-\\infty, \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is
-    ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals the matrix with those rows.
-    (``_Parser.parse_function``)
-21. Named functions: ``\\gcd`` / ``\\operatorname{lcm}`` of integers, ``\\max`` / ``\\min`` of real numbers,
-    ``a \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter
-    before a parenthesised integer) are one symbol, the function's value, not ``f`` times 0;
-    ``\\pmod{m}`` is dropped, so
-    ``x \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it), but
-    two congruences must have the same modulus.
-    ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer literals ``n >= k``
-    is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
+20. Degrees inside a trigonometric function are converted to radians (``\\sin 30^\\circ`` equals ``\\frac12``,
+    ``\\cot(90^\\circ - x)`` equals ``\\tan x``); elsewhere departure 5 holds. ``{2, 7}`` with plain braces is a set,
+    ``;`` separates list and tuple items, ``\\emptyset`` is the empty set and ``\\mathbb{R}`` is ``(-\\infty,
+    \\infty)``. ``\\sin^{-1}`` is arcsin (``\\sin(x)^2`` is ``\\sin^2 x``). A list of rows ``[[1, 2], [3, 4]]`` equals
+    the matrix with those rows. (``_Parser.parse_function``)
+21. Named functions: ``\\gcd`` / ``\\operatorname{lcm}`` of integers, ``\\max`` / ``\\min`` of real numbers, ``a
+    \\bmod b`` (and ``a mod b``) of integers (``-3 \\bmod 4`` is 1); ``f(0)``, ``I(2)`` (one letter before a
+    parenthesised integer) are one symbol, the function's value, not ``f`` times 0; ``\\pmod{m}`` is dropped, so ``x
+    \\equiv 2 \\pmod 7`` equals ``2`` (the residue as written, not any number congruent to it), but two congruences
+    must have the same modulus. ``\\lg`` is the base-10 logarithm, ``cosec`` is ``\\csc``. ``C(n, k)`` with integer
+    literals ``n >= k`` is ``\\binom{n}{k}``, so a point named C with such coordinates would be read as a number.
     (``_ev_gcd``, ``_ev_extreme``, ``_clean (_PMOD_RE)``)
-22. ``m!`` and ``\\binom{m}{k}`` of a symbol are evaluated through the Gamma function at its sample
-    points, so ``m (m-1)!`` equals ``m!`` and ``\\binom{m}{2}`` equals ``\\frac{m(m-1)}{2}``.
-    ``\\sum`` / ``\\prod`` with integer bounds are expanded when evaluated (up to ``MAX_SUM_TERMS``
-    terms); the body is the next term. With a symbolic bound (``\\sum_{j=1}^{m} j``) the names in the
-    bounds are compared at the integers 2, 3, 5, 7, 11, 13 (the other names at rational points), so
-    a sum equals its closed form (``\\frac{m(m+1)}{2}``) and not a near miss (``\\frac{m(m-1)}{2}``).
-    A prediction's bound counts only for a name it uses nowhere outside its sums, so a sum cannot
-    make a real variable an integer (``\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor`` is not ``x``).
-    (``_gamma_of``, ``_ev_big_operator``, ``_bound_names``)
-23. Matrices: entrywise sums and differences, scalar multiples, negation and ``^T`` are computed;
-    matrix products are not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4).
-    (``_det``, ``_matrix_add``)
+22. ``m!`` and ``\\binom{m}{k}`` of a symbol are evaluated through the Gamma function at its sample points, so ``m
+    (m-1)!`` equals ``m!`` and ``\\binom{m}{2}`` equals ``\\frac{m(m-1)}{2}``. ``\\sum`` / ``\\prod`` with integer
+    bounds are expanded when evaluated (up to ``MAX_SUM_TERMS`` terms); the body is the next term. With a symbolic
+    bound (``\\sum_{j=1}^{m} j``) the names in the bounds are compared at the integers 2, 3, 5, 7, 11, 13 (the other
+    names at rational points), so a sum equals its closed form (``\\frac{m(m+1)}{2}``) and not a near miss
+    (``\\frac{m(m-1)}{2}``). A prediction's bound counts only for a name it uses nowhere outside its sums, so a sum
+    cannot make a real variable an integer (``\\sum_{j=1}^{x} 0 + \\lfloor x \\rfloor`` is not ``x``). (``_gamma_of``,
+    ``_ev_big_operator``, ``_bound_names``)
+23. Matrices: entrywise sums and differences, scalar multiples, negation and ``^T`` are computed; matrix products are
+    not parsed. ``\\begin{vmatrix}`` and ``\\det`` are the determinant (up to 4x4). (``_det``, ``_matrix_add``)
 24. Whole responses: nothing inside ``<think>..</think>`` counts, after a ``</think>`` only what
     follows it, and an unclosed ``<think>`` hides the rest; R1's ``<answer>..</answer>`` is read
     (``strict=False``); ``所以``, ``因此``, ``答え``, ``答えは`` are cues too, and a Chinese or Japanese
     sentence after a cue gives its one number (none when it hedges: ``或``, ``不``, ``可能``); a whole
     response that is bare arithmetic (``4+7``) is its value; after an answer cue a sentence ``The
     smallest $k$ is 12.`` gives what follows its last "is"; ``答案``, ``答：``, ``Réponse :``,
-    ``Respuesta:``, ``Antwort:``, ``Ответ:`` are answer cues.
-    (``extract_answer``, ``_after_thinking``, ``_answer_tag``, ``_after_phrase``)
-25. Implicit products: in a run of one or two letters every letter is a factor with its own
-    postfix (``xy^2`` is ``x y^2``); outside an absolute value a ``|`` starts a factor (``|a||b|``,
-    ``2|a|``). ``\\\\le`` (a doubled backslash, as JSON-escaped golds carry it) before a known command
-    is ``\\le``. A list ending in ``\\ldots`` is compared as text only (never equal to a finite list).
-    (``_Parser.parse_term``)
-26. Answers as sympy prints them are rewritten as text into the forms above before parsing (nothing
-    is evaluated): ``Interval.Ropen(0, 1)`` is ``[0, 1)``, ``FiniteSet(1, 2)``, ``EmptySet``, ``Reals``,
-    ``Union(..)``, ``Eq(y, 2*x)``, ``Rational(1, 3)``, ``Abs``, ``ceiling``, ``binomial``, ``factorial``,
-    ``log(x, 2)``; ``oo`` is infinity and ``**`` a power.
-    (``_sympy_printed``)
-27. Notations of other scripts and typesetting, read before parsing: full-width and Arabic-Indic
-    digits (``４５``, ``٤٥``), vulgar fractions (``⅞``, ``2½`` a mixed number), superscript digits
-    (``10⁶``), the fraction slash (``1⁄2``), no-break and thin spaces as thousands separators,
-    ``\\textcolor{..}{7}`` and ``\\color``, ``{3 \\over 4}``, repeating decimals ``0.(3)``, the
-    European ``3.400,25``, juxtaposed powers ``3^2 7^4``, ``7 + 0i``; ``x \\equiv 7 \\pmod 1`` states no
-    residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) or a root of an exact value
-    within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7. So is an
-    exact value that carries more precision than 50 digits keep, where it meets an inexact one: an exact
-    term below 1e-40 of the sum it is in (``\\pi + 10^{-60}``), a value within 1e-40 of a simpler rational
-    (``\\pi(1 + 10^{-60})``) or an integer of more than 40 significant digits (``3^{100}\\pi``, so such a gold
-    equals nothing: the named cost). Closeness is relative to the precision an expression carries, and an
-    explicit tiny term is another number, never the same one within a tolerance.
-    (``_fold_digits``, ``_clean``, ``_pow``, ``_carried``)
+    ``Respuesta:``, ``Antwort:``, ``Ответ:`` are answer cues. (``extract_answer``,
+    ``_after_thinking``, ``_answer_tag``, ``_after_phrase``)
+25. Implicit products: in a run of one or two letters every letter is a factor with its own postfix (``xy^2`` is ``x
+    y^2``); outside an absolute value a ``|`` starts a factor (``|a||b|``, ``2|a|``). ``\\\\le`` (a doubled backslash,
+    as JSON-escaped golds carry it) before a known command is ``\\le``. A list ending in ``\\ldots`` is compared as
+    text only (never equal to a finite list). (``_Parser.parse_term``)
+26. Answers as sympy prints them are rewritten as text into the forms above before parsing (nothing is evaluated):
+    ``Interval.Ropen(0, 1)`` is ``[0, 1)``, ``FiniteSet(1, 2)``, ``EmptySet``, ``Reals``, ``Union(..)``, ``Eq(y,
+    2*x)``, ``Rational(1, 3)``, ``Abs``, ``ceiling``, ``binomial``, ``factorial``, ``log(x, 2)``; ``oo`` is infinity
+    and ``**`` a power. (``_sympy_printed``)
+27. Notations of other scripts and typesetting, read before parsing: full-width and Arabic-Indic digits (``４５``,
+    ``٤٥``), vulgar fractions (``⅞``, ``2½`` a mixed number), superscript digits (``10⁶``), the fraction slash
+    (``1⁄2``), no-break and thin spaces as thousands separators, ``\\textcolor{..}{7}`` and ``\\color``, ``{3 \\over
+    4}``, repeating decimals ``0.(3)``, the European ``3.400,25``, juxtaposed powers ``3^2 7^4``, ``7 + 0i``; ``x
+    \\equiv 7 \\pmod 1`` states no residue, and a power below 1e-40 (``7 + e^{-200}``, ``7^{1+10^{-60}}``) or a root
+    of an exact value within 1e-40 of a rational it is not (``\\sqrt{49 + 10^{-100}}``) is a limit hit, never 7. So is
+    an exact value that carries more precision than 50 digits keep, where it meets an inexact one: an exact term below
+    1e-40 of the sum it is in (``\\pi + 10^{-60}``), a value within 1e-40 of a simpler rational (``\\pi(1 +
+    10^{-60})``) or an integer of more than 40 significant digits (``3^{100}\\pi``, so such a gold equals nothing: the
+    named cost). Closeness is relative to the precision an expression carries, and an explicit tiny term is another
+    number, never the same one within a tolerance. (``_fold_digits``, ``_clean``, ``_pow``, ``_carried``)
 
 What it accepts (each row: a form and examples that parse; the departures above say how they compare)
 ------------------------------------------------------------------------------------------------------
@@ -303,11 +268,10 @@ Dependencies: sympy and the standard library (plus mpmath, which sympy itself re
 
 Benchmark
 ---------
-``python -m bench.verify`` (its docstring says what it prints): accuracy, false positives, hedges and
-speed on the seven case files of ``data/``, with math-verify beside it on the same cases;
-``python -m bench.verify golds`` checks every benchmark gold against itself; ``python -m bench.verify against
-REF`` lists the verdicts that differ from another copy of this file, with reasons.
-"""
+``python -m bench.verify`` (its docstring says what it prints): accuracy, false positives, hedges and speed on the
+seven case files of ``data/``, with math-verify beside it on the same cases; ``python -m bench.verify golds`` checks
+every benchmark gold against itself; ``python -m bench.verify against REF`` lists the verdicts that differ from
+another copy of this file, with reasons."""
 from __future__ import annotations
 
 import math
@@ -323,7 +287,7 @@ import sympy
 from sympy import S
 
 __all__ = [
-    "extract_answer", "is_equivalent", "verify", "verify_batch", "last_boxed", "stats", "reset_stats",
+    "extract_answer", "is_equivalent", "verify", "verify_batch", "box_refused", "last_boxed", "stats", "reset_stats",
     "DEFAULT_REL_TOL", "MINERVA_REL_TOL",
 ]
 
@@ -429,12 +393,8 @@ def is_equivalent(pred: str, gold: str, *, rel_tol: float = DEFAULT_REL_TOL) -> 
 
 
 def extract_answer(text: str, *, strict: bool = False, last_number: bool = True) -> str | None:
-    """The final answer of a response (None when there is none).
-
-    The response ends at its first end-of-turn marker. Then: the last \\boxed/\\fbox content, joined
-    with the boxes just before it when only ', ' / 'and' / 'or' separate them. ``strict=True``
-    (training) stops there. Otherwise, without a box: the math (or the sentence) after the last
-    "answer is" / "Answer:" / "####"; else the last math span; else (``last_number``) the last number."""
+    """The final answer of a response (None when there is none): the module docstring's Public API and
+    strictness rule say how it is read."""
     if not isinstance(text, str) or not text:
         return None
     if len(text) > MAX_RESPONSE_CHARS:
@@ -474,25 +434,23 @@ def extract_answer(text: str, *, strict: bool = False, last_number: bool = True)
 
 
 def box_refused(text: str) -> bool:
-    """The response holds a box but the trainer's reader (``extract_answer(strict=True)``) takes no answer from it:
-    refused by a reading rule (a value continued, a second answer that differs, an operand, an unclosed box),
-    not by its value. The trainer logs the share per step (metrics.py, reward/box_refused)."""
-    return isinstance(text, str) and ("\\boxed" in text or "\\fbox" in text) and extract_answer(text, strict=True) is None
+    """A box is written but the trainer's reader (``extract_answer(strict=True)``) takes no answer from it: refused by
+    a reading rule (a value continued, a second answer that differs, an unclosed box), not by its value."""
+    boxed = isinstance(text, str) and ("\\boxed" in text or "\\fbox" in text)
+    return boxed and extract_answer(text, strict=True) is None
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last outermost \\boxed{...} / \\fbox{...} of text, brace-matched (escaped braces are
-    literal; '\\boxed 5' gives the next token); None when there is none or a box is unclosed. The reader
-    of golds (data/prepare.py takes a worked solution's answer with it): unlike extract_answer it joins
-    nothing, hides nothing and judges nothing."""
+    """Content of the last outermost \\boxed{...} / \\fbox{...} of text, brace-matched ('\\boxed 5' gives the next
+    token); None when there is none or a box is unclosed. The reader of golds (data/prepare.py): unlike
+    extract_answer it joins nothing, hides nothing and judges nothing."""
     if not isinstance(text, str):
         return None
     boxes = _outer_boxes(text)
     return boxes[-1][2] if boxes else None
 
 def stats() -> dict:
-    """A copy of the counters: calls, limit_hits, parse_failures, not_math (predictions refused by the
-    strictness rule), errors (internal exceptions)."""
+    """A copy of the counters: calls, limit_hits, parse_failures, not_math (refused by the strictness rule), errors."""
     with _STATS_LOCK:
         return dict(_STATS)
 
@@ -680,11 +638,9 @@ def _same_value(a: str, b: str) -> bool:
 
 
 def _final_group(text: str) -> list | None:
-    """(start, end, content) of the boxes that make the answer: the last box and the boxes just before
-    it joined only by ',', ';', 'and', 'or' (departure 16), with a known unit right after it. None when there
-    is no box, the last one is unclosed, the group is part of a larger expression ('-\\boxed{7}',
-    '\\frac{\\boxed{7}}{2}', '\\boxed{12}.5', '\\lnot\\boxed{7}') or what follows it states another final answer
-    (``_tail_agrees``). Decided from the response alone: the gold is never looked at."""
+    """(start, end, content) of the boxes that make the answer: the last box and the boxes joined to it (departure
+    16), with a unit the parser reads. None when there is no box, the last one is unclosed, the group is an operand
+    ('-\\boxed{7}', '\\lnot\\boxed{7}') or the tail rule refuses what follows it. The gold is never looked at."""
     boxes = _outer_boxes(text)
     if not boxes:
         return None
@@ -718,7 +674,8 @@ _CONTINUES_RE = re.compile(
     r"trillion|hundred|dozen|lakh|crore|gross|score|myriad|squared|cubed|doubled|tripled|halved|factorial)s?"
     r"(?![A-Za-z])|\s*(?:or\s+(?:more|less|fewer|greater|higher|lower|above|below)|and\s+(?:up|above|below|over)|"
     r"at\s+(?:least|most)|(?:plus|minus|times)\s+\S)(?![A-Za-z])|"
-    r"\s*(?:\$\s*)?(?:\\(?:" + _LOGIC_OPS + r"|lnot|neg)(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS + r"))", re.IGNORECASE)
+    r"\s*(?:\$\s*)?(?:\\(?:" + _LOGIC_OPS + r"|lnot|neg)(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS + r"))",
+    re.IGNORECASE)
 _RESTATE_RE = re.compile(r"\s*(?:\$\$?|\\[)\]])?\s*(?:,\s*)?(?:(?:i\.\s?e\.?|that\s+is(?:\s+to\s+say)?|in\s+other\s+"
                          r"words|namely|equivalently|or|and|which\s+(?:is|equals))(?![A-Za-z])[,:]?|或者?|"
                          r"\(\s*(?:i\.\s?e\.?|that\s+is|or)(?![A-Za-z])[,:]?|=>|=|\\to|->|\\(?:Rightarrow|implies)|"
@@ -726,8 +683,9 @@ _RESTATE_RE = re.compile(r"\s*(?:\$\$?|\\[)\]])?\s*(?:,\s*)?(?:(?:i\.\s?e\.?|tha
 # Answer statements, a whitelist: 'Answer:' / 'Correction:' opening a line or sentence, 'the / final / correct
 # answer is', '####', '答案', 'answer' in other scripts, <answer>. 'We may check our answer: ...' is none.
 _CUE_RE = re.compile(r"(?:(?:^|(?<=[.!?;$)\]]))[ \t>#*]*(?:\\textbf\s*\{)?(?:final\s+)?|(?:final|the|correct|right|"
-                     r"true|actual|my)\s+)answer\s*(?:\*\*|\})?\s*(?:is|:|：|=)|####|答案\s*(?:是|为|為)?|(?:réponse|"
-                     r"respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>|"
+                     r"true|actual|my)\s+)answer\s*(?:\*\*|\})?\s*(?:is|:|：|=)|####|答案\s*(?:是|为|為)?|"
+                     r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*"
+                     r"(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>|"
                      r"(?:^|(?<=[.!?;$)\]]))[ \t*]*(?:correction|erratum|revised|corrected|updated?)(?:\s+answer)?"
                      r"\s*[:：]", re.IGNORECASE | re.MULTILINE)
 _STATED_RE = re.compile(r"(?:\\boxed|\\fbox|\$|\\[(\[]|-?\.?\d|\\(?:frac|dfrac|sqrt|pi|infty|text)(?![A-Za-z])|"
@@ -753,9 +711,8 @@ def _lead_math(rest: str) -> tuple[int, int, str] | None:
 
 
 def _stated(rest: str) -> str | None:
-    """The value an answer statement gives at the start of rest (the text after its cue): a box, math spans,
-    or a number or expression up to the end of its clause with a known unit; '' when it is hedged ('or maybe
-    8'); None when it states no value (words: 'so we are done', 'twelve')."""
+    """The value an answer statement gives at the start of rest (after its cue): a box, math spans, or a number or
+    expression up to its clause's end; '' when hedged ('or maybe 8'); None for words ('so we are done', 'twelve')."""
     rest = rest[:600].lstrip(" \t*:：}")
     if not _STATED_RE.match(rest):
         lead = _LEAD_RE.match(rest)      # 'Erratum: it is 15.'
@@ -780,8 +737,8 @@ def _stated(rest: str) -> str | None:
 
 
 def _tail_agrees(tail: str, value: str) -> bool:
-    """The text after an answer (a box, or a cue's math) neither continues its value nor states a final answer
-    that differs from it (the tail rule above; prose passes). The same value restated pays."""
+    """The text after an answer (a box, a cue's math) neither continues its value nor states a final answer that
+    differs from it (the tail rule above): prose passes, the same value restated pays."""
     tail = tail[:4000]
     if _CONTINUES_RE.match(tail):
         return False

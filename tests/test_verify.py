@@ -788,7 +788,8 @@ def test_digits_and_marks_of_other_scripts():
 
 
 def test_an_answer_hedged_or_continued_after_its_cue_or_box_is_none():
-    none = ["The answer is $7$ or maybe $8$.", "所以 $x = 45$ 或 $46$。", "So $\\boxed{7}$ or 8.", "So $\\boxed{7}$ (or 8).",
+    none = ["The answer is $7$ or maybe $8$.", "所以 $x = 45$ 或 $46$。", "So $\\boxed{7}$ or 8.",
+            "So $\\boxed{7}$ (or 8).",
             "$x \\ne \\boxed{7}$", "So $\\boxed{7} + \\boxed{1}$.", "So $2\\boxed{7}$.", "So $\\frac{\\boxed{7}}{2}$.",
             "The answer is \\boxed{5}!", "\\boxed{\\frac12} or 0.6", "2*\\boxed{7}", "\\boxed{7}-1", "\\boxed{7} - x",
             "\\boxed{7}(2)", "So $\\boxed{7}$ doubled.", "So $\\boxed{7}$ or more."]
@@ -839,7 +840,8 @@ def test_asserts_file_shape():
     assert sum(not c["label"] for c in _ASSERTS) >= 60 and sum(c["label"] for c in _ASSERTS) >= 50
     assert len(kinds) == 6 and all(True in labels for labels in kinds.values()), kinds
     # boxes their sentence does not assert are words around the box: paid for what the box holds, each saying why
-    assert all(c["label"] and (c.get("reason") or "was" not in c) for c in _ASSERTS if c["category"] == "box_not_asserted")
+    unasserted = [c for c in _ASSERTS if c["category"] == "box_not_asserted"]
+    assert all(c["label"] and (c.get("reason") or "was" not in c) for c in unasserted)
     assert sum("source" in c for c in _ASSERTS) >= 20      # rows rewritten from other graders' normalisers
 
 
@@ -861,15 +863,17 @@ def test_worked_solutions_that_say_would_or_if_stay_answers():
             ("If $x = 3$, then $y = \\boxed{12}$.", "12"), ("Assuming $x > 0$, we get $x = \\boxed{12}$.", "12")]
     assert [r for r, g in paid if V.verify(r, g) != 1.0] == []
     # prose after the final box is allowed, however it reads; a second answer that differs, or logic on the box, is not
-    assert V.extract_answer("The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point.") \
-        == "5300 \\text{ K}"
+    hot = "The temperature would have to be $\\boxed{5300}$ K, about 4400 K above the melting point."
+    assert V.extract_answer(hot) == "5300 \\text{ K}"
     assert [r for r in ("The total is $\\boxed{12}$. Is there a faster way? Yes: $3 \\cdot 4$.",
                         "The total is $\\boxed{12}$. It is the smallest such total.",
                         "The answer is $\\boxed{12}$. Let me double-check: $3 \\cdot 4 = 12$. Yes.",
-                        "Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?", "So $\\boxed{12}$? Unsure.",
+                        "Were it $\\boxed{12}$, the sum would be odd.", "Is it $\\boxed{12}$?",
+                        "So $\\boxed{12}$? Unsure.",
                         "The usual slip gives $\\boxed{12}$.", "So $\\boxed{12}$. On second thought, 13.")
             if V.extract_answer(r) != "12"] == []
-    unpaid = ["So $\\boxed{12}$; the right answer is 13.", "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.", "So $\\lnot \\boxed{12}$.",
+    unpaid = ["So $\\boxed{12}$; the right answer is 13.", "So $\\boxed{12}$ $\\lor$ $\\boxed{13}$.",
+              "So $\\lnot \\boxed{12}$.",
               "So $\\boxed{12}$ xor $\\boxed{13}$.", "So $\\boxed{12} \\mathrel{\\vee} \\boxed{13}$.",
               "So $\\boxed{12}$ - no wait, the answer is 13.", "So $\\boxed{12} \\land x > 0$.",
               "So $\\boxed{12}$.\n\nFinal Answer: The final answer is $13$. I hope it is correct."]
@@ -984,7 +988,8 @@ def test_the_tail_rule():
     """After the final box: prose passes; a value continued, or a second final answer that differs, does not."""
     same = "12"
     prose = ["", ".", " .\n\n", "$.", "<|im_end|>", " I hope it is correct.", " ways to seat them.", " is our answer.",
-             ". Note that $7$ is prime.", "\n[asy]\nlabel(\"$15$\",(0,0));\n[/asy]", " ✓", ", i.e. twelve", " (checked)",
+             ". Note that $7$ is prime.", "\n[asy]\nlabel(\"$15$\",(0,0));\n[/asy]", " ✓", ", i.e. twelve",
+             " (checked)",
              "\n\nFinal Answer: The final answer is $12$. I hope it is correct.", "\n\n#### 12", " = 12", ", or $12$.",
              ". We may check our answer: $3 \\cdot 4 = 12$.", " \\pm 5730 years", "}", " hmm", "</reasoning>",
              ". My classmate says 15.", "。不对，应该是15。", "\n15"]
@@ -997,8 +1002,8 @@ def test_the_tail_rule():
     assert [t for t in refused if V._tail_agrees(t, same)] == []
     assert V.extract_answer("So $\\textcolor{red}{\\boxed{7}}$.") == "7"
     assert V.extract_answer("So \\boxed{1.6} \\mathrm{~cm}.") == "1.6 \\text{ cm}"   # a unit the parser reads joins
-    assert V.extract_answer("So \\boxed{11000} \\mathrm{kcal} \\mathrm{m}^{-2} \\mathrm{yr}^{-1}.") == "11000"   # one it
-    # cannot read is context
+    # one it cannot read is context
+    assert V.extract_answer("So \\boxed{11000} \\mathrm{kcal} \\mathrm{m}^{-2} \\mathrm{yr}^{-1}.") == "11000"
     assert V.extract_answer("So \\boxed{12} dozen.") is None and V.extract_answer("So \\boxed{12} MHz.") == "12"
     assert V.extract_answer("So $\\boxed{3} \\pmod{7}$.") == "3\\pmod{7}"
     # a next turn after the box ends the response there: a box in the made-up turn is never the answer
