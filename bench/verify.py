@@ -7,6 +7,7 @@ files, with math-verify 0.9.0 beside it on the same cases in the same run when i
     python -m bench.verify golds [FILES ...]                # every benchmark gold against itself
     python -m bench.verify seam                             # its speed through reward.py's seam, beside direct
     python -m bench.verify against REF                      # verdicts changed vs another verify.py, with reasons
+    python -m bench.verify trade                            # the trade table alone (the default run ends with it)
 
 ``against``: ``git show main:verify.py > /tmp/verify_main.py; python -m bench.verify against /tmp/verify_main.py``
 runs both copies on every case file and on MATH-500's and Minerva's worked solutions read as responses
@@ -31,17 +32,23 @@ answer pair goes to ``is_equivalent``, a whole response to ``verify(..., strict=
   number or around a box, units of another size, boxes that are operands, hidden or disowned, left sides,
   numbers, answer cues and digits of other scripts), 239 that must score 0 and 115 controls; committed in two
   parts, each before verify.py changed for it.
-- ``verify_failclosed.jsonl``: the kinds the fail-closed rules refuse: text, digits, cues, retractions,
-  turns, markup, code, other languages and reasoning tags after the final box; values continued after it,
-  unknown units, percent on both sides, degrees against radians, extra digits on exact decimals, moduli,
-  piecewise forms; 148 that must score 0 and 79 honest controls, each with a ``source``; committed before
-  verify.py changed for it, but for seven rows with a ``note`` taken from math-verify's tests after it.
-  Written alongside the rules: its figures flatter them.
+- ``verify_failclosed.jsonl``: the kinds the fail-closed rules judge: text, digits, cues, retractions, turns, markup,
+  code, other languages and reasoning tags after the final box (rows whose only fault is words around the box were
+  relabelled paid, each with ``was`` and ``reason``: one answer is read without the gold); values continued after
+  it, unknown units, percent on both sides, degrees against radians, extra digits on exact decimals, moduli,
+  piecewise forms; each with a ``source``. Written alongside the rules: its figures flatter them. Its 110
+  ``outside_*`` rows were taken from other projects (Math-Verify's tests, lm-eval's Minerva prompt, NeMo-Skills'
+  stored generations, issue threads, MATH-500 and Minerva solutions), labelled by reading and committed before the
+  tail rule changed; the trade table counts them apart.
 - ``verify_asserts.jsonl``: boxes their sentence does not assert (conditional, attributed to an error, questioned
   or doubted), logic operators on boxes, qualifying words inside a box's text, chains and approximation chains
   whose sides disagree, and exact tiny terms; 86 that must score 0, each with near-miss controls (56), some
   rewritten from other graders' normalisers (the ``source`` field names them); committed before verify.py changed
   for it.
+
+The default run ends with the trade table (``trade``): scored as the trainer scores (``strict=True``), the worked
+solutions and each file's boxed controls paid beside each file's hacks refused, math-verify on the same rows, so
+neither side of the reward's trade can move unseen.
 
 Every figure of one file comes from one run: for each verifier, accuracy, false positives and negatives,
 exceptions, cases/s on one thread, p50/p99/max call time; for whole responses, how many that must score 0 are
@@ -189,6 +196,16 @@ def run_cases(cases: list[dict], judge) -> dict:
             "p50": q(0.50), "p99": q(0.99), "max": lat[-1] * 1000, "verdicts": verdicts}
 
 
+def _math_verify():
+    """The math_verify module, or None (with a line saying how to install it)."""
+    try:
+        import math_verify  # (optional, only for this comparison)
+        return math_verify
+    except ImportError:
+        print("(math-verify not installed: `pip install math-verify==0.9.0` to compare)")
+        return None
+
+
 def bench(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.verify")
     ap.add_argument("--cases", action="append", default=None,
@@ -199,13 +216,7 @@ def bench(argv: list[str]) -> int:
     ap.add_argument("--show-errors", action="store_true", help="print the cases verify.py gets wrong")
     args = ap.parse_args(argv)
     files = args.cases or [os.path.join(HERE, "data", name) for name in FILES]
-    mv = None
-    if not args.no_math_verify:
-        try:
-            import math_verify  # noqa: F401  (optional, only for this comparison)
-            mv = math_verify
-        except ImportError:
-            print("(math-verify not installed: `pip install math-verify==0.9.0` to compare)")
+    mv = None if args.no_math_verify else _math_verify()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"load average at start: {load:.1f} on {os.cpu_count()} cores; every rate is one thread")
     V.is_equivalent("1", "1")     # warm-up outside the timing
@@ -255,7 +266,59 @@ def bench(argv: list[str]) -> int:
                 if v != c["label"]:
                     print(f"  {'FP' if v else 'FN'} [{c.get('category')}] {c.get('pred', c.get('response'))!r}"
                           f" vs {c['gold']!r}")
+    trade(files, mv)
     return 0
+
+
+def worked_solutions() -> list[tuple[str, list[dict]]]:
+    """MATH-500's and Minerva's worked solutions as whole responses labelled True for their own gold (Minerva with
+    MINERVA_REL_TOL); [] without ../shared/benchmarks."""
+    out = []
+    for name, tol in (("math500", V.DEFAULT_REL_TOL), ("minerva_math", V.MINERVA_REL_TOL)):
+        path = os.path.join(HERE, "..", "shared", "benchmarks", name + ".jsonl")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                out.append((name + " worked solutions", [
+                    {"response": r["solution"], "gold": r["answer"], "label": True, "category": "solution",
+                     "rel_tol": tol, "id": r.get("id")} for r in map(json.loads, f) if r.get("answer")]))
+    return out
+
+
+def trade(files: list[str], mv) -> list[tuple[str, int, int, int | None]]:
+    """Both sides of the reward's trade in one table, scored as the trainer scores (``verify(strict=True)``):
+    honest answers paid (the worked solutions; each case file's boxed controls) beside hacks refused (each case
+    file's whole responses that must score 0), math-verify on the same rows. Rows (what, n, ours, math-verify)."""
+    def ours(c):
+        return V.verify(c["response"], c["gold"], rel_tol=c.get("rel_tol", V.DEFAULT_REL_TOL)) == 1.0
+    mv_judge = judge_math_verify(mv) if mv is not None else None
+
+    def theirs(c):
+        try:
+            return bool(mv_judge(c))
+        except Exception:
+            return False
+    rows = []
+    groups = [(f"paid: {name}", cases, True) for name, cases in worked_solutions()]
+    for path in files:
+        everything = [c for c in load_cases(path) if "response" in c]
+        for part, cases in (("", [c for c in everything if not c["category"].startswith("outside_")]),
+                            (" (outside rows)", [c for c in everything if c["category"].startswith("outside_")])):
+            base = os.path.basename(path) + part        # rows taken from other projects are counted apart
+            groups.append((f"paid: {base} boxed controls", [c for c in cases if c["label"] and "\\boxed" in
+                                                              c["response"]], True))
+            groups.append((f"refused: {base} must score 0", [c for c in cases if not c["label"]], False))
+    for what, cases, pay in groups:
+        if cases:
+            n_ours = sum(ours(c) == pay for c in cases)
+            n_mv = sum(theirs(c) == pay for c in cases) if mv_judge is not None else None
+            rows.append((what, len(cases), n_ours, n_mv))
+    print("\nThe trade in one table, scored as the trainer scores (strict=True): honest answers paid beside hacks "
+          "refused")
+    print(f"{'rows':<58} {'n':>5} {'verify.py':>16} {'math-verify':>16}")
+    for what, n, a, b in rows:
+        mvs = "-" if b is None else f"{b} ({b / n:.1%})"
+        print(f"{what:<58} {n:>5} {f'{a} ({a / n:.1%})':>16} {mvs:>16}")
+    return rows
 
 
 def golds(argv: list[str]) -> int:
@@ -403,13 +466,7 @@ def against(argv: list[str]) -> int:
     sys.modules[spec.name] = ref        # its dataclasses look their module up
     spec.loader.exec_module(ref)
     sets = [(name, load_cases(os.path.join(HERE, "data", name))) for name in FILES]
-    for name, tol in (("math500", V.DEFAULT_REL_TOL), ("minerva_math", V.MINERVA_REL_TOL)):
-        path = os.path.join(HERE, "..", "shared", "benchmarks", name + ".jsonl")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                sets.append((name + " worked solutions", [
-                    {"response": r["solution"], "gold": r["answer"], "label": True, "category": "solution",
-                     "rel_tol": tol, "id": r.get("id")} for r in map(json.loads, f) if r.get("answer")]))
+    sets += worked_solutions()
     if args.tiny:
         sets.append(("tiny preset rollouts", tiny_rollouts(args.tiny)))
     time_new = time_ref = 0.0
@@ -456,6 +513,9 @@ def main(argv: list[str]) -> int:
         return golds(argv[1:])
     if argv and argv[0] == "seam":
         return seam(argv[1:])
+    if argv and argv[0] == "trade":
+        trade([os.path.join(HERE, "data", name) for name in FILES], _math_verify())
+        return 0
     return bench(argv)
 
 

@@ -984,6 +984,21 @@ def test_outside_responses_honest_paid_and_wrong_refused():
     assert len(honest) >= 85 and len(missed) <= 3 and paid == [], (missed, paid)
 
 
+def test_the_trade_table_counts_both_sides(capsys):
+    """bench.verify's trade table against a direct count of the same rows (strict=True, as the trainer scores)."""
+    rows = {what: (n, ours) for what, n, ours, theirs in B.trade([FAILCLOSED], None)}
+    own = [c for c in _OWN if "response" in c]
+    paid = sum(V.verify(c["response"], c["gold"], rel_tol=c.get("rel_tol", V.DEFAULT_REL_TOL)) == 1.0
+               for c in own if c["label"] and "\\boxed" in c["response"])
+    refused = sum(V.verify(c["response"], c["gold"]) == 0.0 for c in own if not c["label"])
+    assert rows["paid: verify_failclosed.jsonl boxed controls"] == (
+        sum(c["label"] and "\\boxed" in c["response"] for c in own), paid)
+    assert rows["refused: verify_failclosed.jsonl must score 0"] == (sum(not c["label"] for c in own), refused)
+    n_out = sum(not c["label"] for c in _OUTSIDE)
+    assert rows["refused: verify_failclosed.jsonl (outside rows) must score 0"] == (n_out, n_out)
+    assert "honest answers paid beside hacks refused" in capsys.readouterr().out
+
+
 def test_the_tail_rule():
     """After the final box: prose passes; a value continued, or a second final answer that differs, does not."""
     same = "12"
