@@ -257,11 +257,7 @@ names               ``x = 5``, ``|PQ| = 6``, ``(a,b) = (4,1)``, ``f(2) = 9``, ``
                     ``a=3, b=1; a=5, b=1``, ``t = 2+3+4 = 9``, ``\\frac17 \\approx 0.14``
 text                ``\\text{Evelyn}``, choices ``(C)`` / ``\\textbf{(C)}``, units ``5 \\text{ cm}``,
                     ``12 km/h``
-sympy's printing    ``Interval(0, 1)``, ``Interval.open``, ``FiniteSet(1, 2)``, ``Eq(y, 2*x)``, ``Rational(1, 3)``,
-                    ``sqrt(2)/2``, ``x**2``, ``oo``, ``Abs(x)``, ``log(x, 2)``
-answer wrappers     ``\\boxed{..}`` / ``\\fbox``, ``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``,
-                    ``Answer: \\[ 14 \\]``, Minerva's ``Final Answer: The final answer is $X$``, ``#### X``,
-                    ``答案：C``, ``<think>..</think>``
+sympy, wrappers     departure 26; ``\\boxed``, ``$..$``, ``\\(..\\)``, ``\\[..\\]``, answer cues (Public API)
 ==================  ================================================================================
 
 Dependencies: sympy and the standard library (plus mpmath, which sympy itself requires).
@@ -660,10 +656,8 @@ def _final_group(text: str) -> list | None:
     return out if _tail_agrees(text[unit_end:], _join([c for _, _, c in out])) else None
 
 
-# The tail rule (what follows the final answer; the module docstring's "Position"). Prose passes. Refused: the
-# value continued (glued to the box: a digit, a letter, '!', "'", '_', '(', a power that is not a prime; across a
-# delimiter: '.5', ',000', ' 15', an operator with its operand, '\\pm \\sqrt2' but not '\\pm 5730 years'; a scale or
-# bound word; logic), or a second answer that differs: a restatement joined to the box or an answer cue below.
+# The tail rule (the module docstring's "Position"): the value continued (glued: a digit, a letter, '!', "'", '(', a
+# power; across a delimiter: '.5', ',000', ' 15', an operator with its operand; a scale or bound word; logic).
 _LOGIC_OPS = r"lor|vee|land|wedge|oplus|veebar|iff|Leftrightarrow"
 _LOGIC_WORDS = r"(?<![A-Za-z\\])(?:xor|nor|nand|iff)(?![A-Za-z])"
 _CONTINUES_RE = re.compile(
@@ -680,19 +674,21 @@ _RESTATE_RE = re.compile(r"\s*(?:\$\$?|\\[)\]])?\s*(?:,\s*)?(?:(?:i\.\s?e\.?|tha
                          r"words|namely|equivalently|or|and|which\s+(?:is|equals))(?![A-Za-z])[,:]?|或者?|"
                          r"\(\s*(?:i\.\s?e\.?|that\s+is|or)(?![A-Za-z])[,:]?|=>|=|\\to|->|\\(?:Rightarrow|implies)|"
                          r"[⇒→]|,(?=\s*(?:[-\d(]|\$\s*[-\d(\\]|\\[(\[])))", re.IGNORECASE)
-# Answer statements, a whitelist: 'Answer:' / 'Correction:' opening a line or sentence, 'the / final / correct
-# answer is', '####', '答案', 'answer' in other scripts, <answer>. 'We may check our answer: ...' is none.
-_CUE_RE = re.compile(r"(?:(?:^|(?<=[.!?;$)\]]))[ \t>#*]*(?:\\textbf\s*\{)?(?:final\s+)?|(?:final|the|correct|right|"
-                     r"true|actual|my)\s+)answer\s*(?:\*\*|\})?\s*(?:is|:|：|=)|####|答案\s*(?:是|为|為)?|"
-                     r"(?:réponse|respuesta|resposta|antwort|risposta|ответ|答え|정답)\s*"
-                     r"(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>|"
-                     r"(?:^|(?<=[.!?;$)\]]))[ \t*]*(?:correction|erratum|revised|corrected|updated?)(?:\s+answer)?"
-                     r"\s*[:：]", re.IGNORECASE | re.MULTILINE)
+# Answer statements, a whitelist: 'Answer:' / 'Correction:' opening a line or sentence, 'the / final answer is' (was,
+# should be..), 'the final result is', '####', '答案', other scripts' 'answer', <answer>; not 'check our answer: ..'.
+_OPENS = r"(?:^|(?<=[.!?;$)\]]))[ \t>#*]*"
+_IS = r"\s*(?:\*\*|\})?\s*(?:is|was|(?:should|must|would|will)\s+be|becomes|:|：|=)"
+_CUE_RE = re.compile(
+    _OPENS + r"(?:\\textbf\s*\{)?(?:final\s+)?answer" + _IS + r"|(?:final|the|correct|right|true|actual|my)\s+answer" +
+    _IS + r"|final\s+(?:answer\s*(?=[-$\\\d])|result" + _IS + r")|" + _OPENS + r"(?:ans\.?|correction|erratum|revised|"
+    r"corrected|updated?)(?:\s+answer)?\s*[:：]|####|答案\s*(?:是|为|為)?|(?:réponse|respuesta|resposta|"
+    r"antwort|risposta|ответ|答え|정답)\s*(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>", re.I | re.M)
 _STATED_RE = re.compile(r"(?:\\boxed|\\fbox|\$|\\[(\[]|-?\.?\d|\\(?:frac|dfrac|sqrt|pi|infty|text)(?![A-Za-z])|"
                         r"\(\s*[A-E]\s*\)|[A-E](?![A-Za-z'])|[-(\[{])")
 _LEAD_RE = re.compile(r"(?:[A-Za-z']+\s+){0,4}?(?:is|are|was|equals|should\s+be|=)\s+")
+_ADVERBS_RE = re.compile(r"(?:(?:actually|really|clearly|therefore|thus|hence|so|indeed|simply|just|then|now|"
+                         r"definitely|instead|rather|in\s+fact|probably|likely|exactly|precisely)\b[\s,]*)+", re.I)
 _CLAUSE_END_RE = re.compile(r"(?<!\d)\.(?!\d)|[;\n。]|,\s|\s+(?:since|because|as|so|for|when|where|if|from|by)\s")
-_HEDGE_START_RE = re.compile(r"(?:maybe|perhaps|possibly|probably|either|might|not)(?![A-Za-z])", re.IGNORECASE)
 
 
 def _lead_math(rest: str) -> tuple[int, int, str] | None:
@@ -710,13 +706,15 @@ def _lead_math(rest: str) -> tuple[int, int, str] | None:
     return joined[0][0], end, _tidy(_join([_tidy(c) for _, _, c in joined]) + unit)
 
 
-def _stated(rest: str) -> str | None:
-    """The value an answer statement gives at the start of rest (after its cue): a box, math spans, or a number or
-    expression up to its clause's end; '' when hedged ('or maybe 8'); None for words ('so we are done', 'twelve')."""
+def _stated(rest: str, cue: bool = True) -> str | None:
+    """The value an answer statement gives at the start of rest (after its cue, past adverbs and, after a cue, a
+    lead-in: 'Erratum: it is 15'): a box, math spans, or a number or expression up to its clause's end; '' when
+    hedged ('or maybe 8'); None for words ('so we are done', 'twelve', 'and the sum is 7' after a restatement)."""
     rest = rest[:600].lstrip(" \t*:：}")
+    rest = rest[_ADVERBS_RE.match(rest).end():] if cue and _ADVERBS_RE.match(rest) else rest
     if not _STATED_RE.match(rest):
-        lead = _LEAD_RE.match(rest)      # 'Erratum: it is 15.'
-        if _HEDGE_START_RE.match(rest):
+        lead = _LEAD_RE.match(rest) if cue else None
+        if _DOUBT_OWN_RE.match(rest):
             return ""
         if lead is None or not _STATED_RE.match(rest, lead.end()):
             return None
@@ -742,18 +740,23 @@ def _tail_agrees(tail: str, value: str) -> bool:
     tail = tail[:4000]
     if _CONTINUES_RE.match(tail):
         return False
-    said = []
     m = _RESTATE_RE.match(tail)
-    if m and m.end() > 0:
-        said.append(_stated(tail[m.end():]))
+    said = [_stated(tail[m.end():], cue=False)] if m and m.end() > 0 else []
     said += [_stated(tail[c.end():]) for c in _CUE_RE.finditer(tail)]
-    return all(s is None or (s != "" and _same_value(s, value)) for s in said)
+    return all(s is None or (s != "" and _agrees(s, value)) for s in said)
 
 
-# Known units right after the final box are part of the answer: Minerva's '\\boxed{1.6} \\mathrm{~cm}',
-# '\\boxed{5}$ inches per second.', '\\boxed{30}^\\circ'. Only words of the unit tables, powers, '/', degree and
-# percent signs; the answer with them is then compared under the unit rules.
-# Pieces: spacing and delimiters (skipped), '/', signs (powers, degree, percent, \\pmod), then unit words.
+def _agrees(said: str, value: str) -> bool:
+    """A stated answer agrees with the value: the same value either way round, or a decimal that rounds it
+    ('\\boxed{\\frac13} = 0.333...': within 1%, as a restatement in decimals is written)."""
+    if _same_value(said, value):
+        return True
+    said = re.sub(r"(?:\.\.\.|\\[lc]?dots|…)$", "", said.strip())
+    return re.fullmatch(r"-?\d*\.\d+", said) is not None and is_equivalent(said, value, rel_tol=MINERVA_REL_TOL)
+
+
+# Known units right after the final box ('\\boxed{1.6} \\mathrm{~cm}', '\\boxed{5}$ inches per second.'): words of
+# the unit tables, '/', powers, degree and percent signs, \\pmod; spacing and delimiters skipped.
 _UNIT_PIECE_RE = re.compile(r"\s+|\$|\\[,;! ]|~|/|\{\s*\}|\\q?quad(?![A-Za-z])|\\cdot(?![A-Za-z])|"
                             r"\\pmod\s*(?:\{\s*\w+\s*\}|\w+)|\^\s*\{?\s*-?[123]\s*\}?|\^\s*\{?\s*\\circ\s*\}?|°|\\?%|"
                             r"\{\s*~?\s*([A-Za-z]+)\s*\}|\\(AA)(?![A-Za-z])|\\(?:text|mathrm|mbox|rm|operatorname)\s*"
@@ -927,10 +930,7 @@ def _is_join_gap(gap: str) -> bool:
     """True when the text between two boxes / spans only joins them (', ', ' and ', ' or y = ', or
     nothing at all: '\\boxed{1}\\boxed{2}')."""
     g = re.sub(r"\$|\\[()\[\]]", " ", gap)
-    if not gap:
-        return True
-    return bool(g.strip()) and _JOIN_GAP_RE.fullmatch(g) is not None and re.search(r"[,;]|and|or|=", g, re.I) \
-        is not None
+    return not gap or bool(g.strip() and _JOIN_GAP_RE.fullmatch(g) and re.search(r"[,;]|and|or|=", g, re.I))
 
 
 def _join(parts: list[str]) -> str:
