@@ -122,7 +122,8 @@ from foreign import ForeignLog, StoredRun, open_peer_log  # --peer-log: the stor
 from exchange import OnlinePeers, StepRollouts, rollout_path, save_rollouts  # the rollout file, live peers
 from metrics import LiveReport  # --report-to
 from plan import check_at_start, run_plan  # the memory plan on fake tensors: at start, and `graft.py plan`
-from reward import check_golds, load_reward, reward_options, rewards  # the reward seam, called in one place
+from reward import DEFAULT_REWARD, check_golds, load_reward, reward_options, rewards  # the reward seam, called once
+from verify import box_refused  # the default reward's reader alone: metric reward/box_refused
 from runtime import (RunFiles, adamw_kernel, clip_sharded_grad_norm_, compute_context, encode_prompt,
                      eval_rows, gather_lists, gathered, kv_budget, load_full_optimizer_state, load_policy,
                      load_prompt_file, raise_stopped, setup_distributed, shard, shard_policy, stop_signals,
@@ -321,6 +322,10 @@ class Trainer:
     the --resume checks, metrics trimming and atomic checkpoints of the model, optimizer and state handed to it."""
 
     live: LiveReport | None = None  # --report-to, opened by the first log()
+    # A high share of refused boxes in a launch's first steps is a format verify.py's reader does not take, not a
+    # model still learning: log() says so once, while the run is cheap to stop (metric reward/box_refused)
+    BOX_WARN_STEPS, BOX_WARN_SHARE = 5, 0.2
+    box_warned = False
 
     def __init__(self, cfg: Config):
         validate_config(cfg)
@@ -424,7 +429,8 @@ class Trainer:
         """Sample n responses per prompt (this rank's share), score them with the reward, recompute their
         behaviour log-probs: the whole batch on every rank. batch: the step's G dataset indices.
         Returns the step's rollouts (G prompts x n), their counts over all ranks (the reward's faults, non-canonical
-        token sequences) and the phase timings in seconds."""
+        token sequences; with verify.py as the reward, the share of boxes its reader refused) and the phase timings
+        in seconds."""
         cfg, n, G = self.cfg, self.cfg.n, len(batch)
         timings: dict[str, float] = {}
         flat = [g * n + i for g in range(G) for i in range(n)]  # response r = g * n + i
@@ -445,10 +451,16 @@ class Trainer:
         with timed(timings, "verify"):
             # stored text: through the first stop string; the verifier reads it cut before (departure 11)
             texts = [decode_response(o.tokens, self.tok, eos_token_ids=self.stop_ids, stop=cfg.stop)[0] for o in outs]
-            verdicts = rewards(cfg.reward, [verifier_text(t, cfg.stop) for t in texts],
-                             [self.data[batch[r // n]]["answer"] for r in mine], **reward_options(cfg))
-            counts = add_counts(gather_lists([verdicts.faults | canonical_counts(  # the step's, over all ranks
+            read = [verifier_text(t, cfg.stop) for t in texts]  # what the reward reads
+            verdicts = rewards(cfg.reward, read, [self.data[batch[r // n]]["answer"] for r in mine],
+                               **reward_options(cfg))
+            # Boxes verify.py's reader refused by a reading rule, not by their value: counted here, on the texts the
+            # reward read (extraction only, no comparison); another --reward reads answers its own way: not counted
+            refused = {"reward/box_refused": sum(map(box_refused, read))} if cfg.reward == DEFAULT_REWARD else {}
+            counts = add_counts(gather_lists([verdicts.faults | refused | canonical_counts(  # the step's, all ranks
                 [o.tokens for o in outs], prompts, self.tok, eos_token_ids=self.stop_ids)], self.dist))
+            if refused:  # logged as a share of the step's G x n responses (each rank counted its own)
+                counts["reward/box_refused"] /= G * n
         with gathered(self.fsdp_root), timed(timings, "logprob"):
             # Behaviour log-probs recomputed by a fresh forward through the same chunked path as the loss
             # (departure 7): in bf16 the sampler's incremental KV-cache numbers differ slightly from it.
@@ -685,6 +697,14 @@ class Trainer:
               f"{g('pg/clipfrac_peer')} | loss {g('pg/loss', '{:+.4f}')} gnorm {g('grad_norm', '{:.2f}')} | "
               f"len {g('response_len', '{:.0f}')} | s: sample {t('sample')} verify {t('verify')} "
               f"logp {t('logprob')} wait {t('wait')} exch {t('exchange')} update {t('update')}", flush=True)
+        refused = m.get("reward/box_refused")
+        if (refused is not None and refused >= self.BOX_WARN_SHARE and not self.box_warned
+                and m["step"] < self.files.start_step + self.BOX_WARN_STEPS):
+            self.box_warned = True
+            print(f"WARNING: step {m['step'] + 1}: {refused:.0%} of the responses hold a box that verify.py's reader "
+                  "refused by a reading rule, not by its value (reward/box_refused): the model likely writes something "
+                  "after its final box that changes the value or states another answer; see verify.py's module "
+                  "docstring, \"What counts as an answer\"", file=sys.stderr, flush=True)
 
     def fit(self):
         cfg, files = self.cfg, self.files

@@ -36,6 +36,10 @@ METRICS: dict[str, str] = {
     "peer_reward": "Mean reward of every peer response of the step (re-verified for a stored peer).",
     "reward_timeouts": "Responses whose reward call ran past --reward-timeout (worker killed): scored 0.",
     "reward_crashes": "Responses whose reward worker process died (a crash in the reward): scored 0.",
+    "reward/box_refused": "Share of this side's G x n rollouts holding a \\boxed / \\fbox that verify.py's reader "
+                          "refused by a reading rule (a value continued after it, a second final answer that "
+                          "differs, an operand, an unclosed box), not by its value (verify.box_refused); logged only "
+                          "with the default --reward verify:verify_batch.",
     "noncanonical": "Own responses whose sampled ids are not the tokenizer's encoding of their text, encoded alone.",
     "noncanonical_in_prompt": "Own responses whose sampled ids are not the tokenizer's encoding of their text "
                               "encoded after the prompt (a token across the prompt's end counts).",

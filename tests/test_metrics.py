@@ -327,6 +327,63 @@ def test_plot_errors_name_the_problem(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
+# reward/box_refused: a planted step's responses, boxes refused by a reading rule counted by hand
+# ------------------------------------------------------------------------------------------------
+
+# One block of 8 responses to a gold g, repeated over the step's 32: (text, refused by a reading rule, paid).
+# A wrong value and a missing box score 0 too, but not because of how the box was written: not counted.
+BOX_BLOCK = [
+    (lambda g: f"The sum is \\boxed{{{g}}}.5", True, 0.0),  # the value continued after the box
+    (lambda g: f"So \\boxed{{{g}}}\n\nAnswer: {int(g) + 2}", True, 0.0),  # a second final answer that differs
+    (lambda g: f"So \\boxed{{{int(g) + 1}}}.", False, 0.0),  # a wrong value: refused by the comparison
+    (lambda g: f"The answer is {g}.", False, 0.0),  # no box at all (strict: no answer, nothing refused)
+    (lambda g: f"\\boxed{{{g}}}", False, 1.0),
+    (lambda g: f"so there are $\\boxed{{{g}}}$ ways to do it.", False, 1.0),  # prose after the box
+    (lambda g: f"\\boxed{{{g}}}\n\nFinal Answer: The final answer is {g}. I hope it is correct.", False, 1.0),
+    (lambda g: f"$\\boxed{{{g}}}$ is our answer.", False, 1.0),
+]
+
+
+def test_reward_box_refused_is_the_share_refused_by_a_reading_rule(tiny, tmp_path, monkeypatch, capsys):
+    """A step whose 32 responses are planted (the decoded texts replaced): 8 hold a box refused by a reading rule,
+    so the logged share is 8 / 32 = 0.25, in the step's metrics and in metrics.jsonl; the wrong value and the
+    missing box, which score 0 as well, are not in it. High in a first step: one WARNING naming the cause."""
+    tr = graft.Trainer(planted_config(tiny, tmp_path / "run", reward_timeout=0))
+    batch = batch_indices(len(tr.data), 0, 8, 0)
+    golds = [tr.data[batch[r // 4]]["answer"] for r in range(32)]
+    plan = [BOX_BLOCK[r % len(BOX_BLOCK)] for r in range(32)]
+    planted = [make(g) for (make, _, _), g in zip(plan, golds)]
+    decoded = iter(planted)  # one process: responses are decoded in the order r = g * n + i
+    monkeypatch.setattr(graft, "decode_response", lambda tokens, tok, **kw: (next(decoded), False))
+    own, counts, _ = tr.rollout(0, batch)
+    assert own.texts == planted
+    assert own.rewards.view(-1).tolist() == [paid for _, _, paid in plan]  # each text scored as its row says
+    by_hand = sum(refused for _, refused, _ in plan) / 32
+    assert by_hand == 0.25 and counts["reward/box_refused"] == by_hand
+    m = {"step": 0} | graft.rollout_metrics(own) | counts
+    tr.log(m)
+    assert read_metrics(tr.files.out / "metrics.jsonl")[-1]["reward/box_refused"] == 0.25
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "25% of the responses hold a box" in err and "What counts as an answer" in err
+    tr.log(m | {"step": 1})  # once per launch
+    tr.box_warned = False
+    tr.log(m | {"step": 2, "reward/box_refused": 0.19})  # under the threshold
+    tr.log(m | {"step": tr.BOX_WARN_STEPS})  # past the first steps: a model that learned a format, not a reader's
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def test_reward_box_refused_is_not_logged_with_another_reward(tiny, tmp_path, monkeypatch):
+    """Another --reward reads answers its own way: verify.py's refusals say nothing about it."""
+    (tmp_path / "mine.py").write_text("def pays_all(responses, golds, *, workers=0):\n"
+                                      "    return [1.0] * len(responses)\n")
+    tr = graft.Trainer(planted_config(tiny, tmp_path / "run", reward=f"{tmp_path / 'mine.py'}:pays_all",
+                                      reward_timeout=0))
+    monkeypatch.setattr(graft, "decode_response", lambda tokens, tok, **kw: ("\\boxed{3}.5", False))
+    own, counts, _ = tr.rollout(0, batch_indices(len(tr.data), 0, 8, 0))
+    assert own.rewards.sum() == 32 and "reward/box_refused" not in counts
+
+
+# ------------------------------------------------------------------------------------------------
 # README's figure: `python -m tools.tiny figure RUN_DIR --out PNG` from a planted panel run's files
 # ------------------------------------------------------------------------------------------------
 
