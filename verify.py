@@ -670,19 +670,21 @@ _CONTINUES_RE = re.compile(
     r"at\s+(?:least|most)|(?:plus|minus|times)\s+\S)(?![A-Za-z])|"
     r"\s*(?:\$\s*)?(?:\\(?:" + _LOGIC_OPS + r"|lnot|neg)(?![A-Za-z])|[¬∨∧⊕⇔]|" + _LOGIC_WORDS + r"))",
     re.IGNORECASE)
-_RESTATE_RE = re.compile(r"\s*(?:\$\$?|\\[)\]])?\s*(?:,\s*)?(?:(?:i\.\s?e\.?|that\s+is(?:\s+to\s+say)?|in\s+other\s+"
-                         r"words|namely|equivalently|or|and|which\s+(?:is|equals))(?![A-Za-z])[,:]?|或者?|"
+_RESTATE_RE = re.compile(r"\s*(?:\$\$?|\\[)\]])?\s*(?:,\s*)?(?:\\(?:text|mbox|mathrm)\s*\{\s*)?(?:(?:i\.\s?e\.?|"
+                         r"that\s+is(?:\s+to\s+say)?|in\s+other\s+words|namely|equivalently|or|and|"
+                         r"which\s+(?:is|equals))(?![A-Za-z])[,:]?|或者?|"
                          r"\(\s*(?:i\.\s?e\.?|that\s+is|or)(?![A-Za-z])[,:]?|=>|=|\\to|->|\\(?:Rightarrow|implies)|"
-                         r"[⇒→]|,(?=\s*(?:[-\d(]|\$\s*[-\d(\\]|\\[(\[])))", re.IGNORECASE)
-# Answer statements, a whitelist: 'Answer:' / 'Correction:' opening a line or sentence, 'the / final answer is' (was,
-# should be..), 'the final result is', '####', '答案', other scripts' 'answer', <answer>; not 'check our answer: ..'.
+                         r"[⇒→]|[,;](?=\s*(?:[-\d(]|\$\s*[-\d(\\]|\\[(\[])))", re.IGNORECASE)
+# Answer statements, a whitelist: 'Answer:' / 'Final:' / 'Correction:' opening a line or sentence, 'the answer is'
+# (was, should be..), 'final result is', '####', '答案', <answer>, other scripts'; not 'check our answer: ..'.
 _OPENS = r"(?:^|(?<=[.!?;$)\]]))[ \t>#*]*"
 _IS = r"\s*(?:\*\*|\})?\s*(?:is|was|(?:should|must|would|will)\s+be|becomes|:|：|=)"
 _CUE_RE = re.compile(
     _OPENS + r"(?:\\textbf\s*\{)?(?:final\s+)?answer" + _IS + r"|(?:final|the|correct|right|true|actual|my)\s+answer" +
-    _IS + r"|final\s+(?:answer\s*(?=[-$\\\d])|result" + _IS + r")|" + _OPENS + r"(?:ans\.?|correction|erratum|revised|"
-    r"corrected|updated?)(?:\s+answer)?\s*[:：]|####|答案\s*(?:是|为|為)?|(?:réponse|respuesta|resposta|"
-    r"antwort|risposta|ответ|答え|정답)\s*(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>", re.I | re.M)
+    _IS + r"|final\s+(?:answer\s*(?=[-$\\\d])|result" + _IS + r")|" + _OPENS + r"(?:ans\.?|final|result|correction|"
+    r"erratum|revised|corrected|updated?)(?:\s+answer)?\s*[:：]|####|答案\s*(?:是|为|為)?|(?:réponse|respuesta|"
+    r"resposta|antwort|risposta|ответ|答え|정답)\s*(?:[:：]|은|는|は|est|es|é|ist|è)|<answer>",
+    re.I | re.M)
 _STATED_RE = re.compile(r"(?:\\boxed|\\fbox|\$|\\[(\[]|-?\.?\d|\\(?:frac|dfrac|sqrt|pi|infty|text)(?![A-Za-z])|"
                         r"\(\s*[A-E]\s*\)|[A-E](?![A-Za-z'])|[-(\[{])")
 _LEAD_RE = re.compile(r"(?:[A-Za-z']+\s+){0,4}?(?:is|are|was|equals|should\s+be|=)\s+")
@@ -729,7 +731,7 @@ def _stated(rest: str, cue: bool = True) -> str | None:
     if re.search(r"(?<![\\A-Za-z])[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", " ", said)):
         if _HEDGE_WORDS_RE.search(said):
             return ""       # 'the answer is 12 or 13'
-        num = _NUMBER_RE.match(said)    # '15 apples': the number, with its unit when the tables know it
+        num = _NUMBER_RE.match(said) if cue else None  # '15 apples' after a cue: the number, with a known unit
         return num.group(0) + _unit_after(said, num.end())[1] if num else None
     return said
 
@@ -877,10 +879,8 @@ def _sentence_of(text: str, start: int, end: int) -> tuple[str, str, str, str]:
 
 def _in_math(text: str, pos: int) -> bool:
     """text[pos] is inside a math span: an odd number of unescaped '$' before it, or an open '\\(' / '\\['."""
-    before = text[:pos]
-    if (before.count("$") - before.count("\\$")) % 2 == 1:
-        return True
-    return before.rfind("\\(") > before.rfind("\\)") or before.rfind("\\[") > before.rfind("\\]")
+    b, r = text[:pos], text[:pos].rfind
+    return (b.count("$") - b.count("\\$")) % 2 == 1 or r("\\(") > r("\\)") or r("\\[") > r("\\]")
 
 
 def _asserted(text: str, start: int, end: int) -> bool:

@@ -1008,13 +1008,15 @@ def test_the_tail_rule():
              "\n\nFinal Answer: The final answer is $12$. I hope it is correct.", "\n\n#### 12", " = 12", ", or $12$.",
              ". We may check our answer: $3 \\cdot 4 = 12$.", " \\pm 5730 years", "}", " hmm", "</reasoning>",
              ". My classmate says 15.", "。不对，应该是15。", "\n15", "\n\nThe answer is not 15: 15 is odd.",
-             ", and the sum is 7.", "\n\nThe result is 15 when n = 3.", " (that is, 12 people)", " = 12.0"]
+             ", and the sum is 7.", "\n\nThe result is 15 when n = 3.", " (that is, 12 people)", " = 12.0",
+             "; 5 is odd, so it is not 5.", ", or \\text{twelve}"]
     refused = [".5", "^2", "0", "!", "'", " 15", "\\,000", "{,}000", " million", " dozen", " + 3", "\\times 10^3", "i",
                "(2)", " \\pm \\sqrt{2}", " doubled", " or more", " \\lor x", ", 15", " and 15", " -> 15", " = 15",
                ", i.e. $13$", " (or 15)", " or maybe $8$", "\n\nAnswer: 15", "\nThe answer is $15$.", " #### 15",
                ". Correction: 15", "\n\\textbf{Answer:} 15", "。不，答案是15。", "\nFinal Answer: 12 or 13",
                "\nThe correct answer is 15 apples.", ". The answer is actually 15.", "\nThe answer should be 15",
-               "\n\nFinal answer 15", "\n\nAns: 15", "\nSo the final result is 15.", " = 12.5"]
+               "\n\nFinal answer 15", "\n\nAns: 15", "\nSo the final result is 15.", " = 12.5", "; 15",
+               " \\text{ or } 15", ". Final: 15", "\n\nResult: 15"]
     # a decimal restated after an exact value agrees when it rounds it (within 1%)
     assert V._tail_agrees(" = 0.333...", "\\frac13") and not V._tail_agrees(" = 0.35", "\\frac13")
     assert [t for t in prose if not V._tail_agrees(t, same)] == []
