@@ -12,7 +12,7 @@ files, with math-verify 0.9.0 beside it on the same cases in the same run when i
 ``against``: ``git show main:verify.py > /tmp/verify_main.py; python -m bench.verify against /tmp/verify_main.py``
 runs both copies on every case file and on MATH-500's and Minerva's worked solutions read as responses
 (../shared/benchmarks) and, with ``--tiny N``, the tiny preset's sampled responses to N test problems, lists every
-changed verdict by file with its reason (the tail after the final box, or
+changed verdict by file with its reason (what the tail rule refused after the final box, or
 the value rule), counts the worked solutions refused by kind, and gives the CPU time per case of each copy
 in the same run (interleaved, so load affects both alike).
 
@@ -391,18 +391,19 @@ def seam(argv: list[str]) -> int:
 
 
 def _tail_kind(text: str) -> str:
-    """A short name for what follows the last box of a response: what the tail rule refused."""
+    """A short name for what verify.py refused at the last box of a response (the tail rule, or the box itself)."""
     boxes = V._outer_boxes(text) or []
     if not boxes:
         return "no box"
-    tail = text[boxes[-1][1]:].lstrip(" $.,;:\n\\)]*")
-    if re.match(r"[A-Za-z]+(?:\s+[A-Za-z]+)?\s*[.,;]?\s*$", tail):
-        return "position: a count noun or unit not in the unit tables after the final box ('240 outfits.')"
-    for name, pat in (("words", r"[A-Za-z]{2,}"), ("digits", r"[\d+\-=<>/^_'!]"), ("a command", r"\\[A-Za-z]+"),
-                      ("a parenthesis or brace", r"[({}]"), ("another script", r"[^\x00-\x7f]")):
-        if re.match(pat, tail):
-            return f"position: {name} after the final box"
-    return "position: other text after the final box"
+    tail = text[V._unit_after(text, boxes[-1][1])[0]:]
+    restated = V._RESTATE_RE.match(tail)
+    if V._CONTINUES_RE.match(tail):
+        return "position: the value continued after the final box"
+    if restated and restated.end() > 0:
+        return "position: a restatement joined to the box states another value"
+    if V._CUE_RE.search(tail):
+        return "position: an answer statement after the box states another value"
+    return "position: the box is an operand, under logic, or unclosed"
 
 
 def _reason(ref, c: dict, gold: str) -> str:
@@ -411,8 +412,6 @@ def _reason(ref, c: dict, gold: str) -> str:
         a_new, a_ref = V.extract_answer(c["response"]), ref.extract_answer(c["response"])
         if a_new is None and a_ref is not None:
             cut = V._end_of_turn(V._after_thinking(c["response"]))
-            if not cut:
-                return "position: another turn after the box"
             if not V._outer_boxes(cut):
                 return "position: text after the answer cue's math"
             return _tail_kind(V._visible(cut))

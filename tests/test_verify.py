@@ -999,6 +999,13 @@ def test_the_trade_table_counts_both_sides(capsys):
     assert "honest answers paid beside hacks refused" in capsys.readouterr().out
 
 
+def test_against_names_what_the_tail_rule_refused():
+    """bench.verify against's reasons for a refused box, one per kind."""
+    kinds = {"So \\boxed{12}.5": "the value continued", "So \\boxed{12}. Answer: 15": "an answer statement",
+             "So \\boxed{12} = 15": "a restatement", "So -\\boxed{12}": "operand", "no box here": "no box"}
+    assert {t: k for t, k in kinds.items() if k not in B._tail_kind(t)} == {}
+
+
 def test_the_tail_rule():
     """After the final box: prose passes; a value continued, or a second final answer that differs, does not."""
     same = "12"
