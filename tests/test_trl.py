@@ -72,8 +72,9 @@ def test_peer_last_rows_expands_minibatch_order():
 def test_retokenize_group_pads_and_drops_long_rows(tmp_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
-    ids, mask = core.retokenize_group(["1+2", "12345678", "", "9"], [True, False, False, False], tok,
-                                      max_response_tokens=5, pad_token_id=0)
+    ids, mask, too_long, lost = core.retokenize_group(["1+2", "12345678", "", "9"], [True, False, False, False],
+                                                      tok, max_response_tokens=5, pad_token_id=0)
+    assert too_long == [1, 2] and lost == []  # counted as score_received counts them
     assert ids.shape == mask.shape == (4, 4)
     assert ids[0].tolist() == core.retokenize("1+2", True, tok, max_response_tokens=5) and mask[0].all()
     assert not mask[1].any() and not mask[2].any() and (ids[1] == 0).all()  # too long; empty
