@@ -9,6 +9,7 @@ Run: python -m pytest -q test_port.py
 import ast
 import builtins
 import math
+import re
 import types
 from pathlib import Path
 
@@ -732,3 +733,176 @@ def test_score_received_builds_nothing_on_the_cpu_meta_device():
     with pytest.raises(ValueError, match="compat_norm"):
         core.score_received(texts, [True] * 4, torch.zeros(4), [[1]] * 4, tokenizer=CharTokenizer(), eos_token_id=0,
                             logprob_fn=stub_logprob_fn("cpu"), max_response_tokens=8, compat_norm="tokens")
+
+
+# ------------------------------------------------------------------------------------------------
+# docs/PORTING.md's example, run as the page shows it, every phase's answer checked against a hand computation
+# ------------------------------------------------------------------------------------------------
+
+PORTING = ROOT / "docs" / "PORTING.md"
+WIRING_MAX_LINES = 15  # a porter wires GRAFT into a GRPO loop in at most this many lines
+
+
+def porting_example() -> str:
+    """The page's example: the ```python block under its heading "The example"."""
+    m = re.search(r"^#+ The example\n.*?^```python\n(.*?)^```\n", PORTING.read_text(encoding="utf-8"), re.M | re.S)
+    assert m, "docs/PORTING.md has no ```python block under a 'The example' heading"
+    return m.group(1)
+
+
+def wiring_lines(code: str) -> int:
+    """The lines of the example's graft_update below its docstring: the wiring between rollouts and update."""
+    fn = next(n for n in ast.parse(code).body if isinstance(n, ast.FunctionDef) and n.name == "graft_update")
+    body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+    return body[-1].end_lineno - body[0].lineno + 1
+
+
+def naive_successes(rewards: torch.Tensor) -> list[int]:
+    return [sum(1 for x in row if x >= 0.5) for row in rewards.tolist()]
+
+
+def naive_advantages(rewards: torch.Tensor) -> list[list[float]]:
+    """GRPO's (r - mean) / (unbiased std + 1e-6) per group, 0 for a group of equal rewards, by loops."""
+    out = []
+    for row in rewards.tolist():
+        mean = sum(row) / len(row)
+        std = math.sqrt(sum((x - mean) ** 2 for x in row) / (len(row) - 1))
+        out.append([0.0 if all(x == row[0] for x in row) else (x - mean) / (std + 1e-6) for x in row])
+    return out
+
+
+def paper_swap(k_a: list[int], k_b: list[int], n: int) -> tuple[set[int], set[int]]:
+    """Eq. 4 and the balanced swap as the paper states them: (prompts where B receives A's group, where A receives
+    B's). Candidates: the receiver fails all n, the source is mixed; m = the smaller count; each direction keeps its
+    first m by the source's successes, descending, ties by prompt index, and every candidate tied with the m-th."""
+    c_ab = [q for q in range(len(k_a)) if k_b[q] == 0 and 1 <= k_a[q] < n]
+    c_ba = [q for q in range(len(k_a)) if k_a[q] == 0 and 1 <= k_b[q] < n]
+    m = min(len(c_ab), len(c_ba))
+
+    def keep(cands, k_src):
+        if m == 0:
+            return set()
+        kth = k_src[sorted(cands, key=lambda q: (-k_src[q], q))[m - 1]]
+        return {q for q in cands if k_src[q] >= kth}
+
+    return keep(c_ab, k_a), keep(c_ba, k_b)
+
+
+def float64_logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    """(len(ids),) float64 log-probs of ids after prompt under a float64 copy of a model."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1]  # (len(ids), V)
+    return logits.double().log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+@pytest.mark.skipif(not (ROOT / "data" / "tiny_models" / "B").is_dir(), reason="data/tiny_models is absent")
+def test_the_porting_pages_example_runs_and_every_phase_is_the_papers_rule(monkeypatch):
+    """docs/PORTING.md's example, extracted from the page and run as it stands from the repository root: two tiny
+    models with different tokenizers, a GRPO step each, GRAFT wired in within WIRING_MAX_LINES lines (the number the
+    page states). Every call of a phase is checked against a hand computation: the selection against Eq. 4 and the
+    balanced swap from both sides' rewards; every received response's receiver ids (its text encoded, the
+    receiver's EOS iff the peer's ended with EOS; too long or not decoding back: absent), s against fresh float64
+    forwards of both models as they sampled (means over the ids, EOS included), w = 1[s > 0.8] min(s, 1) and the
+    old log-probs; the rows (own groups not received, each with its GRPO advantage; the accepted peer responses
+    with the peer group's advantage and w); every minibatch order peer-last. The run must exchange both ways and
+    both accept and reject, so the checks check something."""
+    import copy
+    code = porting_example()
+    page = PORTING.read_text(encoding="utf-8")
+    lines = wiring_lines(code)
+    assert lines <= WIRING_MAX_LINES, f"the example's wiring takes {lines} lines (at most {WIRING_MAX_LINES})"
+    assert f"`graft_update`'s {lines} lines" in page, f"the page must say the wiring's {lines} lines"
+    for name in RULE_PHASES:  # the page's call lines name each phase's parameters in order
+        params = ", ".join(inspect_params(getattr(graft, name)))
+        assert re.search(rf"= {name}\({re.escape(params)}\)", page), f"the page's call of {name} is not ({params})"
+    members = protocol_members(core.Rollouts)
+    assert all(f"`{m}" in page for m in members), "the page's table must name every member of core.Rollouts"
+
+    ns: dict = {"__name__": "porting_example"}
+    models: dict[int, dict] = {}  # step -> {side: a float64 copy of its model as it sampled}
+    seen = {"calls": 0, "selected": set(), "accepted": 0, "rejected": 0, "scored": 0, "orders": 0}
+    real_select, real_score, real_rows, real_order = (graft.graft_select, graft.graft_score, graft.graft_rows,
+                                                     core.minibatch_order)
+
+    def select(ctx, step, own, peers):
+        if step not in models:  # a step's first phase runs after every side sampled, before any side's update
+            models[step] = {s: copy.deepcopy(side.model).double() for s, side in ns["sides"].items()}
+        out = real_select(ctx, step, own, peers)
+        ((peer_name, peer),) = peers.items()
+        k = {ctx.side: naive_successes(own.rewards), peer_name: naive_successes(peer.rewards)}
+        a, b = sorted(k)
+        a_to_b, b_to_a = paper_swap(k[a], k[b], ctx.n)
+        want = b_to_a if ctx.side == a else a_to_b
+        assert set(torch.nonzero(out[0][peer_name]).squeeze(1).tolist()) == want, (step, ctx.side)
+        seen["selected"] |= {(ctx.side, q) for q in want}
+        return out
+
+    def score(ctx, step, prompts, peers, selected):
+        out = real_score(ctx, step, prompts, peers, selected)
+        ((peer_name, peer),) = peers.items()
+        got = {x.slot: x for x in out[0][peer_name]}
+        recv, src = models[step][ctx.side], models[step][peer_name]
+        src_prompts, n, tok = ns["sides"][peer_name].prompts, ctx.n, ctx.tokenizer
+        expected = set()
+        for g in torch.nonzero(selected[peer_name]).squeeze(1).tolist():
+            for i in range(n):
+                r, text, ended = g * n + i, peer.texts[g * n + i], bool(peer.eos[g, i])
+                body = tok.encode(text, add_special_tokens=False)
+                ids = body + ([ctx.eos_id] if ended else [])
+                back = tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                if not ids or len(ids) > ctx.max_response_tokens or back != text:
+                    continue  # dropped: too long, or its ids do not write its text back
+                expected.add(r)
+                x = got[r]
+                assert x.group == g and x.ids == ids, (step, ctx.side, r)
+                lp_recv = float64_logprobs(recv, prompts[g], ids)  # (len(ids),) EOS included
+                lbar_src = float(float64_logprobs(src, src_prompts[g], peer.tokens[r]).mean())  # as sampled
+                s = math.exp(float(lp_recv.mean()) - lbar_src)
+                assert x.s == pytest.approx(s, rel=1e-4), (step, ctx.side, r)
+                torch.testing.assert_close(x.old_logp.double(), lp_recv, atol=1e-4, rtol=0)
+                if abs(s - 0.8) > 1e-3:  # away from the floor, where float32 and float64 could disagree
+                    assert x.weight == pytest.approx(min(s, 1.0) if s > 0.8 else 0.0, rel=1e-4), (step, ctx.side, r)
+                seen["accepted" if x.weight > 0 else "rejected"] += 1
+        assert set(got) == expected, (step, ctx.side)
+        seen["scored"] += len(expected)
+        return out
+
+    def rows(ctx, prompts, own, peers, selected, received, state):
+        out = real_rows(ctx, prompts, own, peers, selected, received, state)
+        built, ((peer_name, peer),) = out[0], peers.items()
+        n, taken = ctx.n, set(torch.nonzero(selected[peer_name]).squeeze(1).tolist())
+        kept = [x for x in received[peer_name] if x.weight > 0]
+        own_adv, peer_adv = naive_advantages(own.rewards), naive_advantages(peer.rewards)
+        want = [(g, prompts[g], own.tokens[g * n + i], own_adv[g][i], 1.0, False)
+                for g in range(len(prompts)) if g not in taken for i in range(n)]
+        want += [(x.group, prompts[x.group], x.ids, peer_adv[x.group][x.slot % n], x.weight, True) for x in kept]
+        have = [(r.group, r.prompt, r.response, r.adv, r.weight, r.is_peer) for r in built.rows]
+        assert len(have) == len(want), (ctx.side, len(have), len(want))
+        for h, w in zip(have, want):
+            assert h[:3] == w[:3] and h[4:] == w[4:] and h[3] == pytest.approx(w[3], rel=1e-5, abs=1e-6), (h, w)
+        assert set(torch.nonzero(built.replaced).squeeze(1).tolist()) == {x.group for x in kept}
+        seen["calls"] += 1
+        return out
+
+    def order(is_peer_group, num_minibatches, **kw):
+        mbs = real_order(is_peer_group, num_minibatches, **kw)
+        flags = [bool(is_peer_group[g]) for mb in mbs for g in mb.tolist()]
+        assert flags == sorted(flags), "an own group after a received one"  # peer-last
+        seen["orders"] += 1
+        return mbs
+
+    monkeypatch.setattr(graft, "graft_select", select)
+    monkeypatch.setattr(graft, "graft_score", score)
+    monkeypatch.setattr(graft, "graft_rows", rows)
+    monkeypatch.setattr(core, "minibatch_order", order)
+    monkeypatch.chdir(ROOT)
+    with torch.random.fork_rng():
+        exec(compile(code, str(PORTING), "exec"), ns)
+    assert seen["calls"] == seen["orders"] == 4  # two sides, two steps
+    assert {side for side, _ in seen["selected"]} == {"A", "B"}, seen  # both ways
+    assert seen["accepted"] >= 1 and seen["rejected"] >= 1, seen
+
+
+def inspect_params(fn) -> list[str]:
+    import inspect
+    return list(inspect.signature(fn).parameters)
