@@ -694,9 +694,10 @@ class Rollouts(Protocol):
     tensors; the project's exchange.StepRollouts (a rollout file's, a stored run's, a foreign log's) is one too.
 
     G prompts in the step's order (batch_indices: the same order on every side), `width` response slots per
-    prompt; the flat lists are row-major, response r = g * width + i is slot i of prompt g. A side's tensors may
-    live on any one device. Read from this side's own step: prompt_ids, rewards, advantages, tokens, logprobs;
-    from a peer's: rewards, mask, sizes, width, texts, eos, advantages and lbar.
+    prompt; the flat lists are row-major, response r = g * width + i is slot i of prompt g. The steps' tensors may
+    live on any one device, and the receiver's log-prob function may return its tensors on another (the model's):
+    score_received computes there. Read from this side's own step: prompt_ids, rewards, advantages, tokens,
+    logprobs; from a peer's: rewards, mask, sizes, width, texts, eos, advantages and lbar.
     """
 
     prompt_ids: list[str]  # (G,) the prompts' dataset ids (assignment_digest fingerprints the swap with them)

@@ -658,10 +658,10 @@ def assert_same(have, want, where, path=""):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_rule_runs_where_its_inputs_are(device):
-    """Both sides' rollouts and the receiver's log-probs on a device other than the CPU: under every setting of the
-    Context the three phases run, leave their tensors on that device, and give the CPU's selection, weights, rows
-    and metrics; so do core's functions that the phases do not call (assignment_digest, the loss, the porting
-    helpers), and the project's StepRollouts.lbar."""
+    """Both sides' rollouts and the receiver's log-probs on a device other than the CPU (or the rollouts on the CPU
+    and the log-probs on the device): under every setting of the Context the three phases run, leave their tensors
+    on that device, and give the CPU's selection, weights, rows and metrics; so do core's functions that the phases
+    do not call (assignment_digest, the loss, the porting helpers), and the project's StepRollouts.lbar."""
     dev = lazy_device() if device == "lazy" else torch.device(device)
     for settings in RULE_SETTINGS:
         cpu = run_rule(*planted_pair(), **settings)
@@ -671,6 +671,10 @@ def test_the_rule_runs_where_its_inputs_are(device):
         assert all(x.old_logp.device.type == dev.type for x in received["b"]), settings
         assert all(r.old_logp.device.type == dev.type for r in built.rows), settings
         assert_same(on_cpu(got), on_cpu(cpu), settings)
+        # the steps on the CPU (read from files), the receiver's log-probs on the device
+        mixed = run_rule(*planted_pair(), device=dev, **settings)
+        assert all(x.old_logp.device.type == dev.type for x in mixed[1]["b"]), settings
+        assert_same(on_cpu(mixed), on_cpu(cpu), settings)
 
     # core's functions beyond the phases, each against the CPU's answer
     g = torch.Generator().manual_seed(1)

@@ -856,6 +856,23 @@ def test_the_gate_watch_warns_after_the_first_batch_then_per_window_naming_the_c
                                 f"without EOS masked. Likely cause: the receiver's log-prob")
 
 
+@needs_trl
+def test_the_gate_watch_counts_responses_that_do_not_decode_back(recv):
+    """Responses dropped because their receiver ids do not decode back to their text (retokenize_group's lost, the
+    rule's own drop) are named in the gate's warning, after the other counts, and outweighing the gated ones they
+    keep the warning from blaming the gate."""
+    counts = {"all_fail": 2, "selected": 1, "accepted": 0, "groups": 4, "in_log": 2, "candidates": 4, "gated": 1,
+              "too_long": 0, "lost": 3, "no_eos": 0}
+    tr = make_trainer(recv, graft_warn_every=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.watch_gate(counts, [0.1])
+    said = [str(x.message) for x in caught if "graft_trl" in str(x.message)]
+    assert len(said) == 1 and said[0].endswith(
+        "1 gated (s <= delta), 0 too long for max_completion_length, 0 without EOS masked, 3 dropped as their ids do "
+        "not decode back to their text"), said
+
+
 # ------------------------------------------------------------------------------------------------
 # The peer log completed (--peer_model), the user's success rule, masking, chat datasets
 # ------------------------------------------------------------------------------------------------

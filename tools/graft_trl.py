@@ -59,9 +59,10 @@ tests/test_trl.py run again.
 Watching the gate: after the first generation batch (if the receiver failed a prompt in it) and then once per
 graft_warn_every (10), a window in which no peer row was accepted gets one warning naming the likely cause (nothing
 all-fail; no mixed logged group for the failed prompts; or s below graft_delta: template, temperature, a summed
-lbar) and the counts (s median, received, gated, too long, masked). The peer run's prompt template and
-temperature (its run.json, found beside a rollout folder by name and run id) are compared with the dataset's
-rendered prompts and --temperature at start (a warning).
+lbar) and the counts (s median, received, gated, too long, not decoding back, masked). The peer run's prompt
+template and temperature (its run.json, found beside a rollout folder by name and run id) are compared with the
+dataset's rendered prompts and --temperature at start (a warning). Retokenisation is the rule's own
+(core.retokenize_group: a response too long or whose ids do not decode back to its text is dropped, w = 0).
 
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
 as columns, each prompt rendered as the peer sampled it: the template and chat flag of its run.json, or
