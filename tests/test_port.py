@@ -8,6 +8,7 @@ Run: python -m pytest -q test_port.py
 
 import ast
 import builtins
+import inspect
 import math
 import re
 import types
@@ -817,7 +818,7 @@ def test_the_porting_pages_example_runs_and_every_phase_is_the_papers_rule(monke
     assert lines <= WIRING_MAX_LINES, f"the example's wiring takes {lines} lines (at most {WIRING_MAX_LINES})"
     assert f"`graft_update`'s {lines} lines" in page, f"the page must say the wiring's {lines} lines"
     for name in RULE_PHASES:  # the page's call lines name each phase's parameters in order
-        params = ", ".join(inspect_params(getattr(graft, name)))
+        params = ", ".join(inspect.signature(getattr(graft, name)).parameters)
         assert re.search(rf"= {name}\({re.escape(params)}\)", page), f"the page's call of {name} is not ({params})"
     members = protocol_members(core.Rollouts)
     assert all(f"`{m}" in page for m in members), "the page's table must name every member of core.Rollouts"
@@ -905,8 +906,3 @@ def test_the_porting_pages_example_runs_and_every_phase_is_the_papers_rule(monke
     assert seen["calls"] == seen["orders"] == 4  # two sides, two steps
     assert {side for side, _ in seen["selected"]} == {"A", "B"}, seen  # both ways
     assert seen["accepted"] >= 1 and seen["rejected"] >= 1, seen
-
-
-def inspect_params(fn) -> list[str]:
-    import inspect
-    return list(inspect.signature(fn).parameters)
