@@ -171,8 +171,8 @@ def hacpo_rows(ctx: Context, prompts: list[list[int]], own, peers: dict, selecte
     for p in received[name]:
         # The peer's "old" log-prob per token is its own per-token mean: the sequence ratio is then
         # exp(mean log pi_theta^recv(o^recv) - lbar_src(o^src)), the cross-tokenizer ratio.
-        old = torch.full((len(p.ids),), float(lbar_src[p.index]))  # (T,)
-        out.append(Row(p.group, prompts[p.group], p.ids, old, float(adv_peer[p.group, p.index % n]), weight=c,
+        old = torch.full((len(p.ids),), float(lbar_src[p.slot]))  # (T,)
+        out.append(Row(p.group, prompts[p.group], p.ids, old, float(adv_peer[p.group, p.slot % n]), weight=c,
                        is_peer=True, kind="hacpo_peer"))
     return StepRows(out, torch.zeros(G, dtype=torch.bool), {**state, "hacpo_history": history}), \
         {"capability_ratio": c}, {}

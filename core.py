@@ -2,16 +2,20 @@
 
 The method of Jang et al. (arXiv 2609.37868) as another trainer needs it: the prompt order both sides
 of a pair share (batch_indices), GRPO advantages (also within groups of any size), the selection of
-failed groups and the balanced swap (Eq. 4), the retokenisation of a peer's text and its scoring under
-the receiver (score_received), the compatibility weight (Eqs. 6-8), the clipped token-level loss
-(Eqs. 9-10) and the peer-last minibatch order; and the records GRAFT's phases pass (Context, Row,
-PeerResponse, StepRows), the peer scoring they share (score_peer) and the ablations' draws (random_selection,
-random_acceptance, pooled_advantages). graft.py's three rule phases run on these, and its trainer around
-them; README "The method, equation by equation" maps each equation to its function, "Porting to verl or TRL"
-says where each plugs in.
+failed groups and the balanced swap (Eq. 4), the retokenisation of a peer's text (retokenize_responses, the
+one route: too long or not decoding back = dropped and counted) and its scoring under the receiver
+(score_received), the compatibility weight (Eqs. 6-8), the clipped token-level loss (Eqs. 9-10) and the
+peer-last minibatch order; and GRAFT's rule as data: the interface its phases read (Rollouts, one side's step;
+PlainRollouts builds one), the records they pass (Context, Row, PeerResponse, StepRows), the peer scoring they
+share (score_peer) and the ablations' draws (random_selection, random_acceptance, pooled_advantages).
+graft.py's three rule phases run on these, and its trainer around them; docs/PORTING.md is the porter's page
+(the interface, the calls in order, an example that CI runs), README "The method, equation by equation" maps
+each equation to its function.
 
 Copy this file alone into another trainer: it imports only the standard library and torch
-(test_port.py runs a copy of it in a fresh module, and drives a planted GRAFT step with it).
+(test_port.py runs a copy of it in a fresh module, and drives a planted GRAFT step with it). Every function
+computes where its tensor inputs are: nothing is built on the CPU against a device tensor, and a device
+tensor goes to the host only through an explicit move (test_port.py runs the rule on a non-CPU device).
 Which direction a tensor belongs to is never positional: every argument that could be swapped with a
 same-shape one of the other side is keyword-only (k_recv= / k_src=, k_a= / k_b=, lbar_recv= /
 lbar_src=, logp= / old_logp=), so a swapped call is a TypeError. "recv" is the side that receives a
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -239,7 +243,7 @@ def assignment_digest(src: torch.Tensor, prompt_ids: list[str]) -> str:
     h = hashlib.blake2b(digest_size=6)
     h.update("\n".join(prompt_ids).encode())
     h.update(str(tuple(src.shape)).encode())
-    h.update(src.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(src.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())  # src may live on a device
     return h.hexdigest()
 
 
@@ -293,28 +297,73 @@ def sequence_mean_logprob(*, logp: torch.Tensor, mask: torch.Tensor,
                           num_bytes: torch.Tensor | None = None) -> torch.Tensor:
     """Per-response mean log-probability lbar (Eq. 6), the input of the compatibility score.
 
-    logp, mask: (B, T). num_bytes: (B,) or None. Returns (B,) float.
-    With num_bytes=None: summed log-prob / number of tokens (the paper). With num_bytes: summed
-    log-prob / UTF-8 bytes of the response text, our variant (not the paper's): a per-token mean
-    favours the tokenizer with more, shorter tokens, while bytes are the same for both models.
+    logp, mask: (B, T). num_bytes: (B,) or None. Returns (B,) float (at least float32), on logp's device.
+    With num_bytes=None: summed log-prob / number of tokens (the paper). Count the tokens the same way on both
+    sides: the response's ids as sampled or retokenised, its EOS included when it ended with EOS (score_received
+    and the Rollouts.lbar of a step do). With num_bytes: summed log-prob / UTF-8 bytes of the response text, our
+    variant (not the paper's): a per-token mean favours the tokenizer with more, shorter tokens, while bytes are
+    the same for both models. A row without a token in mask (a dropped response: retokenize_group's all-False
+    row) has no mean: NaN, so that compatibility_weights gives it w = 0 (NaN > delta is false), never the
+    w = 1 that a mean of 0 would give (s = exp(0 - lbar_src) > 1).
     """
-    mask = mask.to(logp.dtype)
+    logp = logp.to(torch.promote_types(logp.dtype, torch.float32))  # a bf16 sum would round the token count
+    mask = mask.to(logp.dtype)  # (B, T)
     total = (logp * mask).sum(dim=1)  # (B,)
-    denom = mask.sum(dim=1) if num_bytes is None else num_bytes.to(logp.dtype)
-    return total / denom.clamp(min=1)
+    count = mask.sum(dim=1)  # (B,)
+    denom = count if num_bytes is None else num_bytes.to(device=logp.device, dtype=logp.dtype)  # (B,)
+    lbar = total / denom.clamp(min=1)  # (B,)
+    return torch.where(count > 0, lbar, torch.full_like(lbar, float("nan")))
+
+
+class Retokenized(NamedTuple):
+    """retokenize_responses' answer for R peer responses: the receiver's ids of those it can train on, and the
+    positions of the others by why they were dropped. Every position in [0, R) is in exactly one of the lists."""
+
+    kept: list[int]  # (R',) positions in the input of the responses kept, ascending
+    ids: list[list[int]]  # (R',) the receiver's ids of each kept response (its EOS appended if the peer's ended)
+    too_long: list[int]  # positions dropped by length: longer than max_response_tokens, or empty (no token)
+    lost: list[int]  # positions dropped because their ids do not decode back to the text (decodes_back)
+
+
+def retokenize_responses(texts: list[str], eos: list[bool], tokenizer, *, max_response_tokens: int,
+                         eos_token_id: int | None = None) -> Retokenized:
+    """The one retokenisation route: R peer response texts -> the receiver's ids of those it can train on.
+
+    texts, eos: the peer's decoded responses (decode_response's) and whether each ended with EOS. A response is
+    dropped when its receiver ids are longer than max_response_tokens or empty (nothing to score), or when they
+    do not decode back to its text (the receiver would learn another text than the one rewarded). score_received
+    and retokenize_group both call this, so the phases and a flat-batch port drop and count the same responses.
+    Returns a Retokenized; calls retokenize and decodes_back.
+    """
+    if len(texts) != len(eos):
+        raise ValueError(f"one EOS flag per text: {len(texts)} texts, {len(eos)} flags")
+    kept, ids, too_long, lost = [], [], [], []
+    for j, (text, ended) in enumerate(zip(texts, eos)):
+        r = retokenize(text, bool(ended), tokenizer, max_response_tokens=max_response_tokens,
+                       eos_token_id=eos_token_id)
+        if not r:  # None: too long; []: nothing to score
+            too_long.append(j)
+        elif not decodes_back(r[:-1] if ended else r, text, tokenizer):
+            lost.append(j)
+        else:
+            kept.append(j)
+            ids.append(r)
+    return Retokenized(kept, ids, too_long, lost)
 
 
 class Received(NamedTuple):
-    """score_received's answer for R peer responses, of which R' survived the length limit."""
+    """score_received's answer for R peer responses, of which R' survived retokenisation (retokenize_responses).
+    Tensors are on the device of the log-prob function's output."""
 
-    index: list[int]  # (R',) positions in the input of the responses kept (the others were too long)
+    kept: list[int]  # (R',) positions in the input of the responses kept, ascending
     ids: list[list[int]]  # (R',) the receiver's token ids of each kept response (EOS appended if it ended)
     logprobs: list[torch.Tensor]  # (R',) the receiver's behaviour log-probs, one (len(ids),) tensor each
     lbar_recv: torch.Tensor  # (R',) Eq. 6 under the receiver, in compat_norm
     lbar_src: torch.Tensor  # (R',) the source's lbar of the same responses
     s: torch.Tensor  # (R',) compatibility scores (Eq. 6)
     w: torch.Tensor  # (R',) weights (Eqs. 7-8; 1 each with compat_weight=False)
-    lost: list[int] = []  # positions in the input dropped because their round trip lost text (decodes_back)
+    too_long: list[int]  # positions in the input dropped by length (longer than max_response_tokens, or empty)
+    lost: list[int]  # positions in the input dropped because their round trip lost text (decodes_back)
 
 
 def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, prompts: list[list[int]], *,
@@ -323,39 +372,35 @@ def score_received(texts: list[str], eos: list[bool], lbar_src: torch.Tensor, pr
     """Retokenise R peer responses for the receiver and score them under it (Eqs. 6-8).
 
     texts, eos: the peer's decoded responses and whether each ended with EOS; lbar_src: (R,) the
-    source's lbar of each in compat_norm; prompts: the receiver's prompt ids of each. logprob_fn(prompts,
-    responses) returns the receiver's behaviour log-probs, one (len,) tensor per response (the trainer's
-    sharded_logprobs). A response longer than max_response_tokens after retokenisation (or empty) is
-    dropped: it is not in the answer's index. So is a response whose receiver ids do not decode back to its
-    text (decodes_back: the receiver would learn another text than the one rewarded; README "Retokenisation"),
-    listed in the answer's lost. score_peer (below) runs it on the received groups,
-    `graft.py preflight` on every sampled response, so the two cannot drift. Returns a Received; calls retokenize,
+    source's lbar of each in compat_norm (Rollouts.lbar: EOS counted when it ended with EOS); prompts: the
+    receiver's prompt ids of each. logprob_fn(prompts, responses) returns the receiver's behaviour log-probs,
+    one (len,) tensor per response (the trainer's sharded_logprobs), on any device: the answer's tensors are
+    computed there. The responses retokenize_responses drops (too long or empty; not decoding back to their
+    text) are not in the answer's kept, and are listed in its too_long and lost. The receiver's lbar counts
+    its EOS, as the source's does. score_peer (below) runs it on the received groups, `graft.py preflight` on
+    every sampled response, so the two cannot drift. Returns a Received; calls retokenize_responses,
     compatibility_scores and compatibility_weights.
     """
     assert len(texts) == len(eos) == len(prompts) == lbar_src.numel(), "one text, EOS flag, lbar and prompt each"
-    index, ids, lost = [], [], []
-    for j, (text, ended) in enumerate(zip(texts, eos)):
-        r = retokenize(text, ended, tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
-        if r and not decodes_back(r[:-1] if ended else r, text, tokenizer):
-            lost.append(j)
-        elif r:  # None: too long; []: nothing left to score
-            index.append(j)
-            ids.append(r)
-    if not index:
-        empty = torch.zeros(0)
-        return Received([], [], [], empty, empty, empty, empty, lost)
-    lps = logprob_fn([prompts[j] for j in index], ids)
-    lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',)
+    if compat_norm not in ("token", "byte"):
+        raise ValueError(f"compat_norm must be 'token' or 'byte', got {compat_norm!r}")
+    rt = retokenize_responses(texts, eos, tokenizer, max_response_tokens=max_response_tokens,
+                              eos_token_id=eos_token_id)
+    if not rt.kept:
+        empty = lbar_src.new_zeros(0, dtype=torch.float32)  # (0,)
+        return Received([], [], [], empty, empty, empty, empty, rt.too_long, rt.lost)
+    lps = logprob_fn([prompts[j] for j in rt.kept], rt.ids)
+    lp_sum = torch.stack([lp.sum() for lp in lps])  # (R',) where the log-prob function computes
     if compat_norm == "byte":  # not the paper's: the summed log-prob per UTF-8 byte
-        denom = [max(1, len(texts[j].encode("utf-8"))) for j in index]
-    else:  # Eq. 6: mean log-prob per receiver token
-        denom = [len(x) for x in ids]
-    lbar_recv = lp_sum / torch.tensor(denom, dtype=torch.float32)  # (R',)
-    src = lbar_src.float()[torch.tensor(index)]  # (R',)
+        denom = [max(1, len(texts[j].encode("utf-8"))) for j in rt.kept]
+    else:  # Eq. 6: mean log-prob per receiver token, its EOS included
+        denom = [len(x) for x in rt.ids]
+    lbar_recv = lp_sum / torch.tensor(denom, dtype=torch.float32, device=lp_sum.device)  # (R',)
+    src = lbar_src.float()[torch.tensor(rt.kept, device=lbar_src.device)].to(lp_sum.device)  # (R',)
     s = compatibility_scores(lbar_recv=lbar_recv, lbar_src=src)  # (R',) Eq. 6
     w = (compatibility_weights(lbar_recv=lbar_recv, lbar_src=src, delta=delta) if compat_weight
          else torch.ones_like(s))  # (R',) Eqs. 7-8
-    return Received(index, ids, lps, lbar_recv, src, s, w, lost)
+    return Received(rt.kept, rt.ids, lps, lbar_recv, src, s, w, rt.too_long, rt.lost)
 
 
 class Mean(NamedTuple):
@@ -642,6 +687,103 @@ def add_counts(parts: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
+class Rollouts(Protocol):
+    """One side's rollouts of one step as GRAFT's phases read them: the interface a trainer hands the rule, for its
+    own step and for each peer's (graft.py's graft_select, graft_score and graft_rows, and score_peer and
+    exchange_counts here, read these members and no other). PlainRollouts builds one from a GRPO step's lists and
+    tensors; the project's exchange.StepRollouts (a rollout file's, a stored run's, a foreign log's) is one too.
+
+    G prompts in the step's order (batch_indices: the same order on every side), `width` response slots per
+    prompt; the flat lists are row-major, response r = g * width + i is slot i of prompt g. The steps' tensors may
+    live on any one device, and the receiver's log-prob function may return its tensors on another (the model's):
+    score_received computes there. Read from this side's own step: prompt_ids, rewards, advantages, tokens,
+    logprobs; from a peer's: rewards, mask, sizes, width, texts, eos, advantages and lbar.
+    """
+
+    prompt_ids: list[str]  # (G,) the prompts' dataset ids (assignment_digest fingerprints the swap with them)
+    tokens: list[list[int]]  # (G*width,) response ids as sampled, EOS included when it ended with EOS
+    logprobs: list[torch.Tensor]  # (G*width,) each (len(tokens[r]),): behaviour log-probs of those ids, float
+    texts: list[str]  # (G*width,) each response decoded as decode_response does: no special tokens, no EOS
+    eos: torch.Tensor  # (G, width) bool: the response ended with EOS (the receiver then appends its own EOS)
+    rewards: torch.Tensor  # (G, width) float; a reward >= 0.5 is a success (is_success: Eq. 4's counts)
+    advantages: torch.Tensor  # (G, width) float: GRPO's, within each whole group, before anything is dropped
+
+    @property
+    def width(self) -> int:
+        """Response slots per prompt, the stride of r = g * width + i: n (a foreign log's step: its widest group)."""
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(G, width) bool: which slots hold a response (every slot of a GRPO step)."""
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """(G,) int64: responses per prompt, mask.sum(1), the n of Eq. 4 for each group."""
+
+    def lbar(self, norm: str) -> torch.Tensor:
+        """(G, width) float, Eq. 6's lbar_src: each response's summed behaviour log-prob under the model that
+        sampled it, over the ids as sampled, EOS included when it ended with EOS, divided by that token count
+        (norm "token", the paper's) or by its text's UTF-8 bytes (norm "byte"). The receiver counts the same
+        way (score_received: its retokenised ids, its EOS included): leave EOS out on one side only and every
+        s moves."""
+
+
+@dataclass(frozen=True)
+class PlainRollouts:
+    """A Rollouts from what a GRPO step holds: G prompts x n responses, every slot filled (width n), lbar computed
+    from tokens and logprobs (Rollouts.lbar: EOS included when it ended with EOS). The tensors may be on any one
+    device. A field of the wrong length or shape raises ValueError naming it."""
+
+    prompt_ids: list[str]  # (G,) dataset ids
+    tokens: list[list[int]]  # (G*n,) response ids as sampled, EOS included when it ended with EOS
+    logprobs: list[torch.Tensor]  # (G*n,) each (len(tokens[r]),) behaviour log-probs
+    texts: list[str]  # (G*n,) decode_response's text of each response
+    eos: torch.Tensor  # (G, n) bool
+    rewards: torch.Tensor  # (G, n) float
+    advantages: torch.Tensor  # (G, n) float (group_advantages)
+
+    def __post_init__(self):
+        if self.rewards.dim() != 2:
+            raise ValueError(f"rewards must be (G, n), got {tuple(self.rewards.shape)}")
+        G, n = self.rewards.shape
+        for name in ("eos", "advantages"):
+            if tuple(getattr(self, name).shape) != (G, n):
+                raise ValueError(f"{name} must be (G, n) = ({G}, {n}) like rewards, got "
+                                 f"{tuple(getattr(self, name).shape)}")
+        if len(self.prompt_ids) != G:
+            raise ValueError(f"prompt_ids must hold G = {G} ids, got {len(self.prompt_ids)}")
+        for name in ("tokens", "logprobs", "texts"):
+            if len(getattr(self, name)) != G * n:
+                raise ValueError(f"{name} must hold G * n = {G * n} responses (r = g * n + i), "
+                                 f"got {len(getattr(self, name))}")
+        bad = [r for r, (t, lp) in enumerate(zip(self.tokens, self.logprobs)) if tuple(lp.shape) != (len(t),)]
+        if bad:
+            raise ValueError(f"logprobs[r] must be (len(tokens[r]),), one per sampled id (EOS included): not at "
+                             f"r = {bad[:5]}")
+
+    @property
+    def width(self) -> int:
+        return self.rewards.shape[1]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return torch.ones_like(self.rewards, dtype=torch.bool)  # (G, n)
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        return self.mask.sum(dim=1)  # (G,)
+
+    def lbar(self, norm: str) -> torch.Tensor:
+        """(G, n) float: Rollouts.lbar, the mean over each response's sampled ids (EOS included), or per byte."""
+        if norm not in ("token", "byte"):
+            raise ValueError(f"norm must be 'token' or 'byte', got {norm!r}")
+        sums = torch.stack([lp.sum() if lp.numel() else lp.new_zeros(()) for lp in self.logprobs])  # (G*n,)
+        sums = sums.to(self.rewards.device, torch.promote_types(sums.dtype, torch.float32)).view_as(self.rewards)
+        count = ([max(1, len(t.encode("utf-8"))) for t in self.texts] if norm == "byte"
+                 else [max(1, len(t)) for t in self.tokens])  # EOS included: the ids as sampled
+        return sums / torch.tensor(count, dtype=sums.dtype, device=sums.device).view_as(sums)  # (G, n)
+
+
 class Context(NamedTuple):
     """What the rule's phases read besides the step's data: the run's settings, the receiver's tokenizer and its
     log-prob function. Read-only, one per run (graft.rule_context builds it from the config)."""
@@ -685,7 +827,7 @@ class PeerResponse(NamedTuple):
     """One peer response retokenised for the receiver and scored by it (Eqs. 6-8)."""
 
     group: int  # prompt position g in the step's batch
-    index: int  # r = g * width + i in the peer's step (width: n, or a foreign log's widest group)
+    slot: int  # its slot r = g * width + i in the peer's step (Rollouts: width n, or a foreign log's widest group)
     ids: list[int]  # receiver token ids of the peer's text
     old_logp: torch.Tensor  # (len(ids),) receiver behaviour log-probs
     weight: float  # w = 1[s > delta] min(s, 1); 0 = removed
@@ -700,12 +842,13 @@ class StepRows(NamedTuple):
     state: dict  # the variant's state across steps, passed in and returned (HACPO's history); {} for the others
 
 
-def exchange_counts(own, peers: dict, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+def exchange_counts(own: Rollouts, peers: dict[str, Rollouts],
+                    n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
     """Success counts of this side (G,) and of each peer (G,) on the step's prompts, and the metrics every
     variant logs: the candidates of Eq. 4 both ways (before balancing) and the peers' mean reward.
 
-    own: the step's own rollouts (.rewards (G, n)); peers: {name: peer step} (.rewards, .mask (G, width),
-    .sizes (G,)). Calls success_counts and graft_candidates."""
+    own: the step's own rollouts (a Rollouts: .rewards (G, n)); peers: {name: peer step} (Rollouts: .rewards,
+    .mask (G, width), .sizes (G,)). Calls success_counts and graft_candidates."""
     k_own = success_counts(own.rewards)  # (G,)
     k = {name: success_counts(p.rewards, mask=p.mask) for name, p in peers.items()}  # (G,) each
     cand_in, cand_out = torch.zeros_like(k_own, dtype=torch.bool), torch.zeros_like(k_own, dtype=torch.bool)
@@ -717,34 +860,34 @@ def exchange_counts(own, peers: dict, n: int) -> tuple[torch.Tensor, dict[str, t
     return k_own, k, m
 
 
-def score_peer(ctx: Context, step: int, peer, groups: list[int], prompts: list[list[int]], *,
+def score_peer(ctx: Context, step: int, peer: Rollouts, groups: list[int], prompts: list[list[int]], *,
                only_correct: bool = False) -> tuple[list[PeerResponse], int, dict]:
     """Retokenise the peer's responses of the given groups and score them under the receiver (Eqs. 6-8).
 
-    peer: one peer step (.texts, .eos (G, width), .rewards, .mask, .width, .lbar(norm) (G, width)); groups: the
-    prompt positions received; prompts: the step's G receiver prompt ids. only_correct: the peer's correct
-    responses only (the success-only transfer ablation). Returns a PeerResponse for every response that
-    survived the length limit and the round trip, the number dropped by length, and the counts
-    ({"dropped_roundtrip": lost text}). Reads a Context; calls is_success, score_received and, under
-    ctx.acceptance "random", random_acceptance with seeded_generator."""
+    peer: one peer step (a Rollouts: .texts, .eos (G, width), .rewards, .mask, .width, .lbar(norm) (G, width));
+    groups: the prompt positions received; prompts: the step's G receiver prompt ids. only_correct: the peer's
+    correct responses only (the success-only transfer ablation). Returns a PeerResponse for every response that
+    survived retokenisation (retokenize_responses: the length limit and the round trip), the number dropped by
+    length, and the counts ({"dropped_roundtrip": lost text}). Reads a Context; calls is_success, score_received
+    and, under ctx.acceptance "random", random_acceptance with seeded_generator."""
     width = peer.width  # slots per prompt, the stride of r = g * width + i
     ok = is_success(peer.rewards) if only_correct else peer.mask  # (G, width) the responses it may take
     picked = [(g, i) for g in groups for i in range(width) if peer.mask[g, i] and ok[g, i]]
     lbar_src = peer.lbar(ctx.compat_norm) if picked else None  # (G, width); a foreign log may lack it unused
     sc = score_received([peer.texts[g * width + i] for g, i in picked], [bool(peer.eos[g, i]) for g, i in picked],
-                        torch.stack([lbar_src[g, i] for g, i in picked]) if picked else torch.zeros(0),
+                        torch.stack([lbar_src[g, i] for g, i in picked]) if picked else peer.rewards.new_zeros(0),
                         [prompts[g] for g, _ in picked], tokenizer=ctx.tokenizer, eos_token_id=ctx.eos_id,
                         logprob_fn=ctx.logprob_fn, max_response_tokens=ctx.max_response_tokens,
                         compat_norm=ctx.compat_norm, delta=ctx.delta, compat_weight=ctx.compat_weight)
     w = sc.w  # (R',)
-    if ctx.acceptance == "random" and sc.index:  # ablation
+    if ctx.acceptance == "random" and sc.kept:  # ablation
         w = random_acceptance(sc.s, w, compat_weight=ctx.compat_weight,
                               generator=seeded_generator(ctx.seed, step, "accept"))
     out = []
-    for j, ids, lp, wi, si in zip(sc.index, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
+    for j, ids, lp, wi, si in zip(sc.kept, sc.ids, sc.logprobs, w.tolist(), sc.s.tolist()):
         g, i = picked[j]
         out.append(PeerResponse(g, g * width + i, ids, lp, wi, si))
-    return out, len(picked) - len(sc.index) - len(sc.lost), {"dropped_roundtrip": len(sc.lost)}
+    return out, len(sc.too_long), {"dropped_roundtrip": len(sc.lost)}
 
 
 def random_selection(selected: torch.Tensor, *, k_src: torch.Tensor, sizes: torch.Tensor,
@@ -752,7 +895,8 @@ def random_selection(selected: torch.Tensor, *, k_src: torch.Tensor, sizes: torc
     """Ablation, random selection: as many prompts as the rule selected ((G,) bool), drawn uniformly among
     those where the source is mixed (k_src, sizes: (G,)). Returns (G,) bool."""
     pool = torch.nonzero((k_src >= 1) & (k_src < sizes)).squeeze(1)  # (P,)
-    pick = pool[torch.randperm(pool.numel(), generator=generator)[: int(selected.sum())]]
+    draw = torch.randperm(pool.numel(), generator=generator, device=generator.device)  # (P,)
+    pick = pool[draw.to(pool.device)[: int(selected.sum())]]
     out = torch.zeros_like(selected)  # (G,)
     out[pick] = True
     return out
@@ -763,7 +907,8 @@ def random_acceptance(s: torch.Tensor, w: torch.Tensor, *, compat_weight: bool,
     """Ablation, random acceptance: the gate's acceptance count, the accepted responses drawn at random.
     s, w: (R,) scores and the gate's weights. They keep min(s, 1) as weight (1 without the compatibility
     weight), so only which responses pass changes. Returns (R,) weights."""
-    pick = torch.randperm(s.numel(), generator=generator)[: int((w > 0).sum())]
+    pick = torch.randperm(s.numel(), generator=generator, device=generator.device)[: int((w > 0).sum())]
+    pick = pick.to(s.device)  # drawn on the generator's device, used on the scores'
     out = torch.zeros_like(s)  # (R,)
     out[pick] = s[pick].clamp(max=1.0) if compat_weight else 1.0
     return out
@@ -777,7 +922,7 @@ def pooled_advantages(own_rewards: torch.Tensor, peer_rewards: torch.Tensor, pee
     n = own_rewards.numel()
     pooled = group_advantages(torch.cat([own_rewards, peer_rewards[peer_mask]])[None],
                               std_normalize=std_normalize)[0]  # (n + size,)
-    return pooled[:n], torch.zeros(peer_mask.numel()).masked_scatter(peer_mask, pooled[n:])
+    return pooled[:n], pooled.new_zeros(peer_mask.numel()).masked_scatter(peer_mask, pooled[n:])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -816,24 +961,35 @@ def peer_last_rows(is_peer_group: torch.Tensor, group_size: int, *,
     return (seq[:, None] * group_size + torch.arange(group_size, device=seq.device)).reshape(-1)  # (G * n,)
 
 
-def retokenize_group(texts: list[str], eos: list[bool], tokenizer, *, max_response_tokens: int,
-                     pad_token_id: int, eos_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """retokenize for R responses at once, padded on the right: (ids (R, T) long, mask (R, T) bool).
+class PaddedResponses(NamedTuple):
+    """retokenize_group's answer for R peer responses, padded on the right for a flat batch of rows."""
 
-    texts, eos: R peer response texts (decode_response's) and whether each ended with EOS. A row whose
-    ids would be longer than max_response_tokens, or empty, is all padding with an all-False mask row:
-    the caller drops it (weight 0) and counts it. T is the longest kept row (at least 1). Calls retokenize.
+    ids: torch.Tensor  # (R, T) long, the receiver's ids; a dropped row is all padding
+    mask: torch.Tensor  # (R, T) bool, True on a kept response's tokens; all False on a dropped row
+    too_long: list[int]  # positions dropped by length (longer than max_response_tokens, or empty)
+    lost: list[int]  # positions dropped because their ids do not decode back to the text (decodes_back)
+
+
+def retokenize_group(texts: list[str], eos: list[bool], tokenizer, *, max_response_tokens: int,
+                     pad_token_id: int, eos_token_id: int | None = None) -> PaddedResponses:
+    """retokenize_responses for R responses at once, padded on the right: a PaddedResponses (ids (R, T) long,
+    mask (R, T) bool, and the dropped positions by cause).
+
+    texts, eos: R peer response texts (decode_response's) and whether each ended with EOS. The drops are
+    score_received's (too long or empty; not decoding back to the text), counted the same way (len(too_long),
+    len(lost)); a dropped row is all padding with an all-False mask row, so sequence_mean_logprob gives it NaN
+    and compatibility_weights w = 0: it never counts as accepted. T is the longest kept row (at least 1). Calls
+    retokenize_responses.
     """
-    assert len(texts) == len(eos), "one EOS flag per text"
-    rows = [retokenize(t, bool(e), tokenizer, max_response_tokens=max_response_tokens, eos_token_id=eos_token_id)
-            or [] for t, e in zip(texts, eos)]
-    T = max([len(r) for r in rows] + [1])
-    ids = torch.full((len(rows), T), pad_token_id, dtype=torch.long)  # (R, T)
-    mask = torch.zeros(len(rows), T, dtype=torch.bool)  # (R, T)
-    for j, r in enumerate(rows):
+    rt = retokenize_responses(texts, eos, tokenizer, max_response_tokens=max_response_tokens,
+                              eos_token_id=eos_token_id)
+    T = max([len(r) for r in rt.ids] + [1])
+    ids = torch.full((len(texts), T), pad_token_id, dtype=torch.long)  # (R, T)
+    mask = torch.zeros(len(texts), T, dtype=torch.bool)  # (R, T)
+    for j, r in zip(rt.kept, rt.ids):
         ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
         mask[j, : len(r)] = True
-    return ids, mask
+    return PaddedResponses(ids, mask, rt.too_long, rt.lost)
 
 
 class PeerGroup(NamedTuple):

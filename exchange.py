@@ -60,6 +60,7 @@ class StepRollouts:
     """One side's rollouts of one step, for the whole batch: G prompts x n responses, row-major. The one peer-step
     type: an online peer's and a stored run's (a rollout file) and a foreign log's (foreign.ForeignLog.step).
 
+    It is a core.Rollouts, the interface GRAFT's rule phases read (tests/test_port.py checks every member).
     Response r = g * n + i is rollout i of prompt g. The required fields are exactly what goes into a rollout
     file. A foreign log's step fills G x M slots instead, M its widest group: `slots` says which exist (padding:
     text "", eos False, reward 0, advantage 0), and the source's lbar comes given per response (`given_lbar`,
@@ -99,10 +100,12 @@ class StepRollouts:
 
     def num_bytes(self) -> torch.Tensor:
         """(G, n) UTF-8 length of each response text (for --compat-norm byte; at least 1)."""
-        return torch.tensor([max(1, len(t.encode("utf-8"))) for t in self.texts]).view_as(self.rewards)
+        return torch.tensor([max(1, len(t.encode("utf-8"))) for t in self.texts],
+                            device=self.rewards.device).view_as(self.rewards)
 
     def lbar(self, norm: str) -> torch.Tensor:
-        """(G, n) mean behaviour log-prob per token ('token', Eq. 6) or per byte ('byte', departure 2); 0 on padding.
+        """(G, n) mean behaviour log-prob per token ('token', Eq. 6: over the ids as sampled, EOS included when it
+        ended with EOS) or per byte ('byte', departure 2); 0 on padding.
 
         A foreign log's step must have what the norm needs on every existing slot (ForeignLog.require_lbar
         checks this up front)."""
@@ -117,7 +120,7 @@ class StepRollouts:
         sums = torch.stack([lp.sum() if lp.numel() else lp.new_zeros(()) for lp in self.logprobs]).view_as(self.rewards)
         if norm == "byte":
             return sums / self.num_bytes()
-        return sums / torch.tensor([max(1, len(t)) for t in self.tokens]).view_as(self.rewards)
+        return sums / torch.tensor([max(1, len(t)) for t in self.tokens], device=sums.device).view_as(self.rewards)
 
 
 def _pack_strings(strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,7 +112,7 @@ import torch
 from baselines import (RowBatch, hacpo_own_loss, hacpo_peer_loss, hacpo_rows, hacpo_score, hacpo_select,
                        luffy_rows_loss, sgt_rows, sgt_rows_loss, sgt_score, sgt_select)  # the compared methods
 from config import CHOICES, Config, build_parser, config_from_args, validate_config  # the config, its checks, CLI
-from core import (Context, Mean, PeerResponse, Row, StepRows, add_counts, add_metrics, assignment_digest,
+from core import (Context, Mean, PeerResponse, Rollouts, Row, StepRows, add_counts, add_metrics, assignment_digest,
                   balanced_swap, batch_indices, canonical_counts, decode_response, exchange_counts, graft_candidates,
                   group_advantages, metric_values, minibatch_order, multi_peer_sources, policy_loss,
                   pooled_advantages, random_selection, rescue_candidates, score_peer, seeded_generator,
@@ -158,8 +158,9 @@ def rollout_metrics(own: StepRollouts) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------------
 # 2. GRAFT's rule: the select, score and rows phases of its step, as the paper states them, each data in and
-#    data out: (ctx: core.Context, the step's own rollouts, the peers' steps) -> (results, metrics, counts).
-#    Its tensor functions, the ablations' included, are core.py's. Paste these three into another trainer.
+#    data out: (ctx: core.Context, the step's own rollouts, the peers' steps, each a core.Rollouts) -> (results,
+#    metrics, counts). Their tensor functions, the ablations' included, and every name their annotations use are
+#    core.py's: pasted under `from core import *` into another trainer, these three run (docs/PORTING.md).
 # ------------------------------------------------------------------------------------------------
 
 
@@ -174,8 +175,8 @@ def rule_context(cfg: Config, *, tokenizer, eos_id: int, logprob_fn: Callable, b
                    compat_weight=cfg.compat_weight, delta=cfg.delta, peer_kind=peer_kind)
 
 
-def graft_select(ctx: Context, step: int, own: StepRollouts,
-                 peers: dict[str, StepRollouts]) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def graft_select(ctx: Context, step: int, own: Rollouts,
+                 peers: dict[str, Rollouts]) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Eq. 4 and the balanced swap: for each peer, the (G,) bool mask of the prompts whose group this side
     receives, the metrics, no counts. Two live sides run the paper's balanced_swap; three or more its extension
     multi_peer_sources (equal on two sides: test_peers.py); every process computes the same swap from the same
@@ -205,7 +206,7 @@ def graft_select(ctx: Context, step: int, own: StepRollouts,
     return selected, m, {}
 
 
-def graft_score(ctx: Context, step: int, prompts: list[list[int]], peers: dict[str, StepRollouts],
+def graft_score(ctx: Context, step: int, prompts: list[list[int]], peers: dict[str, Rollouts],
                 selected: dict[str, torch.Tensor]) -> tuple[dict[str, list[PeerResponse]], dict, dict]:
     """Every response of the received groups retokenised and scored under the receiver (Eqs. 6-8), each with
     its s and w (w = 0: rejected; it leaves before the update). --transfer success keeps only the peer's
@@ -232,11 +233,11 @@ def graft_score(ctx: Context, step: int, prompts: list[list[int]], peers: dict[s
         "selected": n_selected, "peer_responses": offered, "dropped_length": dropped_len, "accepted": len(kept),
         "rejected": len(every) - len(kept),
         "mean_s": float(torch.tensor([x.s for x in every]).mean()) if every else float("nan"),
-        "s_each": [float(x.s) for x in every], "s_index": [x.index for x in every],  # panel.py reads both
+        "s_each": [float(x.s) for x in every], "s_index": [x.slot for x in every],  # panel.py reads both
         "mean_w": float(torch.tensor([x.weight for x in kept]).mean()) if kept else float("nan")}, counts
 
 
-def graft_rows(ctx: Context, prompts: list[list[int]], own: StepRollouts, peers: dict[str, StepRollouts],
+def graft_rows(ctx: Context, prompts: list[list[int]], own: Rollouts, peers: dict[str, Rollouts],
                selected: dict[str, torch.Tensor], received: dict[str, list[PeerResponse]],
                state: dict) -> tuple[StepRows, dict, dict]:
     """GRAFT's replacement: the receiver's own groups, except each group it receives, whose rows are the
@@ -254,12 +255,12 @@ def graft_rows(ctx: Context, prompts: list[list[int]], own: StepRollouts, peers:
                                                             std_normalize=ctx.std_normalize)
     rows = [Row(g, prompts[g], own.tokens[g * n + i], own.logprobs[g * n + i], float(own_adv[g, i]))
             for g in range(G) if g not in peer_adv or ctx.peer_advantages == "pooled" for i in range(n)]
-    replaced = torch.zeros(G, dtype=torch.bool)  # (G,)
+    replaced = torch.zeros(G, dtype=torch.bool, device=own.rewards.device)  # (G,) where the rollouts are
     for name, got in received.items():
         for x in got:
             if x.weight > 0:  # w = 0: removed before optimisation
                 rows.append(Row(x.group, prompts[x.group], x.ids, x.old_logp,
-                                float(peer_adv[x.group][x.index % peers[name].width]), weight=x.weight, is_peer=True,
+                                float(peer_adv[x.group][x.slot % peers[name].width]), weight=x.weight, is_peer=True,
                                 kind=ctx.peer_kind))
                 replaced[x.group] = True
     return StepRows(rows, replaced, state), {}, {}

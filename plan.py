@@ -109,7 +109,7 @@ EVAL_AUTOCAST = True
 """Trainer.validate samples under the trainer's autocast, as the rollouts (graft.py departure 6)."""
 EXPECTED_RESPONSE = 0.5
 """The expected response length as a share of the cap, for the rows in flight a KV pool holds (departure 8): an
-assumption, half the cap. The paper states no mean response length (../shared/DESIGN.md gives the 4,096 cap only);
+assumption, half the cap. The paper states no mean response length (its Table 3 gives the 4,096 cap only);
 docs/RESULTS.md's GPU-hours assume 1,509 of 4,096 (30% at the cap, the rest ~400), 0.37 of the cap."""
 ROOM = inspect.signature(sample).parameters["sync_every"].default
 """Columns a row holds past its tokens: sampler.sample's sync_every (departure 16: a row runs on until the host's

@@ -507,3 +507,37 @@ def test_readme_measured_table_links_resolve_in_results():
     links = re.findall(r"\(docs/RESULTS\.md#([^)\s]+)\)", readme)
     missing = sorted({a for a in links if a not in have})
     assert not missing, f"README links to RESULTS.md sections that do not exist: {missing}; headings: {sorted(have)}"
+
+
+CITED_DOCUMENT = re.compile(r"(?<![\w./-])((?:\.{1,2}/)?[\w./-]*\w\.md)\b")
+
+
+def cited_documents(text: str) -> list[str]:
+    """The paths ending in .md that a text names, web addresses left out."""
+    return [m.group(1) for m in CITED_DOCUMENT.finditer(text)
+            if not re.search(r"https?://\S*$", text[max(0, m.start() - 200): m.end()])]
+
+
+def test_cited_documents_helper():
+    outside = "../shared/DESIGN" ".md"  # written in two parts, so that this file cites no such document itself
+    text = f"see docs/PORTING.md, README.md and {outside}; not https://x.org/a/NOTES.md"
+    assert cited_documents(text) == ["docs/PORTING.md", "README.md", outside]
+
+
+def test_every_cited_document_is_in_the_repository():
+    """A document that a module, a script or a document names (a path ending in .md) is one of the repository's: the
+    path from the repository root or from the citing file's folder, or a bare name of one of its documents. No file
+    leans on a design note a reader of the repository cannot open."""
+    docs = sorted(ROOT.glob("*.md")) + sorted((ROOT / "docs").glob("*.md"))
+    names = {d.name for d in docs}
+    files = project_files() + docs + sorted(ROOT.glob("*.sh")) + sorted(ROOT.glob("requirements*.txt"))
+    def inside(p: Path) -> bool:  # a file of the repository (a file beside the clone does not count)
+        return p.is_file() and ROOT in p.resolve().parents
+
+    missing = []
+    for f in files:
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            for path in cited_documents(line):
+                if not (inside(ROOT / path) or inside(f.parent / path) or ("/" not in path and path in names)):
+                    missing.append(f"{f.relative_to(ROOT)}:{i}: {path}")
+    assert not missing, "documents cited that are not in the repository:\n" + "\n".join(missing)

@@ -260,9 +260,9 @@ def test_report_equals_what_a_graft_step_selects_and_accepts(run, balance):
         recs = report["responses"][key]
         assert dropped == part["dropped_length"]
         for x in got:
-            assert x.s == pytest.approx(recs[x.index]["s"], rel=1e-5) and len(x.ids) == recs[x.index]["recv_len"]
-        assert m["s_each"] == pytest.approx([recs[x.index]["s"] for x in got], rel=1e-5)  # the logged lists, in order
-        assert m["s_index"] == [x.index for x in got]
+            assert x.s == pytest.approx(recs[x.slot]["s"], rel=1e-5) and len(x.ids) == recs[x.slot]["recv_len"]
+        assert m["s_each"] == pytest.approx([recs[x.slot]["s"] for x in got], rel=1e-5)  # the logged lists, in order
+        assert m["s_index"] == [x.slot for x in got]
 
 
 def test_the_note_when_the_gate_keeps_failures_over_successes():
@@ -419,7 +419,7 @@ def test_a_response_whose_round_trip_loses_text_is_dropped_and_counted(run):
     assert not decodes_back(ids, texts[1], recv.tok) and decodes_back(recv.tok.encode(texts[0]), texts[0], recv.tok)
     got = score_received(texts, [True, True, False], torch.zeros(3), [recv.prompt_ids[0]] * 3, tokenizer=recv.tok,
                          eos_token_id=recv.eos_id, logprob_fn=recv.policy_logprobs, max_response_tokens=CAP)
-    assert got.index == [0, 2] and got.lost == [1]
+    assert got.kept == [0, 2] and got.lost == [1]
     tr = receiver_trainer(recv, "a")
     peer = sides[0].rollouts
     saved = list(peer.texts)
@@ -428,7 +428,7 @@ def test_a_response_whose_round_trip_loses_text_is_dropped_and_counted(run):
         out, dropped, counts = score_peer(tr.ctx, 0, peer, [0], tr.prompt_ids[:G])
     finally:
         peer.texts[:] = saved
-    assert counts["dropped_roundtrip"] >= 2 and {x.index for x in out}.isdisjoint({0, 1})
+    assert counts["dropped_roundtrip"] >= 2 and {x.slot for x in out}.isdisjoint({0, 1})
 
 
 @pytest.mark.parametrize("static, budgeted", [("auto", True), ("on", True), ("off", False)])

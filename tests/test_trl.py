@@ -72,8 +72,9 @@ def test_peer_last_rows_expands_minibatch_order():
 def test_retokenize_group_pads_and_drops_long_rows(tmp_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
-    ids, mask = core.retokenize_group(["1+2", "12345678", "", "9"], [True, False, False, False], tok,
-                                      max_response_tokens=5, pad_token_id=0)
+    ids, mask, too_long, lost = core.retokenize_group(["1+2", "12345678", "", "9"], [True, False, False, False],
+                                                      tok, max_response_tokens=5, pad_token_id=0)
+    assert too_long == [1, 2] and lost == []  # counted as score_received counts them
     assert ids.shape == mask.shape == (4, 4)
     assert ids[0].tolist() == core.retokenize("1+2", True, tok, max_response_tokens=5) and mask[0].all()
     assert not mask[1].any() and not mask[2].any() and (ids[1] == 0).all()  # too long; empty
@@ -853,6 +854,23 @@ def test_the_gate_watch_warns_after_the_first_batch_then_per_window_naming_the_c
     assert run[3][0].startswith(f"{head}es 2-4: 2 groups received, 8 peer responses: s median 0.1 against "
                                 f"graft_delta=0.8; 6 gated (s <= delta), 2 too long for max_completion_length, 0 "
                                 f"without EOS masked. Likely cause: the receiver's log-prob")
+
+
+@needs_trl
+def test_the_gate_watch_counts_responses_that_do_not_decode_back(recv):
+    """Responses dropped because their receiver ids do not decode back to their text (retokenize_group's lost, the
+    rule's own drop) are named in the gate's warning, after the other counts, and outweighing the gated ones they
+    keep the warning from blaming the gate."""
+    counts = {"all_fail": 2, "selected": 1, "accepted": 0, "groups": 4, "in_log": 2, "candidates": 4, "gated": 1,
+              "too_long": 0, "lost": 3, "no_eos": 0}
+    tr = make_trainer(recv, graft_warn_every=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.watch_gate(counts, [0.1])
+    said = [str(x.message) for x in caught if "graft_trl" in str(x.message)]
+    assert len(said) == 1 and said[0].endswith(
+        "1 gated (s <= delta), 0 too long for max_completion_length, 0 without EOS masked, 3 dropped as their ids do "
+        "not decode back to their text"), said
 
 
 # ------------------------------------------------------------------------------------------------

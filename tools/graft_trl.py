@@ -59,9 +59,10 @@ tests/test_trl.py run again.
 Watching the gate: after the first generation batch (if the receiver failed a prompt in it) and then once per
 graft_warn_every (10), a window in which no peer row was accepted gets one warning naming the likely cause (nothing
 all-fail; no mixed logged group for the failed prompts; or s below graft_delta: template, temperature, a summed
-lbar) and the counts (s median, received, gated, too long, masked). The peer run's prompt template and
-temperature (its run.json, found beside a rollout folder by name and run id) are compared with the dataset's
-rendered prompts and --temperature at start (a warning).
+lbar) and the counts (s median, received, gated, too long, not decoding back, masked). The peer run's prompt
+template and temperature (its run.json, found beside a rollout folder by name and run id) are compared with the
+dataset's rendered prompts and --temperature at start (a warning). Retokenisation is the rule's own
+(core.retokenize_group: a response too long or whose ids do not decode back to its text is dropped, w = 0).
 
 Launch line (or `torchrun --nproc_per_node K -m tools.graft_trl ...`; the dataset is --prompts' JSONL, its fields
 as columns, each prompt rendered as the peer sampled it: the template and chat flag of its run.json, or
@@ -543,8 +544,9 @@ class GraftGRPOTrainer(GRPOTrainer):
             why = (f"{w['selected']:.0f} groups received, {w['candidates']:.0f} peer responses: s median "
                    f"{median:.3g} against graft_delta={self.args.graft_delta:g}; {w['gated']:.0f} gated (s <= "
                    f"delta), {w['too_long']:.0f} too long for max_completion_length, {w['no_eos']:.0f} without EOS "
-                   f"masked")
-            if w["gated"] >= max(w["too_long"], w["no_eos"]):
+                   f"masked" + (f", {w['lost']:.0f} dropped as their ids do not decode back to their text"
+                                if w.get("lost") else ""))
+            if w["gated"] >= max(w["too_long"], w["no_eos"], w.get("lost", 0)):
                 why += (f". Likely cause: the receiver's log-prob of the peer's text is far below the peer's: the "
                         f"prompt or chat template differs from the one the peer sampled under, the temperature "
                         f"differs (this run {self.args.temperature:g}, the peer's "
@@ -605,15 +607,15 @@ class GraftGRPOTrainer(GRPOTrainer):
             adv[g * n: g * n + len(r)] = group_advantages(r[None], std_normalize=std)[0].to(dev)
         c_ids, old = out["completion_ids"], out.get("old_per_token_logps")
         c_mask = out["completion_mask"] * ~is_peer[:, None]  # (B, T) a received group's rows are all replaced
-        gate = {"gated": 0, "too_long": 0, "no_eos": 0}  # why received responses were not accepted
+        gate = {"gated": 0, "too_long": 0, "lost": 0, "no_eos": 0}  # why received responses were not accepted
         s_values: list[float] = []
         if received:
             slots = torch.tensor([g * n + i for g, grp, _ in received for i in range(len(grp.texts))], device=dev)
-            ids, mask = retokenize_group([t for _, grp, _ in received for t in grp.texts],
-                                         [bool(e) for _, grp, _ in received for e in grp.eos], tok,
-                                         max_response_tokens=self.max_completion_length, pad_token_id=tok.pad_token_id,
-                                         eos_token_id=self.eos_token_ids[0])  # (R, T_r)
-            ids, mask = ids.to(dev), mask.to(dev)
+            rt = retokenize_group([t for _, grp, _ in received for t in grp.texts],
+                                  [bool(e) for _, grp, _ in received for e in grp.eos], tok,
+                                  max_response_tokens=self.max_completion_length, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=self.eos_token_ids[0])  # the rule's drops: too long, not decoding back
+            ids, mask = rt.ids.to(dev), rt.mask.to(dev)  # (R, T_r), a dropped row all False
             with torch.no_grad():  # the receiver's behaviour log-probs of the peer tokens (TRL's are of its samples)
                 lp = self._get_per_token_logps_and_entropies(
                     self.model, torch.cat([out["prompt_ids"][slots], ids], 1),
@@ -621,15 +623,15 @@ class GraftGRPOTrainer(GRPOTrainer):
                     batch_size=self.args.per_device_train_batch_size)[0].float()  # (R, T_r)
             lbar_src = torch.cat([grp.lbar for _, grp, _ in received]).to(dev)  # (R,)
             w = compatibility_weights(lbar_recv=sequence_mean_logprob(logp=lp, mask=mask), lbar_src=lbar_src,
-                                      delta=self.args.graft_delta)  # (R,) Eqs. 6-8
-            weight[slots] = w * mask.any(dim=1)  # a response too long after retokenisation is dropped
+                                      delta=self.args.graft_delta)  # (R,) Eqs. 6-8; 0 on a dropped row (lbar NaN)
+            weight[slots] = w
             eos = torch.cat([grp.eos for _, grp, _ in received]).to(dev)  # (R,)
             if self.mask_truncated_completions:  # as TRL masks an own completion that did not end with EOS
                 weight[slots] *= eos.float()
             fits = mask.any(dim=1)  # (R,)
             s = torch.exp(sequence_mean_logprob(logp=lp, mask=mask) - lbar_src)  # (R,) Eq. 7's s, for watch_gate
             s_values = s[fits].tolist()
-            gate = {"gated": int((fits & (w == 0)).sum()), "too_long": int((~fits).sum()),
+            gate = {"gated": int((fits & (w == 0)).sum()), "too_long": len(rt.too_long), "lost": len(rt.lost),
                     "no_eos": int((fits & (w > 0) & ~eos).sum()) if self.mask_truncated_completions else 0}
             c_ids, c_mask = splice(c_ids, slots, ids, tok.pad_token_id), splice(c_mask, slots, mask.long(), 0)
             old = None if old is None else splice(old, slots, lp, 0.0)

@@ -221,7 +221,7 @@ def response_stats(rs: list[int], *, cross, src_len: list[int], src_cut: list[bo
     string ended it); src_ok: (G x n,) whether the source's reward was positive; scale: P / G (choice 2).
     Shares are of len(rs); a figure over nothing is None.
     """
-    pos = {r: j for j, r in enumerate(cross.index)}  # response -> its position among the retokenised
+    pos = {r: j for j, r in enumerate(cross.kept)}  # response -> its position among the retokenised
     kept = [r for r in rs if r in pos]
     dropped = [r for r in rs if r not in pos]
     j = torch.tensor([pos[r] for r in kept], dtype=torch.long)  # (K,)
@@ -575,7 +575,7 @@ def preflight(args) -> tuple[dict, list[Side]]:
 def per_response(src: Side, cross) -> list[dict]:
     """Every sampled response of src with its cross-score under the other model (s and w None: too long)."""
     ro = src.rollouts
-    pos = {r: j for j, r in enumerate(cross.index)}
+    pos = {r: j for j, r in enumerate(cross.kept)}
     n = ro.n
     out = []
     for r, toks in enumerate(ro.tokens):
