@@ -558,5 +558,5 @@ def test_foreign_responses_are_cut_at_stop_strings(tmp_path):
     assert math.isnan(log.mean_logprob[0, 0]) and math.isnan(log.mean_logprob[0, 1])
     assert log.mean_logprob[0, 2].item() == pytest.approx(-0.7)
     assert log.counts["stop_cut"] == 2 and "cut 2 at a stop string" in log.report()
-    plain = load_foreign_log(path, PROMPTS)
-    assert plain.rewards[0, :3].tolist() == [0, 0, 1] and plain.eos[0, :3].tolist() == [True] * 3
+    plain = load_foreign_log(path, PROMPTS)     # the verifier ends the first at its made-up next turn ('Q:') too
+    assert plain.rewards[0, :3].tolist() == [1, 0, 1] and plain.eos[0, :3].tolist() == [True] * 3
