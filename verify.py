@@ -547,6 +547,7 @@ _CJK_RE = re.compile(r"[\u3000-\u30ff\u4e00-\u9fff\uff00-\uffef]")
 _CJK_HEDGE_RE = re.compile(r"或|可能|大概|也许|不|约|左右|以上|以下|至少|至多|かも|ない|未満")
 _MAX_JOIN = 16              # at most this many boxes / spans are joined into one answer
 _MAX_GAP = 40               # characters between joined boxes / spans
+_MAX_STATED = 8             # answer statements read after the final answer (each a comparison); more: no answer
 
 
 def _match_brace(text: str, start: int) -> int:
@@ -745,13 +746,12 @@ def _tail_agrees(tail: str, value: str) -> bool:
     m = _RESTATE_RE.match(tail)
     said = [_stated(tail[m.end():], cue=False)] if m and m.end() > 0 else []
     said += [_stated(tail[c.end():]) for c in _CUE_RE.finditer(tail)]
-    return all(s is None or (s != "" and _agrees(s, value)) for s in said)
+    return len(said) <= _MAX_STATED and all(s is None or (s != "" and _agrees(s, value)) for s in said)
 
 
 def _agrees(said: str, value: str) -> bool:
-    """A stated answer agrees with the value: the same value either way round, or a decimal that rounds it
-    ('\\boxed{\\frac13} = 0.333...': within 1%, as a restatement in decimals is written)."""
-    if _same_value(said, value):
+    """The same value either way round, or a decimal rounding it within 1% ('\\boxed{\\frac13} = 0.333...')."""
+    if said.strip() == value.strip() or _same_value(said, value):
         return True
     said = re.sub(r"(?:\.\.\.|\\[lc]?dots|…)$", "", said.strip())
     return re.fullmatch(r"-?\d*\.\d+", said) is not None and is_equivalent(said, value, rel_tol=MINERVA_REL_TOL)

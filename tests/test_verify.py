@@ -1024,6 +1024,8 @@ def test_the_tail_rule():
                "\nThe correct answer is 15 apples.", ". The answer is actually 15.", "\nThe answer should be 15",
                "\n\nFinal answer 15", "\n\nAns: 15", "\nSo the final result is 15.", " = 12.5", "; 15",
                " \\text{ or } 15", ". Final: 15", "\n\nResult: 15"]
+    # at most _MAX_STATED answer statements are read (each is a comparison): more make no answer
+    assert V._tail_agrees("\nAnswer: 12" * V._MAX_STATED, "12") and not V._tail_agrees("\nAnswer: 12" * 9, "12")
     # a decimal restated after an exact value agrees when it rounds it (within 1%)
     assert V._tail_agrees(" = 0.333...", "\\frac13") and not V._tail_agrees(" = 0.35", "\\frac13")
     assert [t for t in prose if not V._tail_agrees(t, same)] == []
