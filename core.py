@@ -728,11 +728,26 @@ class Rollouts(Protocol):
         s moves."""
 
 
+def sampled_lbar(logprobs: list[torch.Tensor], tokens: list[list[int]], texts: list[str], *, norm: str,
+                 like: torch.Tensor) -> torch.Tensor:
+    """Rollouts.lbar of sampled responses, r = g * width + i: each one's summed behaviour log-prob (logprobs[r],
+    (len(tokens[r]),)) over its ids as sampled, EOS included when it ended with EOS, divided by that token count
+    (norm "token") or by texts[r]'s UTF-8 bytes ("byte"); an empty slot gives 0. like: (G, width), the shape and
+    device of the answer (the step's rewards). Returns (G, width), at least float32."""
+    if norm not in ("token", "byte"):
+        raise ValueError(f"norm must be 'token' or 'byte', got {norm!r}")
+    sums = torch.stack([lp.sum() if lp.numel() else lp.new_zeros(()) for lp in logprobs])  # (G*width,)
+    sums = sums.to(like.device, torch.promote_types(sums.dtype, torch.float32)).view_as(like)  # (G, width)
+    count = ([max(1, len(t.encode("utf-8"))) for t in texts] if norm == "byte"
+             else [max(1, len(t)) for t in tokens])  # EOS included: the ids as sampled
+    return sums / torch.tensor(count, dtype=sums.dtype, device=sums.device).view_as(sums)  # (G, width)
+
+
 @dataclass(frozen=True)
 class PlainRollouts:
     """A Rollouts from what a GRPO step holds: G prompts x n responses, every slot filled (width n), lbar computed
-    from tokens and logprobs (Rollouts.lbar: EOS included when it ended with EOS). The tensors may be on any one
-    device. A field of the wrong length or shape raises ValueError naming it."""
+    from tokens and logprobs (Rollouts.lbar: EOS included when it ended with EOS; calls sampled_lbar). The tensors may
+    be on any one device. A field of the wrong length or shape raises ValueError naming it."""
 
     prompt_ids: list[str]  # (G,) dataset ids
     tokens: list[list[int]]  # (G*n,) response ids as sampled, EOS included when it ended with EOS
@@ -775,13 +790,7 @@ class PlainRollouts:
 
     def lbar(self, norm: str) -> torch.Tensor:
         """(G, n) float: Rollouts.lbar, the mean over each response's sampled ids (EOS included), or per byte."""
-        if norm not in ("token", "byte"):
-            raise ValueError(f"norm must be 'token' or 'byte', got {norm!r}")
-        sums = torch.stack([lp.sum() if lp.numel() else lp.new_zeros(()) for lp in self.logprobs])  # (G*n,)
-        sums = sums.to(self.rewards.device, torch.promote_types(sums.dtype, torch.float32)).view_as(self.rewards)
-        count = ([max(1, len(t.encode("utf-8"))) for t in self.texts] if norm == "byte"
-                 else [max(1, len(t)) for t in self.tokens])  # EOS included: the ids as sampled
-        return sums / torch.tensor(count, dtype=sums.dtype, device=sums.device).view_as(sums)  # (G, n)
+        return sampled_lbar(self.logprobs, self.tokens, self.texts, norm=norm, like=self.rewards)
 
 
 class Context(NamedTuple):

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from core import sampled_lbar  # Rollouts.lbar, shared with core.PlainRollouts
+
 ROLLOUT_FORMAT = "graft-rollouts"
 ROLLOUT_VERSION = "1"
 
@@ -117,10 +119,7 @@ class StepRollouts:
                 return lb
             assert not bool((self.mask & (self.num_tokens < 1)).any()), "byte norm needs num_tokens for every response"
             return lb * self.num_tokens.clamp(min=0).float() / self.num_bytes()
-        sums = torch.stack([lp.sum() if lp.numel() else lp.new_zeros(()) for lp in self.logprobs]).view_as(self.rewards)
-        if norm == "byte":
-            return sums / self.num_bytes()
-        return sums / torch.tensor([max(1, len(t)) for t in self.tokens], device=sums.device).view_as(self.rewards)
+        return sampled_lbar(self.logprobs, self.tokens, self.texts, norm=norm, like=self.rewards)  # (G, n)
 
 
 def _pack_strings(strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

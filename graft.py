@@ -456,8 +456,10 @@ class Trainer:
             verdicts = rewards(cfg.reward, read, [self.data[batch[r // n]]["answer"] for r in mine],
                                **reward_options(cfg))
             # Boxes verify.py's reader refused by a reading rule, not by their value: counted here, on the texts the
-            # reward read (extraction only, no comparison); another --reward reads answers its own way: not counted
-            refused = {"reward/box_refused": sum(map(box_refused, read))} if cfg.reward == DEFAULT_REWARD else {}
+            # reward read, and only on the unpaid ones (a paid response had its answer read); another --reward reads
+            # answers its own way: not counted
+            refused = ({"reward/box_refused": sum(box_refused(t) for t, v in zip(read, verdicts) if v < 0.5)}
+                       if cfg.reward == DEFAULT_REWARD else {})
             counts = add_counts(gather_lists([verdicts.faults | refused | canonical_counts(  # the step's, all ranks
                 [o.tokens for o in outs], prompts, self.tok, eos_token_ids=self.stop_ids)], self.dist))
             if refused:  # logged as a share of the step's G x n responses (each rank counted its own)
